@@ -1,0 +1,39 @@
+# kvtier: `make demo` runs the local demo, `make test` the whole test suite.
+# Both create or refresh .venv (Python 3.11) first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvtier-installed
+
+.PHONY: venv demo test test-fast lint bench bench-ttft clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,s3,redis,bench,test]'
+	# the registry's torchvision does not load beside the CPU torch and breaks transformers
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/kvtier demo
+
+lint: venv
+	$(VENV)/bin/ruff check kvtier connectors sizing tests bench
+
+test: venv lint
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q tests -m "not e2e"
+
+bench-ttft: venv
+	$(PY) bench/ttft.py
+
+bench: venv
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""vLLM integration. Only this package imports vLLM."""
