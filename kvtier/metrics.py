@@ -1,0 +1,117 @@
+"""Every kvtier metric in one place: name, type, help, labels and buckets.
+
+The connector exports these through vLLM's own stats path, so they appear on
+the API server's ``/metrics`` beside the ``vllm:*`` metrics (vLLM adds its own
+``model_name`` and ``engine`` labels in front of the labels listed here). The
+Grafana dashboard and the Prometheus rules in ``deploy/`` are checked against
+this list by the tests: every name they use is defined here, and every name
+defined here is shown on the dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PREFIX = "kvtier:"
+
+#: lookup-delay buckets: 0.1 ms to 10 s
+LOOKUP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+#: time-to-first-token buckets, seconds (same upper range as vLLM's own TTFT histogram)
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
+#: per-chunk transfer buckets, seconds
+TRANSFER_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+
+TIERS = ("host", "remote")
+OUTCOMES = ("hit", "partial", "miss")
+LOOKUP_MODES = ("sync", "async")
+DIRECTIONS = ("read", "write")
+TRANSFER_OPS = ("store", "load", "fetch", "upload")
+ERROR_KINDS = (
+    "checksum", "truncated", "signature", "wrong_key", "malformed",
+    "timeout", "unreachable", "tier", "load",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric. ``name`` is the full Prometheus name without suffixes."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+LOOKUP_TOKENS = MetricSpec(
+    PREFIX + "lookup_tokens", "counter",
+    "Prompt tokens kvtier was asked about (beyond vLLM's own prefix-cache hit).",
+)
+HIT_TOKENS = MetricSpec(
+    PREFIX + "hit_tokens", "counter",
+    "Prompt tokens served from kvtier instead of being recomputed, by the tier that held them.",
+    ("tier",),
+)
+TTFT = MetricSpec(
+    PREFIX + "ttft_seconds", "histogram",
+    "Time from a request's arrival to the end of its prefill, by kvtier outcome.",
+    ("outcome",), TTFT_BUCKETS,
+)
+LOOKUP_DELAY = MetricSpec(
+    PREFIX + "lookup_delay_seconds", "histogram",
+    "Lookup delay: 'sync' is time spent inside the scheduler call, 'async' is how long a "
+    "request waited for an object-tier lookup and prefetch.",
+    ("mode",), LOOKUP_BUCKETS,
+)
+BYTES = MetricSpec(
+    PREFIX + "bytes", "counter",
+    "KV bytes moved, by tier and direction (read = into vLLM's cache or host tier).",
+    ("tier", "direction"),
+)
+TRANSFER_SECONDS = MetricSpec(
+    PREFIX + "transfer_seconds", "histogram",
+    "Time to move one chunk: store (GPU->host), load (host->GPU), fetch (object->host), "
+    "upload (host->object).",
+    ("op",), TRANSFER_BUCKETS,
+)
+HOST_BYTES_USED = MetricSpec(
+    PREFIX + "host_bytes_used", "gauge", "Bytes of the host tier holding chunks.",
+)
+HOST_BYTES_CAPACITY = MetricSpec(
+    PREFIX + "host_bytes_capacity", "gauge", "Size of the host tier (its one slab), bytes.",
+)
+EVICTIONS = MetricSpec(
+    PREFIX + "evictions", "counter", "Chunks evicted from the host tier to make room.",
+)
+WRITES_DROPPED = MetricSpec(
+    PREFIX + "writes_dropped", "counter",
+    "Object-tier writes dropped because the write queue was full (backpressure).",
+)
+ERRORS = MetricSpec(
+    PREFIX + "errors", "counter",
+    "Chunks or operations that failed and became misses, by kind.",
+    ("kind",),
+)
+
+ALL: tuple[MetricSpec, ...] = (
+    LOOKUP_TOKENS, HIT_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
+    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, ERRORS,
+)
+
+
+def exported_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The series names Prometheus shows for ``spec`` (counter ``_total``, histogram parts)."""
+    if spec.kind == "counter":
+        return (spec.name + "_total",)
+    if spec.kind == "histogram":
+        return tuple(spec.name + s for s in ("_bucket", "_sum", "_count"))
+    return (spec.name,)
