@@ -117,23 +117,33 @@ def _remote_url(key: str, value: object) -> str | None:
     parsed = urlparse(url)
     allowed = "file:///dir, s3://bucket[/prefix], redis://host:port[/db] or rediss://..."
     if parsed.scheme not in REMOTE_SCHEMES:
-        raise ConfigError(key, _redact_url(url), allowed)
+        raise ConfigError(key, redact_url(url), allowed)
     if parsed.scheme == "file" and not parsed.path:
         raise ConfigError(key, url, "file:// needs an absolute directory, e.g. file:///var/kv")
     if parsed.scheme == "s3" and not parsed.netloc:
         raise ConfigError(key, url, "s3:// needs a bucket name, e.g. s3://my-bucket/kv")
     if parsed.scheme in ("redis", "rediss") and not parsed.hostname:
-        raise ConfigError(key, _redact_url(url), "redis:// needs a host, e.g. redis://host:6379/0")
+        raise ConfigError(key, redact_url(url), "redis:// needs a host, e.g. redis://host:6379/0")
     return url
 
 
-def _redact_url(url: str) -> str:
-    """Hide a password in a URL so it never lands in an error or a log line."""
+def redact_url(url: str) -> str:
+    """Hide a password in a URL so it never lands in an error or a log line.
+
+    Covers ``user:password@`` and a ``password=`` query argument (redis-py
+    accepts both).
+    """
     parsed = urlparse(url)
     if parsed.password:
         netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@")
-        return parsed._replace(netloc=netloc).geturl()
-    return url
+        parsed = parsed._replace(netloc=netloc)
+    if "password=" in parsed.query:
+        query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parsed.query)
+        parsed = parsed._replace(query=query)
+    return parsed.geturl()
+
+
+_redact_url = redact_url  # the old private name, for callers not yet updated
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:
@@ -215,7 +225,7 @@ class KVTierConfig:
         """The config as a dict that is safe to log: no passwords."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.remote_url:
-            out["remote_url"] = _redact_url(self.remote_url)
+            out["remote_url"] = redact_url(self.remote_url)
         return out
 
 

@@ -1,0 +1,45 @@
+"""Object tiers: the shared store behind the host tier, picked by ``remote_url``.
+
+``file:///dir`` is always available; ``s3://`` needs boto3 and ``redis://`` /
+``rediss://`` need redis-py, imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlparse
+
+from kvtier.config import KVTierConfig, redact_url
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import ObjectTier, Parts
+from kvtier.tiers.file import FileTier
+
+__all__ = ["FileTier", "ObjectTier", "Parts", "open_tier"]
+
+
+def open_tier(cfg: KVTierConfig) -> ObjectTier:
+    """Build the object tier ``cfg.remote_url`` names (ConfigError when there is none)."""
+    url = cfg.remote_url
+    if not url:
+        raise ConfigError("remote_url", url, "an object tier URL; this config has none")
+    scheme = urlparse(url).scheme
+    if scheme == "file":
+        return FileTier(unquote(urlparse(url).path))
+    if scheme == "s3":
+        from kvtier.tiers.s3 import S3Tier
+
+        return S3Tier(
+            url,
+            endpoint_url=cfg.s3_endpoint_url,
+            io_threads=cfg.io_threads,
+            lookup_timeout_ms=cfg.lookup_timeout_ms,
+        )
+    if scheme in ("redis", "rediss"):
+        from kvtier.tiers.redis import RedisTier
+
+        return RedisTier(
+            url,
+            io_threads=cfg.io_threads,
+            lookup_timeout_ms=cfg.lookup_timeout_ms,
+            ttl_s=cfg.remote_ttl_s,
+        )
+    raise ConfigError("remote_url", redact_url(url), "file://, s3://, redis:// or rediss://")

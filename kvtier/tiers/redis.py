@@ -1,0 +1,96 @@
+"""Object tier on Redis (or Valkey / a Redis-protocol cache), plain or TLS."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier.config import redact_url
+from kvtier.errors import TierUnavailable
+from kvtier.tiers.base import ObjectTier, Parts
+
+__all__ = ["RedisTier"]
+
+
+class RedisTier(ObjectTier):
+    """Chunks as plain string values; AUTH, TLS (``rediss://``) and db come from the URL.
+
+    The pool blocks (briefly) instead of failing when all connections are in
+    use, and redis-py retries a failed command once without sleeping, which
+    replaces a pooled connection that died with a restarted server; longer
+    outages are RemoteIO's backoff's business.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        io_threads: int = 4,
+        lookup_timeout_ms: int = 2000,
+        ttl_s: int | None = None,
+    ) -> None:
+        self._safe_url = redact_url(url)
+        self._password = redis.connection.parse_url(url).get("password")
+        self.ttl_s = ttl_s
+        timeout = lookup_timeout_ms / 1000
+        try:
+            pool = redis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=io_threads + 2,
+                timeout=max(1.0, timeout),
+                socket_timeout=max(1.0, 2 * timeout),
+                socket_connect_timeout=max(0.5, timeout),
+                retry=Retry(NoBackoff(), 1),
+            )
+        except (ValueError, redis.RedisError) as exc:
+            raise TierUnavailable(f"redis {self._safe_url}: {self._clean(exc)}") from None
+        self._client = redis.Redis(connection_pool=pool)
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self._safe_url!r})"
+
+    def _clean(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}"
+        return text.replace(self._password, "***") if self._password else text
+
+    def _fail(self, op: str, exc: BaseException) -> TierUnavailable:
+        return TierUnavailable(f"redis {op} {self._safe_url}: {self._clean(exc)}")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        try:
+            with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                return [bool(n) for n in pipe.execute()]
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("exists", exc) from None
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._client.get(key)
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("get", exc) from None
+
+    def put(self, key: str, parts: Parts) -> None:
+        value = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            self._client.set(key, value, ex=self.ttl_s)
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("put", exc) from None
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        try:
+            self._client.delete(*keys)
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("delete", exc) from None
+
+    def close(self) -> None:
+        self._client.close()
+        self._client.connection_pool.disconnect()
