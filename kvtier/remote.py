@@ -1,0 +1,499 @@
+"""Asynchronous object-tier I/O that never blocks vLLM's scheduler or worker.
+
+The connector submits existence checks, fetches into host slots and uploads
+from host slots, and later polls for results. Behind that:
+
+- Reads (exists, get) and writes (put) have their own bounded queues and their
+  own threads, so a backlog of uploads never delays a lookup.
+- A full write queue drops the upload and counts it (``writes_dropped``); a
+  chunk that never reaches the object tier only costs a future recompute,
+  whereas blocking would stall the engine.
+- A read slower than ``timeout_s`` (queue wait included) is reported as
+  ``"timeout"`` at the next poll; the thread still finishing it will not
+  touch the destination buffer afterwards.
+- A tier failure (``TierUnavailable``) marks the tier down for
+  ``backoff.compute(n)`` seconds; until then every op fails fast as
+  ``"unreachable"`` without touching the network. After that the next op is
+  a real attempt, and its success clears the state.
+- Nothing is raised to the caller for data or tier problems: every accepted
+  op yields exactly one :class:`IOResult` with an ``error_kind`` that is a
+  label of ``kvtier:errors`` (see :mod:`kvtier.metrics`).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kvtier import codec
+from kvtier.backoff import Backoff, ExponentialBackoff
+from kvtier.errors import CodecError, TierError, TierUnavailable
+from kvtier.tiers.base import ObjectTier
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
+
+__all__ = ["ERROR_KINDS", "IOResult", "RemoteIO"]
+
+log = logging.getLogger("kvtier.remote")
+
+#: error kinds RemoteIO reports and counts (a subset of kvtier.metrics.ERROR_KINDS)
+ERROR_KINDS = (
+    "checksum", "truncated", "signature", "wrong_key", "malformed",
+    "timeout", "unreachable", "tier",
+)  # fmt: skip
+_COUNTERS = (
+    "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
+    "ops_exists", "ops_get", "ops_put",
+) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
+
+OpKind = Literal["exists", "get", "put"]
+
+
+@dataclass(frozen=True, slots=True)
+class IOResult:
+    """The outcome of one submitted op.
+
+    ``ok=False`` with ``error_kind=None`` is a plain miss (the object is not
+    stored). ``value`` holds exists' answers; ``nbytes`` the bytes moved over
+    the network; ``seconds`` the time from submit to completion.
+    """
+
+    op_id: int
+    kind: OpKind
+    ok: bool
+    error_kind: str | None
+    value: list[bool] | None
+    nbytes: int
+    seconds: float
+
+
+class _Op:
+    """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
+
+    __slots__ = ("op_id", "kind", "keys", "buf", "dtype", "shape", "t0", "deadline", "lock",
+                 "done", "seq")  # fmt: skip
+
+    def __init__(
+        self,
+        seq: int,
+        op_id: int,
+        kind: OpKind,
+        keys: list[str],
+        timeout_s: float,
+        buf: memoryview | None = None,
+        dtype: str = "",
+        shape: Sequence[int] = (),
+    ) -> None:
+        self.seq = seq
+        self.op_id = op_id
+        self.kind = kind
+        self.keys = keys
+        self.buf = buf
+        self.dtype = dtype
+        self.shape = list(shape)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + timeout_s
+        self.lock = threading.Lock()
+        self.done = False
+
+
+class _RateLimitedLog:
+    """At most one warning per ``interval`` seconds; the rest are counted and mentioned."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last = -float("inf")
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            log.warning(msg + " (%d similar warnings suppressed)", *args, suppressed)
+        else:
+            log.warning(msg, *args)
+
+
+def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class RemoteIO:
+    """Bounded, non-blocking object-tier I/O; see the module docstring.
+
+    RemoteIO owns ``tier`` and closes it in :meth:`close`. The caller keeps a
+    put's ``payload`` and a get's ``dest`` valid and unchanged until that op's
+    result was polled, or until :meth:`flush` / :meth:`close` returned.
+    """
+
+    def __init__(
+        self,
+        tier: ObjectTier,
+        *,
+        threads: int,
+        queue_depth: int,
+        timeout_s: float,
+        signer: codec.Signer | None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if threads < 1 or queue_depth < 1 or timeout_s <= 0:
+            raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
+        self.tier = tier
+        self.timeout_s = timeout_s
+        self.signer = signer
+        self.backoff = backoff if backoff is not None else ExponentialBackoff()
+        self._rq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)
+        self._wq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)
+        self._results: collections.deque[IOResult] = collections.deque()
+        self._lock = threading.Lock()
+        self._writes_idle = threading.Condition(self._lock)
+        self._inflight: dict[int, _Op] = {}  # reads, watched by poll() for timeouts
+        self._seq = itertools.count()
+        self._totals = dict.fromkeys(_COUNTERS, 0)
+        self._taken = dict.fromkeys(_COUNTERS, 0)
+        self._pending_writes = 0
+        self._put_failures = 0
+        self._failures = 0
+        self._down_until = 0.0
+        self._closed = False
+        self._tier_log = _RateLimitedLog()
+        self._data_log = _RateLimitedLog()
+        # reads get the larger half: lookups are latency-critical, uploads are not
+        n_read, n_write = max(1, (threads + 1) // 2), max(1, threads // 2)
+        self._threads = [
+            threading.Thread(target=self._worker, args=(q,), name=f"kvtier-{role}-{i}", daemon=True)
+            for q, role, n in ((self._rq, "read", n_read), (self._wq, "write", n_write))
+            for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: KVTierConfig,
+        *,
+        tier: ObjectTier | None = None,
+        environ: Mapping[str, str] | None = None,
+        backoff: Backoff | None = None,
+    ) -> RemoteIO:
+        """RemoteIO for ``cfg``: its tier (opened here unless given), signer and limits."""
+        from kvtier.tiers import open_tier
+
+        signer = codec.Signer.from_config(cfg, environ)
+        return cls(
+            tier if tier is not None else open_tier(cfg),
+            threads=cfg.io_threads,
+            queue_depth=cfg.io_queue_depth,
+            timeout_s=cfg.lookup_timeout_ms / 1000,
+            signer=signer,
+            backoff=backoff,
+        )
+
+    def __repr__(self) -> str:
+        return f"RemoteIO({self.tier!r}, down={self.is_down})"
+
+    # -- submitting ----------------------------------------------------------------------
+
+    def submit_exists(self, op_id: int, keys: list[str]) -> None:
+        """Queue an existence check; the result's ``value`` lists one bool per key."""
+        self._submit_read(_Op(next(self._seq), op_id, "exists", list(keys), self.timeout_s))
+
+    def submit_get_into(
+        self, op_id: int, key: str, dest: memoryview, *, dtype: str, shape: Sequence[int]
+    ) -> None:
+        """Queue a fetch of ``key``, verified, copied into ``dest`` (whose size must match)."""
+        view = _byte_view(dest)
+        if view.readonly:
+            raise ValueError("submit_get_into needs a writable destination")
+        self._submit_read(
+            _Op(next(self._seq), op_id, "get", [key], self.timeout_s, view, dtype, shape)
+        )
+
+    def submit_put(
+        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
+    ) -> bool:
+        """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
+        op = _Op(
+            next(self._seq), op_id, "put", [key], self.timeout_s, _byte_view(payload), dtype, shape
+        )
+        with self._lock:
+            if self._closed:
+                self._totals["writes_dropped"] += 1
+                return False
+            self._pending_writes += 1
+        if self.is_down:
+            self._finish(op, False, "unreachable")
+            return True
+        try:
+            self._wq.put_nowait(op)
+        except queue.Full:
+            with self._lock:
+                self._totals["writes_dropped"] += 1
+                self._pending_writes -= 1
+            return False
+        return True
+
+    def _submit_read(self, op: _Op) -> None:
+        if self._closed or self.is_down:
+            self._finish(op, False, "unreachable")
+            return
+        with self._lock:
+            self._inflight[op.seq] = op
+        try:
+            self._rq.put_nowait(op)
+        except queue.Full:
+            # more lookups queued than can finish in time: this one would time out anyway
+            with self._lock:
+                self._totals["reads_dropped"] += 1
+            self._finish(op, False, "timeout")
+
+    # -- results -------------------------------------------------------------------------
+
+    def poll(self) -> list[IOResult]:
+        """Results completed since the last poll, reads past their deadline as timeouts."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [op for op in self._inflight.values() if now > op.deadline]
+        for op in expired:
+            # a worker holding the lock is reporting right now; its result comes next poll
+            if op.lock.acquire(blocking=False):
+                try:
+                    if not op.done:
+                        self._report(op, False, "timeout", None, 0)
+                finally:
+                    op.lock.release()
+        out: list[IOResult] = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for queued uploads; returns how many were not written."""
+        deadline = time.monotonic() + timeout_s
+        with self._writes_idle:
+            failures_before = self._put_failures
+            while self._pending_writes > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._writes_idle.wait(remaining)
+            missing = self._pending_writes + self._put_failures - failures_before
+        if missing:
+            log.warning(
+                "%d object-tier writes were not written within the %.1f s flush", missing, timeout_s
+            )
+        return missing
+
+    def close(self) -> None:
+        """Stop the threads, drop what is still queued (counted), close the tier."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        dropped = 0
+        for q in (self._rq, self._wq):
+            while True:
+                try:
+                    op = q.get_nowait()
+                except queue.Empty:
+                    break
+                if op is None:
+                    continue
+                with op.lock:
+                    op.done = True
+                    op.buf = None
+                if op.kind == "put":
+                    dropped += 1
+        with self._lock:
+            self._totals["writes_dropped"] += dropped
+            self._pending_writes -= dropped
+            self._writes_idle.notify_all()
+            inflight = list(self._inflight.values())
+            self._inflight.clear()
+        for op in inflight:  # a late fetch must not write into a buffer the caller reuses
+            with op.lock:
+                op.done = True
+                op.buf = None
+        if dropped:
+            log.warning("closing object-tier I/O: %d queued writes dropped", dropped)
+        for t in self._threads:
+            try:
+                (self._rq if "-read-" in t.name else self._wq).put(None, timeout=1.0)
+            except queue.Full:  # a racing submit filled it; the thread is a daemon anyway
+                pass
+        deadline = time.monotonic() + min(self.timeout_s, 5.0)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        try:
+            self.tier.close()
+        except Exception:  # closing must not fail the engine's shutdown
+            log.warning("closing the object tier failed", exc_info=True)
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def is_down(self) -> bool:
+        """True while failing fast after a tier failure."""
+        return time.monotonic() < self._down_until
+
+    @property
+    def pending_writes(self) -> int:
+        return self._pending_writes
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since start."""
+        with self._lock:
+            return dict(self._totals)
+
+    def take_counters(self) -> dict[str, int]:
+        """Counter increments since the previous call (for per-interval stats)."""
+        with self._lock:
+            delta = {k: v - self._taken[k] for k, v in self._totals.items()}
+            self._taken = dict(self._totals)
+        return delta
+
+    def _mark_down(self, exc: TierUnavailable) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._down_until:  # ops already in flight do not stack the backoff
+                self._failures += 1
+                delay = self.backoff.compute(self._failures)
+                self._down_until = now + delay
+            failures, delay = self._failures, self._down_until - now
+        self._tier_log.warning(
+            "object tier %s unavailable (%d failures in a row), failing fast for %.2f s: %s",
+            self.tier.name, failures, delay, exc,
+        )  # fmt: skip
+
+    def _mark_up(self) -> None:
+        if not self._failures:
+            return
+        with self._lock:
+            failures, self._failures, self._down_until = self._failures, 0, 0.0
+        if failures:
+            log.info("object tier %s is reachable again", self.tier.name)
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _worker(self, q: queue.Queue[_Op | None]) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            try:
+                self._execute(op)
+            except BaseException:  # a bug must cost one op, not the I/O thread
+                log.exception("object-tier %s op failed unexpectedly", op.kind)
+                self._finish(op, False, "tier")
+
+    def _execute(self, op: _Op) -> None:
+        if op.done:  # timed out (or closed) while queued: do not touch the network
+            return
+        if self.is_down:
+            self._finish(op, False, "unreachable")
+            return
+        if op.kind != "put" and time.monotonic() > op.deadline:
+            self._finish(op, False, "timeout")
+            return
+        key = op.keys[0]
+        try:
+            if op.kind == "exists":
+                value = self.tier.exists(op.keys)
+                self._mark_up()
+                self._finish(op, True, None, value=value)
+            elif op.kind == "get":
+                blob = self.tier.get(key)
+                self._mark_up()
+                if blob is None:
+                    self._finish(op, False, None)
+                    return
+                self._add("bytes_read", len(blob))
+                payload = codec.decode(
+                    blob, key=key, dtype=op.dtype, shape=op.shape, signer=self.signer
+                )
+                assert op.buf is not None
+                if payload.nbytes != op.buf.nbytes:
+                    raise CodecError(
+                        f"chunk payload is {payload.nbytes} bytes, the slot {op.buf.nbytes}"
+                    )
+                self._finish(op, True, None, nbytes=len(blob), copy_from=payload)
+            else:
+                assert op.buf is not None
+                parts = codec.encode(
+                    key, op.buf, dtype=op.dtype, shape=op.shape, signer=self.signer
+                )
+                self.tier.put(key, parts)
+                self._mark_up()
+                n = codec.encoded_size(parts)
+                self._add("bytes_written", n)
+                self._finish(op, True, None, nbytes=n)
+        except CodecError as exc:
+            self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
+            self._finish(op, False, exc.kind)
+        except TierUnavailable as exc:
+            self._mark_down(exc)
+            self._finish(op, False, "unreachable")
+        except TierError as exc:
+            self._tier_log.warning("object tier %s error: %s", self.tier.name, exc)
+            self._finish(op, False, exc.kind)
+
+    def _add(self, counter: str, n: int) -> None:
+        with self._lock:
+            self._totals[counter] += n
+
+    def _finish(
+        self,
+        op: _Op,
+        ok: bool,
+        error_kind: str | None,
+        *,
+        value: list[bool] | None = None,
+        nbytes: int = 0,
+        copy_from: memoryview | None = None,
+    ) -> None:
+        """Report ``op`` unless poll() already reported it as a timeout."""
+        with op.lock:
+            if op.done:
+                return
+            if op.kind != "put" and ok and time.monotonic() > op.deadline:
+                ok, error_kind, value, copy_from = False, "timeout", None, None
+            if copy_from is not None and op.buf is not None:
+                op.buf[:] = copy_from
+            self._report(op, ok, error_kind, value, nbytes)
+
+    def _report(
+        self, op: _Op, ok: bool, error_kind: str | None, value: list[bool] | None, nbytes: int
+    ) -> None:
+        """Publish the result; the caller holds ``op.lock``."""
+        op.done = True
+        op.buf = None
+        result = IOResult(
+            op.op_id, op.kind, ok, error_kind, value, nbytes, time.monotonic() - op.t0
+        )
+        with self._lock:
+            self._totals["ops_" + op.kind] += 1
+            if error_kind is not None:
+                self._totals["errors_" + error_kind] += 1
+            if op.kind == "put":
+                self._pending_writes -= 1
+                if not ok:
+                    self._put_failures += 1
+                self._writes_idle.notify_all()
+            else:
+                self._inflight.pop(op.seq, None)
+        self._results.append(result)
