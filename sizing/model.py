@@ -1,0 +1,289 @@
+"""Model shape from a Hugging Face ``config.json``: what one token of KV cache costs.
+
+Only the config is read (no weights, no transformers), so ``kvtier size`` can
+answer for a model that is not downloaded yet. The rules follow what vLLM
+allocates, not what the paper says: an explicit ``head_dim`` wins, MLA stores
+one latent per token replicated on every TP rank, and KV heads are replicated
+when TP exceeds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+#: bytes per element of the dtype names found in configs and on the command line
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "fp8_ds_mla": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+FULL, SLIDING, NONE = "full", "sliding", "none"
+
+
+class ModelConfigError(ValueError):
+    """The config is missing, unreadable or lacks a field the planner needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The parts of a model config that decide KV and weight bytes."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str
+    #: one entry per decoder layer: "full", "sliding" or "none" (no KV: Mamba, linear attention)
+    layer_kinds: tuple[str, ...]
+    sliding_window: int | None = None
+    #: MLA (DeepSeek V2/V3): latent width per token per layer = kv_lora_rank + qk_rope_head_dim
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int | None = None
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: frozenset[int] = field(default_factory=frozenset)
+    moe_prefix: str = "mlp"
+    weight_quant: str | None = None
+    max_position_embeddings: int | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_layers(self) -> int:
+        return sum(1 for k in self.layer_kinds if k != NONE)
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """vLLM splits KV heads across TP ranks and replicates them when TP > heads."""
+        return max(1, self.num_kv_heads // tp)
+
+    def kv_bytes_per_layer_token(self, kv_cache_dtype: str = "auto", tp: int = 1) -> int:
+        """KV bytes one token costs in one attention layer on one TP rank (tp=1: whole model)."""
+        elt = kv_dtype_bytes(kv_cache_dtype, self.dtype)
+        if self.is_mla:
+            return ((self.kv_lora_rank or 0) + self.qk_rope_head_dim) * elt
+        heads = self.num_kv_heads if tp == 1 else self.kv_heads_per_rank(tp)
+        return 2 * heads * self.head_dim * elt
+
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", tp: int = 1) -> int:
+        """KV bytes per token over every layer that holds KV (sliding layers included)."""
+        return self.attention_layers * self.kv_bytes_per_layer_token(kv_cache_dtype, tp)
+
+    def session_kv_bytes(self, context: int, kv_cache_dtype: str = "auto", tp: int = 1) -> int:
+        """KV bytes one sequence of ``context`` tokens holds on the GPU.
+
+        Sliding-window layers keep at most ``sliding_window`` tokens; full layers keep all.
+        """
+        per = self.kv_bytes_per_layer_token(kv_cache_dtype, tp)
+        total = 0
+        for kind in self.layer_kinds:
+            if kind == FULL:
+                total += per * context
+            elif kind == SLIDING:
+                total += per * min(context, self.sliding_window or context)
+        return total
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per KV element: ``auto`` follows the model dtype, ``fp8*`` is one byte."""
+    name = model_dtype if kv_cache_dtype in ("auto", None) else kv_cache_dtype
+    try:
+        return DTYPE_BYTES[name.lower()]
+    except KeyError:
+        raise ModelConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}") from None
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """Read ``config.json`` from a file path or a model directory."""
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelConfigError(f"no config.json at {cfg_path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ModelConfigError(f"cannot read {cfg_path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{cfg_path} does not hold a JSON object")
+    return raw
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs (Gemma 3, Llama 4, Qwen-VL) keep the decoder under text_config."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in raw:
+        merged = {k: v for k, v in raw.items() if k != "text_config"}
+        merged.update(text)
+        return merged
+    return raw
+
+
+def _need(cfg: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        value = cfg.get(key)
+        if value is not None:
+            return value
+    raise ModelConfigError(f"config.json lacks {' / '.join(keys)}")
+
+
+def _resolve_dtype(cfg: dict[str, Any], override: str | None) -> str:
+    """vLLM's ``--dtype auto``: the config dtype, with float32 checkpoints run in bfloat16."""
+    if override and override != "auto":
+        name = override
+    else:
+        name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        if name in ("float32", "float"):
+            name = "bfloat16"
+    if name.lower() not in DTYPE_BYTES:
+        raise ModelConfigError(f"unknown dtype {name!r}")
+    return name.lower()
+
+
+def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], int | None]:
+    """Which layers hold KV, and which of those keep only a sliding window."""
+    window = cfg.get("sliding_window")
+    mtype = str(cfg.get("model_type", ""))
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == n:
+        kinds = []
+        for t in types:
+            t = str(t)
+            if t in ("full_attention", "attention", "global_attention"):
+                kinds.append(FULL)
+            elif t in ("sliding_attention", "local_attention", "chunked_attention"):
+                kinds.append(SLIDING if window else FULL)
+            else:
+                kinds.append(NONE)
+        return tuple(kinds), window
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and len(pattern) == n:
+        return tuple(FULL if c == "*" else NONE for c in pattern), None
+    if "attn_layer_period" in cfg:
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return tuple(FULL if i % period == offset else NONE for i in range(n)), None
+    if "full_attention_interval" in cfg:
+        iv = int(cfg["full_attention_interval"])
+        return tuple(FULL if (i + 1) % iv == 0 else NONE for i in range(n)), None
+    if window and mtype == "gemma2":
+        # Gemma 2 alternates: even layers slide, odd layers are global.
+        return tuple(SLIDING if i % 2 == 0 else FULL for i in range(n)), window
+    if window and mtype.startswith("gemma3"):
+        p = int(cfg.get("sliding_window_pattern") or 6)
+        return tuple(FULL if (i + 1) % p == 0 else SLIDING for i in range(n)), window
+    if window and mtype in ("mistral", "mixtral"):
+        return tuple(SLIDING for _ in range(n)), window
+    return tuple(FULL for _ in range(n)), None
+
+
+def _moe_layers(cfg: dict[str, Any], n: int) -> tuple[int, frozenset[int]]:
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    experts = experts or int(cfg.get("num_local_experts") or 0)
+    if not experts:
+        return 0, frozenset()
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    if "expert_layer_period" in cfg:  # Jamba
+        period, offset = int(cfg["expert_layer_period"]), int(cfg.get("expert_layer_offset", 0))
+        layers = frozenset(i for i in range(n) if i % period == offset)
+    elif "moe_layer_freq" in cfg:  # DeepSeek: dense first k layers, then every freq-th
+        freq = int(cfg.get("moe_layer_freq") or 1)
+        layers = frozenset(i for i in range(first_dense, n) if i % freq == 0)
+    else:  # Qwen MoE: decoder_sparse_step, minus mlp_only_layers; Mixtral: every layer
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        layers = frozenset(
+            i for i in range(first_dense, n) if (i + 1) % step == 0 and i not in mlp_only
+        )
+    return experts, layers
+
+
+def shape_from_config(
+    raw: dict[str, Any], *, dtype: str | None = None, num_layers: int | None = None
+) -> ModelShape:
+    """Build a :class:`ModelShape` from a parsed config dict."""
+    cfg = _text_config(raw)
+    n = int(num_layers or _need(cfg, "num_hidden_layers", "n_layer", "num_layers"))
+    heads = int(_need(cfg, "num_attention_heads", "n_head"))
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg.get("num_kv_heads") or heads)
+    hidden = int(_need(cfg, "hidden_size", "d_model", "n_embd"))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kinds, window = _layer_kinds(cfg, n)
+    experts, moe_layers = _moe_layers(cfg, n)
+    mtype = str(cfg.get("model_type", ""))
+    quant = cfg.get("quantization_config")
+    weight_quant = quant.get("quant_method") if isinstance(quant, dict) else None
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    if n_shared and not shared:
+        shared = n_shared * moe_inter
+    return ModelShape(
+        model_type=mtype,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        dtype=_resolve_dtype(cfg, dtype),
+        layer_kinds=kinds,
+        sliding_window=int(window) if window else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]) if cfg.get("kv_lora_rank") else None,
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+        v_head_dim=int(cfg.get("v_head_dim") or 0),
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        vocab_size=int(cfg.get("vocab_size") or 0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)) or mtype.startswith("qwen2"),
+        num_experts=experts,
+        moe_intermediate_size=moe_inter if experts else 0,
+        shared_expert_intermediate_size=shared if experts else 0,
+        moe_layers=moe_layers,
+        moe_prefix="block_sparse_moe" if mtype == "mixtral" else "mlp",
+        weight_quant=weight_quant,
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+    )
+
+
+def load_shape(path: str, *, dtype: str | None = None) -> ModelShape:
+    """Shape of the model whose ``config.json`` (or directory) is at ``path``."""
+    return shape_from_config(read_config(path), dtype=dtype)

@@ -1,0 +1,330 @@
+"""The memory plan: GPU KV budget, warm set, host tier, weight offload and the host check.
+
+Every figure is per GPU / per vLLM worker (one TP rank), because that is how
+vLLM budgets ``--cpu-offload-gb`` and how kvtier sizes ``cpu_bytes`` (each
+worker holds its own host slab). Fields ending in ``_total`` add up the whole
+host: ``tp`` workers plus the headroom left to the OS.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.sizing import offload as off
+from kvtier.sizing.model import ModelShape, load_shape
+from kvtier.sizing.weights import Weights, load_weights
+
+GiB = 1024**3
+HOST_TIER_FACTOR = 1.15
+DEFAULT_HEADROOM_BYTES = 4 * GiB
+DEFAULT_OVERHEAD_GIB = 2.0
+OLDEST_OFFLOAD_SAFE_VLLM = (0, 28)
+
+#: every warning the planner and ``kvtier doctor`` can raise; the codes are stable
+CODES: dict[str, str] = {
+    "offload-ignored-old-vllm": "vLLM < 0.28 silently ignores weight offload on the V2 runner",
+    "uva-discarded-by-prefetch": "--cpu-offload-gb is discarded because prefetch offload wins",
+    "prefetch-ignored-by-uva": "prefetch flags are ignored with --offload-backend uva",
+    "prefetch-without-group-size": "--offload-backend prefetch needs --offload-group-size",
+    "prefetch-invalid": "prefetch flags fail vLLM's validation",
+    "offload-params-ignored": "offload_params is read by prefetch only, cpu_offload_params by UVA",
+    "selector-matches-nothing": "an offload selector matches no parameter",
+    "moe-no-experts-selector": "MoE model offloaded without an `experts` selector",
+    "pin-rounding-over-host": "power-of-two pin rounding pushes host RAM over the limit",
+    "cpu-offload-gb-not-kv": "--cpu-offload-gb moves weights only, never KV cache",
+    "host-over-limit": "the plan needs more host RAM than the host has",
+    "weights-exceed-gpu": "resident weights leave no GPU memory for KV cache",
+    "kv-heads-replicated": "TP is larger than the KV head count; KV heads are replicated",
+    "offload-not-applied": "weight offload was requested but vLLM logged none",
+}
+
+
+def warning(code: str, message: str) -> dict[str, str]:
+    """One warning as it appears in JSON: a stable code and a sentence with the numbers."""
+    assert code in CODES, code
+    return {"code": code, "message": message}
+
+
+def gib(n: float | int | None) -> str:
+    """Format bytes as GiB for messages."""
+    return "unknown" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    """``0.27.1``, ``v0.33.0rc1``, ``0.32.0+cpu`` -> (0, 27, 1) etc."""
+    if not text:
+        return None
+    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if not m:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def host_tier_bytes(warm_set_bytes: int, gpu_kv_bytes: int) -> int | None:
+    """(warm set - GPU KV) x 1.15; None when the GPU already holds the warm set."""
+    need = warm_set_bytes - gpu_kv_bytes
+    if need <= 0:
+        return None
+    return math.ceil(need * HOST_TIER_FACTOR)
+
+
+def host_total_bytes(
+    cpu_bytes: int,
+    *,
+    weight_offload_host_bytes: int = 0,
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+    tp: int = 1,
+) -> int:
+    """Host RAM one vLLM server needs: per worker (host tier + offloaded weights) x TP + headroom.
+
+    This is what a pod's memory request/limit must cover; the Helm chart's tests call it.
+    """
+    return tp * (cpu_bytes + weight_offload_host_bytes) + headroom_bytes
+
+
+def k8s_quantity(n: int) -> str:
+    """Bytes as a Kubernetes memory quantity, rounded up to a whole Gi (or Mi below 1 Gi)."""
+    if n >= GiB:
+        return f"{math.ceil(n / GiB)}Gi"
+    return f"{max(1, math.ceil(n / 2**20))}Mi"
+
+
+def parse_k8s_quantity(q: str | int) -> int:
+    """Inverse of :func:`k8s_quantity` for the binary and decimal suffixes Kubernetes accepts."""
+    if isinstance(q, int):
+        return q
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|M|G|T)?\s*", q)
+    if not m:
+        raise ValueError(f"not a Kubernetes memory quantity: {q!r}")
+    mult = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[m.group(2)]  # fmt: skip
+    return math.ceil(float(m.group(1)) * mult)
+
+
+@dataclass(slots=True, kw_only=True)
+class PlanInputs:
+    """What the operator tells ``kvtier size``; None means "not known"."""
+
+    model: str
+    tp: int = 1
+    dtype: str | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    overhead_gib: float = DEFAULT_OVERHEAD_GIB
+    gpu_kv_gib: float | None = None
+    host_memory_gib: float | None = None
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES
+    context: int = 8192
+    warm_sessions: int | None = None
+    offload_backend: str = "auto"
+    cpu_offload_gb: float = 0.0
+    cpu_offload_params: tuple[str, ...] = ()
+    offload_group_size: int = 0
+    offload_num_in_group: int = 1
+    offload_prefetch_step: int = 1
+    offload_params: tuple[str, ...] = ()
+    disable_pin_memory: bool | None = None
+    vllm_version: str | None = None
+    environ: Mapping[str, str] | None = field(default=None, repr=False)
+
+
+def _offload(inp: PlanInputs, weights: Weights, pin: bool, warns: list) -> off.OffloadResult:
+    """Pick the backend as vLLM does and replay it; flag every way it silently misbehaves."""
+    backend = off.select_backend(inp.offload_backend, inp.cpu_offload_gb, inp.offload_group_size)
+    uva_set, pf_set = inp.cpu_offload_gb > 0, inp.offload_group_size > 0
+    if inp.offload_backend == "auto" and uva_set and pf_set:
+        warns.append(warning("uva-discarded-by-prefetch", (
+            f"--cpu-offload-gb {inp.cpu_offload_gb:g} and --offload-group-size "
+            f"{inp.offload_group_size} are both set: vLLM picks prefetch and drops the "
+            "GB budget with only a Python warning. Set one of them (or --offload-backend).")))
+    elif inp.offload_backend == "prefetch" and uva_set:
+        warns.append(warning("uva-discarded-by-prefetch", (
+            f"--offload-backend prefetch ignores --cpu-offload-gb {inp.cpu_offload_gb:g}.")))
+    elif inp.offload_backend == "uva" and pf_set:
+        warns.append(warning("prefetch-ignored-by-uva", (
+            "--offload-backend uva ignores --offload-group-size/--offload-num-in-group.")))
+    if backend == "uva" and inp.offload_params:
+        warns.append(warning("offload-params-ignored", (
+            f"offload_params {sorted(inp.offload_params)} belongs to the prefetch backend; "
+            "UVA (--cpu-offload-gb) never reads it. Use --cpu-offload-params "
+            "(LLM(cpu_offload_params=...)).")))
+    if backend == "prefetch" and inp.cpu_offload_params:
+        warns.append(warning("offload-params-ignored", (
+            f"cpu_offload_params {sorted(inp.cpu_offload_params)} belongs to UVA; the prefetch "
+            "backend reads --offload-params (LLM(offload_params=...)).")))
+    if backend == "none":
+        return off.no_offload()
+    if backend == "prefetch":
+        if inp.offload_group_size <= 0:
+            warns.append(warning("prefetch-without-group-size", (
+                "--offload-backend prefetch without --offload-group-size fails vLLM's config "
+                f"validation (offload_num_in_group ({inp.offload_num_in_group}) must be <= "
+                "offload_group_size (0)); the engine does not start.")))
+            return off.no_offload()
+        try:
+            result = off.prefetch_offload(
+                weights, inp.offload_group_size, inp.offload_num_in_group,
+                inp.offload_prefetch_step, inp.offload_params, pin=pin)  # fmt: skip
+        except ValueError as e:
+            warns.append(warning("prefetch-invalid", f"{e}; vLLM refuses to start."))
+            return off.no_offload()
+        selectors = inp.offload_params
+    else:
+        result = off.uva_offload(weights, inp.cpu_offload_gb, inp.cpu_offload_params, pin=pin)
+        selectors = inp.cpu_offload_params
+        unspent = result.budget_bytes - result.gpu_bytes
+        if unspent > 0:
+            warns.append(warning("cpu-offload-gb-not-kv", (
+                f"--cpu-offload-gb {inp.cpu_offload_gb:g} asks for {gib(result.budget_bytes)} but "
+                f"only {gib(result.gpu_bytes)} of decoder-layer weights can move; the other "
+                f"{gib(unspent)} does nothing. It moves weights only, never KV cache: the KV "
+                "host tier is kvtier's cpu_bytes.")))
+    for sel in result.unmatched_selectors:
+        warns.append(warning("selector-matches-nothing", (
+            f"selector {sel!r} matches no parameter. It is matched literally as '.{sel}.' "
+            "inside a name relative to one decoder layer (e.g. 'self_attn.qkv_proj.weight', "
+            "'mlp.experts.w13_weight'): use segments like 'experts', 'self_attn', 'mlp'; "
+            "'layers.N', 'embed_tokens', 'lm_head' and full dotted paths match nothing.")))
+    has_experts = any("experts" in t.name.split(".") for layer in weights.layers for t in layer)
+    experts_selected = any("experts" in s.split(".") for s in selectors)
+    moved_dense = [t for t in result.tensors if "experts" not in t.name.split(".")]
+    if has_experts and not experts_selected and moved_dense:
+        moved_experts = len(moved_dense) < len(result.tensors)
+        warns.append(warning("moe-no-experts-selector", (
+            "MoE model offloaded without an 'experts' selector: "
+            f"{gib(sum(t.rank_bytes for t in moved_dense))} of dense weights (read on every "
+            "token) move first" + ("" if moved_experts else " and no expert weights move")
+            + ". Add --cpu-offload-params experts.")))
+    return result
+
+
+def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any]:
+    """The whole plan as a JSON-ready dict (what ``kvtier size --json`` prints)."""
+    shape = shape or load_shape(inp.model, dtype=inp.dtype)
+    weights = load_weights(inp.model, shape, inp.tp)
+    warns: list[dict[str, str]] = []
+    tp = inp.tp
+
+    version = parse_version(inp.vllm_version)
+    pin = off.resolve_pin(inp.disable_pin_memory, inp.environ)
+    result = _offload(inp, weights, pin, warns)
+    if result.backend != "none" and version is not None and version[:2] < OLDEST_OFFLOAD_SAFE_VLLM:
+        warns.append(warning("offload-ignored-old-vllm", (
+            f"vLLM {inp.vllm_version} silently ignores weight offload on the V2 model runner "
+            "(GPU memory stays as without offload). Upgrade to vLLM >= 0.28 or run the V1 "
+            "runner (VLLM_USE_V2_MODEL_RUNNER=0).")))
+    if not shape.is_mla and tp > shape.num_kv_heads:
+        warns.append(warning("kv-heads-replicated", (
+            f"TP {tp} > {shape.num_kv_heads} KV heads: every rank keeps one full KV head, so "
+            "KV bytes per rank do not shrink with TP.")))
+
+    bpt = shape.kv_bytes_per_token(inp.kv_cache_dtype)
+    bpt_rank = shape.kv_bytes_per_token(inp.kv_cache_dtype, tp)
+    session_rank = shape.session_kv_bytes(inp.context, inp.kv_cache_dtype, tp)
+    weight_rank = weights.rank_bytes
+    resident = weight_rank - result.gpu_bytes + result.buffer_pool_bytes
+    overhead = int(inp.overhead_gib * GiB)
+
+    gpu_total = int(inp.gpu_memory_gib * GiB) if inp.gpu_memory_gib is not None else None
+    if inp.gpu_kv_gib is not None:
+        gpu_kv: int | None = int(inp.gpu_kv_gib * GiB)
+    elif gpu_total is not None:
+        gpu_kv = int(inp.gpu_memory_utilization * gpu_total) - resident - overhead
+    else:
+        gpu_kv = None
+    if gpu_kv is not None and gpu_kv <= 0:
+        warns.append(warning("weights-exceed-gpu", (
+            f"{gib(resident)} resident weights + {gib(overhead)} overhead exceed "
+            f"{inp.gpu_memory_utilization:g} x {gib(gpu_total)}: no room for KV cache. Offload "
+            "more weights (--cpu-offload-gb), raise TP, or quantize.")))
+    gpu_kv_pos = max(gpu_kv, 0) if gpu_kv is not None else None
+    tokens = gpu_kv_pos // bpt_rank if gpu_kv_pos is not None and bpt_rank else None
+    sessions = gpu_kv_pos // session_rank if gpu_kv_pos is not None and session_rank else None
+
+    warm = bpt_rank * inp.context * inp.warm_sessions if inp.warm_sessions is not None else None
+    tier: int | None
+    tier_needed: bool | None
+    if warm is None or gpu_kv_pos is None:
+        tier, tier_needed = None, None
+    else:
+        tier = host_tier_bytes(warm, gpu_kv_pos)
+        tier_needed = tier is not None
+    tier_for_total = tier if tier is not None else (0 if tier_needed is False else None)
+    host_total = (
+        host_total_bytes(tier_for_total, weight_offload_host_bytes=result.host_bytes,
+                         headroom_bytes=inp.headroom_bytes, tp=tp)
+        if tier_for_total is not None else None
+    )  # fmt: skip
+    host_mem = int(inp.host_memory_gib * GiB) if inp.host_memory_gib is not None else None
+    host_ok = None if host_total is None or host_mem is None else host_total <= host_mem
+    if host_ok is False:
+        warns.append(warning("host-over-limit", (
+            f"host needs {gib(host_total)} (offloaded weights {gib(result.host_bytes)} + host "
+            f"tier {gib(tier_for_total)} per worker x TP {tp} + headroom "
+            f"{gib(inp.headroom_bytes)}) but has {gib(host_mem)}.")))
+        exact_total = host_total - tp * (result.host_bytes - result.gpu_bytes)
+        if result.host_bytes > result.gpu_bytes and exact_total <= (host_mem or 0):
+            warns.append(warning("pin-rounding-over-host", (
+                f"pinning rounds the {gib(result.gpu_bytes)} of offloaded weights up to "
+                f"{gib(result.host_bytes)} per worker, which pushes the host over its "
+                f"{gib(host_mem)}; VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY=1 (or "
+                "--disable-pin-memory here) keeps the exact size.")))
+    gpu_ok = None if gpu_kv is None else gpu_kv > 0
+    if gpu_ok is False or host_ok is False:
+        fits: bool | None = False
+    elif gpu_ok is None or host_ok is None:
+        fits = None
+    else:
+        fits = True
+
+    return {
+        "model": inp.model,
+        "model_type": shape.model_type,
+        "tp": tp,
+        "dtype": shape.dtype,
+        "kv_cache_dtype": inp.kv_cache_dtype,
+        "num_layers": shape.num_layers,
+        "kv_layers": shape.attention_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "kv_heads_per_rank": None if shape.is_mla else shape.kv_heads_per_rank(tp),
+        "head_dim": shape.head_dim,
+        "mla": shape.is_mla,
+        "sliding_window": shape.sliding_window,
+        "sliding_layers": sum(1 for k in shape.layer_kinds if k == "sliding"),
+        "kv_bytes_per_token": bpt,
+        "kv_bytes_per_token_per_rank": bpt_rank,
+        "context": inp.context,
+        "session_kv_bytes_per_rank": session_rank,
+        "weights_source": weights.source,
+        "weight_bytes": weights.total_bytes,
+        "weight_bytes_per_rank": weight_rank,
+        "offload_backend": result.backend,
+        "pin_memory": pin,
+        "weight_offload_budget_bytes": result.budget_bytes,
+        "weight_offload_gpu_bytes": result.gpu_bytes,
+        "weight_offload_host_bytes": result.host_bytes,
+        "weight_offload_tensors": len(result.tensors),
+        "weight_offload_layers": result.layers_touched,
+        "prefetch_buffer_bytes": result.buffer_pool_bytes,
+        "resident_weight_bytes": resident,
+        "gpu_memory_bytes": gpu_total,
+        "gpu_memory_utilization": inp.gpu_memory_utilization,
+        "overhead_bytes": overhead,
+        "gpu_kv_bytes": gpu_kv,
+        "gpu_kv_tokens": tokens,
+        "gpu_kv_sessions": sessions,
+        "warm_sessions": inp.warm_sessions,
+        "warm_set_bytes": warm,
+        "host_tier_needed": tier_needed,
+        "host_tier_bytes": tier,
+        "headroom_bytes": inp.headroom_bytes,
+        "host_memory_bytes": host_mem,
+        "host_bytes_total": host_total,
+        "fits": fits,
+        "warnings": warns,
+    }
