@@ -196,9 +196,7 @@ def _is_int(x: object) -> bool:
 
 def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
-        header = msgpack.unpackb(
-            raw, raw=False, use_list=True, strict_map_key=True, max_buffer_size=MAX_HEADER
-        )
+        header = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same
         raise CodecError(f"garbage chunk header ({type(exc).__name__})") from None
     if not isinstance(header, dict):

@@ -49,7 +49,7 @@ class FileTier(ObjectTier):
         name = quote(key, safe="-_.")
         if len(name) > _MAX_NAME or name.startswith("."):
             name = "h-" + hashlib.sha256(key.encode()).hexdigest()
-        return os.path.join(self.root, xxhash.xxh3_64_hexdigest(key)[:2], name)
+        return os.path.join(self.root, xxhash.xxh3_64_hexdigest(key.encode())[:2], name)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.isfile(self.path(k)) for k in keys]

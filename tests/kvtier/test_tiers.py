@@ -1,0 +1,199 @@
+"""One behaviour suite for every object tier, against real services on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import RedisServer, S3Bucket
+
+from kvtier import codec
+from kvtier.config import load_config
+from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.tiers import FileTier, ObjectTier, open_tier
+
+pytestmark = pytest.mark.integration
+
+
+def _chunk(key: str, size: int = 4096, fill: int = 7) -> list[bytes | memoryview]:
+    return codec.encode(key, bytes([fill]) * size, dtype="uint8", shape=[size])
+
+
+@pytest.fixture(params=["file", "s3", "redis"])
+def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[ObjectTier]:
+    if request.param == "file":
+        cfg = load_config({"remote_url": f"file://{tmp_path}/objects"}, environ={})
+    elif request.param == "s3":
+        bucket: S3Bucket = request.getfixturevalue("s3_bucket")
+        cfg = load_config({"remote_url": bucket.url}, environ={})  # endpoint from AWS_* env
+    else:
+        url = request.getfixturevalue("redis_url")
+        cfg = load_config({"remote_url": url}, environ={})
+    t = open_tier(cfg)
+    assert t.name == request.param
+    yield t
+    t.close()
+
+
+def test_put_get_exists_delete(tier: ObjectTier) -> None:
+    parts = _chunk("ns/abc-1")
+    tier.put("ns/abc-1", parts)
+    blob = tier.get("ns/abc-1")
+    assert blob == b"".join(bytes(p) for p in parts)
+    payload = codec.decode(blob, key="ns/abc-1", dtype="uint8", shape=[4096])
+    assert bytes(payload) == bytes([7]) * 4096
+    assert tier.exists(["ns/abc-1"]) == [True]
+    tier.delete(["ns/abc-1", "never-written"])
+    assert tier.exists(["ns/abc-1"]) == [False]
+    assert tier.get("ns/abc-1") is None
+
+
+def test_missing_key_is_none_not_error(tier: ObjectTier) -> None:
+    assert tier.get("missing") is None
+    assert tier.exists(["missing"]) == [False]
+    assert tier.exists([]) == []
+    tier.delete([])
+
+
+def test_batch_exists_keeps_order(tier: ObjectTier) -> None:
+    keys = [f"k{i:03d}" for i in range(40)]
+    for k in keys[::3]:
+        tier.put(k, _chunk(k, 64))
+    assert tier.exists(keys) == [i % 3 == 0 for i in range(len(keys))]
+
+
+def test_overwrite_replaces_whole_object(tier: ObjectTier) -> None:
+    tier.put("k", _chunk("k", 10_000, fill=1))
+    tier.put("k", _chunk("k", 100, fill=2))
+    assert bytes(codec.decode(tier.get("k"), key="k")) == bytes([2]) * 100
+
+
+def test_large_object_from_memoryview_parts(tier: ObjectTier) -> None:
+    payload = bytearray(os.urandom(3 * 2**20 + 17))
+    parts = codec.encode("big", memoryview(payload), dtype="uint8", shape=[len(payload)])
+    assert isinstance(parts[1], memoryview)
+    tier.put("big", parts)
+    assert bytes(codec.decode(tier.get("big"), key="big")) == payload
+
+
+def test_redis_ttl(redis_url: str, redis_server: RedisServer) -> None:
+    cfg = load_config({"remote_url": redis_url, "remote_ttl_s": 60}, environ={})
+    with open_tier(cfg) as t:
+        t.put("ttl-key", _chunk("ttl-key", 16))
+    ttl = redis_server.client().ttl("ttl-key")
+    assert 55 <= ttl <= 60
+    cfg = load_config({"remote_url": redis_url}, environ={})
+    with open_tier(cfg) as t:
+        t.put("no-ttl", _chunk("no-ttl", 16))
+    assert redis_server.client().ttl("no-ttl") == -1
+
+
+def test_redis_password_never_leaks(services) -> None:
+    secret = "s3cr3t-pw-9"
+    server = services.redis(password=secret)
+    good = load_config({"remote_url": server.url}, environ={})
+    with open_tier(good) as t:
+        t.put("a", _chunk("a", 8))
+        assert t.exists(["a"]) == [True]
+        assert secret not in repr(t)
+    bad_url = server.url.replace(secret, "wrong-" + secret)
+    with open_tier(load_config({"remote_url": bad_url}, environ={})) as t:
+        with pytest.raises(TierUnavailable) as info:
+            t.get("a")
+        assert secret not in str(info.value) and secret not in repr(t)
+    server.kill()
+    with open_tier(good) as t:
+        with pytest.raises(TierUnavailable) as info:
+            t.exists(["a"])
+        assert secret not in str(info.value)
+        assert "***" in str(info.value)
+
+
+def test_down_backends_raise_tier_unavailable(services, tmp_path) -> None:
+    dead_redis = services.redis(start=False)
+    cfg = load_config({"remote_url": dead_redis.url, "lookup_timeout_ms": 200}, environ={})
+    with open_tier(cfg) as t:
+        for call in (lambda: t.get("x"), lambda: t.exists(["x"]), lambda: t.put("x", [b"1"])):
+            with pytest.raises(TierUnavailable):
+                call()
+    dead_s3 = services.s3(start=False)
+    cfg = load_config(
+        {"remote_url": "s3://nobucket/p", "s3_endpoint_url": dead_s3.endpoint_url,
+         "lookup_timeout_ms": 200},
+        environ={},
+    )  # fmt: skip
+    with open_tier(cfg) as t:
+        with pytest.raises(TierUnavailable):
+            t.get("x")
+        with pytest.raises(TierUnavailable):
+            t.put("x", [b"1"])
+
+
+def test_s3_missing_bucket_is_unavailable(s3_bucket: S3Bucket) -> None:
+    cfg = load_config({"remote_url": "s3://no-such-bucket-kvtier/x"}, environ={})
+    with open_tier(cfg) as t, pytest.raises(TierUnavailable, match="NoSuchBucket"):
+        t.put("x", [b"1"])
+
+
+def test_s3_explicit_endpoint_wins(s3_bucket: S3Bucket, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # discard port
+    cfg = load_config(
+        {"remote_url": s3_bucket.url, "s3_endpoint_url": s3_bucket.endpoint_url}, environ={}
+    )
+    with open_tier(cfg) as t:
+        t.put("e", _chunk("e", 8))
+        assert t.exists(["e"]) == [True]
+    # the object lands under the URL's prefix, visible to any S3 client
+    keys = [o["Key"] for o in s3_bucket.server.client().list_objects_v2(
+        Bucket=s3_bucket.name)["Contents"]]  # fmt: skip
+    assert keys == ["kv/e"]
+
+
+def test_open_tier_without_url_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="remote_url"):
+        open_tier(load_config({}, environ={}))
+
+
+def test_file_tier_odd_keys(tmp_path) -> None:
+    t = FileTier(str(tmp_path))
+    for key in ("a/b/../c", ".hidden", "x" * 400, "ünï cödé", "%2F"):
+        t.put(key, _chunk(key, 8))
+        assert t.exists([key]) == [True]
+        assert bytes(codec.decode(t.get(key), key=key)) == bytes([7]) * 8
+        assert os.path.dirname(os.path.dirname(t.path(key))) == str(tmp_path)
+    assert not any(n.startswith(".tmp-") for _, _, names in os.walk(tmp_path) for n in names)
+
+
+def _writer(root: str, worker: int, rounds: int) -> None:
+    t = FileTier(root)
+    for i in range(rounds):
+        for key in ("shared-0", "shared-1", f"own-{worker}-{i}"):
+            size = 1000 + 997 * ((worker + i) % 7)
+            t.put(key, codec.encode(key, bytes([worker]) * size, dtype="u8", shape=[size]))
+
+
+def test_file_tier_concurrent_processes(tmp_path) -> None:
+    root = str(tmp_path / "shared")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(root, w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    t = FileTier(root)
+    deadline = time.monotonic() + 60
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        for key in ("shared-0", "shared-1"):  # readers never see a partial object
+            blob = t.get(key)
+            if blob is not None:
+                codec.decode(blob, key=key, dtype="u8")
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    keys = ["shared-0", "shared-1"] + [f"own-{w}-{i}" for w in range(4) for i in range(25)]
+    assert all(t.exists(keys))
+    for key in keys:
+        codec.decode(t.get(key), key=key, dtype="u8")
+    leftovers = [n for _, _, names in os.walk(root) for n in names if n.startswith(".tmp-")]
+    assert leftovers == []
