@@ -1,0 +1,292 @@
+"""The chunk format: round trips, every malformation, signing, and fuzzing."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import codec
+from kvtier.codec import Signer, decode, encode
+from kvtier.config import load_config
+from kvtier.errors import (
+    ChecksumError,
+    CodecError,
+    ConfigError,
+    KeyMismatchError,
+    SignatureError,
+    TruncatedError,
+)
+
+PAYLOAD = bytes(range(256)) * 16
+KEY = "model-x/tp1r0/00ab"
+
+
+def blob(payload: bytes = PAYLOAD, key: str = KEY, signer: Signer | None = None, **kw) -> bytes:
+    kw.setdefault("dtype", "bfloat16")
+    kw.setdefault("shape", [2, len(payload) // 4])
+    return b"".join(bytes(p) for p in encode(key, payload, signer=signer, **kw))
+
+
+def header_of(b: bytes) -> tuple[dict, int]:
+    _, hlen = struct.unpack_from("<4sI", b)
+    return msgpack.unpackb(b[8 : 8 + hlen]), hlen
+
+
+def rebuild(header: dict, payload: bytes) -> bytes:
+    packed = msgpack.packb(header, use_bin_type=True)
+    return struct.pack("<4sI", codec.MAGIC, len(packed)) + packed + payload
+
+
+def test_round_trip_no_copy() -> None:
+    src = bytearray(PAYLOAD)
+    parts = encode(KEY, memoryview(src), dtype="bfloat16", shape=[2, 1024])
+    assert parts[1].obj is src  # the payload part is a view, not a copy
+    out = decode(b"".join(bytes(p) for p in parts), key=KEY, dtype="bfloat16", shape=(2, 1024))
+    assert isinstance(out, memoryview) and bytes(out) == PAYLOAD
+
+
+def test_round_trip_empty_and_typed_views() -> None:
+    assert bytes(decode(blob(b"", shape=[0]), key=KEY)) == b""
+    typed = memoryview(bytearray(64)).cast("f")  # a float32 view is framed as its bytes
+    b = b"".join(bytes(p) for p in encode(KEY, typed, dtype="float32", shape=[16]))
+    assert decode(b, key=KEY, dtype="float32", shape=[16]).nbytes == 64
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), ChecksumError),  # flipped payload byte
+        (lambda b: b[:-100], TruncatedError),
+        (lambda b: b[:20], TruncatedError),  # ends inside the header
+        (lambda b: b[:6], TruncatedError),  # ends inside the prefix
+        (lambda b: b"", TruncatedError),
+        (lambda b: b + b"x", CodecError),  # trailing bytes
+        (lambda b: b"XXXX" + b[4:], CodecError),  # bad magic
+        (lambda b: b"\x00" * len(b), CodecError),
+        (lambda b: b[:8] + b"\xc1" * (len(b) - 8), CodecError),  # garbage header
+        (lambda b: b[:4] + struct.pack("<I", 2**31) + b[8:], CodecError),  # absurd header length
+    ],
+)
+def test_malformed_chunks(mutate, error) -> None:
+    with pytest.raises(error):
+        decode(mutate(blob()), key=KEY, dtype="bfloat16", shape=[2, 1024])
+
+
+def test_wrong_key() -> None:
+    with pytest.raises(KeyMismatchError):
+        decode(blob(key="other"), key=KEY)
+
+
+def test_unknown_version() -> None:
+    header, _ = header_of(blob())
+    header["v"] = codec.FORMAT_VERSION + 1
+    with pytest.raises(CodecError, match="version"):
+        decode(rebuild(header, PAYLOAD), key=KEY)
+    header["v"] = True  # msgpack true == 1 in Python; still not a version
+    with pytest.raises(CodecError, match="version"):
+        decode(rebuild(header, PAYLOAD), key=KEY)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"extra": 1},
+        {"len": "4096"},
+        {"shape": [2, -1]},
+        {"xxh": b"short"},
+        {"sig": b"x" * 5},
+        {"key": b"model-x/tp1r0/00ab"},
+    ],
+)
+def test_header_fields_are_strict(change: dict) -> None:
+    header, _ = header_of(blob())
+    header.update(change)
+    with pytest.raises(CodecError):
+        decode(rebuild(header, PAYLOAD), key=KEY)
+
+
+def test_dtype_and_shape_mismatch() -> None:
+    b = blob()
+    with pytest.raises(CodecError, match="dtype"):
+        decode(b, key=KEY, dtype="float16")
+    with pytest.raises(CodecError, match="shape"):
+        decode(b, key=KEY, shape=[1024, 2])
+    decode(b, key=KEY)  # not asked, not checked
+
+
+def test_checksum_lie_in_header() -> None:
+    header, _ = header_of(blob())
+    header["xxh"] = bytes(16)
+    with pytest.raises(ChecksumError):
+        decode(rebuild(header, PAYLOAD), key=KEY)
+
+
+K1, K2, K3 = b"key-one-secret", b"key-two-secret", b"key-three-secret"
+
+
+def test_signed_round_trip_and_wrong_key() -> None:
+    signed = blob(signer=Signer(K1))
+    assert bytes(decode(signed, key=KEY, signer=Signer(K1))) == PAYLOAD
+    with pytest.raises(SignatureError):
+        decode(signed, key=KEY, signer=Signer(K2))
+
+
+def test_unsigned_rejected_when_key_set_and_signed_accepted_without() -> None:
+    with pytest.raises(SignatureError, match="not signed"):
+        decode(blob(), key=KEY, signer=Signer(K1))
+    assert bytes(decode(blob(signer=Signer(K1)), key=KEY)) == PAYLOAD
+
+
+def test_rotation() -> None:
+    old_chunk = blob(signer=Signer(K1))
+    rotated = Signer(K2, verify_keys=[K1])
+    new_chunk = blob(signer=rotated)
+    assert bytes(decode(old_chunk, key=KEY, signer=rotated)) == PAYLOAD
+    assert bytes(decode(new_chunk, key=KEY, signer=rotated)) == PAYLOAD
+    with pytest.raises(SignatureError):
+        decode(new_chunk, key=KEY, signer=Signer(K1))  # not-yet-rotated reader
+    with pytest.raises(SignatureError):
+        decode(blob(signer=Signer(K3)), key=KEY, signer=rotated)
+
+
+def test_signature_covers_header_and_payload() -> None:
+    signer = Signer(K1)
+    header, _ = header_of(blob(signer=signer))
+    forged = blob(b"\x00" * len(PAYLOAD), signer=Signer(K2))  # valid checksum, foreign sig
+    fh, _ = header_of(forged)
+    fh["sig"] = header["sig"]  # transplant a genuine signature onto other content
+    with pytest.raises(SignatureError):
+        decode(rebuild(fh, b"\x00" * len(PAYLOAD)), key=KEY, signer=signer)
+    header["dtype"] = "float16"  # edit a signed header field
+    with pytest.raises(SignatureError):
+        decode(rebuild(header, PAYLOAD), key=KEY, signer=signer)
+
+
+def test_signer_repr_has_no_secret() -> None:
+    assert "key-one" not in repr(Signer(K1, [K2]))
+    with pytest.raises(ValueError):
+        Signer(None)
+
+
+def test_signer_from_config(tmp_path) -> None:
+    assert Signer.from_config(load_config({}, environ={}), environ={}) is None
+    cfg = load_config(
+        {"hmac_key_env": "MY_KEY", "hmac_verify_keys_env": "OLD_KEYS"}, environ={}
+    )
+    env = {"MY_KEY": "k2-secret\n", "OLD_KEYS": "k1-secret, k0-secret"}
+    s = Signer.from_config(cfg, environ=env)
+    chunk = blob(signer=Signer(b"k0-secret"))
+    assert bytes(decode(chunk, key=KEY, signer=s)) == PAYLOAD
+    key_file = tmp_path / "hmac.key"
+    key_file.write_text("file-secret\n")
+    verify_file = tmp_path / "old.keys"
+    verify_file.write_text("a-secret\n\nb-secret\n")
+    cfg = load_config(
+        {"hmac_key_file": str(key_file), "hmac_verify_keys_file": str(verify_file)}, environ={}
+    )
+    s = Signer.from_config(cfg, environ={})
+    assert bytes(decode(blob(signer=Signer(b"b-secret")), key=KEY, signer=s)) == PAYLOAD
+    assert bytes(decode(blob(signer=Signer(b"file-secret")), key=KEY, signer=s)) == PAYLOAD
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "names"),
+    [
+        ({"hmac_key_env": "UNSET_VAR"}, {}, "hmac_key_env"),
+        ({"hmac_key_env": "EMPTY"}, {"EMPTY": "  "}, "hmac_key_env"),
+        ({"hmac_key_file": "/nonexistent/kvtier.key"}, {}, "hmac_key_file"),
+        ({"hmac_key_env": "K", "hmac_verify_keys_env": "NOPE"}, {"K": "x"}, "hmac_verify_keys_env"),
+        ({"hmac_verify_keys_env": "V"}, {"V": "the-secret"}, "hmac_verify_keys_env"),
+    ],
+)
+def test_signer_config_errors_name_the_key_not_the_secret(extra, env, names) -> None:
+    with pytest.raises(ConfigError) as info:
+        Signer.from_config(load_config(extra, environ={}), environ=env)
+    assert info.value.key == names
+    assert "the-secret" not in str(info.value)
+
+
+def test_empty_key_file(tmp_path) -> None:
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="hmac_key_file"):
+        Signer.from_config(load_config({"hmac_key_file": str(empty)}, environ={}), environ={})
+
+
+# -- fuzzing -------------------------------------------------------------------------------
+
+SIGNER = Signer(K1)
+FUZZ_PAYLOAD = bytes(range(200))
+SIGNED = blob(FUZZ_PAYLOAD, signer=SIGNER, shape=[200])
+UNSIGNED = blob(FUZZ_PAYLOAD, shape=[200])
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _decode_all_ways(b: bytes) -> None:
+    """Every decode of a damaged blob must end in a CodecError subclass."""
+    for signer in (None, SIGNER):
+        try:
+            decode(b, key=KEY, dtype="bfloat16", shape=[2, 50], signer=signer)
+        except CodecError:
+            continue
+        raise AssertionError("a damaged chunk decoded")
+
+
+@FUZZ
+@given(st.binary(max_size=600))
+def test_fuzz_random_blobs(data: bytes) -> None:
+    for candidate in (data, codec.MAGIC + data, UNSIGNED[:8] + data):
+        try:
+            decode(candidate, key=KEY, signer=SIGNER)
+        except CodecError:
+            pass
+        else:
+            raise AssertionError("random bytes decoded")
+
+
+@st.composite
+def mutations(draw, base: bytes) -> bytes:
+    b = bytearray(base)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "set", "delete", "insert", "truncate", "swap"]))
+        if not b:
+            break
+        i = draw(st.integers(0, len(b) - 1))
+        if op == "flip":
+            b[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            b[i] = draw(st.integers(0, 255).filter(lambda v, old=b[i]: v != old))
+        elif op == "delete":
+            del b[i : i + draw(st.integers(1, 8))]
+        elif op == "insert":
+            b[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "truncate":
+            del b[i:]
+        else:
+            j = draw(st.integers(0, len(b) - 1))
+            b[i], b[j] = b[j], b[i]
+    return bytes(b)
+
+
+@FUZZ
+@given(mutations(SIGNED))
+def test_fuzz_mutated_signed_blob(b: bytes) -> None:
+    if b == SIGNED:
+        return
+    try:
+        decode(b, key=KEY, dtype="bfloat16", shape=[2, 50], signer=SIGNER)
+    except CodecError:
+        return
+    raise AssertionError("a mutated signed chunk decoded")
+
+
+@FUZZ
+@given(mutations(UNSIGNED))
+def test_fuzz_mutated_unsigned_blob(b: bytes) -> None:
+    if b == UNSIGNED:
+        return
+    _decode_all_ways(b)
