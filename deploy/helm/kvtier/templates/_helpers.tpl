@@ -1,0 +1,337 @@
+{{/* ---------------------------------------------------------------- names */}}
+
+{{- define "kvtier.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvtier.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtier.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvtier.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvtier.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Selects the vLLM pods only (the in-chart Redis has component "redis"). */}}
+{{- define "kvtier.vllmSelectorLabels" -}}
+{{ include "kvtier.selectorLabels" . }}
+app.kubernetes.io/component: vllm
+{{- end }}
+
+{{- define "kvtier.labels" -}}
+helm.sh/chart: {{ include "kvtier.chart" . }}
+{{ include "kvtier.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvtier.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvtier.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtier.redisName" -}}
+{{- printf "%s-redis" (include "kvtier.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- sizes */}}
+
+{{/*
+kvtier.bytes: a size as a whole byte count, printed as a decimal integer.
+Argument: (list FIELD VALUE MODE)
+  MODE "kvtier": kvtier's own size strings, case-insensitive, as kvtier.config.parse_size
+                 reads them (B, KB/MB/GB/TB = 10^n, KiB/MiB/GiB/TiB and K/M/G/T = 2^n),
+                 plus the Kubernetes forms Ki/Mi/Gi/Ti. Rendered into the JSON as bytes.
+  MODE "k8s":    a Kubernetes memory quantity (Ki/Mi/Gi/Ti/Pi/Ei = 2^n, k/M/G/T/P/E = 10^n).
+*/}}
+{{- define "kvtier.bytes" -}}
+{{- $field := index . 0 }}
+{{- $v := index . 1 }}
+{{- $mode := index . 2 }}
+{{- if or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) }}
+{{- if lt (float64 $v) 0.0 }}
+{{- fail (printf "%s: %v is negative; give a size in bytes or a string like \"64GiB\"" $field $v) }}
+{{- end }}
+{{- printf "%d" (int64 (floor (float64 $v))) }}
+{{- else if kindIs "string" $v }}
+{{- $re := "^\\s*([0-9]+(\\.[0-9]+)?)\\s*([a-zA-Z]*)\\s*$" }}
+{{- if not (regexMatch $re $v) }}
+{{- fail (printf "%s: %q is not a size; give bytes or a number with a unit, like \"64GiB\" or \"64Gi\"" $field $v) }}
+{{- end }}
+{{- $num := regexReplaceAll $re $v "${1}" }}
+{{- $unit := regexReplaceAll $re $v "${3}" }}
+{{- $units := dict }}
+{{- if eq $mode "k8s" }}
+{{- $units = dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 }}
+{{- else }}
+{{- $unit = lower $unit }}
+{{- $units = dict "" 1 "b" 1 "kb" 1000 "mb" 1000000 "gb" 1000000000 "tb" 1000000000000 "kib" 1024 "mib" 1048576 "gib" 1073741824 "tib" 1099511627776 "k" 1024 "m" 1048576 "g" 1073741824 "t" 1099511627776 "ki" 1024 "mi" 1048576 "gi" 1073741824 "ti" 1099511627776 }}
+{{- end }}
+{{- if not (hasKey $units $unit) }}
+{{- fail (printf "%s: %q has an unknown unit %q; use one of %s" $field $v $unit (keys $units | sortAlpha | without "" | join ", ")) }}
+{{- end }}
+{{- printf "%d" (int64 (ceil (mulf (float64 $num) (index $units $unit)))) }}
+{{- else }}
+{{- fail (printf "%s: %v is not a size" $field $v) }}
+{{- end }}
+{{- end }}
+
+{{/* GiB with two decimals, for messages. Argument: a byte count (string or number). */}}
+{{- define "kvtier.gib" -}}
+{{- printf "%.2f GiB" (divf (float64 .) 1073741824.0) }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- vLLM args */}}
+
+{{/* Number of vLLM GPU workers in the pod: each holds its own host slab and offload share. */}}
+{{- define "kvtier.workers" -}}
+{{- max 1 (int64 .Values.gpu.count) }}
+{{- end }}
+
+{{/*
+--cpu-offload-gb as vLLM will see it: weightOffload.cpuOffloadGb, or the value in
+vllm.extraArgs (`--cpu-offload-gb N` or `--cpu-offload-gb=N`); setting both is an error.
+*/}}
+{{- define "kvtier.cpuOffloadGb" -}}
+{{- $fromArgs := "" }}
+{{- $args := .Values.vllm.extraArgs }}
+{{- range $i, $a := $args }}
+{{- $s := toString $a }}
+{{- if hasPrefix "--cpu-offload-gb=" $s }}
+{{- $fromArgs = trimPrefix "--cpu-offload-gb=" $s }}
+{{- else if eq $s "--cpu-offload-gb" }}
+{{- if ge (add1 $i) (len $args) }}
+{{- fail "vllm.extraArgs: --cpu-offload-gb needs a value" }}
+{{- end }}
+{{- $fromArgs = toString (index $args (add1 $i)) }}
+{{- end }}
+{{- end }}
+{{- $v := .Values.weightOffload.cpuOffloadGb | default 0 }}
+{{- if and $fromArgs (gt (float64 $v) 0.0) }}
+{{- fail "--cpu-offload-gb is set twice: in weightOffload.cpuOffloadGb and in vllm.extraArgs; keep one" }}
+{{- end }}
+{{- if $fromArgs }}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?$" $fromArgs) }}
+{{- fail (printf "vllm.extraArgs: --cpu-offload-gb %q is not a number of GiB" $fromArgs) }}
+{{- end }}
+{{- $fromArgs }}
+{{- else }}
+{{- toString $v }}
+{{- end }}
+{{- end }}
+
+{{/*
+Host bytes of vLLM's weight offload for one GPU worker: weightOffload.hostBytes when
+given (what `kvtier size` computes for the model: pinned copies round every tensor up
+to a power of two), otherwise the UVA budget int(cpuOffloadGb * 2^30) times pinFactor.
+*/}}
+{{- define "kvtier.offloadHostBytes" -}}
+{{- $gb := float64 (include "kvtier.cpuOffloadGb" .) }}
+{{- $wo := .Values.weightOffload }}
+{{- if le $gb 0.0 }}
+{{- print "0" }}
+{{- else if and (ne (toString $wo.hostBytes) "") (ne (toString $wo.hostBytes) "<nil>") }}
+{{- include "kvtier.bytes" (list "weightOffload.hostBytes" $wo.hostBytes "kvtier") }}
+{{- else }}
+{{- $budget := floor (mulf $gb 1073741824.0) }}
+{{- printf "%d" (int64 (ceil (mulf $budget (float64 $wo.pinFactor)))) }}
+{{- end }}
+{{- end }}
+
+{{/* The model argument: a directory on the PVC, or the model name. */}}
+{{- define "kvtier.modelPath" -}}
+{{- $m := .Values.model }}
+{{- if $m.pvc.claimName }}
+{{- $path := trimAll "/" (toString $m.pvc.path) }}
+{{- if $path }}
+{{- printf "%s/%s" (trimSuffix "/" $m.pvc.mountPath) $path }}
+{{- else }}
+{{- $m.pvc.mountPath }}
+{{- end }}
+{{- else }}
+{{- required "model.name is required (a model name, or set model.pvc.claimName)" $m.name }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- kvtier config */}}
+
+{{/* The object tier URL kvtier uses (no credentials): kvtier.remoteUrl or the in-chart Redis. */}}
+{{- define "kvtier.remoteUrl" -}}
+{{- $url := .Values.kvtier.remoteUrl | default "" }}
+{{- if and .Values.redis.enabled $url }}
+{{- fail "redis.enabled deploys a Redis that kvtier uses as its object tier; leave kvtier.remoteUrl empty, or disable redis.enabled to use your own" }}
+{{- end }}
+{{- if regexMatch "^[a-zA-Z0-9+.-]+://[^/]*@" $url }}
+{{- fail "kvtier.remoteUrl holds credentials (user:password@); they would be readable in the pod spec. Give the password as kvtier.redis.existingSecret instead" }}
+{{- end }}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s:6379/0" (include "kvtier.redisName" .) }}
+{{- else }}
+{{- $url }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the Redis password, if any. */}}
+{{- define "kvtier.redisSecret" -}}
+{{- if .Values.kvtier.redis.existingSecret }}
+{{- .Values.kvtier.redis.existingSecret }}
+{{- else if .Values.redis.enabled }}
+{{- .Values.redis.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/*
+kv_connector_extra_config: exactly the snake_case keys kvtier.config.load_config accepts.
+Sizes are rendered as byte counts so kvtier and the chart read them the same way.
+*/}}
+{{- define "kvtier.extraConfig" -}}
+{{- $k := .Values.kvtier }}
+{{- $cfg := dict }}
+{{- if eq (lower (toString $k.cpuBytes)) "auto" }}
+{{- $_ := set $cfg "cpu_bytes" "auto" }}
+{{- else }}
+{{- $_ := set $cfg "cpu_bytes" (int64 (include "kvtier.bytes" (list "kvtier.cpuBytes" $k.cpuBytes "kvtier"))) }}
+{{- end }}
+{{- $_ := set $cfg "cpu_headroom_bytes" (int64 (include "kvtier.bytes" (list "kvtier.headroom" $k.headroom "kvtier"))) }}
+{{- $_ = set $cfg "chunk_size" (int64 $k.chunkSize) }}
+{{- $_ = set $cfg "write_policy" $k.writePolicy }}
+{{- if $k.namespace }}
+{{- $_ = set $cfg "namespace" $k.namespace }}
+{{- end }}
+{{- $url := include "kvtier.remoteUrl" . }}
+{{- if $url }}
+{{- $_ = set $cfg "remote_url" $url }}
+{{- end }}
+{{- if $k.s3.endpointUrl }}
+{{- $_ = set $cfg "s3_endpoint_url" $k.s3.endpointUrl }}
+{{- end }}
+{{- if $k.hmac.existingSecret }}
+{{- $_ = set $cfg "hmac_key_env" $k.hmac.envName }}
+{{- end }}
+{{- range $key, $val := $k.extraConfig }}
+{{- if hasKey $cfg $key }}
+{{- fail (printf "kvtier.extraConfig.%s: the chart sets %s from its own values; set it there" $key $key) }}
+{{- end }}
+{{- $_ = set $cfg $key $val }}
+{{- end }}
+{{- toJson $cfg }}
+{{- end }}
+
+{{/* The whole --kv-transfer-config JSON. */}}
+{{- define "kvtier.transferConfig" -}}
+{{- $extra := include "kvtier.extraConfig" . | fromJson }}
+{{- toJson (dict "kv_connector" "KVTierConnector" "kv_connector_module_path" "kvtier.connectors.vllm" "kv_role" "kv_both" "kv_connector_extra_config" $extra) }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- memory check */}}
+
+{{/*
+The container's memory request and limit must cover what the planner
+(kvtier.sizing.plan.host_total_bytes) adds up:
+  workers x (host tier + weight-offload host bytes) + headroom.
+With cpuBytes "auto" the tier is sized at startup from the limit, so the limit
+must leave room above workers x offload + headroom.
+*/}}
+{{- define "kvtier.checkMemory" -}}
+{{- $res := .Values.resources | default dict }}
+{{- $limits := $res.limits | default dict }}
+{{- $requests := $res.requests | default dict }}
+{{- $limit := required "resources.limits.memory is required: kvtier pins its host tier, so the pod needs a memory limit that covers it (see `kvtier size`)" $limits.memory }}
+{{- $workers := int64 (include "kvtier.workers" .) }}
+{{- $offload := int64 (include "kvtier.offloadHostBytes" .) }}
+{{- $headroom := int64 (include "kvtier.bytes" (list "kvtier.headroom" .Values.kvtier.headroom "kvtier")) }}
+{{- $auto := eq (lower (toString .Values.kvtier.cpuBytes)) "auto" }}
+{{- $tier := 0 }}
+{{- if not $auto }}
+{{- $tier = int64 (include "kvtier.bytes" (list "kvtier.cpuBytes" .Values.kvtier.cpuBytes "kvtier")) }}
+{{- end }}
+{{- $need := add (mul $workers (add $tier $offload)) $headroom }}
+{{- $checks := list (list "resources.limits.memory" $limit) }}
+{{- if $requests.memory }}
+{{- $checks = append $checks (list "resources.requests.memory" $requests.memory) }}
+{{- end }}
+{{- range $checks }}
+{{- $field := index . 0 }}
+{{- $have := int64 (include "kvtier.bytes" (list $field (index . 1) "k8s")) }}
+{{- if $auto }}
+{{- if le $have $need }}
+{{- fail (printf "%s (%v = %s) is too small: with kvtier.cpuBytes \"auto\" the host tier gets what is left after %d worker(s) x weight offload %s + headroom %s = %s, which is nothing. Raise %s above %s." $field (index . 1) (include "kvtier.gib" $have) $workers (include "kvtier.gib" $offload) (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $field (include "kvtier.gib" $need)) }}
+{{- end }}
+{{- else if lt $have $need }}
+{{- fail (printf "%s (%v = %s) is too small for the kvtier host tier: %d worker(s) x (kvtier.cpuBytes %v = %s + weight offload %s) + headroom %s = %s (%d bytes). Raise %s to at least %s, or lower kvtier.cpuBytes." $field (index . 1) (include "kvtier.gib" $have) $workers $.Values.kvtier.cpuBytes (include "kvtier.gib" $tier) (include "kvtier.gib" $offload) (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $need $field (include "kvtier.gib" $need)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- files */}}
+
+{{/* A file the chart links to (files/ holds symlinks into deploy/grafana and deploy/prometheus). */}}
+{{- define "kvtier.file" -}}
+{{- $content := .root.Files.Get .path }}
+{{- if not $content }}
+{{- fail (printf "%s is missing or empty in the chart: it is a symlink to %s in the kvtier repository; package the chart from a full checkout" .path .source) }}
+{{- end }}
+{{- $content }}
+{{- end }}
+
+{{/* The vLLM container's environment: credentials only as secretKeyRef. */}}
+{{- define "kvtier.env" -}}
+{{- $k := .Values.kvtier }}
+{{- $redisSecret := include "kvtier.redisSecret" . }}
+{{- $remoteUrl := include "kvtier.remoteUrl" . }}
+{{- if $k.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $k.s3.existingSecret }}
+      key: {{ $k.s3.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $k.s3.existingSecret }}
+      key: {{ $k.s3.secretAccessKeyKey }}
+{{- end }}
+{{- if $k.s3.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ $k.s3.region | quote }}
+{{- end }}
+{{- if $redisSecret }}
+# The password stays in the Secret; Kubernetes expands $(REDIS_PASSWORD)
+# into the URL in the container's environment only. KVTIER_REMOTE_URL
+# overrides remote_url in --kv-transfer-config.
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $redisSecret }}
+      key: {{ $k.redis.passwordKey }}
+- name: KVTIER_REMOTE_URL
+  value: {{ regexReplaceAll "^(rediss?)://" $remoteUrl (printf "${1}://%s:$(REDIS_PASSWORD)@" ($k.redis.username | default "")) | quote }}
+{{- end }}
+{{- if $k.hmac.existingSecret }}
+- name: {{ $k.hmac.envName }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $k.hmac.existingSecret }}
+      key: {{ $k.hmac.key }}
+{{- end }}
+{{- with .Values.vllm.env }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
+{{- end }}
