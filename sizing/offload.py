@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvtier.sizing.weights import WeightTensor, Weights
+from kvtier.sizing.weights import Weights, WeightTensor
 
 PIN_ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"
 GiB = 1024**3

@@ -146,7 +146,7 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def _elt(code: str, name: str, model_dtype: str) -> int:
-    """vLLM casts float weights to the model dtype on load; scales and quantized data keep theirs."""
+    """Float weights are cast to the model dtype on load; scales and quantized data are not."""
     if code not in ST_DTYPE_BYTES:
         raise ModelConfigError(f"unknown safetensors dtype {code!r} for {name}")
     leaf = name.rsplit(".", 1)[-1]
@@ -210,7 +210,7 @@ def _fuse(
         numel = sum(_numel(s) for _, s, _ in members)
         out.append(WeightTensor(fused_name, layer, numel, members[0][2], _ceil_div(numel, tp)))
     used: set[str] = set()
-    for name, (shp, _elt_) in plain.items():
+    for name, (shp, _) in plain.items():
         parent, _, rest = name.rpartition(".")
         module_parent, _, module = parent.rpartition(".")
         pre = f"{module_parent}." if module_parent else ""

@@ -1,0 +1,314 @@
+"""``kvtier doctor``: read a vLLM server log and say what weight offload and kvtier really did.
+
+vLLM reports the UVA offload in GiB ("Total CPU offloaded parameters: 10.05")
+and the prefetch offload in GB ("Total GPU memory saved: 10.7900 GB"), warns
+about a discarded budget only through Python's ``warnings``, and logs nothing
+when a selector matches nothing or an old V2 runner skips offload. The doctor
+puts those lines side by side, converts each unit exactly, and raises the
+same warning codes as ``kvtier size``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
+
+GB = 10**9
+
+_VERSION = [
+    re.compile(r"vLLM (?:API )?server version (v?\d+\.\d+[\w.+-]*)"),
+    re.compile(r"Initializing a V1 LLM engine \(v?(\d+\.\d+[\w.+-]*)\)"),
+]
+_OFFLOADER = re.compile(r"Offloader set to (\w+)")
+_UVA_TOTAL = re.compile(r"Total CPU offloaded parameters: ([\d.]+)")
+_PREFETCH = re.compile(
+    r"\[PrefetchOffloader\] Initialized (\d+) modules\. Total GPU memory saved: ([\d.]+) GB, "
+    r"Static buffer pool: ([\d.]+) GB \(group_size=(\d+), num_in_group=(\d+), "
+    r"prefetch_step=(\d+)"
+)
+_MODEL_LOAD = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")
+_AVAIL_KV = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_KV_SIZE = re.compile(r"(\w+(?: \+ host)?) KV cache size: ([\d,]+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
+_CONNECTOR = re.compile(r"Creating v1 connector with name: (\w+)")
+_KVTIER_CONFIG = re.compile(r"kvtier config: (\{.*\})\s*$")
+_KVTIER_ERROR = re.compile(r"(kvtier config '\w+': got .*)$")
+_NUM_IN_GROUP = re.compile(
+    r"offload_num_in_group \((\d+)\) must be <= offload_group_size \((\d+)\)"
+)
+_BOTH_SET = "Both UVA and prefetch offload fields are set"
+_UVA_IGNORED = "UVA offload fields are set but offload_backend='prefetch'"
+_PREFETCH_IGNORED = "Prefetch offload fields are set but offload_backend='uva'"
+_V2_RUNNER = "Using V2 Model Runner"
+
+_ARG_KEYS = {
+    "cpu_offload_gb": re.compile(r"'cpu_offload_gb': ([\d.]+)"),
+    "offload_group_size": re.compile(r"'offload_group_size': (\d+)"),
+    "offload_num_in_group": re.compile(r"'offload_num_in_group': (\d+)"),
+    "offload_prefetch_step": re.compile(r"'offload_prefetch_step': (\d+)"),
+    "offload_backend": re.compile(r"'offload_backend': '(\w+)'"),
+    "cpu_offload_params": re.compile(r"'cpu_offload_params': (\{[^}]*\}|\[[^\]]*\])"),
+    "offload_params": re.compile(r"'offload_params': (\{[^}]*\}|\[[^\]]*\])"),
+    "model": re.compile(r"'model': '([^']*)'"),
+    "tensor_parallel_size": re.compile(r"'tensor_parallel_size': (\d+)"),
+}
+
+
+def _num(s: str) -> float:
+    return float(s.replace(",", ""))
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _non_default_args(text: str) -> dict[str, Any]:
+    """The offload-relevant entries of vLLM's ``non-default args`` dict.
+
+    Parsed key by key: the dict's repr holds objects (KVTransferConfig(...)) that
+    ``literal_eval`` cannot read.
+    """
+    out: dict[str, Any] = {}
+    for key, rx in _ARG_KEYS.items():
+        m = rx.search(text)
+        if not m:
+            continue
+        raw = m.group(1)
+        if key in ("cpu_offload_params", "offload_params"):
+            value = _literal(raw)
+            out[key] = sorted(value) if isinstance(value, set | list) else []
+        elif key in ("offload_backend", "model"):
+            out[key] = raw
+        elif key == "cpu_offload_gb":
+            out[key] = float(raw)
+        else:
+            out[key] = int(raw)
+    if "KVTierConnector" in text:
+        out["kv_connector"] = "KVTierConnector"
+    return out
+
+
+def parse_log(lines: Iterable[str]) -> dict[str, Any]:
+    """Everything the doctor reads from a log, as facts (no judgement yet)."""
+    facts: dict[str, Any] = {
+        "vllm_version": None, "v2_model_runner": False, "offloader": None, "args": {},
+        "uva_offloaded_gib": None, "prefetch": None, "model_loading_gib": None,
+        "available_kv_cache_gib": None, "kv_cache_pool": None, "kv_cache_tokens": None,
+        "max_model_len": None, "max_concurrency": None, "connector": None,
+        "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
+        "offload_validation_error": None,
+    }  # fmt: skip
+    for line in lines:
+        line = line.rstrip("\n")
+        if facts["vllm_version"] is None:
+            for rx in _VERSION:
+                if m := rx.search(line):
+                    facts["vllm_version"] = m.group(1).lstrip("v").rstrip(",")
+                    break
+        if _V2_RUNNER in line:
+            facts["v2_model_runner"] = True
+        if m := _OFFLOADER.search(line):
+            facts["offloader"] = m.group(1)
+        if m := _UVA_TOTAL.search(line):
+            facts["uva_offloaded_gib"] = float(m.group(1))
+        if m := _PREFETCH.search(line):
+            facts["prefetch"] = {
+                "modules": int(m.group(1)),
+                "gpu_saved_gb": float(m.group(2)),
+                "buffer_pool_gb": float(m.group(3)),
+                "group_size": int(m.group(4)),
+                "num_in_group": int(m.group(5)),
+                "prefetch_step": int(m.group(6)),
+            }
+        if m := _MODEL_LOAD.search(line):
+            facts["model_loading_gib"] = float(m.group(1))
+        if m := _AVAIL_KV.search(line):
+            facts["available_kv_cache_gib"] = float(m.group(1))
+        if m := _KV_SIZE.search(line):
+            facts["kv_cache_pool"] = m.group(1)
+            facts["kv_cache_tokens"] = int(_num(m.group(2)))
+        if m := _CONCURRENCY.search(line):
+            facts["max_model_len"] = int(_num(m.group(1)))
+            facts["max_concurrency"] = float(m.group(2))
+        if m := _NON_DEFAULT.search(line):
+            facts["args"] = _non_default_args(m.group(1))
+        if m := _CONNECTOR.search(line):
+            facts["connector"] = m.group(1)
+        if m := _KVTIER_CONFIG.search(line):
+            text = m.group(1)
+            try:
+                facts["kvtier_config"] = json.loads(text)
+            except json.JSONDecodeError:
+                facts["kvtier_config"] = _literal(text)
+        if m := _KVTIER_ERROR.search(line):
+            facts["kvtier_errors"].append(m.group(1))
+        for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
+            if marker in line and marker not in facts["python_warnings"]:
+                facts["python_warnings"].append(marker)
+        if m := _NUM_IN_GROUP.search(line):
+            facts["offload_validation_error"] = (int(m.group(1)), int(m.group(2)))
+    return facts
+
+
+def read_proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and RssShmem of a live process, in bytes (Linux /proc)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssShmem", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
+    """Turn the facts into warnings with the same codes ``kvtier size`` uses."""
+    w: list[dict[str, str]] = []
+    args = facts["args"]
+    gb = float(args.get("cpu_offload_gb", 0) or 0)
+    group = int(args.get("offload_group_size", 0) or 0)
+    backend = args.get("offload_backend", "auto")
+    requested = gb > 0 or group > 0 or backend in ("uva", "prefetch")
+    applied = facts["offloader"] is not None and facts["offloader"] != "NoopOffloader"
+    version = parse_version(facts["vllm_version"])
+
+    if _BOTH_SET in facts["python_warnings"] or (backend == "auto" and gb > 0 and group > 0):
+        w.append(warning("uva-discarded-by-prefetch", (
+            f"--cpu-offload-gb {gb:g} was discarded: --offload-group-size {group} selects the "
+            "prefetch backend, and vLLM said so only through a Python warning.")))
+    if _UVA_IGNORED in facts["python_warnings"]:
+        w.append(warning("uva-discarded-by-prefetch",
+                         "--offload-backend prefetch ignored the UVA (--cpu-offload-gb) fields."))
+    if _PREFETCH_IGNORED in facts["python_warnings"]:
+        w.append(warning("prefetch-ignored-by-uva",
+                         "--offload-backend uva ignored the prefetch fields."))
+    if err := facts["offload_validation_error"]:
+        code = "prefetch-without-group-size" if err[1] == 0 else "prefetch-invalid"
+        w.append(warning(code, (
+            f"vLLM refused the offload config: offload_num_in_group ({err[0]}) must be <= "
+            f"offload_group_size ({err[1]})" + ("; --offload-backend prefetch needs "
+            "--offload-group-size" if err[1] == 0 else "") + ".")))
+    if requested and not applied and facts["offload_validation_error"] is None:
+        old = version is not None and version[:2] < OLDEST_OFFLOAD_SAFE_VLLM
+        if old:
+            w.append(warning("offload-ignored-old-vllm", (
+                f"weight offload was requested but vLLM {facts['vllm_version']} "
+                + ("runs the V2 model runner, which " if facts["v2_model_runner"] else "")
+                + "ignores it silently: all weights stayed on the GPU. Upgrade to >= 0.28.")))
+        else:
+            w.append(warning("offload-not-applied", (
+                "weight offload was requested but the log shows no offloader "
+                "(no 'Offloader set to ...' line); check the log covers engine start.")))
+    if facts["offloader"] == "UVAOffloader" or (applied and gb > 0 and group == 0):
+        if args.get("offload_params"):
+            w.append(warning("offload-params-ignored", (
+                f"offload_params {args['offload_params']} is read only by the prefetch backend; "
+                "UVA used cpu_offload_params "
+                f"{args.get('cpu_offload_params') or '(none: everything eligible)'}.")))
+        if facts["uva_offloaded_gib"] is None:
+            sel = args.get("cpu_offload_params")
+            w.append(warning("selector-matches-nothing", (
+                f"the UVA offloader was set but offloaded nothing; selectors {sel} match no "
+                "parameter name (matched as '.sel.' inside names relative to a decoder layer, "
+                "e.g. 'experts', 'self_attn', not 'layers.0' or 'model.layers...').")))
+        elif gb > 0 and facts["uva_offloaded_gib"] < gb - 0.01:
+            w.append(warning("cpu-offload-gb-not-kv", (
+                f"--cpu-offload-gb {gb:g} but vLLM offloaded {facts['uva_offloaded_gib']} GiB: "
+                "the rest of the budget does nothing. It moves weights only, never KV cache.")))
+    if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
+        w.append(warning("offload-params-ignored", (
+            f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; prefetch "
+            "reads offload_params.")))
+    return w
+
+
+def report(facts: dict[str, Any], proc: dict[str, int] | None = None,
+           plan: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The JSON the doctor prints: facts, converted sizes, process memory, plan, warnings."""
+    out = dict(facts)
+    gib = facts["uva_offloaded_gib"]
+    out["uva_offloaded_bytes"] = None if gib is None else round(gib * GiB)
+    if facts["prefetch"]:
+        pf = dict(facts["prefetch"])
+        pf["gpu_saved_bytes"] = round(pf["gpu_saved_gb"] * GB)
+        pf["buffer_pool_bytes"] = round(pf["buffer_pool_gb"] * GB)
+        pf["gpu_saved_gib"] = round(pf["gpu_saved_gb"] * GB / GiB, 4)
+        out["prefetch"] = pf
+    out["kvtier_loaded"] = facts["connector"] == "KVTierConnector" or (
+        facts["args"].get("kv_connector") == "KVTierConnector"
+    )
+    out["process"] = proc
+    out["plan"] = plan
+    warns = diagnose(facts)
+    if plan:
+        seen = {x["code"] for x in warns}
+        warns += [x for x in plan["warnings"] if x["code"] not in seen]
+    out["warnings"] = warns
+    return out
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The readable form of :func:`report`."""
+
+    def row(label: str, value: Any) -> str:
+        return f"  {label:<30} {'-' if value is None else value}"
+
+    pf = rep["prefetch"]
+    gib = rep["uva_offloaded_gib"]
+    lines = [
+        "vLLM",
+        row("version", rep["vllm_version"]),
+        row("V2 model runner", "yes" if rep["v2_model_runner"] else "not logged"),
+        row("offloader", rep["offloader"] or "none logged"),
+        row("requested (non-default args)", {k: v for k, v in rep["args"].items()
+                                             if k != "model"} or None),  # fmt: skip
+        row("UVA offloaded (vLLM prints GiB)",
+            None if gib is None else f"{gib} GiB = {rep['uva_offloaded_bytes'] / GB:.2f} GB"),
+    ]  # fmt: skip
+    if pf:
+        lines.append(row("prefetch saved (prints GB)",
+                         f"{pf['gpu_saved_gb']} GB = {pf['gpu_saved_gib']} GiB "
+                         f"({pf['modules']} layers)"))  # fmt: skip
+        lines.append(row("prefetch buffer pool", f"{pf['buffer_pool_gb']} GB"))
+    lines += [
+        row("model loading", None if rep["model_loading_gib"] is None
+            else f"{rep['model_loading_gib']} GiB"),
+        row("available KV cache", None if rep["available_kv_cache_gib"] is None
+            else f"{rep['available_kv_cache_gib']} GiB"),
+        row("KV cache capacity", None if rep["kv_cache_tokens"] is None
+            else f"{rep['kv_cache_tokens']:,} tokens ({rep['kv_cache_pool']})"),
+        row("max concurrency", None if rep["max_concurrency"] is None
+            else f"{rep['max_concurrency']}x at {rep['max_model_len']:,} tokens"),
+        "kvtier",
+        row("loaded", "yes" if rep["kvtier_loaded"] else "no"),
+        row("config", rep["kvtier_config"]),
+    ]  # fmt: skip
+    for err in rep["kvtier_errors"]:
+        lines.append(row("error", err))
+    if rep["process"]:
+        p = rep["process"]
+        lines.append("process")
+        for key in ("VmRSS", "RssShmem", "RssAnon"):
+            if key in p:
+                lines.append(row(key, f"{p[key] / GiB:.2f} GiB"))
+    if rep["plan"]:
+        plan = rep["plan"]
+        lines.append("plan")
+        exp = plan["weight_offload_host_bytes"] + (plan["host_tier_bytes"] or 0)
+        lines.append(row("expected host bytes / worker", f"{exp / GiB:.2f} GiB "
+                         "(offloaded weights + host tier)"))  # fmt: skip
+        lines.append(row("planned weight offload", f"{plan['weight_offload_gpu_bytes'] / GiB:.2f}"
+                         f" GiB off GPU, {plan['weight_offload_host_bytes'] / GiB:.2f} GiB host"))
+    lines.append("warnings" if rep["warnings"] else "warnings: none")
+    for x in rep["warnings"]:
+        lines.append(f"  [{x['code']}] {x['message']}")
+    return "\n".join(lines)

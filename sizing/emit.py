@@ -1,0 +1,136 @@
+"""What ``kvtier size --emit`` prints: text to paste into vLLM, Helm or an LMCache deployment.
+
+All four forms come from the same plan, so the host tier a Helm chart
+reserves, the one the connector allocates and the one an LMCache comparison
+uses are the same number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from typing import Any
+
+from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
+
+EMIT_FORMATS = ("kv-transfer-config", "vllm-args", "helm-values", "lmcache-env")
+DEFAULT_CHUNK_SIZE = 256
+
+
+def cpu_bytes_value(plan: dict[str, Any]) -> int | str:
+    """The per-worker host tier from the plan, or "auto" when the plan cannot size it."""
+    tier = plan.get("host_tier_bytes")
+    return int(tier) if tier else "auto"
+
+
+def extra_config(
+    plan: dict[str, Any],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    remote_url: str | None = None,
+    write_policy: str = "write_through",
+    namespace: str = "",
+) -> dict[str, Any]:
+    """``kv_connector_extra_config``; every key is one :func:`kvtier.config.load_config` reads."""
+    cfg: dict[str, Any] = {
+        "cpu_bytes": cpu_bytes_value(plan),
+        "chunk_size": chunk_size,
+        "cpu_headroom_bytes": plan["headroom_bytes"],
+        "write_policy": write_policy,
+    }
+    if remote_url:
+        cfg["remote_url"] = remote_url
+    if namespace:
+        cfg["namespace"] = namespace
+    return cfg
+
+
+def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object that loads kvtier into vLLM."""
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra_config(plan, **kwargs),
+    }
+
+
+def vllm_flags(inp: PlanInputs) -> list[str]:
+    """The ``vllm serve`` flags that reproduce the planned memory layout (no KV connector)."""
+    args: list[str] = []
+    if inp.tp > 1:
+        args += ["--tensor-parallel-size", str(inp.tp)]
+    args += ["--gpu-memory-utilization", f"{inp.gpu_memory_utilization:g}"]
+    if inp.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", inp.kv_cache_dtype]
+    if inp.offload_backend != "auto":
+        args += ["--offload-backend", inp.offload_backend]
+    if inp.cpu_offload_gb > 0:
+        args += ["--cpu-offload-gb", f"{inp.cpu_offload_gb:g}"]
+    if inp.cpu_offload_params:
+        args += ["--cpu-offload-params", *sorted(inp.cpu_offload_params)]
+    if inp.offload_group_size > 0:
+        args += ["--offload-group-size", str(inp.offload_group_size)]
+        args += ["--offload-num-in-group", str(inp.offload_num_in_group)]
+        args += ["--offload-prefetch-step", str(inp.offload_prefetch_step)]
+    if inp.offload_params:
+        args += ["--offload-params", *sorted(inp.offload_params)]
+    return args
+
+
+def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
+    """Render one ``--emit`` format."""
+    ktc = kv_transfer_config(plan, **kwargs)
+    ktc_json = json.dumps(ktc, separators=(",", ":"))
+    if fmt == "kv-transfer-config":
+        return json.dumps(ktc, indent=2)
+    if fmt == "vllm-args":
+        flags = vllm_flags(inp) + ["--kv-transfer-config", ktc_json]
+        return shlex.join(["vllm", "serve", inp.model, *flags])
+    if fmt == "helm-values":
+        return helm_values(plan, inp, ktc["kv_connector_extra_config"])
+    if fmt == "lmcache-env":
+        return lmcache_env(plan, kwargs.get("chunk_size", DEFAULT_CHUNK_SIZE))
+    raise ValueError(f"unknown emit format {fmt!r}; one of {', '.join(EMIT_FORMATS)}")
+
+
+def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) -> str:
+    """A values block for the kvtier Helm chart (YAML; strings JSON-quoted, which YAML reads)."""
+    q = json.dumps
+    cpu = extra["cpu_bytes"]
+    lines = [
+        "kvtier:",
+        f"  cpuBytes: {cpu if isinstance(cpu, int) else q(cpu)}",
+        f"  chunkSize: {extra['chunk_size']}",
+        f"  remoteUrl: {q(extra.get('remote_url', ''))}",
+        f"  writePolicy: {q(extra['write_policy'])}",
+        f"  namespace: {q(extra.get('namespace', ''))}",
+    ]
+    total = plan.get("host_bytes_total")
+    if total is not None:
+        mem = k8s_quantity(total)
+        lines += [
+            "resources:",
+            "  limits:",
+            f"    memory: {q(mem)}",
+            "  requests:",
+            f"    memory: {q(mem)}",
+        ]
+    else:
+        lines.append("# resources: unknown; pass --gpu-memory and --warm-sessions to size them")
+    lines += ["vllm:", "  extraArgs:"] + [f"    - {q(a)}" for a in vllm_flags(inp)]
+    return "\n".join(lines)
+
+
+def lmcache_env(plan: dict[str, Any], chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
+    """The LMCache environment for the same host tier (LMCache reads the size in GiB per worker)."""
+    tier = plan.get("host_tier_bytes")
+    lines = ["LMCACHE_LOCAL_CPU=True"]
+    if tier:
+        size = math.ceil(tier / GiB * 100) / 100
+        lines.append(f"LMCACHE_MAX_LOCAL_CPU_SIZE={size:.2f}")
+    else:
+        lines.append("# LMCACHE_MAX_LOCAL_CPU_SIZE: unknown; pass --gpu-memory and --warm-sessions")
+    lines.append(f"LMCACHE_CHUNK_SIZE={chunk_size}")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""The readable form of a plan (``kvtier size`` without ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1024**3
+
+
+def _b(n: int | None) -> str:
+    """Bytes with GiB alongside, or "unknown"."""
+    if n is None:
+        return "unknown"
+    if abs(n) >= GiB / 100:
+        return f"{n / GiB:,.2f} GiB ({n:,} B)"
+    return f"{n:,} B"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """Sections: model, weights and offload, GPU, host, verdict, warnings."""
+    kv_heads = "MLA latent (replicated per rank)" if p["mla"] else (
+        f"{p['num_kv_heads']} total, {p['kv_heads_per_rank']} per rank"
+    )  # fmt: skip
+    tier = p["host_tier_bytes"]
+    tier_text = _b(tier)
+    if p["host_tier_needed"] is False:
+        tier_text = "not needed (GPU holds the warm set)"
+    fits = {True: "yes", False: "NO", None: "unknown (give --gpu-memory, --host-memory, "
+            "--warm-sessions)"}[p["fits"]]  # fmt: skip
+    rows: list[tuple[str, str] | str] = [
+        "model",
+        ("config", f"{p['model']} ({p['model_type']}, {p['dtype']}, TP {p['tp']})"),
+        ("layers holding KV", f"{p['kv_layers']} of {p['num_layers']}"
+         + (f", {p['sliding_layers']} sliding ({p['sliding_window']} tokens)"
+            if p["sliding_layers"] else "")),  # fmt: skip
+        ("KV heads", kv_heads),
+        ("KV bytes / token", f"{p['kv_bytes_per_token']:,} B ({p['kv_cache_dtype']} KV cache)"),
+        ("KV bytes / token / rank", f"{p['kv_bytes_per_token_per_rank']:,} B"),
+        (f"one {p['context']:,}-token session", _b(p["session_kv_bytes_per_rank"]) + " per rank"),
+        "weights",
+        ("weights (" + p["weights_source"] + ")", _b(p["weight_bytes"])),
+        ("weights per rank", _b(p["weight_bytes_per_rank"])),
+        ("offload backend", p["offload_backend"]),
+        ("moved off GPU", _b(p["weight_offload_gpu_bytes"])
+         + f" ({p['weight_offload_tensors']} tensors, {p['weight_offload_layers']} layers)"),
+        ("host RAM for them", _b(p["weight_offload_host_bytes"])
+         + (" (pinned: power-of-two rounded)" if p["pin_memory"] else " (not pinned: exact)")),
+        ("prefetch buffer pool (GPU)", _b(p["prefetch_buffer_bytes"])),
+        ("resident on GPU", _b(p["resident_weight_bytes"])),
+        "GPU (per rank)",
+        ("GPU memory", _b(p["gpu_memory_bytes"])),
+        ("KV budget", _b(p["gpu_kv_bytes"]) + f"  = {p['gpu_memory_utilization']:g} x GPU - "
+         f"resident - {p['overhead_bytes'] / GiB:g} GiB overhead"),
+        ("KV tokens", "unknown" if p["gpu_kv_tokens"] is None else f"{p['gpu_kv_tokens']:,}"),
+        (f"{p['context']:,}-token sessions", "unknown" if p["gpu_kv_sessions"] is None
+         else f"{p['gpu_kv_sessions']:,}"),  # fmt: skip
+        "host (per worker unless total)",
+        ("warm set", _b(p["warm_set_bytes"])
+         + ("" if p["warm_sessions"] is None else f" ({p['warm_sessions']} sessions)")),
+        ("kvtier host tier", tier_text + ("  = (warm - GPU KV) x 1.15" if tier else "")),
+        ("headroom", _b(p["headroom_bytes"])),
+        ("host total", _b(p["host_bytes_total"])),
+        ("host memory", _b(p["host_memory_bytes"])),
+        ("fits", fits),
+    ]
+    lines = []
+    for r in rows:
+        if isinstance(r, str):
+            lines.append(r)
+        else:
+            lines.append(f"  {r[0]:<28} {r[1]}")
+    lines.append("warnings" if p["warnings"] else "warnings: none")
+    for w in p["warnings"]:
+        lines.append(f"  [{w['code']}] {w['message']}")
+    return "\n".join(lines)
