@@ -1,0 +1,418 @@
+"""``kvtier bench`` against a fake OpenAI-compatible server, and against real vLLM (e2e).
+
+The fake server is a real HTTP server on loopback (threaded ``http.server``):
+it streams SSE chunks after a controlled delay, answers 500 to every Nth
+completion, and serves a ``/metrics`` page whose counters move by known
+amounts per request — so TTFT, failure counting and the metric-delta hit rate
+are checked against numbers the test chose, over a real socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtier.sizing import bench
+
+FIRST_TOKEN_DELAY = 0.2
+TOKEN_DELAY = 0.01
+HIT_PER_REQUEST = 30
+LOOKUP_PER_REQUEST = 40
+TTFT_LE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
+
+
+class FakeServer:
+    """State and counters of the fake OpenAI-compatible server."""
+
+    def __init__(self, *, fail_every: int = 0, kvtier_metrics: bool = True) -> None:
+        self.fail_every = fail_every
+        self.kvtier_metrics = kvtier_metrics
+        self.lock = threading.Lock()
+        self.completions = 0
+        self.prompts: list[str] = []
+        self.resets = 0
+        # counters start far from zero: a rate computed from totals instead of deltas is wrong
+        self.kv_hit, self.kv_lookup = 1000.0, 9000.0
+        self.vllm_hit, self.vllm_query = 500.0, 600.0
+        self.ttft_obs: dict[str, list[float]] = {"hit": [0.05] * 7, "miss": [0.3] * 3}
+
+    def observe(self, n: int) -> None:
+        """Counters for the n-th (1-based) successful completion."""
+        self.kv_hit += HIT_PER_REQUEST
+        self.kv_lookup += LOOKUP_PER_REQUEST
+        self.vllm_hit += 10
+        self.vllm_query += 100
+        outcome = "hit" if n % 2 == 0 else "miss"
+        self.ttft_obs[outcome].append(0.05 if outcome == "hit" else 0.3)
+
+    def metrics_text(self) -> str:
+        lab = 'model_name="fake",engine="0"'
+        lines = [
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{lab}}} {self.vllm_hit}",
+            f"vllm:prefix_cache_queries_total{{{lab}}} {self.vllm_query}",
+            f"vllm:prefix_cache_queries_created{{{lab}}} 1.7e9",
+        ]
+        if self.kvtier_metrics:
+            lines += [
+                "# TYPE kvtier:lookup_tokens_total counter",
+                f"kvtier:lookup_tokens_total{{{lab}}} {self.kv_lookup}",
+                # split across two tiers: the bench must sum them
+                f'kvtier:hit_tokens_total{{{lab},tier="host"}} {self.kv_hit - 100}',
+                f'kvtier:hit_tokens_total{{{lab},tier="remote"}} 100.0',
+                "# TYPE kvtier:ttft_seconds histogram",
+            ]
+            for outcome, obs in self.ttft_obs.items():
+                for le in TTFT_LE:
+                    c = sum(o <= le for o in obs)
+                    lines.append(
+                        f'kvtier:ttft_seconds_bucket{{{lab},outcome="{outcome}",le="{le}"}} {c}.0'
+                    )
+                lines.append(
+                    f'kvtier:ttft_seconds_bucket{{{lab},outcome="{outcome}",le="+Inf"}} '
+                    f"{len(obs)}.0"
+                )
+                lines.append(f'kvtier:ttft_seconds_count{{{lab},outcome="{outcome}"}} {len(obs)}')
+                lines.append(f'kvtier:ttft_seconds_sum{{{lab},outcome="{outcome}"}} {sum(obs)}')
+        return "\n".join(lines) + "\n"
+
+
+def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": "fake-model"}]}).encode())
+            elif self.path == "/metrics":
+                with state.lock:
+                    text = state.metrics_text()
+                self._send(200, text.encode(), "text/plain; version=0.0.4")
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
+            if self.path == "/tokenize":
+                self._send(200, json.dumps({"count": len(body["prompt"].split())}).encode())
+                return
+            if self.path == "/reset_prefix_cache":
+                with state.lock:
+                    state.resets += 1
+                self._send(200, b'{"success": true}')
+                return
+            if self.path != "/v1/completions":
+                self._send(404, b"{}")
+                return
+            assert body["stream"] is True and body["temperature"] == 0
+            with state.lock:
+                state.completions += 1
+                n = state.completions
+                state.prompts.append(body["prompt"])
+            if state.fail_every and n % state.fail_every == 0:
+                self._send(500, b'{"error": "injected failure"}')
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            time.sleep(FIRST_TOKEN_DELAY)
+            for i in range(body["max_tokens"]):
+                chunk = {"choices": [{"index": 0, "text": f" tok{n}_{i}"}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(TOKEN_DELAY)
+            usage = {"prompt_tokens": len(body["prompt"].split()),
+                     "completion_tokens": body["max_tokens"],
+                     "prompt_tokens_details": {"cached_tokens": 3}}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            with state.lock:
+                state.observe(n - (n // state.fail_every if state.fail_every else 0))
+            self.close_connection = True
+
+    return Handler
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeServer, str]]:
+    """A started fake server; the test may change its knobs before the run."""
+    state = FakeServer()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _args(url: str, *extra: str) -> Any:
+    return bench.build_parser().parse_args(
+        ["--url", url, "--sessions", "4", "--turns", "2", "--shared-prefix-tokens", "50",
+         "--turn-tokens", "10", "--output-tokens", "5", "--concurrency", "2", *extra]
+    )
+
+
+def test_ttft_table_and_hit_rate_from_deltas(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    assert bench.run(_args(url)) == 0
+    out = capsys.readouterr().out
+    assert state.completions == 8
+    for label in ("requests", "throughput", "TTFT p50 / p99", "TTFT hit", "TTFT miss",
+                  "hit rate"):
+        assert label in out, out
+    assert "8 (0 failed)" in out
+    # 30 of 40 looked-up tokens per request, whatever the totals were before the run
+    assert "75.0 %" in out and "kvtier:hit_tokens_total" in out
+
+
+def test_json_fields_ttft_and_outcomes(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    assert bench.run(_args(url, "--json")) == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("requests", "failed", "throughput_rps", "ttft_p50_s", "ttft_p99_s", "hit_rate"):
+        assert key in res
+    assert res["requests"] == 8 and res["failed"] == 0
+    assert res["model"] == "fake-model"
+    # client TTFT is the server's first-chunk delay, not the whole stream (5 x 10 ms more)
+    assert FIRST_TOKEN_DELAY <= res["ttft_p50_s"] < FIRST_TOKEN_DELAY + 0.15
+    assert all(s["latency_s"] >= s["ttft_s"] + 4 * TOKEN_DELAY for s in res["samples"])
+    assert res["hit_rate"] == pytest.approx(HIT_PER_REQUEST / LOOKUP_PER_REQUEST)
+    assert res["hit_rates"]["vllm_prefix_cache"] == pytest.approx(0.1)
+    assert res["metrics_deltas"]["kvtier:hit_tokens_total"] == 8 * HIT_PER_REQUEST
+    # 4 hits at 0.05 s (bucket 0.04..0.06) and 4 misses at 0.3 s (0.25..0.5), interpolated
+    by = res["ttft_by_outcome"]
+    assert by["hit"]["count"] == 4 and by["miss"]["count"] == 4
+    assert by["hit"]["p50_s"] == pytest.approx(0.05)
+    assert by["miss"]["p50_s"] == pytest.approx(0.375)
+    assert res["prompt_tokens_mean"] > 50 and res["cached_tokens_total"] == 3 * 8
+    assert res["throughput_rps"] > 0
+
+
+def test_failed_requests_are_counted(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    state.fail_every = 3
+    rc = bench.run(_args(url, "--json", "--sessions", "6", "--turns", "1"))
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert res["requests"] == 6 and res["failed"] == 2
+    assert list(res["errors"]) == ["HTTP 500: {\"error\": \"injected failure\"}"]
+    assert res["hit_rate"] == pytest.approx(0.75)  # 4 successes moved the counters
+
+
+def test_every_request_failing_exits_1(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    state.fail_every = 1
+    assert bench.run(_args(url)) == 1
+    assert "8 x HTTP 500" in capsys.readouterr().out
+
+
+def test_unreachable_server_is_a_failure_not_a_crash(capsys: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = _args(f"http://127.0.0.1:{port}", "--model", "m", "--json", "--turns", "1")
+    assert bench.run(args) == 1
+    res = json.loads(capsys.readouterr().out)
+    assert res["failed"] == res["requests"] == 4
+    assert res["hit_rate"] is None and res["hit_rate_source"].startswith("none")
+
+
+def test_vllm_counters_when_kvtier_is_absent(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    state.kvtier_metrics = False
+    assert bench.run(_args(url, "--json")) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["hit_rate"] == pytest.approx(0.1)
+    assert res["hit_rate_source"].startswith("vllm:prefix_cache_hits_total")
+    assert res["ttft_by_outcome"] == {}
+
+
+def test_multi_turn_prompts_extend_previous_prompt_and_answer(
+    fake: tuple[FakeServer, str], capsys: Any
+) -> None:
+    state, url = fake
+    assert bench.run(_args(url, "--json", "--turns", "3", "--concurrency", "1")) == 0
+    first, second, third = state.prompts[:3]  # session 0's turns, in order
+    assert second.startswith(first + "\n tok1_0 tok1_1")
+    assert third.startswith(second + "\n tok2_0")
+    res = json.loads(capsys.readouterr().out)
+    assert [(s["session"], s["turn"]) for s in res["samples"][:3]] == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_reset_prefix_cache_before_each_request(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    state, url = fake
+    assert bench.run(_args(url, "--json", "--reset-prefix-cache")) == 0
+    assert state.resets == 8
+
+
+def test_plot_writes_png(fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any) -> None:
+    _, url = fake
+    png = tmp_path / "bench.png"
+    args = _args(url, "--plot", str(png), "--metrics-interval", "0.1")
+    assert bench.run(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written" in capsys.readouterr().out
+
+
+def test_request_rate_paces_arrivals(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    _, url = fake
+    rate, n = 10.0, 6
+    rng = random.Random("kvtier-bench:0:arrivals")
+    gaps = [rng.expovariate(rate) for _ in range(n)]
+    args = _args(url, "--json", "--sessions", str(n), "--turns", "1", "--concurrency", str(n),
+                 "--request-rate", str(rate))
+    assert bench.run(args) == 0
+    starts = sorted(s["start_s"] for s in json.loads(capsys.readouterr().out)["samples"])
+    assert starts[-1] >= sum(gaps) - 0.05
+
+
+def test_workload_is_deterministic_and_shares_the_prefix() -> None:
+    kw = dict(sessions=3, turns=3, shared_prefix_tokens=300, turn_tokens=100)
+    a, b = bench.make_workload(seed=7, **kw), bench.make_workload(seed=7, **kw)
+    assert a == b
+    assert a != bench.make_workload(seed=8, **kw)
+    shared = a[0].first_prompt.split()[:300]
+    for s in a:
+        words = s.first_prompt.split()
+        assert words[:300] == shared and len(words) == 400
+        assert words[300:] != a[(s.index + 1) % 3].first_prompt.split()[300:]
+        assert [len(t.split()) for t in s.follow_ups] == [100, 100]
+    # two tokens per word: half the words
+    half = bench.make_workload(seed=7, tokens_per_word=2.0, **kw)
+    assert len(half[0].first_prompt.split()) == 200
+
+
+def test_metrics_parsing_and_quantiles() -> None:
+    text = (
+        '# TYPE x counter\nx_total{a="q\\"uote",b="2"} 3.5\nx_total{a="z"} 1e1\n'
+        'h_bucket{le="0.1"} 2\nh_bucket{le="1.0"} 4\nh_bucket{le="+Inf"} 5\ngarbage line\n'
+    )
+    snap = bench.Snapshot(0.0, bench.parse_metrics(text))
+    assert snap.total("x_total") == 13.5 and snap.total("y_total") is None
+    assert snap.samples[0][1] == {"a": 'q"uote', "b": "2"}
+    b = sorted(snap.buckets("h", "outcome")[""].items())
+    assert bench.histogram_quantile(0.2, b) == pytest.approx(0.05)
+    assert bench.histogram_quantile(0.6, b) == pytest.approx(0.55)
+    assert bench.histogram_quantile(0.99, b) == pytest.approx(1.0)  # +Inf bucket: last finite le
+    assert bench.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+    assert bench.quantile([], 0.5) is None
+
+
+def test_bad_flags_exit_2(capsys: Any) -> None:
+    args = bench.build_parser().parse_args(["--sessions", "0"])
+    assert bench.run(args) == 2
+    assert "--sessions" in capsys.readouterr().err
+
+
+def test_module_imports_neither_torch_vllm_nor_matplotlib(
+    fake: tuple[FakeServer, str]
+) -> None:
+    _, url = fake
+    code = (
+        "import sys\nfrom kvtier.sizing import bench\n"
+        f"rc = bench.run(bench.build_parser().parse_args(['--url', '{url}', '--json', "
+        "'--sessions', '2', '--shared-prefix-tokens', '20', '--turn-tokens', '5', "
+        "'--output-tokens', '2']))\n"
+        "bad = [m for m in ('torch', 'vllm', 'matplotlib') if m in sys.modules]\n"
+        "assert rc == 0 and not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["requests"] == 2
+
+
+# ---------------------------------------------------------------------------- e2e
+
+KVTIER_CONFIG = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "kvtier.connectors.vllm",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes": "256MiB", "chunk_size": 256},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
+    """A handful of requests through vLLM's CPU server with kvtier: none fail, kvtier hits.
+
+    vLLM's own prefix cache is reset before every request, so the hits counted
+    can only have come from kvtier's host tier.
+    """
+    import httpx
+    from kvtier.sizing.tinymodel import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "NO_PROXY": "127.0.0.1,localhost"}
+    log = open(tmp_path / "vllm.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--enforce-eager", "--block-size", "32", "--max-model-len", "2048",
+         "--kv-transfer-config", json.dumps(KVTIER_CONFIG)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2,
+                             trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vLLM did not start in 300 s"
+            time.sleep(1)
+        args = bench.build_parser().parse_args(
+            ["--url", f"http://127.0.0.1:{port}", "--json", "--sessions", "3", "--turns", "2",
+             "--shared-prefix-tokens", "600", "--turn-tokens", "64", "--output-tokens", "4",
+             "--concurrency", "1", "--reset-prefix-cache"]
+        )
+        rc = bench.run(args)
+        res = json.loads(capsys.readouterr().out)
+        assert rc == 0 and res["failed"] == 0, res["errors"]
+        assert res["hit_rate"] is not None and res["hit_rate"] > 0, res["hit_rates"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
