@@ -100,29 +100,72 @@ Argument: (list FIELD VALUE MODE)
 
 {{/* ---------------------------------------------------------------- vLLM args */}}
 
-{{/* Number of vLLM GPU workers in the pod: each holds its own host slab and offload share. */}}
+{{/*
+kvtier.argValue: the value of a flag in vllm.extraArgs ("--flag N" or "--flag=N"), or "".
+Argument: (list ARGS NAME ALIAS...)
+*/}}
+{{- define "kvtier.argValue" -}}
+{{- $args := index . 0 }}
+{{- $names := rest . }}
+{{- $found := "" }}
+{{- range $i, $a := $args }}
+{{- $s := toString $a }}
+{{- range $names }}
+{{- if hasPrefix (printf "%s=" .) $s }}
+{{- $found = trimPrefix (printf "%s=" .) $s }}
+{{- else if eq $s . }}
+{{- if ge (add1 $i) (len $args) }}
+{{- fail (printf "vllm.extraArgs: %s needs a value" .) }}
+{{- end }}
+{{- $found = toString (index $args (add1 $i)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $found }}
+{{- end }}
+
+{{/*
+vLLM GPU workers in the pod (tensor x pipeline parallel), each with its own kvtier host
+slab and its own share of the weight offload: from --tensor-parallel-size /
+--pipeline-parallel-size in vllm.extraArgs, otherwise gpu.count (at least 1).
+*/}}
 {{- define "kvtier.workers" -}}
+{{- $args := .Values.vllm.extraArgs }}
+{{- $tp := include "kvtier.argValue" (list $args "--tensor-parallel-size" "-tp") }}
+{{- $pp := include "kvtier.argValue" (list $args "--pipeline-parallel-size" "-pp") }}
+{{- range $flag, $v := dict "--tensor-parallel-size" $tp "--pipeline-parallel-size" $pp }}
+{{- if and $v (not (regexMatch "^[1-9][0-9]*$" $v)) }}
+{{- fail (printf "vllm.extraArgs: %s %q is not a positive integer" $flag $v) }}
+{{- end }}
+{{- end }}
+{{- if or $tp $pp }}
+{{- $n := mul (int64 ($tp | default "1")) (int64 ($pp | default "1")) }}
+{{- if and (not (kindIs "invalid" .Values.gpu.count)) (gt $n (int64 .Values.gpu.count)) }}
+{{- fail (printf "vllm.extraArgs run %d GPU workers (tensor x pipeline parallel) but gpu.count is %v; raise gpu.count or leave it empty to follow the args" $n .Values.gpu.count) }}
+{{- end }}
+{{- $n }}
+{{- else if kindIs "invalid" .Values.gpu.count }}
+{{- print "1" }}
+{{- else }}
 {{- max 1 (int64 .Values.gpu.count) }}
+{{- end }}
+{{- end }}
+
+{{/* GPUs requested: gpu.count, or one per vLLM worker when it is empty. */}}
+{{- define "kvtier.gpuCount" -}}
+{{- if kindIs "invalid" .Values.gpu.count }}
+{{- include "kvtier.workers" . }}
+{{- else }}
+{{- int64 .Values.gpu.count }}
+{{- end }}
 {{- end }}
 
 {{/*
 --cpu-offload-gb as vLLM will see it: weightOffload.cpuOffloadGb, or the value in
-vllm.extraArgs (`--cpu-offload-gb N` or `--cpu-offload-gb=N`); setting both is an error.
+vllm.extraArgs; setting both is an error.
 */}}
 {{- define "kvtier.cpuOffloadGb" -}}
-{{- $fromArgs := "" }}
-{{- $args := .Values.vllm.extraArgs }}
-{{- range $i, $a := $args }}
-{{- $s := toString $a }}
-{{- if hasPrefix "--cpu-offload-gb=" $s }}
-{{- $fromArgs = trimPrefix "--cpu-offload-gb=" $s }}
-{{- else if eq $s "--cpu-offload-gb" }}
-{{- if ge (add1 $i) (len $args) }}
-{{- fail "vllm.extraArgs: --cpu-offload-gb needs a value" }}
-{{- end }}
-{{- $fromArgs = toString (index $args (add1 $i)) }}
-{{- end }}
-{{- end }}
+{{- $fromArgs := include "kvtier.argValue" (list .Values.vllm.extraArgs "--cpu-offload-gb") }}
 {{- $v := .Values.weightOffload.cpuOffloadGb | default 0 }}
 {{- if and $fromArgs (gt (float64 $v) 0.0) }}
 {{- fail "--cpu-offload-gb is set twice: in weightOffload.cpuOffloadGb and in vllm.extraArgs; keep one" }}
@@ -139,19 +182,30 @@ vllm.extraArgs (`--cpu-offload-gb N` or `--cpu-offload-gb=N`); setting both is a
 
 {{/*
 Host bytes of vLLM's weight offload for one GPU worker: weightOffload.hostBytes when
-given (what `kvtier size` computes for the model: pinned copies round every tensor up
-to a power of two), otherwise the UVA budget int(cpuOffloadGb * 2^30) times pinFactor.
+given (what `kvtier size` computes from the model's tensors), otherwise the budget
+int(cpuOffloadGb * 2^30) rounded up to a power of two as pinning does (kvtier's
+autosize uses the same bound), or the budget itself with disablePinMemory.
 */}}
 {{- define "kvtier.offloadHostBytes" -}}
 {{- $gb := float64 (include "kvtier.cpuOffloadGb" .) }}
 {{- $wo := .Values.weightOffload }}
 {{- if le $gb 0.0 }}
 {{- print "0" }}
-{{- else if and (ne (toString $wo.hostBytes) "") (ne (toString $wo.hostBytes) "<nil>") }}
+{{- else if and $wo.hostBytes (ne (toString $wo.hostBytes) "") }}
 {{- include "kvtier.bytes" (list "weightOffload.hostBytes" $wo.hostBytes "kvtier") }}
 {{- else }}
-{{- $budget := floor (mulf $gb 1073741824.0) }}
-{{- printf "%d" (int64 (ceil (mulf $budget (float64 $wo.pinFactor)))) }}
+{{- $budget := int64 (floor (mulf $gb 1073741824.0)) }}
+{{- if $wo.disablePinMemory }}
+{{- $budget }}
+{{- else }}
+{{- $p := 1 }}
+{{- range until 64 }}
+{{- if lt $p $budget }}
+{{- $p = mul $p 2 }}
+{{- end }}
+{{- end }}
+{{- $p }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -263,6 +317,17 @@ must leave room above workers x offload + headroom.
 {{- $tier = int64 (include "kvtier.bytes" (list "kvtier.cpuBytes" .Values.kvtier.cpuBytes "kvtier")) }}
 {{- end }}
 {{- $need := add (mul $workers (add $tier $offload)) $headroom }}
+{{- $gb := include "kvtier.cpuOffloadGb" . }}
+{{- $how := "" }}
+{{- if gt $offload 0 }}
+{{- if and .Values.weightOffload.hostBytes (ne (toString .Values.weightOffload.hostBytes) "") }}
+{{- $how = " (weightOffload.hostBytes)" }}
+{{- else if .Values.weightOffload.disablePinMemory }}
+{{- $how = printf " (--cpu-offload-gb %s, unpinned)" $gb }}
+{{- else }}
+{{- $how = printf " (--cpu-offload-gb %s rounded up to a power of two as pinning does; weightOffload.hostBytes from `kvtier size --model` is exact)" $gb }}
+{{- end }}
+{{- end }}
 {{- $checks := list (list "resources.limits.memory" $limit) }}
 {{- if $requests.memory }}
 {{- $checks = append $checks (list "resources.requests.memory" $requests.memory) }}
@@ -272,10 +337,10 @@ must leave room above workers x offload + headroom.
 {{- $have := int64 (include "kvtier.bytes" (list $field (index . 1) "k8s")) }}
 {{- if $auto }}
 {{- if le $have $need }}
-{{- fail (printf "%s (%v = %s) is too small: with kvtier.cpuBytes \"auto\" the host tier gets what is left after %d worker(s) x weight offload %s + headroom %s = %s, which is nothing. Raise %s above %s." $field (index . 1) (include "kvtier.gib" $have) $workers (include "kvtier.gib" $offload) (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $field (include "kvtier.gib" $need)) }}
+{{- fail (printf "%s (%v = %s) is too small: with kvtier.cpuBytes \"auto\" the host tier gets what is left after %d worker(s) x weight offload %s%s + headroom %s = %s, which is nothing. Raise %s above %s." $field (index . 1) (include "kvtier.gib" $have) $workers (include "kvtier.gib" $offload) $how (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $field (include "kvtier.gib" $need)) }}
 {{- end }}
 {{- else if lt $have $need }}
-{{- fail (printf "%s (%v = %s) is too small for the kvtier host tier: %d worker(s) x (kvtier.cpuBytes %v = %s + weight offload %s) + headroom %s = %s (%d bytes). Raise %s to at least %s, or lower kvtier.cpuBytes." $field (index . 1) (include "kvtier.gib" $have) $workers $.Values.kvtier.cpuBytes (include "kvtier.gib" $tier) (include "kvtier.gib" $offload) (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $need $field (include "kvtier.gib" $need)) }}
+{{- fail (printf "%s (%v = %s) is too small for the kvtier host tier: %d worker(s) x (kvtier.cpuBytes %v = %s + weight offload %s%s) + headroom %s = %s (%d bytes). Raise %s to at least %s, or lower kvtier.cpuBytes." $field (index . 1) (include "kvtier.gib" $have) $workers $.Values.kvtier.cpuBytes (include "kvtier.gib" $tier) (include "kvtier.gib" $offload) $how (include "kvtier.gib" $headroom) (include "kvtier.gib" $need) $need $field (include "kvtier.gib" $need)) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -330,6 +395,10 @@ must leave room above workers x offload + headroom.
     secretKeyRef:
       name: {{ $k.hmac.existingSecret }}
       key: {{ $k.hmac.key }}
+{{- end }}
+{{- if and .Values.weightOffload.disablePinMemory (gt (float64 (include "kvtier.cpuOffloadGb" .)) 0.0) }}
+- name: VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY
+  value: "1"
 {{- end }}
 {{- with .Values.vllm.env }}
 {{- toYaml . | nindent 0 }}
