@@ -6,7 +6,8 @@ Fixtures (see each one's docstring):
     redis_url      function redis_server's URL, server (re)started if needed and flushed
     s3_server      session  a running moto S3 server: .endpoint_url .env .create_bucket()
                             .client() .kill() .start() .restart()
-    s3_bucket      function a fresh bucket; AWS_* env set so plain boto3 finds the server
+    s3_env         function s3_server, running, with its AWS_* env set (monkeypatch)
+    s3_bucket      function a fresh bucket on it (s3_env applied): .name .url .endpoint_url
     services       function factory of private servers/proxies torn down after the test:
                             services.redis(start=True, password=None, port=None)
                             services.s3(start=True, port=None)
@@ -300,13 +301,23 @@ def s3_server() -> Iterator[S3Server]:
 
 
 @pytest.fixture
-def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
-    """A new bucket on the session server, with ``s3_server.env`` set in ``os.environ``."""
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The session S3 server, running, with ``s3_server.env`` set in ``os.environ``.
+
+    Plain ``boto3.client("s3")`` (and so kvtier's S3 tier) then reaches it
+    with moto's test credentials and never any real AWS account.
+    """
     s3_server.start()
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return S3Bucket(s3_server.create_bucket(), s3_server)
+    return s3_server
+
+
+@pytest.fixture
+def s3_bucket(s3_env: S3Server) -> S3Bucket:
+    """A new, empty bucket on the session server (``s3_env`` applied); ``.url`` is s3://name/kv."""
+    return S3Bucket(s3_env.create_bucket(), s3_env)
 
 
 @pytest.fixture

@@ -174,9 +174,7 @@ def test_signer_repr_has_no_secret() -> None:
 
 def test_signer_from_config(tmp_path) -> None:
     assert Signer.from_config(load_config({}, environ={}), environ={}) is None
-    cfg = load_config(
-        {"hmac_key_env": "MY_KEY", "hmac_verify_keys_env": "OLD_KEYS"}, environ={}
-    )
+    cfg = load_config({"hmac_key_env": "MY_KEY", "hmac_verify_keys_env": "OLD_KEYS"}, environ={})
     env = {"MY_KEY": "k2-secret\n", "OLD_KEYS": "k1-secret, k0-secret"}
     s = Signer.from_config(cfg, environ=env)
     chunk = blob(signer=Signer(b"k0-secret"))

@@ -1,0 +1,338 @@
+"""RemoteIO against real Redis and S3 servers, with faults from a TCP proxy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+from conftest import RedisServer, S3Bucket, S3Server
+
+from kvtier import codec
+from kvtier.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
+from kvtier.config import load_config
+from kvtier.remote import IOResult, RemoteIO
+from kvtier.tiers import FileTier, ObjectTier
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.s3 import S3Tier
+
+pytestmark = pytest.mark.integration
+
+SHAPE = [2, 8, 64]
+SIZE = 2 * 8 * 64 * 2  # bfloat16
+DT = "bfloat16"
+
+
+def payload(seed: int = 1, size: int = SIZE) -> memoryview:
+    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(size)))
+
+
+def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, IOResult]:
+    out: list[IOResult] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += rio.poll()
+        time.sleep(0.002)
+    assert len(out) == n, f"expected {n} results, got {out}"
+    assert len({r.op_id for r in out}) == n
+    return {r.op_id: r for r in out}
+
+
+def make_rio(tier: ObjectTier, **kw) -> RemoteIO:
+    kw.setdefault("threads", 4)
+    kw.setdefault("queue_depth", 16)
+    kw.setdefault("timeout_s", 5.0)
+    kw.setdefault("signer", None)
+    kw.setdefault("backoff", ConstantBackoff(0.2))
+    return RemoteIO(tier, **kw)
+
+
+@pytest.fixture(params=["file", "s3", "redis"])
+def any_tier(request, tmp_path) -> ObjectTier:
+    if request.param == "file":
+        return FileTier(str(tmp_path / "objects"))
+    if request.param == "s3":
+        bucket: S3Bucket = request.getfixturevalue("s3_bucket")
+        return S3Tier(bucket.url)
+    return RedisTier(request.getfixturevalue("redis_url"))
+
+
+def test_round_trip(any_tier: ObjectTier) -> None:
+    rio = make_rio(any_tier, signer=codec.Signer(b"k"))
+    src = [payload(i) for i in range(5)]
+    for i, p in enumerate(src):
+        assert rio.submit_put(i, f"key{i}", p, dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    puts = collect(rio, 5)
+    assert all(r.ok and r.kind == "put" and r.nbytes > SIZE for r in puts.values())
+    rio.submit_exists(10, ["key0", "nope", "key4"])
+    dests = [memoryview(bytearray(SIZE)) for _ in range(5)]
+    for i, d in enumerate(dests):
+        rio.submit_get_into(20 + i, f"key{i}", d, dtype=DT, shape=SHAPE)
+    miss = memoryview(bytearray(SIZE))
+    rio.submit_get_into(30, "nope", miss, dtype=DT, shape=SHAPE)
+    res = collect(rio, 7)
+    assert res[10].ok and res[10].value == [True, False, True]
+    assert all(res[20 + i].ok for i in range(5))
+    assert [bytes(d) for d in dests] == [bytes(p) for p in src]
+    assert not res[30].ok and res[30].error_kind is None  # a plain miss
+    c = rio.take_counters()
+    assert c["bytes_written"] == sum(r.nbytes for r in puts.values())
+    assert c["bytes_read"] == 5 * puts[0].nbytes
+    assert c["writes_dropped"] == 0 and not any(v for k, v in c.items() if k.startswith("errors_"))
+    assert rio.take_counters()["bytes_read"] == 0  # deltas since the last take
+    assert rio.counters()["bytes_read"] == c["bytes_read"]
+    rio.close()
+
+
+def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, services) -> None:
+    redis_server.start()
+    proxy = services.proxy((redis_server.host, redis_server.port))
+    proxy.bandwidth_bps = 2e6  # 256 KiB take ~0.13 s per write
+    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=2, queue_depth=2)
+    big = payload(3, 256 * 1024)
+    accepted, worst = 0, 0.0
+    for i in range(30):
+        t0 = time.perf_counter()
+        accepted += rio.submit_put(i, f"bp{i}", big, dtype="u8", shape=[len(big)])
+        worst = max(worst, time.perf_counter() - t0)
+    assert worst < 0.005, f"submit_put blocked for {worst * 1000:.1f} ms"
+    assert 2 <= accepted <= 4  # one writing, two queued, maybe one finished
+    assert rio.counters()["writes_dropped"] == 30 - accepted
+    # lookups do not queue behind the write backlog
+    t0 = time.perf_counter()
+    rio.submit_exists(100, ["bp0"])
+    res = collect(rio, 1, timeout=5)
+    assert res[100].ok and time.perf_counter() - t0 < 0.1
+    assert rio.pending_writes > 0
+    assert rio.flush(10) == 0
+    results = collect(rio, accepted)  # dropped puts are not reported
+    assert all(r.ok for r in results.values())
+    rio.close()
+
+
+def test_tier_down_at_start_then_started(services) -> None:
+    server = services.redis(start=False)
+    rio = make_rio(
+        RedisTier(server.url, lookup_timeout_ms=300), backoff=ExponentialBackoff(0.2, 0.4)
+    )
+    rio.submit_exists(1, ["a"])
+    r = collect(rio, 1)[1]
+    assert not r.ok and r.error_kind == "unreachable"
+    assert rio.is_down
+    t0 = time.perf_counter()
+    rio.submit_exists(2, ["a"])  # during the backoff: fails fast, no connection attempt
+    assert not collect(rio, 1)[2].ok and time.perf_counter() - t0 < 0.05
+    assert rio.submit_put(3, "a", payload(), dtype=DT, shape=SHAPE)  # reported, not dropped
+    assert collect(rio, 1)[3].error_kind == "unreachable"
+    server.start()
+    time.sleep(0.45)
+    assert not rio.is_down
+    assert rio.submit_put(4, "a", payload(), dtype=DT, shape=SHAPE)
+    assert collect(rio, 1)[4].ok
+    rio.submit_exists(5, ["a"])
+    assert collect(rio, 1)[5].value == [True]
+    assert rio.counters()["errors_unreachable"] == 3
+    rio.close()
+
+
+def test_redis_killed_mid_run_then_restarted(services, caplog) -> None:
+    secret = "pw-never-logged"
+    server = services.redis(password=secret)
+    rio = make_rio(RedisTier(server.url, lookup_timeout_ms=300), backoff=ConstantBackoff(0.2))
+    caplog.set_level(logging.INFO, "kvtier.remote")
+    op = 0
+
+    def round_trip() -> tuple[IOResult, IOResult]:
+        nonlocal op
+        op += 2
+        rio.submit_put(op, f"k{op}", payload(op), dtype=DT, shape=SHAPE)
+        put = collect(rio, 1)[op]
+        dest = memoryview(bytearray(SIZE))
+        rio.submit_get_into(op + 1, f"k{op}", dest, dtype=DT, shape=SHAPE)
+        get = collect(rio, 1)[op + 1]
+        assert not get.ok or bytes(dest) == bytes(payload(op))
+        return put, get
+
+    assert all(r.ok for r in round_trip())
+    server.kill()
+    failed = [r for _ in range(5) for r in round_trip()]
+    assert all(r.error_kind == "unreachable" for r in failed)
+    server.start()  # same port, empty
+    deadline = time.monotonic() + 5
+    while not all(r.ok for r in round_trip()):
+        assert time.monotonic() < deadline, "RemoteIO did not recover"
+        time.sleep(0.05)
+    counters = rio.counters()
+    assert counters["errors_unreachable"] >= 10
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # rate-limited
+    assert "back" in caplog.text or "reachable again" in caplog.text
+    assert secret not in caplog.text
+    rio.close()
+
+
+def test_rate_limited_warning_counts_suppressed(services, caplog) -> None:
+    server = services.redis(start=False)
+    rio = make_rio(RedisTier(server.url), backoff=NoBackoff())
+    caplog.set_level(logging.WARNING, "kvtier.remote")
+    rio._tier_log.interval = 0.3  # the production interval is 10 s
+    for i in range(5):
+        rio.submit_exists(i, ["x"])
+        collect(rio, 1)
+    time.sleep(0.35)
+    rio.submit_exists(9, ["x"])
+    collect(rio, 1)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and "4 similar warnings suppressed" in msgs[1]
+    rio.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "s3"])
+def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env: S3Server,
+                                     services) -> None:  # fmt: skip
+    if backend == "redis":
+        redis_server.start()
+        proxy = services.proxy((redis_server.host, redis_server.port))
+        tier: ObjectTier = RedisTier(f"redis://127.0.0.1:{proxy.port}/0")
+    else:
+        bucket = s3_env.create_bucket()
+        proxy = services.proxy((s3_env.host, s3_env.port))
+        tier = S3Tier(f"s3://{bucket}/p", endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    proxy.latency_s = 0.1  # each way: 200 ms round trips
+    rio = make_rio(tier, timeout_s=5.0)
+    dests = [memoryview(bytearray(SIZE)) for _ in range(4)]
+    t0 = time.perf_counter()
+    for i in range(4):
+        assert rio.submit_put(i, f"lat{i}", payload(i), dtype=DT, shape=SHAPE)
+    rio.submit_exists(10, [f"lat{i}" for i in range(4)])
+    for i, d in enumerate(dests):
+        rio.submit_get_into(20 + i, f"lat{i}", d, dtype=DT, shape=SHAPE)
+    assert time.perf_counter() - t0 < 0.01  # nine submits, no waiting
+    assert rio.poll() == []
+    res = collect(rio, 9, timeout=10)
+    assert all(r.seconds >= 0.2 for r in res.values())
+    assert all(res[i].ok for i in range(4))
+    rio.close()
+
+
+def test_slow_get_times_out_and_never_writes_dest(redis_server: RedisServer, services) -> None:
+    redis_server.start()
+    tier = RedisTier(redis_server.url)
+    tier.put("slow", codec.encode("slow", payload(), dtype=DT, shape=SHAPE))
+    proxy = services.proxy((redis_server.host, redis_server.port))
+    proxy.latency_s = 0.25
+    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), timeout_s=0.2)
+    dest = memoryview(bytearray(SIZE))
+    rio.submit_get_into(1, "slow", dest, dtype=DT, shape=SHAPE)
+    rio.submit_exists(2, ["slow"])
+    res = collect(rio, 2)
+    assert res[1].error_kind == "timeout" and res[2].error_kind == "timeout"
+    assert res[1].seconds < 0.4
+    time.sleep(0.6)  # the fetch completes in the background...
+    assert bytes(dest) == bytes(SIZE)  # ...and is discarded
+    assert rio.poll() == []  # one result per op
+    assert rio.counters()["errors_timeout"] == 2
+    proxy.latency_s = 0
+    rio.close()
+    tier.close()
+
+
+def _corruptions(key: str) -> dict[str, bytes]:
+    good = b"".join(bytes(p) for p in codec.encode(key, payload(), dtype=DT, shape=SHAPE))
+    other = b"".join(bytes(p) for p in codec.encode("other", payload(), dtype=DT, shape=SHAPE))
+    small = b"".join(bytes(p) for p in codec.encode(key, payload(1, 64), dtype=DT, shape=SHAPE))
+    return {
+        "checksum": good[:-1] + bytes([good[-1] ^ 0xFF]),
+        "truncated": good[: len(good) // 2],
+        "wrong_key": other,
+        "malformed": b"\x00garbage" * 10,
+        "signature": good,  # unsigned, read with a key set
+        "size": small,  # header/shape says SHAPE, payload is 64 bytes: not our slot's size
+    }
+
+
+@pytest.mark.parametrize("backend", ["s3", "redis"])
+def test_corrupt_objects_are_reported_never_loaded(backend, request) -> None:
+    keys = _corruptions("x")
+    if backend == "s3":
+        bucket: S3Bucket = request.getfixturevalue("s3_bucket")
+
+        def make_tier() -> ObjectTier:
+            return S3Tier(bucket.url)
+
+        client = bucket.server.client()
+        for name in keys:  # written straight into the bucket, as any S3 client could
+            blob = _corruptions(f"bad-{name}")[name]
+            client.put_object(Bucket=bucket.name, Key=f"kv/bad-{name}", Body=blob)
+    else:
+        url = request.getfixturevalue("redis_url")
+
+        def make_tier() -> ObjectTier:
+            return RedisTier(url)
+
+        raw = request.getfixturevalue("redis_server").client()
+        for name in keys:
+            raw.set(f"bad-{name}", _corruptions(f"bad-{name}")[name])
+    rio = make_rio(make_tier(), signer=None)
+    # the same objects through a RemoteIO that requires signatures
+    signed = make_rio(make_tier(), signer=codec.Signer(b"the-key"))
+    dests = {name: memoryview(bytearray(b"\xee" * SIZE)) for name in keys}
+    for i, name in enumerate(keys):
+        via = signed if name == "signature" else rio
+        via.submit_get_into(i, f"bad-{name}", dests[name], dtype=DT, shape=SHAPE)
+        r = collect(via, 1)[i]
+        assert not r.ok
+        expected = "malformed" if name in ("size", "malformed") else name
+        assert r.error_kind == expected, (name, r)
+        assert bytes(dests[name]) == b"\xee" * SIZE
+    assert signed.counters()["errors_signature"] == 1
+    signed.close()
+    c = rio.counters()
+    assert {k: c["errors_" + k] for k in ("checksum", "truncated", "wrong_key", "signature")} == {
+        "checksum": 1, "truncated": 1, "wrong_key": 1, "signature": 0}  # fmt: skip
+    assert c["errors_malformed"] == 2
+    assert not rio.is_down  # bad data is not an outage
+    rio.close()
+
+
+def test_flush_counts_unwritten_and_close_drops(redis_server: RedisServer, services) -> None:
+    redis_server.start()
+    proxy = services.proxy((redis_server.host, redis_server.port))
+    proxy.bandwidth_bps = 1e6
+    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=2, queue_depth=8)
+    big = payload(5, 200_000)
+    for i in range(6):
+        assert rio.submit_put(i, f"f{i}", big, dtype="u8", shape=[len(big)])
+    t0 = time.perf_counter()
+    missing = rio.flush(0.5)
+    assert 0.5 <= time.perf_counter() - t0 < 0.8
+    assert 3 <= missing <= 5, missing
+    proxy.bandwidth_bps = None
+    rio.close()
+    assert rio.counters()["writes_dropped"] >= 2
+    assert not rio.submit_put(99, "late", big, dtype="u8", shape=[len(big)])
+
+
+def test_read_queue_full_reports_timeout(redis_server: RedisServer, services) -> None:
+    redis_server.start()
+    proxy = services.proxy((redis_server.host, redis_server.port))
+    proxy.latency_s = 0.1
+    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=1, queue_depth=2)
+    for i in range(6):
+        rio.submit_exists(i, ["a"])
+    res = collect(rio, 6)
+    assert sum(r.error_kind == "timeout" for r in res.values()) >= 3
+    assert rio.counters()["reads_dropped"] >= 3
+    rio.close()
+
+
+def test_from_config(tmp_path) -> None:
+    os.environ.pop("KVTIER_TEST_HMAC", None)
+    cfg = load_config({"remote_url": f"file://{tmp_path}", "io_threads": 2}, environ={})
+    rio = RemoteIO.from_config(cfg, environ={})
+    assert rio.signer is None and rio.tier.name == "file" and rio.timeout_s == 2.0
+    assert rio.submit_put(1, "k", payload(), dtype=DT, shape=SHAPE)
+    assert rio.flush(5) == 0 and collect(rio, 1)[1].ok
+    rio.close()
