@@ -1,0 +1,70 @@
+"""What the scheduler side tells the workers each step, and what they answer.
+
+Plain dataclasses of ints and bytes: vLLM pickles them across processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(slots=True)
+class LoadOp:
+    """Host slot -> paged KV: ``count`` slot blocks from ``first`` into ``gpu_blocks``."""
+
+    op_id: int
+    slot: int
+    first: int
+    gpu_blocks: list[int]
+
+
+@dataclass(slots=True)
+class StoreOp:
+    """Paged KV -> host slot (a whole chunk); optionally queued for the object tier."""
+
+    op_id: int
+    slot: int
+    gpu_blocks: list[int]
+    block_hash: bytes
+    upload_op_id: int | None = None
+
+
+@dataclass(slots=True)
+class RemoteOp:
+    """Object tier <-> host slot: a fetch (get into the slot) or an upload (put from it)."""
+
+    op_id: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    step: int = 0
+    #: host tier size per worker, bytes; the slab is allocated on first use
+    host_bytes: int = 0
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+    fetches: list[RemoteOp] = field(default_factory=list)
+    uploads: list[RemoteOp] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Per-op outcomes from each worker; aggregated across TP ranks by vLLM."""
+
+    steps: list[int] = field(default_factory=list)
+    #: op id -> one flag per worker that reported it
+    results: dict[int, list[bool]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMeta)
+        merged = {k: list(v) for k, v in self.results.items()}
+        for op_id, oks in other.results.items():
+            merged.setdefault(op_id, []).extend(oks)
+        return KVTierWorkerMeta(steps=sorted(set(self.steps) | set(other.steps)), results=merged)

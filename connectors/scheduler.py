@@ -1,0 +1,471 @@
+"""Scheduler side of the connector: chunk keys, the host-tier index, and the plan.
+
+Runs in vLLM's scheduler process. It decides which chunk lives in which host
+slot, which chunks a request may load, which chunks to store and when to talk
+to the object tier; the workers only execute the ops it puts into the step's
+metadata and report back through the worker metadata. It never touches KV
+bytes and never waits on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier import metrics
+from kvtier.config import KVTierConfig, format_size
+from kvtier.index import ChunkIndex, Entry, State
+from kvtier.keys import ANY_RANK, Namespace, chunk_block_hashes, chunk_key
+from kvtier.layout import slot_bytes_for
+from kvtier.stats import StatsRecorder
+
+from .metadata import KVTierMetadata, KVTierWorkerMeta, LoadOp, RemoteOp, StoreOp
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier.scheduler")
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """An object-tier lookup in flight for one request."""
+
+    started: float
+    first_chunk: int
+    exists_op: int | None = None
+    fetching: list[Entry] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _ReqState:
+    request: Request
+    chunk_hashes: list[bytes] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    #: chunks below this index are stored (or were skipped on purpose)
+    next_store: int = 0
+    #: (start, end) token range get_num_new_matched_tokens offered
+    plan: tuple[int, int] | None = None
+    lookup: _Lookup | None = None
+    hit_sources: dict[str, int] = field(default_factory=dict)
+    outcome: str = "miss"
+    prefill_done: bool = False
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str  # "store" | "load" | "fetch" | "upload" | "exists"
+    entry: Entry | None
+    started: float
+    reports: list[bool] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        cfg: KVTierConfig,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        namespace: Namespace,
+        remote_factory: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        cache = vllm_config.cache_config
+        self.block_size = cache.block_size
+        cfg.check_block_size(self.block_size)
+        self.chunk_size = cfg.chunk_size
+        self.blocks_per_chunk = cfg.chunk_size // self.block_size
+        par = vllm_config.parallel_config
+        self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
+
+        group = kv_cache_config.kv_cache_groups[0]
+        per_block = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
+        self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
+        self.host_bytes = resolve_host_bytes(cfg, vllm_config) // self.world_size
+        num_slots = self.host_bytes // self.slot_bytes
+        if num_slots < 1:
+            from kvtier.errors import ConfigError
+
+            raise ConfigError(
+                "cpu_bytes",
+                cfg.cpu_bytes,
+                f"at least one chunk per worker: {format_size(self.slot_bytes * self.world_size)}"
+                f" for chunk_size={cfg.chunk_size} on this model",
+            )
+        self.index = ChunkIndex(num_slots)
+        self.namespace = namespace
+        self._index_ns = self.namespace.digest(ANY_RANK)
+        self._rank0_ns = self.namespace.digest(0)
+        self.remote = remote_factory(cfg) if (remote_factory and cfg.remote_url) else None
+        self.remote_source = (
+            CacheHitSource.DISK
+            if (cfg.remote_url or "").startswith("file:")
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
+        self.write_through = self.remote is not None and cfg.write_policy == "write_through"
+        self.write_back = self.remote is not None and cfg.write_policy == "write_back"
+        self.stats = StatsRecorder()
+        self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._op_ids = itertools.count(1)
+        self._step = 0
+        self._loads: list[LoadOp] = []
+        self._fetches: list[RemoteOp] = []
+        self._uploads: list[RemoteOp] = []
+        self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
+        self._exists_waiters: dict[int, tuple[_ReqState, list[int]]] = {}
+        self._last_evictions = 0
+        logger.info(
+            "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
+            num_slots,
+            format_size(self.slot_bytes),
+            cfg.chunk_size,
+            format_size(self.host_bytes),
+            cfg.redacted()["remote_url"],
+        )
+
+    # ---- vLLM hooks -------------------------------------------------------------------
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        t0 = time.perf_counter()
+        st = self._state(request)
+        self._refresh_keys(st)
+        cap = self._max_loadable(request)
+        first = num_computed_tokens // self.chunk_size
+        end_chunk = self._ready_run(st, first, cap)
+        if self.remote is not None and self._wants_remote(st, end_chunk, cap):
+            if self._remote_lookup(st, end_chunk, cap):
+                self.stats.observe(metrics.LOOKUP_DELAY, time.perf_counter() - t0, ("sync",))
+                return None, False
+            end_chunk = self._ready_run(st, first, cap)
+        end = min(end_chunk * self.chunk_size, cap)
+        n = max(0, end - num_computed_tokens)
+        st.plan = (num_computed_tokens, num_computed_tokens + n) if n else None
+        self.stats.observe(metrics.LOOKUP_DELAY, time.perf_counter() - t0, ("sync",))
+        return n, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        cap = self._max_loadable(request)
+        local = request.num_computed_tokens
+        plan, st.plan = st.plan, None
+        st.hit_sources = {}
+        if num_external_tokens > 0 and plan is not None:
+            start, end = plan[0], plan[0] + num_external_tokens
+            self._plan_loads(st, request, start, end)
+        lookup = max(0, cap - local)
+        self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
+        total = local + num_external_tokens
+        st.outcome = "hit" if cap and total >= cap else ("partial" if total else "miss")
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens == 0:
+            return {}
+        out: dict[CacheHitSource, int] = {}
+        if st.hit_sources.get("host"):
+            out[CacheHitSource.HOST] = st.hit_sources["host"]
+        if st.hit_sources.get("remote"):
+            out[self.remote_source] = st.hit_sources["remote"]
+        return out
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
+        self._step += 1
+        meta = KVTierMetadata(step=self._step, host_bytes=self.host_bytes)
+        meta.loads, self._loads = self._loads, []
+        meta.fetches, self._fetches = self._fetches, []
+        scheduled: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed_before in scheduled:
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            n_sched = so.num_scheduled_tokens.get(req_id, 0)
+            n_spec = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            computed_after = computed_before + n_sched - n_spec
+            if not st.prefill_done and computed_after >= st.request.num_prompt_tokens:
+                st.prefill_done = True
+                self._ttft_by_step.setdefault(self._step, []).append(
+                    (st.request.arrival_time, st.outcome)
+                )
+            self._plan_stores(st, req_id, computed_after, meta.stores)
+        meta.uploads, self._uploads = self._uploads, []
+        used = (self.index.used_slots) * self.slot_bytes * self.world_size
+        self.stats.set(metrics.HOST_BYTES_USED, used)
+        if self.index.evictions != self._last_evictions:
+            self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
+            self._last_evictions = self.index.evictions
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMeta):
+            for op_id in sorted(meta.results):
+                self._report(op_id, meta.results[op_id])
+            now = time.time()
+            for step in meta.steps:
+                for arrival, outcome in self._ttft_by_step.pop(step, ()):
+                    self.stats.observe(metrics.TTFT, max(0.0, now - arrival), (outcome,))
+        self._poll_remote()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None and not st.lookup.done:
+            self._finish_lookup(st)
+        # Stores run inside the step that computes a chunk, before vLLM frees its blocks,
+        # so nothing is left to copy here and the blocks can be freed at once.
+        return False, None
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.stats.take()
+
+    def reset_cache(self) -> bool:
+        dropped = self.index.clear()
+        logger.info("kvtier: host tier reset, %d chunks dropped", dropped)
+        return True
+
+    def shutdown(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+
+    # ---- keys and plans ---------------------------------------------------------------
+    def _state(self, request: Request) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _ReqState(request=request)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _refresh_keys(self, st: _ReqState) -> None:
+        hashes = st.request.block_hashes
+        n_chunks = len(hashes) // self.blocks_per_chunk
+        if n_chunks > len(st.keys):
+            new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.keys) :]
+            st.chunk_hashes.extend(new)
+            st.keys.extend(chunk_key(self._index_ns, h) for h in new)
+
+    def _max_loadable(self, request: Request) -> int:
+        """vLLM must compute at least the last prompt token itself."""
+        return (request.num_tokens - 1) // self.block_size * self.block_size
+
+    def _ready_run(self, st: _ReqState, first: int, cap: int) -> int:
+        i = first
+        while i < len(st.keys) and i * self.chunk_size < cap and self.index.is_ready(st.keys[i]):
+            i += 1
+        return i
+
+    def _plan_loads(self, st: _ReqState, request: Request, start: int, end: int) -> None:
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        bs, bpc, cs = self.block_size, self.blocks_per_chunk, self.chunk_size
+        for c in range(start // cs, math.ceil(end / cs)):
+            entry = self.index.pin(st.keys[c])
+            b_from = max(start, c * cs) // bs
+            b_to = min(end, (c + 1) * cs) // bs
+            op_id = next(self._op_ids)
+            self._loads.append(
+                LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[b_from:b_to]))
+            )
+            tokens = (b_to - b_from) * bs
+            self._pending[op_id] = _Pending(
+                "load", entry, time.perf_counter(), nbytes=self.slot_bytes * (b_to - b_from) // bpc
+            )
+            tier = "remote" if entry.fetched else "host"
+            st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
+            self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))
+
+    def _plan_stores(
+        self, st: _ReqState, req_id: str, computed_after: int, out: list[StoreOp]
+    ) -> None:
+        self._refresh_keys(st)
+        n_complete = min(computed_after // self.chunk_size, len(st.keys))
+        if n_complete <= st.next_store:
+            return
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+        bpc = self.blocks_per_chunk
+        for c in range(st.next_store, n_complete):
+            key = st.keys[c]
+            if key in self.index:
+                self.index.touch(key)
+                continue
+            entry = self.index.begin(key, State.STORING)
+            if entry is None:  # every slot is busy loading or uploading: skip this chunk
+                continue
+            op_id = next(self._op_ids)
+            upload_id = None
+            if self.write_through:
+                upload_id = next(self._op_ids)
+                self.index.hold(entry)  # until the upload is reported
+                self._pending[upload_id] = _Pending("upload", entry, time.perf_counter())
+            out.append(
+                StoreOp(op_id, entry.slot, list(block_ids[c * bpc : (c + 1) * bpc]),
+                        st.chunk_hashes[c], upload_id)
+            )
+            self._pending[op_id] = _Pending(
+                "store", entry, time.perf_counter(), nbytes=self.slot_bytes
+            )
+        st.next_store = n_complete
+
+    # ---- worker reports ----------------------------------------------------------------
+    def _report(self, op_id: int, oks: list[bool]) -> None:
+        pending = self._pending.get(op_id)
+        if pending is None:
+            return
+        pending.reports.extend(oks)
+        if len(pending.reports) < self.world_size:
+            return
+        del self._pending[op_id]
+        ok = all(pending.reports)
+        entry = pending.entry
+        assert entry is not None
+        live = self.index.get(entry.key) is entry
+        if pending.kind in ("store", "fetch"):
+            if live:
+                self.index.commit(entry.key, ok)
+            if ok:
+                tier = "host" if pending.kind == "store" else "remote"
+                self.stats.inc(metrics.BYTES, pending.nbytes, (tier, "write" if tier == "host"
+                                                                  else "read"))
+        elif pending.kind in ("load", "upload"):
+            if live and entry.refs > 0:
+                self.index.unpin(entry.key)
+            if pending.kind == "upload" and ok and live:
+                entry.remote = True
+            if pending.kind == "load":
+                if ok:
+                    self.stats.inc(metrics.BYTES, pending.nbytes, ("host", "read"))
+                else:
+                    self.stats.inc(metrics.ERRORS, 1, ("load",))
+
+    # ---- object tier ----------------------------------------------------------------------
+    def _wants_remote(self, st: _ReqState, end_chunk: int, cap: int) -> bool:
+        if st.lookup is not None and st.lookup.done:
+            return False
+        return end_chunk < len(st.keys) and end_chunk * self.chunk_size < cap
+
+    def _remote_lookup(self, st: _ReqState, first: int, cap: int) -> bool:
+        """Advance this request's object-tier lookup; True while it should wait."""
+        assert self.remote is not None
+        self._poll_remote()
+        now = time.monotonic()
+        lk = st.lookup
+        if lk is None:
+            last = min(len(st.keys), math.ceil(cap / self.chunk_size))
+            wanted = list(range(first, last))
+            if not wanted:
+                return False
+            lk = st.lookup = _Lookup(started=now, first_chunk=first)
+            op_id = next(self._op_ids)
+            lk.exists_op = op_id
+            self._exists_waiters[op_id] = (st, wanted)
+            keys = [chunk_key(self._rank0_ns, st.chunk_hashes[c]) for c in wanted]
+            self.remote.submit_exists(op_id, keys)
+            return True
+        if now - lk.started > self.cfg.lookup_timeout_ms / 1000:
+            self.stats.inc(metrics.ERRORS, 1, ("timeout",))
+            self._finish_lookup(st)
+            return False
+        if lk.exists_op is not None:
+            return True
+        if any(e.state is State.FETCHING and self.index.get(e.key) is e for e in lk.fetching):
+            return True
+        self._finish_lookup(st)
+        return False
+
+    def _finish_lookup(self, st: _ReqState) -> None:
+        lk = st.lookup
+        if lk is None or lk.done:
+            return
+        lk.done = True
+        if lk.exists_op is not None:
+            self._exists_waiters.pop(lk.exists_op, None)
+            lk.exists_op = None
+        self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
+
+    def _poll_remote(self) -> None:
+        if self.remote is None:
+            return
+        for res in self.remote.poll():
+            waiter = self._exists_waiters.pop(res.op_id, None)
+            if waiter is None:
+                continue
+            st, wanted = waiter
+            lk = st.lookup
+            if lk is None or lk.done:
+                continue
+            lk.exists_op = None
+            if not res.ok:
+                if res.error_kind:
+                    self.stats.inc(metrics.ERRORS, 1, (_error_kind(res.error_kind),))
+                self._finish_lookup(st)
+                continue
+            for c, present in zip(wanted, res.value or [], strict=False):
+                if not present:
+                    break
+                key = st.keys[c]
+                if key in self.index:
+                    existing = self.index.get(key)
+                    if existing is not None and existing.state is State.FETCHING:
+                        lk.fetching.append(existing)
+                    continue
+                entry = self.index.begin(key, State.FETCHING)
+                if entry is None:
+                    break
+                op_id = next(self._op_ids)
+                self._fetches.append(RemoteOp(op_id, entry.slot, st.chunk_hashes[c]))
+                self._pending[op_id] = _Pending(
+                    "fetch", entry, time.perf_counter(), nbytes=self.slot_bytes
+                )
+                lk.fetching.append(entry)
+
+
+
+def _error_kind(kind: str) -> str:
+    return kind if kind in metrics.ERROR_KINDS else "tier"
+
+
+def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig) -> int:
+    """The host tier's total size: explicit, or planned from free memory ("auto")."""
+    from kvtier.sizing.autosize import resolve_cpu_bytes
+
+    offload = vllm_config.offload_config if hasattr(vllm_config, "offload_config") else None
+    cpu_offload_gb = float(getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0.0) or 0.0)
+    if not cpu_offload_gb:
+        cpu_offload_gb = float(getattr(vllm_config.cache_config, "cpu_offload_gb", 0.0) or 0.0)
+    model_dir = str(vllm_config.model_config.model)
+    return resolve_cpu_bytes(
+        cfg.cpu_bytes,
+        headroom_bytes=cfg.cpu_headroom_bytes,
+        cpu_offload_gb=cpu_offload_gb,
+        model_dir=model_dir if os.path.isdir(model_dir) else None,
+    )

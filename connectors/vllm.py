@@ -1,0 +1,233 @@
+"""``KVTierConnector``: the vLLM KV connector facade.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes": "8GiB"}}'
+
+A thin facade: the scheduler process gets a :class:`SchedulerSide` (keys,
+index, plans), each worker a :class:`WorkerSide` (bytes). Config errors raise
+:class:`kvtier.errors.ConfigError` here, so a wrong key stops the engine at
+startup.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.keys import Namespace
+
+from .metadata import KVTierMetadata
+from .scheduler import SchedulerSide
+from .stats import KVTierPromMetrics, KVTierStats
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier")
+
+
+def namespace_for(cfg: KVTierConfig, vllm_config: VllmConfig) -> Namespace:
+    """Everything besides the prefix that makes KV bytes incompatible."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    return Namespace(
+        model=str(model.model),
+        revision=model.revision,
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(cache.cache_dtype),
+        block_size=cache.block_size,
+        chunk_size=cfg.chunk_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        namespace=cfg.namespace,
+    )
+
+
+def _remote_factory(role: str):
+    def make(cfg: KVTierConfig):
+        from kvtier.codec import Signer
+        from kvtier.remote import RemoteIO
+        from kvtier.tiers import open_tier
+
+        tier = open_tier(cfg)
+        return RemoteIO(
+            tier,
+            threads=cfg.io_threads,
+            queue_depth=cfg.io_queue_depth,
+            timeout_s=cfg.lookup_timeout_ms / 1000,
+            signer=Signer.from_config(cfg),
+        )
+
+    return make
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """Host-RAM and object-store KV tiers for vLLM (``kv_role: kv_both``)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.cfg = load_config(extra)
+        self.cfg.check_block_size(vllm_config.cache_config.block_size)
+        if self.cfg.remote_url:
+            from kvtier.codec import Signer
+
+            Signer.from_config(self.cfg)  # a missing or empty key stops startup here
+        ns = namespace_for(self.cfg, vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.cfg, vllm_config, kv_cache_config, ns, _remote_factory("scheduler")
+            )
+            logger.info("kvtier config: %s", self.cfg.redacted())
+        else:
+            self._worker = WorkerSide(
+                self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a future miss
+
+    # ---- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        rank = 0
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # not initialised (single process): rank 0
+            rank = 0
+        self._worker.register_kv_caches(kv_caches, rank)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv on this path
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # chunks are saved in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def _meta(self) -> KVTierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        return meta
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` also empties the host tier."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    # ---- both ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker or self._scheduler
+        if side is None:
+            return None
+        data = side.get_stats()
+        stats = KVTierStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

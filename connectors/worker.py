@@ -1,0 +1,198 @@
+"""Worker side of the connector: moves bytes as the scheduler's metadata says.
+
+Runs in each vLLM worker process (one per TP rank). It owns the host slab and
+this rank's object-tier I/O; it knows nothing about requests or prefixes, only
+slot numbers, block ids and block hashes. Every op's outcome goes back to the
+scheduler through the worker metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier import metrics
+from kvtier.config import KVTierConfig
+from kvtier.keys import Namespace, chunk_key
+from kvtier.layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
+from kvtier.stats import StatsRecorder
+
+from .metadata import KVTierMetadata, KVTierWorkerMeta, RemoteOp, StoreOp
+
+if TYPE_CHECKING:
+    from kvtier.remote import RemoteIO
+
+logger = logging.getLogger("kvtier.worker")
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        cfg: KVTierConfig,
+        namespace: Namespace,
+        num_blocks: int,
+        remote_factory: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self.num_blocks = num_blocks
+        self.blocks_per_chunk = cfg.chunk_size // namespace.block_size
+        self.rank = 0
+        self._remote_factory = remote_factory
+        self.remote: RemoteIO | None = None
+        self.layout: SlotLayout | None = None
+        self.slab: HostSlab | None = None
+        self._kv: list[torch.Tensor] = []
+        self._results: dict[int, list[bool]] = {}
+        self._steps: list[int] = []
+        self._failed_blocks: set[int] = set()
+        self._ns_digest = b""
+        self.stats = StatsRecorder()
+
+    # ---- setup ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], rank: int) -> None:
+        self.rank = rank
+        self._ns_digest = self.namespace.digest(rank)
+        self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
+        by_name = dict(kv_caches)
+        self._kv = [by_name[layer.name] for layer in self.layout.layers]
+        logger.info(
+            "kvtier worker rank %d: %d KV layers, chunk slot %d bytes, block dim %d",
+            rank, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
+        )
+        if self._remote_factory is not None and self.cfg.remote_url:
+            self.remote = self._remote_factory(self.cfg)
+
+    def _ensure_slab(self, meta: KVTierMetadata) -> HostSlab:
+        if self.slab is None:
+            assert self.layout is not None, "register_kv_caches was not called"
+            self.slab = HostSlab(meta.host_bytes, self.layout)
+        return self.slab
+
+    # ---- per step ---------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._steps.append(meta.step)
+        slab = self._ensure_slab(meta)
+        assert self.layout is not None
+        for op in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                idx = torch.tensor(op.gpu_blocks, dtype=torch.long, device=self._kv[0].device)
+                for li, kv in enumerate(self._kv):
+                    dim = self.layout.layers[li].block_dim
+                    src = slab.layer_view(op.slot, li).narrow(dim, op.first, len(op.gpu_blocks))
+                    scatter_blocks(kv, dim, idx, src)
+                self._results[op.op_id] = [True]
+                self.stats.observe(metrics.TRANSFER_SECONDS, time.perf_counter() - t0, ("load",))
+            except Exception:  # a failed load must never crash the engine
+                logger.exception("kvtier: load of slot %d failed", op.slot)
+                self._results[op.op_id] = [False]
+                self._failed_blocks.update(op.gpu_blocks)
+        for op in meta.fetches:
+            self._fetch(slab, op)
+        for op in meta.uploads:
+            self._upload(slab, op.op_id, op)
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if not meta.stores:
+            return
+        slab = self._ensure_slab(meta)
+        for op in meta.stores:
+            ok = self._store(slab, op)
+            self._results[op.op_id] = [ok]
+            if op.upload_op_id is not None:
+                if ok:
+                    self._upload(slab, op.upload_op_id, RemoteOp(op.op_id, op.slot, op.block_hash))
+                else:
+                    self._results[op.upload_op_id] = [False]
+
+    def _store(self, slab: HostSlab, op: StoreOp) -> bool:
+        assert self.layout is not None
+        t0 = time.perf_counter()
+        try:
+            idx = torch.tensor(op.gpu_blocks, dtype=torch.long, device=self._kv[0].device)
+            for li, kv in enumerate(self._kv):
+                dim = self.layout.layers[li].block_dim
+                gather_blocks(kv, dim, idx, slab.layer_view(op.slot, li))
+        except Exception:
+            logger.exception("kvtier: store into slot %d failed", op.slot)
+            return False
+        self.stats.observe(metrics.TRANSFER_SECONDS, time.perf_counter() - t0, ("store",))
+        return True
+
+    def _object_key(self, block_hash: bytes) -> str:
+        return chunk_key(self._ns_digest, block_hash)
+
+    def _fetch(self, slab: HostSlab, op: RemoteOp) -> None:
+        if self.remote is None:
+            self._results[op.op_id] = [False]
+            return
+        assert self.layout is not None
+        dtype, shape = self.layout.describe()
+        self.remote.submit_get_into(
+            op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
+            dtype=dtype, shape=shape,
+        )
+
+    def _upload(self, slab: HostSlab, op_id: int, op: RemoteOp) -> None:
+        if self.remote is None:
+            self._results[op_id] = [False]
+            return
+        assert self.layout is not None
+        dtype, shape = self.layout.describe()
+        queued = self.remote.submit_put(
+            op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
+            dtype=dtype, shape=shape,
+        )
+        if not queued:  # backpressure: dropped and counted; the slot is released at once
+            self.stats.inc(metrics.WRITES_DROPPED)
+            self._results[op_id] = [False]
+
+    def build_worker_meta(self) -> KVTierWorkerMeta:
+        self._poll_remote()
+        meta = KVTierWorkerMeta(steps=self._steps, results=self._results)
+        self._steps, self._results = [], {}
+        return meta
+
+    def _poll_remote(self) -> None:
+        if self.remote is None:
+            return
+        for res in self.remote.poll():
+            self._results[res.op_id] = [res.ok]
+            if res.kind == "get":
+                if res.ok:
+                    self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("fetch",))
+                elif res.error_kind:
+                    self.stats.inc(metrics.ERRORS, 1, (_kind(res.error_kind),))
+            elif res.kind == "put":
+                if res.ok:
+                    self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("upload",))
+                    self.stats.inc(metrics.BYTES, res.nbytes, ("remote", "write"))
+                elif res.error_kind:
+                    self.stats.inc(metrics.ERRORS, 1, (_kind(res.error_kind),))
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self.remote is None:
+            return
+        left = self.remote.flush(self.cfg.shutdown_flush_s)
+        if left:
+            logger.warning(
+                "kvtier: %d queued object-tier writes were not written at shutdown "
+                "(shutdown_flush_s=%.1f)", left, self.cfg.shutdown_flush_s,
+            )
+        self.remote.close()
+        self.remote = None
+
+
+def _kind(kind: str) -> str:
+    return kind if kind in metrics.ERROR_KINDS else "tier"

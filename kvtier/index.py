@@ -1,0 +1,172 @@
+"""The host tier's index: chunk key -> slot, with LRU, ref counts and two-phase state.
+
+The scheduler process owns it; workers only ever see slot numbers. A slot goes
+
+    free -> storing -> ready <-> (pinned by loads / uploads) -> evicting -> free
+    free -> fetching -> ready            (object tier -> host)
+
+Only ``ready`` chunks are hits. A store or fetch that fails rolls back to free.
+A chunk with a non-zero ref count (being loaded or uploaded) is never evicted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class State(enum.Enum):
+    STORING = "storing"
+    FETCHING = "fetching"
+    READY = "ready"
+    EVICTING = "evicting"
+
+
+@dataclass(slots=True)
+class Entry:
+    key: str
+    slot: int
+    state: State
+    refs: int = 0
+    #: True once the chunk is known to be in the object tier
+    remote: bool = False
+    #: True when the chunk came from the object tier (for hit-source accounting)
+    fetched: bool = False
+
+
+class ChunkIndex:
+    """Fixed number of slots; evicts least-recently-used ready chunks with no refs."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError("the host tier needs at least one slot")
+        self.num_slots = num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        # key -> entry, in LRU order (oldest first)
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self.evictions = 0
+
+    # ---- queries ---------------------------------------------------------------------
+    def get(self, key: str) -> Entry | None:
+        return self._entries.get(key)
+
+    def is_ready(self, key: str) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.state is State.READY
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def total_refs(self) -> int:
+        return sum(e.refs for e in self._entries.values())
+
+    # ---- allocation ------------------------------------------------------------------
+    def begin(self, key: str, state: State, *, evict_ok: bool = True) -> Entry | None:
+        """Reserve a slot for ``key`` in ``state`` (storing or fetching).
+
+        Returns None when the key is already present or no slot can be freed.
+        """
+        if key in self._entries:
+            return None
+        slot = self._take_slot(evict_ok)
+        if slot is None:
+            return None
+        entry = Entry(key=key, slot=slot, state=state)
+        self._entries[key] = entry
+        return entry
+
+    def commit(self, key: str, ok: bool) -> Entry | None:
+        """Finish a store or fetch: ready on success, slot freed on failure."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state not in (State.STORING, State.FETCHING):
+            return None
+        if ok:
+            entry.fetched = entry.state is State.FETCHING
+            entry.remote = entry.remote or entry.fetched
+            entry.state = State.READY
+            self._entries.move_to_end(key)
+        elif entry.refs:
+            entry.state = State.EVICTING  # freed when the last holder lets go
+        else:
+            self._drop(entry)
+        return entry
+
+    def hold(self, entry: Entry) -> None:
+        """Keep a chunk in any state from being evicted (an upload reads its slot)."""
+        entry.refs += 1
+
+    def pin(self, key: str) -> Entry:
+        entry = self._entries[key]
+        if entry.state is not State.READY:
+            raise ValueError(f"cannot pin chunk in state {entry.state.value}")
+        entry.refs += 1
+        self._entries.move_to_end(key)
+        return entry
+
+    def unpin(self, key: str) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.refs <= 0:
+            raise ValueError(f"unbalanced unpin of {key}")
+        entry.refs -= 1
+        if entry.refs == 0 and entry.state is State.EVICTING:
+            self._drop(entry)
+
+    def touch(self, key: str) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def evict(self, key: str) -> bool:
+        """Evict one chunk now (or as soon as its refs drop). Returns False if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if entry.refs:
+            entry.state = State.EVICTING
+        else:
+            self._drop(entry)
+        return True
+
+    def clear(self) -> int:
+        """Evict every chunk that is not in use; returns how many were dropped."""
+        victims = [e for e in self._entries.values() if e.refs == 0 and e.state is State.READY]
+        for entry in victims:
+            self._drop(entry)
+        return len(victims)
+
+    def victims(self) -> list[Entry]:
+        """Ready, unpinned chunks in eviction order (oldest first)."""
+        return [e for e in self._entries.values() if e.state is State.READY and e.refs == 0]
+
+    # ---- internals ---------------------------------------------------------------------
+    def _take_slot(self, evict_ok: bool) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if not evict_ok:
+            return None
+        for entry in self._entries.values():
+            if entry.state is State.READY and entry.refs == 0:
+                slot = entry.slot
+                del self._entries[entry.key]
+                self.evictions += 1
+                return slot
+        return None
+
+    def _drop(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        self._free.append(entry.slot)
+
+    def check(self) -> None:
+        """Assert the invariants (tests and debug): every slot is free xor owned once."""
+        owned = [e.slot for e in self._entries.values()]
+        assert len(owned) == len(set(owned)), "a slot is owned twice"
+        assert not set(owned) & set(self._free), "a slot is both free and owned"
+        assert len(owned) + len(self._free) == self.num_slots, "a slot leaked"
+        assert all(e.refs >= 0 for e in self._entries.values())

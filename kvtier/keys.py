@@ -1,0 +1,59 @@
+"""Chunk keys: the same prefix gives the same key in every process and replica.
+
+A chunk covers ``chunk_size`` tokens. Its key is derived from vLLM's own block
+hash of the chunk's *last* block — vLLM chains block hashes, so that one hash
+already covers the whole prefix, the request's ``cache_salt``, LoRA and
+multimodal inputs — mixed with a namespace digest of everything that makes KV
+bytes incompatible: model identity, dtypes, kvtier's layout version, the TP
+size and rank, and the operator's ``namespace``. Nothing here depends on
+``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+
+#: bump when the byte layout of a stored chunk changes
+LAYOUT_VERSION = 1
+
+#: the scheduler's index is shared by all TP ranks; this stands in for the rank there
+ANY_RANK = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything besides the token prefix that decides whether KV bytes can be reused."""
+
+    model: str
+    revision: str | None
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    chunk_size: int
+    tp_size: int
+    namespace: str = ""
+    layout_version: int = LAYOUT_VERSION
+
+    def digest(self, rank: int = ANY_RANK) -> bytes:
+        """16-byte digest of this namespace for one TP rank (or ANY_RANK)."""
+        fields = [
+            "kvtier", self.layout_version, self.model, self.revision or "", self.dtype,
+            self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size, rank,
+            self.namespace,
+        ]
+        return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
+
+
+def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:
+    """Key of the chunk whose last block has ``block_hash`` (hex, 40 chars)."""
+    return hashlib.blake2b(block_hash, key=ns_digest, digest_size=20).hexdigest()
+
+
+def chunk_block_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
+    """The last block hash of every full chunk covered by ``block_hashes``."""
+    n_chunks = len(block_hashes) // blocks_per_chunk
+    return [bytes(block_hashes[(i + 1) * blocks_per_chunk - 1]) for i in range(n_chunks)]

@@ -1,0 +1,142 @@
+"""Moving KV between vLLM's paged per-layer tensors and a host slot.
+
+vLLM hands a connector one tensor per attention layer with the block index on
+one dimension — dim 0 for the standardized ``[num_blocks, H, block_size, C]``
+views (MLA: H == 1), dim 1 for layouts that keep K and V outermost
+(``[2, num_blocks, ...]``). A slot holds ``blocks_per_chunk`` blocks of every
+layer, laid out layer after layer, each layer region shaped exactly like the
+layer tensor with its block dimension cut to ``blocks_per_chunk``. Copies are
+one ``index_select`` / ``index_copy_`` per layer and chunk, never per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: slot sizes are rounded up to this, so every slot starts on an aligned address
+SLOT_ALIGN = 4096
+
+
+def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
+    """Which dimension of a layer's KV tensor indexes blocks (0 or 1)."""
+    if shape[0] == num_blocks:
+        return 0
+    if len(shape) > 1 and shape[1] == num_blocks:
+        return 1
+    raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in KV shape {shape}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    name: str
+    dtype: torch.dtype
+    block_dim: int
+    #: the layer region's shape inside a slot (block dim cut to blocks_per_chunk)
+    slot_shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """Byte layout of one slot; identical in every worker of one engine."""
+
+    layers: tuple[LayerLayout, ...]
+    blocks_per_chunk: int
+    slot_bytes: int
+
+    @classmethod
+    def from_kv_caches(
+        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int
+    ) -> SlotLayout:
+        layers = []
+        offset = 0
+        seen: set[int] = set()
+        for name, kv in kv_caches.items():
+            if kv.data_ptr() in seen:  # layers sharing one KV tensor are stored once
+                continue
+            seen.add(kv.data_ptr())
+            dim = find_block_dim(kv.shape, num_blocks)
+            shape = list(kv.shape)
+            shape[dim] = blocks_per_chunk
+            nbytes = math.prod(shape) * kv.element_size()
+            layers.append(LayerLayout(name, kv.dtype, dim, tuple(shape), offset, nbytes))
+            offset += nbytes
+        if not layers:
+            raise ValueError("no KV cache tensors were registered")
+        return cls(tuple(layers), blocks_per_chunk, _align(offset))
+
+    def describe(self) -> tuple[str, list[int]]:
+        """(dtype, shape) recorded in stored chunks so a foreign layout is rejected."""
+        dtypes = sorted({str(layer.dtype).removeprefix("torch.") for layer in self.layers})
+        return ",".join(dtypes), [len(self.layers), self.blocks_per_chunk, self.slot_bytes]
+
+
+def slot_bytes_for(per_block_bytes: Sequence[int], blocks_per_chunk: int) -> int:
+    """Slot size from per-layer bytes per block (the scheduler has no tensors)."""
+    return _align(sum(per_block_bytes) * blocks_per_chunk)
+
+
+def _align(n: int) -> int:
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+class HostSlab:
+    """One host allocation of exactly ``nbytes``, cut into fixed-size slots.
+
+    On the CPU backend this is plain memory; the CUDA path registers the same
+    buffer as pinned memory (see ``kvtier.cuda``), never through
+    ``Tensor.pin_memory()``, which rounds each allocation up to a power of two.
+    """
+
+    def __init__(self, nbytes: int, layout: SlotLayout) -> None:
+        self.layout = layout
+        self.num_slots = nbytes // layout.slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"host tier of {nbytes} bytes holds no chunk of {layout.slot_bytes} bytes"
+            )
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._layer_views: list[list[torch.Tensor]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def slot_bytes(self, slot: int) -> torch.Tensor:
+        """The raw bytes of one slot (a view, no copy)."""
+        start = slot * self.layout.slot_bytes
+        return self.buffer[start : start + self.layout.slot_bytes]
+
+    def slot_memoryview(self, slot: int) -> memoryview:
+        return memoryview(self.slot_bytes(slot).numpy())
+
+    def layer_view(self, slot: int, layer: int) -> torch.Tensor:
+        """Slot region of one layer, shaped like the layer tensor (a view)."""
+        ll = self.layout.layers[layer]
+        start = slot * self.layout.slot_bytes + ll.offset
+        raw = self.buffer[start : start + ll.nbytes]
+        return raw.view(ll.dtype).view(ll.slot_shape)
+
+
+def gather_blocks(
+    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy ``gpu_blocks`` of one layer into ``dst`` (a slot region, same block order)."""
+    if dst.device == kv.device and dst.is_contiguous():
+        torch.index_select(kv, block_dim, gpu_blocks, out=dst)
+    else:
+        dst.copy_(kv.index_select(block_dim, gpu_blocks), non_blocking=True)
+
+
+def scatter_blocks(
+    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor, src: torch.Tensor
+) -> None:
+    """Copy ``src`` (slot blocks in order) into ``gpu_blocks`` of one layer."""
+    if src.device != kv.device:
+        src = src.to(kv.device, non_blocking=True)
+    kv.index_copy_(block_dim, gpu_blocks, src)
