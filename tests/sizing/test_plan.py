@@ -1,0 +1,192 @@
+"""Budgets, the host check and every warning code, on hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sizing_helpers import GiB, MiB, model
+
+from kvtier.sizing.plan import (
+    CODES,
+    PlanInputs,
+    host_tier_bytes,
+    host_total_bytes,
+    k8s_quantity,
+    make_plan,
+    parse_k8s_quantity,
+)
+
+# Llama 3 8B per-layer tensors in bf16 and its whole checkpoint, by hand
+QKV, O, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192
+LAYER = QKV + O + GATE_UP + DOWN + 2 * NORM
+LLAMA8B = 32 * LAYER + 2 * 128256 * 4096 * 2 + NORM  # layers + embed + lm_head + final norm
+UVA10 = 24 * LAYER + QKV + O + GATE_UP  # what --cpu-offload-gb 10 moves
+
+
+def codes(plan):
+    return [w["code"] for w in plan["warnings"]]
+
+
+def plan(**kw):
+    kw.setdefault("model", model("llama3-8b"))
+    return make_plan(PlanInputs(**kw))
+
+
+def test_only_model_given_leaves_memory_figures_unknown():
+    p = plan()
+    assert p["kv_bytes_per_token"] == 131_072
+    assert p["weight_bytes"] == LLAMA8B
+    for key in ("gpu_kv_bytes", "gpu_kv_tokens", "warm_set_bytes", "host_tier_bytes",
+                "host_bytes_total", "fits"):  # fmt: skip
+        assert p[key] is None, key
+    assert p["warnings"] == []
+
+
+def test_gpu_kv_budget_tokens_and_sessions():
+    p = plan(gpu_memory_gib=24, gpu_memory_utilization=0.9, overhead_gib=2)
+    budget = int(0.9 * 24 * GiB) - LLAMA8B - 2 * GiB
+    assert p["gpu_kv_bytes"] == budget
+    assert p["gpu_kv_tokens"] == budget // 131_072
+    assert p["gpu_kv_sessions"] == budget // 2**30  # an 8k session is 1 GiB
+
+
+def test_guide_200_warm_sessions_with_28_gib_gpu_kv_need_198_gib_host():
+    p = plan(gpu_kv_gib=28, warm_sessions=200, context=8192)
+    assert p["warm_set_bytes"] == 200 * GiB
+    assert abs(p["host_tier_bytes"] / GiB - 197.8) < 0.01  # (200 - 28) x 1.15
+    assert p["host_tier_needed"] is True
+
+
+def test_host_tier_not_needed_when_gpu_holds_the_warm_set():
+    p = plan(gpu_kv_gib=28, warm_sessions=10, host_memory_gib=64)
+    assert p["host_tier_bytes"] is None and p["host_tier_needed"] is False
+    assert p["host_bytes_total"] == 4 * GiB  # headroom only
+    assert p["fits"] is True
+    assert host_tier_bytes(10, 20) is None
+
+
+def test_guide_24_gib_gpu_with_10_gib_offloaded_behaves_like_34():
+    a = plan(gpu_memory_gib=24, cpu_offload_gb=10, gpu_memory_utilization=1.0, overhead_gib=0)
+    b = plan(gpu_memory_gib=34, gpu_memory_utilization=1.0, overhead_gib=0)
+    assert a["weight_offload_gpu_bytes"] == UVA10
+    # the same, except that the last tensor taken overshoots the 10 GiB budget
+    assert a["gpu_kv_bytes"] == b["gpu_kv_bytes"] + (UVA10 - 10 * GiB)
+    assert abs(a["gpu_kv_bytes"] - b["gpu_kv_bytes"]) < 0.05 * GiB
+
+
+def test_host_total_and_fit():
+    p = plan(gpu_kv_gib=28, warm_sessions=200, host_memory_gib=256, cpu_offload_gb=10,
+             disable_pin_memory=True)  # fmt: skip
+    tier = p["host_tier_bytes"]
+    assert p["weight_offload_host_bytes"] == UVA10
+    assert p["host_bytes_total"] == UVA10 + tier + 4 * GiB
+    assert p["fits"] is True
+    small = plan(gpu_kv_gib=28, warm_sessions=200, host_memory_gib=200)
+    assert small["fits"] is False and "host-over-limit" in codes(small)
+
+
+def test_tp_multiplies_workers_in_host_total():
+    assert host_total_bytes(10, weight_offload_host_bytes=5, headroom_bytes=1, tp=4) == 61
+    p = plan(tp=2, gpu_kv_gib=10, warm_sessions=100, context=8192)
+    # per rank: 4 KV heads of 8, so half the bytes per token
+    assert p["kv_bytes_per_token_per_rank"] == 65_536
+    assert p["warm_set_bytes"] == 100 * 8192 * 65_536
+    assert p["host_bytes_total"] == 2 * p["host_tier_bytes"] + 4 * GiB
+
+
+def test_pin_rounding_pushes_host_over_the_limit():
+    kw = dict(gpu_memory_gib=80, cpu_offload_gb=10, warm_sessions=0, host_memory_gib=15)
+    p = plan(**kw)
+    pinned = 24 * (64 + 32 + 256 + 128) * MiB + 24 * 2 * NORM + (64 + 32 + 256) * MiB
+    assert p["weight_offload_host_bytes"] == pinned
+    assert UVA10 + 4 * GiB <= 15 * GiB < pinned + 4 * GiB
+    assert p["fits"] is False
+    assert {"host-over-limit", "pin-rounding-over-host"} <= set(codes(p))
+    unpinned = plan(**kw, disable_pin_memory=True)
+    assert unpinned["fits"] is True and unpinned["weight_offload_host_bytes"] == UVA10
+
+
+def test_pin_env_var_is_honoured():
+    env = {"VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY": "1"}
+    p = plan(cpu_offload_gb=10, environ=env)
+    assert p["pin_memory"] is False and p["weight_offload_host_bytes"] == UVA10
+
+
+@pytest.mark.parametrize("version, warned", [("0.27.1", True), ("0.28.0", False),
+                                             ("0.33.0", False)])  # fmt: skip
+def test_old_vllm_ignores_offload(version, warned):
+    p = plan(cpu_offload_gb=4, vllm_version=version)
+    assert ("offload-ignored-old-vllm" in codes(p)) is warned
+    assert "offload-ignored-old-vllm" not in codes(plan(vllm_version="0.20.0"))
+
+
+def test_cpu_offload_gb_with_group_size_prefetch_wins():
+    p = plan(cpu_offload_gb=10, offload_group_size=8, offload_num_in_group=2)
+    assert "uva-discarded-by-prefetch" in codes(p)
+    assert p["offload_backend"] == "prefetch"
+    assert p["weight_offload_gpu_bytes"] == 8 * LAYER  # layers 6,7,14,15,...: not 10 GiB
+
+
+def test_prefetch_backend_without_group_size_fails_validation():
+    p = plan(offload_backend="prefetch")
+    assert "prefetch-without-group-size" in codes(p)
+    assert p["weight_offload_gpu_bytes"] == 0
+
+
+def test_prefetch_reports_buffer_pool_and_resident_weights():
+    p = plan(offload_group_size=4, offload_num_in_group=1, offload_prefetch_step=2)
+    assert p["weight_offload_gpu_bytes"] == 8 * LAYER
+    assert p["prefetch_buffer_bytes"] == 2 * LAYER
+    assert p["resident_weight_bytes"] == LLAMA8B - 8 * LAYER + 2 * LAYER
+
+
+def test_offload_params_is_not_read_by_uva():
+    p = plan(cpu_offload_gb=4, offload_params=("mlp",))
+    assert "offload-params-ignored" in codes(p)
+    # UVA ignored the selector and took tensors in order, attention first
+    assert p["weight_offload_gpu_bytes"] >= 4 * GiB
+
+
+def test_selectors_that_match_nothing():
+    p = plan(cpu_offload_gb=4, cpu_offload_params=("layers.0", "lm_head", "mlp"))
+    msgs = [w["message"] for w in p["warnings"] if w["code"] == "selector-matches-nothing"]
+    assert len(msgs) == 2 and any("'layers.0'" in m for m in msgs)
+
+
+def test_moe_without_experts_selector():
+    q = model("qwen3-30b-a3b")
+    assert "moe-no-experts-selector" in codes(plan(model=q, cpu_offload_gb=10))
+    assert "moe-no-experts-selector" not in codes(
+        plan(model=q, cpu_offload_gb=10, cpu_offload_params=("experts",)))
+    assert "moe-no-experts-selector" not in codes(plan(cpu_offload_gb=10))  # dense model
+
+
+def test_cpu_offload_gb_larger_than_the_layers_moves_no_kv():
+    p = plan(cpu_offload_gb=100)
+    assert p["weight_offload_gpu_bytes"] == 32 * LAYER  # every decoder layer, nothing else
+    assert "cpu-offload-gb-not-kv" in codes(p)
+    assert "cpu-offload-gb-not-kv" not in codes(plan(cpu_offload_gb=10))
+
+
+def test_weights_exceed_gpu_and_kv_heads_replicated():
+    p = plan(model=model("llama3.1-70b"), gpu_memory_gib=80)
+    assert p["fits"] is False and "weights-exceed-gpu" in codes(p)
+    assert p["gpu_kv_tokens"] == 0
+    assert "kv-heads-replicated" in codes(plan(model=model("qwen3-30b-a3b"), tp=8))
+
+
+def test_every_code_is_documented():
+    assert all(CODES.values()) and len(CODES) == len(set(CODES))
+
+
+def test_k8s_quantity_round_trip():
+    assert k8s_quantity(64 * GiB) == "64Gi"
+    assert k8s_quantity(64 * GiB + 1) == "65Gi"
+    assert k8s_quantity(3 * MiB) == "3Mi"
+    assert parse_k8s_quantity("64Gi") == 64 * GiB
+    assert parse_k8s_quantity("1.5G") == 1_500_000_000
+    assert parse_k8s_quantity(123) == 123
+    with pytest.raises(ValueError):
+        parse_k8s_quantity("64 gigs")
+    assert math.isclose(parse_k8s_quantity(k8s_quantity(200 * GiB)), 200 * GiB)
