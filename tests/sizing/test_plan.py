@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from sizing_helpers import GiB, MiB, model
-
 from kvtier.sizing.plan import (
     CODES,
     PlanInputs,
@@ -16,12 +14,13 @@ from kvtier.sizing.plan import (
     make_plan,
     parse_k8s_quantity,
 )
+from sizing_helpers import GiB, MiB, model
 
 # Llama 3 8B per-layer tensors in bf16 and its whole checkpoint, by hand
-QKV, O, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192
-LAYER = QKV + O + GATE_UP + DOWN + 2 * NORM
+QKV, O_PROJ, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192
+LAYER = QKV + O_PROJ + GATE_UP + DOWN + 2 * NORM
 LLAMA8B = 32 * LAYER + 2 * 128256 * 4096 * 2 + NORM  # layers + embed + lm_head + final norm
-UVA10 = 24 * LAYER + QKV + O + GATE_UP  # what --cpu-offload-gb 10 moves
+UVA10 = 24 * LAYER + QKV + O_PROJ + GATE_UP  # what --cpu-offload-gb 10 moves
 
 
 def codes(plan):

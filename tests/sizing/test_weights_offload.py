@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sizing_helpers import GiB, MiB, TINY_LLAMA, model, tiny_llama_tensors, write_model
-
 from kvtier.sizing import offload as off
 from kvtier.sizing.model import load_shape
 from kvtier.sizing.weights import (
-    WeightTensor,
     Weights,
+    WeightTensor,
     load_weights,
     read_safetensors_header,
     weights_from_config,
 )
+from sizing_helpers import TINY_LLAMA, GiB, MiB, model, tiny_llama_tensors, write_model
 
 LAYER_ORDER = [
     "self_attn.qkv_proj.weight",
@@ -152,11 +151,11 @@ def test_pin_env_read_exactly_as_vllm():
 
 # per-layer tensors of Llama 3 8B in bf16, computed by hand
 QKV = (4096 + 2 * 1024) * 4096 * 2  # 48 MiB
-O = 4096 * 4096 * 2  # 32 MiB
+O_PROJ = 4096 * 4096 * 2  # 32 MiB
 GATE_UP = 2 * 14336 * 4096 * 2  # 224 MiB
 DOWN = 4096 * 14336 * 2  # 112 MiB
 NORM = 4096 * 2
-LAYER = QKV + O + GATE_UP + DOWN + 2 * NORM
+LAYER = QKV + O_PROJ + GATE_UP + DOWN + 2 * NORM
 
 
 def test_llama3_8b_uva_10_gib_from_config():
@@ -166,8 +165,8 @@ def test_llama3_8b_uva_10_gib_from_config():
     assert sum(t.nbytes for t in w.layers[0]) == LAYER
     r = off.uva_offload(w, 10, pin=True)
     # 24 whole layers, then qkv, o and gate_up of layer 24 (gate_up crosses 10 GiB)
-    assert 24 * LAYER + QKV + O < 10 * GiB <= 24 * LAYER + QKV + O + GATE_UP
-    assert r.gpu_bytes == 24 * LAYER + QKV + O + GATE_UP
+    assert 24 * LAYER + QKV + O_PROJ < 10 * GiB <= 24 * LAYER + QKV + O_PROJ + GATE_UP
+    assert r.gpu_bytes == 24 * LAYER + QKV + O_PROJ + GATE_UP
     assert len(r.tensors) == 24 * 6 + 3
     pinned_layer = 64 * MiB + 32 * MiB + 256 * MiB + 128 * MiB + 2 * NORM
     assert r.host_bytes == 24 * pinned_layer + 64 * MiB + 32 * MiB + 256 * MiB
