@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import queue
 import random
 import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -481,7 +481,13 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
 
 def _drive(client: Any, base: str, model: str, sessions: list[Session],
            args: argparse.Namespace, progress: bool | None) -> tuple[list[RequestResult], float]:
-    """Run every session's turns, ``concurrency`` sessions at a time."""
+    """Send every turn with ``concurrency`` workers; returns the results and the wall time.
+
+    Turns are served from one FIFO queue: a session's next turn joins the back
+    of the queue when its previous turn finishes, so sessions interleave the way
+    chat users do (everyone else's turn runs before yours comes back), which is
+    what pushes a session's history out of a small device cache.
+    """
     from tqdm import tqdm
 
     total = len(sessions) * args.turns
@@ -490,31 +496,43 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
     bar = tqdm(total=total, desc="kvtier bench", unit="req", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     pacer = Pacer(args.request_rate, args.seed)
+    ready: queue.Queue[tuple[Session, int, str] | None] = queue.Queue()
+    for sess in sessions:
+        ready.put((sess, 0, sess.first_prompt))
     lock = threading.Lock()
     results: list[RequestResult] = []
     t_start = time.perf_counter()
 
-    def one_session(sess: Session) -> None:
-        prompt, answer = sess.first_prompt, ""
-        for turn in range(args.turns):
-            if turn:
-                prompt = next_prompt(prompt, answer, sess.follow_ups[turn - 1])
+    def worker() -> None:
+        while (item := ready.get()) is not None:
+            sess, turn, prompt = item
             pacer.wait()
             if args.reset_prefix_cache:
                 _reset_prefix_cache(client, base)
             res = RequestResult(sess.index, turn, time.perf_counter() - t_start)
-            stream_completion(client, base, model, prompt, args.output_tokens, res)
-            answer = res.text if res.ok else ""
+            try:
+                stream_completion(client, base, model, prompt, args.output_tokens, res)
+            except Exception as exc:  # noqa: BLE001 - a bad response must not stall the queue
+                res.ok, res.error = False, f"{type(exc).__name__}: {exc}"[:240]
+            if turn + 1 < args.turns:
+                answer = res.text if res.ok else ""
+                ready.put((sess, turn + 1, next_prompt(prompt, answer, sess.follow_ups[turn])))
             with lock:
                 results.append(res)
                 bar.update(1)
                 if not res.ok:
                     bar.set_postfix(failed=sum(not r.ok for r in results))
+                if len(results) == total:
+                    for _ in range(args.concurrency):
+                        ready.put(None)
 
+    threads = [threading.Thread(target=worker, daemon=True)
+               for _ in range(min(args.concurrency, total))]
     try:
-        with ThreadPoolExecutor(max_workers=min(args.concurrency, len(sessions))) as pool:
-            for fut in [pool.submit(one_session, s) for s in sessions]:
-                fut.result()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
         bar.close()
     duration = time.perf_counter() - t_start

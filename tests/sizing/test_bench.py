@@ -200,7 +200,7 @@ def test_json_fields_ttft_and_outcomes(fake: tuple[FakeServer, str], capsys: Any
     assert res["requests"] == 8 and res["failed"] == 0
     assert res["model"] == "fake-model"
     # client TTFT is the server's first-chunk delay, not the whole stream (5 x 10 ms more)
-    assert FIRST_TOKEN_DELAY <= res["ttft_p50_s"] < FIRST_TOKEN_DELAY + 0.15
+    assert FIRST_TOKEN_DELAY <= res["ttft_p50_s"] < FIRST_TOKEN_DELAY + 0.5
     assert all(s["latency_s"] >= s["ttft_s"] + 4 * TOKEN_DELAY for s in res["samples"])
     assert res["hit_rate"] == pytest.approx(HIT_PER_REQUEST / LOOKUP_PER_REQUEST)
     assert res["hit_rates"]["vllm_prefix_cache"] == pytest.approx(0.1)
@@ -258,11 +258,14 @@ def test_multi_turn_prompts_extend_previous_prompt_and_answer(
 ) -> None:
     state, url = fake
     assert bench.run(_args(url, "--json", "--turns", "3", "--concurrency", "1")) == 0
-    first, second, third = state.prompts[:3]  # session 0's turns, in order
+    # sessions interleave turn by turn: s0t0 s1t0 s2t0 s3t0 s0t1 ... (completion n = index + 1)
+    first, second, third = state.prompts[0], state.prompts[4], state.prompts[8]
     assert second.startswith(first + "\n tok1_0 tok1_1")
-    assert third.startswith(second + "\n tok2_0")
+    assert third.startswith(second + "\n tok5_0")
+    assert state.prompts[1].split()[:50] == first.split()[:50]  # the shared prefix
     res = json.loads(capsys.readouterr().out)
-    assert [(s["session"], s["turn"]) for s in res["samples"][:3]] == [(0, 0), (0, 1), (0, 2)]
+    order = [(s["session"], s["turn"]) for s in res["samples"]]
+    assert order[:6] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)]
 
 
 def test_reset_prefix_cache_before_each_request(fake: tuple[FakeServer, str], capsys: Any) -> None:
