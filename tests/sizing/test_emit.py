@@ -1,0 +1,73 @@
+"""``--emit`` formats: what they print must load where it is pasted."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import yaml
+from kvtier.sizing.emit import emit
+from kvtier.sizing.plan import PlanInputs, make_plan, parse_k8s_quantity
+from sizing_helpers import GiB, model
+
+from kvtier.config import load_config
+
+
+def _plan(**kw):
+    inp = PlanInputs(model=model("llama3-8b"), **kw)
+    return make_plan(inp), inp
+
+
+def test_kv_transfer_config_loads_in_kvtier_config():
+    p, inp = _plan(gpu_kv_gib=28, warm_sessions=200, context=8192)
+    ktc = json.loads(emit("kv-transfer-config", p, inp, remote_url="s3://bucket/kv"))
+    assert ktc["kv_connector"] == "KVTierConnector"
+    assert ktc["kv_connector_module_path"] == "kvtier.connectors.vllm"
+    assert ktc["kv_role"] == "kv_both"
+    cfg = load_config(ktc["kv_connector_extra_config"], environ={})
+    assert cfg.cpu_bytes == p["host_tier_bytes"] and cfg.chunk_size == 256
+    assert cfg.remote_url == "s3://bucket/kv"
+
+
+def test_unknown_host_tier_emits_auto():
+    p, inp = _plan()
+    ktc = json.loads(emit("kv-transfer-config", p, inp))
+    assert ktc["kv_connector_extra_config"]["cpu_bytes"] == "auto"
+    assert load_config(ktc["kv_connector_extra_config"], environ={}).cpu_bytes == "auto"
+
+
+def test_vllm_args_are_a_shell_line_with_the_offload_flags():
+    p, inp = _plan(tp=2, kv_cache_dtype="fp8", cpu_offload_gb=4,
+                   cpu_offload_params=("mlp",))  # fmt: skip
+    words = shlex.split(emit("vllm-args", p, inp))
+    assert words[:3] == ["vllm", "serve", model("llama3-8b")]
+    for flag, value in (("--tensor-parallel-size", "2"), ("--kv-cache-dtype", "fp8"),
+                        ("--cpu-offload-gb", "4"), ("--cpu-offload-params", "mlp")):  # fmt: skip
+        assert words[words.index(flag) + 1] == value
+    ktc = json.loads(words[words.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector"] == "KVTierConnector"
+
+
+def test_helm_values_keys_and_memory():
+    p, inp = _plan(gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4)
+    doc = yaml.safe_load(emit("helm-values", p, inp, remote_url="redis://r:6379/0",
+                              namespace="team-a"))  # fmt: skip
+    assert doc["kvtier"] == {"cpuBytes": p["host_tier_bytes"], "chunkSize": 256,
+                             "remoteUrl": "redis://r:6379/0", "writePolicy": "write_through",
+                             "namespace": "team-a"}  # fmt: skip
+    limit = parse_k8s_quantity(doc["resources"]["limits"]["memory"])
+    assert doc["resources"]["requests"]["memory"] == doc["resources"]["limits"]["memory"]
+    assert p["host_bytes_total"] <= limit < p["host_bytes_total"] + GiB
+    args = doc["vllm"]["extraArgs"]
+    assert args[args.index("--cpu-offload-gb") + 1] == "4"
+
+
+def test_lmcache_env_matches_the_host_tier():
+    p, inp = _plan(gpu_kv_gib=28, warm_sessions=200)
+    env = dict(line.split("=", 1) for line in emit("lmcache-env", p, inp).splitlines())
+    assert env["LMCACHE_LOCAL_CPU"] == "True"
+    assert env["LMCACHE_CHUNK_SIZE"] == "256"
+    # LMCache reads GiB (x 1024**3). The tier is ceil(172 GiB x 1.15) = 212,384,449,332 B,
+    # 0.8 B more than 197.80 GiB, so rounding up to the next 0.01 GiB gives 197.81
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "197.81"
+    assert float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * GiB >= p["host_tier_bytes"]
