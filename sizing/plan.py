@@ -178,7 +178,7 @@ def _offload(inp: PlanInputs, weights: Weights, pin: bool, warns: list) -> off.O
         result = off.uva_offload(weights, inp.cpu_offload_gb, inp.cpu_offload_params, pin=pin)
         selectors = inp.cpu_offload_params
         unspent = result.budget_bytes - result.gpu_bytes
-        if unspent > 0:
+        if unspent > 0 and result.gpu_bytes > 0:  # nothing moved at all: a selector problem
             warns.append(warning("cpu-offload-gb-not-kv", (
                 f"--cpu-offload-gb {inp.cpu_offload_gb:g} asks for {gib(result.budget_bytes)} but "
                 f"only {gib(result.gpu_bytes)} of decoder-layer weights can move; the other "

@@ -1,0 +1,100 @@
+"""``kvtier doctor`` on vLLM log excerpts (0.27 and 0.31-0.33 formats), one per failure mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from kvtier.sizing import doctor
+from kvtier.sizing.plan import PlanInputs, make_plan
+from sizing_helpers import LOGS, GiB, model
+
+
+def facts(name):
+    with open(LOGS / name, encoding="utf-8") as f:
+        return doctor.parse_log(f)
+
+
+def codes(name, plan=None):
+    return [w["code"] for w in doctor.report(facts(name), plan=plan)["warnings"]]
+
+
+def test_healthy_kvtier_log_reports_everything_and_warns_nothing():
+    f = facts("vllm-0.32-kvtier-ok.log")
+    rep = doctor.report(f)
+    assert f["vllm_version"] == "0.32.0"
+    assert f["offloader"] == "UVAOffloader"
+    assert f["args"]["cpu_offload_gb"] == 10.0
+    # vLLM prints the UVA total in GiB
+    assert f["uva_offloaded_gib"] == 10.05
+    assert rep["uva_offloaded_bytes"] == round(10.05 * GiB)
+    assert f["model_loading_gib"] == 4.94
+    assert f["available_kv_cache_gib"] == 14.62
+    assert f["kv_cache_tokens"] == 119_776 and f["kv_cache_pool"] == "GPU"
+    assert f["max_model_len"] == 8192 and f["max_concurrency"] == 14.62
+    assert rep["kvtier_loaded"] is True
+    assert f["kvtier_config"] == {"chunk_size": 256, "cpu_bytes": 42949672960, "remote_url": None}
+    assert rep["warnings"] == []
+
+
+def test_v031_selector_that_matches_nothing():
+    f = facts("vllm-0.31-uva-selector-nothing.log")
+    assert f["vllm_version"] == "0.31.0"
+    assert f["args"]["cpu_offload_params"] == ["layers.0"]
+    assert f["model_loading_gib"] == 14.9889  # 0.31 prints "took X GiB and Y seconds"
+    assert f["kv_cache_tokens"] == 43_984 and f["max_concurrency"] == 5.37
+    assert codes("vllm-0.31-uva-selector-nothing.log") == ["selector-matches-nothing"]
+
+
+def test_v032_both_backends_set_prefetch_wins_and_prints_gb():
+    f = facts("vllm-0.32-both-set.log")
+    rep = doctor.report(f)
+    assert "uva-discarded-by-prefetch" in codes("vllm-0.32-both-set.log")
+    pf = rep["prefetch"]
+    # the prefetch line is in GB (1e9), not GiB
+    assert pf["gpu_saved_gb"] == 14.6574 and pf["gpu_saved_bytes"] == 14_657_400_000
+    assert pf["buffer_pool_bytes"] == 2_442_900_000
+    assert pf["gpu_saved_gib"] == round(14_657_400_000 / GiB, 4)
+    assert (pf["group_size"], pf["num_in_group"], pf["prefetch_step"]) == (4, 1, 2)
+    assert f["kv_cache_tokens"] == 219_648
+
+
+def test_v032_prefetch_backend_without_group_size():
+    assert codes("vllm-0.32-prefetch-no-group.log") == ["prefetch-without-group-size"]
+
+
+def test_v033_offload_params_with_uva():
+    f = facts("vllm-0.33-offload-params-uva.log")
+    assert f["vllm_version"] == "0.33.0" and f["args"]["offload_params"] == ["experts"]
+    assert codes("vllm-0.33-offload-params-uva.log") == ["offload-params-ignored"]
+
+
+def test_v033_cpu_offload_gb_budget_larger_than_weights():
+    assert codes("vllm-0.33-cpu-offload-not-kv.log") == ["cpu-offload-gb-not-kv"]
+
+
+def test_old_vllm_v2_runner_ignored_offload():
+    f = facts("vllm-0.27-v2-ignored.log")
+    assert f["v2_model_runner"] is True and f["offloader"] is None
+    assert codes("vllm-0.27-v2-ignored.log") == ["offload-ignored-old-vllm"]
+
+
+def test_plan_warnings_join_the_log_warnings():
+    # the log alone cannot know the model is MoE; with the model's config the plan can
+    plan = make_plan(PlanInputs(model=model("qwen3-30b-a3b"), cpu_offload_gb=4,
+                                offload_params=("experts",)))  # fmt: skip
+    got = codes("vllm-0.33-offload-params-uva.log", plan=plan)
+    assert got.count("offload-params-ignored") == 1
+    assert "moe-no-experts-selector" in got
+
+
+def test_empty_log_has_no_facts_and_no_warnings():
+    rep = doctor.report(doctor.parse_log([]))
+    assert rep["vllm_version"] is None and rep["warnings"] == []
+    assert "warnings: none" in doctor.format_report(rep)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_reads_vmrss_and_rssshmem_of_a_live_process():
+    st = doctor.read_proc_status(os.getpid())
+    assert st["VmRSS"] > 0 and "RssShmem" in st
