@@ -173,7 +173,8 @@ class RemoteIO:
         self._tier_log = _RateLimitedLog()
         self._data_log = _RateLimitedLog()
         # reads get the larger half: lookups are latency-critical, uploads are not
-        n_read, n_write = max(1, (threads + 1) // 2), max(1, threads // 2)
+        self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
+        n_read, n_write = self.read_threads, self.write_threads
         self._threads = [
             threading.Thread(target=self._worker, args=(q,), name=f"kvtier-{role}-{i}", daemon=True)
             for q, role, n in ((self._rq, "read", n_read), (self._wq, "write", n_write))

@@ -14,6 +14,25 @@ from kvtier.tiers.base import ObjectTier, Parts
 
 __all__ = ["RedisTier"]
 
+_SMALL = 64 * 1024
+
+
+def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Merge neighbouring small buffers so a chunk goes out in few sendall calls."""
+    out: list[bytes | memoryview] = []
+    pending = b""
+    for buf in buffers:
+        if memoryview(buf).nbytes < _SMALL:
+            pending += bytes(buf)
+            continue
+        if pending:
+            out.append(pending)
+            pending = b""
+        out.append(buf)
+    if pending:
+        out.append(pending)
+    return out
+
 
 class RedisTier(ObjectTier):
     """Chunks as plain string values; AUTH, TLS (``rediss://``) and db come from the URL.
@@ -77,11 +96,44 @@ class RedisTier(ObjectTier):
             raise self._fail("get", exc) from None
 
     def put(self, key: str, parts: Parts) -> None:
-        value = parts[0] if len(parts) == 1 else b"".join(parts)
-        try:
-            self._client.set(key, value, ex=self.ttl_s)
-        except (redis.RedisError, OSError) as exc:
-            raise self._fail("put", exc) from None
+        """SET (with EX when a TTL is configured), sending the parts without joining them.
+
+        redis-py's ``set`` takes one value, which would mean copying an 8 MiB
+        payload behind its header; instead the RESP frame is written around
+        the parts and sent with the connection's own ``send_packed_command``.
+        """
+        total = sum(memoryview(p).nbytes for p in parts)
+        name = key.encode()
+        extra = [b"EX", b"%d" % self.ttl_s] if self.ttl_s else []
+        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+            3 + len(extra),
+            len(name),
+            name,
+            total,
+        )
+        tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
+        frame = _coalesce([head, *parts, tail])
+        pool = self._client.connection_pool
+        for attempt in range(2):  # a second try replaces a connection the server dropped
+            try:
+                conn = pool.get_connection()
+            except (redis.RedisError, OSError) as exc:
+                raise self._fail("put", exc) from None
+            try:
+                conn.send_packed_command(frame)
+                reply = conn.read_response()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                conn.disconnect()
+                if attempt:
+                    raise self._fail("put", exc) from None
+                continue
+            except redis.RedisError as exc:
+                raise self._fail("put", exc) from None
+            finally:
+                pool.release(conn)
+            if reply not in (b"OK", "OK", True):
+                raise TierUnavailable(f"redis put {self._safe_url}: unexpected reply {reply!r}")
+            return
 
     def delete(self, keys: Sequence[str]) -> None:
         if not keys:
