@@ -642,3 +642,28 @@ def test_kvtier_size_with_weight_offload_and_exact_host_bytes(helm, tmp_path):
     slack = limit - plan["host_bytes_total"]
     emitted["weightOffload"]["hostBytes"] = plan["weight_offload_host_bytes"] + slack // 2 + 1
     assert "is too small for the kvtier host tier" in render_fails(helm, emitted, tmp_path)
+
+
+# ---------------------------------------------------------------- README
+
+
+def test_readme_production_stack_snippet():
+    """The production-stack values in the chart's README load kvtier correctly."""
+    text = (CHART / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL)
+    (snippet,) = [yaml.safe_load(b) for b in blocks if b.startswith("servingEngineSpec:")]
+    (spec,) = snippet["servingEngineSpec"]["modelSpec"]
+    args = spec["vllmConfig"]["extraArgs"]
+    ktc = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector"] == "KVTierConnector"
+    assert ktc["kv_connector_module_path"] == "kvtier.connectors.vllm"
+    assert ktc["kv_role"] == "kv_both"
+    cfg = load_config(ktc["kv_connector_extra_config"], environ={})
+    assert spec["vllmConfig"]["enablePrefixCaching"] is True
+    assert "lmcacheConfig" not in spec
+    for e in spec["env"]:
+        assert set(e) == {"name", "valueFrom"} and "secretKeyRef" in e["valueFrom"]
+    assert cfg.hmac_key_env in {e["name"] for e in spec["env"]}
+    need = host_total_bytes(cfg.cpu_bytes, headroom_bytes=cfg.cpu_headroom_bytes, tp=1)
+    for key in ("requestMemory", "limitMemory"):
+        assert parse_k8s_quantity(spec[key]) >= need
