@@ -490,6 +490,23 @@ def test_dashboard_and_rules_have_one_source(helm, tmp_path):
     assert rule["spec"]["groups"] == rules["groups"]
 
 
+def test_packaged_chart_carries_the_linked_files(helm, tmp_path):
+    """helm package stores the symlinked dashboard and rules, so the .tgz stands alone."""
+    out = subprocess.run([helm, "package", str(CHART), "-d", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (tgz,) = tmp_path.glob("kvtier-*.tgz")
+    vfile = tmp_path / "values.yaml"
+    vfile.write_text(yaml.safe_dump(VALUE_SETS["monitoring-on"]))
+    out = subprocess.run([helm, "template", "rel", str(tgz), "-f", str(vfile)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (cm,) = find(docs, "ConfigMap")
+    assert cm["data"]["kvtier.json"] == (ROOT / "deploy" / "grafana" / "kvtier.json").read_text()
+    assert find(docs, "PrometheusRule")[0]["spec"]["groups"]
+
+
 def test_replicas_share_one_object_tier(helm, tmp_path):
     docs = render(helm, VALUE_SETS["replicas"], tmp_path)
     (dep,) = find(docs, "Deployment", "vllm")
