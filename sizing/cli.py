@@ -77,6 +77,8 @@ def _add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
                    help="host RAM left to the OS and everything else (default 4)")
     h.add_argument("--context", type=int, default=8192, metavar="TOKENS",
                    help="average context per session (default 8192)")
+    h.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="vLLM's --max-model-len (default: the config's max_position_embeddings)")
     h.add_argument("--warm-sessions", type=int, metavar="N",
                    help="sessions whose KV should stay warm (decides the host tier)")
     o = p.add_argument_group("vLLM weight offload (same flags as vllm serve)")
@@ -105,7 +107,8 @@ def _inputs(args: argparse.Namespace) -> Any:
         gpu_memory_gib=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         overhead_gib=args.overhead, gpu_kv_gib=args.gpu_kv_memory,
         host_memory_gib=args.host_memory, headroom_bytes=int(args.headroom * GiB),
-        context=args.context, warm_sessions=args.warm_sessions,
+        context=args.context, max_model_len=args.max_model_len,
+        warm_sessions=args.warm_sessions,
         offload_backend=args.offload_backend, cpu_offload_gb=args.cpu_offload_gb,
         cpu_offload_params=_selectors(args.cpu_offload_params),
         offload_group_size=args.offload_group_size,

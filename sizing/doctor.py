@@ -231,6 +231,20 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
     return w
 
 
+def expected_host_bytes(facts: dict[str, Any], plan: dict[str, Any] | None) -> int | None:
+    """Host RAM one worker should hold for offloaded weights + the kvtier slab, per the plan.
+
+    The slab is the ``cpu_bytes`` kvtier logged when it is a number, else the plan's tier.
+    """
+    if plan is None:
+        return None
+    cfg = facts.get("kvtier_config") or {}
+    slab = cfg.get("cpu_bytes") if isinstance(cfg, dict) else None
+    if not isinstance(slab, int):
+        slab = plan["host_tier_bytes"] or 0
+    return int(plan["weight_offload_host_bytes"]) + slab
+
+
 def report(facts: dict[str, Any], proc: dict[str, int] | None = None,
            plan: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The JSON the doctor prints: facts, converted sizes, process memory, plan, warnings."""
@@ -248,6 +262,7 @@ def report(facts: dict[str, Any], proc: dict[str, int] | None = None,
     )
     out["process"] = proc
     out["plan"] = plan
+    out["expected_host_bytes"] = expected_host_bytes(facts, plan)
     warns = diagnose(facts)
     if plan:
         seen = {x["code"] for x in warns}
@@ -303,9 +318,13 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep["plan"]:
         plan = rep["plan"]
         lines.append("plan")
-        exp = plan["weight_offload_host_bytes"] + (plan["host_tier_bytes"] or 0)
+        exp = rep["expected_host_bytes"]
         lines.append(row("expected host bytes / worker", f"{exp / GiB:.2f} GiB "
-                         "(offloaded weights + host tier)"))  # fmt: skip
+                         "(offloaded weights + kvtier slab)"))  # fmt: skip
+        if rep["process"] and "VmRSS" in rep["process"]:
+            rss = rep["process"]["VmRSS"]
+            lines.append(row("VmRSS vs plan", f"{rss / GiB:.2f} GiB vs {exp / GiB:.2f} GiB "
+                             "(RSS also holds Python, CUDA context and untouched-slab effects)"))
         lines.append(row("planned weight offload", f"{plan['weight_offload_gpu_bytes'] / GiB:.2f}"
                          f" GiB off GPU, {plan['weight_offload_host_bytes'] / GiB:.2f} GiB host"))
     lines.append("warnings" if rep["warnings"] else "warnings: none")

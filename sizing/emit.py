@@ -106,7 +106,13 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
         f"  remoteUrl: {q(extra.get('remote_url', ''))}",
         f"  writePolicy: {q(extra['write_policy'])}",
         f"  namespace: {q(extra.get('namespace', ''))}",
+        f"  headroom: {plan['headroom_bytes']}",
     ]
+    if plan["weight_offload_gpu_bytes"]:
+        # the chart's memory check counts these exact bytes instead of its power-of-two bound
+        lines += ["weightOffload:", f"  hostBytes: {plan['weight_offload_host_bytes']}"]
+        if not plan["pin_memory"]:
+            lines.append("  disablePinMemory: true")
     total = plan.get("host_bytes_total")
     if total is not None:
         mem = k8s_quantity(total)

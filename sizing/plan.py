@@ -120,6 +120,8 @@ class PlanInputs:
     host_memory_gib: float | None = None
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES
     context: int = 8192
+    #: vLLM's --max-model-len; None: the config's max_position_embeddings
+    max_model_len: int | None = None
     warm_sessions: int | None = None
     offload_backend: str = "auto"
     cpu_offload_gb: float = 0.0
@@ -246,6 +248,10 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     tokens = gpu_kv_pos // bpt_rank if gpu_kv_pos is not None and bpt_rank else None
     sessions = gpu_kv_pos // session_rank if gpu_kv_pos is not None and session_rank else None
 
+    max_len = inp.max_model_len or shape.max_position_embeddings
+    full_rank = shape.session_kv_bytes(max_len, inp.kv_cache_dtype, tp) if max_len else 0
+    full = gpu_kv_pos // full_rank if gpu_kv_pos is not None and full_rank else None
+
     warm = bpt_rank * inp.context * inp.warm_sessions if inp.warm_sessions is not None else None
     tier: int | None
     tier_needed: bool | None
@@ -318,6 +324,8 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "gpu_kv_bytes": gpu_kv,
         "gpu_kv_tokens": tokens,
         "gpu_kv_sessions": sessions,
+        "max_model_len": max_len,
+        "gpu_kv_full_context_sessions": full,
         "warm_sessions": inp.warm_sessions,
         "warm_set_bytes": warm,
         "host_tier_needed": tier_needed,

@@ -54,6 +54,9 @@ def format_plan(p: dict[str, Any]) -> str:
         ("KV tokens", "unknown" if p["gpu_kv_tokens"] is None else f"{p['gpu_kv_tokens']:,}"),
         (f"{p['context']:,}-token sessions", "unknown" if p["gpu_kv_sessions"] is None
          else f"{p['gpu_kv_sessions']:,}"),  # fmt: skip
+        (f"full-context sessions ({p['max_model_len'] or '?'})",
+         "unknown" if p["gpu_kv_full_context_sessions"] is None
+         else f"{p['gpu_kv_full_context_sessions']:,}"),  # fmt: skip
         "host (per worker unless total)",
         ("warm set", _b(p["warm_set_bytes"])
          + ("" if p["warm_sessions"] is None else f" ({p['warm_sessions']} sessions)")),

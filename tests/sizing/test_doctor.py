@@ -98,3 +98,12 @@ def test_empty_log_has_no_facts_and_no_warnings():
 def test_reads_vmrss_and_rssshmem_of_a_live_process():
     st = doctor.read_proc_status(os.getpid())
     assert st["VmRSS"] > 0 and "RssShmem" in st
+
+
+def test_expected_host_bytes_uses_the_logged_kvtier_slab():
+    plan = make_plan(PlanInputs(model=model("llama3-8b"), cpu_offload_gb=10,
+                                disable_pin_memory=True))  # fmt: skip
+    rep = doctor.report(facts("vllm-0.32-kvtier-ok.log"), plan=plan)
+    # logged cpu_bytes 40 GiB + the planned unpinned offload of --cpu-offload-gb 10
+    assert rep["expected_host_bytes"] == 40 * GiB + plan["weight_offload_host_bytes"]
+    assert doctor.report(facts("vllm-0.32-kvtier-ok.log"))["expected_host_bytes"] is None

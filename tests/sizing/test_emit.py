@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
+import pytest
 import yaml
 from kvtier.sizing.emit import emit
 from kvtier.sizing.plan import PlanInputs, make_plan, parse_k8s_quantity
@@ -54,7 +56,8 @@ def test_helm_values_keys_and_memory():
                               namespace="team-a"))  # fmt: skip
     assert doc["kvtier"] == {"cpuBytes": p["host_tier_bytes"], "chunkSize": 256,
                              "remoteUrl": "redis://r:6379/0", "writePolicy": "write_through",
-                             "namespace": "team-a"}  # fmt: skip
+                             "namespace": "team-a", "headroom": 4 * GiB}  # fmt: skip
+    assert doc["weightOffload"] == {"hostBytes": p["weight_offload_host_bytes"]}
     limit = parse_k8s_quantity(doc["resources"]["limits"]["memory"])
     assert doc["resources"]["requests"]["memory"] == doc["resources"]["limits"]["memory"]
     assert p["host_bytes_total"] <= limit < p["host_bytes_total"] + GiB
@@ -71,3 +74,29 @@ def test_lmcache_env_matches_the_host_tier():
     # 0.8 B more than 197.80 GiB, so rounding up to the next 0.01 GiB gives 197.81
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "197.81"
     assert float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * GiB >= p["host_tier_bytes"]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "kvtier"
+
+
+@pytest.mark.skipif(not (CHART / "values.schema.json").exists(), reason="no Helm chart here")
+def test_helm_values_pass_the_chart_schema_and_its_memory_formula():
+    jsonschema = pytest.importorskip("jsonschema")
+    p, inp = _plan(tp=2, gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4,
+                   disable_pin_memory=True)  # fmt: skip
+    doc = yaml.safe_load(emit("helm-values", p, inp))
+    values = _merge(yaml.safe_load((CHART / "values.yaml").read_text()), doc)
+    jsonschema.validate(values, json.loads((CHART / "values.schema.json").read_text()))
+    # the chart's check: workers x (cpuBytes + weight-offload host bytes) + headroom <= limit
+    k, wo = values["kvtier"], values["weightOffload"]
+    need = 2 * (k["cpuBytes"] + wo["hostBytes"]) + k["headroom"]
+    assert need == p["host_bytes_total"]
+    assert need <= parse_k8s_quantity(values["resources"]["limits"]["memory"])
+    assert wo["disablePinMemory"] is True

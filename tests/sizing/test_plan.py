@@ -189,3 +189,14 @@ def test_k8s_quantity_round_trip():
     with pytest.raises(ValueError):
         parse_k8s_quantity("64 gigs")
     assert math.isclose(parse_k8s_quantity(k8s_quantity(200 * GiB)), 200 * GiB)
+
+
+def test_full_context_sessions_use_max_model_len_and_sliding_windows():
+    # Llama 3 8B: max_position_embeddings 8192 -> 1 GiB per full-context session
+    assert plan(gpu_kv_gib=28)["gpu_kv_full_context_sessions"] == 28
+    # --max-model-len 32768: 4 GiB each
+    assert plan(gpu_kv_gib=28, max_model_len=32768)["gpu_kv_full_context_sessions"] == 7
+    # Mistral 7B v0.1: every layer slides over 4096 tokens, so a 32k session holds 512 MiB
+    m = plan(model=model("mistral-7b-v0.1"), gpu_kv_gib=28)
+    assert m["max_model_len"] == 32768
+    assert m["gpu_kv_full_context_sessions"] == 28 * GiB // (512 * MiB)
