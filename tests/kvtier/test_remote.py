@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import RedisServer, S3Bucket, S3Server
 
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
@@ -16,6 +16,9 @@ from kvtier.remote import IOResult, RemoteIO
 from kvtier.tiers import FileTier, ObjectTier
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.s3 import S3Tier
+
+if TYPE_CHECKING:
+    from conftest import RedisServer, S3Bucket, S3Server
 
 pytestmark = pytest.mark.integration
 
@@ -335,4 +338,56 @@ def test_from_config(tmp_path) -> None:
     assert rio.signer is None and rio.tier.name == "file" and rio.timeout_s == 2.0
     assert rio.submit_put(1, "k", payload(), dtype=DT, shape=SHAPE)
     assert rio.flush(5) == 0 and collect(rio, 1)[1].ok
+    rio.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "s3"])
+def test_refused_connections_then_recovery(backend, redis_server, s3_env, services) -> None:
+    """An endpoint that resets connections (a dead node behind a load balancer)."""
+    if backend == "redis":
+        redis_server.start()
+        proxy = services.proxy((redis_server.host, redis_server.port))
+        tier: ObjectTier = RedisTier(f"redis://127.0.0.1:{proxy.port}/0")
+    else:
+        bucket = s3_env.create_bucket()
+        proxy = services.proxy((s3_env.host, s3_env.port))
+        tier = S3Tier(f"s3://{bucket}/p", endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    rio = make_rio(tier, backoff=ConstantBackoff(0.2))
+    assert rio.submit_put(1, "r", payload(), dtype=DT, shape=SHAPE)
+    assert collect(rio, 1)[1].ok
+    proxy.refuse = True
+    proxy.reset_all()
+    rio.submit_exists(2, ["r"])
+    assert collect(rio, 1)[2].error_kind == "unreachable"
+    proxy.refuse = False
+    time.sleep(0.25)
+    dest = memoryview(bytearray(SIZE))
+    rio.submit_get_into(3, "r", dest, dtype=DT, shape=SHAPE)
+    assert collect(rio, 1)[3].ok and bytes(dest) == bytes(payload())
+    rio.close()
+
+
+def test_hung_server_times_out_then_recovers(redis_server: RedisServer, services) -> None:
+    redis_server.start()
+    proxy = services.proxy((redis_server.host, redis_server.port))
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    rio = make_rio(RedisTier(url, lookup_timeout_ms=300), timeout_s=0.3)
+    rio.submit_exists(0, ["h"])  # opens the pooled connections before the hang
+    assert collect(rio, 1)[0].ok
+    proxy.blackhole = True
+    t0 = time.perf_counter()
+    rio.submit_exists(1, ["h"])
+    r = collect(rio, 1)[1]
+    assert r.error_kind == "timeout" and time.perf_counter() - t0 < 0.5
+    proxy.blackhole = False
+    proxy.reset_all()  # what a hung server's eventual death looks like
+    deadline = time.monotonic() + 5
+    op = 2
+    while True:
+        rio.submit_exists(op, ["h"])
+        if collect(rio, 1)[op].ok:
+            break
+        assert time.monotonic() < deadline, "no recovery after the hang"
+        op += 1
+        time.sleep(0.05)
     rio.close()

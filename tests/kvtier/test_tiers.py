@@ -6,14 +6,17 @@ import multiprocessing
 import os
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import RedisServer, S3Bucket
 
 from kvtier import codec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, TierUnavailable
 from kvtier.tiers import FileTier, ObjectTier, open_tier
+
+if TYPE_CHECKING:
+    from conftest import RedisServer, S3Bucket
 
 pytestmark = pytest.mark.integration
 
