@@ -55,7 +55,7 @@ def weight_offload_host_bytes(
         try:
             shape = load_shape(model_dir)
             weights = weights_from_safetensors(model_dir, shape)
-        except ValueError:
+        except (ValueError, OSError, KeyError, TypeError):  # unreadable: fall back to the bound
             weights = None
         if weights is not None:
             result = off.uva_offload(weights, cpu_offload_gb, offload_params or (), pin=pin)

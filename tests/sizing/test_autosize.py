@@ -91,3 +91,11 @@ def test_autosize_imports_nothing_heavy():
             "print(any(m in sys.modules for m in ('torch', 'vllm', 'numpy')))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_unreadable_checkpoint_falls_back_to_the_bound(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x05")
+    got = resolve_cpu_bytes("auto", headroom_bytes=0, cpu_offload_gb=1, disable_pin_memory=True,
+                            mem_available_bytes=8 * GiB, model_dir=str(tmp_path))  # fmt: skip
+    assert got == 7 * GiB

@@ -160,3 +160,13 @@ def test_size_starts_without_torch_or_vllm():
     out = subprocess.run([sys.executable, "-c", code, model("llama3-8b")], capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_size_reads_a_checkpoint_directory(capsys, tiny_llama):
+    code, out, _ = run(capsys, "size", "--model", tiny_llama, "--json", "--cpu-offload-gb",
+                       "0.0001", "--cpu-offload-params", "mlp", "--disable-pin-memory")  # fmt: skip
+    p = json.loads(out)
+    assert code == 0 and p["weights_source"] == "safetensors"
+    # int(0.0001 GiB) = 107,374 B: both layers' gate_up (24,576) and down (12,288) fit under it
+    assert p["weight_offload_gpu_bytes"] == 2 * (24_576 + 12_288)
+    assert p["weight_offload_host_bytes"] == p["weight_offload_gpu_bytes"]
