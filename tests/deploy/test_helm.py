@@ -644,18 +644,22 @@ def test_kvtier_size_helm_values_drop_into_the_chart(helm, tmp_path, plan_args):
 
 
 def test_kvtier_size_with_weight_offload_and_exact_host_bytes(helm, tmp_path):
-    """With offload, the chart needs the planner's exact per-worker offload bytes
-    (weightOffload.hostBytes); then the emitted limit passes the chart's check."""
+    """With offload the planner emits its exact per-worker offload bytes
+    (weightOffload.hostBytes); the chart counts those instead of its power-of-two bound."""
     plan_args = ["--model", str(MODELS / "llama3-8b"), "--gpu-memory", "80",
-                 "--warm-sessions", "400", "--tp", "2", "--cpu-offload-gb", "8"]  # fmt: skip
+                 "--warm-sessions", "400", "--tp", "2", "--cpu-offload-gb", "8",
+                 "--headroom", "6"]  # fmt: skip
     emitted = yaml.safe_load(kvtier_size(*plan_args, "--emit", "helm-values"))
     plan = json.loads(kvtier_size(*plan_args, "--json"))
     assert "--cpu-offload-gb" in emitted["vllm"]["extraArgs"]
-    emitted.setdefault("weightOffload", {})["hostBytes"] = plan["weight_offload_host_bytes"]
+    assert emitted["weightOffload"]["hostBytes"] == plan["weight_offload_host_bytes"]
+    assert size(emitted["kvtier"]["headroom"]) == plan["headroom_bytes"] == 6 * GiB
     c = vllm_container(render(helm, emitted, tmp_path))
-    assert parse_k8s_quantity(c["resources"]["limits"]["memory"]) >= plan["host_bytes_total"]
-    # one byte of offload more than the limit leaves room for must fail
+    extra = transfer_config(c)["kv_connector_extra_config"]
+    assert extra["cpu_headroom_bytes"] == plan["headroom_bytes"]
     limit = parse_k8s_quantity(c["resources"]["limits"]["memory"])
+    assert limit >= plan["host_bytes_total"]
+    # one byte of offload more than the limit leaves room for must fail
     slack = limit - plan["host_bytes_total"]
     emitted["weightOffload"]["hostBytes"] = plan["weight_offload_host_bytes"] + slack // 2 + 1
     assert "is too small for the kvtier host tier" in render_fails(helm, emitted, tmp_path)
