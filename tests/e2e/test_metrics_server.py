@@ -98,17 +98,18 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """vLLM's OpenAI server with kvtier, on a free loopback port, until the module ends."""
-    from kvtier.sizing.tinymodel import build_tiny_llama
+def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """vLLM's OpenAI server with kvtier, on a free loopback port, until the module ends.
 
-    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    ``tiny_model`` (tests/e2e/conftest.py) is ``build_tiny_llama``'s 4-layer, 256-wide model.
+    """
+    model = tiny_model
     port = checks.free_port()
     log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", MODEL_NAME,
+        "--model", model, "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
         "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
