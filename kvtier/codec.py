@@ -169,6 +169,8 @@ def encode(
     """Frame ``payload`` as a chunk; returns the parts to write, the payload not copied."""
     view = _payload_view(payload)
     shape_l = [int(d) for d in shape]
+    if any(d < 0 for d in shape_l):
+        raise ValueError(f"shape {shape_l} has a negative dimension")
     xxh = xxhash.xxh3_128_digest(view)
     header: dict[str, Any] = {
         "v": FORMAT_VERSION,

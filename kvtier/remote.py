@@ -411,7 +411,9 @@ class RemoteIO:
         if op.kind != "put" and time.monotonic() > op.deadline:
             self._finish(op, False, "timeout")
             return
-        key = op.keys[0]
+        key, buf = op.keys[0], op.buf
+        if buf is None and op.kind != "exists":  # closed while this op was being picked up
+            return
         try:
             if op.kind == "exists":
                 value = self.tier.exists(op.keys)
@@ -427,17 +429,15 @@ class RemoteIO:
                 payload = codec.decode(
                     blob, key=key, dtype=op.dtype, shape=op.shape, signer=self.signer
                 )
-                assert op.buf is not None
-                if payload.nbytes != op.buf.nbytes:
+                assert buf is not None
+                if payload.nbytes != buf.nbytes:
                     raise CodecError(
-                        f"chunk payload is {payload.nbytes} bytes, the slot {op.buf.nbytes}"
+                        f"chunk payload is {payload.nbytes} bytes, the slot {buf.nbytes}"
                     )
                 self._finish(op, True, None, nbytes=len(blob), copy_from=payload)
             else:
-                assert op.buf is not None
-                parts = codec.encode(
-                    key, op.buf, dtype=op.dtype, shape=op.shape, signer=self.signer
-                )
+                assert buf is not None
+                parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
                 self._mark_up()
                 n = codec.encoded_size(parts)

@@ -69,6 +69,7 @@ class FileTier(ObjectTier):
         try:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(dest))
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide chunks from engines run as others
             with open(fd, "wb") as f:
                 for part in parts:
                     f.write(part)
