@@ -94,6 +94,10 @@ def _non_default_args(text: str) -> dict[str, Any]:
             out[key] = int(raw)
     if "KVTierConnector" in text:
         out["kv_connector"] = "KVTierConnector"
+        m = re.search(r"kv_connector_extra_config=(\{[^{}]*\})", text)
+        extra = _literal(m.group(1)) if m else None
+        if isinstance(extra, dict):
+            out["kv_connector_extra_config"] = extra
     return out
 
 
@@ -260,6 +264,8 @@ def report(facts: dict[str, Any], proc: dict[str, int] | None = None,
     out["kvtier_loaded"] = facts["connector"] == "KVTierConnector" or (
         facts["args"].get("kv_connector") == "KVTierConnector"
     )
+    if out["kvtier_config"] is None and "kv_connector_extra_config" in facts["args"]:
+        out["kvtier_config"] = facts["args"]["kv_connector_extra_config"]
     out["process"] = proc
     out["plan"] = plan
     out["expected_host_bytes"] = expected_host_bytes(facts, plan)
@@ -325,6 +331,9 @@ def format_report(rep: dict[str, Any]) -> str:
             rss = rep["process"]["VmRSS"]
             lines.append(row("VmRSS vs plan", f"{rss / GiB:.2f} GiB vs {exp / GiB:.2f} GiB "
                              "(RSS also holds Python, CUDA context and untouched-slab effects)"))
+        if gib is not None:
+            lines.append(row("logged vs planned UVA", f"{gib} GiB vs "
+                             f"{plan['weight_offload_gpu_bytes'] / GiB:.2f} GiB"))  # fmt: skip
         lines.append(row("planned weight offload", f"{plan['weight_offload_gpu_bytes'] / GiB:.2f}"
                          f" GiB off GPU, {plan['weight_offload_host_bytes'] / GiB:.2f} GiB host"))
     lines.append("warnings" if rep["warnings"] else "warnings: none")

@@ -107,3 +107,14 @@ def test_expected_host_bytes_uses_the_logged_kvtier_slab():
     # logged cpu_bytes 40 GiB + the planned unpinned offload of --cpu-offload-gb 10
     assert rep["expected_host_bytes"] == 40 * GiB + plan["weight_offload_host_bytes"]
     assert doctor.report(facts("vllm-0.32-kvtier-ok.log"))["expected_host_bytes"] is None
+
+
+def test_kvtier_config_falls_back_to_the_extra_config_in_the_args():
+    lines = [
+        "(APIServer pid=1) INFO 11-22 09:00:00 [api_utils.py:286] non-default args: {'model': "
+        "'/m', 'kv_transfer_config': KVTransferConfig(kv_connector='KVTierConnector', "
+        "kv_connector_extra_config={'cpu_bytes': 1024, 'chunk_size': 512}, kv_role='kv_both')}",
+    ]
+    rep = doctor.report(doctor.parse_log(lines))
+    assert rep["kvtier_loaded"] is True
+    assert rep["kvtier_config"] == {"cpu_bytes": 1024, "chunk_size": 512}
