@@ -9,6 +9,7 @@ bytes and never waits on the network.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -119,6 +120,8 @@ class SchedulerSide:
         self.write_through = self.remote is not None and cfg.write_policy == "write_through"
         self.write_back = self.remote is not None and cfg.write_policy == "write_back"
         self.stats = StatsRecorder()
+        #: running totals since start, for tests and `kvtier doctor`-style introspection
+        self.totals: collections.Counter[str] = collections.Counter()
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, _ReqState] = {}
@@ -179,6 +182,7 @@ class SchedulerSide:
             self._plan_loads(st, request, start, end)
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
+        self.totals["lookup_tokens"] += lookup
         total = local + num_external_tokens
         st.outcome = "hit" if cap and total >= cap else ("partial" if total else "miss")
 
@@ -221,6 +225,7 @@ class SchedulerSide:
         meta.uploads, self._uploads = self._uploads, []
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
         self.stats.set(metrics.HOST_BYTES_USED, used)
+        self.totals["evictions"] = self.index.evictions
         if self.index.evictions != self._last_evictions:
             self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
             self._last_evictions = self.index.evictions
@@ -244,6 +249,13 @@ class SchedulerSide:
         # Stores run inside the step that computes a chunk, before vLLM frees its blocks,
         # so nothing is left to copy here and the blocks can be freed at once.
         return False, None
+
+    def pending_ops(self) -> int:
+        """Ops sent to workers and not yet reported (0 when the engine is idle)."""
+        return len(self._pending)
+
+    def open_requests(self) -> int:
+        return len(self._reqs)
 
     def get_stats(self) -> dict[str, Any]:
         return self.stats.take()
@@ -302,6 +314,7 @@ class SchedulerSide:
             tier = "remote" if entry.fetched else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
             self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))
+            self.totals[f"hit_tokens_{tier}"] += tokens
 
     def _plan_stores(
         self, st: _ReqState, req_id: str, computed_after: int, out: list[StoreOp]
@@ -320,6 +333,7 @@ class SchedulerSide:
                 continue
             entry = self.index.begin(key, State.STORING)
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
+                self.totals["store_skipped"] += 1
                 continue
             op_id = next(self._op_ids)
             upload_id = None
@@ -346,6 +360,7 @@ class SchedulerSide:
             return
         del self._pending[op_id]
         ok = all(pending.reports)
+        self.totals[f"{pending.kind}_{'ok' if ok else 'failed'}"] += 1
         entry = pending.entry
         assert entry is not None
         live = self.index.get(entry.key) is entry
@@ -425,6 +440,7 @@ class SchedulerSide:
                 continue
             lk.exists_op = None
             if not res.ok:
+                self.totals["exists_failed"] += 1
                 if res.error_kind:
                     self.stats.inc(metrics.ERRORS, 1, (_error_kind(res.error_kind),))
                 self._finish_lookup(st)

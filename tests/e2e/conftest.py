@@ -1,0 +1,54 @@
+"""Fixtures for end-to-end tests: a locally built model and an engine runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENGINE = Path(__file__).with_name("engine.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4 layers, 256 wide: starts fastest. Built locally, nothing downloaded."""
+    from kvtier.sizing.tinymodel import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny4"))
+
+
+def run_engine(
+    scenario: str,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    **args: Any,
+) -> dict[str, Any]:
+    """Run one scenario of tests/e2e/engine.py in a fresh process; return its RESULT."""
+    full_env = dict(os.environ)
+    full_env.update(
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONPATH=str(REPO) + os.pathsep + full_env.get("PYTHONPATH", ""),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE), scenario, json.dumps(args)],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO),
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            result["_log"] = proc.stdout[-20000:] + proc.stderr[-20000:]
+            return result
+    raise AssertionError(
+        f"scenario {scenario} ended without a result (exit {proc.returncode}):\n"
+        f"{proc.stdout[-6000:]}\n{proc.stderr[-12000:]}"
+    )

@@ -1,0 +1,219 @@
+"""Run a real vLLM engine (CPU build) with kvtier in a fresh process.
+
+vLLM wants ``LLM(...)`` under ``if __name__ == "__main__"`` and one engine per
+process, so every end-to-end scenario runs this file as a script:
+``python tests/e2e/engine.py SCENARIO JSON_ARGS``. The scenario prints one line
+``RESULT {json}`` that the test reads. The engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a scenario can look inside kvtier's
+scheduler side (ref counts, slots) after the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+KVCACHE_GIB = "1"
+
+
+def toks(seed: int, n: int) -> list[int]:
+    """Deterministic token ids inside the tiny tokenizer's vocabulary."""
+    return [((i * 7919 + seed * 104729 + seed * seed) % 480) + 5 for i in range(n)]
+
+
+def ktc(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=model, enforce_eager=True, block_size=32, max_model_len=4096, seed=0,
+    )
+    if extra is not None:
+        args["kv_transfer_config"] = ktc(extra)
+    args.update(kw)
+    return LLM(**args)
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3)
+    items = []
+    for p in prompts:
+        tp = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            tp["cache_salt"] = salt
+        items.append(tp)
+    outs = llm.generate(items, sp, use_tqdm=False)
+    return [summary(o) for o in outs]
+
+
+def summary(o) -> dict[str, Any]:
+    """Output tokens, top logprobs (rounded) and cached-token count of one request."""
+    comp = o.outputs[0]
+    lps = [
+        sorted((int(k), round(v.logprob, 4)) for k, v in d.items()) for d in (comp.logprobs or [])
+    ]
+    return {"tokens": list(comp.token_ids), "logprobs": lps, "cached": o.num_cached_tokens or 0}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def kvtier_side(llm):
+    """The scheduler side of the connector (engine core in-process)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+
+
+def index_report(llm) -> dict[str, Any]:
+    side = kvtier_side(llm)
+    idx = side.index
+    try:
+        idx.check()
+        invariants = True
+    except AssertionError as exc:
+        invariants = str(exc)
+    return {
+        "refs": idx.total_refs(),
+        "invariants": invariants,
+        "pending_ops": side.pending_ops(),
+        "open_requests": side.open_requests(),
+        "used_slots": idx.used_slots,
+        "num_slots": idx.num_slots,
+        "totals": dict(side.totals),
+    }
+
+
+def settle(llm, seconds: float = 0.0) -> None:
+    """Let the engine run empty steps so worker reports (uploads, fetches) arrive."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    deadline = time.time() + seconds
+    while True:
+        llm.generate([TokensPrompt(prompt_token_ids=[7, 8, 9])],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+        if time.time() >= deadline and kvtier_side(llm).pending_ops() == 0:
+            return
+        if time.time() > deadline + 30:
+            return
+        time.sleep(0.05)
+
+
+# ---- scenarios -------------------------------------------------------------------------------
+def shared_prefix(model: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """A = S+U1, B = S+U2 (S = 1,024 tokens): with kvtier serving S after a flush of
+    vLLM's prefix cache, B's output must equal B's when vLLM's own cache served S.
+
+    Each comparison keeps the split between cached and computed tokens the same,
+    so the two computations are the same arithmetic and must agree bit for bit.
+    """
+    llm = build_llm(model, extra)
+    s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
+    a = generate(llm, [s + u1])[0]
+    a_ref = generate(llm, [s + u1])[0]  # vLLM's own cache serves 1,280 tokens
+    b_ref = generate(llm, [s + u2])[0]  # vLLM's own cache serves S
+    llm.reset_prefix_cache()
+    before = dict(kvtier_side(llm).totals)
+    b = generate(llm, [s + u2])[0]
+    after = dict(kvtier_side(llm).totals)
+    llm.reset_prefix_cache()
+    a2 = generate(llm, [s + u1])[0]
+    return {
+        "a": a, "a_ref": a_ref, "b_ref": b_ref, "b": b, "a2": a2,
+        "b_hit_tokens": after.get("hit_tokens_host", 0) - before.get("hit_tokens_host", 0),
+        "b_lookup_tokens": after.get("lookup_tokens", 0) - before.get("lookup_tokens", 0),
+        "index": index_report(llm),
+    }
+
+
+def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest difference between the top logprobs of two outputs (inf if tokens differ)."""
+    if a["tokens"] != b["tokens"]:
+        return float("inf")
+    diff = 0.0
+    for la, lb in zip(a["logprobs"], b["logprobs"], strict=True):
+        da, db = dict(la), dict(lb)
+        for tok in set(da) & set(db):
+            diff = max(diff, abs(da[tok] - db[tok]))
+    return diff
+
+
+def eviction(model: str, extra: dict[str, Any], n_prompts: int = 5) -> dict[str, Any]:
+    """A host tier smaller than the working set: outputs stay exact, nothing leaks."""
+    llm = build_llm(model, extra)
+    prompts = [toks(10 + i, 1024 + 40) for i in range(n_prompts)]
+    cold = []
+    for p in prompts:  # reference: computed with nothing to load
+        llm.reset_prefix_cache()
+        cold.append(generate(llm, [p])[0])
+    warm = []
+    for p in prompts + prompts:  # cyclic over more chunks than slots: LRU evicts, misses
+        for _ in range(2):  # ... and the same prompt right again: hits
+            llm.reset_prefix_cache()
+            warm.append(generate(llm, [p])[0])
+    settle(llm)
+    return {
+        "tokens_identical": all(
+            w["tokens"] == cold[(i // 2) % n_prompts]["tokens"] for i, w in enumerate(warm)
+        ),
+        "max_logprob_diff": max(
+            max_logprob_diff(w, cold[(i // 2) % n_prompts]) for i, w in enumerate(warm)
+        ),
+        "cold_cached": [c["cached"] for c in cold],
+        "warm_cached": [w["cached"] for w in warm],
+        "index": index_report(llm),
+    }
+
+
+def start_only(model: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Start an engine and report how startup ended (config errors must stop it)."""
+    try:
+        llm = build_llm(model, extra)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the error
+        chain = []
+        e: BaseException | None = exc
+        while e is not None:
+            chain.append(f"{type(e).__name__}: {e}")
+            e = e.__cause__ or e.__context__
+        return {"started": False, "error": "\n".join(chain), "tb": traceback.format_exc()}
+    out = generate(llm, [toks(1, 300)])[0]
+    return {"started": True, "out": out}
+
+
+SCENARIOS = {f.__name__: f for f in (shared_prefix, eviction, start_only)}
+
+
+def register(fn):
+    """Other test modules add scenarios by importing this module and decorating."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def main() -> None:
+    name, args = sys.argv[1], json.loads(sys.argv[2])
+    extra_modules = os.environ.get("KVTIER_TEST_SCENARIO_MODULES", "")
+    for mod in filter(None, extra_modules.split(",")):
+        __import__(mod)
+    result = SCENARIOS[name](**args)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # skip vLLM's slow interpreter teardown
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    main()

@@ -1,0 +1,76 @@
+"""Config: one frozen object; every mistake names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import KEYS, format_size, load_config, parse_size
+from kvtier.errors import ConfigError
+
+
+def test_defaults() -> None:
+    cfg = load_config({}, environ={})
+    assert cfg.chunk_size == 256 and cfg.cpu_bytes == "auto" and cfg.namespace == ""
+    assert cfg.write_policy == "write_through" and cfg.remote_url is None
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [("512MiB", 512 * 2**20), ("8GiB", 8 * 2**30), ("1.5GB", 1_500_000_000), ("1024", 1024),
+     (4096, 4096), ("2 gib", 2 * 2**30)],
+)
+def test_sizes(text: object, n: int) -> None:
+    assert parse_size("cpu_bytes", text) == n
+    assert load_config({"cpu_bytes": text}, environ={}).cpu_bytes == n
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "hint"),
+    [
+        ({"chunk_sise": 256}, "chunk_sise", "known keys are"),
+        ({"cpu_bytes": "lots"}, "cpu_bytes", "size string"),
+        ({"cpu_bytes": -1}, "cpu_bytes", "not negative"),
+        ({"chunk_size": 0}, "chunk_size", "integer >= 1"),
+        ({"chunk_size": True}, "chunk_size", "integer"),
+        ({"write_policy": "sometimes"}, "write_policy", "write_through"),
+        ({"remote_url": "ftp://x"}, "remote_url", "s3://"),
+        ({"remote_url": "s3://"}, "remote_url", "bucket"),
+        ({"io_threads": 1000}, "io_threads", "<= 64"),
+        ({"shutdown_flush_s": "soon"}, "shutdown_flush_s", "number"),
+        ({"hmac_key_env": "A", "hmac_key_file": "/k"}, "hmac_key_file", "not both"),
+    ],
+)
+def test_errors_name_key_value_and_allowed(extra: dict, key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(extra, environ={})
+    assert err.value.key == key
+    assert repr(key) in str(err.value) and hint in str(err.value)
+
+
+def test_environment_overrides_the_dict() -> None:
+    cfg = load_config({"chunk_size": 256}, environ={"KVTIER_CHUNK_SIZE": "512"})
+    assert cfg.chunk_size == 512
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_config({}, environ={"KVTIER_CHUNK_SIZE": "many"})
+
+
+def test_block_size_check() -> None:
+    cfg = load_config({"chunk_size": 96}, environ={})
+    cfg.check_block_size(32)
+    with pytest.raises(ConfigError, match="multiple of the engine's block size"):
+        cfg.check_block_size(64)
+
+
+def test_config_is_frozen_and_redacts_passwords() -> None:
+    cfg = load_config({"remote_url": "redis://:s3cret@host:6379/0"}, environ={})
+    with pytest.raises(AttributeError):
+        cfg.chunk_size = 1  # type: ignore[misc]
+    assert "s3cret" not in str(cfg.redacted())
+    with pytest.raises(ConfigError) as err:
+        load_config({"remote_url": "http://:s3cret@host/"}, environ={})
+    assert "s3cret" not in str(err.value)
+
+
+def test_keys_are_unique_and_sizes_print_readably() -> None:
+    assert len(KEYS) == len(set(KEYS))
+    assert format_size(3 * 2**30) == "3.00 GiB"

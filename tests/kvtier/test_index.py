@@ -1,0 +1,137 @@
+"""The host tier's index: two-phase stores, LRU eviction, ref counts, rollback."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.index import ChunkIndex, State
+
+
+def ready(idx: ChunkIndex, key: str) -> int:
+    entry = idx.begin(key, State.STORING)
+    assert entry is not None
+    idx.commit(key, True)
+    return entry.slot
+
+
+def test_only_ready_chunks_are_hits() -> None:
+    idx = ChunkIndex(2)
+    idx.begin("a", State.STORING)
+    assert "a" in idx and not idx.is_ready("a")
+    idx.commit("a", True)
+    assert idx.is_ready("a")
+
+
+def test_failed_store_rolls_back_and_frees_the_slot() -> None:
+    idx = ChunkIndex(1)
+    idx.begin("a", State.STORING)
+    idx.commit("a", False)
+    assert "a" not in idx and idx.used_slots == 0
+    idx.check()
+
+
+def test_lru_evicts_oldest_unpinned() -> None:
+    idx = ChunkIndex(2)
+    ready(idx, "a")
+    ready(idx, "b")
+    idx.touch("a")  # b is now the oldest
+    ready(idx, "c")
+    assert "b" not in idx and idx.is_ready("a") and idx.is_ready("c")
+    assert idx.evictions == 1
+    idx.check()
+
+
+def test_pinned_chunk_is_never_evicted() -> None:
+    idx = ChunkIndex(1)
+    ready(idx, "a")
+    idx.pin("a")
+    assert idx.begin("b", State.STORING) is None  # nothing evictable
+    idx.unpin("a")
+    assert idx.begin("b", State.STORING) is not None
+    assert "a" not in idx
+    idx.check()
+
+
+def test_storing_and_fetching_chunks_are_not_evicted() -> None:
+    idx = ChunkIndex(2)
+    idx.begin("a", State.STORING)
+    idx.begin("b", State.FETCHING)
+    assert idx.begin("c", State.STORING) is None
+    idx.commit("b", True)
+    assert idx.get("b").fetched and idx.get("b").remote  # came from the object tier
+    assert idx.begin("c", State.STORING) is not None
+    idx.check()
+
+
+def test_held_chunk_whose_store_failed_is_freed_when_released() -> None:
+    idx = ChunkIndex(1)
+    entry = idx.begin("a", State.STORING)
+    idx.hold(entry)  # an upload was queued with the store
+    idx.commit("a", False)
+    assert idx.get("a").state is State.EVICTING and idx.used_slots == 1
+    idx.unpin("a")
+    assert "a" not in idx and idx.used_slots == 0
+    idx.check()
+
+
+def test_evict_while_pinned_waits_for_unpin() -> None:
+    idx = ChunkIndex(1)
+    ready(idx, "a")
+    idx.pin("a")
+    assert idx.evict("a")
+    assert not idx.is_ready("a") and idx.used_slots == 1
+    idx.unpin("a")
+    assert idx.used_slots == 0
+
+
+def test_unbalanced_unpin_is_an_error() -> None:
+    idx = ChunkIndex(1)
+    ready(idx, "a")
+    with pytest.raises(ValueError):
+        idx.unpin("a")
+    with pytest.raises(KeyError):
+        idx.pin("zzz")  # absent
+
+
+def test_duplicate_begin_is_refused() -> None:
+    idx = ChunkIndex(2)
+    assert idx.begin("a", State.STORING) is not None
+    assert idx.begin("a", State.STORING) is None
+
+
+def test_clear_drops_unpinned_ready_only() -> None:
+    idx = ChunkIndex(3)
+    ready(idx, "a")
+    ready(idx, "b")
+    idx.pin("b")
+    idx.begin("c", State.STORING)
+    assert idx.clear() == 1
+    assert "a" not in idx and "b" in idx and "c" in idx
+    idx.check()
+
+
+def test_random_workload_keeps_invariants() -> None:
+    import random
+
+    rnd = random.Random(7)
+    idx = ChunkIndex(5)
+    pinned: list[str] = []
+    for _ in range(3000):
+        key = f"k{rnd.randrange(20)}"
+        op = rnd.random()
+        if op < 0.4:
+            e = idx.begin(key, rnd.choice([State.STORING, State.FETCHING]))
+            if e is not None:
+                idx.commit(key, rnd.random() < 0.9)
+        elif op < 0.6 and idx.is_ready(key):
+            idx.pin(key)
+            pinned.append(key)
+        elif op < 0.8 and pinned:
+            idx.unpin(pinned.pop(rnd.randrange(len(pinned))))
+        else:
+            idx.touch(key)
+        idx.check()
+    for key in pinned:
+        idx.unpin(key)
+    assert idx.total_refs() == 0
+    idx.check()

@@ -1,0 +1,69 @@
+"""Chunk keys: stable across processes, different whenever KV bytes would differ."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from kvtier.keys import ANY_RANK, Namespace, chunk_block_hashes, chunk_key
+
+NS = Namespace(
+    model="/models/llama", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
+    block_size=32, chunk_size=256, tp_size=1,
+)
+HASHES = [bytes([i]) * 32 for i in range(24)]
+
+_CHILD = """
+import json, sys
+from kvtier.keys import Namespace, chunk_block_hashes, chunk_key
+ns = Namespace(model="/models/llama", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
+               block_size=32, chunk_size=256, tp_size=1)
+hashes = [bytes([i]) * 32 for i in range(24)]
+d = ns.digest()
+print(json.dumps([chunk_key(d, h) for h in chunk_block_hashes(hashes, 8)]))
+"""
+
+
+def _keys_in_subprocess(seed: str) -> list[str]:
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def test_same_prefix_same_key_in_every_process() -> None:
+    here = [chunk_key(NS.digest(), h) for h in chunk_block_hashes(HASHES, 8)]
+    assert _keys_in_subprocess("1") == here
+    assert _keys_in_subprocess("12345") == here
+
+
+def test_chunk_uses_its_last_block_hash() -> None:
+    assert chunk_block_hashes(HASHES, 8) == [HASHES[7], HASHES[15], HASHES[23]]
+    assert chunk_block_hashes(HASHES[:15], 8) == [HASHES[7]]  # partial chunk not keyed
+
+
+def test_any_namespace_field_changes_the_key() -> None:
+    base = chunk_key(NS.digest(), HASHES[7])
+    changes = {
+        "model": "/models/other", "revision": "abc", "dtype": "float16",
+        "kv_cache_dtype": "fp8", "block_size": 16, "chunk_size": 512, "tp_size": 2,
+        "namespace": "tenant-a", "layout_version": 2,
+    }
+    seen = {base}
+    for field, value in changes.items():
+        key = chunk_key(dataclasses.replace(NS, **{field: value}).digest(), HASHES[7])
+        assert key not in seen, field
+        seen.add(key)
+
+
+def test_rank_is_part_of_the_object_key() -> None:
+    keys = {chunk_key(NS.digest(r), HASHES[7]) for r in (ANY_RANK, 0, 1)}
+    assert len(keys) == 3
+
+
+def test_different_prefix_different_key() -> None:
+    assert chunk_key(NS.digest(), HASHES[7]) != chunk_key(NS.digest(), HASHES[8])
