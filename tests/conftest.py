@@ -9,7 +9,7 @@ Fixtures (see each one's docstring):
     s3_env         function s3_server, running, with its AWS_* env set (monkeypatch)
     s3_bucket      function a fresh bucket on it (s3_env applied): .name .url .endpoint_url
     services       function factory of private servers/proxies torn down after the test:
-                            services.redis(start=True, password=None, port=None)
+                            services.redis(start=True, password=None, port=None, tls=False)
                             services.s3(start=True, port=None)
                             services.proxy(("127.0.0.1", port)) -> tests.faultproxy.FaultProxy
 
@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,9 @@ class RedisServer(_Process):
 
     what = "redis-server"
 
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, password: str | None = None, tls: bool = False
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail(
@@ -151,25 +154,49 @@ class RedisServer(_Process):
             )
         self.binary = binary
         self.password = password
+        self.tls = tls
         super().__init__(port)
+        self.cert_path = os.path.join(self.workdir, "cert.pem")
+        if tls:  # a self-signed certificate for 127.0.0.1, which is also the CA clients trust
+            key_path = os.path.join(self.workdir, "key.pem")
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                 "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key_path,
+                 "-out", self.cert_path],
+                check=True, capture_output=True,
+            )  # fmt: skip
 
     @property
     def url(self) -> str:
+        """``redis://`` (or ``rediss://`` trusting the test certificate), with AUTH if set."""
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.cert_path}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def _argv(self) -> list[str]:
         argv = [
-            self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+            self.binary, "--bind", self.host, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
             "--dir", self.workdir, "--loglevel", "warning",
         ]  # fmt: skip
+        if self.tls:
+            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                     "--tls-cert-file", self.cert_path, "--tls-ca-cert-file", self.cert_path,
+                     "--tls-key-file", os.path.join(self.workdir, "key.pem")]  # fmt: skip
+        else:
+            argv += ["--port", str(self.port)]
         if self.password:
             argv += ["--requirepass", self.password]
         return argv
 
     def _ready(self) -> bool:
-        with socket.create_connection((self.host, self.port), timeout=1) as s:
+        with socket.create_connection((self.host, self.port), timeout=1) as raw:
+            s = raw
+            if self.tls:
+                ctx = ssl.create_default_context(cafile=self.cert_path)
+                s = ctx.wrap_socket(raw, server_hostname=self.host)
             cmd = b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode()
             s.sendall(cmd)
             return b"PONG" in s.recv(100) or b"PONG" in s.recv(100)
@@ -249,9 +276,14 @@ class ServiceFactory:
         self._cleanups: list[Callable[[], None]] = []
 
     def redis(
-        self, *, start: bool = True, password: str | None = None, port: int | None = None
+        self,
+        *,
+        start: bool = True,
+        password: str | None = None,
+        port: int | None = None,
+        tls: bool = False,
     ) -> RedisServer:
-        server = RedisServer(port, password)
+        server = RedisServer(port, password, tls)
         self._cleanups.append(server.cleanup)
         if start:
             server.start()

@@ -200,3 +200,20 @@ def test_file_tier_concurrent_processes(tmp_path) -> None:
         codec.decode(t.get(key), key=key, dtype="u8")
     leftovers = [n for _, _, names in os.walk(root) for n in names if n.startswith(".tmp-")]
     assert leftovers == []
+
+
+def test_rediss_tls_and_auth_from_the_url(services) -> None:
+    secret = "tls-s3cret"
+    server = services.redis(tls=True, password=secret)
+    assert server.url.startswith("rediss://")
+    with open_tier(load_config({"remote_url": server.url}, environ={})) as t:
+        t.put("tls", _chunk("tls", 1000))
+        assert t.exists(["tls", "nope"]) == [True, False]
+        assert bytes(codec.decode(t.get("tls"), key="tls")) == bytes([7]) * 1000
+        assert secret not in repr(t)
+    # a client that does not trust the server's certificate never talks to it
+    untrusted = server.url.split("?")[0]
+    with open_tier(load_config({"remote_url": untrusted}, environ={})) as t:
+        with pytest.raises(TierUnavailable) as info:
+            t.get("tls")
+        assert secret not in str(info.value)
