@@ -60,8 +60,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "mt_rps": mt["throughput_rps"] if mt else None,
             "failed": sum(p.get("failed", 0) for p in ph.values()),
             "requests": sum(p.get("requests", 0) for p in ph.values()),
-            "hit_rates": {k: (p.get("hit_rate"), p.get("hit_rate_source", "").split(" ")[0])
-                          for k, p in ph.items()},
+            "hit_rates": {k: p.get("hit_rates", {}) for k, p in ph.items()},
         }
     base = cfgs.get("vllm", {}).get("phases", {})
     ref = {
@@ -194,10 +193,11 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
             out.append(f"| {rows[peer]['label']} | {_x(pr['hit'])} | {_x(pr['restart'])} | "
                        f"{_x(pr['shared'])} | {_x(pr['mt_ttft'])} | {_x(pr['mt_rps'])} |")
     out += ["", "## Hit rates", "",
-            "From each server's `/metrics` before and after the phase: kvtier's "
-            "`kvtier:hit_tokens_total` ÷ `kvtier:lookup_tokens_total` where exported, else vLLM's "
-            "`vllm:prefix_cache_hits_total` ÷ `vllm:prefix_cache_queries_total` (source in "
-            "brackets).", "",
+            "Token hit rates from each server's `/metrics` before and after the phase: "
+            "**kvtier** = `kvtier:hit_tokens_total` ÷ `kvtier:lookup_tokens_total` (tokens beyond "
+            "vLLM's own hit); **local** = `vllm:prefix_cache_hits_total` ÷ "
+            "`vllm:prefix_cache_queries_total`; **ext** = vLLM's "
+            "`vllm:external_prefix_cache_hits_total` ÷ `..._queries_total` (any connector).", "",
             "| configuration | connector hit | restart | 75 % shared | multi-turn |",
             "|---|---|---|---|---|"]
     for r in rows.values():
@@ -205,8 +205,14 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
             continue
         cells = []
         for phase in ("connector", "restart", "shared75", "multiturn"):
-            rate, src = r["hit_rates"].get(phase, (None, ""))
-            cells.append("–" if phase not in r["hit_rates"] else f"{_pct(rate)} [{src or '–'}]")
+            rates = r["hit_rates"].get(phase)
+            if rates is None:
+                cells.append("–")
+                continue
+            parts = [f"{name} {_pct(rates.get(key))}"
+                     for name, key in (("kvtier", "kvtier"), ("local", "vllm_prefix_cache"),
+                                       ("ext", "vllm_external")) if rates.get(key) is not None]
+            cells.append(", ".join(parts) or "–")
         out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     missing = [(r["label"], r["unavailable"]) for r in rows.values() if r["unavailable"]]
     if missing:

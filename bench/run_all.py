@@ -47,8 +47,8 @@ SHAPES = {
     "bench": {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8},
     "tiny": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2},  # smoke runs only
 }
-DEVICE_CACHE_TOKENS = 5120  # device KV cache of every server: 160 blocks of 32
-MAX_MODEL_LEN = 3072
+DEVICE_CACHE_TOKENS = 4096  # device KV cache of every server: 128 blocks of 32
+MAX_MODEL_LEN = 2560
 PROMPT_TOKENS = 2048
 CHUNK = 256
 
@@ -67,9 +67,9 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan(cold=3, repeat=5, connector=4, shared=6, mt_sessions=6, mt_turns=6,
+    "full": Plan(cold=3, repeat=5, connector=4, shared=6, mt_sessions=8, mt_turns=6,
                  restart_all=True),
-    "quick": Plan(cold=2, repeat=3, connector=3, shared=4, mt_sessions=6, mt_turns=4,
+    "quick": Plan(cold=2, repeat=3, connector=3, shared=4, mt_sessions=8, mt_turns=4,
                   restart_all=False),
 }
 
@@ -219,7 +219,7 @@ def bench_phase(url: str, *, seed: int, sessions: int, shared: int, turn: int, t
     if reset:
         argv.append("--reset-prefix-cache")
     if plot:
-        argv += ["--plot", plot, "--metrics-interval", "1.0"]
+        argv += ["--plot", plot, "--metrics-interval", "0.5"]
     args = bench.build_parser().parse_args(argv)
     res = bench.execute(args, progress=False)
     if plot:
