@@ -12,6 +12,7 @@ Both are stopped by the fixtures. Takes one to three minutes on two cores.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import httpx
 import pytest
@@ -97,22 +99,19 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """vLLM's OpenAI server with kvtier, on a free loopback port, until the module ends.
-
-    ``tiny_model`` (tests/e2e/conftest.py) is ``build_tiny_llama``'s 4-layer, 256-wide model.
-    """
-    model = tiny_model
+@contextlib.contextmanager
+def serve(model: str, extra_config: dict[str, object], log_dir: Path) -> Iterator[VLLMServer]:
+    """vLLM's OpenAI server with kvtier on a free loopback port; stopped on exit."""
     port = checks.free_port()
-    log_path = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    log_path = log_dir / f"vllm-{port}.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    ktc = {**KV_TRANSFER_CONFIG, "kv_connector_extra_config": extra_config}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
-        "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
+        "--kv-transfer-config", json.dumps(ktc),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -137,10 +136,10 @@ def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> It
         _stop_group(proc)
 
 
-@pytest.fixture(scope="module")
-def prometheus(vllm_server: VLLMServer) -> Iterator[object]:
-    """A real Prometheus with the kvtier rules, scraping the server every second."""
-    prom = checks.Prometheus(f"127.0.0.1:{vllm_server.port}")
+@contextlib.contextmanager
+def scraping(server: VLLMServer) -> Iterator[Any]:
+    """A real Prometheus with the kvtier rules, scraping ``server`` every second."""
+    prom = checks.Prometheus(f"127.0.0.1:{server.port}")
     try:
         prom.wait(
             lambda: checks.scraped_twice(prom, "vllm:prefix_cache_queries_total"),
@@ -150,6 +149,24 @@ def prometheus(vllm_server: VLLMServer) -> Iterator[object]:
         yield prom
     finally:
         prom.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The server exactly as issue 5 starts it: host tier only, 256 MiB, 256-token chunks.
+
+    ``tiny_model`` (tests/e2e/conftest.py) is ``build_tiny_llama``'s 4-layer, 256-wide model.
+    """
+    extra = KV_TRANSFER_CONFIG["kv_connector_extra_config"]
+    with serve(tiny_model, extra, tmp_path_factory.mktemp("vllm-log")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prometheus(vllm_server: VLLMServer) -> Iterator[Any]:
+    """Prometheus scraping the module's server from before the workload starts."""
+    with scraping(vllm_server) as prom:
+        yield prom
 
 
 def _complete(client: httpx.Client, prompt: str) -> dict:
@@ -202,7 +219,7 @@ def _settled(scrape: Scrape) -> bool:
 
 
 @pytest.fixture(scope="module")
-def workload(vllm_server: VLLMServer, prometheus: object) -> Iterator[Scrape]:
+def workload(vllm_server: VLLMServer, prometheus: Any) -> Iterator[Scrape]:
     """Shared-prefix requests with vLLM's prefix cache emptied between them; then /metrics."""
     with httpx.Client(base_url=vllm_server.url, timeout=120) as client:
         first = _complete(client, SHARED_PREFIX + " Question 0: what is kept?")
@@ -299,3 +316,75 @@ def test_prometheus_evaluates_dashboard_and_rules(
     assert all(math.isfinite(v) for v in values(f"{meter3} A")), answers[f"{meter3} A"]
     assert all(math.isfinite(v) for v in values(f"{meter3} C")), answers[f"{meter3} C"]
     assert values(f"{meter3} B"), answers[f"{meter3} B"]  # async: NaN without an object tier
+
+
+def _wait_metrics(client: httpx.Client, done: Any, what: str, timeout: float = 90) -> Scrape:
+    """Scrape /metrics until ``done(scrape)``; a short request each round carries stats up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        scrape = _scrape(client)
+        if done(scrape):
+            return scrape
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        _complete(client, "ping")
+        time.sleep(1)
+
+
+def test_object_tier_metrics(tiny_model: str, tmp_path: Path) -> None:
+    """Two replicas sharing a file:// object tier: uploads, async lookups and remote hits.
+
+    The host-only server above never looks up the object tier, so the async half of
+    meter 3 and the remote rows stay empty there. Replica A stores a prefix (write-through
+    uploads it); replica B, with an empty host tier, must find it in the object tier.
+    """
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    extra = {"cpu_bytes": "256MiB", "chunk_size": 256, "remote_url": f"file://{objects}"}
+    with serve(tiny_model, extra, tmp_path) as a, httpx.Client(base_url=a.url, timeout=120) as c:
+        _complete(c, SHARED_PREFIX + " Question A: what is kept?")
+        uploaded = _wait_metrics(
+            c,
+            lambda s: s.value("kvtier:transfer_seconds_count", op="upload") >= 3,
+            "replica A to upload the shared prefix's chunks",
+        )
+    problems = []
+    if not uploaded.value("kvtier:bytes_total", tier="remote", direction="write") > 0:
+        problems.append('replica A: kvtier:bytes_total{tier="remote",direction="write"} is 0')
+
+    with (
+        serve(tiny_model, extra, tmp_path) as b,
+        scraping(b) as prom,
+        httpx.Client(base_url=b.url, timeout=120) as c,
+    ):
+        _complete(c, SHARED_PREFIX + " Question B: what is reused?")
+        scrape = _wait_metrics(
+            c,
+            lambda s: s.value("kvtier:hit_tokens_total", tier="remote") > 0,
+            "replica B to serve tokens from the object tier",
+        )
+        if not scrape.value("kvtier:lookup_delay_seconds_count", mode="async") > 0:
+            problems.append('replica B: kvtier:lookup_delay_seconds_count{mode="async"} is 0')
+        if not scrape.value("kvtier:transfer_seconds_count", op="fetch") > 0:
+            problems.append('replica B: kvtier:transfer_seconds_count{op="fetch"} is 0')
+        if not scrape.value("kvtier:bytes_total", tier="remote", direction="read") > 0:
+            problems.append('replica B: kvtier:bytes_total{tier="remote",direction="read"} is 0')
+        remote_hits = scrape.value("kvtier:hit_tokens_total", tier="remote")
+        disk = scrape.value("vllm:prompt_tokens_cached_by_source_total", source="disk")
+        if disk != remote_hits:
+            problems.append(
+                f'replica B: vLLM counts {disk:g} cached tokens from source="disk" (a file:// '
+                f'tier) but kvtier counts {remote_hits:g} kvtier:hit_tokens_total{{tier="remote"}}'
+            )
+        time.sleep(3)  # scrapes after the last figures
+        answers = checks.check_expressions(prom)
+        meter1 = "panel '① Prefix-cache hit rate' A"
+        by_tier = {
+            r["metric"]["tier"]: float(r["value"][1]) for r in answers[meter1]["data"]["result"]
+        }
+        if not by_tier.get("remote", 0) > 0:
+            problems.append(f"replica B: meter 1 shows no remote hit rate: {by_tier}")
+        meter3 = "panel '③ Miss tail: TTFT p99 of misses and lookup delay p99' B"
+        async_p99 = [float(r["value"][1]) for r in answers[meter3]["data"]["result"]]
+        if not (len(async_p99) == 1 and math.isfinite(async_p99[0])):
+            problems.append(f"replica B: meter 3 async lookup p99 is not a number: {async_p99}")
+    assert problems == [], "\n".join(problems)
