@@ -100,7 +100,8 @@ def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, servi
         t0 = time.perf_counter()
         accepted += rio.submit_put(i, f"bp{i}", big, dtype="u8", shape=[len(big)])
         worst = max(worst, time.perf_counter() - t0)
-    assert worst < 0.005, f"submit_put blocked for {worst * 1000:.1f} ms"
+    # no I/O, no lock held across I/O: only a GIL hand-off (5 ms switch interval) can delay it
+    assert worst < 0.02, f"submit_put blocked for {worst * 1000:.1f} ms"
     assert 2 <= accepted <= 4  # one writing, two queued, maybe one finished
     assert rio.counters()["writes_dropped"] == 30 - accepted
     # lookups do not queue behind the write backlog
@@ -212,7 +213,7 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
     rio.submit_exists(10, [f"lat{i}" for i in range(4)])
     for i, d in enumerate(dests):
         rio.submit_get_into(20 + i, f"lat{i}", d, dtype=DT, shape=SHAPE)
-    assert time.perf_counter() - t0 < 0.01  # nine submits, no waiting
+    assert time.perf_counter() - t0 < 0.05  # nine submits, none waits for a 200 ms round trip
     assert rio.poll() == []
     res = collect(rio, 9, timeout=10)
     assert all(r.seconds >= 0.2 for r in res.values())
