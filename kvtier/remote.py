@@ -4,13 +4,17 @@ The connector submits existence checks, fetches into host slots and uploads
 from host slots, and later polls for results. Behind that:
 
 - Reads (exists, get) and writes (put) have their own bounded queues and their
-  own threads, so a backlog of uploads never delays a lookup.
+  own threads (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so
+  a backlog of uploads never delays a lookup. A full read queue reports the
+  lookup at once as ``"timeout"`` (counted in ``reads_dropped``).
 - A full write queue drops the upload and counts it (``writes_dropped``); a
   chunk that never reaches the object tier only costs a future recompute,
   whereas blocking would stall the engine.
 - A read slower than ``timeout_s`` (queue wait included) is reported as
   ``"timeout"`` at the next poll; the thread still finishing it will not
-  touch the destination buffer afterwards.
+  touch the destination buffer afterwards. Uploads have no deadline of their
+  own (the tier's socket timeouts bound them): the caller's payload must stay
+  untouched until the put is reported, so it is never reported early.
 - A tier failure (``TierUnavailable``) marks the tier down for
   ``backoff.compute(n)`` seconds; until then every op fails fast as
   ``"unreachable"`` without touching the network. After that the next op is
