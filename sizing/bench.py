@@ -122,12 +122,31 @@ class Session:
     follow_ups: tuple[str, ...]
 
 
-def words_text(rng: random.Random, tokens: int, tokens_per_word: float = 1.0) -> str:
-    """About ``tokens`` tokens of text drawn from :data:`WORDS`."""
+#: every prompt starts with this word, so the tokens a prompt's start costs (a BOS, a
+#: first word without a leading space) are the same for every prompt and can be measured
+LEAD_WORD = "the"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScale:
+    """Tokens of a prompt = ``lead`` (BOS + :data:`LEAD_WORD`) + ``per_word`` x other words."""
+
+    per_word: float = 1.0
+    lead: float = 1.0
+
+
+def words_text(rng: random.Random, tokens: int, per_word: float = 1.0) -> str:
+    """About ``tokens`` tokens of text drawn from :data:`WORDS` (to follow a space)."""
     if tokens <= 0:
         return ""
-    n = max(1, round(tokens / max(tokens_per_word, 1e-6)))
+    n = max(1, round(tokens / max(per_word, 1e-6)))
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _lead_text(rng: random.Random, tokens: int, scale: TokenScale) -> str:
+    """A prompt's opening: :data:`LEAD_WORD` and enough words for ``tokens`` in all."""
+    rest = words_text(rng, max(1, round(tokens - scale.lead)), scale.per_word)
+    return f"{LEAD_WORD} {rest}"
 
 
 def make_workload(
@@ -137,22 +156,26 @@ def make_workload(
     turns: int,
     shared_prefix_tokens: int,
     turn_tokens: int,
-    tokens_per_word: float = 1.0,
+    scale: TokenScale | None = None,
 ) -> list[Session]:
     """Deterministic prompts for ``seed``: a shared prefix, then per-session text.
 
     String seeds make :mod:`random` independent of ``PYTHONHASHSEED``, so two
     processes (or two replicas' benches) build byte-identical prompts.
     """
-    shared = words_text(random.Random(f"kvtier-bench:{seed}:shared"), shared_prefix_tokens,
-                        tokens_per_word)
+    scale = scale or TokenScale()
+    shared = ""
+    if shared_prefix_tokens > 0:
+        shared = _lead_text(random.Random(f"kvtier-bench:{seed}:shared"), shared_prefix_tokens,
+                            scale)
     out = []
     for s in range(sessions):
         rng = random.Random(f"kvtier-bench:{seed}:session:{s}")
-        texts = [words_text(rng, turn_tokens, tokens_per_word) for _ in range(max(turns, 1))]
-        first = " ".join(t for t in (shared, texts[0]) if t)
-        if not first:
-            first = rng.choice(WORDS)
+        texts = [words_text(rng, turn_tokens, scale.per_word) for _ in range(max(turns, 1))]
+        if shared:
+            first = " ".join(t for t in (shared, texts[0]) if t)
+        else:
+            first = _lead_text(rng, turn_tokens, scale)
         out.append(Session(s, first, tuple(texts[1:])))
     return out
 
@@ -459,11 +482,11 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
             return Snapshot(time.perf_counter(), parse_metrics(r.text))
 
         model = args.model or _first_model(client, base)
-        tpw = 1.0 if args.no_calibrate else _tokens_per_word(client, base, model)
+        scale = TokenScale() if args.no_calibrate else _token_scale(client, base, model)
         sessions = make_workload(
             seed=args.seed, sessions=args.sessions, turns=args.turns,
             shared_prefix_tokens=args.shared_prefix_tokens, turn_tokens=args.turn_tokens,
-            tokens_per_word=tpw,
+            scale=scale,
         )
         before = scrape()
         poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
@@ -475,7 +498,7 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
             if poller:
                 poller.stop()
         after = scrape()
-    return summarize(args, model, tpw, results, before, after,
+    return summarize(args, model, scale, results, before, after,
                      poller.snapshots if poller else [])
 
 
@@ -551,19 +574,30 @@ def _first_model(client: Any, base: str) -> str:
         raise BenchError(f"cannot list models at {base}/v1/models ({exc}); pass --model") from exc
 
 
-def _tokens_per_word(client: Any, base: str, model: str) -> float:
-    """Tokens per word of :data:`WORDS` text, from vLLM's /tokenize; 1.0 when unavailable."""
+def _token_scale(client: Any, base: str, model: str) -> TokenScale:
+    """Tokens per word and per prompt start, from vLLM's /tokenize; 1 and 1 when unavailable.
+
+    Two prompts of 200 and 400 words give the slope (tokens per word) and the
+    intercept (BOS, first word), so prompt lengths land on the token counts asked
+    for — which matters, since a prefix cache works in whole blocks.
+    """
     import httpx
 
-    sample = words_text(random.Random("kvtier-bench:calibrate"), 400)
-    try:
-        r = client.post(base + "/tokenize", json={"model": model, "prompt": sample,
-                                                  "add_special_tokens": False}, timeout=30.0)
-        r.raise_for_status()
-        count = int(r.json()["count"])
-    except (httpx.HTTPError, KeyError, ValueError, TypeError):
-        return 1.0
-    return count / len(sample.split()) if count > 0 else 1.0
+    words = words_text(random.Random("kvtier-bench:calibrate"), 400).split()
+    counts = []
+    for n in (200, 400):
+        prompt = " ".join([LEAD_WORD, *words[:n]])
+        try:
+            r = client.post(base + "/tokenize", json={"model": model, "prompt": prompt},
+                            timeout=30.0)
+            r.raise_for_status()
+            counts.append(int(r.json()["count"]))
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return TokenScale()
+    per_word = (counts[1] - counts[0]) / 200
+    if per_word <= 0:
+        return TokenScale()
+    return TokenScale(per_word=per_word, lead=max(counts[0] - 200 * per_word, 0.0))
 
 
 def _reset_prefix_cache(client: Any, base: str) -> None:
@@ -588,7 +622,7 @@ def _reset_prefix_cache(client: Any, base: str) -> None:
 # ------------------------------------------------------------------- summarizing
 
 
-def summarize(args: argparse.Namespace, model: str, tokens_per_word: float,
+def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
               run: tuple[list[RequestResult], float], before: Snapshot | None,
               after: Snapshot | None, timeline: list[Snapshot]) -> dict[str, Any]:
     """The numbers the table, --json and --plot show."""
@@ -625,7 +659,8 @@ def summarize(args: argparse.Namespace, model: str, tokens_per_word: float,
             "output_tokens": args.output_tokens, "concurrency": args.concurrency,
             "request_rate": args.request_rate, "seed": args.seed,
             "reset_prefix_cache": bool(args.reset_prefix_cache),
-            "tokens_per_word": round(tokens_per_word, 4),
+            "tokens_per_word": round(scale.per_word, 4),
+            "lead_tokens": round(scale.lead, 2),
         },
         "requests": len(results),
         "failed": len(results) - len(ok),

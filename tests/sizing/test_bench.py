@@ -90,6 +90,11 @@ class FakeServer:
         return "\n".join(lines) + "\n"
 
 
+def _tokens(prompt: str) -> int:
+    """The fake tokenizer: a BOS, then one token per whitespace-separated word."""
+    return 1 + len(prompt.split())
+
+
 def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -117,7 +122,7 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
             if self.path == "/tokenize":
-                self._send(200, json.dumps({"count": len(body["prompt"].split())}).encode())
+                self._send(200, json.dumps({"count": _tokens(body["prompt"])}).encode())
                 return
             if self.path == "/reset_prefix_cache":
                 with state.lock:
@@ -145,7 +150,7 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
                 time.sleep(TOKEN_DELAY)
-            usage = {"prompt_tokens": len(body["prompt"].split()),
+            usage = {"prompt_tokens": _tokens(body["prompt"]),
                      "completion_tokens": body["max_tokens"],
                      "prompt_tokens_details": {"cached_tokens": 3}}
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
@@ -262,7 +267,7 @@ def test_multi_turn_prompts_extend_previous_prompt_and_answer(
     first, second, third = state.prompts[0], state.prompts[4], state.prompts[8]
     assert second.startswith(first + "\n tok1_0 tok1_1")
     assert third.startswith(second + "\n tok5_0")
-    assert state.prompts[1].split()[:50] == first.split()[:50]  # the shared prefix
+    assert state.prompts[1].split()[:49] == first.split()[:49]  # the 50-token shared prefix
     res = json.loads(capsys.readouterr().out)
     order = [(s["session"], s["turn"]) for s in res["samples"]]
     assert order[:6] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)]
@@ -301,14 +306,30 @@ def test_workload_is_deterministic_and_shares_the_prefix() -> None:
     assert a == b
     assert a != bench.make_workload(seed=8, **kw)
     shared = a[0].first_prompt.split()[:300]
+    assert shared[0] == bench.LEAD_WORD
     for s in a:
         words = s.first_prompt.split()
         assert words[:300] == shared and len(words) == 400
         assert words[300:] != a[(s.index + 1) % 3].first_prompt.split()[300:]
         assert [len(t.split()) for t in s.follow_ups] == [100, 100]
-    # two tokens per word: half the words
-    half = bench.make_workload(seed=7, tokens_per_word=2.0, **kw)
-    assert len(half[0].first_prompt.split()) == 200
+    # two tokens per word, three for the start: (300 - 3) / 2 words after the lead word
+    half = bench.make_workload(seed=7, scale=bench.TokenScale(per_word=2.0, lead=3.0), **kw)
+    assert len(half[0].first_prompt.split()) == 1 + round(297 / 2) + 50
+    # no shared prefix: every prompt still opens with the lead word, the rest differs
+    cold = bench.make_workload(seed=7, sessions=2, turns=1, shared_prefix_tokens=0,
+                               turn_tokens=64)
+    assert [c.first_prompt.split()[0] for c in cold] == [bench.LEAD_WORD] * 2
+    assert cold[0].first_prompt != cold[1].first_prompt
+    assert len(cold[0].first_prompt.split()) == 64
+
+
+def test_prompt_lengths_hit_the_token_counts(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    """Calibrated through /tokenize (which counts a BOS here), first turns are exact."""
+    _, url = fake
+    assert bench.run(_args(url, "--json", "--turns", "1")) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["workload"]["lead_tokens"] == 2.0 and res["workload"]["tokens_per_word"] == 1.0
+    assert {s["prompt_tokens"] for s in res["samples"]} == {50 + 10}
 
 
 def test_metrics_parsing_and_quantiles() -> None:
