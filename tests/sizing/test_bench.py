@@ -432,6 +432,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
         res = json.loads(capsys.readouterr().out)
         assert rc == 0 and res["failed"] == 0, res["errors"]
         assert res["hit_rate"] is not None and res["hit_rate"] > 0, res["hit_rates"]
+        assert res["hit_rate_source"].startswith("kvtier:"), res["hit_rate_source"]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
