@@ -753,6 +753,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ttfts = [s["ttft_s"] for s in result["samples"] if s["ok"] and s["ttft_s"] is not None]
@@ -760,13 +761,18 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         xs, ys = _iter_cdf(ttfts)
         ax1.step(xs, ys, where="post", label=f"client, all (n={len(xs)})", color="black")
     for outcome, buckets in result["ttft_buckets_by_outcome"].items():
-        finite = [(le, c) for le, c in buckets if not math.isinf(le)]
         total = buckets[-1][1] if buckets else 0
+        finite = [(le, c) for le, c in buckets if not math.isinf(le)]
         if total <= 0 or not finite:
             continue
+        # only the buckets where this outcome's CDF moves, so the x axis stays readable
+        lo = max((i for i, (_, c) in enumerate(finite) if c == 0), default=0)
+        hi = min((i for i, (_, c) in enumerate(finite) if c >= total), default=len(finite) - 1)
+        finite = finite[lo:hi + 1]
         ax1.step([le for le, _ in finite], [c / total for _, c in finite], where="post",
                  label=f"server, {outcome} (n={int(total)})")
     ax1.set_xscale("log")
+    ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax1.set_xlabel("time to first token (s)")
     ax1.set_ylabel("fraction of requests")
     ax1.set_title("TTFT distribution")
