@@ -205,7 +205,8 @@ def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
 
     def raw_get_sync() -> None:
         for k in keys:
-            case.raw_get(k)
+            blob = case.raw_get(k)  # held like kvtier holds its blob, so malloc sees the same
+            assert len(blob) == size
 
     rio = RemoteIO(
         case.tier,
@@ -225,7 +226,7 @@ def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
                 raise RuntimeError(f"RemoteIO op failed: {bad[0]}")
             got += len(results)
             if got < n:
-                time.sleep(0.0005)
+                time.sleep(0.002)  # an engine polls once per step; spinning would steal the GIL
 
     def kv_put_async() -> None:
         for i, (k, c) in enumerate(zip(keys, chunks, strict=True)):

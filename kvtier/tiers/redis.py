@@ -34,6 +34,13 @@ def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
     return out
 
 
+def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
+    try:
+        return pool.get_connection()  # redis-py >= 5.3 warns when given a command name
+    except TypeError:  # redis-py < 5.3 requires one
+        return pool.get_connection("SET")
+
+
 class RedisTier(ObjectTier):
     """Chunks as plain string values; AUTH, TLS (``rediss://``) and db come from the URL.
 
@@ -116,7 +123,7 @@ class RedisTier(ObjectTier):
         pool = self._client.connection_pool
         for attempt in range(2):  # a second try replaces a connection the server dropped
             try:
-                conn = pool.get_connection()
+                conn = _connection(pool)
             except (redis.RedisError, OSError) as exc:
                 raise self._fail("put", exc) from None
             try:
