@@ -392,3 +392,15 @@ def test_hung_server_times_out_then_recovers(redis_server: RedisServer, services
         op += 1
         time.sleep(0.05)
     rio.close()
+
+
+def test_backoff_values() -> None:
+    b = ExponentialBackoff(base=0.05, cap=5.0)
+    assert [b.compute(n) for n in range(5)] == [0.0, 0.05, 0.1, 0.2, 0.4]
+    assert b.compute(10_000) == 5.0  # capped, no float overflow
+    jittered = ExponentialBackoff(base=1.0, cap=2.0, jitter=True)
+    assert all(0.0 <= jittered.compute(5) <= 2.0 for _ in range(100))
+    assert ConstantBackoff(0.3).compute(7) == 0.3 and ConstantBackoff(0.3).compute(0) == 0.0
+    assert NoBackoff().compute(3) == 0.0
+    with pytest.raises(ValueError):
+        ExponentialBackoff(base=-1)
