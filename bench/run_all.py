@@ -67,9 +67,9 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan(cold=3, repeat=5, connector=4, shared=6, mt_sessions=8, mt_turns=6,
+    "full": Plan(cold=3, repeat=8, connector=8, shared=6, mt_sessions=8, mt_turns=6,
                  restart_all=True),
-    "quick": Plan(cold=2, repeat=3, connector=3, shared=4, mt_sessions=8, mt_turns=4,
+    "quick": Plan(cold=2, repeat=4, connector=4, shared=4, mt_sessions=8, mt_turns=4,
                   restart_all=False),
 }
 

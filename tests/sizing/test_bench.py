@@ -348,6 +348,16 @@ def test_metrics_parsing_and_quantiles() -> None:
     assert bench.quantile([], 0.5) is None
 
 
+def test_wired_as_kvtier_bench(fake: tuple[FakeServer, str], capsys: Any) -> None:
+    from kvtier.sizing import cli
+
+    _, url = fake
+    rc = cli.main(["bench", "--url", url + "/v1", "--json", "--sessions", "2",
+                   "--shared-prefix-tokens", "20", "--turn-tokens", "5", "--output-tokens", "2"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 2
+
+
 def test_bad_flags_exit_2(capsys: Any) -> None:
     args = bench.build_parser().parse_args(["--sessions", "0"])
     assert bench.run(args) == 2
