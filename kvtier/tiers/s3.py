@@ -122,8 +122,11 @@ class S3Tier(ObjectTier):
             )
         except _FAILURES as exc:
             raise TierUnavailable(f"s3 client for {self._where()}: {exc}") from exc
+        # RemoteIO runs at most io_threads requests itself; two HEAD helpers (whose caller
+        # waits without a connection) keep every request within the pool of io_threads + 2,
+        # so urllib3 never opens and discards extra connections
         self._heads = ThreadPoolExecutor(
-            max_workers=max(1, min(4, io_threads // 2)), thread_name_prefix="kvtier-s3-head"
+            max_workers=max(1, min(2, io_threads // 2)), thread_name_prefix="kvtier-s3-head"
         )
 
     def _where(self) -> str:
