@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -330,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"building the {shape['layers']}-layer, {shape['hidden']}-wide model in {workdir}")
     from kvtier.sizing.tinymodel import build_tiny_llama
 
-    model = build_tiny_llama(workdir / f"model-{args.model_shape}", **shape)
+    models = (args.workdir or Path(tempfile.gettempdir()) / "kvtier-bench") / "models"
+    model = build_tiny_llama(models / args.model_shape, **shape)  # idempotent: reused
     kv_bytes = DEVICE_CACHE_TOKENS * kv_bytes_per_token(shape)
 
     results: dict[str, Any] = {
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"=== {cfg.name}: {cfg.label}")
         results["configs"][cfg.name] = run_config(cfg, plan, model, kv_bytes, workdir,
                                                   args.out, args)
+        for store in ("kv", "store"):  # KV dumps are big; the logs stay for a post-mortem
+            shutil.rmtree(workdir / cfg.name / store, ignore_errors=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     results["meta"]["duration_s"] = time.monotonic() - t0
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.md").write_text(md)
     report.plots(results, summary, args.out)
     print(report.console(summary))
-    log(f"done in {results['meta']['duration_s'] / 60:.1f} min; wrote {args.out / 'results.md'}")
+    log(f"done in {results['meta']['duration_s'] / 60:.1f} min; wrote {args.out / 'results.md'}; "
+        f"server logs in {workdir}")
     return 0
 
 
