@@ -216,7 +216,7 @@ def bench_phase(url: str, *, seed: int, sessions: int, shared: int, turn: int, t
             "--sessions", str(sessions), "--turns", str(turns),
             "--shared-prefix-tokens", str(shared), "--turn-tokens", str(turn),
             "--output-tokens", str(output), "--concurrency", str(concurrency),
-            "--timeout", "300"]
+            "--timeout", "120"]
     if reset:
         argv.append("--reset-prefix-cache")
     if plot:
@@ -264,30 +264,25 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
 
 def _phases(cfg: Config, plan: Plan, server: VLLMServer, phases: dict[str, Any],
             out: Path) -> None:
-    url = server.url
+    def phase(name: str, **kw: Any) -> None:
+        if server.proc is None or not server.proc.alive:
+            raise RuntimeError(f"vLLM died before {name}: "
+                               f"{harness.failure_reason(server.log)}")
+        phases[name] = bench_phase(server.url, **kw)
+        _say(cfg, name, phases[name])
+
     # workload 1: a 2,048-token prompt
-    phases["cold"] = bench_phase(url, seed=11, sessions=plan.cold, shared=0, turn=PROMPT_TOKENS)
-    _say(cfg, "cold", phases["cold"])
-    phases["repeat"] = bench_phase(url, seed=12, sessions=plan.repeat, shared=PROMPT_TOKENS,
-                                   turn=0)
-    _say(cfg, "repeat", phases["repeat"])
-    phases["connector"] = bench_phase(url, seed=12, sessions=plan.connector,
-                                      shared=PROMPT_TOKENS, turn=0, reset=True)
-    _say(cfg, "connector", phases["connector"])
+    phase("cold", seed=11, sessions=plan.cold, shared=0, turn=PROMPT_TOKENS)
+    phase("repeat", seed=12, sessions=plan.repeat, shared=PROMPT_TOKENS, turn=0)
+    phase("connector", seed=12, sessions=plan.connector, shared=PROMPT_TOKENS, turn=0,
+          reset=True)
     # workload 2: 75 % shared
-    phases["shared75"] = bench_phase(url, seed=13, sessions=plan.shared, shared=1536, turn=512,
-                                     reset=True)
-    _say(cfg, "shared75", phases["shared75"])
+    phase("shared75", seed=13, sessions=plan.shared, shared=1536, turn=512, reset=True)
     if cfg.kind == "vllm":
-        phases["shared75_engine"] = bench_phase(url, seed=15, sessions=plan.shared, shared=1536,
-                                                turn=512)
-        _say(cfg, "shared75_engine", phases["shared75_engine"])
+        phase("shared75_engine", seed=15, sessions=plan.shared, shared=1536, turn=512)
     # workload 3: interleaved multi-turn sessions, histories >> device cache
-    phases["multiturn"] = bench_phase(
-        url, seed=14, sessions=plan.mt_sessions, turns=plan.mt_turns, shared=256, turn=256,
-        output=8, concurrency=2, plot=str(out / f"multiturn-{cfg.name}.png"),
-    )
-    _say(cfg, "multiturn", phases["multiturn"])
+    phase("multiturn", seed=14, sessions=plan.mt_sessions, turns=plan.mt_turns, shared=256,
+          turn=256, output=8, concurrency=2, plot=str(out / f"multiturn-{cfg.name}.png"))
 
 
 def _say(cfg: Config, phase: str, res: dict[str, Any]) -> None:
