@@ -682,7 +682,7 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
             for name in (KVTIER_HIT, KVTIER_LOOKUP, VLLM_HIT, VLLM_QUERY, VLLM_EXT_HIT,
                          VLLM_EXT_QUERY)
         },
-        "hit_rate_timeline": _timeline(before, timeline, after),
+        "hit_rate_timeline": _timeline(before, timeline, after, source),
         "errors": errors,
         "samples": [
             {k: v for k, v in asdict(r).items() if k != "text"} for r in results
@@ -694,9 +694,10 @@ def _outcome_order(outcome: str) -> tuple[int, str]:
     return (OUTCOMES.index(outcome) if outcome in OUTCOMES else len(OUTCOMES), outcome)
 
 
-def _timeline(before: Snapshot | None, mids: list[Snapshot],
-              after: Snapshot | None) -> list[dict[str, float | None]]:
+def _timeline(before: Snapshot | None, mids: list[Snapshot], after: Snapshot | None,
+              source: str) -> list[dict[str, float | None]]:
     """Hit rate in each scrape interval, by the same source the summary uses."""
+    key = "kvtier" if source.startswith("kvtier:") else "vllm_prefix_cache"
     snaps = [s for s in (before, *mids, after) if s is not None]
     snaps.sort(key=lambda s: s.t)
     if len(snaps) < 2:
@@ -704,8 +705,7 @@ def _timeline(before: Snapshot | None, mids: list[Snapshot],
     t0 = snaps[0].t
     out = []
     for a, b in zip(snaps, snaps[1:], strict=False):
-        rate, _ = pick_hit_rate(hit_rates(a, b))
-        out.append({"t_s": b.t - t0, "hit_rate": rate})
+        out.append({"t_s": b.t - t0, "hit_rate": hit_rates(a, b)[key]})
     return out
 
 

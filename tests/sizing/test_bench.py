@@ -288,6 +288,19 @@ def test_plot_writes_png(fake: tuple[FakeServer, str], tmp_path: Path, capsys: A
     assert "plot written" in capsys.readouterr().out
 
 
+def test_hit_rate_timeline_is_scraped_during_the_run(
+    fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any
+) -> None:
+    _, url = fake
+    args = _args(url, "--json", "--plot", str(tmp_path / "p.png"), "--metrics-interval", "0.1")
+    assert bench.run(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    tl = res["hit_rate_timeline"]
+    assert len(tl) >= 3 and [p["t_s"] for p in tl] == sorted(p["t_s"] for p in tl)
+    moved = [p["hit_rate"] for p in tl if p["hit_rate"] is not None]
+    assert moved and all(r == pytest.approx(0.75) for r in moved)  # kvtier's counters, always
+
+
 def test_request_rate_paces_arrivals(fake: tuple[FakeServer, str], capsys: Any) -> None:
     _, url = fake
     rate, n = 10.0, 6
