@@ -86,12 +86,12 @@ class Config:
     persistent: bool = False  # its cache outlives a vLLM restart
 
 
-CONFIGS = (
+CONFIGS = (  # the goals' configurations first, so a cut-short run still answers them
     Config("vllm", "vLLM, no connector", "vllm"),
-    Config("example", "vLLM ExampleConnector", "example", persistent=True),
-    Config("lmcache", "LMCache 0.5.6 (MP mode)", "lmcache", persistent=True),
     Config("kvtier-host", "kvtier, host tier", "kvtier"),
     Config("kvtier-file", "kvtier, host + file tier", "kvtier", "file", persistent=True),
+    Config("example", "vLLM ExampleConnector", "example", persistent=True),
+    Config("lmcache", "LMCache 0.5.6 (MP mode)", "lmcache", persistent=True),
     Config("kvtier-s3", "kvtier, host + S3 tier (moto)", "kvtier", "s3", persistent=True),
     Config("kvtier-redis", "kvtier, host + Redis tier", "kvtier", "redis", persistent=True),
 )
