@@ -92,7 +92,7 @@ def test_round_trip(any_tier: ObjectTier) -> None:
 def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, services) -> None:
     redis_server.start()
     proxy = services.proxy((redis_server.host, redis_server.port))
-    proxy.bandwidth_bps = 2e6  # 256 KiB take ~0.13 s per write
+    proxy.bandwidth_bps = 1e6  # 256 KiB take ~0.26 s per write
     rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=2, queue_depth=2)
     big = payload(3, 256 * 1024)
     accepted, worst = 0, 0.0
@@ -102,13 +102,13 @@ def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, servi
         worst = max(worst, time.perf_counter() - t0)
     # no I/O, no lock held across I/O: only a GIL hand-off (5 ms switch interval) can delay it
     assert worst < 0.02, f"submit_put blocked for {worst * 1000:.1f} ms"
-    assert 2 <= accepted <= 4  # one writing, two queued, maybe one finished
+    assert 2 <= accepted <= 5  # one writing, two queued, maybe one finished meanwhile
     assert rio.counters()["writes_dropped"] == 30 - accepted
     # lookups do not queue behind the write backlog
     t0 = time.perf_counter()
     rio.submit_exists(100, ["bp0"])
     res = collect(rio, 1, timeout=5)
-    assert res[100].ok and time.perf_counter() - t0 < 0.1
+    assert res[100].ok and time.perf_counter() - t0 < 0.2  # less than one write takes
     assert rio.pending_writes > 0
     assert rio.flush(10) == 0
     results = collect(rio, accepted)  # dropped puts are not reported
@@ -118,18 +118,22 @@ def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, servi
 
 def test_tier_down_at_start_then_started(services) -> None:
     server = services.redis(start=False)
+    proxy = services.proxy((server.host, server.port))  # counts connection attempts
     rio = make_rio(
-        RedisTier(server.url, lookup_timeout_ms=300), backoff=ExponentialBackoff(0.2, 0.4)
+        RedisTier(f"redis://127.0.0.1:{proxy.port}/0", lookup_timeout_ms=300),
+        backoff=ExponentialBackoff(0.2, 0.4),
     )
     rio.submit_exists(1, ["a"])
     r = collect(rio, 1)[1]
     assert not r.ok and r.error_kind == "unreachable"
     assert rio.is_down
-    t0 = time.perf_counter()
+    attempts = proxy.connections
+    assert attempts >= 1
     rio.submit_exists(2, ["a"])  # during the backoff: fails fast, no connection attempt
-    assert not collect(rio, 1)[2].ok and time.perf_counter() - t0 < 0.05
+    assert collect(rio, 1)[2].error_kind == "unreachable"
     assert rio.submit_put(3, "a", payload(), dtype=DT, shape=SHAPE)  # reported, not dropped
     assert collect(rio, 1)[3].error_kind == "unreachable"
+    assert proxy.connections == attempts
     server.start()
     time.sleep(0.45)
     assert not rio.is_down
@@ -311,8 +315,8 @@ def test_flush_counts_unwritten_and_close_drops(redis_server: RedisServer, servi
         assert rio.submit_put(i, f"f{i}", big, dtype="u8", shape=[len(big)])
     t0 = time.perf_counter()
     missing = rio.flush(0.5)
-    assert 0.5 <= time.perf_counter() - t0 < 0.8
-    assert 3 <= missing <= 5, missing
+    assert 0.5 <= time.perf_counter() - t0 < 1.0
+    assert 3 <= missing <= 6, missing
     proxy.bandwidth_bps = None
     rio.close()
     assert rio.counters()["writes_dropped"] >= 2
@@ -379,7 +383,7 @@ def test_hung_server_times_out_then_recovers(redis_server: RedisServer, services
     t0 = time.perf_counter()
     rio.submit_exists(1, ["h"])
     r = collect(rio, 1)[1]
-    assert r.error_kind == "timeout" and time.perf_counter() - t0 < 0.5
+    assert r.error_kind == "timeout" and time.perf_counter() - t0 < 0.8  # not the 1 s socket
     proxy.blackhole = False
     proxy.reset_all()  # what a hung server's eventual death looks like
     deadline = time.monotonic() + 5
