@@ -464,3 +464,68 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
+
+
+# ------------------------------------------------------------- bench/report.py
+
+
+def _load_report() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "report.py"
+    spec = importlib.util.spec_from_file_location("bench_report", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _phase(ttfts: list[float], rps: float = 1.0) -> dict[str, Any]:
+    samples = [{"start_s": float(i), "ok": True, "ttft_s": t} for i, t in enumerate(ttfts)]
+    return {"samples": samples, "requests": len(ttfts), "failed": 0, "throughput_rps": rps,
+            "ttft_p50_s": bench.quantile(ttfts, 0.5), "hit_rate": 0.5,
+            "hit_rates": {"kvtier": 0.5, "vllm_prefix_cache": 0.0, "vllm_external": 0.5}}
+
+
+def test_report_ratios_goals_and_unavailable_peers(tmp_path: Path) -> None:
+    report = _load_report()
+    results = {
+        "meta": {"started": "now", "command": "make bench", "machine": "test", "vllm": "0.32.0",
+                 "python": "3.11", "model_shape": {"layers": 8, "hidden": 1024, "heads": 16,
+                                                   "kv_heads": 8},
+                 "kv_cache_memory_bytes": 1, "device_cache_tokens": 4096, "max_model_len": 2560,
+                 "chunk_size": 256, "plan": {"mt_sessions": 8, "mt_turns": 6}},
+        "configs": {
+            "vllm": {"label": "vLLM", "phases": {
+                "cold": _phase([1.0, 1.2, 1.1]), "repeat": _phase([1.0, 0.05, 0.05, 0.05]),
+                "connector": _phase([1.0, 1.0]), "shared75": _phase([1.0, 1.0, 1.0]),
+                "shared75_engine": _phase([1.0, 0.3, 0.3]), "multiturn": _phase([0.5], 1.0)}},
+            "kvtier-host": {"label": "kvtier", "phases": {
+                "cold": _phase([1.1]), "repeat": _phase([1.1, 0.05]),
+                "connector": _phase([0.05, 0.06, 0.05]), "shared75": _phase([1.0, 0.3, 0.3]),
+                "multiturn": _phase([0.2], 2.5)}},
+            "kvtier-file": {"label": "kvtier file", "phases": {"restart": _phase([0.1])}},
+            "lmcache": {"label": "LMCache", "unavailable": "no lmcache here", "phases": {}},
+            "example": {"label": "Example", "phases": {
+                "connector": _phase([0.1]), "shared75": _phase([1.0, 1.0]),
+                "multiturn": _phase([0.5], 1.0)}},
+        },
+    }
+    summary = report.summarize(results)
+    k = summary["rows"]["kvtier-host"]["ratios"]
+    assert k["hit_vs_engine"] == pytest.approx(1.0)
+    assert k["shared_vs_cold"] == pytest.approx(0.3)
+    assert k["mt_rps_vs_none"] == pytest.approx(2.5)
+    assert summary["rows"]["kvtier-file"]["ratios"]["restart_vs_engine"] == pytest.approx(2.0)
+    goals = {g["goal"]: g["met"] for g in summary["goals"]}
+    assert goals["host-tier hit ÷ in-engine hit (2,048-token prompt)"] is True
+    assert goals["file-tier hit after restart ÷ in-engine hit"] is False
+    assert goals["Example ÷ kvtier, connector-hit TTFT"] is True
+    assert summary["peers"]["example"]["mt_rps"] == pytest.approx(0.4)
+    assert summary["peers"]["lmcache"]["hit"] is None
+    md = report.markdown(results, summary)
+    assert "LMCache: unavailable: no lmcache here" in md
+    assert "| 2.50× |" in md
+    report.plots(results, summary, tmp_path)
+    assert (tmp_path / "ttft.png").exists() and (tmp_path / "multiturn.png").exists()
+    assert "goals:" in report.console(summary)
