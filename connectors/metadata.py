@@ -61,10 +61,17 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     steps: list[int] = field(default_factory=list)
     #: op id -> one flag per worker that reported it
     results: dict[int, list[bool]] = field(default_factory=dict)
+    #: error kind -> count, for ops that failed in a way worth counting
+    errors: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
         merged = {k: list(v) for k, v in self.results.items()}
         for op_id, oks in other.results.items():
             merged.setdefault(op_id, []).extend(oks)
-        return KVTierWorkerMeta(steps=sorted(set(self.steps) | set(other.steps)), results=merged)
+        errors = dict(self.errors)
+        for kind, n in other.errors.items():
+            errors[kind] = errors.get(kind, 0) + n
+        return KVTierWorkerMeta(
+            steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors
+        )

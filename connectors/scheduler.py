@@ -96,7 +96,7 @@ class SchedulerSide:
         group = kv_cache_config.kv_cache_groups[0]
         per_block = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
         self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
-        self.host_bytes = resolve_host_bytes(cfg, vllm_config) // self.world_size
+        self.host_bytes = resolve_host_bytes(cfg, vllm_config, self.world_size)
         num_slots = self.host_bytes // self.slot_bytes
         if num_slots < 1:
             from kvtier.errors import ConfigError
@@ -236,6 +236,8 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMeta):
             for op_id in sorted(meta.results):
                 self._report(op_id, meta.results[op_id])
+            for kind, n in meta.errors.items():
+                self.totals[f"error_{kind}"] += n
             now = time.time()
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):
@@ -379,8 +381,6 @@ class SchedulerSide:
             if pending.kind == "load":
                 if ok:
                     self.stats.inc(metrics.BYTES, pending.nbytes, ("host", "read"))
-                else:
-                    self.stats.inc(metrics.ERRORS, 1, ("load",))
 
     # ---- object tier ----------------------------------------------------------------------
     def _wants_remote(self, st: _ReqState, end_chunk: int, cap: int) -> bool:
@@ -470,18 +470,21 @@ def _error_kind(kind: str) -> str:
     return kind if kind in metrics.ERROR_KINDS else "tier"
 
 
-def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig) -> int:
-    """The host tier's total size: explicit, or planned from free memory ("auto")."""
+def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:
+    """Host tier bytes per worker: ``cpu_bytes`` is per worker (TP rank), like vLLM's
+    per-rank KV; "auto" splits what the planner finds free between the workers."""
     from kvtier.sizing.autosize import resolve_cpu_bytes
 
-    offload = vllm_config.offload_config if hasattr(vllm_config, "offload_config") else None
+    offload = getattr(vllm_config, "offload_config", None)
     cpu_offload_gb = float(getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0.0) or 0.0)
     if not cpu_offload_gb:
         cpu_offload_gb = float(getattr(vllm_config.cache_config, "cpu_offload_gb", 0.0) or 0.0)
     model_dir = str(vllm_config.model_config.model)
-    return resolve_cpu_bytes(
-        cfg.cpu_bytes,
+    requested = cfg.cpu_bytes if cfg.cpu_bytes == "auto" else cfg.cpu_bytes * world_size
+    total = resolve_cpu_bytes(
+        requested,
         headroom_bytes=cfg.cpu_headroom_bytes,
-        cpu_offload_gb=cpu_offload_gb,
+        cpu_offload_gb=cpu_offload_gb * world_size,
         model_dir=model_dir if os.path.isdir(model_dir) else None,
     )
+    return total // world_size

@@ -15,6 +15,7 @@ startup.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -108,7 +109,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.cfg, vllm_config, kv_cache_config, ns, _remote_factory("scheduler")
             )
-            logger.info("kvtier config: %s", self.cfg.redacted())
+            logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
         else:
             self._worker = WorkerSide(
                 self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")

@@ -49,6 +49,7 @@ class WorkerSide:
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
+        self._errors: dict[str, int] = {}
         self._ns_digest = b""
         self.stats = StatsRecorder()
 
@@ -90,6 +91,7 @@ class WorkerSide:
             except Exception:  # a failed load must never crash the engine
                 logger.exception("kvtier: load of slot %d failed", op.slot)
                 self._results[op.op_id] = [False]
+                self._error("load")
                 self._failed_blocks.update(op.gpu_blocks)
         for op in meta.fetches:
             self._fetch(slab, op)
@@ -153,8 +155,8 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
-        meta = KVTierWorkerMeta(steps=self._steps, results=self._results)
-        self._steps, self._results = [], {}
+        meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors)
+        self._steps, self._results, self._errors = [], {}, {}
         return meta
 
     def _poll_remote(self) -> None:
@@ -166,13 +168,18 @@ class WorkerSide:
                 if res.ok:
                     self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("fetch",))
                 elif res.error_kind:
-                    self.stats.inc(metrics.ERRORS, 1, (_kind(res.error_kind),))
+                    self._error(res.error_kind)
             elif res.kind == "put":
                 if res.ok:
                     self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("upload",))
                     self.stats.inc(metrics.BYTES, res.nbytes, ("remote", "write"))
                 elif res.error_kind:
-                    self.stats.inc(metrics.ERRORS, 1, (_kind(res.error_kind),))
+                    self._error(res.error_kind)
+
+    def _error(self, kind: str) -> None:
+        kind = _kind(kind)
+        self.stats.inc(metrics.ERRORS, 1, (kind,))
+        self._errors[kind] = self._errors.get(kind, 0) + 1
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -20,7 +20,17 @@ GiB = 1024**3
 
 
 def mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the kernel can hand out without swapping)."""
+    """Memory this process can still get: MemAvailable, capped by its cgroup's limit.
+
+    Inside a container /proc/meminfo shows the node, not the pod; without the cgroup
+    cap an "auto" tier could be sized past the pod's limit and get it OOM-killed.
+    """
+    host = _meminfo_available()
+    cgroup = cgroup_available_bytes()
+    return host if cgroup is None else min(host, cgroup)
+
+
+def _meminfo_available() -> int:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -31,6 +41,29 @@ def mem_available_bytes() -> int:
     import psutil  # only where /proc/meminfo is missing (macOS)
 
     return int(psutil.virtual_memory().available)
+
+
+def cgroup_available_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, then v1); None if unlimited."""
+    candidates = [
+        (os.path.join(root, "memory.max"), os.path.join(root, "memory.current")),
+        (
+            os.path.join(root, "memory", "memory.limit_in_bytes"),
+            os.path.join(root, "memory", "memory.usage_in_bytes"),
+        ),
+    ]
+    for limit_path, usage_path in candidates:
+        try:
+            with open(limit_path, encoding="ascii") as f:
+                raw = f.read().strip()
+            with open(usage_path, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or not raw.isdigit() or int(raw) >= 1 << 60:
+            return None
+        return max(0, int(raw) - usage)
+    return None
 
 
 def weight_offload_host_bytes(

@@ -195,7 +195,140 @@ def start_only(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"started": True, "out": out}
 
 
-SCENARIOS = {f.__name__: f for f in (shared_prefix, eviction, start_only)}
+def shutdown(llm) -> None:
+    """Shut the engine down the way vLLM does at exit (the connector flushes uploads)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def remote_writer(model: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Engine 1: serve A = S+U1 and B = S+U2 (vLLM's own cache serves S for B), exit."""
+    llm = build_llm(model, extra)
+    s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
+    a = generate(llm, [s + u1])[0]
+    b_ref = generate(llm, [s + u2])[0]
+    report = index_report(llm)
+    shutdown(llm)  # queued uploads are flushed here, not waited for above
+    return {"a": a, "b_ref": b_ref, "index": report}
+
+
+def remote_reader(model: str, extra: dict[str, Any], a_first: bool = False) -> dict[str, Any]:
+    """Engine 2, a new process with an empty host tier: B = S+U2 and A again."""
+    llm = build_llm(model, extra)
+    s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
+    if a_first:
+        a = generate(llm, [s + u1])[0]
+        llm.reset_prefix_cache()
+        b = generate(llm, [s + u2])[0]
+    else:
+        b = generate(llm, [s + u2])[0]
+        llm.reset_prefix_cache()
+        a = generate(llm, [s + u1])[0]
+    settle(llm)
+    return {"b": b, "a": a, "index": index_report(llm)}
+
+
+def replica(model: str, extra: dict[str, Any], role: str, marker: str) -> dict[str, Any]:
+    """Two engines up at the same time sharing one tier: the writer computes a
+    prefix, the reader (already running) then hits it."""
+    llm = build_llm(model, extra)
+    p = toks(21, 1024 + 50)
+    if role == "writer":
+        out = generate(llm, [p])[0]
+        settle(llm)  # uploads reported back
+        with open(marker, "w") as f:
+            f.write("done")
+        deadline = time.time() + 300
+        while not os.path.exists(marker + ".read") and time.time() < deadline:
+            time.sleep(0.2)  # stay up while the other replica reads
+        return {"out": out, "index": index_report(llm)}
+    deadline = time.time() + 300
+    while not os.path.exists(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    out = generate(llm, [p])[0]
+    with open(marker + ".read", "w") as f:
+        f.write("done")
+    return {"out": out, "index": index_report(llm)}
+
+
+def prompts_run(
+    model: str, extra: dict[str, Any], seeds: list[int], repeats: int = 2,
+    pause_file: str | None = None,
+) -> dict[str, Any]:
+    """Run each prompt ``repeats`` times with vLLM's prefix cache flushed in between.
+
+    With ``pause_file``, after the first round the scenario writes ``pause_file``
+    and waits for ``pause_file + ".go"`` (the test kills or restarts a service).
+    """
+    llm = build_llm(model, extra)
+    prompts = [toks(s, 1024 + 40) for s in seeds]
+    rounds = []
+    for r in range(repeats):
+        outs = []
+        for p in prompts:
+            llm.reset_prefix_cache()
+            outs.append(generate(llm, [p])[0])
+        rounds.append(outs)
+        if pause_file and r == 0:
+            with open(pause_file, "w") as f:
+                f.write("paused")
+            deadline = time.time() + 120
+            while not os.path.exists(pause_file + ".go") and time.time() < deadline:
+                time.sleep(0.1)
+            settle(llm, 2.0)
+    settle(llm)
+    return {"rounds": rounds, "index": index_report(llm)}
+
+
+def _wait_file(path: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def outage(model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str,
+           concurrent: bool = False) -> dict[str, Any]:
+    """Rounds of requests around an object-tier outage driven by the test:
+
+    round 1 (tier up) -> "killme" -> [test kills the tier] -> round 2 (tier down)
+    -> "restartme" -> [test restarts it] -> round 3 (uploads again) -> round 4 (hits).
+    With ``concurrent`` each round submits all prompts at once.
+    """
+    llm = build_llm(model, extra)
+    prompts = [toks(s, 1024 + 40) for s in seeds]
+
+    def round_() -> list[dict[str, Any]]:
+        llm.reset_prefix_cache()
+        if concurrent:
+            return generate(llm, prompts)
+        outs = []
+        for p in prompts:
+            llm.reset_prefix_cache()
+            outs.append(generate(llm, [p])[0])
+        return outs
+
+    rounds = [round_()]
+    settle(llm)
+    open(os.path.join(signal_dir, "killme"), "w").close()
+    _wait_file(os.path.join(signal_dir, "killed"))
+    rounds.append(round_())
+    open(os.path.join(signal_dir, "restartme"), "w").close()
+    _wait_file(os.path.join(signal_dir, "restarted"))
+    settle(llm, 6.0)  # past the backoff: the tier is tried again
+    before = kvtier_side(llm).totals.get("hit_tokens_remote", 0)
+    rounds.append(round_())
+    settle(llm)
+    rounds.append(round_())
+    after = kvtier_side(llm).totals.get("hit_tokens_remote", 0)
+    settle(llm)
+    return {"rounds": rounds, "remote_hits_after_restart": after - before,
+            "index": index_report(llm)}
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (shared_prefix, eviction, start_only, remote_writer, remote_reader, replica,
+              prompts_run, outage)
+}
 
 
 def register(fn):

@@ -99,3 +99,19 @@ def test_unreadable_checkpoint_falls_back_to_the_bound(tmp_path):
     got = resolve_cpu_bytes("auto", headroom_bytes=0, cpu_offload_gb=1, disable_pin_memory=True,
                             mem_available_bytes=8 * GiB, model_dir=str(tmp_path))  # fmt: skip
     assert got == 7 * GiB
+
+
+def test_cgroup_limit_caps_available_memory(tmp_path) -> None:
+    from kvtier.sizing.autosize import cgroup_available_bytes
+
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text("1073741824\n")
+    assert cgroup_available_bytes(str(tmp_path)) == 7 * 1024**3
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_available_bytes(str(tmp_path)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(4 * 1024**3))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(1024**3))
+    assert cgroup_available_bytes(str(v1)) == 3 * 1024**3
+    assert cgroup_available_bytes(str(tmp_path / "missing")) is None

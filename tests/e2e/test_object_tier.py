@@ -1,0 +1,163 @@
+"""The object tier inside real vLLM engines: restarts, replicas, faults.
+
+Real services on loopback: a directory, a moto S3 server driven through boto3,
+and Debian's redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ENGINE, REPO, run_engine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def _tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict, dict]:
+    """(extra config, env) for one object tier."""
+    if kind == "file":
+        return {"remote_url": f"file://{tmp_path / 'kv'}"}, {}
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        env = dict(bucket.server.env)
+        return {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url}, env
+    redis_url = request.getfixturevalue("redis_url")
+    return {"remote_url": redis_url}, {}
+
+
+@pytest.mark.parametrize("kind", ["file", "s3", "redis"])
+def test_restart_hits_from_object_tier(
+    kind: str, tiny_model: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    remote, env = _tier(kind, tmp_path, request)
+    extra = {"cpu_bytes": "64MiB", **remote}
+    w = run_engine("remote_writer", env=env, model=tiny_model, extra=extra)
+    assert w["b_ref"]["cached"] == 1024
+    r = run_engine("remote_reader", env=env, model=tiny_model, extra=extra)
+    # engine 2 starts with an empty host tier: S can only come from the object tier
+    assert r["b"]["cached"] >= 1024, r["_log"][-3000:]
+    assert r["b"]["tokens"] == w["b_ref"]["tokens"]
+    assert r["b"]["logprobs"] == w["b_ref"]["logprobs"]
+    assert r["a"]["cached"] >= 1280
+    assert r["a"]["tokens"] == w["a"]["tokens"]
+    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024
+    assert r["index"]["totals"].get("fetch_ok", 0) >= 4
+    assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+
+
+def _spawn(scenario: str, env: dict, **args) -> subprocess.Popen:
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                    PYTHONPATH=str(REPO), **env)
+    return subprocess.Popen(
+        [sys.executable, str(ENGINE), scenario, json.dumps(args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=str(REPO),
+    )
+
+
+def _result(proc: subprocess.Popen, timeout: float = 600) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (exit {proc.returncode}):\n{out[-3000:]}\n{err[-8000:]}")
+
+
+def test_two_replicas_share_one_tier(tiny_model: str, redis_url: str, tmp_path: Path) -> None:
+    extra = {"cpu_bytes": "64MiB", "remote_url": redis_url}
+    marker = str(tmp_path / "written")
+    writer = _spawn("replica", {}, model=tiny_model, extra=extra, role="writer", marker=marker)
+    reader = _spawn("replica", {}, model=tiny_model, extra=extra, role="reader", marker=marker)
+    r, w = _result(reader), _result(writer)
+    assert w["out"]["cached"] == 0
+    assert r["out"]["cached"] >= 1024, "the prefix computed by one replica hits on the other"
+    assert r["out"]["tokens"] == w["out"]["tokens"]
+    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024
+
+
+def test_unreachable_tier_at_startup_degrades_to_misses(tiny_model: str) -> None:
+    from tests.conftest import free_port
+
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"redis://127.0.0.1:{free_port()}/0",
+             "lookup_timeout_ms": 500}
+    r = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[31, 32], repeats=2)
+    first, second = r["rounds"]
+    assert all(o["cached"] == 0 for o in first)
+    # the host tier still works while the object tier is down
+    assert all(o["cached"] >= 1024 for o in second)
+    assert [o["tokens"] for o in first] == [o["tokens"] for o in second]
+    assert r["index"]["refs"] == 0 and r["index"]["pending_ops"] == 0
+
+
+def run_outage(tiny_model: str, server, extra: dict, tmp_path: Path, env: dict | None = None,
+               **kw) -> dict:
+    """Run the ``outage`` scenario while a thread kills and restarts ``server``."""
+    sig = tmp_path / "signals"
+    sig.mkdir()
+
+    def chaos() -> None:
+        deadline = time.time() + 300
+        while not (sig / "killme").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        server.kill()
+        (sig / "killed").write_text("")
+        while not (sig / "restartme").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        server.start()  # without persistence the restarted server is empty
+        (sig / "restarted").write_text("")
+
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    r = run_engine("outage", env=env or {}, model=tiny_model, extra=extra,
+                   signal_dir=str(sig), **kw)
+    t.join(timeout=5)
+    return r
+
+
+def test_tier_killed_mid_run_and_restarted(tiny_model: str, services, tmp_path: Path) -> None:
+    server = services.redis()
+    # 6 host slots for 3 prompts x 4 chunks: the host tier alone cannot serve a round
+    extra = {"cpu_bytes": "3MiB", "remote_url": server.url, "lookup_timeout_ms": 1000}
+    r = run_outage(tiny_model, server, extra, tmp_path, seeds=[41, 42, 43])
+    tokens = [[o["tokens"] for o in rnd] for rnd in r["rounds"]]
+    assert all(t == tokens[0] for t in tokens), "every request completes with the same output"
+    assert r["remote_hits_after_restart"] >= 1024, "hits resume after the restart"
+    assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+    assert r["index"]["pending_ops"] == 0
+
+
+def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{root}"}
+    w = run_engine("remote_writer", model=tiny_model, extra=extra)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    assert len(files) == 5, files  # A = S + U1: five full chunks
+    blobs = [f.read_bytes() for f in files]
+    # flip one payload byte in two objects, truncate two, put another chunk's bytes
+    # under the fifth name (a valid chunk, but of the wrong key)
+    for f, b in zip(files[:2], blobs[:2], strict=True):
+        f.write_bytes(b[:-100] + bytes([b[-100] ^ 0xFF]) + b[-99:])
+    for f, b in zip(files[2:4], blobs[2:4], strict=True):
+        f.write_bytes(b[: len(b) // 2])
+    files[4].write_bytes(blobs[0])
+    r = run_engine("remote_reader", model=tiny_model, extra=extra, a_first=True)
+    totals = r["index"]["totals"]
+    assert r["a"]["cached"] == 0, "nothing bad is ever loaded"
+    # A is computed in full, as in engine 1: the same arithmetic, the same bits
+    assert r["a"]["tokens"] == w["a"]["tokens"] and r["a"]["logprobs"] == w["a"]["logprobs"]
+    # B then hits S in the host tier, stored from A's fresh computation
+    assert r["b"]["tokens"] == w["b_ref"]["tokens"] and r["b"]["logprobs"] == w["b_ref"]["logprobs"]
+    assert totals.get("error_checksum", 0) >= 1, totals
+    assert totals.get("error_truncated", 0) >= 1, totals
+    assert totals.get("error_wrong_key", 0) >= 1, totals
+    assert totals.get("hit_tokens_remote", 0) == 0
+    assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
