@@ -112,6 +112,8 @@ class SchedulerSide:
         self._index_ns = self.namespace.digest(ANY_RANK)
         self._rank0_ns = self.namespace.digest(0)
         self.remote = remote_factory(cfg) if (remote_factory and cfg.remote_url) else None
+        if self.remote is not None:
+            faster_thread_switches()
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
@@ -159,6 +161,9 @@ class SchedulerSide:
         if self.remote is not None and self._wants_remote(st, end_chunk, cap):
             if self._remote_lookup(st, end_chunk, cap):
                 self.stats.observe(metrics.LOOKUP_DELAY, time.perf_counter() - t0, ("sync",))
+                # vLLM re-asks at once in a tight loop; yield the GIL so the I/O threads
+                # that are fetching this request's chunks get to run (no sleep, no wait)
+                time.sleep(0)
                 return None, False
             end_chunk = self._ready_run(st, first, cap)
         end = min(end_chunk * self.chunk_size, cap)
@@ -464,6 +469,20 @@ class SchedulerSide:
                 )
                 lk.fetching.append(entry)
 
+
+
+def faster_thread_switches(interval_s: float = 0.001) -> None:
+    """Let kvtier's I/O threads get the GIL within 1 ms instead of Python's default 5 ms.
+
+    While a request waits for an object-tier fetch, vLLM's engine loop re-asks in a
+    tight loop and holds the GIL almost all the time; each hand-off to an I/O thread
+    then waits a full switch interval. Measured on the file tier: fetch of six 4 MiB
+    chunks 150 ms -> 30 ms.
+    """
+    import sys
+
+    if sys.getswitchinterval() > interval_s:
+        sys.setswitchinterval(interval_s)
 
 
 def _error_kind(kind: str) -> str:

@@ -65,7 +65,10 @@ class WorkerSide:
             rank, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
         )
         if self._remote_factory is not None and self.cfg.remote_url:
+            from .scheduler import faster_thread_switches
+
             self.remote = self._remote_factory(self.cfg)
+            faster_thread_switches()
 
     def _ensure_slab(self, meta: KVTierMetadata) -> HostSlab:
         if self.slab is None:
