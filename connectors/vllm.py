@@ -115,6 +115,16 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """On CUDA, loads and saves are layer-wise (wait_for_layer_load / save_kv_layer).
+
+        Those calls cannot be captured in a full CUDA graph (replay would skip
+        them and race the copies), so vLLM must use PIECEWISE graphs. The CPU
+        backend has no CUDA graphs, so the answer only matters on CUDA.
+        """
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is only a future miss
@@ -136,7 +146,9 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv on this path
+        """CUDA: compute waits for this layer's host->GPU copy only (CPU: loads are done)."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -145,7 +157,9 @@ class KVTierConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # chunks are saved in wait_for_save, once every layer is written
+        """CUDA: start this layer's GPU->host copy now (CPU: all stores run in wait_for_save)."""
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:

@@ -9,7 +9,6 @@ scheduler through the worker metadata.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,10 +16,11 @@ import torch
 from kvtier import metrics
 from kvtier.config import KVTierConfig
 from kvtier.keys import Namespace, chunk_key
-from kvtier.layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
+from kvtier.layout import HostSlab, SlotLayout
 from kvtier.stats import StatsRecorder
+from kvtier.transfer import Copier, LoadJob, Outcome, StoreJob, make_copier
 
-from .metadata import KVTierMetadata, KVTierWorkerMeta, RemoteOp, StoreOp
+from .metadata import KVTierMetadata, KVTierWorkerMeta, RemoteOp
 
 if TYPE_CHECKING:
     from kvtier.remote import RemoteIO
@@ -46,6 +46,10 @@ class WorkerSide:
         self.layout: SlotLayout | None = None
         self.slab: HostSlab | None = None
         self._kv: list[torch.Tensor] = []
+        #: every registered layer name -> index of the layout layer holding its KV
+        self._layer_index: dict[str, int] = {}
+        self.copier: Copier | None = None
+        self._loads_step: KVTierMetadata | None = None
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
@@ -60,6 +64,8 @@ class WorkerSide:
         self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
+        by_ptr = {kv.data_ptr(): i for i, kv in enumerate(self._kv)}
+        self._layer_index = {name: by_ptr[kv.data_ptr()] for name, kv in kv_caches.items()}
         logger.info(
             "kvtier worker rank %d: %d KV layers, chunk slot %d bytes, block dim %d",
             rank, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
@@ -73,40 +79,84 @@ class WorkerSide:
     def _ensure_slab(self, meta: KVTierMetadata) -> HostSlab:
         if self.slab is None:
             assert self.layout is not None, "register_kv_caches was not called"
-            self.slab = HostSlab(meta.host_bytes, self.layout)
+            on_cuda = self._kv[0].device.type == "cuda"
+            self.slab = HostSlab(meta.host_bytes, self.layout, pin=on_cuda)
+            self.copier = make_copier(self._kv, self.layout, self.slab)
+            logger.info(
+                "kvtier worker rank %d: host slab %d bytes (pinned: %s), %s",
+                self.rank, self.slab.nbytes, self.slab.pinned, type(self.copier).__name__,
+            )
         return self.slab
 
     # ---- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
-        assert self.layout is not None
-        for op in meta.loads:
-            t0 = time.perf_counter()
-            try:
-                idx = torch.tensor(op.gpu_blocks, dtype=torch.long, device=self._kv[0].device)
-                for li, kv in enumerate(self._kv):
-                    dim = self.layout.layers[li].block_dim
-                    src = slab.layer_view(op.slot, li).narrow(dim, op.first, len(op.gpu_blocks))
-                    scatter_blocks(kv, dim, idx, src)
-                self._results[op.op_id] = [True]
-                self.stats.observe(metrics.TRANSFER_SECONDS, time.perf_counter() - t0, ("load",))
-            except Exception:  # a failed load must never crash the engine
-                logger.exception("kvtier: load of slot %d failed", op.slot)
-                self._results[op.op_id] = [False]
-                self._error("load")
-                self._failed_blocks.update(op.gpu_blocks)
+        copier = self.copier
+        assert copier is not None
+        # loads start now (on CUDA: every layer enqueued, each waited for by its own
+        # layer); stores are declared so that save_kv_layer can start them per layer
+        self._loads_step = meta
+        self._load_outcome(meta, copier.begin_loads([
+            LoadJob(op.op_id, op.slot, op.first, tuple(op.gpu_blocks)) for op in meta.loads
+        ]))
+        copier.begin_saves([
+            StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
+        ])
         for op in meta.fetches:
             self._fetch(slab, op)
         for op in meta.uploads:
             self._upload(slab, op.op_id, op)
 
+    def _load_outcome(self, meta: KVTierMetadata, outcome: Outcome) -> None:
+        """Record load results; a failed load's blocks go to vLLM as load errors."""
+        if not outcome:
+            return
+        blocks = {op.op_id: op.gpu_blocks for op in meta.loads}
+        for op_id, seconds in outcome.items():
+            if seconds is None:
+                self._results[op_id] = [False]
+                self._error("load")
+                self._failed_blocks.update(blocks.get(op_id, ()))
+            else:
+                self._results[op_id] = [True]
+                self.stats.observe(metrics.TRANSFER_SECONDS, seconds, ("load",))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Compute waits for this layer's loads only (no-op on the synchronous path)."""
+        if self.copier is not None and self.copier.layerwise:
+            li = self._layer_index.get(layer_name)
+            if li is not None:
+                self.copier.wait_layer(li)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """This layer's KV for the step is written: start its stores (CUDA path)."""
+        if self.copier is not None and self.copier.layerwise:
+            li = self._layer_index.get(layer_name)
+            if li is not None:
+                self.copier.save_layer(li)
+
     def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if self.copier is not None:
+            # slots read by this step's loads may be rewritten once results are reported
+            loads, self._loads_step = self._loads_step, None
+            self._load_outcome(loads or meta, self.copier.finish_loads())
         if not meta.stores:
+            if self.copier is not None:
+                self.copier.finish_saves()
             return
         slab = self._ensure_slab(meta)
+        assert self.copier is not None
+        outcome = self.copier.finish_saves()
+        if any(op.op_id not in outcome for op in meta.stores):
+            # stores that start_load_kv did not declare (not called this step)
+            self.copier.begin_saves([
+                StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
+                if op.op_id not in outcome
+            ])
+            outcome.update(self.copier.finish_saves())
         for op in meta.stores:
-            ok = self._store(slab, op)
+            ok = self._stored(outcome.get(op.op_id))
             self._results[op.op_id] = [ok]
             if op.upload_op_id is not None:
                 if ok:
@@ -114,18 +164,10 @@ class WorkerSide:
                 else:
                     self._results[op.upload_op_id] = [False]
 
-    def _store(self, slab: HostSlab, op: StoreOp) -> bool:
-        assert self.layout is not None
-        t0 = time.perf_counter()
-        try:
-            idx = torch.tensor(op.gpu_blocks, dtype=torch.long, device=self._kv[0].device)
-            for li, kv in enumerate(self._kv):
-                dim = self.layout.layers[li].block_dim
-                gather_blocks(kv, dim, idx, slab.layer_view(op.slot, li))
-        except Exception:
-            logger.exception("kvtier: store into slot %d failed", op.slot)
+    def _stored(self, seconds: float | None) -> bool:
+        if seconds is None:
             return False
-        self.stats.observe(metrics.TRANSFER_SECONDS, time.perf_counter() - t0, ("store",))
+        self.stats.observe(metrics.TRANSFER_SECONDS, seconds, ("store",))
         return True
 
     def _object_key(self, block_hash: bytes) -> str:

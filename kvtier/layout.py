@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .cuda import PinnedBuffer
 
 #: slot sizes are rounded up to this, so every slot starts on an aligned address
 SLOT_ALIGN = 4096
@@ -88,20 +92,35 @@ def _align(n: int) -> int:
 class HostSlab:
     """One host allocation of exactly ``nbytes``, cut into fixed-size slots.
 
-    On the CPU backend this is plain memory; the CUDA path registers the same
-    buffer as pinned memory (see ``kvtier.cuda``), never through
-    ``Tensor.pin_memory()``, which rounds each allocation up to a power of two.
+    On the CPU backend this is plain memory. With ``pin=True`` (KV on CUDA) the
+    buffer is an exact-size mapping registered with ``cudaHostRegister`` (see
+    ``kvtier.cuda``), never ``Tensor.pin_memory()``, which rounds each
+    allocation up to a power of two.
     """
 
-    def __init__(self, nbytes: int, layout: SlotLayout) -> None:
+    def __init__(self, nbytes: int, layout: SlotLayout, pin: bool = False) -> None:
         self.layout = layout
         self.num_slots = nbytes // layout.slot_bytes
         if self.num_slots < 1:
             raise ValueError(
                 f"host tier of {nbytes} bytes holds no chunk of {layout.slot_bytes} bytes"
             )
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = False
+        self._pinned_buffer: PinnedBuffer | None = None
+        if pin:
+            from .cuda import PinnedBuffer
+
+            self._pinned_buffer = PinnedBuffer(nbytes)
+            self.buffer = self._pinned_buffer.tensor
+            self.pinned = self._pinned_buffer.pinned
+        else:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self._layer_views: list[list[torch.Tensor]] | None = None
+
+    def close(self) -> None:
+        """Unregister pinned memory now (it is also unregistered when collected)."""
+        if self._pinned_buffer is not None:
+            self._pinned_buffer.close()
 
     @property
     def nbytes(self) -> int:

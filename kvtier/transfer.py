@@ -1,0 +1,533 @@
+"""Copies between vLLM's paged KV tensors and host slots, per layer.
+
+Two copiers share one small interface, so the worker does not care which one
+runs:
+
+- :class:`CpuCopier` — synchronous, the CPU backend's path: loads finish in
+  ``begin_loads``, stores run in ``finish_saves`` (all layers written by then).
+- :class:`CudaCopier` — asynchronous. Loads are enqueued for every layer on a
+  load stream in ``begin_loads`` with one event per layer; ``wait_layer(i)``
+  makes the compute stream wait for layer ``i`` only, so later layers' copies
+  overlap earlier layers' compute. Saves start in ``save_layer(i)`` right
+  after layer ``i``'s attention, on a save stream that first waits for the
+  compute stream, and ``finish_saves`` waits (host side) for the last one.
+
+Every layer moves all of a step's blocks in one batched kernel: loads copy each
+slot region host->device into a staging buffer (one ``cudaMemcpyAsync`` per
+contiguous piece, i.e. per chunk, never per block) and scatter it with a single
+``index_copy_``; saves gather with a single ``index_select`` into staging and
+copy each chunk's piece device->host. The CUDA runtime calls sit behind
+:class:`StreamOps`, so the bookkeeping runs on the CPU with a fake in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
+
+logger = logging.getLogger("kvtier.transfer")
+
+#: staging buffers are capped at this; larger steps run in several rounds per layer
+STAGING_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Host slot -> paged KV: slot blocks ``first .. first+len(gpu_blocks)``."""
+
+    op_id: int
+    slot: int
+    first: int
+    gpu_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreJob:
+    """Paged KV -> host slot: ``gpu_blocks`` into slot blocks ``0 .. len-1``."""
+
+    op_id: int
+    slot: int
+    gpu_blocks: tuple[int, ...]
+
+
+Job = LoadJob | StoreJob
+#: (op id, seconds it took) for the stats, or (op id, None) when it failed
+Outcome = dict[int, float | None]
+
+
+# ---- index math (pure; unit-tested on the CPU) -----------------------------------------------
+def job_range(job: Job) -> tuple[int, int]:
+    """(first slot block, count) that ``job`` touches."""
+    first = job.first if isinstance(job, LoadJob) else 0
+    return first, len(job.gpu_blocks)
+
+
+def check_job(job: Job, num_blocks: int, num_slots: int, blocks_per_chunk: int) -> str | None:
+    """Why ``job`` must not be submitted, or None.
+
+    On CUDA an out-of-range index is a device-side assert that kills the
+    engine, so every op is checked on the host before anything is enqueued.
+    """
+    first, count = job_range(job)
+    if not 0 <= job.slot < num_slots:
+        return f"slot {job.slot} outside 0..{num_slots - 1}"
+    if count == 0:
+        return "no blocks"
+    if first < 0 or first + count > blocks_per_chunk:
+        return f"slot blocks {first}..{first + count - 1} outside a chunk of {blocks_per_chunk}"
+    bad = [b for b in job.gpu_blocks if not 0 <= b < num_blocks]
+    if bad:
+        return f"GPU blocks {bad[:4]} outside 0..{num_blocks - 1}"
+    return None
+
+
+def group_jobs(jobs: Sequence[Job], max_blocks: int) -> list[list[Job]]:
+    """Split ``jobs`` (in order) into rounds of at most ``max_blocks`` blocks each.
+
+    A job is never split; one larger than ``max_blocks`` is a round of its own.
+    """
+    rounds: list[list[Job]] = []
+    cur: list[Job] = []
+    n = 0
+    for job in jobs:
+        k = len(job.gpu_blocks)
+        if cur and n + k > max_blocks:
+            rounds.append(cur)
+            cur, n = [], 0
+        cur.append(job)
+        n += k
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+def contiguous_pieces(t: torch.Tensor, dim: int, start: int, count: int) -> list[torch.Tensor]:
+    """``t.narrow(dim, start, count)`` as contiguous views (one for dim 0, ``t.shape[0]`` for 1).
+
+    Cross-device ``copy_`` of a non-contiguous host view would first make a
+    pageable temporary and copy synchronously; copying these pieces keeps each
+    transfer one asynchronous ``cudaMemcpyAsync`` on pinned memory.
+    """
+    if dim == 0:
+        return [t.narrow(0, start, count)]
+    return [p for sub in t.unbind(0) for p in contiguous_pieces(sub, dim - 1, start, count)]
+
+
+def staging_shape(slot_shape: Sequence[int], dim: int, blocks: int) -> tuple[int, ...]:
+    shape = list(slot_shape)
+    shape[dim] = blocks
+    return tuple(shape)
+
+
+def round_plan(jobs: Sequence[Job]) -> tuple[list[int], list[tuple[Job, int]]]:
+    """The batched index for one round and where each job sits in staging.
+
+    Returns ``(gpu_blocks, [(job, staging_offset), ...])``: staging block
+    ``staging_offset + j`` holds the job's ``j``-th block, which is GPU block
+    ``gpu_blocks[staging_offset + j]``.
+    """
+    index: list[int] = []
+    places: list[tuple[Job, int]] = []
+    for job in jobs:
+        places.append((job, len(index)))
+        index.extend(job.gpu_blocks)
+    return index, places
+
+
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its bytes for 1-byte float types (fp8 KV) that index kernels may lack."""
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
+def layer_block_bytes(layout: SlotLayout) -> list[int]:
+    return [ll.nbytes // layout.blocks_per_chunk for ll in layout.layers]
+
+
+# ---- the runtime interface ------------------------------------------------------------------
+class StreamOps(Protocol):
+    """The CUDA runtime calls the copier makes (a fake implements them in tests)."""
+
+    def new_stream(self) -> Any: ...
+    def new_event(self) -> Any: ...
+    def current_stream(self) -> Any: ...
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def record(self, event: Any, stream: Any) -> None: ...
+    def wait_event(self, stream: Any, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+
+
+class TorchCudaOps:
+    """:class:`StreamOps` on ``torch.cuda``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+
+# ---- copiers -------------------------------------------------------------------------------
+class Copier(ABC):
+    """Moves one step's loads and stores; outcomes are per op id."""
+
+    #: True when wait_layer / save_layer do real work (the facade then needs
+    #: PIECEWISE CUDA graphs, and the worker forwards the per-layer calls)
+    layerwise: bool = False
+
+    def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
+        if len(kv) != len(layout.layers):
+            raise ValueError(f"{len(kv)} KV tensors for {len(layout.layers)} layout layers")
+        self.kv = list(kv)
+        self.layout = layout
+        self.slab = slab
+        self.num_blocks = kv[0].shape[layout.layers[0].block_dim]
+
+    def check(self, job: Job) -> str | None:
+        return check_job(job, self.num_blocks, self.slab.num_slots, self.layout.blocks_per_chunk)
+
+    @abstractmethod
+    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
+        """Start every layer's loads; returns outcomes known now (all, when synchronous)."""
+
+    @abstractmethod
+    def finish_loads(self) -> Outcome:
+        """Wait (host side) until this step's loads are done; outcomes not yet returned."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Make compute wait for ``layer``'s loads (no-op when loads are synchronous)."""
+        return None
+
+    @abstractmethod
+    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+        """Declare this step's stores; layers are saved by save_layer / finish_saves."""
+
+    def save_layer(self, layer: int) -> None:
+        """``layer``'s KV for this step is written: start saving it (no-op when synchronous)."""
+        return None
+
+    @abstractmethod
+    def finish_saves(self) -> Outcome:
+        """Save what is left and wait (host side) until every store is in the slab."""
+
+
+class CpuCopier(Copier):
+    """Today's synchronous path: one ``index_select`` / ``index_copy_`` per layer and op."""
+
+    def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
+        super().__init__(kv, layout, slab)
+        self._stores: list[StoreJob] = []
+
+    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
+        out: Outcome = {}
+        for job in jobs:
+            t0 = time.perf_counter()
+            try:
+                idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
+                for li, kv in enumerate(self.kv):
+                    dim = self.layout.layers[li].block_dim
+                    src = self.slab.layer_view(job.slot, li).narrow(dim, job.first, len(idx))
+                    scatter_blocks(kv, dim, idx, src)
+                out[job.op_id] = time.perf_counter() - t0
+            except Exception:  # a failed load must never crash the engine
+                logger.exception("kvtier: load of slot %d failed", job.slot)
+                out[job.op_id] = None
+        return out
+
+    def finish_loads(self) -> Outcome:
+        return {}
+
+    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+        self._stores = list(jobs)
+
+    def finish_saves(self) -> Outcome:
+        out: Outcome = {}
+        jobs, self._stores = self._stores, []
+        for job in jobs:
+            t0 = time.perf_counter()
+            try:
+                idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
+                for li, kv in enumerate(self.kv):
+                    dim = self.layout.layers[li].block_dim
+                    gather_blocks(kv, dim, idx, self.slab.layer_view(job.slot, li))
+                out[job.op_id] = time.perf_counter() - t0
+            except Exception:
+                logger.exception("kvtier: store into slot %d failed", job.slot)
+                out[job.op_id] = None
+        return out
+
+
+@dataclass
+class _Round:
+    index: torch.Tensor  # GPU block ids, on the KV device
+    places: list[tuple[Job, int]]
+    blocks: int
+
+
+class _Batch:
+    """One direction's work for one step: checked jobs in rounds, per-layer events."""
+
+    def __init__(self) -> None:
+        self.rounds: list[_Round] = []
+        self.events: dict[int, Any] = {}
+        self.pending: set[int] = set()  # layers not enqueued yet (saves)
+        self.op_ids: list[int] = []
+        self.failed: set[int] = set()
+        self.t0 = time.perf_counter()
+        self.last_event: Any = None
+
+
+class CudaCopier(Copier):
+    """Asynchronous copies on a load stream and a save stream, ordered by events."""
+
+    layerwise = True
+
+    def __init__(
+        self,
+        kv: Sequence[torch.Tensor],
+        layout: SlotLayout,
+        slab: HostSlab,
+        ops: StreamOps | None = None,
+        staging_bytes: int = STAGING_BYTES,
+    ) -> None:
+        super().__init__(kv, layout, slab)
+        self.device = self.kv[0].device
+        self.ops: StreamOps = ops if ops is not None else TorchCudaOps(self.device)
+        self.load_stream = self.ops.new_stream()
+        self.save_stream = self.ops.new_stream()
+        per_block = max(layer_block_bytes(layout))
+        self.max_round_blocks = max(layout.blocks_per_chunk, staging_bytes // per_block)
+        self._staging: dict[str, torch.Tensor] = {}  # per stream, grown on demand
+        self._loads: _Batch | None = None
+        self._saves: _Batch | None = None
+        self._save_jobs: list[Job] = []
+        self._carry: Outcome = {}  # outcomes of a step whose saves were never finished
+
+    # -- shared helpers --
+    def _checked(self, jobs: Sequence[Job], batch: _Batch, out: Outcome) -> list[Job]:
+        ok = []
+        for job in jobs:
+            why = self.check(job)
+            if why is None:
+                ok.append(job)
+                batch.op_ids.append(job.op_id)
+            else:
+                logger.error("kvtier: op %d refused before copying: %s", job.op_id, why)
+                out[job.op_id] = None
+        return ok
+
+    def _rounds(self, jobs: Sequence[Job]) -> list[_Round]:
+        rounds = []
+        for group in group_jobs(jobs, self.max_round_blocks):
+            index, places = round_plan(group)
+            # pageable host -> device: the runtime stages it before returning, so the
+            # list may go; allocated on the copy stream that alone uses it
+            idx = torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True)
+            rounds.append(_Round(idx, places, len(index)))
+        return rounds
+
+    def _staging_for(self, which: str, layer: int, blocks: int) -> torch.Tensor:
+        """A ``blocks``-block staging view for ``layer``, from one buffer per stream.
+
+        Reused by every layer and round of that stream: stream order alone keeps
+        a round from overwriting staging the previous one still reads.
+        """
+        ll = self.layout.layers[layer]
+        shape = staging_shape(ll.slot_shape, ll.block_dim, blocks)
+        nbytes = ll.nbytes // self.layout.blocks_per_chunk * blocks
+        buf = self._staging.get(which)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[which] = buf
+        return indexable(buf[:nbytes].view(ll.dtype)).view(shape)
+
+    def _outcome(self, batch: _Batch) -> Outcome:
+        dt = time.perf_counter() - batch.t0
+        return {op: (None if op in batch.failed else dt) for op in batch.op_ids}
+
+    # -- loads --
+    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
+        out: Outcome = {}
+        if self._loads is not None:  # the previous step was never finished
+            out.update(self.finish_loads())
+        if not jobs:
+            return out
+        batch = _Batch()
+        ok = self._checked(jobs, batch, out)
+        if not ok:
+            return out
+        self._loads = batch
+        compute = self.ops.current_stream()
+        try:
+            with self.ops.use_stream(self.load_stream):
+                # blocks being loaded may still be read by the previous step's kernels
+                ready = self.ops.new_event()
+                self.ops.record(ready, compute)
+                self.ops.wait_event(self.load_stream, ready)
+                batch.rounds = self._rounds(ok)
+                for li in range(len(self.kv)):
+                    self._load_layer(batch, li)
+        except Exception:
+            logger.exception("kvtier: enqueueing %d loads failed", len(ok))
+            batch.failed.update(batch.op_ids)
+            # layers never enqueued must not be waited for: wait for what was
+            for li in range(len(self.kv)):
+                batch.events.setdefault(li, batch.last_event)
+        return out
+
+    def _load_layer(self, batch: _Batch, li: int) -> None:
+        ll = self.layout.layers[li]
+        dim = ll.block_dim
+        kv = indexable(self.kv[li])
+        for rnd in batch.rounds:
+            staging = self._staging_for("load", li, rnd.blocks)
+            for job, at in rnd.places:
+                first, count = job_range(job)
+                src = indexable(self.slab.layer_view(job.slot, li))
+                for s, d in zip(
+                    contiguous_pieces(src, dim, first, count),
+                    contiguous_pieces(staging, dim, at, count),
+                    strict=True,
+                ):
+                    d.copy_(s, non_blocking=True)
+            kv.index_copy_(dim, rnd.index, staging)
+        ev = self.ops.new_event()
+        self.ops.record(ev, self.load_stream)
+        batch.events[li] = ev
+        batch.last_event = ev
+
+    def wait_layer(self, layer: int) -> None:
+        batch = self._loads
+        if batch is None:
+            return
+        ev = batch.events.get(layer)
+        if ev is not None:
+            self.ops.wait_event(self.ops.current_stream(), ev)
+
+    def finish_loads(self) -> Outcome:
+        batch, self._loads = self._loads, None
+        if batch is None:
+            return {}
+        try:
+            if batch.last_event is not None:
+                # the slots may be rewritten (fetch, store) once the results are reported
+                self.ops.synchronize(batch.last_event)
+        except Exception:
+            logger.exception("kvtier: waiting for loads failed")
+            batch.failed.update(batch.op_ids)
+        return self._outcome(batch)
+
+    # -- saves --
+    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+        if self._saves is not None:
+            logger.warning("kvtier: saves of the previous step were not finished; finishing")
+            done = self.finish_saves()  # (it resets self._carry: evaluate it first)
+            self._carry.update(done)
+        batch = _Batch()
+        out: Outcome = {}
+        ok = self._checked(jobs, batch, out)
+        batch.failed.update(out)
+        batch.op_ids.extend(out)
+        batch.pending = set(range(len(self.kv))) if ok else set()
+        self._save_jobs = ok
+        self._saves = batch
+
+    def save_layer(self, layer: int) -> None:
+        batch = self._saves
+        if batch is None or layer not in batch.pending:
+            return
+        batch.pending.discard(layer)
+        if batch.failed.issuperset(batch.op_ids):
+            return
+        try:
+            compute = self.ops.current_stream()
+            with self.ops.use_stream(self.save_stream):
+                written = self.ops.new_event()
+                self.ops.record(written, compute)  # layer's KV for this step is written
+                self.ops.wait_event(self.save_stream, written)
+                if not batch.rounds:
+                    batch.rounds = self._rounds(self._save_jobs)
+                self._save_one(batch, layer)
+        except Exception:
+            logger.exception("kvtier: enqueueing saves of layer %d failed", layer)
+            batch.failed.update(batch.op_ids)
+
+    def _save_one(self, batch: _Batch, li: int) -> None:
+        ll = self.layout.layers[li]
+        dim = ll.block_dim
+        kv = indexable(self.kv[li])
+        for rnd in batch.rounds:
+            staging = self._staging_for("save", li, rnd.blocks)
+            torch.index_select(kv, dim, rnd.index, out=staging)
+            for job, at in rnd.places:
+                first, count = job_range(job)
+                dst = indexable(self.slab.layer_view(job.slot, li))
+                for s, d in zip(
+                    contiguous_pieces(staging, dim, at, count),
+                    contiguous_pieces(dst, dim, first, count),
+                    strict=True,
+                ):
+                    d.copy_(s, non_blocking=True)
+        ev = self.ops.new_event()
+        self.ops.record(ev, self.save_stream)
+        batch.events[li] = ev
+        batch.last_event = ev
+
+    def finish_saves(self) -> Outcome:
+        batch = self._saves
+        carry, self._carry = self._carry, {}
+        if batch is None:
+            return carry
+        # layers whose save_kv_layer never came (e.g. an attention type that skips it)
+        for li in sorted(batch.pending):
+            self.save_layer(li)
+        self._saves = None
+        try:
+            if batch.last_event is not None:
+                self.ops.synchronize(batch.last_event)
+        except Exception:
+            logger.exception("kvtier: waiting for saves failed")
+            batch.failed.update(batch.op_ids)
+        return {**carry, **self._outcome(batch)}
+
+
+def make_copier(
+    kv: Sequence[torch.Tensor],
+    layout: SlotLayout,
+    slab: HostSlab,
+    ops_factory: Callable[[torch.device], StreamOps] | None = None,
+) -> Copier:
+    """:class:`CudaCopier` when the KV tensors live on CUDA, else :class:`CpuCopier`."""
+    if kv[0].device.type == "cuda":
+        ops = ops_factory(kv[0].device) if ops_factory is not None else None
+        return CudaCopier(kv, layout, slab, ops=ops)
+    return CpuCopier(kv, layout, slab)
+
