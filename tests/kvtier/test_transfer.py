@@ -477,3 +477,75 @@ def test_staging_is_one_buffer_per_stream_reused_across_layers_and_rounds() -> N
         for li in range(LAYERS):
             got = slab.layer_view(job.slot, li).narrow(1, 0, 2).contiguous().view(torch.uint8)
             assert torch.equal(got, blocks_of(kv[li], list(job.gpu_blocks)))
+
+
+# ---- the worker drives the copier -------------------------------------------------------------
+def make_worker(monkeypatch, fake_cuda: bool):
+    from kvtier.connectors import worker as worker_mod
+
+    from kvtier.config import load_config
+    from kvtier.keys import Namespace
+
+    ops = FakeOps()
+    if fake_cuda:  # CPU tensors through CudaCopier: the CUDA bookkeeping, run on the CPU
+        monkeypatch.setattr(
+            worker_mod, "make_copier", lambda kv, layout, slab: CudaCopier(kv, layout, slab, ops)
+        )
+    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS}, environ={})
+    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1)
+    w = worker_mod.WorkerSide(cfg, ns, NUM_BLOCKS)
+    caches = make_caches(LAYOUTS["kv_first"])
+    names = list(caches)
+    caches["model.layers.3.self_attn.attn"] = caches[names[2]]  # a layer sharing KV
+    w.register_kv_caches(caches, rank=0)
+    return w, caches, ops
+
+
+def step_meta(step, layout_slot_bytes, loads=(), stores=()):
+    from kvtier.connectors.metadata import KVTierMetadata
+
+    return KVTierMetadata(
+        step=step, host_bytes=layout_slot_bytes * 4, loads=list(loads), stores=list(stores)
+    )
+
+
+@pytest.mark.parametrize("fake_cuda", [True, False])
+def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
+    from kvtier.connectors.metadata import LoadOp, StoreOp
+
+    w, caches, ops = make_worker(monkeypatch, fake_cuda)
+    names = list(caches)
+    sb = w.layout.slot_bytes
+    meta = step_meta(1, sb, stores=[StoreOp(7, 2, [5, 6, 7, 8], b"h"), StoreOp(8, 9, [1], b"x")])
+    w.start_load_kv(meta)
+    assert isinstance(w.copier, CudaCopier if fake_cuda else CpuCopier)
+    for name in names:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    saves = [e for e in ops.log if e[0] == "record" and e[2] == "save"]
+    assert len(saves) == (LAYERS if fake_cuda else 0)  # the shared layer is saved once
+    w.wait_for_save(meta)
+    res = w.build_worker_meta()
+    assert res.results == {7: [True], 8: [False]}  # slot 9 does not exist
+
+    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
+    w._kv = [dst[ll.name] for ll in w.layout.layers]
+    w.copier.kv = w._kv
+    load = step_meta(2, sb, loads=[LoadOp(9, 2, 1, [30, 31, 32]), LoadOp(10, 2, 0, [99])])
+    ops.log.clear()
+    w.start_load_kv(load)
+    for name in names:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    waits = [e for e in ops.log if e[:2] == ("wait", "compute")]
+    # one wait per attention layer; the shared layer waits on its owner's event
+    assert len(waits) == (len(names) if fake_cuda else 0)
+    if fake_cuda:
+        assert waits[-1][2] is waits[-2][2]
+    w.wait_for_save(load)
+    res = w.build_worker_meta()
+    assert res.results == {9: [True], 10: [False]}
+    assert res.errors == {"load": 1}
+    assert w.take_failed_blocks() == {99}
+    for name in names[:3]:
+        assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
