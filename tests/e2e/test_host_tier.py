@@ -45,6 +45,16 @@ def test_eviction_keeps_outputs_exact_and_leaks_nothing(tiny_model: str) -> None
     assert idx["pending_ops"] == 0 and idx["open_requests"] == 0
 
 
+def test_preemption_and_abort_leak_nothing(tiny_model: str) -> None:
+    r = run_engine("preempt_abort", model=tiny_model, extra={"cpu_bytes": "64MiB"})
+    assert r["preemptions"] > 0, "the device cache was meant to be too small for the batch"
+    assert r["tokens_identical"], r
+    assert r["max_logprob_diff"] <= 0.001
+    idx = r["index"]
+    assert idx["refs"] == 0 and idx["invariants"] is True
+    assert idx["pending_ops"] == 0 and idx["open_requests"] == 0
+
+
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
