@@ -150,6 +150,30 @@ def indexable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_FOREACH_OK = True
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``d.copy_(s, non_blocking=True)`` for each pair, dispatched from C++ in one call.
+
+    Per-chunk copies are small (hundreds of KiB); a Python loop of ``copy_``
+    would make the enqueue, not the bus, the bottleneck.
+    """
+    global _FOREACH_OK
+    if not dsts:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and _FOREACH_OK:
+        try:
+            foreach(dsts, srcs, non_blocking=True)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):  # mixed devices refused
+            logger.info("kvtier: torch._foreach_copy_ refused host<->device lists; looping")
+            _FOREACH_OK = False
+    for d, s in zip(dsts, srcs, strict=True):  # copies are idempotent: a redo is harmless
+        d.copy_(s, non_blocking=True)
+
+
 def layer_block_bytes(layout: SlotLayout) -> list[int]:
     return [ll.nbytes // layout.blocks_per_chunk for ll in layout.layers]
 
@@ -329,6 +353,8 @@ class CudaCopier(Copier):
         self._loads: _Batch | None = None
         self._saves: _Batch | None = None
         self._save_jobs: list[Job] = []
+        #: (slot, layer) -> the slot region's contiguous pieces, whole chunk (views, no copy)
+        self._slot_pieces: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._carry: Outcome = {}  # outcomes of a step whose saves were never finished
 
     # -- shared helpers --
@@ -368,6 +394,31 @@ class CudaCopier(Copier):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._staging[which] = buf
         return indexable(buf[:nbytes].view(ll.dtype)).view(shape)
+
+    def _host_pieces(self, slot: int, li: int) -> list[torch.Tensor]:
+        key = (slot, li)
+        pieces = self._slot_pieces.get(key)
+        if pieces is None:
+            ll = self.layout.layers[li]
+            view = indexable(self.slab.layer_view(slot, li))
+            pieces = contiguous_pieces(view, ll.block_dim, 0, self.layout.blocks_per_chunk)
+            self._slot_pieces[key] = pieces
+        return pieces
+
+    def _pairs(
+        self, rnd: _Round, li: int, staging: torch.Tensor, to_host: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(dsts, srcs): one contiguous pair per job and piece, host <-> staging."""
+        dim = self.layout.layers[li].block_dim
+        stage = contiguous_pieces(staging, dim, 0, rnd.blocks)
+        host_side: list[torch.Tensor] = []
+        stage_side: list[torch.Tensor] = []
+        for job, at in rnd.places:
+            first, count = job_range(job)
+            for h, st in zip(self._host_pieces(job.slot, li), stage, strict=True):
+                host_side.append(h.narrow(0, first, count))
+                stage_side.append(st.narrow(0, at, count))
+        return (host_side, stage_side) if to_host else (stage_side, host_side)
 
     def _outcome(self, batch: _Batch) -> Outcome:
         dt = time.perf_counter() - batch.t0
@@ -409,15 +460,7 @@ class CudaCopier(Copier):
         kv = indexable(self.kv[li])
         for rnd in batch.rounds:
             staging = self._staging_for("load", li, rnd.blocks)
-            for job, at in rnd.places:
-                first, count = job_range(job)
-                src = indexable(self.slab.layer_view(job.slot, li))
-                for s, d in zip(
-                    contiguous_pieces(src, dim, first, count),
-                    contiguous_pieces(staging, dim, at, count),
-                    strict=True,
-                ):
-                    d.copy_(s, non_blocking=True)
+            copy_all(*self._pairs(rnd, li, staging, to_host=False))
             kv.index_copy_(dim, rnd.index, staging)
         ev = self.ops.new_event()
         self.ops.record(ev, self.load_stream)
@@ -487,15 +530,7 @@ class CudaCopier(Copier):
         for rnd in batch.rounds:
             staging = self._staging_for("save", li, rnd.blocks)
             torch.index_select(kv, dim, rnd.index, out=staging)
-            for job, at in rnd.places:
-                first, count = job_range(job)
-                dst = indexable(self.slab.layer_view(job.slot, li))
-                for s, d in zip(
-                    contiguous_pieces(staging, dim, at, count),
-                    contiguous_pieces(dst, dim, first, count),
-                    strict=True,
-                ):
-                    d.copy_(s, non_blocking=True)
+            copy_all(*self._pairs(rnd, li, staging, to_host=True))
         ev = self.ops.new_event()
         self.ops.record(ev, self.save_stream)
         batch.events[li] = ev

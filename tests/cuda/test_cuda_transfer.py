@@ -51,7 +51,13 @@ def setup(shape, dtype, slots=8, layers=LAYERS):
 def test_slab_is_pinned_at_exact_size_with_rss_within_2_percent() -> None:
     torch.zeros(1, device="cuda")  # the CUDA context's own RSS must not count
     nbytes = (1 << 30) + (1 << 28) + 4096 * 3 + 7  # 1.25 GiB and change: pin_memory -> 2 GiB
-    ratio, buf = kcuda.rss_ratio(kcuda.PinnedBuffer, nbytes)
+
+    def full_slab(n: int) -> kcuda.PinnedBuffer:
+        buf = kcuda.PinnedBuffer(n)
+        buf.tensor.fill_(1)  # a host tier written end to end
+        return buf
+
+    ratio, buf = kcuda.rss_ratio(full_slab, nbytes)
     assert buf.pinned and buf.tensor.is_pinned() and buf.tensor.numel() == nbytes
     assert 0.98 <= ratio <= 1.02, ratio
     buf.close()

@@ -549,3 +549,17 @@ def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
     assert w.take_failed_blocks() == {99}
     for name in names[:3]:
         assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
+
+
+def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None:
+    from kvtier import transfer
+
+    def refuse(*a, **k):
+        raise RuntimeError("Tensors must be on the same device")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+    monkeypatch.setattr(transfer, "_FOREACH_OK", True)
+    dsts, srcs = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.full((2,), 2.0)]
+    transfer.copy_all(dsts, srcs)
+    assert dsts[0].tolist() == [1, 1, 1] and dsts[1].tolist() == [2, 2]
+    assert transfer._FOREACH_OK is False
