@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 
 import msgpack
 import pytest
@@ -20,6 +21,8 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
+from kvtier.remote import IOResult, RemoteIO
+from kvtier.tiers.base import ObjectTier
 
 PAYLOAD = bytes(range(256)) * 16
 KEY = "model-x/tp1r0/00ab"
@@ -216,19 +219,37 @@ def test_empty_key_file(tmp_path) -> None:
 
 
 # -- fuzzing -------------------------------------------------------------------------------
+#
+# Every decode below asks for the dtype and shape the blob really has, and each test first
+# checks that the undamaged blob decodes under exactly that call: a rejection must come from
+# the damage (checksum, signature, framing), never from a mismatch the test itself set up.
 
 SIGNER = Signer(K1)
 FUZZ_PAYLOAD = bytes(range(200))
-SIGNED = blob(FUZZ_PAYLOAD, signer=SIGNER, shape=[200])
-UNSIGNED = blob(FUZZ_PAYLOAD, shape=[200])
+FUZZ_SHAPE = [2, 50]
+SIGNED = blob(FUZZ_PAYLOAD, signer=SIGNER, shape=FUZZ_SHAPE)
+UNSIGNED = blob(FUZZ_PAYLOAD, shape=FUZZ_SHAPE)
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _decode(b: bytes, signer: Signer | None) -> memoryview:
+    return decode(b, key=KEY, dtype="bfloat16", shape=FUZZ_SHAPE, signer=signer)
+
+
+def test_fuzz_bases_decode() -> None:
+    """The fuzz tests' baselines are valid chunks under the very calls the fuzzers make."""
+    assert bytes(_decode(SIGNED, SIGNER)) == FUZZ_PAYLOAD
+    assert bytes(_decode(SIGNED, None)) == FUZZ_PAYLOAD
+    assert bytes(_decode(UNSIGNED, None)) == FUZZ_PAYLOAD
+    with pytest.raises(SignatureError):
+        _decode(UNSIGNED, SIGNER)
 
 
 def _decode_all_ways(b: bytes) -> None:
     """Every decode of a damaged blob must end in a CodecError subclass."""
     for signer in (None, SIGNER):
         try:
-            decode(b, key=KEY, dtype="bfloat16", shape=[2, 50], signer=signer)
+            _decode(b, signer)
         except CodecError:
             continue
         raise AssertionError("a damaged chunk decoded")
@@ -237,13 +258,19 @@ def _decode_all_ways(b: bytes) -> None:
 @FUZZ
 @given(st.binary(max_size=600))
 def test_fuzz_random_blobs(data: bytes) -> None:
-    for candidate in (data, codec.MAGIC + data, UNSIGNED[:8] + data):
-        try:
-            decode(candidate, key=KEY, signer=SIGNER)
-        except CodecError:
-            pass
-        else:
-            raise AssertionError("random bytes decoded")
+    for candidate in (
+        data,
+        codec.MAGIC + data,
+        UNSIGNED[:8] + data,
+        SIGNED[: len(SIGNED) - 200] + data,
+    ):
+        for signer in (None, SIGNER):
+            try:
+                out = _decode(candidate, signer)
+            except CodecError:
+                continue
+            # only the genuine payload behind the genuine header can pass
+            assert candidate in (SIGNED, UNSIGNED) and bytes(out) == FUZZ_PAYLOAD
 
 
 @st.composite
@@ -276,7 +303,7 @@ def test_fuzz_mutated_signed_blob(b: bytes) -> None:
     if b == SIGNED:
         return
     try:
-        decode(b, key=KEY, dtype="bfloat16", shape=[2, 50], signer=SIGNER)
+        _decode(b, SIGNER)
     except CodecError:
         return
     raise AssertionError("a mutated signed chunk decoded")
@@ -288,3 +315,115 @@ def test_fuzz_mutated_unsigned_blob(b: bytes) -> None:
     if b == UNSIGNED:
         return
     _decode_all_ways(b)
+
+
+_ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+    st.lists(st.integers(-5, 300), max_size=4),
+    st.dictionaries(st.text(max_size=4), st.integers(-5, 5), max_size=2),
+)
+
+
+@FUZZ
+@given(
+    st.sampled_from(["v", "key", "dtype", "shape", "len", "xxh", "sig", "extra"]),
+    st.one_of(st.just("delete"), _ANY_VALUE),
+    st.sampled_from(["signed", "unsigned"]),
+)
+def test_fuzz_header_fields(field: str, value: object, which: str) -> None:
+    """Well-formed msgpack, one header field changed, removed or added: a signed reader
+    loads nothing; a reader without a key loads only a chunk whose header still says
+    exactly what the original said (an unsigned chunk carries no secret to protect)."""
+    base = SIGNED if which == "signed" else UNSIGNED
+    header, _ = header_of(base)
+    original = dict(header)
+    if value == "delete":
+        header.pop(field, None)
+    else:
+        header[field] = value
+    mutated = rebuild(header, FUZZ_PAYLOAD)
+    if header == original:
+        return
+    try:
+        _decode(mutated, SIGNER)
+    except CodecError:
+        pass
+    else:
+        raise AssertionError(f"a chunk with header {header!r} decoded under the signing key")
+    try:
+        out = _decode(mutated, None)
+    except CodecError:
+        return
+    # without a key, dropping or replacing only the signature is not detectable by design
+    assert {k: v for k, v in header.items() if k != "sig"} == {
+        k: v for k, v in original.items() if k != "sig"
+    }, header
+    assert bytes(out) == FUZZ_PAYLOAD
+
+
+class _OneBlobTier(ObjectTier):
+    """An object tier that answers every get with one fixed blob."""
+
+    name = "file"
+
+    def __init__(self) -> None:
+        self.blob = b""
+
+    def exists(self, keys):  # pragma: no cover - not used
+        return [True for _ in keys]
+
+    def get(self, key):
+        return self.blob
+
+    def put(self, key, parts):  # pragma: no cover - not used
+        raise AssertionError("no writes here")
+
+    def delete(self, keys):  # pragma: no cover - not used
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fuzz_rio():
+    tier = _OneBlobTier()
+    rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=10.0, signer=SIGNER)
+    yield rio
+    rio.close()
+
+
+def _fetch(rio: RemoteIO, blob_bytes: bytes) -> tuple[IOResult, bytes]:
+    rio.tier.blob = blob_bytes
+    dest = bytearray(b"\xee" * len(FUZZ_PAYLOAD))
+    rio.submit_get_into(1, KEY, memoryview(dest), dtype="bfloat16", shape=FUZZ_SHAPE)
+    deadline = time.monotonic() + 10
+    results: list[IOResult] = []
+    while not results and time.monotonic() < deadline:
+        results = rio.poll()
+        time.sleep(0.0005)
+    assert len(results) == 1, results
+    return results[0], bytes(dest)
+
+
+def test_fetch_of_genuine_chunk_loads(fuzz_rio: RemoteIO) -> None:
+    res, dest = _fetch(fuzz_rio, SIGNED)
+    assert res.ok and res.error_kind is None and dest == FUZZ_PAYLOAD
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.one_of(mutations(SIGNED), mutations(UNSIGNED), st.binary(max_size=400)))
+def test_fuzz_fetch_never_loads(fuzz_rio: RemoteIO, b: bytes) -> None:
+    """Through the I/O path the worker uses: a damaged object is reported as one of the
+    defined error kinds and the destination slot keeps every byte it had."""
+    if b == SIGNED:
+        return
+    res, dest = _fetch(fuzz_rio, b)
+    assert not res.ok, "a damaged chunk was loaded"
+    assert res.error_kind in {"checksum", "truncated", "signature", "wrong_key", "malformed"}, res
+    assert dest == b"\xee" * len(FUZZ_PAYLOAD), "a rejected chunk wrote into the slot"

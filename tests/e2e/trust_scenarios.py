@@ -1,0 +1,483 @@
+"""Engine scenarios for tests/e2e/test_trust.py: signing, isolation, outages, latency, soak.
+
+Loaded by tests/e2e/engine.py through ``KVTIER_TEST_SCENARIO_MODULES``. Every
+scenario builds one engine, runs its requests and returns one JSON-able dict;
+the test decides. Besides vLLM's outputs each one reports what kvtier saw:
+
+- ``totals``: the scheduler side's running counters (hits, errors by kind, ops);
+- ``stats``: everything kvtier handed to vLLM's metrics path during the run
+  (captured around ``StatsRecorder.take``, which vLLM drains every step):
+  counter sums, sample counts / max / min per series, and every series id
+  (metric name + label values) that was ever recorded.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+from tests.e2e import engine as _engine_mod
+from tests.e2e.engine import (
+    build_llm,
+    index_report,
+    kvtier_side,
+    settle,
+    shutdown,
+    toks,
+)
+
+
+def register(fn):
+    """engine.register, and also into the running script's table: engine.py runs as
+    ``__main__``, so ``import tests.e2e.engine`` here loads a second copy of it whose
+    SCENARIOS dict main() never reads."""
+    _engine_mod.register(fn)
+    main = sys.modules.get("__main__")
+    table = getattr(main, "SCENARIOS", None)
+    if isinstance(table, dict) and table is not _engine_mod.SCENARIOS:
+        table[fn.__name__] = fn
+    return fn
+
+
+#: prompt length for the signing scenarios: 1,044 tokens = 4 full chunks of 256 plus 20.
+#: vLLM's own prefix cache then holds exactly 1,024 tokens of it (32 full blocks, the last
+#: token is always computed), the same split a 4-chunk kvtier hit gives, so a hit's output
+#: can be compared bit for bit with vLLM's own cached computation.
+PROMPT_TOKENS = 1024 + 20
+
+_CAPTURE: dict[str, Any] = {}
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _capture_stats() -> None:
+    """Keep a copy of every stats interval vLLM drains (counters, samples, series ids)."""
+    from kvtier.stats import StatsRecorder
+
+    if _CAPTURE:
+        return
+    _CAPTURE.update(counters={}, n={}, max={}, min={}, gauges={}, series=set())
+    original = StatsRecorder.take
+
+    def take(self: StatsRecorder) -> dict[str, Any]:
+        data = original(self)
+        with _CAPTURE_LOCK:
+            for sid, v in data.get("counters", {}).items():
+                _CAPTURE["counters"][sid] = _CAPTURE["counters"].get(sid, 0) + v
+                _CAPTURE["series"].add(sid)
+            for sid, vs in data.get("samples", {}).items():
+                if not vs:
+                    continue
+                _CAPTURE["n"][sid] = _CAPTURE["n"].get(sid, 0) + len(vs)
+                _CAPTURE["max"][sid] = max(_CAPTURE["max"].get(sid, float("-inf")), *vs)
+                _CAPTURE["min"][sid] = min(_CAPTURE["min"].get(sid, float("inf")), *vs)
+                _CAPTURE["series"].add(sid)
+            for sid, v in data.get("gauges", {}).items():
+                _CAPTURE["gauges"][sid] = v
+                _CAPTURE["series"].add(sid)
+        return data
+
+    StatsRecorder.take = take  # type: ignore[method-assign]
+
+
+def _stats() -> dict[str, Any]:
+    with _CAPTURE_LOCK:
+        out = {k: dict(v) for k, v in _CAPTURE.items() if k != "series"}
+        out["series"] = sorted(_CAPTURE.get("series", ()))
+    return out
+
+
+def _engine(model: str, extra: dict[str, Any], **kw: Any):
+    _capture_stats()
+    return build_llm(model, extra, **kw)
+
+
+def gen(
+    llm,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    salt: str | None = None,
+    logprobs: int = 3,
+) -> list[dict[str, Any]]:
+    """Like engine.generate, plus each request's finish reason (a failed request shows)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs)
+    items = []
+    for p in prompts:
+        tp = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            tp["cache_salt"] = salt
+        items.append(tp)
+    outs = llm.generate(items, sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        comp = o.outputs[0]
+        lps = [
+            sorted((int(k), round(v.logprob, 4)) for k, v in d.items())
+            for d in (comp.logprobs or [])
+        ]
+        res.append(
+            {
+                "tokens": list(comp.token_ids),
+                "logprobs": lps,
+                "cached": o.num_cached_tokens or 0,
+                "finish": comp.finish_reason,
+            }
+        )
+    return res
+
+
+def _record_object_keys(llm) -> dict[str, list[str]]:
+    """request id -> the object-tier keys (rank 0) of its full chunks, kept at finish."""
+    from kvtier.keys import chunk_key
+
+    side = kvtier_side(llm)
+    keys: dict[str, list[str]] = {}
+    original = side.request_finished
+
+    def request_finished(request, block_ids):
+        st = side._reqs.get(request.request_id)
+        if st is not None:
+            side._refresh_keys(st)
+            keys[request.request_id] = [chunk_key(side._rank0_ns, h) for h in st.chunk_hashes]
+        return original(request, block_ids)
+
+    side.request_finished = request_finished
+    return keys
+
+
+def _remote_counters(llm) -> dict[str, int]:
+    """Object-tier op counters of this engine: the scheduler's lookups plus the worker's
+    fetches and uploads (the worker runs in this process: uniproc executor)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    total: dict[str, int] = {}
+    sides = [kvtier_side(llm), get_kv_transfer_group()._worker]
+    for side in sides:
+        if side is not None and side.remote is not None:
+            for k, v in side.remote.counters().items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+# ---- signing ----------------------------------------------------------------------------
+@register
+def trust_write(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """The key-holding writer: each prompt cold (computed, stored, uploaded signed), then
+    again with vLLM's own prefix cache serving its first 1,024 tokens (the reference a
+    4-chunk kvtier hit must equal bit for bit). Reports each prompt's object keys."""
+    llm = _engine(model, extra)
+    keys = _record_object_keys(llm)
+    prompts = [toks(s, PROMPT_TOKENS) for s in seeds]
+    cold, ref, object_keys = [], [], []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        before = set(keys)
+        cold.append(gen(llm, [p])[0])
+        object_keys.append([k for rid, ks in keys.items() if rid not in before for k in ks])
+        ref.append(gen(llm, [p])[0])
+    settle(llm)
+    report = index_report(llm)
+    remote = _remote_counters(llm)
+    shutdown(llm)  # flushes the write-through queue
+    return {
+        "cold": cold,
+        "ref": ref,
+        "object_keys": object_keys,
+        "index": report,
+        "remote": remote,
+        "stats": _stats(),
+    }
+
+
+@register
+def trust_read(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """A fresh engine (empty host tier): each prompt once, vLLM's prefix cache flushed."""
+    llm = _engine(model, extra)
+    outs = []
+    for s in seeds:
+        llm.reset_prefix_cache()
+        outs.append(gen(llm, [toks(s, PROMPT_TOKENS)])[0])
+    settle(llm)
+    return {
+        "outs": outs,
+        "index": index_report(llm),
+        "remote": _remote_counters(llm),
+        "stats": _stats(),
+    }
+
+
+# ---- isolation: cache_salt, model, KV dtype ----------------------------------------------
+@register
+def salt_check(model: str, extra: dict[str, Any], seed: int) -> dict[str, Any]:
+    """One prompt under salts a, b, none; vLLM's prefix cache flushed before every run,
+    so only kvtier can serve a prefix. ``ref_a`` is the salt-a prompt with vLLM's own
+    cache serving 1,024 tokens (the split a kvtier hit gives)."""
+    llm = _engine(model, extra)
+    p = toks(seed, PROMPT_TOKENS)
+    side = kvtier_side(llm)
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(name: str, salt: str | None, reset: bool = True) -> None:
+        if reset:
+            llm.reset_prefix_cache()
+        before = side.totals.get("hit_tokens_host", 0)
+        out = gen(llm, [p], salt=salt)[0]
+        out["kvtier_hit"] = side.totals.get("hit_tokens_host", 0) - before
+        runs[name] = out
+
+    run("a_cold", "salt-a")
+    run("ref_a", "salt-a", reset=False)
+    run("b", "salt-b")
+    run("none", None)
+    run("a_again", "salt-a")
+    run("b_again", "salt-b")
+    settle(llm)
+    report = index_report(llm)
+    shutdown(llm)
+    return {"runs": runs, "index": report, "stats": _stats()}
+
+
+@register
+def foreign_read(
+    model: str,
+    extra: dict[str, Any],
+    seed: int,
+    salts: list[str | None],
+    engine_kw: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Another model or KV dtype reads a tier that holds this prompt's chunks."""
+    llm = _engine(model, extra, **(engine_kw or {}))
+    side = kvtier_side(llm)
+    p = toks(seed, PROMPT_TOKENS)
+    outs = []
+    for salt in salts:
+        llm.reset_prefix_cache()
+        outs.append(gen(llm, [p], salt=salt)[0])
+    settle(llm)
+    report = index_report(llm)
+    remote = _remote_counters(llm)
+    ns = side.namespace
+    shutdown(llm)
+    return {
+        "outs": outs,
+        "index": report,
+        "remote": remote,
+        "stats": _stats(),
+        "namespace": {"model": ns.model, "dtype": ns.dtype, "kv_cache_dtype": ns.kv_cache_dtype},
+    }
+
+
+# ---- object store killed mid-run ---------------------------------------------------------
+def _wait_file(path: str, timeout: float = 120) -> bool:
+    deadline = time.time() + timeout
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.02)
+    return os.path.exists(path)
+
+
+@register
+def outage_concurrent(
+    model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str, kill_at_step: int = 3
+) -> dict[str, Any]:
+    """Rounds of all prompts submitted at once (vLLM's prefix cache flushed before each):
+
+    1: tier up, cold (computed, uploaded) -> 2: the test kills the tier at the
+    ``kill_at_step``-th engine step of this round, while its lookups and fetches are in
+    flight -> "restartme" -> [test restarts it, empty] -> 3: uploads again -> 4: hits.
+    """
+    llm = _engine(model, extra)
+    side = kvtier_side(llm)
+    prompts = [toks(s, 1024 + 40) for s in seeds]
+    state = {"armed": False, "steps": 0, "killed_at": None}
+    original = side.build_connector_meta
+
+    def build_connector_meta(so):
+        if state["armed"]:
+            state["steps"] += 1
+            if state["steps"] == kill_at_step:
+                state["killed_at"] = {
+                    "step": state["steps"],
+                    "open_requests": side.open_requests(),
+                    "pending_ops": side.pending_ops(),
+                    "totals": dict(side.totals),
+                }
+                open(os.path.join(signal_dir, "killme"), "w").close()
+                _wait_file(os.path.join(signal_dir, "killed"), 60)
+                state["armed"] = False
+        return original(so)
+
+    side.build_connector_meta = build_connector_meta
+
+    def round_() -> list[dict[str, Any]]:
+        llm.reset_prefix_cache()
+        return gen(llm, prompts)
+
+    rounds = [round_()]
+    settle(llm)
+    state["armed"] = True
+    rounds.append(round_())
+    after_kill = dict(side.totals)
+    open(os.path.join(signal_dir, "restartme"), "w").close()
+    _wait_file(os.path.join(signal_dir, "restarted"))
+    settle(llm, 6.0)  # past the backoff: the tier is tried again
+    rounds.append(round_())
+    settle(llm)
+    before = side.totals.get("hit_tokens_remote", 0)
+    rounds.append(round_())
+    after = side.totals.get("hit_tokens_remote", 0)
+    settle(llm)
+    return {
+        "rounds": rounds,
+        "killed_at": state["killed_at"],
+        "after_kill": after_kill,
+        "remote_hits_last_round": after - before,
+        "index": index_report(llm),
+        "remote": _remote_counters(llm),
+        "stats": _stats(),
+    }
+
+
+# ---- latency -----------------------------------------------------------------------------
+@register
+def slow_tier(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """Write prompts through a slow object tier, drop the host tier, read them back.
+
+    Every call of the scheduler hook is timed by kvtier itself (the ``sync`` samples of
+    ``kvtier:lookup_delay_seconds``); the capture keeps all of them.
+    """
+    llm = _engine(model, extra)
+    side = kvtier_side(llm)
+    prompts = [toks(s, PROMPT_TOKENS) for s in seeds]
+    cold, ref = [], []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        cold.append(gen(llm, [p])[0])
+        ref.append(gen(llm, [p])[0])
+    t0 = time.monotonic()
+    settle(llm)  # until every upload through the slow link is reported
+    upload_wait = time.monotonic() - t0
+    writes = dict(_stats())
+    llm.reset_prefix_cache(reset_connector=True)  # host tier emptied: only the object tier
+    assert side.index.used_slots == 0, "the host tier was not emptied"
+    calls = {"none": 0, "claimed": 0}
+    original = side.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(request, num_computed_tokens):
+        n, is_async = original(request, num_computed_tokens)
+        calls["none" if n is None else "claimed"] += 1
+        return n, is_async
+
+    side.get_num_new_matched_tokens = get_num_new_matched_tokens
+    hits_before = side.totals.get("hit_tokens_remote", 0)
+    t1 = time.monotonic()
+    warm = gen(llm, prompts)  # all at once: their lookups overlap
+    warm_s = time.monotonic() - t1
+    hits = side.totals.get("hit_tokens_remote", 0) - hits_before
+    settle(llm)
+    return {
+        "cold": cold,
+        "ref": ref,
+        "warm": warm,
+        "remote_hit_tokens": hits,
+        "calls": calls,
+        "upload_wait_s": upload_wait,
+        "warm_s": warm_s,
+        "stats_after_writes": writes,
+        "stats": _stats(),
+        "index": index_report(llm),
+        "remote": _remote_counters(llm),
+    }
+
+
+# ---- soak --------------------------------------------------------------------------------
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _live_kvtier_objects() -> int:
+    """Objects of kvtier's own classes alive now (index entries, request states, ops...)."""
+    return sum(
+        1 for o in gc.get_objects() if type(o).__module__.startswith(("kvtier.", "tests.e2e.trust"))
+    )
+
+
+@register
+def soak(
+    model: str,
+    extra: dict[str, Any],
+    n_requests: int,
+    batch: int,
+    n_prefixes: int,
+    n_suffixes: int,
+    prefix_tokens: int,
+    suffix_tokens: int,
+) -> dict[str, Any]:
+    """Shared-prefix traffic: ``n_requests`` prompts prefix_i + suffix_j drawn at random
+    (fixed seed), ``batch`` per generate call, vLLM's prefix cache flushed before each
+    batch so prefixes come from kvtier's host tier (smaller than the working set) or are
+    computed again. Outputs are compared with the first output of each distinct prompt."""
+    llm = _engine(model, extra, max_num_seqs=batch)
+    side = kvtier_side(llm) if extra is not None else None
+    rng = random.Random(1234)
+    prefixes = [toks(100 + i, prefix_tokens) for i in range(n_prefixes)]
+    suffixes = [toks(900 + j, suffix_tokens) for j in range(n_suffixes)]
+    first: dict[tuple[int, int], list[int]] = {}
+    mismatches: list[dict[str, Any]] = []
+    failed = 0
+    done = 0
+    rss: list[int] = []
+    live: list[int] = []
+    cached_total = 0
+    t0 = time.monotonic()
+    while done < n_requests:
+        n = min(batch, n_requests - done)
+        picks = [(rng.randrange(n_prefixes), rng.randrange(n_suffixes)) for _ in range(n)]
+        llm.reset_prefix_cache()
+        outs = gen(llm, [prefixes[i] + suffixes[j] for i, j in picks], max_tokens=2, logprobs=0)
+        for pick, o in zip(picks, outs, strict=True):
+            if o["finish"] not in ("length", "stop") or len(o["tokens"]) != 2:
+                failed += 1
+            cached_total += o["cached"]
+            ref = first.setdefault(pick, o["tokens"])
+            if o["tokens"] != ref:
+                mismatches.append({"pick": list(pick), "got": o["tokens"], "first": ref})
+        done += n
+        gc.collect()
+        rss.append(_rss())
+        live.append(_live_kvtier_objects())
+    elapsed = time.monotonic() - t0
+    if side is None:  # a baseline without kvtier, for comparing memory
+        return {"requests": done, "failed": failed, "rss": rss, "elapsed_s": elapsed}
+    settle(llm)
+    structures = {
+        "reqs": len(side._reqs),
+        "pending": len(side._pending),
+        "exists_waiters": len(side._exists_waiters),
+        "ttft_by_step": len(side._ttft_by_step),
+        "loads": len(side._loads),
+        "fetches": len(side._fetches),
+        "uploads": len(side._uploads),
+    }
+    return {
+        "requests": done,
+        "failed": failed,
+        "distinct": len(first),
+        "mismatches": mismatches[:10],
+        "n_mismatches": len(mismatches),
+        "cached_tokens": cached_total,
+        "rss": rss,
+        "live_kvtier_objects": live,
+        "elapsed_s": elapsed,
+        "structures": structures,
+        "index": index_report(llm),
+        "stats": _stats(),
+    }
