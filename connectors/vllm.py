@@ -114,6 +114,10 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")
             )
+            # with micro-batches a layer's attention runs once per ubatch: its KV is only
+            # complete after the forward, so stores then start in wait_for_save
+            parallel = vllm_config.parallel_config
+            self._worker.layerwise_saves = not getattr(parallel, "use_ubatching", False)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

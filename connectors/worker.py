@@ -49,6 +49,9 @@ class WorkerSide:
         #: every registered layer name -> index of the layout layer holding its KV
         self._layer_index: dict[str, int] = {}
         self.copier: Copier | None = None
+        #: save each layer right after its attention; False when one layer's attention
+        #: runs in several calls per step (micro-batching), where only the end is safe
+        self.layerwise_saves = True
         self._loads_step: KVTierMetadata | None = None
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
@@ -131,7 +134,7 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """This layer's KV for the step is written: start its stores (CUDA path)."""
-        if self.copier is not None and self.copier.layerwise:
+        if self.copier is not None and self.copier.layerwise and self.layerwise_saves:
             li = self._layer_index.get(layer_name)
             if li is not None:
                 self.copier.save_layer(li)

@@ -563,3 +563,24 @@ def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None
     transfer.copy_all(dsts, srcs)
     assert dsts[0].tolist() == [1, 1, 1] and dsts[1].tolist() == [2, 2]
     assert transfer._FOREACH_OK is False
+
+
+def test_worker_with_micro_batches_saves_only_after_the_forward(monkeypatch) -> None:
+    from kvtier.connectors.metadata import StoreOp
+
+    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
+    w.layerwise_saves = False  # the facade sets this when vLLM runs ubatches
+    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
+    w.start_load_kv(meta)
+    for name in caches:
+        w.save_kv_layer(name)
+    assert ops.log == []
+    for t in caches.values():
+        t.fill_(3)  # the second ubatch writes after the first one's attention
+    w.wait_for_save(meta)
+    assert w.build_worker_meta().results == {7: [True]}
+    for li, name in enumerate(list(caches)[:3]):
+        assert torch.equal(
+            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
+            blocks_of(caches[name], [5, 6, 7, 8]),
+        )
