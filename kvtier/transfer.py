@@ -183,12 +183,13 @@ class StreamOps(Protocol):
     """The CUDA runtime calls the copier makes (a fake implements them in tests)."""
 
     def new_stream(self) -> Any: ...
-    def new_event(self) -> Any: ...
+    def new_event(self, timing: bool = False) -> Any: ...
     def current_stream(self) -> Any: ...
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
     def record(self, event: Any, stream: Any) -> None: ...
     def wait_event(self, stream: Any, event: Any) -> None: ...
     def synchronize(self, event: Any) -> None: ...
+    def elapsed_s(self, start: Any, end: Any) -> float: ...
 
 
 class TorchCudaOps:
@@ -200,8 +201,8 @@ class TorchCudaOps:
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)
 
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def new_event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -217,6 +218,9 @@ class TorchCudaOps:
 
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+
+    def elapsed_s(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000.0
 
 
 # ---- copiers -------------------------------------------------------------------------------
@@ -325,8 +329,10 @@ class _Batch:
         self.pending: set[int] = set()  # layers not enqueued yet (saves)
         self.op_ids: list[int] = []
         self.failed: set[int] = set()
-        self.t0 = time.perf_counter()
         self.last_event: Any = None
+        #: (start, end) timing events of each layer's copies, for the transfer-time metric
+        self.spans: list[tuple[Any, Any]] = []
+        self.blocks: dict[int, int] = {}  # op id -> blocks moved
 
 
 class CudaCopier(Copier):
@@ -365,6 +371,7 @@ class CudaCopier(Copier):
             if why is None:
                 ok.append(job)
                 batch.op_ids.append(job.op_id)
+                batch.blocks[job.op_id] = len(job.gpu_blocks)
             else:
                 logger.error("kvtier: op %d refused before copying: %s", job.op_id, why)
                 out[job.op_id] = None
@@ -421,8 +428,16 @@ class CudaCopier(Copier):
         return (host_side, stage_side) if to_host else (stage_side, host_side)
 
     def _outcome(self, batch: _Batch) -> Outcome:
-        dt = time.perf_counter() - batch.t0
-        return {op: (None if op in batch.failed else dt) for op in batch.op_ids}
+        """Per op: its share (by blocks) of the GPU time this step's copies took."""
+        try:
+            busy = sum(self.ops.elapsed_s(a, b) for a, b in batch.spans)
+        except Exception:  # timing is only for the metric
+            busy = 0.0
+        total = sum(batch.blocks.values()) or 1
+        return {
+            op: (None if op in batch.failed else busy * batch.blocks.get(op, 0) / total)
+            for op in batch.op_ids
+        }
 
     # -- loads --
     def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
@@ -458,14 +473,17 @@ class CudaCopier(Copier):
         ll = self.layout.layers[li]
         dim = ll.block_dim
         kv = indexable(self.kv[li])
+        start = self.ops.new_event(timing=True)
+        self.ops.record(start, self.load_stream)
         for rnd in batch.rounds:
             staging = self._staging_for("load", li, rnd.blocks)
             copy_all(*self._pairs(rnd, li, staging, to_host=False))
             kv.index_copy_(dim, rnd.index, staging)
-        ev = self.ops.new_event()
+        ev = self.ops.new_event(timing=True)
         self.ops.record(ev, self.load_stream)
         batch.events[li] = ev
         batch.last_event = ev
+        batch.spans.append((start, ev))
 
     def wait_layer(self, layer: int) -> None:
         batch = self._loads
@@ -527,14 +545,17 @@ class CudaCopier(Copier):
         ll = self.layout.layers[li]
         dim = ll.block_dim
         kv = indexable(self.kv[li])
+        start = self.ops.new_event(timing=True)
+        self.ops.record(start, self.save_stream)
         for rnd in batch.rounds:
             staging = self._staging_for("save", li, rnd.blocks)
             torch.index_select(kv, dim, rnd.index, out=staging)
             copy_all(*self._pairs(rnd, li, staging, to_host=True))
-        ev = self.ops.new_event()
+        ev = self.ops.new_event(timing=True)
         self.ops.record(ev, self.save_stream)
         batch.events[li] = ev
         batch.last_event = ev
+        batch.spans.append((start, ev))
 
     def finish_saves(self) -> Outcome:
         batch = self._saves
