@@ -53,8 +53,12 @@ def register_host(tensor: torch.Tensor, cudart: Any = None) -> Callable[[], None
         raise ValueError("only a contiguous CPU tensor can be registered")
     nbytes = tensor.numel() * tensor.element_size()
     ptr = tensor.data_ptr()
-    rt = cudart if cudart is not None else torch.cuda.cudart()
-    err = int(rt.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
+    try:
+        rt = cudart if cudart is not None else torch.cuda.cudart()
+        err = int(rt.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
+    except Exception as exc:  # no runtime (or no such call): pageable, never a crash
+        logger.warning("kvtier: cannot pin the host tier (%s); copies are synchronous", exc)
+        return None
     if err != 0:
         logger.warning(
             "kvtier: cudaHostRegister of %d bytes failed (cudaError %d); the host tier "

@@ -193,6 +193,16 @@ def test_refused_registration_leaves_a_working_pageable_buffer() -> None:
     assert rt.unregistered == []
 
 
+def test_missing_cuda_runtime_leaves_a_working_pageable_buffer() -> None:
+    class NoRuntime:
+        def cudaHostRegister(self, *a):  # noqa: N802
+            raise AttributeError("no cudaHostRegister in this build")
+
+    buf = kcuda.PinnedBuffer(8192, cudart=NoRuntime())
+    assert not buf.pinned and buf.tensor.numel() == 8192
+    buf.close()
+
+
 def test_host_slab_pinned_is_exact_size_and_round_trips(monkeypatch) -> None:
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
@@ -202,6 +212,16 @@ def test_host_slab_pinned_is_exact_size_and_round_trips(monkeypatch) -> None:
     slab = HostSlab(nbytes, layout, pin=True)
     assert slab.pinned and slab.nbytes == nbytes and slab.num_slots == 3
     assert rt.registered[0][1] == nbytes
+    kv = list(src.values())
+    c = CudaCopier(kv, layout, slab, ops=FakeOps())
+    c.begin_saves([StoreJob(1, 2, (9, 8, 7, 6))])
+    assert c.finish_saves()[1] is not None
+    dst = [torch.zeros_like(t) for t in kv]
+    c = CudaCopier(dst, layout, slab, ops=FakeOps())
+    c.begin_loads([LoadJob(2, 2, 0, (1, 2, 3, 4))])
+    assert c.finish_loads()[2] is not None
+    for s_, d in zip(kv, dst, strict=True):
+        assert torch.equal(blocks_of(d, [1, 2, 3, 4]), blocks_of(s_, [9, 8, 7, 6]))
     cpu = HostSlab(nbytes, layout)  # the CPU slab is unchanged: plain, unregistered
     assert not cpu.pinned and cpu.nbytes == nbytes and len(rt.registered) == 1
     slab.close()
