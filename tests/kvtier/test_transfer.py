@@ -614,3 +614,10 @@ def test_worker_with_micro_batches_saves_only_after_the_forward(monkeypatch) -> 
             w.slab.layer_view(1, li).contiguous().view(torch.uint8),
             blocks_of(caches[name], [5, 6, 7, 8]),
         )
+
+
+def test_facade_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    """Layer-wise waits and saves cannot live inside a captured full CUDA graph."""
+    from kvtier.connectors.vllm import KVTierConnector
+
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"cpu_bytes": "1GiB"}) is True
