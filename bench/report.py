@@ -131,6 +131,12 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v * 100:.0f} %"
 
 
+def _loads(results: dict[str, Any]) -> str:
+    parts = [f"{name} {la[0]:.1f}/{la[1]:.1f}" for name, rec in results["configs"].items()
+             if (la := rec.get("load_avg_1m"))]
+    return ", ".join(parts) or "not recorded"
+
+
 def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     """results.md: goals, medians, ratios, peers, hit rates, what was unavailable."""
     m = results["meta"]
@@ -145,7 +151,9 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{shape['heads']} heads / {shape['kv_heads']} KV heads, bf16. Every server: block size "
         f"32, `--kv-cache-memory-bytes {m['kv_cache_memory_bytes']}` "
         f"({m['device_cache_tokens']} tokens of device KV cache), max model length "
-        f"{m['max_model_len']}; kvtier and LMCache use {m['chunk_size']}-token chunks.",
+        f"{m['max_model_len']}; kvtier and LMCache use {m['chunk_size']}-token chunks. "
+        f"1-minute load average before/after each configuration (other processes share "
+        f"the machine): {_loads(results)}.",
         "",
         "## Goals",
         "",

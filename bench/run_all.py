@@ -348,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.name not in names:
             continue
         log(f"=== {cfg.name}: {cfg.label}")
+        load_before = os.getloadavg()[0]
         results["configs"][cfg.name] = run_config(cfg, plan, model, kv_bytes, workdir,
                                                   args.out, args)
+        # other processes on the machine skew every timing; say how busy it was
+        results["configs"][cfg.name]["load_avg_1m"] = [load_before, os.getloadavg()[0]]
         for store in ("kv", "store"):  # KV dumps are big; the logs stay for a post-mortem
             shutil.rmtree(workdir / cfg.name / store, ignore_errors=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
