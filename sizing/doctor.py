@@ -18,6 +18,8 @@ from typing import Any
 
 from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 
+from kvtier.config import redact_url
+
 GB = 10**9
 
 _VERSION = [
@@ -96,8 +98,11 @@ def _non_default_args(text: str) -> dict[str, Any]:
         out["kv_connector"] = "KVTierConnector"
         m = re.search(r"kv_connector_extra_config=(\{[^{}]*\})", text)
         extra = _literal(m.group(1)) if m else None
-        if isinstance(extra, dict):
-            out["kv_connector_extra_config"] = extra
+        if isinstance(extra, dict):  # vLLM logs it verbatim: hide URL passwords again
+            out["kv_connector_extra_config"] = {
+                k: redact_url(v) if isinstance(v, str) and "://" in v else v
+                for k, v in extra.items()
+            }
     return out
 
 

@@ -209,6 +209,15 @@ def _check_forgery(forged: bytes, key: str) -> None:
         codec.decode(forged, key=key, signer=codec.Signer(SECRETS["hmac_k1"].encode()))
 
 
+def _max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    diff = 0.0
+    for la, lb in zip(a["logprobs"], b["logprobs"], strict=True):
+        da, db = dict(map(tuple, la)), dict(map(tuple, lb))
+        for tok in set(da) & set(db):
+            diff = max(diff, abs(da[tok] - db[tok]))
+    return diff
+
+
 # ---- tests --------------------------------------------------------------------------------
 @pytest.mark.integration
 def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
@@ -376,8 +385,9 @@ def test_object_store_killed_under_16_concurrent_requests(
     server = services.redis(password=SECRETS["redis_password"])
     sig = tmp_path / "signals"
     sig.mkdir()
-    # 6 host slots for 16 prompts x 4 chunks: most hits must come from the object tier
-    extra = {"cpu_bytes": "3MiB", "lookup_timeout_ms": 1000, "hmac_key_env": HMAC_VAR}
+    # room for all 64 chunks, but the scenario empties the host tier before every round:
+    # every hit comes from the object tier
+    extra = {"cpu_bytes": "40MiB", "lookup_timeout_ms": 1000, "hmac_key_env": HMAC_VAR}
     env = {"KVTIER_REMOTE_URL": server.url, HMAC_VAR: SECRETS["hmac_k1"]}
 
     def chaos() -> None:
@@ -411,20 +421,25 @@ def test_object_store_killed_under_16_concurrent_requests(
     for rnd in rounds[1:]:
         for o, ref in zip(rnd, rounds[0], strict=True):
             assert o["tokens"] == ref["tokens"], "outputs changed across the outage"
+            # loaded or computed, batched differently: bf16 may move in the last digits
+            assert _max_logprob_diff(o, ref) <= 0.02
     killed = r["killed_at"]
-    assert killed is not None and killed["open_requests"] >= 1, "killed with requests in flight"
+    assert killed is not None and killed["open_requests"] == 16, "killed with requests in flight"
+    assert killed["pending_ops"] >= 1, "killed with object-tier fetches in flight"
     remote = r["remote"]
     faults = remote.get("errors_unreachable", 0) + remote.get("errors_timeout", 0)
     assert faults >= 1, remote
-    assert r["after_kill"].get("hit_tokens_remote", 0) >= 1024, "round 1 uploads hit in round 2"
-    assert r["remote_hits_last_round"] >= 16 * 1024 // 2, r["remote_hits_last_round"]
+    hits = r["remote_hits"]
+    assert hits[0] == 0, hits  # round 1: the tier is empty
+    assert hits[2] == 0, hits  # round 3: the restarted server lost everything
+    assert hits[3] == 16 * 1024, hits  # round 4: every prompt's 4 chunks, again
     idx = r["index"]
     assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
     lines = assert_no_secrets(r)
     print(
         f"\noutage: 64 requests (16 concurrent x 4 rounds), 1 kill -9 + restart, {faults} "
-        f"failed object-tier ops, 0 failed requests, {r['remote_hits_last_round']} tokens "
-        f"hit after restart, {lines} log lines clean"
+        f"failed object-tier ops, 0 failed requests, remote hit tokens per round {hits}, "
+        f"{lines} log lines clean"
     )
 
 
@@ -450,8 +465,12 @@ def test_slow_object_store_never_blocks_the_scheduler(
     sync = "kvtier:lookup_delay_seconds|sync"
     async_ = "kvtier:lookup_delay_seconds|async"
     assert stats["n"][sync] >= 6
-    # every call of the scheduler hook returned in under a millisecond ...
-    assert stats["max"][sync] < 0.001, stats["max"][sync]
+    # every call of the scheduler hook returned in under a millisecond ... (a rare sample
+    # may catch the GIL held by another thread for up to its 5 ms switch interval, or a
+    # garbage collection: at most 1 in 1,000, and still far from one 200 ms round trip)
+    slow = [x["s"] for x in stats["slow_sync"]]
+    assert len(slow) <= stats["n"][sync] // 1000, slow
+    assert stats["max"][sync] < 0.02, stats["max"][sync]
     # ... while each object-tier lookup took at least one 200 ms round trip
     assert stats["n"].get(async_, 0) >= 3 and stats["min"][async_] >= 0.2, stats
     assert r["calls"]["none"] >= 3, "the scheduler was told to ask again, not made to wait"
@@ -464,7 +483,7 @@ def test_slow_object_store_never_blocks_the_scheduler(
     assert proxy.connections >= 1
     assert_no_secrets(r)
     print(
-        f"\nlatency: 200 ms per op, {stats['n'][sync]} sync lookups max "
+        f"\nlatency: 200 ms per op, {stats['n'][sync]} sync lookups ({len(slow)} over 1 ms) max "
         f"{stats['max'][sync] * 1e3:.3f} ms, async lookups {stats['min'][async_]:.2f}-"
         f"{stats['max'][async_]:.2f} s, {r['remote_hit_tokens']} tokens hit"
     )
@@ -508,3 +527,94 @@ def test_soak_2000_shared_prefix_requests(tiny_model: str, tmp_path: Path) -> No
         f"{rss[0] >> 20}->{max(rss) >> 20}->{rss[-1] >> 20} MiB, live kvtier objects "
         f"{min(live)}..{max(live)}, 0 failed"
     )
+
+
+@pytest.mark.integration
+def test_errors_logs_and_doctor_never_show_secrets(
+    services,
+    s3_server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The failure paths an engine log shows: a wrong Redis password, a dead Redis, a
+    missing bucket, a bad key config; and ``kvtier doctor`` on a log in which vLLM itself
+    printed a Redis URL with its password (vLLM logs ``kv_connector_extra_config``
+    verbatim in its ``non-default args`` line)."""
+    import logging
+
+    from kvtier.config import load_config
+    from kvtier.errors import ConfigError, TierUnavailable
+    from kvtier.remote import RemoteIO
+    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.s3 import S3Tier
+
+    # kvtier's loggers at DEBUG, everything else at INFO (vLLM's default level; botocore's
+    # own DEBUG log prints request headers, session token included, and is not kvtier's)
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    pw = SECRETS["redis_password"]
+    server = services.redis(password=pw)
+    texts: list[str] = []
+    # a wrong password (it contains the real one, so either showing up is caught)
+    wrong = RedisTier(server.url.replace(pw, pw + "-wrong"))
+    texts.append(repr(wrong))
+    with pytest.raises(TierUnavailable) as info:
+        wrong.exists(["k"])
+    texts += [str(info.value), repr(info.value)]
+    wrong.close()
+    # the right one, then the server dies under a RemoteIO that logs the failure
+    tier = RedisTier(server.url)
+    rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=2.0, signer=None)
+    server.kill()
+    rio.submit_exists(1, ["k"])
+    deadline = time.monotonic() + 10
+    results = []
+    while not results and time.monotonic() < deadline:
+        results = rio.poll()
+        time.sleep(0.01)
+    assert results and results[0].error_kind == "unreachable", results
+    texts.append(repr(rio))
+    rio.close()
+    # S3 with credentials in the environment: a missing bucket, an unreachable endpoint
+    for key, value in _aws_env(s3_server.endpoint_url).items():
+        monkeypatch.setenv(key, value)
+    for endpoint in (s3_server.endpoint_url, "http://127.0.0.1:9"):
+        s3 = S3Tier("s3://no-such-bucket-kvtier/kv", endpoint_url=endpoint, lookup_timeout_ms=500)
+        with pytest.raises(TierUnavailable) as info:
+            s3.get("k")
+        texts += [str(info.value), repr(s3)]
+        s3.close()
+    # config: the env var names show, never the key; a bad URL is redacted
+    monkeypatch.setenv(HMAC_VAR, SECRETS["hmac_k1"])
+    cfg = load_config({"hmac_key_env": HMAC_VAR, "remote_url": server.url}, environ={})
+    texts += [json.dumps(cfg.redacted()), repr(codec.Signer.from_config(cfg))]
+    with pytest.raises(ConfigError) as cinfo:
+        load_config({"remote_url": server.url.replace("redis://", "redis+bad://")}, environ={})
+    texts.append(str(cinfo.value))
+    texts.append(caplog.text)
+    for text in texts:
+        assert not _secret_hits(text), (_secret_hits(text), text)
+    assert "unavailable" in caplog.text  # the failure was logged, without the password
+
+    # vLLM's own arg line carries the password; the doctor must not repeat it
+    log = tmp_path / "vllm.log"
+    extra = {"cpu_bytes": "8GiB", "remote_url": server.url, "hmac_key_env": HMAC_VAR}
+    log.write_text(
+        "INFO 11-30 05:20:43 [api_utils.py:286] non-default args: {'model': '/m', "
+        "'kv_transfer_config': KVTransferConfig(kv_connector='KVTierConnector', "
+        f"kv_role='kv_both', kv_connector_extra_config={extra!r}, "
+        "kv_connector_module_path='kvtier.connectors.vllm')}\n"
+    )
+    assert pw in log.read_text()
+    for fmt in ([], ["--json"]):
+        doc = subprocess.run(
+            [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log), *fmt],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(REPO),
+        )
+        assert doc.returncode == 0, doc.stderr
+        assert "8GiB" in doc.stdout and ":***@" in doc.stdout, doc.stdout
+        assert not _secret_hits(doc.stdout + doc.stderr), doc.stdout

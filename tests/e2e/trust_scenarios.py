@@ -61,7 +61,29 @@ def _capture_stats() -> None:
     if _CAPTURE:
         return
     _CAPTURE.update(counters={}, n={}, max={}, min={}, gauges={}, series=set())
+    _CAPTURE.update(slow_sync=[])
     original = StatsRecorder.take
+    original_observe = StatsRecorder.observe
+    gc_state = {"t": 0.0, "n": 0}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_state["start"] = time.perf_counter()
+        else:
+            gc_state["n"] += 1
+            gc_state["t"] += time.perf_counter() - gc_state.get("start", time.perf_counter())
+
+    gc.callbacks.append(on_gc)
+
+    def observe(self, spec, value, labels=()):
+        if labels == ("sync",) and value > 0.001:
+            with _CAPTURE_LOCK:
+                _CAPTURE["slow_sync"].append(
+                    {"s": value, "gc_count": gc_state["n"], "gc_s": gc_state["t"]}
+                )
+        return original_observe(self, spec, value, labels)
+
+    StatsRecorder.observe = observe  # type: ignore[method-assign]
 
     def take(self: StatsRecorder) -> dict[str, Any]:
         data = original(self)
@@ -86,7 +108,8 @@ def _capture_stats() -> None:
 
 def _stats() -> dict[str, Any]:
     with _CAPTURE_LOCK:
-        out = {k: dict(v) for k, v in _CAPTURE.items() if k != "series"}
+        out = {k: dict(v) for k, v in _CAPTURE.items() if k not in ("series", "slow_sync")}
+        out["slow_sync"] = list(_CAPTURE.get("slow_sync", ()))
         out["series"] = sorted(_CAPTURE.get("series", ()))
     return out
 
@@ -286,7 +309,8 @@ def _wait_file(path: str, timeout: float = 120) -> bool:
 def outage_concurrent(
     model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str, kill_at_step: int = 3
 ) -> dict[str, Any]:
-    """Rounds of all prompts submitted at once (vLLM's prefix cache flushed before each):
+    """Rounds of all prompts submitted at once, both of vLLM's prefix cache and kvtier's
+    host tier emptied before each, so every hit must come from the object tier:
 
     1: tier up, cold (computed, uploaded) -> 2: the test kills the tier at the
     ``kill_at_step``-th engine step of this round, while its lookups and fetches are in
@@ -315,9 +339,15 @@ def outage_concurrent(
 
     side.build_connector_meta = build_connector_meta
 
+    remote_hits: list[int] = []
+
     def round_() -> list[dict[str, Any]]:
-        llm.reset_prefix_cache()
-        return gen(llm, prompts)
+        llm.reset_prefix_cache(reset_connector=True)
+        assert side.index.used_slots == 0, "the host tier was not emptied"
+        before = side.totals.get("hit_tokens_remote", 0)
+        outs = gen(llm, prompts)
+        remote_hits.append(side.totals.get("hit_tokens_remote", 0) - before)
+        return outs
 
     rounds = [round_()]
     settle(llm)
@@ -329,15 +359,13 @@ def outage_concurrent(
     settle(llm, 6.0)  # past the backoff: the tier is tried again
     rounds.append(round_())
     settle(llm)
-    before = side.totals.get("hit_tokens_remote", 0)
     rounds.append(round_())
-    after = side.totals.get("hit_tokens_remote", 0)
     settle(llm)
     return {
         "rounds": rounds,
         "killed_at": state["killed_at"],
         "after_kill": after_kill,
-        "remote_hits_last_round": after - before,
+        "remote_hits": remote_hits,
         "index": index_report(llm),
         "remote": _remote_counters(llm),
         "stats": _stats(),
