@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: venv demo test test-fast lint bench bench-ttft clean
+.PHONY: venv demo test test-fast lint bench bench-ttft bench-tiers clean
 
 venv: $(STAMP)
 
@@ -30,7 +30,10 @@ test-fast: venv
 	$(PY) -m pytest -q tests -m "not e2e"
 
 bench-ttft: venv
-	$(PY) bench/ttft.py
+	$(PY) bench/ttft.py --restart file,s3,redis
+
+bench-tiers: venv
+	$(PY) bench/tier_throughput.py
 
 bench: venv
 	$(PY) bench/run_all.py

@@ -60,6 +60,8 @@ class _ReqState:
     next_store: int = 0
     #: (start, end) token range get_num_new_matched_tokens offered
     plan: tuple[int, int] | None = None
+    #: tokens vLLM's own prefix cache had, as last passed to get_num_new_matched_tokens
+    local_hit: int = 0
     lookup: _Lookup | None = None
     hit_sources: dict[str, int] = field(default_factory=dict)
     outcome: str = "miss"
@@ -154,6 +156,7 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
         st = self._state(request)
+        st.local_hit = num_computed_tokens
         self._refresh_keys(st)
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
@@ -179,7 +182,7 @@ class SchedulerSide:
         if st is None:
             return
         cap = self._max_loadable(request)
-        local = request.num_computed_tokens
+        local = st.local_hit  # request.num_computed_tokens is not updated yet here
         plan, st.plan = st.plan, None
         st.hit_sources = {}
         if num_external_tokens > 0 and plan is not None:
