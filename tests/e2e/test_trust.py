@@ -32,6 +32,7 @@ import pytest
 
 from kvtier import codec, metrics
 from tests.e2e.conftest import ENGINE, REPO
+from tests.e2e.trust_scenarios import compare
 
 pytestmark = pytest.mark.e2e
 
@@ -207,15 +208,6 @@ def _check_forgery(forged: bytes, key: str) -> None:
     assert codec.decode(forged, key=key) is not None  # checksum, framing, key: all valid
     with pytest.raises(codec.SignatureError):
         codec.decode(forged, key=key, signer=codec.Signer(SECRETS["hmac_k1"].encode()))
-
-
-def _max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    diff = 0.0
-    for la, lb in zip(a["logprobs"], b["logprobs"], strict=True):
-        da, db = dict(map(tuple, la)), dict(map(tuple, lb))
-        for tok in set(da) & set(db):
-            diff = max(diff, abs(da[tok] - db[tok]))
-    return diff
 
 
 # ---- tests --------------------------------------------------------------------------------
@@ -418,14 +410,15 @@ def test_object_store_killed_under_16_concurrent_requests(
     outs = [o for rnd in rounds for o in rnd]
     failed = [o for o in outs if o["finish"] != "length" or len(o["tokens"]) != 8]
     assert not failed, failed
-    for rnd in rounds[1:]:
-        for o, ref in zip(rnd, rounds[0], strict=True):
-            assert o["tokens"] == ref["tokens"], "outputs changed across the outage"
-            # loaded or computed, and batched with other requests in other steps (the
-            # async lookups decide which requests share a step): bf16 logprobs move by a few
-            # hundredths with the batch (0.032 seen), tokens may not; a wrongly loaded
-            # chunk would move them by far more
-            assert _max_logprob_diff(o, ref) <= 0.1
+    # tokens as in round 1; logprobs within 0.05: requests are loaded or computed and
+    # share steps with other requests depending on when their async lookups finish, and
+    # bf16 on the CPU is not batch-invariant. A step where two candidates were within
+    # 0.05 in both runs may flip (one seen: 1864 -4.329 vs 803 -4.361, then -4.33 both)
+    verdicts = [
+        compare(o, ref) for rnd in rounds[1:] for o, ref in zip(rnd, rounds[0], strict=True)
+    ]
+    assert "differ" not in verdicts, verdicts
+    assert verdicts.count("tie") <= 2, verdicts
     killed = r["killed_at"]
     assert killed is not None and killed["open_requests"] == 16, "killed with requests in flight"
     assert killed["pending_ops"] >= 1, "killed with object-tier fetches in flight"
@@ -478,13 +471,14 @@ def test_slow_object_store_never_blocks_the_scheduler(
     assert stats["n"].get(async_, 0) >= 3 and stats["min"][async_] >= 0.2, stats
     assert r["calls"]["none"] >= 3, "the scheduler was told to ask again, not made to wait"
     assert r["remote_hit_tokens"] == 3 * 1024, r["remote_hit_tokens"]
+    verdicts = []
     for warm, ref in zip(r["warm"], r["ref"], strict=True):
         assert warm["cached"] == 1024
         # the same 1,024/20 split as vLLM's own cached run, but batched with the other
-        # two prompts (which steps they share depends on when their lookups finish):
-        # tokens exact, bf16 logprobs within the last digits
-        assert warm["tokens"] == ref["tokens"]
-        assert _max_logprob_diff(warm, ref) <= 0.02
+        # two prompts (which steps they share depends on when their lookups finish), and
+        # bf16 on the CPU is not batch-invariant: logprobs within 0.05 (0.032 seen)
+        verdicts.append(compare(warm, ref))
+    assert "differ" not in verdicts and verdicts.count("tie") <= 1, verdicts
     assert r["remote"]["ops_put"] == 12 and r["remote"]["ops_get"] == 12, r["remote"]
     assert r["index"]["refs"] == 0 and r["index"]["pending_ops"] == 0
     assert proxy.connections >= 1
@@ -514,6 +508,7 @@ def test_soak_2000_shared_prefix_requests(tiny_model: str, tmp_path: Path) -> No
     idx = r["index"]
     assert r["requests"] == 2000 and r["failed"] == 0
     assert r["n_mismatches"] == 0, r["mismatches"]
+    assert r["ties"] <= 10, r["ties"]  # near-tie flips across batch compositions (see compare)
     assert r["distinct"] == 128
     assert idx["num_slots"] == 32 < 16 * 4, "the host tier is smaller than the working set"
     totals = idx["totals"]
