@@ -435,6 +435,7 @@ def test_object_store_killed_under_16_concurrent_requests(
     print(
         f"\noutage: 64 requests (16 concurrent x 4 rounds), 1 kill -9 + restart, {faults} "
         f"failed object-tier ops, 0 failed requests, remote hit tokens per round {hits}, "
+        f"{verdicts.count('tie')} near-tie flips, "
         f"{lines} log lines clean"
     )
 
@@ -527,7 +528,7 @@ def test_soak_2000_shared_prefix_requests(tiny_model: str, tmp_path: Path) -> No
         f"\nsoak: 2000 requests in {r['elapsed_s']:.0f} s, {totals['evictions']} evictions, "
         f"{totals.get('hit_tokens_host', 0)} tokens from the host tier, RSS "
         f"{rss[0] >> 20}->{max(rss) >> 20}->{rss[-1] >> 20} MiB, live kvtier objects "
-        f"{min(live)}..{max(live)}, 0 failed"
+        f"{min(live)}..{max(live)}, {r['ties']} near-tie flips, 0 failed"
     )
 
 
