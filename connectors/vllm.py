@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import KVTierConfig, load_config
+from kvtier.config import KVTierConfig, load_config, redact_url
 from kvtier.keys import Namespace
 
 from .metadata import KVTierMetadata
@@ -97,6 +97,12 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
+        url = extra.get("remote_url")
+        if role == KVConnectorRole.SCHEDULER and isinstance(url, str) and redact_url(url) != url:
+            logger.warning(
+                "kvtier: remote_url in --kv-transfer-config holds a password, and vLLM logs "
+                "that config verbatim; pass the URL through KVTIER_REMOTE_URL instead"
+            )
         self.cfg.check_block_size(vllm_config.cache_config.block_size)
         if self.cfg.remote_url:
             from kvtier.codec import Signer

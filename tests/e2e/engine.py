@@ -388,6 +388,8 @@ def register(fn):
 
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
+    # scenario modules import tests.e2e.engine: let them register into this module
+    sys.modules.setdefault("tests.e2e.engine", sys.modules[__name__])
     extra_modules = os.environ.get("KVTIER_TEST_SCENARIO_MODULES", "")
     for mod in filter(None, extra_modules.split(",")):
         __import__(mod)
