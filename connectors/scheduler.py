@@ -109,32 +109,32 @@ class SchedulerSide:
                 f"at least one chunk per worker: {format_size(self.slot_bytes * self.world_size)}"
                 f" for chunk_size={cfg.chunk_size} on this model",
             )
-        self.index = ChunkIndex(num_slots)
         self.namespace = namespace
         self._index_ns = self.namespace.digest(ANY_RANK)
         self._rank0_ns = self.namespace.digest(0)
         self.remote = remote_factory(cfg) if (remote_factory and cfg.remote_url) else None
         if self.remote is not None:
             faster_thread_switches()
+        self.write_through = self.remote is not None and cfg.write_policy == "write_through"
+        self.write_back = self.remote is not None and cfg.write_policy == "write_back"
+        self._op_ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._uploads: list[RemoteOp] = []
+        self.index = ChunkIndex(num_slots, keep_on_evict=self._write_back)
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
-        self.write_through = self.remote is not None and cfg.write_policy == "write_through"
-        self.write_back = self.remote is not None and cfg.write_policy == "write_back"
         self.stats = StatsRecorder()
         #: running totals since start, for tests and `kvtier doctor`-style introspection
         self.totals: collections.Counter[str] = collections.Counter()
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, _ReqState] = {}
-        self._pending: dict[int, _Pending] = {}
-        self._op_ids = itertools.count(1)
         self._step = 0
         self._loads: list[LoadOp] = []
         self._fetches: list[RemoteOp] = []
-        self._uploads: list[RemoteOp] = []
         self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
         self._exists_waiters: dict[int, tuple[_ReqState, list[int]]] = {}
         self._last_evictions = 0
@@ -345,6 +345,7 @@ class SchedulerSide:
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
                 self.totals["store_skipped"] += 1
                 continue
+            entry.block_hash = st.chunk_hashes[c]
             op_id = next(self._op_ids)
             upload_id = None
             if self.write_through:
@@ -359,6 +360,16 @@ class SchedulerSide:
                 "store", entry, time.perf_counter(), nbytes=self.slot_bytes
             )
         st.next_store = n_complete
+
+    def _write_back(self, entry: Entry) -> bool:
+        """write_back: a chunk leaving the host tier goes to the object tier first."""
+        if not self.write_back or entry.remote or not entry.block_hash:
+            return False
+        op_id = next(self._op_ids)
+        self._uploads.append(RemoteOp(op_id, entry.slot, entry.block_hash))
+        self._pending[op_id] = _Pending("upload", entry, time.perf_counter())
+        self.totals["write_back"] += 1
+        return True
 
     # ---- worker reports ----------------------------------------------------------------
     def _report(self, op_id: int, oks: list[bool]) -> None:
@@ -465,6 +476,7 @@ class SchedulerSide:
                 entry = self.index.begin(key, State.FETCHING)
                 if entry is None:
                     break
+                entry.block_hash = st.chunk_hashes[c]
                 op_id = next(self._op_ids)
                 self._fetches.append(RemoteOp(op_id, entry.slot, st.chunk_hashes[c]))
                 self._pending[op_id] = _Pending(

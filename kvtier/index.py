@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -33,15 +34,23 @@ class Entry:
     remote: bool = False
     #: True when the chunk came from the object tier (for hit-source accounting)
     fetched: bool = False
+    #: vLLM's hash of the chunk's last block (the owner's handle for object-tier ops)
+    block_hash: bytes = b""
 
 
 class ChunkIndex:
     """Fixed number of slots; evicts least-recently-used ready chunks with no refs."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(
+        self, num_slots: int, keep_on_evict: Callable[[Entry], bool] | None = None
+    ) -> None:
+        """``keep_on_evict(entry)`` may claim a victim before its slot is reused (write-back:
+        upload it first); a claimed chunk turns ``evicting`` with one ref held for the
+        claimer, whose ``unpin`` frees the slot."""
         if num_slots <= 0:
             raise ValueError("the host tier needs at least one slot")
         self.num_slots = num_slots
+        self._keep_on_evict = keep_on_evict
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         # key -> entry, in LRU order (oldest first)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
@@ -151,11 +160,15 @@ class ChunkIndex:
             return self._free.pop()
         if not evict_ok:
             return None
-        for entry in self._entries.values():
+        for entry in list(self._entries.values()):
             if entry.state is State.READY and entry.refs == 0:
+                self.evictions += 1
+                if self._keep_on_evict is not None and self._keep_on_evict(entry):
+                    entry.state = State.EVICTING
+                    entry.refs += 1
+                    continue
                 slot = entry.slot
                 del self._entries[entry.key]
-                self.evictions += 1
                 return slot
         return None
 

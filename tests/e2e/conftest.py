@@ -37,6 +37,9 @@ def run_engine(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=str(REPO) + os.pathsep + full_env.get("PYTHONPATH", ""),
         TOKENIZERS_PARALLELISM="false",
+        # the 4 GiB default headroom is sized for GPU servers; on a 2-core CI box that
+        # runs two engines at once it would refuse the small explicit tiers tests use
+        KVTIER_CPU_HEADROOM_BYTES="512MiB",
     )
     full_env.update(env or {})
     proc = subprocess.run(

@@ -55,6 +55,7 @@ def test_restart_hits_from_object_tier(
 
 def _spawn(scenario: str, env: dict, **args) -> subprocess.Popen:
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                    KVTIER_CPU_HEADROOM_BYTES="512MiB",
                     PYTHONPATH=str(REPO), **env)
     return subprocess.Popen(
         [sys.executable, str(ENGINE), scenario, json.dumps(args)],
@@ -161,3 +162,24 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
     assert totals.get("error_wrong_key", 0) >= 1, totals
     assert totals.get("hit_tokens_remote", 0) == 0
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+
+
+@pytest.mark.parametrize("policy", ["write_back", "none"])
+def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    # 6 host slots for 3 prompts x 4 chunks: the host tier must evict
+    extra = {"cpu_bytes": "3MiB", "remote_url": f"file://{root}", "write_policy": policy}
+    w = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
+    totals = w["index"]["totals"]
+    assert totals["evictions"] > 0
+    if policy == "none":
+        assert files == [] and totals.get("write_back", 0) == 0
+        return
+    # write_back: exactly the chunks that left the host tier were written, on eviction
+    assert totals["write_back"] > 0 and len(files) == totals["write_back"], totals
+    assert totals.get("upload_ok", 0) == totals["write_back"]
+    assert w["index"]["refs"] == 0 and w["index"]["invariants"] is True
+    r = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
+    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024, "evicted chunks come back"
+    assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0]]

@@ -135,3 +135,25 @@ def test_random_workload_keeps_invariants() -> None:
         idx.unpin(key)
     assert idx.total_refs() == 0
     idx.check()
+
+
+def test_write_back_claims_a_victim_until_released() -> None:
+    uploads: list[str] = []
+
+    def keep(entry) -> bool:
+        if entry.remote:
+            return False
+        uploads.append(entry.key)
+        return True
+
+    idx = ChunkIndex(2, keep_on_evict=keep)
+    ready(idx, "a")
+    ready(idx, "b")
+    idx.get("b").remote = True  # already in the object tier: evicted at once
+    assert idx.begin("c", State.STORING) is not None
+    assert uploads == ["a"] and idx.get("a").state is State.EVICTING
+    assert "b" not in idx
+    assert idx.begin("d", State.STORING) is None  # a is uploading, c is storing
+    idx.unpin("a")  # upload finished: the slot is free again
+    assert "a" not in idx and idx.begin("d", State.STORING) is not None
+    idx.check()
