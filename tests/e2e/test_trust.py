@@ -85,6 +85,7 @@ def run_logged(
         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         TOKENIZERS_PARALLELISM="false",
         KVTIER_TEST_SCENARIO_MODULES=SCENARIOS,
+        KVTIER_CPU_HEADROOM_BYTES="512MiB",  # see tests/e2e/conftest.py
     )
     full_env.update(env or {})
     log_dir.mkdir(parents=True, exist_ok=True)
