@@ -135,7 +135,8 @@ def _engine(spec: dict) -> list[dict]:
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "cpu_bytes": "1GiB", "remote_url": f"file://{spec['tier']}",
+            "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
+            "remote_url": f"file://{spec['tier']}",
         },
     }
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,

@@ -39,6 +39,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/faultproxy.py for subdirectories
 
+# kvtier refuses an explicit host tier that leaves less than cpu_headroom_bytes (4 GiB by
+# default, sized for GPU servers) free. The suite runs up to two engines and a server at
+# once on a small CI machine; every engine it starts inherits this smaller headroom.
+os.environ.setdefault("KVTIER_CPU_HEADROOM_BYTES", "512MiB")
+
 from faultproxy import FaultProxy  # noqa: E402
 
 #: the credentials moto accepts; nothing else in the environment is trusted
