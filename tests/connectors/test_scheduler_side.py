@@ -1,0 +1,160 @@
+"""The scheduler side with fakes of vLLM's objects: claims, stores, pins and reports.
+
+The real-engine tests in tests/e2e cover the same paths inside vLLM; these pin
+down the arithmetic (block-granular claims, which blocks each op moves) exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from kvtier.connectors.metadata import KVTierWorkerMeta
+from kvtier.connectors.scheduler import SchedulerSide
+
+from kvtier.config import load_config
+from kvtier.keys import Namespace
+
+BS, CHUNK = 32, 256
+BPC = CHUNK // BS
+
+
+def make_side(cpu_bytes: str = "4MiB") -> SchedulerSide:
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS, cpu_offload_gb=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="/nonexistent/model"),
+        offload_config=None,
+    )
+    # 2 layers x 4 KiB per block -> a 64 KiB slot per chunk
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=4096),
+                            layer_names=["l0", "l1"])
+        ]
+    )
+    cfg = load_config({"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0}, environ={})
+    ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
+                   block_size=BS, chunk_size=CHUNK, tp_size=1)
+    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns)
+    side.bind_kv_cache_manager(FakeManager())
+    return side
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+def request(rid: str, prefix: int, n_tokens: int) -> SimpleNamespace:
+    """A request whose block hashes depend on ``prefix`` (same prefix = same hashes)."""
+    hashes = [f"{prefix}-{i}".encode().ljust(32, b"\0") for i in range(n_tokens // BS)]
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=n_tokens,
+                           num_prompt_tokens=n_tokens, arrival_time=0.0)
+
+
+def schedule_new(side: SchedulerSide, req, computed: int, n: int, first_block: int = 100):
+    side._kv_cache_manager.blocks[req.request_id] = list(
+        range(first_block, first_block + -(-req.num_tokens // BS))
+    )
+    so = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req.request_id: n},
+        scheduled_spec_decode_tokens={},
+    )
+    return side.build_connector_meta(so)
+
+
+def report(side: SchedulerSide, meta, ok: bool = True) -> None:
+    ids = [op.op_id for op in meta.loads + meta.stores + meta.fetches + meta.uploads]
+    out = KVTierWorkerMeta(steps=[meta.step], results={i: [ok] for i in ids})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+
+
+def store_prompt(side: SchedulerSide, req) -> None:
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens)
+    report(side, meta)
+    side.request_finished(req, [])
+
+
+def test_stores_every_full_chunk_with_its_blocks() -> None:
+    side = make_side()
+    req = request("a", 1, 2048 + 40)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens, first_block=100)
+    assert len(meta.stores) == 8  # the partial ninth chunk is not stored
+    assert meta.stores[2].gpu_blocks == list(range(100 + 2 * BPC, 100 + 3 * BPC))
+    assert len({s.slot for s in meta.stores}) == 8
+    report(side, meta)
+    assert side.index.used_slots == 8 and side.index.total_refs() == 0
+
+
+def test_claims_at_block_granularity_up_to_the_last_token() -> None:
+    side = make_side()
+    store_prompt(side, request("a", 1, 2048))
+    b = request("b", 1, 2048)
+    # a fully stored 2,048-token prompt loads 2,016 tokens: vLLM computes the last block
+    assert side.get_num_new_matched_tokens(b, 0) == (2016, False)
+    side._kv_cache_manager.blocks["b"] = list(range(500, 564))
+    side.update_state_after_alloc(b, None, 2016)
+    assert side.index.total_refs() == 8  # every chunk pinned until its load is reported
+    meta = schedule_new(side, b, 2016, 32, first_block=500)
+    assert len(meta.loads) == 8
+    last = meta.loads[-1]
+    assert last.first == 0 and last.gpu_blocks == list(range(500 + 56, 500 + 63))
+    assert meta.stores == []  # already in the host tier
+    report(side, meta)
+    assert side.index.total_refs() == 0
+    assert side.totals["hit_tokens_host"] == 2016
+    assert side.get_external_cache_hit_sources(b, 2016)
+
+
+def test_claim_starts_after_vllms_own_prefix_hit() -> None:
+    side = make_side()
+    store_prompt(side, request("a", 1, 2048))
+    b = request("b", 1, 2048)
+    n, is_async = side.get_num_new_matched_tokens(b, 1056)  # mid-chunk local hit
+    assert (n, is_async) == (2016 - 1056, False)
+    side._kv_cache_manager.blocks["b"] = list(range(64))
+    side.update_state_after_alloc(b, None, n)
+    meta = schedule_new(side, b, 2016, 32, first_block=0)
+    # chunk 4 covers tokens 1024..1280: only its blocks 1..7 are loaded
+    assert meta.loads[0].first == 1 and meta.loads[0].gpu_blocks == list(range(33, 40))
+    assert sum(len(op.gpu_blocks) for op in meta.loads) * BS == n
+    assert side.totals["lookup_tokens"] == 2016 * 2 - 1056 - 0
+
+
+def test_failed_store_is_rolled_back_and_never_a_hit() -> None:
+    side = make_side()
+    req = request("a", 7, 1024)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, 1024)
+    report(side, meta, ok=False)
+    assert side.index.used_slots == 0
+    assert side.get_num_new_matched_tokens(request("b", 7, 1024), 0) == (0, False)
+
+
+def test_different_prefix_is_a_miss_and_abort_leaks_nothing() -> None:
+    side = make_side()
+    store_prompt(side, request("a", 1, 1024))
+    other = request("b", 2, 1024)
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+    side.request_finished(other, [])  # aborted before it was scheduled
+    assert side.open_requests() == 0 and side.pending_ops() == 0
+
+
+@pytest.mark.parametrize("tokens", [31, 32, 33, 255, 256, 257])
+def test_short_prompts_claim_nothing_they_cannot_load(tokens: int) -> None:
+    side = make_side()
+    store_prompt(side, request("a", 3, 512))
+    n, _ = side.get_num_new_matched_tokens(request("b", 3, tokens), 0)
+    # a chunk is keyed once it is full; then every block before the last token loads
+    assert n == ((tokens - 1) // BS * BS if tokens >= CHUNK else 0)
