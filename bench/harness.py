@@ -44,9 +44,12 @@ def log_tail(path: Path, n: int = 4000) -> str:
 
 def failure_reason(log: Path) -> str:
     """The most telling line of a dead server's log (its last error), shortened."""
-    lines = [ln.strip() for ln in log_tail(log, 20000).splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in log_tail(log, 40000).splitlines() if ln.strip()]
+    generic = ("Engine core initialization failed", "See root cause", "ulimit")
     for ln in reversed(lines):
-        if any(k in ln for k in ("Error", "error:", "Exception", "No module", "not supported")):
+        if any(g in ln for g in generic):
+            continue
+        if any(k in ln for k in ("Error:", "error:", "Exception:", "No module", "not supported")):
             return ln[-300:]
     return lines[-1][-300:] if lines else "no output"
 
