@@ -191,8 +191,14 @@ class SchedulerSide:
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
         self.totals["lookup_tokens"] += lookup
+        # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
+        # the last token vLLM must compute) was there; the tail is always recomputed
+        reusable = min(cap, len(st.keys) * self.chunk_size)
         total = local + num_external_tokens
-        st.outcome = "hit" if cap and total >= cap else ("partial" if total else "miss")
+        if total and total >= reusable:
+            st.outcome = "hit"
+        else:
+            st.outcome = "partial" if total else "miss"
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

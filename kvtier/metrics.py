@@ -20,10 +20,10 @@ LOOKUP_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
-#: time-to-first-token buckets, seconds (same upper range as vLLM's own TTFT histogram)
+#: time-to-first-token buckets, seconds (the same as vLLM's own TTFT histogram)
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
 #: per-chunk transfer buckets, seconds
 TRANSFER_BUCKETS = (
