@@ -252,8 +252,9 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         "", "## Plots", "", "![TTFT by configuration](ttft.png)", "",
         "![multi-turn throughput](multiturn.png)", "",
     ]
-    for name in rows:
-        out.append(f"![multi-turn, {name}](multiturn-{name}.png)")
+    for name, r in rows.items():
+        if r["mt_rps"] is not None:
+            out.append(f"![multi-turn, {r['label']}](multiturn-{name}.png)")
     return "\n".join(out) + "\n"
 
 
