@@ -152,7 +152,10 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{shape['heads']} heads / {shape['kv_heads']} KV heads, bf16. Every server: block size "
         f"32, `--kv-cache-memory-bytes {m['kv_cache_memory_bytes']}` "
         f"({m['device_cache_tokens']} tokens of device KV cache), max model length "
-        f"{m['max_model_len']}; kvtier and LMCache use {m['chunk_size']}-token chunks. "
+        f"{m['max_model_len']}, `VLLM_CPU_OMP_THREADS_BIND={m.get('omp_threads_bind', '?')}` "
+        "(vLLM's automatic binding gives a server without a KV connector one compute thread "
+        "fewer than one with a connector); "
+        f"kvtier and LMCache use {m['chunk_size']}-token chunks. "
         f"1-minute load average before/after each configuration (other processes share "
         f"the machine): {_loads(results)}.",
         "",

@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": plan.__dict__, "model_shape": shape,
             "device_cache_tokens": DEVICE_CACHE_TOKENS, "kv_cache_memory_bytes": kv_bytes,
             "max_model_len": MAX_MODEL_LEN, "chunk_size": CHUNK,
+            "omp_threads_bind": harness.omp_cpus(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{platform.processor() or platform.platform()}",
             "vllm": _version("vllm"), "python": platform.python_version(),
