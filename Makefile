@@ -36,7 +36,7 @@ bench-tiers: venv
 	$(PY) bench/tier_throughput.py
 
 bench: venv
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -163,7 +163,10 @@ class Setup:
 
         if importlib.util.find_spec("kvtier.connectors.vllm") is None:
             raise Unavailable("kvtier.connectors.vllm is not there yet")
-        extra: dict[str, Any] = {"cpu_bytes": "1GiB", "chunk_size": CHUNK}
+        # 1 GiB headroom: the default 4 GiB is sized for GPU servers, not a 2-core box
+        extra: dict[str, Any] = {
+            "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": CHUNK,
+        }
         if self.cfg.remote == "file":
             store = self.workdir / "store"
             store.mkdir(exist_ok=True)

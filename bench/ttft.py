@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes": "1GiB", "chunk_size": 256, **extra},
+            "kv_connector_extra_config": {
+                "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": 256, **extra,
+            },
         }
         return LLM(model=str(model), enforce_eager=True, block_size=32, max_model_len=4096,
                    seed=0, kv_transfer_config=ktc)
