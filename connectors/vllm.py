@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,6 +98,19 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        if (
+            role == KVConnectorRole.SCHEDULER
+            and self.cfg.remote_url
+            and algo.startswith("xxhash")
+            and os.environ.get("PYTHONHASHSEED") is None
+        ):
+            logger.warning(
+                "kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
+                "that differ in every process, so the object tier cannot be shared across "
+                "restarts or replicas; set PYTHONHASHSEED to one value everywhere or use sha256",
+                algo,
+            )
         url = extra.get("remote_url")
         if role == KVConnectorRole.SCHEDULER and isinstance(url, str) and redact_url(url) != url:
             logger.warning(
