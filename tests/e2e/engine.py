@@ -48,17 +48,23 @@ def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None):
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3)
+    outs = llm.generate(token_prompts(prompts, salt), sp, use_tqdm=False)
+    return [summary(o) for o in outs]
+
+
+def token_prompts(prompts: list[list[int]], salt: str | None = None) -> list[Any]:
+    """vLLM token prompts, with a ``cache_salt`` when given."""
+    from vllm.inputs import TokensPrompt
+
     items = []
     for p in prompts:
         tp = TokensPrompt(prompt_token_ids=p)
         if salt is not None:
             tp["cache_salt"] = salt
         items.append(tp)
-    outs = llm.generate(items, sp, use_tqdm=False)
-    return [summary(o) for o in outs]
+    return items
 
 
 def summary(o) -> dict[str, Any]:

@@ -128,16 +128,9 @@ def gen(
 ) -> list[dict[str, Any]]:
     """Like engine.generate, plus each request's finish reason (a failed request shows)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs)
-    items = []
-    for p in prompts:
-        tp = TokensPrompt(prompt_token_ids=p)
-        if salt is not None:
-            tp["cache_salt"] = salt
-        items.append(tp)
-    outs = llm.generate(items, sp, use_tqdm=False)
+    outs = llm.generate(_engine_mod.token_prompts(prompts, salt), sp, use_tqdm=False)
     res = []
     for o in outs:
         comp = o.outputs[0]
