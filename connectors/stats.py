@@ -91,20 +91,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._metrics[name].labels(*engine_values, *labels).set(value)
 
 
-_LABEL_VALUES = {
-    "tier": metrics.TIERS,
-    "outcome": metrics.OUTCOMES,
-    "mode": metrics.LOOKUP_MODES,
-    "direction": metrics.DIRECTIONS,
-    "op": metrics.TRANSFER_OPS,
-    "kind": metrics.ERROR_KINDS,
-}
-
-
 def _label_sets(spec: metrics.MetricSpec) -> list[tuple[str, ...]]:
     sets: list[tuple[str, ...]] = [()]
     for label in spec.labels:
-        sets = [(*s, v) for s in sets for v in _LABEL_VALUES[label]]
+        sets = [(*s, v) for s in sets for v in metrics.LABEL_VALUES[label]]
     return sets
 
 

@@ -40,6 +40,16 @@ ERROR_KINDS = (
     "timeout", "unreachable", "tier", "load",
 )
 
+#: every value each label takes (children are created up front, so dashboards see zeros)
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "tier": TIERS,
+    "outcome": OUTCOMES,
+    "mode": LOOKUP_MODES,
+    "direction": DIRECTIONS,
+    "op": TRANSFER_OPS,
+    "kind": ERROR_KINDS,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class MetricSpec:

@@ -119,17 +119,6 @@ def _secret_hits(text: str) -> list[str]:
     return [name for name, value in SECRETS.items() if value in text]
 
 
-def _label_values() -> dict[str, tuple[str, ...]]:
-    return {
-        "tier": metrics.TIERS,
-        "outcome": metrics.OUTCOMES,
-        "mode": metrics.LOOKUP_MODES,
-        "direction": metrics.DIRECTIONS,
-        "op": metrics.TRANSFER_OPS,
-        "kind": metrics.ERROR_KINDS,
-    }
-
-
 def assert_no_secrets(result: dict[str, Any]) -> int:
     """No secret in the run's full log, its result (stats series, counters, outputs) or
     ``kvtier doctor`` on its log; every metric series is a defined name with defined
@@ -139,7 +128,7 @@ def assert_no_secrets(result: dict[str, Any]) -> int:
     body = json.dumps({k: v for k, v in result.items() if not k.startswith("_")})
     assert not _secret_hits(body), _secret_hits(body)
     specs = {spec.name: spec for spec in metrics.ALL}
-    allowed = _label_values()
+    allowed = metrics.LABEL_VALUES
     for sid in result["stats"]["series"]:
         name, *labels = sid.split("|")
         assert name in specs, sid
