@@ -337,6 +337,11 @@ class SchedulerSide:
     ) -> None:
         self._refresh_keys(st)
         n_complete = min(computed_after // self.chunk_size, len(st.keys))
+        # newer vLLM may hash blocks before their KV is final (EAGLE drafts); only
+        # publishable hashes may key a stored chunk
+        publishable = getattr(st.request, "num_publishable_block_hashes", None)
+        if isinstance(publishable, int):
+            n_complete = min(n_complete, publishable // self.blocks_per_chunk)
         if n_complete <= st.next_store:
             return
         assert self._kv_cache_manager is not None

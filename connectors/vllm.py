@@ -165,6 +165,13 @@ class KVTierConnector(KVConnectorBase_V1):
             rank = 0
         self._worker.register_kv_caches(kv_caches, rank)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before every forward: the step's stores, fetches and uploads start here,
+        since vLLM may call ``start_load_kv`` only after the forward."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())

@@ -53,6 +53,7 @@ class WorkerSide:
         #: runs in several calls per step (micro-batching), where only the end is safe
         self.layerwise_saves = True
         self._loads_step: KVTierMetadata | None = None
+        self._begun_step: int | None = None
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
@@ -92,24 +93,39 @@ class WorkerSide:
         return self.slab
 
     # ---- per step ---------------------------------------------------------------------------
-    def start_load_kv(self, meta: KVTierMetadata) -> None:
+    def begin_step(self, meta: KVTierMetadata) -> None:
+        """Start the step's host-side work: declare its stores, submit fetches and uploads.
+
+        Called when vLLM binds the step's metadata, before the forward. vLLM
+        calls ``start_load_kv`` before the forward only when the step has
+        synchronous loads and after it otherwise, so stores must be declared
+        here for ``save_kv_layer`` to start them layer by layer, and fetches
+        start one forward earlier. None of this touches the KV tensors.
+        Idempotent per step.
+        """
+        if self._begun_step == meta.step:
+            return
+        self._begun_step = meta.step
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
-        copier = self.copier
-        assert copier is not None
-        # loads start now (on CUDA: every layer enqueued, each waited for by its own
-        # layer); stores are declared so that save_kv_layer can start them per layer
-        self._loads_step = meta
-        self._load_outcome(meta, copier.begin_loads([
-            LoadJob(op.op_id, op.slot, op.first, tuple(op.gpu_blocks)) for op in meta.loads
-        ]))
-        copier.begin_saves([
+        assert self.copier is not None
+        self.copier.begin_saves([
             StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
         ])
         for op in meta.fetches:
             self._fetch(slab, op)
         for op in meta.uploads:
             self._upload(slab, op.op_id, op)
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Start this step's loads (on CUDA: every layer enqueued, each waited for by its
+        own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
+        self.begin_step(meta)
+        assert self.copier is not None
+        self._loads_step = meta
+        self._load_outcome(meta, self.copier.begin_loads([
+            LoadJob(op.op_id, op.slot, op.first, tuple(op.gpu_blocks)) for op in meta.loads
+        ]))
 
     def _load_outcome(self, meta: KVTierMetadata, outcome: Outcome) -> None:
         """Record load results; a failed load's blocks go to vLLM as load errors."""
@@ -152,7 +168,7 @@ class WorkerSide:
         assert self.copier is not None
         outcome = self.copier.finish_saves()
         if any(op.op_id not in outcome for op in meta.stores):
-            # stores that start_load_kv did not declare (not called this step)
+            # stores that begin_step did not declare (not called this step)
             self.copier.begin_saves([
                 StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
                 if op.op_id not in outcome

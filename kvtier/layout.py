@@ -75,9 +75,19 @@ class SlotLayout:
         return cls(tuple(layers), blocks_per_chunk, _align(offset))
 
     def describe(self) -> tuple[str, list[int]]:
-        """(dtype, shape) recorded in stored chunks so a foreign layout is rejected."""
+        """(dtype, shape) recorded in stored chunks so a foreign layout is rejected.
+
+        The shape names the first layer's block dimension and region shape too:
+        attention backends differ there (K/V outermost or blocks outermost) with
+        the same byte count, and a chunk laid out for one must never load into
+        the other.
+        """
         dtypes = sorted({str(layer.dtype).removeprefix("torch.") for layer in self.layers})
-        return ",".join(dtypes), [len(self.layers), self.blocks_per_chunk, self.slot_bytes]
+        first = self.layers[0]
+        return ",".join(dtypes), [
+            len(self.layers), self.blocks_per_chunk, self.slot_bytes,
+            first.block_dim, *first.slot_shape,
+        ]
 
 
 def slot_bytes_for(per_block_bytes: Sequence[int], blocks_per_chunk: int) -> int:

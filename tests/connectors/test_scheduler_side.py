@@ -96,6 +96,27 @@ def test_stores_every_full_chunk_with_its_blocks() -> None:
     assert side.index.used_slots == 8 and side.index.total_refs() == 0
 
 
+def test_stores_wait_until_vllm_marks_block_hashes_publishable() -> None:
+    """Newer vLLM hashes EAGLE blocks before their KV is final; only publishable ones key."""
+    side = make_side()
+    req = request("a", 1, 2048)
+    req.num_publishable_block_hashes = 3 * BPC + 2
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens, first_block=100)
+    assert len(meta.stores) == 3
+    report(side, meta)
+    req.num_publishable_block_hashes = len(req.block_hashes)
+    so = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[2048]),
+        num_scheduled_tokens={"a": 1},
+        scheduled_spec_decode_tokens={},
+    )
+    meta = side.build_connector_meta(so)
+    assert [op.gpu_blocks[0] for op in meta.stores] == [100 + c * BPC for c in range(3, 8)]
+
+
 def test_claims_at_block_granularity_up_to_the_last_token() -> None:
     side = make_side()
     store_prompt(side, request("a", 1, 2048))

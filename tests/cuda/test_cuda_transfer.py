@@ -98,6 +98,36 @@ def test_round_trip_on_gpu_is_bit_exact(name, dtype) -> None:
             assert torch.equal(blocks(d, t), blocks(s, ids[3:]))
 
 
+def test_flashinfer_hnd_strided_kv_round_trips_on_gpu() -> None:
+    """FlashInfer HND: connectors get a permuted, non-contiguous view of the KV."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kv = [
+        torch.randn((NUM_BLOCKS, 2, 8, BS, 128), generator=g, device="cuda")
+        .to(torch.bfloat16)
+        .permute(0, 1, 3, 2, 4)
+        for _ in range(LAYERS)
+    ]
+    layout = SlotLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(kv)}, NUM_BLOCKS, BPC)
+    slab = HostSlab(layout.slot_bytes * 2, layout, pin=True)
+    ids = tuple(range(200, 200 - 3 * BPC, -3))
+    c = CudaCopier(kv, layout, slab)
+    c.begin_saves([StoreJob(1, 1, ids)])
+    for li in range(LAYERS):
+        c.save_layer(li)
+    assert None not in c.finish_saves().values()
+    dst = [torch.zeros_like(t) for t in kv]
+    c2 = CudaCopier(dst, layout, slab)
+    targets = tuple(range(10, 10 + BPC))
+    out = c2.begin_loads([LoadJob(2, 1, 0, targets)])
+    for li in range(LAYERS):
+        c2.wait_layer(li)
+    out.update(c2.finish_loads())
+    assert None not in out.values()
+    torch.cuda.synchronize()
+    for s, d in zip(kv, dst, strict=True):
+        assert torch.equal(blocks(d, list(targets)), blocks(s, list(ids)))
+
+
 def test_each_layer_waits_for_its_own_load() -> None:
     """Compute reads layer i right after wait_layer(i): it must see the loaded bytes."""
     shape = (2, 2048, BS, 8, 128)  # 8 MiB copied per layer: long enough to race

@@ -96,3 +96,27 @@ def test_too_small_slab_is_refused() -> None:
 def test_block_dim_not_found_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="block dimension"):
         find_block_dim((3, 5, 7), NUM_BLOCKS)
+
+
+def test_backends_with_equal_slot_bytes_describe_different_layouts() -> None:
+    """FlashAttention keeps K/V outermost, FlashInfer blocks outermost: same bytes per
+    slot, different order. A chunk stored by one is rejected by the other, not loaded."""
+    from kvtier import codec
+    from kvtier.errors import CodecError
+
+    flash_attn = SlotLayout.from_kv_caches(
+        make_caches((2, NUM_BLOCKS, BS, 4, 64), torch.bfloat16), NUM_BLOCKS, BPC
+    )
+    flashinfer = SlotLayout.from_kv_caches(
+        make_caches((NUM_BLOCKS, 2, BS, 4, 64), torch.bfloat16), NUM_BLOCKS, BPC
+    )
+    assert flash_attn.slot_bytes == flashinfer.slot_bytes
+    assert flash_attn.describe() != flashinfer.describe()
+    dtype, shape = flash_attn.describe()
+    blob = b"".join(
+        bytes(p) for p in codec.encode("k", bytes(flash_attn.slot_bytes), dtype=dtype, shape=shape)
+    )
+    assert codec.decode(blob, key="k", dtype=dtype, shape=shape).nbytes == flash_attn.slot_bytes
+    other_dtype, other_shape = flashinfer.describe()
+    with pytest.raises(CodecError, match="shape"):
+        codec.decode(blob, key="k", dtype=other_dtype, shape=other_shape)

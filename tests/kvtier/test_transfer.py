@@ -335,6 +335,38 @@ def test_store_then_load_is_bit_exact(name, copier, dtype, staging) -> None:
         assert not blocks_of(d, rest).any()
 
 
+@pytest.mark.parametrize("copier", ["cuda", "cpu"])
+def test_flashinfer_hnd_strided_kv_round_trips(copier) -> None:
+    """FlashInfer's HND layout hands connectors a permuted view of [num_blocks, 2, H,
+    block_size, D]: logically [num_blocks, 2, block_size, H, D], not contiguous."""
+    g = torch.Generator().manual_seed(3)
+
+    def hnd() -> torch.Tensor:
+        phys = torch.randn((NUM_BLOCKS, 2, 4, BS, 16), generator=g).to(torch.bfloat16)
+        return phys.permute(0, 1, 3, 2, 4)
+
+    kv = [hnd() for _ in range(LAYERS)]
+    assert not kv[0].is_contiguous()
+    layout = SlotLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(kv)}, NUM_BLOCKS, BPC)
+    assert layout.layers[0].block_dim == 0
+    slab = HostSlab(layout.slot_bytes * 2, layout)
+    dst = [torch.zeros_like(t) for t in kv]  # zeros_like keeps the strides
+    assert dst[0].stride() == kv[0].stride()
+    if copier == "cuda":
+        c, c2 = (CudaCopier(t, layout, slab, ops=FakeOps()) for t in (kv, dst))
+    else:
+        c, c2 = CpuCopier(kv, layout, slab), CpuCopier(dst, layout, slab)
+    c.begin_saves([StoreJob(1, 1, (9, 2, 31, 17))])
+    for li in range(LAYERS):
+        c.save_layer(li)
+    assert None not in c.finish_saves().values()
+    out = c2.begin_loads([LoadJob(2, 1, 0, (4, 5, 6, 7))])
+    out.update(c2.finish_loads())
+    assert out and None not in out.values()
+    for s, d in zip(kv, dst, strict=True):
+        assert torch.equal(blocks_of(d, [4, 5, 6, 7]), blocks_of(s, [9, 2, 31, 17]))
+
+
 def test_make_copier_picks_cpu_for_cpu_tensors() -> None:
     src, kv, layout, slab, _, _ = setup(LAYOUTS["mla"])
     c = make_copier(kv, layout, slab)
@@ -579,6 +611,33 @@ def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
     assert w.take_failed_blocks() == {99}
     for name in names[:3]:
         assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
+
+
+def test_saves_run_per_layer_when_vllm_starts_loads_after_the_forward(monkeypatch) -> None:
+    """vLLM calls start_load_kv after the forward when a step has no synchronous loads;
+    binding the metadata must already have declared the stores for save_kv_layer."""
+    from kvtier.connectors.metadata import StoreOp
+    from kvtier.connectors.vllm import KVTierConnector
+
+    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
+    facade = KVTierConnector.__new__(KVTierConnector)  # only the worker-side plumbing
+    facade._worker, facade._scheduler, facade._connector_metadata = w, None, None
+    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
+    facade.bind_connector_metadata(meta)
+    for name in caches:  # the forward: each attention layer, then its save
+        w.save_kv_layer(name)
+    saves = [e for e in ops.log if e[:2] == ("wait", "save")]
+    assert len(saves) == LAYERS  # every layer started during the forward
+    facade.start_load_kv(None)  # after the forward: must not declare (and copy) again
+    facade.wait_for_save()
+    assert [e for e in ops.log if e[:2] == ("wait", "save")] == saves
+    res = w.build_worker_meta()
+    assert res.results == {7: [True]} and res.steps == [1]
+    for li, name in enumerate(list(caches)[:3]):
+        assert torch.equal(
+            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
+            blocks_of(caches[name], [5, 6, 7, 8]),
+        )
 
 
 def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None:
