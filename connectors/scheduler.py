@@ -355,6 +355,7 @@ class SchedulerSide:
             entry = self.index.begin(key, State.STORING)
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
                 self.totals["store_skipped"] += 1
+                self.stats.inc(metrics.STORES_SKIPPED)
                 continue
             entry.block_hash = st.chunk_hashes[c]
             op_id = next(self._op_ids)

@@ -106,6 +106,10 @@ WRITES_DROPPED = MetricSpec(
     PREFIX + "writes_dropped", "counter",
     "Object-tier writes dropped because the write queue was full (backpressure).",
 )
+STORES_SKIPPED = MetricSpec(
+    PREFIX + "stores_skipped", "counter",
+    "Chunks not stored because every host slot was busy loading, fetching or uploading.",
+)
 ERRORS = MetricSpec(
     PREFIX + "errors", "counter",
     "Chunks or operations that failed and became misses, by kind.",
@@ -114,7 +118,7 @@ ERRORS = MetricSpec(
 
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
-    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, ERRORS,
+    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
 )
 
 

@@ -179,3 +179,22 @@ def test_short_prompts_claim_nothing_they_cannot_load(tokens: int) -> None:
     n, _ = side.get_num_new_matched_tokens(request("b", 3, tokens), 0)
     # a chunk is keyed once it is full; then every block before the last token loads
     assert n == ((tokens - 1) // BS * BS if tokens >= CHUNK else 0)
+
+
+def test_stores_with_every_slot_busy_are_skipped_and_counted() -> None:
+    """A host tier of 2 slots, 4 chunks computed in one step: 2 stores, 2 counted skips."""
+    from kvtier import metrics
+    from kvtier.stats import series_id
+
+    side = make_side(cpu_bytes="128KiB")  # two 64 KiB slots
+    req = request("a", 1, 4 * CHUNK + 8)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, None, 0)
+    side.stats.take()
+    meta = schedule_new(side, req, 0, req.num_tokens)
+    assert len(meta.stores) == 2  # both slots are now STORING, nothing evictable
+    assert side.totals["store_skipped"] == 2
+    counters = side.stats.take()["counters"]
+    assert counters[series_id(metrics.STORES_SKIPPED)] == 2
+    report(side, meta)
+    assert side.index.used_slots == 2 and side.index.total_refs() == 0

@@ -472,6 +472,9 @@ kvtier:evictions_total{model_name="tiny-llama",engine="0"} 3
 # HELP kvtier:writes_dropped_total Object-tier writes dropped because the write queue was full.
 # TYPE kvtier:writes_dropped_total counter
 kvtier:writes_dropped_total{model_name="tiny-llama",engine="0"} 1
+# HELP kvtier:stores_skipped_total Chunks not stored because every host slot was busy loading, fetching or uploading.
+# TYPE kvtier:stores_skipped_total counter
+kvtier:stores_skipped_total{model_name="tiny-llama",engine="0"} 1
 # HELP kvtier:errors_total Chunks or operations that failed and became misses, by kind.
 # TYPE kvtier:errors_total counter
 kvtier:errors_total{model_name="tiny-llama",engine="0",kind="timeout"} 1
