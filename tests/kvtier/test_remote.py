@@ -92,7 +92,7 @@ def test_round_trip(any_tier: ObjectTier) -> None:
 def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, services) -> None:
     redis_server.start()
     proxy = services.proxy((redis_server.host, redis_server.port))
-    proxy.bandwidth_bps = 1e6  # 256 KiB take ~0.26 s per write
+    proxy.bandwidth_bps = 5e5  # 256 KiB take ~0.52 s per write
     rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=2, queue_depth=2)
     big = payload(3, 256 * 1024)
     accepted, worst = 0, 0.0
@@ -100,15 +100,16 @@ def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, servi
         t0 = time.perf_counter()
         accepted += rio.submit_put(i, f"bp{i}", big, dtype="u8", shape=[len(big)])
         worst = max(worst, time.perf_counter() - t0)
-    # no I/O, no lock held across I/O: only a GIL hand-off (5 ms switch interval) can delay it
-    assert worst < 0.02, f"submit_put blocked for {worst * 1000:.1f} ms"
+    # no I/O, no lock held across I/O: only GIL hand-offs (5 ms switch interval) delay it;
+    # the bound leaves room for a stalled shared machine and is still far below one write
+    assert worst < 0.15, f"submit_put blocked for {worst * 1000:.1f} ms"
     assert 2 <= accepted <= 5  # one writing, two queued, maybe one finished meanwhile
     assert rio.counters()["writes_dropped"] == 30 - accepted
     # lookups do not queue behind the write backlog
     t0 = time.perf_counter()
     rio.submit_exists(100, ["bp0"])
     res = collect(rio, 1, timeout=5)
-    assert res[100].ok and time.perf_counter() - t0 < 0.2  # less than one write takes
+    assert res[100].ok and time.perf_counter() - t0 < 0.4  # less than one write takes
     assert rio.pending_writes > 0
     assert rio.flush(10) == 0
     results = collect(rio, accepted)  # dropped puts are not reported
@@ -208,8 +209,8 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
         bucket = s3_env.create_bucket()
         proxy = services.proxy((s3_env.host, s3_env.port))
         tier = S3Tier(f"s3://{bucket}/p", endpoint_url=f"http://127.0.0.1:{proxy.port}")
-    proxy.latency_s = 0.1  # each way: 200 ms round trips
-    rio = make_rio(tier, timeout_s=5.0)
+    proxy.latency_s = 0.3  # each way: 600 ms round trips
+    rio = make_rio(tier, timeout_s=10.0)
     dests = [memoryview(bytearray(SIZE)) for _ in range(4)]
     t0 = time.perf_counter()
     for i in range(4):
@@ -217,10 +218,11 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
     rio.submit_exists(10, [f"lat{i}" for i in range(4)])
     for i, d in enumerate(dests):
         rio.submit_get_into(20 + i, f"lat{i}", d, dtype=DT, shape=SHAPE)
-    assert time.perf_counter() - t0 < 0.05  # nine submits, none waits for a 200 ms round trip
+    # nine submits, none waits for a 600 ms round trip (a wide margin: shared machines stall)
+    assert time.perf_counter() - t0 < 0.3
     assert rio.poll() == []
-    res = collect(rio, 9, timeout=10)
-    assert all(r.seconds >= 0.2 for r in res.values())
+    res = collect(rio, 9, timeout=20)
+    assert all(r.seconds >= 0.6 for r in res.values())
     assert all(res[i].ok for i in range(4))
     rio.close()
 
@@ -230,15 +232,15 @@ def test_slow_get_times_out_and_never_writes_dest(redis_server: RedisServer, ser
     tier = RedisTier(redis_server.url)
     tier.put("slow", codec.encode("slow", payload(), dtype=DT, shape=SHAPE))
     proxy = services.proxy((redis_server.host, redis_server.port))
-    proxy.latency_s = 0.25
+    proxy.latency_s = 1.0  # each way: the reply comes 2 s later
     rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), timeout_s=0.2)
     dest = memoryview(bytearray(SIZE))
     rio.submit_get_into(1, "slow", dest, dtype=DT, shape=SHAPE)
     rio.submit_exists(2, ["slow"])
     res = collect(rio, 2)
     assert res[1].error_kind == "timeout" and res[2].error_kind == "timeout"
-    assert res[1].seconds < 0.4
-    time.sleep(0.6)  # the fetch completes in the background...
+    assert res[1].seconds < 1.5  # reported at the timeout, not when the reply comes
+    time.sleep(2.5)  # the fetch completes in the background...
     assert bytes(dest) == bytes(SIZE)  # ...and is discarded
     assert rio.poll() == []  # one result per op
     assert rio.counters()["errors_timeout"] == 2
@@ -315,7 +317,7 @@ def test_flush_counts_unwritten_and_close_drops(redis_server: RedisServer, servi
         assert rio.submit_put(i, f"f{i}", big, dtype="u8", shape=[len(big)])
     t0 = time.perf_counter()
     missing = rio.flush(0.5)
-    assert 0.5 <= time.perf_counter() - t0 < 1.0
+    assert 0.5 <= time.perf_counter() - t0 < 1.5  # about the 0.5 s asked for, not the backlog
     assert 3 <= missing <= 6, missing
     proxy.bandwidth_bps = None
     rio.close()
