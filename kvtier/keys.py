@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import msgpack
 
 #: bump when the byte layout of a stored chunk changes
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: chunk headers record the layer layout
 
 #: the scheduler's index is shared by all TP ranks; this stands in for the rank there
 ANY_RANK = -1

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from kvtier.keys import ANY_RANK, Namespace, chunk_block_hashes, chunk_key
+from kvtier.keys import ANY_RANK, LAYOUT_VERSION, Namespace, chunk_block_hashes, chunk_key
 
 NS = Namespace(
     model="/models/llama", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
@@ -51,7 +51,7 @@ def test_any_namespace_field_changes_the_key() -> None:
     changes = {
         "model": "/models/other", "revision": "abc", "dtype": "float16",
         "kv_cache_dtype": "fp8", "block_size": 16, "chunk_size": 512, "tp_size": 2,
-        "namespace": "tenant-a", "layout_version": 2,
+        "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1,
     }
     seen = {base}
     for field, value in changes.items():
