@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: run kvtier's CUDA tests, then bench/gpu_transfer.py,
-# each under a timeout, and print the figures. Needs torch (CUDA build), pytest and
-# kvtier importable (pip install -e '.[test]', or run from the checkout: PYTHONPATH is set).
+# each under a timeout, and print the figures. Needs only torch (CUDA build), pytest,
+# msgpack and xxhash: no vLLM, and no install (PYTHONPATH points at this checkout).
 # Figures also land in $OUT/gpu_transfer.json ($OUT defaults to a temporary directory).
+# PYTHON picks the interpreter (default: python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 

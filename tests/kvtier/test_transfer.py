@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import gc
 import mmap
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
+from copyfakes import FakeOps
 
 from kvtier import cuda as kcuda
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
@@ -54,78 +53,6 @@ def blocks_of(kv: torch.Tensor, blocks: list[int]) -> torch.Tensor:
 
 
 # ---- fakes ------------------------------------------------------------------------------------
-class FakeStream:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-class FakeEvent:
-    n = 0
-
-    def __init__(self) -> None:
-        FakeEvent.n += 1
-        self.id = FakeEvent.n
-        self.recorded_on: FakeStream | None = None
-
-    def __repr__(self) -> str:
-        return f"ev{self.id}"
-
-
-class FakeOps:
-    """Logs stream/event calls; ``on_record`` lets a test look at memory at record time."""
-
-    def __init__(self) -> None:
-        self.compute = FakeStream("compute")
-        self.cur = self.compute
-        self.streams: list[FakeStream] = []
-        self.log: list[tuple[Any, ...]] = []
-        self.on_record: Any = None
-        self.fail_sync = False
-
-    def new_stream(self) -> FakeStream:
-        s = FakeStream(["load", "save"][len(self.streams)] if len(self.streams) < 2 else "x")
-        self.streams.append(s)
-        return s
-
-    def new_event(self, timing: bool = False) -> FakeEvent:
-        ev = FakeEvent()
-        ev.timing = timing
-        return ev
-
-    def current_stream(self) -> FakeStream:
-        return self.cur
-
-    @contextmanager
-    def use_stream(self, stream: FakeStream):
-        prev, self.cur = self.cur, stream
-        try:
-            yield
-        finally:
-            self.cur = prev
-
-    def record(self, event: FakeEvent, stream: FakeStream) -> None:
-        event.recorded_on = stream
-        self.log.append(("record", event, stream.name))
-        if self.on_record is not None:
-            self.on_record(event, stream)
-
-    def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
-        assert event.recorded_on is not None, "waiting on an event never recorded"
-        self.log.append(("wait", stream.name, event))
-
-    def synchronize(self, event: FakeEvent) -> None:
-        if self.fail_sync:
-            raise RuntimeError("cudaErrorLaunchFailure")
-        self.log.append(("sync", event))
-
-    def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
-        assert start.timing and end.timing and start.recorded_on is end.recorded_on
-        return 0.001  # each layer's copies "took" 1 ms
-
-
 class FakeCudart:
     def __init__(self, result: int = 0) -> None:
         self.result = result
@@ -541,105 +468,6 @@ def test_staging_is_one_buffer_per_stream_reused_across_layers_and_rounds() -> N
             assert torch.equal(got, blocks_of(kv[li], list(job.gpu_blocks)))
 
 
-# ---- the worker drives the copier -------------------------------------------------------------
-def make_worker(monkeypatch, fake_cuda: bool):
-    from kvtier.connectors import worker as worker_mod
-
-    from kvtier.config import load_config
-    from kvtier.keys import Namespace
-
-    ops = FakeOps()
-    if fake_cuda:  # CPU tensors through CudaCopier: the CUDA bookkeeping, run on the CPU
-        monkeypatch.setattr(
-            worker_mod, "make_copier", lambda kv, layout, slab: CudaCopier(kv, layout, slab, ops)
-        )
-    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS}, environ={})
-    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1)
-    w = worker_mod.WorkerSide(cfg, ns, NUM_BLOCKS)
-    caches = make_caches(LAYOUTS["kv_first"])
-    names = list(caches)
-    caches["model.layers.3.self_attn.attn"] = caches[names[2]]  # a layer sharing KV
-    w.register_kv_caches(caches, rank=0)
-    return w, caches, ops
-
-
-def step_meta(step, layout_slot_bytes, loads=(), stores=()):
-    from kvtier.connectors.metadata import KVTierMetadata
-
-    return KVTierMetadata(
-        step=step, host_bytes=layout_slot_bytes * 4, loads=list(loads), stores=list(stores)
-    )
-
-
-@pytest.mark.parametrize("fake_cuda", [True, False])
-def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
-    from kvtier.connectors.metadata import LoadOp, StoreOp
-
-    w, caches, ops = make_worker(monkeypatch, fake_cuda)
-    names = list(caches)
-    sb = w.layout.slot_bytes
-    meta = step_meta(1, sb, stores=[StoreOp(7, 2, [5, 6, 7, 8], b"h"), StoreOp(8, 9, [1], b"x")])
-    w.start_load_kv(meta)
-    assert isinstance(w.copier, CudaCopier if fake_cuda else CpuCopier)
-    for name in names:
-        w.wait_for_layer_load(name)
-        w.save_kv_layer(name)
-    saves = [e for e in ops.log if e[0] == "wait" and e[1] == "save"]
-    assert len(saves) == (LAYERS if fake_cuda else 0)  # the shared layer is saved once
-    w.wait_for_save(meta)
-    res = w.build_worker_meta()
-    assert res.results == {7: [True], 8: [False]}  # slot 9 does not exist
-
-    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
-    w._kv = [dst[ll.name] for ll in w.layout.layers]
-    w.copier.kv = w._kv
-    load = step_meta(2, sb, loads=[LoadOp(9, 2, 1, [30, 31, 32]), LoadOp(10, 2, 0, [99])])
-    ops.log.clear()
-    w.start_load_kv(load)
-    for name in names:
-        w.wait_for_layer_load(name)
-        w.save_kv_layer(name)
-    waits = [e for e in ops.log if e[:2] == ("wait", "compute")]
-    # one wait per attention layer; the shared layer waits on its owner's event
-    assert len(waits) == (len(names) if fake_cuda else 0)
-    if fake_cuda:
-        assert waits[-1][2] is waits[-2][2]
-    w.wait_for_save(load)
-    res = w.build_worker_meta()
-    assert res.results == {9: [True], 10: [False]}
-    assert res.errors == {"load": 1}
-    assert w.take_failed_blocks() == {99}
-    for name in names[:3]:
-        assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
-
-
-def test_saves_run_per_layer_when_vllm_starts_loads_after_the_forward(monkeypatch) -> None:
-    """vLLM calls start_load_kv after the forward when a step has no synchronous loads;
-    binding the metadata must already have declared the stores for save_kv_layer."""
-    from kvtier.connectors.metadata import StoreOp
-    from kvtier.connectors.vllm import KVTierConnector
-
-    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
-    facade = KVTierConnector.__new__(KVTierConnector)  # only the worker-side plumbing
-    facade._worker, facade._scheduler, facade._connector_metadata = w, None, None
-    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
-    facade.bind_connector_metadata(meta)
-    for name in caches:  # the forward: each attention layer, then its save
-        w.save_kv_layer(name)
-    saves = [e for e in ops.log if e[:2] == ("wait", "save")]
-    assert len(saves) == LAYERS  # every layer started during the forward
-    facade.start_load_kv(None)  # after the forward: must not declare (and copy) again
-    facade.wait_for_save()
-    assert [e for e in ops.log if e[:2] == ("wait", "save")] == saves
-    res = w.build_worker_meta()
-    assert res.results == {7: [True]} and res.steps == [1]
-    for li, name in enumerate(list(caches)[:3]):
-        assert torch.equal(
-            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
-            blocks_of(caches[name], [5, 6, 7, 8]),
-        )
-
-
 def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None:
     from kvtier import transfer
 
@@ -652,31 +480,3 @@ def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None
     transfer.copy_all(dsts, srcs)
     assert dsts[0].tolist() == [1, 1, 1] and dsts[1].tolist() == [2, 2]
     assert transfer._FOREACH_OK is False
-
-
-def test_worker_with_micro_batches_saves_only_after_the_forward(monkeypatch) -> None:
-    from kvtier.connectors.metadata import StoreOp
-
-    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
-    w.layerwise_saves = False  # the facade sets this when vLLM runs ubatches
-    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
-    w.start_load_kv(meta)
-    for name in caches:
-        w.save_kv_layer(name)
-    assert ops.log == []
-    for t in caches.values():
-        t.fill_(3)  # the second ubatch writes after the first one's attention
-    w.wait_for_save(meta)
-    assert w.build_worker_meta().results == {7: [True]}
-    for li, name in enumerate(list(caches)[:3]):
-        assert torch.equal(
-            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
-            blocks_of(caches[name], [5, 6, 7, 8]),
-        )
-
-
-def test_facade_asks_vllm_for_piecewise_cuda_graphs() -> None:
-    """Layer-wise waits and saves cannot live inside a captured full CUDA graph."""
-    from kvtier.connectors.vllm import KVTierConnector
-
-    assert KVTierConnector.requires_piecewise_for_cudagraph({"cpu_bytes": "1GiB"}) is True

@@ -1,0 +1,148 @@
+"""The worker side drives the copier in the order vLLM calls it.
+
+A :class:`CudaCopier` on CPU tensors with a fake stream interface stands in for
+the GPU (``fake_cuda``), beside the real :class:`CpuCopier`: per-layer saves and
+waits, the shared-KV layer, load errors reported as vLLM block ids, stores
+declared when vLLM binds a step, micro-batching.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from copyfakes import FakeOps
+from kvtier.connectors import worker as worker_mod
+from kvtier.connectors.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connectors.vllm import KVTierConnector
+
+from kvtier.config import load_config
+from kvtier.keys import Namespace
+from kvtier.layout import find_block_dim
+from kvtier.transfer import CpuCopier, CudaCopier
+
+NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
+#: FlashAttention style: [2, num_blocks, block_size, H, D]
+KV_FIRST = (2, NUM_BLOCKS, BS, 4, 16)
+
+
+def make_caches(shape, dtype=torch.bfloat16, layers=LAYERS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype)
+        for i in range(layers)
+    }
+
+
+def blocks_of(kv: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    dim = find_block_dim(kv.shape, NUM_BLOCKS)
+    return kv.index_select(dim, torch.tensor(blocks)).view(torch.uint8)
+
+
+def make_worker(monkeypatch, fake_cuda: bool):
+    ops = FakeOps()
+    if fake_cuda:  # CPU tensors through CudaCopier: the CUDA bookkeeping, run on the CPU
+        monkeypatch.setattr(
+            worker_mod, "make_copier", lambda kv, layout, slab: CudaCopier(kv, layout, slab, ops)
+        )
+    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS}, environ={})
+    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1)
+    w = worker_mod.WorkerSide(cfg, ns, NUM_BLOCKS)
+    caches = make_caches(KV_FIRST)
+    names = list(caches)
+    caches["model.layers.3.self_attn.attn"] = caches[names[2]]  # a layer sharing KV
+    w.register_kv_caches(caches, rank=0)
+    return w, caches, ops
+
+
+def step_meta(step, layout_slot_bytes, loads=(), stores=()):
+    return KVTierMetadata(
+        step=step, host_bytes=layout_slot_bytes * 4, loads=list(loads), stores=list(stores)
+    )
+
+
+@pytest.mark.parametrize("fake_cuda", [True, False])
+def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
+    w, caches, ops = make_worker(monkeypatch, fake_cuda)
+    names = list(caches)
+    sb = w.layout.slot_bytes
+    meta = step_meta(1, sb, stores=[StoreOp(7, 2, [5, 6, 7, 8], b"h"), StoreOp(8, 9, [1], b"x")])
+    w.start_load_kv(meta)
+    assert isinstance(w.copier, CudaCopier if fake_cuda else CpuCopier)
+    for name in names:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    saves = [e for e in ops.log if e[0] == "wait" and e[1] == "save"]
+    assert len(saves) == (LAYERS if fake_cuda else 0)  # the shared layer is saved once
+    w.wait_for_save(meta)
+    res = w.build_worker_meta()
+    assert res.results == {7: [True], 8: [False]}  # slot 9 does not exist
+
+    dst = {k: torch.zeros_like(v) for k, v in caches.items()}
+    w._kv = [dst[ll.name] for ll in w.layout.layers]
+    w.copier.kv = w._kv
+    load = step_meta(2, sb, loads=[LoadOp(9, 2, 1, [30, 31, 32]), LoadOp(10, 2, 0, [99])])
+    ops.log.clear()
+    w.start_load_kv(load)
+    for name in names:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    waits = [e for e in ops.log if e[:2] == ("wait", "compute")]
+    # one wait per attention layer; the shared layer waits on its owner's event
+    assert len(waits) == (len(names) if fake_cuda else 0)
+    if fake_cuda:
+        assert waits[-1][2] is waits[-2][2]
+    w.wait_for_save(load)
+    res = w.build_worker_meta()
+    assert res.results == {9: [True], 10: [False]}
+    assert res.errors == {"load": 1}
+    assert w.take_failed_blocks() == {99}
+    for name in names[:3]:
+        assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
+
+
+def test_saves_run_per_layer_when_vllm_starts_loads_after_the_forward(monkeypatch) -> None:
+    """vLLM calls start_load_kv after the forward when a step has no synchronous loads;
+    binding the metadata must already have declared the stores for save_kv_layer."""
+    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
+    facade = KVTierConnector.__new__(KVTierConnector)  # only the worker-side plumbing
+    facade._worker, facade._scheduler, facade._connector_metadata = w, None, None
+    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
+    facade.bind_connector_metadata(meta)
+    for name in caches:  # the forward: each attention layer, then its save
+        w.save_kv_layer(name)
+    saves = [e for e in ops.log if e[:2] == ("wait", "save")]
+    assert len(saves) == LAYERS  # every layer started during the forward
+    facade.start_load_kv(None)  # after the forward: must not declare (and copy) again
+    facade.wait_for_save()
+    assert [e for e in ops.log if e[:2] == ("wait", "save")] == saves
+    res = w.build_worker_meta()
+    assert res.results == {7: [True]} and res.steps == [1]
+    for li, name in enumerate(list(caches)[:3]):
+        assert torch.equal(
+            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
+            blocks_of(caches[name], [5, 6, 7, 8]),
+        )
+
+
+def test_worker_with_micro_batches_saves_only_after_the_forward(monkeypatch) -> None:
+    w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
+    w.layerwise_saves = False  # the facade sets this when vLLM runs ubatches
+    meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
+    w.start_load_kv(meta)
+    for name in caches:
+        w.save_kv_layer(name)
+    assert ops.log == []
+    for t in caches.values():
+        t.fill_(3)  # the second ubatch writes after the first one's attention
+    w.wait_for_save(meta)
+    assert w.build_worker_meta().results == {7: [True]}
+    for li, name in enumerate(list(caches)[:3]):
+        assert torch.equal(
+            w.slab.layer_view(1, li).contiguous().view(torch.uint8),
+            blocks_of(caches[name], [5, 6, 7, 8]),
+        )
+
+
+def test_facade_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    """Layer-wise waits and saves cannot live inside a captured full CUDA graph."""
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"cpu_bytes": "1GiB"}) is True
