@@ -1,13 +1,33 @@
-"""A fake of kvtier's CUDA stream interface (``kvtier.transfer.StreamOps``).
+"""A fake of kvtier's CUDA stream interface (``kvtier.transfer.StreamOps``), and paged KV.
 
-It logs every stream and event call, so the copy path's bookkeeping runs and is
-checked on the CPU: the copies themselves are real torch copies of CPU tensors.
+The fake logs every stream and event call, so the copy path's bookkeeping runs
+and is checked on the CPU: the copies themselves are real torch copies of CPU
+tensors.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any
+
+import torch
+
+from kvtier.layout import find_block_dim
+
+
+def make_caches(shape, dtype=torch.bfloat16, layers: int = 3, seed: int = 0):
+    """Random paged KV of ``layers`` attention layers, named as vLLM names them."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype)
+        for i in range(layers)
+    }
+
+
+def blocks_of(kv: torch.Tensor, blocks: list[int], num_blocks: int) -> torch.Tensor:
+    """The bytes of ``blocks`` of one layer, in that order."""
+    dim = find_block_dim(kv.shape, num_blocks)
+    return kv.index_select(dim, torch.tensor(blocks)).view(torch.uint8)
 
 
 class FakeStream:

@@ -8,16 +8,18 @@ declared when vLLM binds a step, micro-batching.
 
 from __future__ import annotations
 
+from functools import partial
+
+import copyfakes
 import pytest
 import torch
-from copyfakes import FakeOps
+from copyfakes import FakeOps, make_caches
 from kvtier.connectors import worker as worker_mod
 from kvtier.connectors.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connectors.vllm import KVTierConnector
 
 from kvtier.config import load_config
 from kvtier.keys import Namespace
-from kvtier.layout import find_block_dim
 from kvtier.transfer import CpuCopier, CudaCopier
 
 NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
@@ -25,17 +27,7 @@ NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
 KV_FIRST = (2, NUM_BLOCKS, BS, 4, 16)
 
 
-def make_caches(shape, dtype=torch.bfloat16, layers=LAYERS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype)
-        for i in range(layers)
-    }
-
-
-def blocks_of(kv: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-    dim = find_block_dim(kv.shape, NUM_BLOCKS)
-    return kv.index_select(dim, torch.tensor(blocks)).view(torch.uint8)
+blocks_of = partial(copyfakes.blocks_of, num_blocks=NUM_BLOCKS)
 
 
 def make_worker(monkeypatch, fake_cuda: bool):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import gc
 import mmap
+from functools import partial
 
+import copyfakes
 import pytest
 import torch
-from copyfakes import FakeOps
+from copyfakes import FakeOps, make_caches
 
 from kvtier import cuda as kcuda
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
@@ -39,17 +41,7 @@ LAYOUTS = {
 }
 
 
-def make_caches(shape, dtype=torch.bfloat16, layers=LAYERS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(dtype)
-        for i in range(layers)
-    }
-
-
-def blocks_of(kv: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-    dim = find_block_dim(kv.shape, NUM_BLOCKS)
-    return kv.index_select(dim, torch.tensor(blocks)).view(torch.uint8)
+blocks_of = partial(copyfakes.blocks_of, num_blocks=NUM_BLOCKS)
 
 
 # ---- fakes ------------------------------------------------------------------------------------
