@@ -427,6 +427,30 @@ class CudaCopier(Copier):
                 stage_side.append(st.narrow(0, at, count))
         return (host_side, stage_side) if to_host else (stage_side, host_side)
 
+    def _copy_layer(self, batch: _Batch, li: int, to_host: bool) -> None:
+        """Enqueue every round of one layer on its stream, between two timing events.
+
+        Saves gather the GPU blocks into staging, then copy staging to the slots;
+        loads copy the slots into staging, then scatter it into the GPU blocks.
+        """
+        stream, which = (self.save_stream, "save") if to_host else (self.load_stream, "load")
+        dim = self.layout.layers[li].block_dim
+        kv = indexable(self.kv[li])
+        start = self.ops.new_event(timing=True)
+        self.ops.record(start, stream)
+        for rnd in batch.rounds:
+            staging = self._staging_for(which, li, rnd.blocks)
+            if to_host:
+                torch.index_select(kv, dim, rnd.index, out=staging)
+            copy_all(*self._pairs(rnd, li, staging, to_host=to_host))
+            if not to_host:
+                kv.index_copy_(dim, rnd.index, staging)
+        ev = self.ops.new_event(timing=True)
+        self.ops.record(ev, stream)
+        batch.events[li] = ev
+        batch.last_event = ev
+        batch.spans.append((start, ev))
+
     def _outcome(self, batch: _Batch) -> Outcome:
         """Per op: its share (by blocks) of the GPU time this step's copies took."""
         try:
@@ -460,7 +484,7 @@ class CudaCopier(Copier):
                 self.ops.wait_event(self.load_stream, ready)
                 batch.rounds = self._rounds(ok)
                 for li in range(len(self.kv)):
-                    self._load_layer(batch, li)
+                    self._copy_layer(batch, li, to_host=False)
         except Exception:
             logger.exception("kvtier: enqueueing %d loads failed", len(ok))
             batch.failed.update(batch.op_ids)
@@ -468,22 +492,6 @@ class CudaCopier(Copier):
             for li in range(len(self.kv)):
                 batch.events.setdefault(li, batch.last_event)
         return out
-
-    def _load_layer(self, batch: _Batch, li: int) -> None:
-        ll = self.layout.layers[li]
-        dim = ll.block_dim
-        kv = indexable(self.kv[li])
-        start = self.ops.new_event(timing=True)
-        self.ops.record(start, self.load_stream)
-        for rnd in batch.rounds:
-            staging = self._staging_for("load", li, rnd.blocks)
-            copy_all(*self._pairs(rnd, li, staging, to_host=False))
-            kv.index_copy_(dim, rnd.index, staging)
-        ev = self.ops.new_event(timing=True)
-        self.ops.record(ev, self.load_stream)
-        batch.events[li] = ev
-        batch.last_event = ev
-        batch.spans.append((start, ev))
 
     def wait_layer(self, layer: int) -> None:
         batch = self._loads
@@ -536,26 +544,11 @@ class CudaCopier(Copier):
                 self.ops.wait_event(self.save_stream, written)
                 if not batch.rounds:
                     batch.rounds = self._rounds(self._save_jobs)
-                self._save_one(batch, layer)
+                self._copy_layer(batch, layer, to_host=True)
         except Exception:
             logger.exception("kvtier: enqueueing saves of layer %d failed", layer)
             batch.failed.update(batch.op_ids)
 
-    def _save_one(self, batch: _Batch, li: int) -> None:
-        ll = self.layout.layers[li]
-        dim = ll.block_dim
-        kv = indexable(self.kv[li])
-        start = self.ops.new_event(timing=True)
-        self.ops.record(start, self.save_stream)
-        for rnd in batch.rounds:
-            staging = self._staging_for("save", li, rnd.blocks)
-            torch.index_select(kv, dim, rnd.index, out=staging)
-            copy_all(*self._pairs(rnd, li, staging, to_host=True))
-        ev = self.ops.new_event(timing=True)
-        self.ops.record(ev, self.save_stream)
-        batch.events[li] = ev
-        batch.last_event = ev
-        batch.spans.append((start, ev))
 
     def finish_saves(self) -> Outcome:
         batch = self._saves

@@ -405,15 +405,15 @@ def test_all_refused_enqueues_nothing() -> None:
 def test_a_failed_enqueue_fails_every_op_of_the_batch(monkeypatch) -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["blocks_first"])
     calls = {"n": 0}
-    real = c._load_layer
+    real = c._copy_layer
 
-    def flaky(batch, li):
+    def flaky(batch, li, to_host):
         calls["n"] += 1
         if li == 1:
             raise RuntimeError("CUDA out of memory")
-        real(batch, li)
+        real(batch, li, to_host)
 
-    monkeypatch.setattr(c, "_load_layer", flaky)
+    monkeypatch.setattr(c, "_copy_layer", flaky)
     assert c.begin_loads([LoadJob(1, 0, 0, (1,)), LoadJob(2, 1, 0, (2,))]) == {}
     ops.log.clear()
     for li in range(LAYERS):
