@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +57,27 @@ def run_engine(
         f"scenario {scenario} ended without a result (exit {proc.returncode}):\n"
         f"{proc.stdout[-6000:]}\n{proc.stderr[-12000:]}"
     )
+
+
+def start_outage(server: Any, sig: Path, deadline_s: float, poll_s: float) -> threading.Thread:
+    """A thread that kills ``server`` when the scenario asks, then restarts it.
+
+    The scenario (``outage`` or ``outage_concurrent`` in engine.py) and this thread
+    talk through files in ``sig``: killme -> killed, restartme -> restarted.
+    ``poll_s`` is how often the kill request is looked for.
+    """
+
+    def chaos() -> None:
+        deadline = time.time() + deadline_s
+        while not (sig / "killme").exists() and time.time() < deadline:
+            time.sleep(poll_s)
+        server.kill()
+        (sig / "killed").write_text("")
+        while not (sig / "restartme").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        server.start()  # without persistence the restarted server is empty
+        (sig / "restarted").write_text("")
+
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    return t

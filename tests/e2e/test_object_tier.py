@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, REPO, run_engine
+from tests.e2e.conftest import ENGINE, REPO, run_engine, start_outage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -103,19 +101,7 @@ def run_outage(tiny_model: str, server, extra: dict, tmp_path: Path, env: dict |
     sig = tmp_path / "signals"
     sig.mkdir()
 
-    def chaos() -> None:
-        deadline = time.time() + 300
-        while not (sig / "killme").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        server.kill()
-        (sig / "killed").write_text("")
-        while not (sig / "restartme").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        server.start()  # without persistence the restarted server is empty
-        (sig / "restarted").write_text("")
-
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
+    t = start_outage(server, sig, deadline_s=300, poll_s=0.05)
     r = run_engine("outage", env=env or {}, model=tiny_model, extra=extra,
                    signal_dir=str(sig), **kw)
     t.join(timeout=5)

@@ -23,7 +23,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvtier import codec, metrics
-from tests.e2e.conftest import ENGINE, REPO
+from tests.e2e.conftest import ENGINE, REPO, start_outage
 from tests.e2e.trust_scenarios import compare
 
 pytestmark = pytest.mark.e2e
@@ -372,19 +371,7 @@ def test_object_store_killed_under_16_concurrent_requests(
     extra = {"cpu_bytes": "40MiB", "lookup_timeout_ms": 1000, "hmac_key_env": HMAC_VAR}
     env = {"KVTIER_REMOTE_URL": server.url, HMAC_VAR: SECRETS["hmac_k1"]}
 
-    def chaos() -> None:
-        deadline = time.time() + 400
-        while not (sig / "killme").exists() and time.time() < deadline:
-            time.sleep(0.01)
-        server.kill()
-        (sig / "killed").write_text("")
-        while not (sig / "restartme").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        server.start()  # no persistence: the restarted server is empty
-        (sig / "restarted").write_text("")
-
-    t = threading.Thread(target=chaos, daemon=True)
-    t.start()
+    t = start_outage(server, sig, deadline_s=400, poll_s=0.01)
     r = run_logged(
         "outage_concurrent",
         tmp_path / "logs",
