@@ -473,7 +473,7 @@ class SchedulerSide:
             if not res.ok:
                 self.totals["exists_failed"] += 1
                 if res.error_kind:
-                    self.stats.inc(metrics.ERRORS, 1, (_error_kind(res.error_kind),))
+                    self.stats.inc(metrics.ERRORS, 1, (metrics.error_kind_label(res.error_kind),))
                 self._finish_lookup(st)
                 continue
             for c, present in zip(wanted, res.value or [], strict=False):
@@ -510,10 +510,6 @@ def faster_thread_switches(interval_s: float = 0.001) -> None:
 
     if sys.getswitchinterval() > interval_s:
         sys.setswitchinterval(interval_s)
-
-
-def _error_kind(kind: str) -> str:
-    return kind if kind in metrics.ERROR_KINDS else "tier"
 
 
 def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:

@@ -241,7 +241,7 @@ class WorkerSide:
                     self._error(res.error_kind)
 
     def _error(self, kind: str) -> None:
-        kind = _kind(kind)
+        kind = metrics.error_kind_label(kind)
         self.stats.inc(metrics.ERRORS, 1, (kind,))
         self._errors[kind] = self._errors.get(kind, 0) + 1
 
@@ -263,7 +263,3 @@ class WorkerSide:
             )
         self.remote.close()
         self.remote = None
-
-
-def _kind(kind: str) -> str:
-    return kind if kind in metrics.ERROR_KINDS else "tier"

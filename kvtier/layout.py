@@ -125,7 +125,6 @@ class HostSlab:
             self.pinned = self._pinned_buffer.pinned
         else:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self._layer_views: list[list[torch.Tensor]] | None = None
 
     def close(self) -> None:
         """Unregister pinned memory now (it is also unregistered when collected)."""

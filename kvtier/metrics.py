@@ -40,6 +40,12 @@ ERROR_KINDS = (
     "timeout", "unreachable", "tier", "load",
 )
 
+
+def error_kind_label(kind: str) -> str:
+    """The ``kind`` label for an error: a known kind as is, anything else "tier"."""
+    return kind if kind in ERROR_KINDS else "tier"
+
+
 #: every value each label takes (children are created up front, so dashboards see zeros)
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS,
