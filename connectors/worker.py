@@ -52,7 +52,6 @@ class WorkerSide:
         #: save each layer right after its attention; False when one layer's attention
         #: runs in several calls per step (micro-batching), where only the end is safe
         self.layerwise_saves = True
-        self._loads_step: KVTierMetadata | None = None
         self._begun_step: int | None = None
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
@@ -122,7 +121,6 @@ class WorkerSide:
         own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
         self.begin_step(meta)
         assert self.copier is not None
-        self._loads_step = meta
         self._load_outcome(meta, self.copier.begin_loads([
             LoadJob(op.op_id, op.slot, op.first, tuple(op.gpu_blocks)) for op in meta.loads
         ]))
@@ -156,24 +154,12 @@ class WorkerSide:
                 self.copier.save_layer(li)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        if self.copier is not None:
-            # slots read by this step's loads may be rewritten once results are reported
-            loads, self._loads_step = self._loads_step, None
-            self._load_outcome(loads or meta, self.copier.finish_loads())
-        if not meta.stores:
-            if self.copier is not None:
-                self.copier.finish_saves()
-            return
-        slab = self._ensure_slab(meta)
-        assert self.copier is not None
-        outcome = self.copier.finish_saves()
-        if any(op.op_id not in outcome for op in meta.stores):
-            # stores that begin_step did not declare (not called this step)
-            self.copier.begin_saves([
-                StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
-                if op.op_id not in outcome
-            ])
-            outcome.update(self.copier.finish_saves())
+        self.begin_step(meta)  # a no-op: vLLM binds every step's metadata first
+        copier, slab = self.copier, self.slab
+        assert copier is not None and slab is not None
+        # slots read by this step's loads may be rewritten once results are reported
+        self._load_outcome(meta, copier.finish_loads())
+        outcome = copier.finish_saves()
         for op in meta.stores:
             ok = self._stored(outcome.get(op.op_id))
             self._results[op.op_id] = [ok]
