@@ -275,20 +275,7 @@ class CpuCopier(Copier):
         self._stores: list[StoreJob] = []
 
     def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
-        out: Outcome = {}
-        for job in jobs:
-            t0 = time.perf_counter()
-            try:
-                idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
-                for li, kv in enumerate(self.kv):
-                    dim = self.layout.layers[li].block_dim
-                    src = self.slab.layer_view(job.slot, li).narrow(dim, job.first, len(idx))
-                    scatter_blocks(kv, dim, idx, src)
-                out[job.op_id] = time.perf_counter() - t0
-            except Exception:  # a failed load must never crash the engine
-                logger.exception("kvtier: load of slot %d failed", job.slot)
-                out[job.op_id] = None
-        return out
+        return self._copy_jobs(jobs, to_host=False)
 
     def finish_loads(self) -> Outcome:
         return {}
@@ -297,18 +284,28 @@ class CpuCopier(Copier):
         self._stores = list(jobs)
 
     def finish_saves(self) -> Outcome:
-        out: Outcome = {}
         jobs, self._stores = self._stores, []
+        return self._copy_jobs(jobs, to_host=True)
+
+    def _copy_jobs(self, jobs: Sequence[Job], to_host: bool) -> Outcome:
+        """Each job in turn, every layer with one ``index_select`` or ``index_copy_``."""
+        out: Outcome = {}
         for job in jobs:
             t0 = time.perf_counter()
             try:
                 idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
+                first, count = job_range(job)
                 for li, kv in enumerate(self.kv):
                     dim = self.layout.layers[li].block_dim
-                    gather_blocks(kv, dim, idx, self.slab.layer_view(job.slot, li))
+                    region = self.slab.layer_view(job.slot, li).narrow(dim, first, count)
+                    if to_host:
+                        gather_blocks(kv, dim, idx, region)
+                    else:
+                        scatter_blocks(kv, dim, idx, region)
                 out[job.op_id] = time.perf_counter() - t0
-            except Exception:
-                logger.exception("kvtier: store into slot %d failed", job.slot)
+            except Exception:  # a failed copy must never crash the engine
+                what = "store into" if to_host else "load of"
+                logger.exception("kvtier: %s slot %d failed", what, job.slot)
                 out[job.op_id] = None
         return out
 
@@ -451,6 +448,16 @@ class CudaCopier(Copier):
         batch.last_event = ev
         batch.spans.append((start, ev))
 
+    def _settle(self, batch: _Batch, what: str) -> Outcome:
+        """Wait (host side) for the batch's last copy; every op fails if the wait does."""
+        try:
+            if batch.last_event is not None:
+                self.ops.synchronize(batch.last_event)
+        except Exception:
+            logger.exception("kvtier: waiting for %s failed", what)
+            batch.failed.update(batch.op_ids)
+        return self._outcome(batch)
+
     def _outcome(self, batch: _Batch) -> Outcome:
         """Per op: its share (by blocks) of the GPU time this step's copies took."""
         try:
@@ -505,14 +512,8 @@ class CudaCopier(Copier):
         batch, self._loads = self._loads, None
         if batch is None:
             return {}
-        try:
-            if batch.last_event is not None:
-                # the slots may be rewritten (fetch, store) once the results are reported
-                self.ops.synchronize(batch.last_event)
-        except Exception:
-            logger.exception("kvtier: waiting for loads failed")
-            batch.failed.update(batch.op_ids)
-        return self._outcome(batch)
+        # the slots may be rewritten (fetch, store) once the results are reported
+        return self._settle(batch, "loads")
 
     # -- saves --
     def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
@@ -549,7 +550,6 @@ class CudaCopier(Copier):
             logger.exception("kvtier: enqueueing saves of layer %d failed", layer)
             batch.failed.update(batch.op_ids)
 
-
     def finish_saves(self) -> Outcome:
         batch = self._saves
         carry, self._carry = self._carry, {}
@@ -559,13 +559,7 @@ class CudaCopier(Copier):
         for li in sorted(batch.pending):
             self.save_layer(li)
         self._saves = None
-        try:
-            if batch.last_event is not None:
-                self.ops.synchronize(batch.last_event)
-        except Exception:
-            logger.exception("kvtier: waiting for saves failed")
-            batch.failed.update(batch.op_ids)
-        return {**carry, **self._outcome(batch)}
+        return {**carry, **self._settle(batch, "saves")}
 
 
 def make_copier(
