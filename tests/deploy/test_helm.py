@@ -77,11 +77,14 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "in-chart-redis": {
         "redis": {"enabled": True, "existingSecret": "kvtier-inchart-redis-4f5a"},
-        "kvtier": {"cpuBytes": "16Gi"},
+        "kvtier": {"cpuBytes": "16Gi", "hmac": {"existingSecret": "kvtier-hmac-3a8f"}},
         "resources": {"limits": {"memory": "24Gi"}, "requests": {"memory": "24Gi"}},
     },
     "monitoring-on": {
-        "kvtier": {"remoteUrl": "s3://kv-cache-bucket/mon"},
+        "kvtier": {
+            "remoteUrl": "s3://kv-cache-bucket/mon",
+            "hmac": {"existingSecret": "kvtier-hmac-3a8f"},
+        },
         "monitoring": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
             "podMonitor": {"enabled": True},
@@ -130,8 +133,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 # ---------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="session")
-def helm() -> str:
+def find_helm() -> str:
+    """A helm v3 binary from PATH or .tools/helm; fails the test when there is none."""
     found = shutil.which("helm")
     local = ROOT / ".tools" / "helm"
     if not found and os.access(local, os.X_OK):
@@ -144,6 +147,11 @@ def helm() -> str:
     out = subprocess.run([found, "version", "--short"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("v3."), f"{found} is not helm v3: {out.stdout!r}"
     return found
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    return find_helm()
 
 
 _CACHE: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
@@ -521,9 +529,14 @@ def test_in_chart_redis(helm, tmp_path):
     (redis,) = find(docs, "Deployment", "redis")
     (redis_svc,) = find(docs, "Service", "redis")
     assert redis_svc["metadata"]["name"] == "rel-kvtier-redis"
-    rc = redis["spec"]["template"]["spec"]["containers"][0]
-    assert rc["args"][rc["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    assert rc["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "kvtier-inchart-redis-4f5a"
+    spec = redis["spec"]["template"]["spec"]
+    (rc,) = spec["containers"]
+    # the password reaches Redis as an ACL file (test_helm_security.py), never on argv
+    assert rc["command"] == ["redis-server", "/etc/redis/conf/redis.conf"]
+    assert "args" not in rc and "env" not in rc
+    (auth,) = [v for v in spec["volumes"] if v["name"] == "auth"]
+    assert auth["secret"]["secretName"] == "kvtier-inchart-redis-4f5a"
+    assert auth["secret"]["items"] == [{"key": "redis-password", "path": "password"}]
     (svc,) = find(docs, "Service", "vllm")
     assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "vllm"
     err = render_fails(helm, {"redis": {"enabled": True},
@@ -631,6 +644,9 @@ def test_kvtier_size_helm_values_drop_into_the_chart(helm, tmp_path, plan_args):
     emitted = yaml.safe_load(kvtier_size(*plan_args, "--emit", "helm-values"))
     plan = json.loads(kvtier_size(*plan_args, "--json"))
     assert isinstance(emitted["kvtier"]["cpuBytes"], int), "these plans need a host tier"
+    if emitted["kvtier"].get("remoteUrl"):
+        # a shared tier needs a signing key; the user's own values file (-f) names it
+        emitted["kvtier"]["hmac"] = {"existingSecret": "kvtier-hmac-3a8f"}
     out = run_helm(helm, "lint", emitted, tmp_path, "--strict")
     assert out.returncode == 0 and "Fail:" not in out.stdout, out.stdout + out.stderr
     c = vllm_container(render(helm, emitted, tmp_path))

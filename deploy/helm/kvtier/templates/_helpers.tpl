@@ -235,20 +235,114 @@ autosize uses the same bound), or the budget itself with disablePinMemory.
 {{- if regexMatch "^[a-zA-Z0-9+.-]+://[^/]*@" $url }}
 {{- fail "kvtier.remoteUrl holds credentials (user:password@); they would be readable in the pod spec. Give the password as kvtier.redis.existingSecret instead" }}
 {{- end }}
-{{- if .Values.redis.enabled }}
+{{- if and .Values.redis.enabled .Values.redis.tls.enabled }}
+{{- printf "rediss://%s:6379/0?ssl_ca_certs=%s/ca.crt" (include "kvtier.redisName" .) (include "kvtier.redisCaDir" .) }}
+{{- else if .Values.redis.enabled }}
 {{- printf "redis://%s:6379/0" (include "kvtier.redisName" .) }}
 {{- else }}
 {{- $url }}
 {{- end }}
 {{- end }}
 
-{{/* The Secret holding the Redis password, if any. */}}
-{{- define "kvtier.redisSecret" -}}
-{{- if .Values.kvtier.redis.existingSecret }}
-{{- .Values.kvtier.redis.existingSecret }}
-{{- else if .Values.redis.enabled }}
-{{- .Values.redis.existingSecret }}
+{{/* Where the vLLM pods find the in-chart Redis' CA certificate (redis.tls). */}}
+{{- define "kvtier.redisCaDir" -}}
+/etc/kvtier/redis-tls
 {{- end }}
+
+{{/* The in-chart Redis' redis.conf. */}}
+{{- define "kvtier.redisConf" -}}
+# kvtier's in-chart Redis: a cache, nothing is persisted.
+bind * -::*
+protected-mode yes
+{{- if .Values.redis.tls.enabled }}
+port 0
+tls-port 6379
+tls-cert-file /etc/redis/tls/tls.crt
+tls-key-file /etc/redis/tls/tls.key
+tls-ca-cert-file /etc/redis/tls/ca.crt
+# Clients authenticate with the password; they need no certificate.
+tls-auth-clients no
+{{- else }}
+port 6379
+{{- end }}
+save ""
+appendonly no
+dir /data
+maxmemory {{ .Values.redis.maxmemory }}
+maxmemory-policy allkeys-lru
+# The default user's password and rules: written by the init container from the Secret.
+aclfile /run/redis/users.acl
+{{- end }}
+
+{{/* The Secret the chart generates for the in-chart Redis when none is given. */}}
+{{- define "kvtier.redisAuthSecret" -}}
+{{- printf "%s-auth" (include "kvtier.redisName" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* True ("true") when the chart generates the in-chart Redis' password Secret. */}}
+{{- define "kvtier.redisGeneratesSecret" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.existingSecret) (not .Values.kvtier.redis.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/*
+The Secret holding the Redis password, if any. The in-chart Redis always has one:
+redis.existingSecret, else kvtier.redis.existingSecret, else the generated one; the
+Redis server and the vLLM pods read the same Secret.
+*/}}
+{{- define "kvtier.redisSecret" -}}
+{{- if .Values.redis.enabled }}
+{{- .Values.redis.existingSecret | default .Values.kvtier.redis.existingSecret | default (include "kvtier.redisAuthSecret" .) }}
+{{- else }}
+{{- .Values.kvtier.redis.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/*
+An image reference: repository:tag (tag empty: DEFAULT), then @digest when given.
+Argument: (dict "image" IMAGE-VALUES "default" DEFAULT-TAG)
+*/}}
+{{- define "kvtier.image" -}}
+{{- $ref := .image.repository }}
+{{- $tag := toString (.image.tag | default .default) }}
+{{- if $tag }}
+{{- $ref = printf "%s:%s" $ref $tag }}
+{{- end }}
+{{- if .image.digest }}
+{{- $ref = printf "%s@%s" $ref .image.digest }}
+{{- end }}
+{{- $ref }}
+{{- end }}
+
+{{/*
+An object tier without an HMAC key lets anyone who can write it feed KV to every
+replica: refuse it unless kvtier.allowUnsignedChunks says so.
+*/}}
+{{- define "kvtier.checkSigning" -}}
+{{- $k := .Values.kvtier }}
+{{- $url := include "kvtier.remoteUrl" . }}
+{{- $signed := or $k.hmac.existingSecret (get ($k.extraConfig | default dict) "hmac_key_file") }}
+{{- if and $url (not $signed) (not $k.allowUnsignedChunks) }}
+{{- $what := printf "kvtier.remoteUrl %q is an object tier" $url }}
+{{- if .Values.redis.enabled }}
+{{- $what = "the in-chart Redis (redis.enabled) is an object tier" }}
+{{- end }}
+{{- fail (printf "%s that every replica loads KV from, but no HMAC key signs its chunks: anyone who can write it could feed KV to every replica. Set kvtier.hmac.existingSecret to a Secret holding a key (kubectl create secret generic kvtier-hmac --from-literal=hmac-key=\"$(openssl rand -hex 32)\"), or set kvtier.allowUnsignedChunks=true to accept unsigned chunks." $what) }}
+{{- end }}
+{{- end }}
+
+{{/*
+checkov skip annotations: one "checkov.io/skipN: ID=reason" per entry.
+Argument: a list of "ID=reason" strings (a reason holds no "=").
+*/}}
+{{- define "kvtier.checkovSkips" -}}
+{{- range $i, $skip := . }}
+checkov.io/skip{{ add1 $i }}: {{ $skip | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The checkov skip for a container without a CPU limit (the vLLM server, Redis). */}}
+{{- define "kvtier.cpuLimitSkip" -}}
+CKV_K8S_11=No CPU limit on purpose: a CFS quota throttles the server's threads in bursts and stalls every request in flight, while the CPU request reserves the cores. Set the limits.cpu value to add one
 {{- end }}
 
 {{/*
@@ -345,6 +439,15 @@ must leave room above workers x offload + headroom.
 {{- end }}
 {{- end }}
 
+{{/* An emptyDir volume source, with a sizeLimit when one is given. Argument: the limit. */}}
+{{- define "kvtier.emptyDir" -}}
+{{- if . }}
+{{- toJson (dict "sizeLimit" (toString .)) }}
+{{- else }}
+{{- print "{}" }}
+{{- end }}
+{{- end }}
+
 {{/* ---------------------------------------------------------------- files */}}
 
 {{/* A file the chart links to (files/ holds symlinks into deploy/grafana and deploy/prometheus). */}}
@@ -356,8 +459,40 @@ must leave room above workers x offload + headroom.
 {{- $content }}
 {{- end }}
 
+{{/*
+HOME and the caches vLLM and its libraries write, all on the writableDirs emptyDirs
+(the root file system is read-only). USER: getpass.getuser() (torch, Triton) needs a
+name for a UID without a passwd entry.
+*/}}
+{{- define "kvtier.homeDir" -}}
+{{- trimSuffix "/" .Values.writableDirs.home.path }}
+{{- end }}
+
+{{- define "kvtier.dirEnv" -}}
+{{- $home := include "kvtier.homeDir" . }}
+- name: HOME
+  value: {{ $home | quote }}
+- name: USER
+  value: "vllm"
+- name: XDG_CACHE_HOME
+  value: {{ printf "%s/.cache" $home | quote }}
+- name: XDG_CONFIG_HOME
+  value: {{ printf "%s/.config" $home | quote }}
+- name: HF_HOME
+  value: {{ printf "%s/.cache/huggingface" $home | quote }}
+- name: VLLM_CACHE_ROOT
+  value: {{ printf "%s/.cache/vllm" $home | quote }}
+- name: VLLM_CONFIG_ROOT
+  value: {{ printf "%s/.config/vllm" $home | quote }}
+- name: TRITON_CACHE_DIR
+  value: {{ printf "%s/.cache/triton" $home | quote }}
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: {{ printf "%s/.cache/torchinductor" $home | quote }}
+{{- end }}
+
 {{/* The vLLM container's environment: credentials only as secretKeyRef. */}}
 {{- define "kvtier.env" -}}
+{{ include "kvtier.dirEnv" . }}
 {{- $k := .Values.kvtier }}
 {{- $redisSecret := include "kvtier.redisSecret" . }}
 {{- $remoteUrl := include "kvtier.remoteUrl" . }}
