@@ -8,18 +8,29 @@ at startup instead of misbehaving later.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
-from kvtier.errors import ConfigError
+from kvtier.errors import (
+    ConfigError,
+    Redacted,
+    is_secret_name,
+    redact_credentials,
+    redact_text,
+    redacted_placeholder,
+)
 
 ENV_PREFIX = "KVTIER_"
 WRITE_POLICIES = ("write_through", "write_back", "none")
 REMOTE_SCHEMES = ("file", "s3", "redis", "rediss")
+#: the largest size accepted (1 EiB): past it a typo, not a machine
+MAX_SIZE_BYTES = 2**60
 
 _UNITS = {
     "": 1,
@@ -37,25 +48,49 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# ASCII digits only: str.isdigit() and \d also take "５" and "²", which int() reads or rejects
+_SIZE_RE = re.compile(r"([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]{0,3})", re.ASCII)
+_INT_RE = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
+_FLOAT_RE = re.compile(
+    r"[+-]?(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,3})?", re.ASCII
+)
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}", re.ASCII)
+_BUCKET_RE = re.compile(r"[A-Za-z0-9._-]{1,255}", re.ASCII)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 SIZE_HELP = 'a byte count or a size string such as "512MiB", "8GiB" or "1.5GB"'
 
 
 def parse_size(key: str, value: object) -> int:
-    """Parse a byte count: an int, or a number with a unit (KiB/MiB/GiB/TiB, KB/MB/GB/TB)."""
+    """Parse a byte count: an int, or a number with a unit (KiB/MiB/GiB/TiB, KB/MB/GB/TB).
+
+    Exact (no float rounding), whole bytes, at most :data:`MAX_SIZE_BYTES`: a
+    size past that, ``nan`` or ``inf`` is a typo that must not reach the planner.
+    """
+    bound = f"{SIZE_HELP}, at most {MAX_SIZE_BYTES} (1 EiB)"
     if isinstance(value, bool):
         raise ConfigError(key, value, SIZE_HELP)
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(key, value, SIZE_HELP + " (not negative)")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(key, value, SIZE_HELP)
+        n = int(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ConfigError(key, value, SIZE_HELP + " (a whole, finite number of bytes)")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value.strip())
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ConfigError(key, value, SIZE_HELP)
+        exact = Fraction(m.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and exact.denominator != 1:
+            raise ConfigError(key, value, SIZE_HELP + " (a whole number of bytes)")
+        n = int(exact)  # a fraction of a larger unit rounds down to whole bytes
+    else:
+        raise ConfigError(key, value, SIZE_HELP)
+    if n < 0:
+        raise ConfigError(key, value, SIZE_HELP + " (not negative)")
+    if n > MAX_SIZE_BYTES:
+        raise ConfigError(key, value, bound)
+    return n
 
 
 def format_size(n: int) -> str:
@@ -68,37 +103,69 @@ def format_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _int(key: str, value: object, lo: int, hi: int | None = None) -> int:
-    allowed = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
-    if isinstance(value, bool):
-        raise ConfigError(key, value, allowed)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        raise ConfigError(key, value, allowed)
-    return value
-
-
-def _float(key: str, value: object, lo: float) -> float:
-    allowed = f"a number >= {lo}"
-    if isinstance(value, bool):
-        raise ConfigError(key, value, allowed)
+def _int(key: str, value: object, lo: int, hi: int) -> int:
+    """An int, or its ASCII decimal text (an env override); bounded so no timeout overflows."""
+    allowed = f"an integer >= {lo} and <= {hi}"
     if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(key, value, allowed) from None
-    if not isinstance(value, int | float) or value < lo:
+        m = _INT_RE.fullmatch(value.strip())
+        if not m:
+            raise ConfigError(key, value, allowed)
+        value = int(m.group())
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(key, value, allowed)
+    return int(value)
+
+
+def _float(key: str, value: object, lo: float, hi: float) -> float:
+    """A finite number in range: nan compares false with every bound and would pass them."""
+    allowed = f"a number >= {lo:g} and <= {hi:g}"
+    if isinstance(value, str):
+        m = _FLOAT_RE.fullmatch(value.strip())
+        if not m:
+            raise ConfigError(key, value, allowed)
+        value = float(m.group())
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, allowed)
+    # compare before float(): float() of a 400-digit int raises OverflowError
+    if not (lo <= value <= hi):  # also false for nan
         raise ConfigError(key, value, allowed)
     return float(value)
 
 
-def _opt_str(key: str, value: object) -> str | None:
+def _text(key: str, value: object) -> str | None:
+    """A string that can be hashed, logged and opened: valid UTF-8, no NUL."""
     if value is None or value == "":
         return None
     if not isinstance(value, str):
         raise ConfigError(key, value, "a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: undecodable bytes in an env var
+        raise ConfigError(key, value, "valid UTF-8 text") from None
+    if "\x00" in value:
+        raise ConfigError(key, value, "text without NUL characters")
     return value
+
+
+def _no_controls(key: str, value: str, what: str) -> str:
+    if _CONTROL_RE.search(value):
+        raise ConfigError(key, value, f"{what} without control characters")
+    return value
+
+
+def _env_name(key: str, value: object) -> str | None:
+    """The name of an environment variable; a pasted key (hex, base64) is refused."""
+    name = _text(key, value)
+    if name is not None and not _ENV_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            key, name, "the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*), not a key"
+        )
+    return name
+
+
+def _path(key: str, value: object) -> str | None:
+    path = _text(key, value)
+    return None if path is None else _no_controls(key, path, "a file path")
 
 
 def _cpu_bytes(key: str, value: object) -> int | Literal["auto"]:
@@ -110,20 +177,60 @@ def _cpu_bytes(key: str, value: object) -> int | Literal["auto"]:
     return n
 
 
-def _remote_url(key: str, value: object) -> str | None:
-    url = _opt_str(key, value)
-    if url is None:
+def _url(key: str, value: object) -> tuple[str, Any] | None:
+    """Parse a URL setting: stripped, no control characters (urlparse drops tabs silently)."""
+    text = _text(key, value)
+    if text is None or not text.strip():
         return None
-    parsed = urlparse(url)
+    url = _no_controls(key, text.strip(), "a URL")
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        raise ConfigError(key, url, "a well-formed URL") from None
+    return url, parsed
+
+
+def _remote_url(key: str, value: object) -> str | None:
+    got = _url(key, value)
+    if got is None:
+        return None
+    url, parsed = got
     allowed = "file:///dir, s3://bucket[/prefix], redis://host:port[/db] or rediss://..."
     if parsed.scheme not in REMOTE_SCHEMES:
-        raise ConfigError(key, redact_url(url), allowed)
-    if parsed.scheme == "file" and not parsed.path:
-        raise ConfigError(key, url, "file:// needs an absolute directory, e.g. file:///var/kv")
-    if parsed.scheme == "s3" and not parsed.netloc:
-        raise ConfigError(key, url, "s3:// needs a bucket name, e.g. s3://my-bucket/kv")
-    if parsed.scheme in ("redis", "rediss") and not parsed.hostname:
-        raise ConfigError(key, redact_url(url), "redis:// needs a host, e.g. redis://host:6379/0")
+        raise ConfigError(key, url, allowed)
+    if parsed.scheme == "file":
+        path = unquote(parsed.path)
+        if parsed.netloc.lower() not in ("", "localhost") or not path.startswith("/"):
+            raise ConfigError(
+                key, url, "file:// needs an absolute directory and no host, e.g. file:///var/kv"
+            )
+        if parsed.params or parsed.query or parsed.fragment or _CONTROL_RE.search(path):
+            raise ConfigError(key, url, "file:///dir with no ;params, ?query or #fragment")
+    if parsed.scheme == "s3":
+        if "@" in parsed.netloc:
+            raise ConfigError(
+                key, url, "s3:// takes no credentials; boto3 reads them from its own config"
+            )
+        if not _BUCKET_RE.fullmatch(parsed.netloc) or parsed.query or parsed.fragment:
+            raise ConfigError(key, url, "s3:// needs a bucket name, e.g. s3://my-bucket/kv")
+    if parsed.scheme in ("redis", "rediss"):
+        if not parsed.hostname:
+            raise ConfigError(key, url, "redis:// needs a host, e.g. redis://host:6379/0")
+        if not re.fullmatch(r"/?|/[0-9]{1,5}", parsed.path, re.ASCII):
+            raise ConfigError(key, url, "redis:// takes a database number as its path, e.g. /0")
+    return url
+
+
+def _endpoint_url(key: str, value: object) -> str | None:
+    got = _url(key, value)
+    if got is None:
+        return None
+    url, parsed = got
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(key, url, "an http:// or https:// endpoint, e.g. http://minio:9000")
+    if "@" in parsed.netloc:
+        raise ConfigError(key, url, "an endpoint without credentials; boto3 reads those itself")
     return url
 
 
@@ -131,51 +238,63 @@ def redact_url(url: str) -> str:
     """Hide a password in a URL so it never lands in an error or a log line.
 
     Covers ``user:password@`` and a ``password=`` query argument (redis-py
-    accepts both).
+    accepts both), and never raises, even on a malformed URL.
     """
-    parsed = urlparse(url)
-    if parsed.password:
-        netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@")
-        parsed = parsed._replace(netloc=netloc)
-    if "password=" in parsed.query:
-        query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parsed.query)
-        parsed = parsed._replace(query=query)
-    return parsed.geturl()
+    return redact_credentials(url)
 
 
 _redact_url = redact_url  # the old private name, for callers not yet updated
 
 
+def redact_value(key: object, value: object) -> object:
+    """A config value as a log line or report may show it.
+
+    Unknown and secret-named keys (``hmac_key_env``: a key pasted there is a
+    key) show only a placeholder; text loses URL credentials and random-looking
+    tokens; containers, which may hold anything, show only their size.
+    """
+    if value is None or value == "" or isinstance(value, bool | int | float):
+        return value
+    if key not in _PARSERS or is_secret_name(key):
+        return redacted_placeholder(value)
+    if isinstance(value, str):
+        return redact_text(value)
+    size = f" of {len(value)} items" if isinstance(value, list | tuple | dict | set) else ""
+    return Redacted(f"<{type(value).__name__}{size}>")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:
     def parse(key: str, value: object) -> str:
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             raise ConfigError(key, value, "one of " + ", ".join(choices))
-        return str(value)
+        return value
 
     return parse
 
 
+# Upper bounds keep every value usable: a timeout past threading.TIMEOUT_MAX raises
+# OverflowError, a Redis expiry past int64 milliseconds is refused by the server.
 _PARSERS: dict[str, Callable[[str, object], Any]] = {
-    "chunk_size": lambda k, v: _int(k, v, 1),
+    "chunk_size": lambda k, v: _int(k, v, 1, 2**20),
     "cpu_bytes": _cpu_bytes,
     "cpu_headroom_bytes": parse_size,
-    "namespace": lambda k, v: _opt_str(k, v) or "",
+    "namespace": lambda k, v: _text(k, v) or "",
     "remote_url": _remote_url,
-    "s3_endpoint_url": _opt_str,
-    "remote_ttl_s": lambda k, v: None if v is None else _int(k, v, 1),
+    "s3_endpoint_url": _endpoint_url,
+    "remote_ttl_s": lambda k, v: None if v is None else _int(k, v, 1, 2**31 - 1),
     "write_policy": _choice(WRITE_POLICIES),
-    "lookup_timeout_ms": lambda k, v: _int(k, v, 1),
-    "shutdown_flush_s": lambda k, v: _float(k, v, 0.0),
+    "lookup_timeout_ms": lambda k, v: _int(k, v, 1, 3_600_000),
+    "shutdown_flush_s": lambda k, v: _float(k, v, 0.0, 86_400.0),
     "io_threads": lambda k, v: _int(k, v, 1, 64),
-    "io_queue_depth": lambda k, v: _int(k, v, 1),
-    "hmac_key_env": _opt_str,
-    "hmac_key_file": _opt_str,
-    "hmac_verify_keys_env": _opt_str,
-    "hmac_verify_keys_file": _opt_str,
+    "io_queue_depth": lambda k, v: _int(k, v, 1, 2**20),
+    "hmac_key_env": _env_name,
+    "hmac_key_file": _path,
+    "hmac_verify_keys_env": _env_name,
+    "hmac_verify_keys_file": _path,
 }
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class KVTierConfig:
     """Validated connector settings. Build it with :func:`load_config`."""
 
@@ -222,11 +341,15 @@ class KVTierConfig:
             )
 
     def redacted(self) -> dict[str, Any]:
-        """The config as a dict that is safe to log: no passwords."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.remote_url:
-            out["remote_url"] = redact_url(self.remote_url)
-        return out
+        """The config as a dict that is safe to log: no passwords, no key, not even its name.
+
+        A key pasted into ``hmac_key_env`` is a valid variable name, so those
+        values are hidden too; :func:`redact_value` says what is shown.
+        """
+        return {f.name: redact_value(f.name, getattr(self, f.name)) for f in fields(self)}
+
+    def __repr__(self) -> str:  # a config in a traceback or an f-string is logged too
+        return f"KVTierConfig({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
 
 
 KEYS = tuple(f.name for f in fields(KVTierConfig))
@@ -241,11 +364,20 @@ def load_config(
     Environment variables win over the dict, so an operator can change one
     setting of a packaged deployment without editing its JSON.
     """
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError("kv_connector_extra_config", extra, "a JSON object of kvtier settings")
     raw = dict(extra or {})
     env = os.environ if environ is None else environ
-    unknown = sorted(k for k in raw if k not in _PARSERS)
-    if unknown:
-        raise ConfigError(unknown[0], raw[unknown[0]], "known keys are " + ", ".join(KEYS))
+    # text keys first, in order; any other key (a number from YAML) after them
+    unknown = sorted(
+        (k for k in raw if k not in _PARSERS),
+        key=lambda k: (k, "") if isinstance(k, str) else ("\uffff", type(k).__name__),
+    )
+    if unknown:  # its value is not shown: a password under a misspelt key is still one
+        first = unknown[0]
+        raise ConfigError(
+            first, redacted_placeholder(raw[first]), "known keys are " + ", ".join(KEYS)
+        )
     for key in KEYS:
         env_value = env.get(ENV_PREFIX + key.upper())
         if env_value is not None:

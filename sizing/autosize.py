@@ -43,27 +43,100 @@ def _meminfo_available() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def cgroup_available_bytes(root: str = "/sys/fs/cgroup") -> int | None:
-    """Limit minus usage of this process's memory cgroup (v2, then v1); None if unlimited."""
-    candidates = [
-        (os.path.join(root, "memory.max"), os.path.join(root, "memory.current")),
-        (
-            os.path.join(root, "memory", "memory.limit_in_bytes"),
-            os.path.join(root, "memory", "memory.usage_in_bytes"),
-        ),
-    ]
-    for limit_path, usage_path in candidates:
-        try:
-            with open(limit_path, encoding="ascii") as f:
-                raw = f.read().strip()
-            with open(usage_path, encoding="ascii") as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
+#: a cgroup v1 limit at or past this is "no limit" (the kernel shows 9223372036854771712)
+_UNLIMITED = 1 << 60
+
+
+def cgroup_available_bytes(
+    root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> int | None:
+    """Memory this process's cgroup can still take: min(limit - usage) up to the root.
+
+    The limit that kills a pod is often not on the process's own cgroup but on
+    an ancestor (the pod's slice above a container, a systemd slice), so every
+    level from the process's cgroup (read from ``proc_cgroup``) up to the mount
+    at ``root`` counts; None when no level has a limit. cgroup v1 is used when
+    ``proc_cgroup`` lists the ``memory`` controller and ``root``/memory exists,
+    v2 otherwise. With a
+    namespaced cgroup, or a path not under the mount, the mount root is the
+    process's own cgroup.
+    """
+    v1_path, v2_path = _own_cgroup_paths(proc_cgroup)
+    if v1_path is not None and os.path.isdir(os.path.join(root, "memory")):
+        return _walk(os.path.join(root, "memory"), v1_path,
+                     "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+    if v2_path is not None or os.path.exists(os.path.join(root, "memory.max")):
+        got = _walk(root, v2_path or "/", "memory.max", "memory.current")
+        if got is not None or v2_path is not None:
+            return got
+    # no /proc/self/cgroup (or nothing at its path): the mount roots, v2 then v1
+    got = _walk(root, "/", "memory.max", "memory.current")
+    if got is None:
+        got = _walk(os.path.join(root, "memory"), "/",
+                    "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+    return got
+
+
+def _own_cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """(v1 memory cgroup path, v2 cgroup path) of this process, each None when not listed."""
+    v1 = v2 = None
+    try:
+        with open(proc_cgroup, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if not sep or not path.startswith("/"):
             continue
-        if raw == "max" or not raw.isdigit() or int(raw) >= 1 << 60:
-            return None
-        return max(0, int(raw) - usage)
-    return None
+        if hier == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v1, v2
+
+
+def _walk(mount: str, path: str, limit_name: str, usage_name: str) -> int | None:
+    """The smallest limit - usage from ``mount``/``path`` up to ``mount``; None if unlimited.
+
+    A level whose usage file is missing or unreadable is charged the largest usage
+    seen below it (a parent holds at least what its child holds).
+    """
+    mount = os.path.realpath(mount)
+    here = os.path.realpath(os.path.join(mount, path.lstrip("/")))
+    if os.path.commonpath([mount, here]) != mount or not os.path.isdir(here):
+        here = mount  # namespaced cgroup, or a path from outside this mount
+    best: int | None = None
+    usage = 0
+    while True:
+        level_usage = _read_int(os.path.join(here, usage_name))
+        if level_usage is not None:
+            usage = max(usage, level_usage)
+        limit = _read_limit(os.path.join(here, limit_name))
+        if limit is not None:
+            left = max(0, limit - usage)
+            best = left if best is None else min(best, left)
+        if here == mount:
+            return best
+        here = os.path.dirname(here)
+
+
+def _read_limit(path: str) -> int | None:
+    """A memory limit in bytes; None for "max", a v1 "unlimited" value or no readable file."""
+    value = _read_int(path)
+    return None if value is None or value >= _UNLIMITED else value
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        return None
+    return int(text)
 
 
 def weight_offload_host_bytes(

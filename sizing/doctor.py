@@ -18,7 +18,8 @@ from typing import Any
 
 from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 
-from kvtier.config import redact_url
+from kvtier.config import redact_value
+from kvtier.errors import is_secret_name, redact_text
 
 GB = 10**9
 
@@ -98,12 +99,35 @@ def _non_default_args(text: str) -> dict[str, Any]:
         out["kv_connector"] = "KVTierConnector"
         m = re.search(r"kv_connector_extra_config=(\{[^{}]*\})", text)
         extra = _literal(m.group(1)) if m else None
-        if isinstance(extra, dict):  # vLLM logs it verbatim: hide URL passwords again
-            out["kv_connector_extra_config"] = {
-                k: redact_url(v) if isinstance(v, str) and "://" in v else v
-                for k, v in extra.items()
-            }
+        if isinstance(extra, dict):  # vLLM logs it verbatim: hide passwords and keys again
+            out["kv_connector_extra_config"] = safe_config(extra)
     return out
+
+
+def safe_config(config: object) -> object:
+    """A logged kvtier config as the doctor may print it: no password, key or key name.
+
+    The log may come from any kvtier version, or from vLLM, which prints the
+    extra config verbatim; everything printed goes through the same redaction
+    as ``KVTierConfig.redacted``.
+    """
+    if isinstance(config, dict):
+        return {str(k): redact_value(k, v) for k, v in config.items()}
+    return redact_value("kvtier_config", config)
+
+
+_STRING_REPR = re.compile(r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"')
+
+
+def safe_error(line: str) -> str:
+    """A logged ConfigError line without secrets, even one an older kvtier wrote unredacted."""
+    m = re.match(r"(kvtier config '(\w+)': got )(.*)$", line, re.S)
+    if m and is_secret_name(m.group(2)):  # hide the whole value repr, whatever it holds
+        rest = m.group(3)
+        v = _STRING_REPR.match(rest)
+        end = v.end() if v else (rest.find("; ") if "; " in rest else len(rest))
+        line = m.group(1) + "<redacted>" + rest[end:]
+    return redact_text(line)
 
 
 def parse_log(lines: Iterable[str]) -> dict[str, Any]:
@@ -155,11 +179,12 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         if m := _KVTIER_CONFIG.search(line):
             text = m.group(1)
             try:
-                facts["kvtier_config"] = json.loads(text)
+                config = json.loads(text)
             except json.JSONDecodeError:
-                facts["kvtier_config"] = _literal(text)
+                config = _literal(text)
+            facts["kvtier_config"] = safe_config(config)
         if m := _KVTIER_ERROR.search(line):
-            facts["kvtier_errors"].append(m.group(1))
+            facts["kvtier_errors"].append(safe_error(m.group(1)))
         for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
             if marker in line and marker not in facts["python_warnings"]:
                 facts["python_warnings"].append(marker)

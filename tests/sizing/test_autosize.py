@@ -104,14 +104,17 @@ def test_unreadable_checkpoint_falls_back_to_the_bound(tmp_path):
 def test_cgroup_limit_caps_available_memory(tmp_path) -> None:
     from kvtier.sizing.autosize import cgroup_available_bytes
 
+    # no /proc/self/cgroup to read: the mount root is the process's cgroup
+    # (tests/sizing/test_autosize_cgroup.py walks real hierarchies)
+    no_proc = str(tmp_path / "no-proc-cgroup")
     (tmp_path / "memory.max").write_text("8589934592\n")
     (tmp_path / "memory.current").write_text("1073741824\n")
-    assert cgroup_available_bytes(str(tmp_path)) == 7 * 1024**3
+    assert cgroup_available_bytes(str(tmp_path), no_proc) == 7 * 1024**3
     (tmp_path / "memory.max").write_text("max\n")
-    assert cgroup_available_bytes(str(tmp_path)) is None
+    assert cgroup_available_bytes(str(tmp_path), no_proc) is None
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text(str(4 * 1024**3))
     (v1 / "memory" / "memory.usage_in_bytes").write_text(str(1024**3))
-    assert cgroup_available_bytes(str(v1)) == 3 * 1024**3
-    assert cgroup_available_bytes(str(tmp_path / "missing")) is None
+    assert cgroup_available_bytes(str(v1), no_proc) == 3 * 1024**3
+    assert cgroup_available_bytes(str(tmp_path / "missing"), no_proc) is None

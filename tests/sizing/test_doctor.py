@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from kvtier.sizing import doctor
 from kvtier.sizing.plan import PlanInputs, make_plan
 from sizing_helpers import LOGS, GiB, model
@@ -118,3 +123,73 @@ def test_kvtier_config_falls_back_to_the_extra_config_in_the_args():
     rep = doctor.report(doctor.parse_log(lines))
     assert rep["kvtier_loaded"] is True
     assert rep["kvtier_config"] == {"cpu_bytes": 1024, "chunk_size": 512}
+
+
+# secrets that vLLM's own "non-default args" line and an older kvtier print verbatim
+URL_SAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$()*+,"
+
+
+def secret_log(secret: str) -> list[str]:
+    """A log holding ``secret`` in every place a config or a config error is printed."""
+    extra = {
+        "cpu_bytes": "8GiB",
+        "remote_url": f"redis://:{secret}@kv.invalid:6379/0",
+        "s3_endpoint_url": f"https://AK:{secret}@minio.invalid",
+        "hmac_key_env": secret,  # a key pasted where its variable's name belongs
+        "redis_password": secret,  # not a kvtier key at all
+        "namespace": f"x?password={secret}",
+    }
+    return [
+        "INFO 11-30 05:20:43 [api_utils.py:286] non-default args: {'model': '/m', "
+        "'kv_transfer_config': KVTransferConfig(kv_connector='KVTierConnector', "
+        f"kv_role='kv_both', kv_connector_extra_config={extra!r}, "
+        "kv_connector_module_path='kvtier.connectors.vllm')}",
+        # what an older kvtier logged: its config and its errors, unredacted
+        f"INFO kvtier config: {json.dumps(extra)}",
+        f"ERROR kvtier config 'hmac_key_env': got {secret!r}; the variable must be set",
+        f"ERROR kvtier config 'hmac_key_file': got '/k/{secret}'; a readable file",
+        f"ERROR kvtier config 'remote_url': got 'redis+x://:{secret}@h'; redis://...",
+        f"ERROR kvtier config 'remote_url': got 'redis://h/0?password={secret}'; ok",
+    ]
+
+
+def doctor_texts(lines: list[str]) -> list[str]:
+    """What ``kvtier doctor`` prints, readable and ``--json``."""
+    rep = doctor.report(doctor.parse_log(lines))
+    return [doctor.format_report(rep), json.dumps(rep), json.dumps(rep, ensure_ascii=False)]
+
+
+BASELINE = "\n".join(doctor_texts(secret_log("ZZZZZZZZZZ")))
+
+
+@settings(max_examples=80, deadline=None)
+@given(secret=st.text(alphabet=URL_SAFE, min_size=10, max_size=40))
+def test_doctor_prints_no_secret_from_any_log_line(secret: str) -> None:
+    assume(len(set(secret)) >= 4 and secret not in BASELINE)
+    texts = doctor_texts(secret_log(secret))
+    for text in texts:
+        assert secret not in text, text
+    assert "8GiB" in texts[0] and ":***@kv.invalid" in texts[0]  # what helps still shows
+
+
+def test_doctor_command_prints_no_secret(tmp_path) -> None:
+    secret = "hunter2-Zq9xK"
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(secret_log(secret)) + "\n")
+    for fmt in ([], ["--json"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log), *fmt],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        assert secret not in out.stdout + out.stderr and "8GiB" in out.stdout
+
+
+def test_doctor_survives_a_malformed_url_in_the_log() -> None:
+    lines = [
+        "INFO non-default args: {'model': '/m', 'kv_transfer_config': KVTransferConfig("
+        "kv_connector='KVTierConnector', kv_connector_extra_config={'remote_url': "
+        "'redis://:hunter2@[::1'}, kv_role='kv_both')}"
+    ]
+    texts = doctor_texts(lines)  # redact_url raised ValueError on this URL
+    assert all("hunter2" not in text for text in texts)
+    assert ":***@[::1" in texts[0]
