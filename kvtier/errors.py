@@ -8,7 +8,9 @@
     │   ├── SignatureError     HMAC missing or wrong
     │   └── KeyMismatchError   the object holds a different chunk key
     └── TierError          the object tier could not serve a request
-        └── TierUnavailable    the backend is unreachable or timed out
+        ├── TierUnavailable    the backend is unreachable or timed out (backs off)
+        └── ObjectError        one object cannot be read or written; the backend works
+            └── ObjectTooLarge     the object is bigger than the slot it would fill
 
 Callers on the data path catch ``CodecError`` and ``TierError`` and turn them
 into counted misses; nothing from kvtier may fail a user's request.
@@ -213,4 +215,22 @@ class TierError(KVTierError):
 
 
 class TierUnavailable(TierError):
+    """The backend cannot be reached (refused, timed out, DNS, credentials): RemoteIO backs off."""
+
     kind = "unreachable"
+
+
+class ObjectError(TierError):
+    """One object failed (disk full on write, a Redis key of the wrong type, not a file).
+
+    Only that object is a miss: the backend answered, so RemoteIO does not back off and
+    other objects keep being served.
+    """
+
+    kind = "object"
+
+
+class ObjectTooLarge(ObjectError):
+    """The stored object is larger than the caller's bound; it is never read into memory."""
+
+    kind = "oversize"

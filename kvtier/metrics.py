@@ -35,9 +35,12 @@ OUTCOMES = ("hit", "partial", "miss")
 LOOKUP_MODES = ("sync", "async")
 DIRECTIONS = ("read", "write")
 TRANSFER_OPS = ("store", "load", "fetch", "upload")
+#: "object": one object could not be read or written (disk full, a Redis key of the wrong
+#: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
+#: never read
 ERROR_KINDS = (
     "checksum", "truncated", "signature", "wrong_key", "malformed",
-    "timeout", "unreachable", "tier", "load",
+    "timeout", "unreachable", "tier", "load", "object", "oversize",
 )
 
 

@@ -15,10 +15,19 @@ from host slots, and later polls for results. Behind that:
   touch the destination buffer afterwards. Uploads have no deadline of their
   own (the tier's socket timeouts bound them): the caller's payload must stay
   untouched until the put is reported, so it is never reported early.
-- A tier failure (``TierUnavailable``) marks the tier down for
-  ``backoff.compute(n)`` seconds; until then every op fails fast as
-  ``"unreachable"`` without touching the network. After that the next op is
-  a real attempt, and its success clears the state.
+- A connection-level failure (``TierUnavailable``) marks that direction
+  (reads: exists and get; writes: put) down for ``backoff.compute(n)``
+  seconds; until then its ops fail fast as ``"unreachable"`` without touching
+  the network. After that the next op is a real attempt, and its success
+  clears the state. Reads and writes back off separately: a store that
+  refuses writes must not stop hits.
+- A failure of one object (``ObjectError``: a full disk on write, a Redis key
+  of the wrong type, a planted FIFO) is that op's miss, counted as
+  ``"object"``; the tier stays up. A fetch never reads more than the codec's
+  largest header plus the slot: a bigger object is refused unread, counted as
+  ``"oversize"``.
+- ``close`` returns within its bound even when an I/O thread is stuck in a
+  backend call: the threads are daemons and every join is bounded.
 - Nothing is raised to the caller for data or tier problems: every accepted
   op yields exactly one :class:`IOResult` with an ``error_kind`` that is a
   label of ``kvtier:errors`` (see :mod:`kvtier.metrics`).
@@ -27,6 +36,7 @@ from host slots, and later polls for results. Behind that:
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import logging
 import queue
@@ -37,8 +47,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvtier import codec
-from kvtier.backoff import Backoff, ExponentialBackoff
-from kvtier.errors import CodecError, TierError, TierUnavailable
+from kvtier.backoff import Backoff, BackoffState, ExponentialBackoff
+from kvtier.errors import CodecError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.tiers.base import ObjectTier
 
 if TYPE_CHECKING:
@@ -51,8 +61,10 @@ log = logging.getLogger("kvtier.remote")
 #: error kinds RemoteIO reports and counts (a subset of kvtier.metrics.ERROR_KINDS)
 ERROR_KINDS = (
     "checksum", "truncated", "signature", "wrong_key", "malformed",
-    "timeout", "unreachable", "tier",
+    "timeout", "unreachable", "tier", "object", "oversize",
 )  # fmt: skip
+#: what a stored chunk may add to its slot's bytes: magic, header length, the largest header
+MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
 _COUNTERS = (
     "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
     "ops_exists", "ops_get", "ops_put",
@@ -131,6 +143,15 @@ class _RateLimitedLog:
             log.warning(msg, *args)
 
 
+def _accepts(func: object, name: str) -> bool:
+    """Whether ``func`` takes keyword ``name`` (tiers written before get had ``max_bytes``)."""
+    try:
+        params = inspect.signature(func).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -171,11 +192,13 @@ class RemoteIO:
         self._taken = dict.fromkeys(_COUNTERS, 0)
         self._pending_writes = 0
         self._put_failures = 0
-        self._failures = 0
-        self._down_until = 0.0
+        self._read_backoff = BackoffState(self.backoff)
+        self._write_backoff = BackoffState(self.backoff)
         self._closed = False
         self._tier_log = _RateLimitedLog()
         self._data_log = _RateLimitedLog()
+        self._object_log = _RateLimitedLog()
+        self._get_takes_bound = _accepts(tier.get, "max_bytes")
         # reads get the larger half: lookups are latency-critical, uploads are not
         self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
         n_read, n_write = self.read_threads, self.write_threads
@@ -241,7 +264,7 @@ class RemoteIO:
                 self._totals["writes_dropped"] += 1
                 return False
             self._pending_writes += 1
-        if self.is_down:
+        if self._write_backoff.is_down:
             self._finish(op, False, "unreachable")
             return True
         try:
@@ -254,7 +277,7 @@ class RemoteIO:
         return True
 
     def _submit_read(self, op: _Op) -> None:
-        if self._closed or self.is_down:
+        if self._closed or self._read_backoff.is_down:
             self._finish(op, False, "unreachable")
             return
         with self._lock:
@@ -304,8 +327,18 @@ class RemoteIO:
             )
         return missing
 
-    def close(self) -> None:
-        """Stop the threads, drop what is still queued (counted), close the tier."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the threads, drop what is still queued (counted), close the tier.
+
+        Returns within ``timeout_s`` (default: the read timeout, at most 5 s)
+        even when an I/O thread is stuck in a backend call (a hung mount, a
+        server that stopped answering): the engine's shutdown must not hang on
+        a cache. A stuck thread is a daemon and is left behind, and the tier is
+        closed on a daemon thread so that a lock the stuck call holds cannot
+        block this one.
+        """
+        bound = min(self.timeout_s, 5.0) if timeout_s is None else max(0.0, timeout_s)
+        deadline = time.monotonic() + bound
         with self._lock:
             if self._closed:
                 return
@@ -338,12 +371,24 @@ class RemoteIO:
             log.warning("closing object-tier I/O: %d queued writes dropped", dropped)
         for t in self._threads:
             try:
-                (self._rq if "-read-" in t.name else self._wq).put(None, timeout=1.0)
+                (self._rq if "-read-" in t.name else self._wq).put_nowait(None)
             except queue.Full:  # a racing submit filled it; the thread is a daemon anyway
                 pass
-        deadline = time.monotonic() + min(self.timeout_s, 5.0)
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        stuck = sum(t.is_alive() for t in self._threads)
+        if stuck:
+            log.warning(
+                "closing object-tier I/O: %d I/O threads are still in a %s call; not waiting",
+                stuck, self.tier.name,
+            )  # fmt: skip
+        closer = threading.Thread(target=self._close_tier, name="kvtier-close", daemon=True)
+        closer.start()
+        closer.join(max(0.0, deadline - time.monotonic()))
+        if closer.is_alive():
+            log.warning("closing the object tier %s did not finish in time", self.tier.name)
+
+    def _close_tier(self) -> None:
         try:
             self.tier.close()
         except Exception:  # closing must not fail the engine's shutdown
@@ -353,8 +398,18 @@ class RemoteIO:
 
     @property
     def is_down(self) -> bool:
-        """True while failing fast after a tier failure."""
-        return time.monotonic() < self._down_until
+        """True while reads or writes fail fast after a tier failure."""
+        return self._read_backoff.is_down or self._write_backoff.is_down
+
+    @property
+    def reads_down(self) -> bool:
+        """True while exists and get fail fast after a read failed to reach the tier."""
+        return self._read_backoff.is_down
+
+    @property
+    def writes_down(self) -> bool:
+        """True while puts fail fast after a write failed to reach the tier."""
+        return self._write_backoff.is_down
 
     @property
     def pending_writes(self) -> int:
@@ -372,26 +427,21 @@ class RemoteIO:
             self._taken = dict(self._totals)
         return delta
 
-    def _mark_down(self, exc: TierUnavailable) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now >= self._down_until:  # ops already in flight do not stack the backoff
-                self._failures += 1
-                delay = self.backoff.compute(self._failures)
-                self._down_until = now + delay
-            failures, delay = self._failures, self._down_until - now
+    def _backoff_of(self, op: _Op) -> BackoffState:
+        return self._write_backoff if op.kind == "put" else self._read_backoff
+
+    def _mark_down(self, op: _Op, exc: TierUnavailable) -> None:
+        failures, delay = self._backoff_of(op).failed()
+        what = "writes" if op.kind == "put" else "reads"
         self._tier_log.warning(
-            "object tier %s unavailable (%d failures in a row), failing fast for %.2f s: %s",
-            self.tier.name, failures, delay, exc,
+            "object tier %s unavailable (%d failures in a row), %s fail fast for %.2f s: %s",
+            self.tier.name, failures, what, delay, exc,
         )  # fmt: skip
 
-    def _mark_up(self) -> None:
-        if not self._failures:
-            return
-        with self._lock:
-            failures, self._failures, self._down_until = self._failures, 0, 0.0
-        if failures:
-            log.info("object tier %s is reachable again", self.tier.name)
+    def _mark_up(self, op: _Op) -> None:
+        if self._backoff_of(op).succeeded():
+            what = "writes" if op.kind == "put" else "reads"
+            log.info("object tier %s is reachable again (%s)", self.tier.name, what)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -409,7 +459,7 @@ class RemoteIO:
     def _execute(self, op: _Op) -> None:
         if op.done:  # timed out (or closed) while queued: do not touch the network
             return
-        if self.is_down:
+        if self._backoff_of(op).is_down:
             self._finish(op, False, "unreachable")
             return
         if op.kind != "put" and time.monotonic() > op.deadline:
@@ -421,14 +471,20 @@ class RemoteIO:
         try:
             if op.kind == "exists":
                 value = self.tier.exists(op.keys)
-                self._mark_up()
+                self._mark_up(op)
                 self._finish(op, True, None, value=value)
             elif op.kind == "get":
-                blob = self.tier.get(key)
-                self._mark_up()
+                assert buf is not None
+                limit = buf.nbytes + MAX_FRAME
+                blob = self.tier.get(key, max_bytes=limit) if self._get_takes_bound else (
+                    self.tier.get(key)
+                )
+                self._mark_up(op)
                 if blob is None:
                     self._finish(op, False, None)
                     return
+                if len(blob) > limit:  # a tier that cannot bound its reads: at least refuse it
+                    raise ObjectTooLarge(f"object of {len(blob)} bytes, at most {limit} expected")
                 self._add("bytes_read", len(blob))
                 payload = codec.decode(
                     blob, key=key, dtype=op.dtype, shape=op.shape, signer=self.signer
@@ -443,7 +499,7 @@ class RemoteIO:
                 assert buf is not None
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
-                self._mark_up()
+                self._mark_up(op)
                 n = codec.encoded_size(parts)
                 self._add("bytes_written", n)
                 self._finish(op, True, None, nbytes=n)
@@ -451,11 +507,12 @@ class RemoteIO:
             self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
             self._finish(op, False, exc.kind)
         except TierUnavailable as exc:
-            self._mark_down(exc)
+            self._mark_down(op, exc)
             self._finish(op, False, "unreachable")
-        except TierError as exc:
-            self._tier_log.warning("object tier %s error: %s", self.tier.name, exc)
-            self._finish(op, False, exc.kind)
+        except TierError as exc:  # one object failed; the tier answered, so it is up
+            self._mark_up(op)
+            self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op.kind, exc)
+            self._finish(op, False, exc.kind if exc.kind in ERROR_KINDS else "tier")
 
     def _add(self, counter: str, n: int) -> None:
         with self._lock:

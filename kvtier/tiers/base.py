@@ -2,7 +2,10 @@
 
 Deliberately tiny and synchronous: RemoteIO runs it on its own threads and
 owns queues, timeouts and backoff, so a backend only has to move bytes and
-turn its own failures into :class:`~kvtier.errors.TierUnavailable`.
+sort its own failures: :class:`~kvtier.errors.TierUnavailable` when the
+backend cannot be reached (RemoteIO backs off), :class:`~kvtier.errors.ObjectError`
+when one object is bad and the backend works (that object is a miss, nothing
+else stops).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ Parts = Sequence[bytes | memoryview]
 class ObjectTier(ABC):
     """A flat key -> bytes store shared by replicas (a directory, a bucket, a Redis).
 
-    Every method may be called from several threads at once. Any backend or
-    network failure raises ``TierUnavailable`` with a message that holds no
-    secret; a missing key is not a failure.
+    Every method may be called from several threads at once. A connection-level
+    failure raises ``TierUnavailable``, a failure of one object ``ObjectError``,
+    both with a message that holds no secret; a missing key is not a failure.
+    The store is shared and writable by others, so nothing read from it is
+    trusted: sizes are checked before bytes are read.
     """
 
     #: "file", "s3" or "redis"
@@ -32,8 +37,14 @@ class ObjectTier(ABC):
         """Whether each key is stored, in order."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None when the key is not stored."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """The stored bytes, or None when the key is not stored.
+
+        With ``max_bytes``, an object larger than that raises
+        :class:`~kvtier.errors.ObjectTooLarge` before it is read, and no more
+        than ``max_bytes`` are ever read: a planted multi-GiB object must not
+        make the engine allocate it.
+        """
 
     @abstractmethod
     def put(self, key: str, parts: Parts) -> None:

@@ -9,12 +9,20 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier.config import redact_url
-from kvtier.errors import TierUnavailable
+from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.tiers.base import ObjectTier, Parts
 
 __all__ = ["RedisTier"]
 
 _SMALL = 64 * 1024
+#: error replies about the server, not one key (a replica mid-failover, MASTERDOWN, ACLs, a
+#: cluster answering MOVED): back off. Every other error reply (WRONGTYPE, OOM ...) is that
+#: key's miss.
+_TIER_REPLIES = (
+    redis.exceptions.ReadOnlyError, redis.exceptions.NoPermissionError,
+    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+    redis.exceptions.AskError, redis.exceptions.AuthenticationWrongNumberOfArgsError,
+)  # fmt: skip
 
 
 def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
@@ -84,8 +92,19 @@ class RedisTier(ObjectTier):
         text = f"{type(exc).__name__}: {exc}"
         return text.replace(self._password, "***") if self._password else text
 
-    def _fail(self, op: str, exc: BaseException) -> TierUnavailable:
-        return TierUnavailable(f"redis {op} {self._safe_url}: {self._clean(exc)}")
+    def _fail(self, op: str, exc: BaseException) -> TierError:
+        """ObjectError for an error reply about one key, TierUnavailable for the rest.
+
+        Connection errors, timeouts, AUTH failures and protocol errors mean the
+        server cannot be used; an error *reply* (one key of the wrong type, a
+        value refused for memory) means it answered and only this key failed.
+        """
+        text = f"redis {op} {self._safe_url}: {self._clean(exc)}"
+        if isinstance(exc, redis.ResponseError) and not isinstance(exc, _TIER_REPLIES):
+            return ObjectError(text)
+        if isinstance(exc, redis.DataError):
+            return ObjectError(text)
+        return TierUnavailable(text)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         try:
@@ -96,11 +115,27 @@ class RedisTier(ObjectTier):
         except (redis.RedisError, OSError) as exc:
             raise self._fail("exists", exc) from None
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """GET; with ``max_bytes`` STRLEN + GETRANGE in one round trip, never more bytes.
+
+        An empty or missing value is None (STRLEN says 0 for both). A value
+        replaced between the two commands can only come back cut or mixed,
+        which the codec rejects.
+        """
         try:
-            return self._client.get(key)
+            if max_bytes is None:
+                return self._client.get(key)
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.strlen(key)
+                pipe.getrange(key, 0, max(1, max_bytes) - 1)
+                size, data = pipe.execute()
         except (redis.RedisError, OSError) as exc:
             raise self._fail("get", exc) from None
+        if size > max_bytes:
+            raise ObjectTooLarge(
+                f"redis get {self._safe_url}: value of {size} bytes, at most {max_bytes} expected"
+            )
+        return data if size else None
 
     def put(self, key: str, parts: Parts) -> None:
         """SET (with EX when a TTL is configured), sending the parts without joining them.
@@ -139,7 +174,7 @@ class RedisTier(ObjectTier):
             finally:
                 pool.release(conn)
             if reply not in (b"OK", "OK", True):
-                raise TierUnavailable(f"redis put {self._safe_url}: unexpected reply {reply!r}")
+                raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
             return
 
     def delete(self, keys: Sequence[str]) -> None:

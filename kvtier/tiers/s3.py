@@ -12,13 +12,46 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvtier.errors import TierUnavailable
+from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.tiers.base import ObjectTier, Parts
 
 __all__ = ["S3Tier", "client_config"]
 
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _FAILURES = (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError)
+#: error codes about one object: that object is a miss, the bucket keeps being used
+_OBJECT_CODES = frozenset({
+    "InvalidObjectState", "InvalidRange", "EntityTooLarge", "KeyTooLongError",
+    "PreconditionFailed", "NoSuchVersion", "InvalidArgument", "InvalidRequest",
+})  # fmt: skip
+#: error codes about the bucket, the credentials or the service: back off
+_TIER_CODES = frozenset({
+    "NoSuchBucket", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+    "RequestTimeTooSkewed", "AccountProblem", "AuthorizationHeaderMalformed",
+    "PermanentRedirect", "SlowDown", "Throttling", "RequestTimeout", "ServiceUnavailable",
+    "InternalError",
+})  # fmt: skip
+
+
+def _is_object_error(exc: ClientError) -> bool:
+    """Whether a service error concerns one object (4xx) rather than bucket or service."""
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if code in _OBJECT_CODES:
+        return True
+    if code in _TIER_CODES or status >= 500 or status in (301, 307, 401, 403):
+        return False
+    return 400 <= status < 500
+
+
+def _object_size(resp: dict) -> int | None:
+    """The whole object's size: from ``Content-Range: bytes 0-N/TOTAL`` of a ranged GET."""
+    total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+    if total.isdigit():
+        return int(total)
+    length = resp.get("ContentLength")
+    return int(length) if length is not None else None
 
 
 def client_config(io_threads: int, lookup_timeout_ms: int) -> Config:
@@ -139,10 +172,13 @@ class S3Tier(ObjectTier):
         """The S3 object key that holds chunk ``key``."""
         return self.prefix + key
 
-    def _fail(self, op: str, exc: Exception) -> TierUnavailable:
+    def _fail(self, op: str, exc: Exception) -> TierError:
+        """ObjectError for a 4xx about one object, TierUnavailable for everything else."""
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
             detail = f"{err.get('Code', '?')} {err.get('Message', '')}".strip()
+            if _is_object_error(exc):
+                return ObjectError(f"s3 {op} {self._where()}: {detail}")
         else:
             detail = f"{type(exc).__name__}: {exc}"
         return TierUnavailable(f"s3 {op} {self._where()}: {detail}")
@@ -154,25 +190,53 @@ class S3Tier(ObjectTier):
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in _MISSING:
                 return False
-            raise self._fail("head", exc) from exc
+            error = self._fail("head", exc)
+            if isinstance(error, ObjectError):
+                return False  # this object cannot be served; the others may
+            raise error from exc
         except _FAILURES as exc:
             raise self._fail("head", exc) from exc
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if len(keys) <= 1:
             return [self._head(k) for k in keys]
+        # map's iterator cancels the HEADs not yet sent when one fails: none waits out a
+        # timeout against an endpoint that is down
         return list(self._heads.map(self._head, keys))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
+        extra = {} if max_bytes is None else {"Range": f"bytes=0-{max(1, max_bytes) - 1}"}
         try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
-            return resp["Body"].read()
+            resp = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key), **extra)
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in _MISSING:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in _MISSING:
                 return None
+            if code == "InvalidRange" and max_bytes is not None:
+                return b""  # a range of an empty object: the codec reports it as truncated
             raise self._fail("get", exc) from exc
         except _FAILURES as exc:
             raise self._fail("get", exc) from exc
+        body = resp["Body"]
+        try:
+            if max_bytes is None:
+                return body.read()
+            # the size before the body: a server that ignores Range sends the whole object
+            size = _object_size(resp)
+            if size is None or size <= max_bytes:
+                data = body.read(max_bytes + 1)  # bounded even without a length
+                size = len(data)
+            if size > max_bytes:
+                raise ObjectTooLarge(
+                    f"s3 get {self._where()}: object of {size} bytes or more, "
+                    f"at most {max_bytes} expected"
+                )
+            return data
+        except _FAILURES as exc:
+            raise self._fail("get", exc) from exc
+        finally:
+            body.close()
 
     def put(self, key: str, parts: Parts) -> None:
         body = b"".join(parts) if self._join_parts or len(parts) == 1 else _PartsReader(parts)

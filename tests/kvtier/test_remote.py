@@ -132,17 +132,25 @@ def test_tier_down_at_start_then_started(services) -> None:
     assert attempts >= 1
     rio.submit_exists(2, ["a"])  # during the backoff: fails fast, no connection attempt
     assert collect(rio, 1)[2].error_kind == "unreachable"
+    assert proxy.connections == attempts
+    # writes back off on their own: the first put is a real attempt...
+    assert rio.reads_down and not rio.writes_down
     assert rio.submit_put(3, "a", payload(), dtype=DT, shape=SHAPE)  # reported, not dropped
     assert collect(rio, 1)[3].error_kind == "unreachable"
+    assert rio.writes_down
+    attempts = proxy.connections
+    # ...and the next one, during the write backoff, fails fast
+    assert rio.submit_put(4, "a", payload(), dtype=DT, shape=SHAPE)
+    assert collect(rio, 1)[4].error_kind == "unreachable"
     assert proxy.connections == attempts
     server.start()
     time.sleep(0.45)
     assert not rio.is_down
-    assert rio.submit_put(4, "a", payload(), dtype=DT, shape=SHAPE)
-    assert collect(rio, 1)[4].ok
-    rio.submit_exists(5, ["a"])
-    assert collect(rio, 1)[5].value == [True]
-    assert rio.counters()["errors_unreachable"] == 3
+    assert rio.submit_put(5, "a", payload(), dtype=DT, shape=SHAPE)
+    assert collect(rio, 1)[5].ok
+    rio.submit_exists(6, ["a"])
+    assert collect(rio, 1)[6].value == [True]
+    assert rio.counters()["errors_unreachable"] == 4
     rio.close()
 
 
