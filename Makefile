@@ -4,6 +4,9 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-installed
+# checkov pins its own boto3/packaging: it lives in a venv of its own
+SCAN := .tools/scan
+CHECKOV := $(SCAN)/bin/checkov
 
 .PHONY: venv demo test test-fast lint bench bench-ttft bench-tiers clean
 
@@ -17,16 +20,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
+$(CHECKOV):
+	$(PYTHON) -m venv $(SCAN)
+	$(SCAN)/bin/python -m pip install -q 'checkov==3.3.30'
+
 demo: venv
 	$(VENV)/bin/kvtier demo
 
 lint: venv
 	$(VENV)/bin/ruff check kvtier connectors sizing tests bench
 
-test: venv lint
+test: venv lint $(CHECKOV)
 	$(PY) -m pytest -q tests
 
-test-fast: venv
+test-fast: venv $(CHECKOV)
 	$(PY) -m pytest -q tests -m "not e2e"
 
 bench-ttft: venv

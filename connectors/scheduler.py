@@ -120,7 +120,11 @@ class SchedulerSide:
         self._op_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._uploads: list[RemoteOp] = []
-        self.index = ChunkIndex(num_slots, keep_on_evict=self._write_back)
+        self.index = ChunkIndex(
+            num_slots,
+            write_back_needed=self._write_back_needed,
+            begin_write_back=self._begin_write_back,
+        )
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
@@ -373,15 +377,15 @@ class SchedulerSide:
             )
         st.next_store = n_complete
 
-    def _write_back(self, entry: Entry) -> bool:
+    def _write_back_needed(self, entry: Entry) -> bool:
         """write_back: a chunk leaving the host tier goes to the object tier first."""
-        if not self.write_back or entry.remote or not entry.block_hash:
-            return False
+        return self.write_back and not entry.remote and bool(entry.block_hash)
+
+    def _begin_write_back(self, entry: Entry) -> None:
         op_id = next(self._op_ids)
         self._uploads.append(RemoteOp(op_id, entry.slot, entry.block_hash))
         self._pending[op_id] = _Pending("upload", entry, time.perf_counter())
         self.totals["write_back"] += 1
-        return True
 
     # ---- worker reports ----------------------------------------------------------------
     def _report(self, op_id: int, oks: list[bool]) -> None:

@@ -282,6 +282,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "remote_url": _remote_url,
     "s3_endpoint_url": _endpoint_url,
     "remote_ttl_s": lambda k, v: None if v is None else _int(k, v, 1, 2**31 - 1),
+    "file_max_bytes": lambda k, v: None if v is None else parse_size(k, v),
     "write_policy": _choice(WRITE_POLICIES),
     "lookup_timeout_ms": lambda k, v: _int(k, v, 1, 3_600_000),
     "shutdown_flush_s": lambda k, v: _float(k, v, 0.0, 86_400.0),
@@ -312,6 +313,9 @@ class KVTierConfig:
     s3_endpoint_url: str | None = None
     #: expiry of chunks written to Redis, seconds; None = no expiry
     remote_ttl_s: int | None = None
+    #: size bound of a file:// tier: past it the least recently used chunks go (down to
+    #: 90%); None = unbounded (the directory's own quota applies)
+    file_max_bytes: int | None = None
     #: when chunks reach the object tier
     write_policy: str = "write_through"
     #: an object-tier lookup slower than this is a miss
@@ -386,5 +390,13 @@ def load_config(
     if values.get("hmac_key_env") and values.get("hmac_key_file"):
         raise ConfigError(
             "hmac_key_file", values["hmac_key_file"], "set hmac_key_env or hmac_key_file, not both"
+        )
+    if values.get("file_max_bytes") is not None and not str(
+        values.get("remote_url") or ""
+    ).startswith("file://"):
+        raise ConfigError(
+            "file_max_bytes",
+            values["file_max_bytes"],
+            "only with a file:// remote_url (S3 and Redis have their own expiry and limits)",
         )
     return KVTierConfig(**values)

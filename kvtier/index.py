@@ -42,15 +42,21 @@ class ChunkIndex:
     """Fixed number of slots; evicts least-recently-used ready chunks with no refs."""
 
     def __init__(
-        self, num_slots: int, keep_on_evict: Callable[[Entry], bool] | None = None
+        self,
+        num_slots: int,
+        write_back_needed: Callable[[Entry], bool] | None = None,
+        begin_write_back: Callable[[Entry], None] | None = None,
     ) -> None:
-        """``keep_on_evict(entry)`` may claim a victim before its slot is reused (write-back:
-        upload it first); a claimed chunk turns ``evicting`` with one ref held for the
-        claimer, whose ``unpin`` frees the slot."""
+        """With write-back, a victim for which ``write_back_needed(entry)`` holds is not
+        evicted at once: ``begin_write_back(entry)`` starts its upload, the chunk turns
+        ``evicting`` with one ref held for the uploader, whose ``unpin`` frees the slot.
+        At most one write-back begins per slot asked for, so a burst of stores never
+        empties the whole host tier into the object tier at once."""
         if num_slots <= 0:
             raise ValueError("the host tier needs at least one slot")
         self.num_slots = num_slots
-        self._keep_on_evict = keep_on_evict
+        self._write_back_needed = write_back_needed
+        self._begin_write_back = begin_write_back
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         # key -> entry, in LRU order (oldest first)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
@@ -156,20 +162,30 @@ class ChunkIndex:
 
     # ---- internals ---------------------------------------------------------------------
     def _take_slot(self, evict_ok: bool) -> int | None:
+        """A free slot, else the least recently used idle chunk's slot. Chunks that must be
+        written back first are passed over; the oldest of them begins its write-back (one
+        per call), and when nothing else can go the caller gets None (the store is skipped,
+        the slot frees once that upload is done)."""
         if self._free:
             return self._free.pop()
         if not evict_ok:
             return None
-        for entry in list(self._entries.values()):
-            if entry.state is State.READY and entry.refs == 0:
-                self.evictions += 1
-                if self._keep_on_evict is not None and self._keep_on_evict(entry):
+        began = False
+        for entry in self._entries.values():
+            if entry.state is not State.READY or entry.refs:
+                continue
+            if self._write_back_needed is not None and self._write_back_needed(entry):
+                if not began:
+                    began = True
+                    self.evictions += 1
                     entry.state = State.EVICTING
                     entry.refs += 1
-                    continue
-                slot = entry.slot
-                del self._entries[entry.key]
-                return slot
+                    if self._begin_write_back is not None:
+                        self._begin_write_back(entry)
+                continue
+            self.evictions += 1
+            del self._entries[entry.key]
+            return entry.slot
         return None
 
     def _drop(self, entry: Entry) -> None:

@@ -23,10 +23,7 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
         raise ConfigError("remote_url", url, "an object tier URL; this config has none")
     scheme = urlparse(url).scheme
     if scheme == "file":
-        # getattr: file_max_bytes is a newer config key (None = unbounded)
-        return FileTier(
-            unquote(urlparse(url).path), max_bytes=getattr(cfg, "file_max_bytes", None)
-        )
+        return FileTier(unquote(urlparse(url).path), max_bytes=cfg.file_max_bytes)
     if scheme == "s3":
         from kvtier.tiers.s3 import S3Tier
 

@@ -35,9 +35,10 @@ def test_eviction_keeps_outputs_exact_and_leaks_nothing(tiny_model: str) -> None
     idx = r["index"]
     assert idx["num_slots"] == 6
     # cold runs compute every token, warm runs load part of the prompt: the same math
-    # split differently, so bf16 logprobs may move in the last digit, tokens may not
+    # split differently, so bf16 logprobs may move in the last digit, tokens may not: one
+    # bf16 step at |logprob| in [4, 8) is 2**-5 = 0.031 (wrong KV moves them by far more)
     assert r["tokens_identical"], (r["warm_cached"], r["cold_cached"])
-    assert r["max_logprob_diff"] <= 0.02, r["max_logprob_diff"]
+    assert r["max_logprob_diff"] <= 0.05, r["max_logprob_diff"]
     assert idx["totals"]["evictions"] > 0
     # every prompt's second run hits its own freshly stored chunks
     assert all(c >= 1024 for c in r["warm_cached"][1::2]), r["warm_cached"]

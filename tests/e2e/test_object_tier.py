@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ENGINE, REPO, run_engine, start_outage
+from tests.e2e.conftest import ENGINE, REPO, chunk_files, run_engine, start_outage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -126,7 +126,7 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
     root = tmp_path / "kv"
     extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{root}"}
     w = run_engine("remote_writer", model=tiny_model, extra=extra)
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    files = chunk_files(root)
     assert len(files) == 5, files  # A = S + U1: five full chunks
     blobs = [f.read_bytes() for f in files]
     # flip one payload byte in two objects, truncate two, put another chunk's bytes
@@ -156,7 +156,7 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     # 6 host slots for 3 prompts x 4 chunks: the host tier must evict
     extra = {"cpu_bytes": "3MiB", "remote_url": f"file://{root}", "write_policy": policy}
     w = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
-    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
+    files = chunk_files(root)
     totals = w["index"]["totals"]
     assert totals["evictions"] > 0
     if policy == "none":

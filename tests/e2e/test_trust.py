@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvtier import codec, metrics
-from tests.e2e.conftest import ENGINE, REPO, start_outage
+from tests.e2e.conftest import ENGINE, REPO, chunk_files, start_outage
 from tests.e2e.trust_scenarios import compare
 
 pytestmark = pytest.mark.e2e
@@ -303,7 +303,7 @@ def test_cache_salt_model_and_kv_dtype_separate_chunks(
     seed = 81
 
     def n_objects() -> int:
-        return sum(1 for p in root.rglob("*") if p.is_file())
+        return len(chunk_files(root))
 
     s = run_logged("salt_check", logs, model=tiny_model, extra=extra, seed=seed)
     runs = s["runs"]

@@ -181,3 +181,13 @@ def test_non_mapping_and_non_text_keys_are_config_errors() -> None:
         load_config(["cpu_bytes"], environ={})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="known keys"):
         load_config({1: "a", "zz": 2, None: 3}, environ={})  # type: ignore[dict-item]
+
+
+def test_file_max_bytes_is_a_size_and_only_for_a_file_tier() -> None:
+    cfg = load_config({"remote_url": "file:///tmp/kv", "file_max_bytes": "2GiB"}, environ={})
+    assert cfg.file_max_bytes == 2 * 2**30
+    assert load_config({}, environ={}).file_max_bytes is None
+    with pytest.raises(ConfigError, match="file_max_bytes.*file:// remote_url"):
+        load_config({"remote_url": "redis://h:6379/0", "file_max_bytes": "1GiB"}, environ={})
+    with pytest.raises(ConfigError, match="file_max_bytes"):
+        load_config({"remote_url": "file:///tmp/kv", "file_max_bytes": "lots"}, environ={})

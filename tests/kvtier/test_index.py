@@ -137,16 +137,17 @@ def test_random_workload_keeps_invariants() -> None:
     idx.check()
 
 
+def _write_back_index(num_slots: int, uploads: list[str]) -> ChunkIndex:
+    return ChunkIndex(
+        num_slots,
+        write_back_needed=lambda e: not e.remote,
+        begin_write_back=lambda e: uploads.append(e.key),
+    )
+
+
 def test_write_back_claims_a_victim_until_released() -> None:
     uploads: list[str] = []
-
-    def keep(entry) -> bool:
-        if entry.remote:
-            return False
-        uploads.append(entry.key)
-        return True
-
-    idx = ChunkIndex(2, keep_on_evict=keep)
+    idx = _write_back_index(2, uploads)
     ready(idx, "a")
     ready(idx, "b")
     idx.get("b").remote = True  # already in the object tier: evicted at once
@@ -156,4 +157,24 @@ def test_write_back_claims_a_victim_until_released() -> None:
     assert idx.begin("d", State.STORING) is None  # a is uploading, c is storing
     idx.unpin("a")  # upload finished: the slot is free again
     assert "a" not in idx and idx.begin("d", State.STORING) is not None
+    idx.check()
+
+
+def test_write_back_begins_one_upload_per_slot_asked_for() -> None:
+    """A full host tier of chunks not yet uploaded: each store that needs a slot starts the
+    write-back of the oldest chunk only; the rest stay ready (hits), not all queued."""
+    uploads: list[str] = []
+    idx = _write_back_index(8, uploads)
+    for i in range(8):
+        ready(idx, f"k{i}")
+    assert idx.begin("new0", State.STORING) is None  # skipped: k0 is being written back
+    assert uploads == ["k0"]
+    assert [k for k in (f"k{i}" for i in range(8)) if idx.is_ready(k)] == [
+        f"k{i}" for i in range(1, 8)
+    ]
+    assert idx.begin("new1", State.STORING) is None
+    assert uploads == ["k0", "k1"]
+    idx.unpin("k0")  # k0's upload is done: its slot serves the next store
+    assert idx.begin("new2", State.STORING) is not None
+    assert uploads == ["k0", "k1"] and idx.evictions == 2
     idx.check()
