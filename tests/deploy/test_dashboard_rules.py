@@ -267,6 +267,24 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
     assert alerts - quiet == set(), "alerts never shown quiet"
 
 
+def test_every_error_kind_is_alerted_on() -> None:
+    """Each error kind kvtier counts reaches an alert: object-tier kinds through
+    KVTierRemoteErrors' ``kind=~`` list, host-copy failures through KVTierLoadErrors. A kind
+    added to kvtier.metrics and not here would count errors nobody is told about."""
+    from kvtier.metrics import ERROR_KINDS
+
+    alerts = {r["alert"]: r for r in load_rules() if "alert" in r}
+    m = re.search(r'kind=~"([^"]+)"', alerts["KVTierRemoteErrors"]["expr"])
+    assert m, "KVTierRemoteErrors selects its kinds with kind=~"
+    remote = set(m.group(1).split("|"))
+    assert remote <= set(ERROR_KINDS), remote - set(ERROR_KINDS)
+    assert 'kind="load"' in alerts["KVTierLoadErrors"]["expr"]
+    assert set(ERROR_KINDS) - remote == {"load"}, set(ERROR_KINDS) - remote
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "`KVTierRemoteErrors`" in line)
+    assert all(kind in row for kind in remote), "README's alert table lists every kind"
+
+
 def test_rules_structure() -> None:
     """Alerts carry severity, summary and description; thresholds are listed up top."""
     rules = load_rules()
