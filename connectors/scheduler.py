@@ -111,7 +111,7 @@ class SchedulerSide:
             )
         self.namespace = namespace
         self._index_ns = self.namespace.digest(ANY_RANK)
-        self._rank0_ns = self.namespace.digest(0)
+        self._rank0_ns = self.namespace.digest(rank=0, stage=0)  # the first worker's keys
         self.remote = remote_factory(cfg) if (remote_factory and cfg.remote_url) else None
         if self.remote is not None:
             faster_thread_switches()

@@ -67,8 +67,25 @@ def namespace_for(cfg: KVTierConfig, vllm_config: VllmConfig) -> Namespace:
         block_size=cache.block_size,
         chunk_size=cfg.chunk_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
         namespace=cfg.namespace,
     )
+
+
+def worker_position() -> tuple[int, int]:
+    """This worker's (TP rank, pipeline stage); (0, 0) where vLLM's groups are not set up
+    (a single process). Both go into the worker's object keys."""
+    from vllm.distributed import parallel_state
+
+    try:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (single process)
+        rank = 0
+    try:
+        stage = parallel_state.get_pp_group().rank_in_group
+    except Exception:
+        stage = 0
+    return rank, stage
 
 
 def _remote_factory(role: str):
@@ -156,14 +173,8 @@ class KVTierConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        rank = 0
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # not initialised (single process): rank 0
-            rank = 0
-        self._worker.register_kv_caches(kv_caches, rank)
+        rank, stage = worker_position()
+        self._worker.register_kv_caches(kv_caches, rank, stage)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before every forward: the step's stores, fetches and uploads start here,

@@ -41,6 +41,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.blocks_per_chunk = cfg.chunk_size // namespace.block_size
         self.rank = 0
+        self.stage = 0
         self._remote_factory = remote_factory
         self.remote: RemoteIO | None = None
         self.layout: SlotLayout | None = None
@@ -61,17 +62,22 @@ class WorkerSide:
         self.stats = StatsRecorder()
 
     # ---- setup ------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], rank: int) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], rank: int, stage: int = 0
+    ) -> None:
+        """``rank``: this worker's TP rank, ``stage``: its pipeline stage; both go into its
+        object keys (each worker stores and loads only its own layers' and heads' KV)."""
         self.rank = rank
-        self._ns_digest = self.namespace.digest(rank)
+        self.stage = stage
+        self._ns_digest = self.namespace.digest(rank=rank, stage=stage)
         self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
         by_ptr = {kv.data_ptr(): i for i, kv in enumerate(self._kv)}
         self._layer_index = {name: by_ptr[kv.data_ptr()] for name, kv in kv_caches.items()}
         logger.info(
-            "kvtier worker rank %d: %d KV layers, chunk slot %d bytes, block dim %d",
-            rank, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
+            "kvtier worker rank %d stage %d: %d KV layers, chunk slot %d bytes, block dim %d",
+            rank, stage, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
         )
         if self._remote_factory is not None and self.cfg.remote_url:
             from .scheduler import faster_thread_switches

@@ -4,8 +4,10 @@ A chunk covers ``chunk_size`` tokens. Its key is derived from vLLM's own block
 hash of the chunk's *last* block — vLLM chains block hashes, so that one hash
 already covers the whole prefix, the request's ``cache_salt``, LoRA and
 multimodal inputs — mixed with a namespace digest of everything that makes KV
-bytes incompatible: model identity, dtypes, kvtier's layout version, the TP
-size and rank, and the operator's ``namespace``. Nothing here depends on
+bytes incompatible: model identity (a fingerprint of the weights and config,
+see :mod:`kvtier.fingerprint`), dtypes, kvtier's layout version, the TP size
+and rank, the pipeline size and stage (stage 1 holds other layers than stage 0,
+often with the same shapes), and the operator's ``namespace``. Nothing here depends on
 ``PYTHONHASHSEED``.
 """
 
@@ -20,7 +22,7 @@ import msgpack
 #: bump when the byte layout of a stored chunk changes
 LAYOUT_VERSION = 2  # 2: chunk headers record the layer layout
 
-#: the scheduler's index is shared by all TP ranks; this stands in for the rank there
+#: the scheduler's index is shared by all workers; this stands in for rank and stage there
 ANY_RANK = -1
 
 
@@ -37,13 +39,17 @@ class Namespace:
     tp_size: int
     namespace: str = ""
     layout_version: int = LAYOUT_VERSION
+    pp_size: int = 1
+    #: digest of the weights and everything that changes what they compute; "" = none
+    fingerprint: str = ""
 
-    def digest(self, rank: int = ANY_RANK) -> bytes:
-        """16-byte digest of this namespace for one TP rank (or ANY_RANK)."""
+    def digest(self, rank: int = ANY_RANK, stage: int = ANY_RANK) -> bytes:
+        """16-byte digest of this namespace for one worker: its TP rank and pipeline stage
+        (ANY_RANK for both in the scheduler's index, which stands for all workers)."""
         fields = [
             "kvtier", self.layout_version, self.model, self.revision or "", self.dtype,
             self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size, rank,
-            self.namespace,
+            self.namespace, self.pp_size, stage, self.fingerprint,
         ]
         return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
 

@@ -138,3 +138,77 @@ def test_worker_with_micro_batches_saves_only_after_the_forward(monkeypatch) -> 
 def test_facade_asks_vllm_for_piecewise_cuda_graphs() -> None:
     """Layer-wise waits and saves cannot live inside a captured full CUDA graph."""
     assert KVTierConnector.requires_piecewise_for_cudagraph({"cpu_bytes": "1GiB"}) is True
+
+
+def _pp_worker(root, stage: int, seed: int, layer_offset: int):
+    """One pipeline stage's worker as vLLM builds it at PP=2 (same namespace, same
+    metadata for every stage) with a file:// object tier; its two layers are named as
+    they are on that stage (layers 0-1 on stage 0, 2-3 on stage 1) with their own KV."""
+    import time as _time
+
+    from kvtier.remote import RemoteIO
+    from kvtier.tiers import FileTier
+
+    cfg = load_config(
+        {"cpu_bytes": "64MiB", "chunk_size": BPC * BS, "remote_url": f"file://{root}"},
+        environ={},
+    )
+    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1, pp_size=2)
+
+    def remote(c):
+        return RemoteIO(FileTier(str(root)), threads=1, queue_depth=8, timeout_s=5, signer=None)
+
+    w = worker_mod.WorkerSide(cfg, ns, NUM_BLOCKS, remote)
+    src = make_caches(KV_FIRST, layers=2, seed=seed)
+    caches = {
+        f"model.layers.{i + layer_offset}.self_attn.attn": kv
+        for i, kv in enumerate(src.values())
+    }
+    w.register_kv_caches(caches, rank=0, stage=stage)
+
+    def results(meta_step, want):
+        deadline = _time.monotonic() + 10
+        got: dict[int, list[bool]] = {}
+        while _time.monotonic() < deadline and not want <= got.keys():
+            got.update(w.build_worker_meta().results)
+            _time.sleep(0.01)
+        return got
+
+    return w, caches, results
+
+
+def test_pipeline_stages_never_load_each_others_chunks(tmp_path) -> None:
+    """PP=2: both stages get the same scheduler metadata (same block hash, same slot) but
+    hold different layers with the same shapes. Each stage's upload must land under its
+    own key, and a fresh engine's stage 1 must get stage 1's bytes back, never stage 0's."""
+    root = tmp_path / "kv"
+    h = b"\x11" * 32
+    stages = [_pp_worker(root, s, seed=10 + s, layer_offset=2 * s) for s in (0, 1)]
+    for w, _caches, results in stages:
+        sb = w.layout.slot_bytes
+        store = step_meta(1, sb, stores=[StoreOp(1, 0, [5, 6, 7, 8], h, upload_op_id=2)])
+        w.start_load_kv(store)
+        w.wait_for_save(store)
+        assert results(1, {1, 2}) == {1: [True], 2: [True]}
+        w.shutdown()
+    objects = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(objects) == 2, "one object per stage"
+
+    for stage in (1, 0):  # a restarted engine; stage 1 first
+        w, caches, results = _pp_worker(root, stage, seed=99, layer_offset=2 * stage)
+        original = stages[stage][1]
+        sb = w.layout.slot_bytes
+        fetch = step_meta(1, sb)
+        fetch.fetches = [worker_mod.RemoteOp(3, 0, h)]
+        w.begin_step(fetch)
+        w.wait_for_save(fetch)
+        assert results(1, {3}) == {3: [True]}
+        load = step_meta(2, sb, loads=[LoadOp(4, 0, 0, [20, 21, 22, 23])])
+        w.start_load_kv(load)
+        w.wait_for_save(load)
+        assert w.build_worker_meta().results == {4: [True]}
+        for name in caches:
+            assert torch.equal(
+                blocks_of(caches[name], [20, 21, 22, 23]), blocks_of(original[name], [5, 6, 7, 8])
+            ), (stage, name)
+        w.shutdown()

@@ -51,8 +51,11 @@ def test_any_namespace_field_changes_the_key() -> None:
     changes = {
         "model": "/models/other", "revision": "abc", "dtype": "float16",
         "kv_cache_dtype": "fp8", "block_size": 16, "chunk_size": 512, "tp_size": 2,
-        "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1,
+        "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1, "pp_size": 2,
+        "fingerprint": "weights-b",
     }
+    # a field added to Namespace but left out of its digest would let two layouts share keys
+    assert changes.keys() == {f.name for f in dataclasses.fields(Namespace)}
     seen = {base}
     for field, value in changes.items():
         key = chunk_key(dataclasses.replace(NS, **{field: value}).digest(), HASHES[7])
@@ -60,9 +63,31 @@ def test_any_namespace_field_changes_the_key() -> None:
         seen.add(key)
 
 
-def test_rank_is_part_of_the_object_key() -> None:
-    keys = {chunk_key(NS.digest(r), HASHES[7]) for r in (ANY_RANK, 0, 1)}
-    assert len(keys) == 3
+def test_rank_and_pipeline_stage_are_part_of_the_object_key() -> None:
+    positions = [(r, s) for r in (ANY_RANK, 0, 1) for s in (ANY_RANK, 0, 1)]
+    keys = {chunk_key(NS.digest(rank=r, stage=s), HASHES[7]) for r, s in positions}
+    assert len(keys) == len(positions)
+    pp2 = dataclasses.replace(NS, pp_size=2)
+    assert chunk_key(pp2.digest(0, 0), HASHES[7]) != chunk_key(NS.digest(0, 0), HASHES[7])
+
+
+def test_facade_reads_the_worker_position_from_vllm(monkeypatch) -> None:
+    """TP rank and PP stage come from vLLM's process groups (stage 1 of PP=2 here)."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm import worker_position
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=1))
+    assert worker_position() == (1, 1)
+
+    def unset():
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", unset)
+    monkeypatch.setattr(parallel_state, "get_pp_group", unset)
+    assert worker_position() == (0, 0)
 
 
 def test_different_prefix_different_key() -> None:
