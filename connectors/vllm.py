@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig, load_config, redact_url
-from kvtier.keys import Namespace
 
+from .identity import namespace_for
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
@@ -53,23 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
-
-
-def namespace_for(cfg: KVTierConfig, vllm_config: VllmConfig) -> Namespace:
-    """Everything besides the prefix that makes KV bytes incompatible."""
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    return Namespace(
-        model=str(model.model),
-        revision=model.revision,
-        dtype=str(model.dtype).removeprefix("torch."),
-        kv_cache_dtype=str(cache.cache_dtype),
-        block_size=cache.block_size,
-        chunk_size=cfg.chunk_size,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
-        namespace=cfg.namespace,
-    )
 
 
 def worker_position() -> tuple[int, int]:
@@ -115,19 +97,6 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
-        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-        if (
-            role == KVConnectorRole.SCHEDULER
-            and self.cfg.remote_url
-            and algo.startswith("xxhash")
-            and os.environ.get("PYTHONHASHSEED") is None
-        ):
-            logger.warning(
-                "kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives block hashes "
-                "that differ in every process, so the object tier cannot be shared across "
-                "restarts or replicas; set PYTHONHASHSEED to one value everywhere or use sha256",
-                algo,
-            )
         url = extra.get("remote_url")
         if role == KVConnectorRole.SCHEDULER and isinstance(url, str) and redact_url(url) != url:
             logger.warning(

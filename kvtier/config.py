@@ -279,6 +279,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "cpu_bytes": _cpu_bytes,
     "cpu_headroom_bytes": parse_size,
     "namespace": lambda k, v: _text(k, v) or "",
+    "model_fingerprint": _text,
     "remote_url": _remote_url,
     "s3_endpoint_url": _endpoint_url,
     "remote_ttl_s": lambda k, v: None if v is None else _int(k, v, 1, 2**31 - 1),
@@ -307,6 +308,9 @@ class KVTierConfig:
     cpu_headroom_bytes: int = 4 * 2**30
     #: optional string mixed into every chunk key (tenant / deployment isolation)
     namespace: str = ""
+    #: names the exact weights (a build id, a checksum) in object-tier keys instead of
+    #: kvtier's own fingerprint of the model directory; for weights kvtier cannot read
+    model_fingerprint: str | None = None
     #: object tier: file:///dir, s3://bucket/prefix, redis://host:port/db; None = host only
     remote_url: str | None = None
     #: explicit S3 endpoint (MinIO, Ceph RGW); otherwise boto3's own discovery

@@ -1,0 +1,144 @@
+"""What a chunk key says about the engine: the model's identity and KV layout.
+
+The host tier lives and dies with one engine, whose weights never change, so the
+model's name is enough there. The object tier outlives engines and is shared by
+replicas: its keys carry a fingerprint of the weights (:mod:`kvtier.fingerprint`)
+and of every setting that changes what they compute, and startup refuses the
+settings under which chunks from another process could be wrong for this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.fingerprint import FingerprintError, weights_fingerprint
+from kvtier.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvtier")
+
+def namespace_for(cfg: KVTierConfig, vllm_config: VllmConfig) -> Namespace:
+    """Everything besides the prefix that makes KV bytes incompatible.
+
+    With an object tier the model is named by its fingerprint, not its path: the same
+    weights mounted at two paths share chunks, new weights at the same path do not.
+    """
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    name, revision, fingerprint = str(model.model), model.revision, ""
+    if cfg.remote_url:
+        check_shareable(cfg, vllm_config)
+        name, revision, fingerprint = "", None, model_identity(cfg, vllm_config)
+    return Namespace(
+        model=name,
+        revision=revision,
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(cache.cache_dtype),
+        block_size=cache.block_size,
+        chunk_size=cfg.chunk_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+        namespace=cfg.namespace,
+        fingerprint=fingerprint,
+    )
+
+
+def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
+    """Refuse an object tier where chunks of other processes cannot be trusted to match.
+
+    - A non-cryptographic block hash (``xxhash``): with a shared seed, prompts can be
+      crafted whose blocks collide with another tenant's; without one, every process
+      hashes differently and nothing is ever shared.
+    - KV scales computed per replica (``--calculate-kv-scales`` with an fp8 KV cache):
+      the same prefix gives other bytes in every replica, and a chunk quantized with
+      another replica's scales reads back as wrong values.
+    """
+    cache = vllm_config.cache_config
+    algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+    if algo.startswith("xxhash"):
+        raise ConfigError(
+            "remote_url",
+            cfg.remote_url,
+            f"an object tier needs a collision-resistant block hash, and vLLM runs with "
+            f"--prefix-caching-hash-algo {algo}: use sha256 or sha256_cbor, or drop remote_url",
+        )
+    if getattr(cache, "calculate_kv_scales", False) and str(cache.cache_dtype) != "auto":
+        raise ConfigError(
+            "remote_url",
+            cfg.remote_url,
+            "an object tier cannot be shared when each replica computes its own KV scales "
+            "(--calculate-kv-scales): load the scales from the checkpoint, or drop remote_url",
+        )
+
+
+def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
+    """Digest of the weights (or ``cfg.model_fingerprint``) and of the settings that change
+    what they compute: the model config after ``hf_overrides`` (rope scaling...), the
+    quantization method and the context length (rope variants pick factors by it)."""
+    model = vllm_config.model_config
+    weights = cfg.model_fingerprint or _weights(model)
+    settings: dict[str, Any] = {
+        "weights": weights,
+        "hf_config": _config_dict(getattr(model, "hf_config", None)),
+        "quantization": str(getattr(model, "quantization", None)),
+        "max_model_len": getattr(model, "max_model_len", None),
+        "attention_dtype": str(getattr(model, "override_attention_dtype", None)),
+    }
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _weights(model: Any) -> str:
+    """Fingerprint of the model's local files: its directory, or the Hugging Face cache's
+    snapshot of a hub id (vLLM downloaded it before the connector starts)."""
+    path = str(model.model)
+    try:
+        return weights_fingerprint(path)
+    except FingerprintError as local_error:
+        snapshot = _hub_snapshot(path, model.revision)
+        if snapshot is not None:
+            try:
+                return weights_fingerprint(snapshot)
+            except FingerprintError:
+                pass
+        raise ConfigError(
+            "model_fingerprint",
+            None,
+            f"kvtier cannot fingerprint the weights of {path!r} ({local_error}), and an "
+            "object tier must never hand one model's KV to another: set model_fingerprint "
+            "to a string that changes whenever the weights do (a build id, a checksum)",
+        ) from None
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The local snapshot directory of a hub model, or None when there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not a hub id, not downloaded, or no huggingface_hub
+        return None
+
+
+def _config_dict(hf_config: Any) -> Any:
+    """The model config as vLLM runs it, without transformers' private bookkeeping
+    (``_name_or_path`` holds the path, which must not split replicas)."""
+    if hf_config is None:
+        return None
+    to_dict = getattr(hf_config, "to_dict", None)
+    return _public(to_dict() if callable(to_dict) else repr(hf_config))
+
+
+def _public(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _public(v) for k, v in value.items() if not str(k).startswith("_")}
+    if isinstance(value, list | tuple):
+        return [_public(v) for v in value]
+    return value
