@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from urllib.parse import urlparse
 
 import redis
 from redis.backoff import NoBackoff
@@ -72,9 +73,13 @@ class RedisTier(ObjectTier):
         self._password = redis.connection.parse_url(url).get("password")
         self.ttl_s = ttl_s
         timeout = lookup_timeout_ms / 1000
+        # TLS verifies the server's certificate and name whatever redis-py's version
+        # defaults to (5.x did not check the hostname); a URL's own ssl_* arguments win
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
         try:
             pool = redis.BlockingConnectionPool.from_url(
                 url,
+                **(tls if urlparse(url).scheme == "rediss" else {}),
                 max_connections=io_threads + 2,
                 timeout=max(1.0, timeout),
                 socket_timeout=max(1.0, 2 * timeout),

@@ -217,3 +217,10 @@ def test_rediss_tls_and_auth_from_the_url(services) -> None:
         with pytest.raises(TierUnavailable) as info:
             t.get("tls")
         assert secret not in str(info.value)
+    # ... nor one whose certificate names another host (the test certificate is for
+    # 127.0.0.1 only): a trusted CA is not enough, the name must match too
+    other_name = server.url.replace("@127.0.0.1:", "@localhost:")
+    assert "localhost" in other_name
+    with open_tier(load_config({"remote_url": other_name}, environ={})) as t:
+        with pytest.raises(TierUnavailable, match="(?i)hostname|match|certificate"):
+            t.get("tls")
