@@ -292,6 +292,37 @@ def _fp8_kv_supported() -> bool:
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> None:
+    """A fine-tune redeployed over the same path (same names, shapes, config) must not
+    find the old model's chunks; the same weights mounted elsewhere must."""
+    import shutil
+
+    from kvtier.sizing.tinymodel import build_tiny_llama
+
+    served = tmp_path / "models" / "served"
+    build_tiny_llama(served, seed=0)
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tmp_path / 'kv'}"}
+    logs = tmp_path / "logs"
+    w = run_logged("remote_writer", logs, model=str(served), extra=extra)
+    assert w["b_ref"]["cached"] == 1024 and len(chunk_files(tmp_path / "kv")) == 5
+
+    elsewhere = tmp_path / "mnt" / "same-weights"
+    shutil.copytree(served, elsewhere)
+    same = run_logged("remote_reader", logs, model=str(elsewhere), extra=extra)
+    assert same["index"]["totals"].get("hit_tokens_remote", 0) >= 1024, same["index"]
+    assert same["b"]["tokens"] == w["b_ref"]["tokens"]
+
+    shutil.rmtree(served)
+    build_tiny_llama(served, seed=1)  # the redeploy: other weights, same everything else
+    new = run_logged("remote_reader", logs, model=str(served), extra=extra)
+    totals = new["index"]["totals"]
+    assert totals.get("hit_tokens_remote", 0) == 0 and totals.get("fetch_ok", 0) == 0, totals
+    assert new["b"]["cached"] == 0
+    assert new["b"]["tokens"] != w["b_ref"]["tokens"] or new["b"]["logprobs"] != w["b_ref"][
+        "logprobs"
+    ], "the redeployed weights compute differently (else this test proves nothing)"
+
+
 def test_cache_salt_model_and_kv_dtype_separate_chunks(
     tiny_model: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
