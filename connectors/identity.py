@@ -24,18 +24,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier")
 
-def namespace_for(cfg: KVTierConfig, vllm_config: VllmConfig) -> Namespace:
+def namespace_for(
+    cfg: KVTierConfig, vllm_config: VllmConfig, *, read_weights: bool = True
+) -> Namespace:
     """Everything besides the prefix that makes KV bytes incompatible.
 
     With an object tier the model is named by its fingerprint, not its path: the same
     weights mounted at two paths share chunks, new weights at the same path do not.
+    ``read_weights=False`` leaves the fingerprint out, for a worker built before vLLM
+    has loaded (or downloaded) the weights; its keys are made after that.
     """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     name, revision, fingerprint = str(model.model), model.revision, ""
     if cfg.remote_url:
         check_shareable(cfg, vllm_config)
-        name, revision, fingerprint = "", None, model_identity(cfg, vllm_config)
+        name, revision = "", None
+        if read_weights:
+            fingerprint = model_identity(cfg, vllm_config)
     return Namespace(
         model=name,
         revision=revision,

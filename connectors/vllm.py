@@ -108,15 +108,19 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.codec import Signer
 
             Signer.from_config(self.cfg)  # a missing or empty key stops startup here
-        ns = namespace_for(self.cfg, vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM builds the scheduler after the workers loaded the weights
+            ns = namespace_for(self.cfg, vllm_config)
             self._scheduler = SchedulerSide(
                 self.cfg, vllm_config, kv_cache_config, ns, _remote_factory("scheduler")
             )
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
         else:
+            # a worker's connector comes before the weights (a hub model may not be
+            # downloaded yet): its keys are made in register_kv_caches
+            ns = namespace_for(self.cfg, vllm_config, read_weights=False)
             self._worker = WorkerSide(
                 self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")
             )
@@ -142,6 +146,8 @@ class KVTierConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        # the weights are loaded now: the worker's keys carry their fingerprint
+        self._worker.namespace = namespace_for(self.cfg, self._vllm_config)
         rank, stage = worker_position()
         self._worker.register_kv_caches(kv_caches, rank, stage)
 

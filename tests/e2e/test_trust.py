@@ -596,7 +596,7 @@ def test_errors_logs_and_doctor_never_show_secrets(
             s3.get("k")
         texts += [str(info.value), repr(s3)]
         s3.close()
-    # config: the env var names show, never the key; a bad URL is redacted
+    # config: redacted() hides the key and even the name of its variable; a bad URL is redacted
     monkeypatch.setenv(HMAC_VAR, SECRETS["hmac_k1"])
     cfg = load_config({"hmac_key_env": HMAC_VAR, "remote_url": server.url}, environ={})
     texts += [json.dumps(cfg.redacted()), repr(codec.Signer.from_config(cfg))]
