@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.scheduler")
 
+#: write_back: after a failed upload, cleaning ahead of eviction waits this long (seconds)
+_CLEAN_PAUSE_S = 5.0
+
 
 @dataclass(slots=True)
 class _Lookup:
@@ -120,6 +123,11 @@ class SchedulerSide:
         self._op_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._uploads: list[RemoteOp] = []
+        #: write_back keeps this many of the oldest chunks uploaded ahead of eviction, so
+        #: one step's stores find clean victims: what a step can store, up to half the tier
+        step_chunks = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.chunk_size)
+        self._clean_reserve = max(1, min(num_slots // 2, step_chunks))
+        self._clean_paused_until = 0.0  # after a failed upload: the object tier may be down
         self.index = ChunkIndex(
             num_slots,
             write_back_needed=self._write_back_needed,
@@ -240,6 +248,7 @@ class SchedulerSide:
                     (st.request.arrival_time, st.outcome)
                 )
             self._plan_stores(st, req_id, computed_after, meta.stores)
+        self._clean_oldest()
         meta.uploads, self._uploads = self._uploads, []
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
         self.stats.set(metrics.HOST_BYTES_USED, used)
@@ -382,10 +391,28 @@ class SchedulerSide:
         return self.write_back and not entry.remote and bool(entry.block_hash)
 
     def _begin_write_back(self, entry: Entry) -> None:
+        """Upload a chunk the index holds for it (evicting, or being cleaned)."""
         op_id = next(self._op_ids)
+        entry.uploading = True
         self._uploads.append(RemoteOp(op_id, entry.slot, entry.block_hash))
         self._pending[op_id] = _Pending("upload", entry, time.perf_counter())
         self.totals["write_back"] += 1
+
+    def _clean_oldest(self) -> None:
+        """write_back: keep ``_clean_reserve`` slots free or holding uploaded chunks, by
+        uploading the oldest chunks before they are needed as victims. They stay hits
+        meanwhile; once uploaded they are evicted at once, so a burst of stores neither
+        waits for uploads nor is skipped (only a burst larger than the reserve is)."""
+        if not self.write_back or time.monotonic() < self._clean_paused_until:
+            return
+        ready = self.index.free_slots
+        for entry in self.index.ready_oldest_first():
+            if ready >= self._clean_reserve:
+                break
+            ready += 1
+            if self._write_back_needed(entry) and not entry.uploading:
+                self.index.hold(entry)  # released when the upload is reported
+                self._begin_write_back(entry)
 
     # ---- worker reports ----------------------------------------------------------------
     def _report(self, op_id: int, oks: list[bool]) -> None:
@@ -409,6 +436,10 @@ class SchedulerSide:
                 self.stats.inc(metrics.BYTES, pending.nbytes, (tier, "write" if tier == "host"
                                                                   else "read"))
         elif pending.kind in ("load", "upload"):
+            if pending.kind == "upload":
+                entry.uploading = False
+                if not ok and self.write_back:
+                    self._clean_paused_until = time.monotonic() + _CLEAN_PAUSE_S
             if live and entry.refs > 0:
                 self.index.unpin(entry.key)
             if pending.kind == "upload" and ok and live:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -36,6 +36,8 @@ class Entry:
     fetched: bool = False
     #: vLLM's hash of the chunk's last block (the owner's handle for object-tier ops)
     block_hash: bytes = b""
+    #: an upload of this chunk is in flight (write-back cleaning: it stays a hit meanwhile)
+    uploading: bool = False
 
 
 class ChunkIndex:
@@ -75,6 +77,14 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def ready_oldest_first(self) -> Iterator[Entry]:
+        """Ready chunks (pinned ones included), least recently used first."""
+        return (e for e in self._entries.values() if e.state is State.READY)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
 
     @property
     def used_slots(self) -> int:

@@ -19,11 +19,14 @@ BS, CHUNK = 32, 256
 BPC = CHUNK // BS
 
 
-def make_side(cpu_bytes: str = "4MiB") -> SchedulerSide:
+def make_side(
+    cpu_bytes: str = "4MiB", extra: dict | None = None, remote_factory=None
+) -> SchedulerSide:
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=BS, cpu_offload_gb=0),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(model="/nonexistent/model"),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
         offload_config=None,
     )
     # 2 layers x 4 KiB per block -> a 64 KiB slot per chunk
@@ -33,10 +36,12 @@ def make_side(cpu_bytes: str = "4MiB") -> SchedulerSide:
                             layer_names=["l0", "l1"])
         ]
     )
-    cfg = load_config({"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0}, environ={})
+    cfg = load_config(
+        {"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0, **(extra or {})}, environ={}
+    )
     ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BS, chunk_size=CHUNK, tp_size=1)
-    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns)
+    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns, remote_factory)
     side.bind_kv_cache_manager(FakeManager())
     return side
 
@@ -198,3 +203,67 @@ def test_stores_with_every_slot_busy_are_skipped_and_counted() -> None:
     assert counters[series_id(metrics.STORES_SKIPPED)] == 2
     report(side, meta)
     assert side.index.used_slots == 2 and side.index.total_refs() == 0
+
+
+class EmptyObjectTier:
+    """The scheduler's view of an object tier that holds nothing (every lookup a miss)."""
+
+    def __init__(self) -> None:
+        self.results: list = []
+
+    def submit_exists(self, op_id: int, keys: list[str]) -> None:
+        from kvtier.remote import IOResult
+
+        self.results.append(IOResult(op_id, "exists", True, None, [False] * len(keys), 0, 0.0))
+
+    def poll(self) -> list:
+        out, self.results = self.results, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def write_back_side(cpu_bytes: str) -> SchedulerSide:
+    extra = {"remote_url": "file:///nonexistent", "write_policy": "write_back"}
+    return make_side(cpu_bytes, extra, remote_factory=lambda cfg: EmptyObjectTier())
+
+
+def run_prompt(side: SchedulerSide, req, first_block: int):
+    """Look up, schedule and finish one prompt as vLLM does; the step's metadata."""
+    while side.get_num_new_matched_tokens(req, 0) == (None, False):
+        pass  # the object tier's (empty) answer is polled on the next call
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens, first_block=first_block)
+    report(side, meta)
+    side.request_finished(req, [])
+    return meta
+
+
+def test_write_back_keeps_the_newest_prompt_whole_and_uploads_what_it_evicts() -> None:
+    """A host tier of 12 slots, prompts of 4 chunks: every prompt is stored whole (the
+    oldest chunks were uploaded ahead of time and are evicted at once), the chunks that
+    leave were all uploaded first, and nothing is left pinned."""
+    side = write_back_side("768KiB")  # 12 slots of 64 KiB
+    assert side.index.num_slots == 12 and side._clean_reserve == 6
+    uploaded: set[bytes] = set()
+    stored: list[bytes] = []
+    for i in range(10):
+        req = request(f"r{i}", 100 + i, 4 * CHUNK)
+        meta = run_prompt(side, req, first_block=100 + 20 * i)
+        assert len(meta.stores) == 4, (i, side.totals)  # never skipped
+        stored += [op.block_hash for op in meta.stores]
+        uploaded |= {op.block_hash for op in meta.uploads}
+        if i == 0:
+            assert not uploaded, "a tier with room enough uploads nothing ahead of time"
+        # the newest prompt is a full hit
+        again = request(f"again{i}", 100 + i, 4 * CHUNK)
+        assert side.get_num_new_matched_tokens(again, 0)[0] == 4 * CHUNK - BS
+        side.request_finished(again, [])
+    evicted = [h for h in stored if not any(
+        e.block_hash == h for e in side.index._entries.values())]
+    assert len(evicted) == 40 - 12
+    assert set(evicted) <= uploaded, "a chunk left the host tier without being uploaded"
+    assert side.totals.get("store_skipped", 0) == 0
+    assert side.index.total_refs() == 0
+    side.index.check()

@@ -153,19 +153,26 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
 @pytest.mark.parametrize("policy", ["write_back", "none"])
 def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     root = tmp_path / "kv"
-    # 6 host slots for 3 prompts x 4 chunks: the host tier must evict
-    extra = {"cpu_bytes": "3MiB", "remote_url": f"file://{root}", "write_policy": policy}
-    w = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
+    # 10 host slots for 3 prompts x 4 chunks: the host tier must evict
+    extra = {"cpu_bytes": "5MiB", "remote_url": f"file://{root}", "write_policy": policy}
+    # the last prompt again: the newest prompt must still be whole in the host tier
+    seeds = [51, 52, 53, 53]
+    w = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=seeds, repeats=1)
     files = chunk_files(root)
     totals = w["index"]["totals"]
-    assert totals["evictions"] > 0
+    assert w["index"]["num_slots"] == 10 and totals["evictions"] > 0, totals
+    assert w["rounds"][0][3]["cached"] >= 1024, totals
     if policy == "none":
         assert files == [] and totals.get("write_back", 0) == 0
         return
-    # write_back: exactly the chunks that left the host tier were written, on eviction
-    assert totals["write_back"] > 0 and len(files) == totals["write_back"], totals
-    assert totals.get("upload_ok", 0) == totals["write_back"]
+    # write_back: every chunk that left the host tier was uploaded first (the oldest are
+    # uploaded ahead of eviction, so stores never wait or get skipped for it)
+    assert totals.get("store_skipped", 0) == 0, totals
+    assert totals.get("upload_ok", 0) == totals["write_back"] >= totals["evictions"], totals
+    assert len(files) >= totals["evictions"], totals
     assert w["index"]["refs"] == 0 and w["index"]["invariants"] is True
     r = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
+    # a new engine, empty host tier: 51 (evicted first) comes whole from the object tier
+    assert r["rounds"][0][0]["cached"] >= 1024, r["index"]["totals"]
     assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024, "evicted chunks come back"
-    assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0]]
+    assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0][:3]]
