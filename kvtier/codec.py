@@ -42,7 +42,10 @@ from kvtier.errors import (
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "Signer", "decode", "encode", "encoded_size"]
+__all__ = [
+    "FORMAT_VERSION", "MAGIC", "Signer", "decode", "encode", "encoded_size", "head_length",
+    "verify",
+]
 
 FORMAT_VERSION = 1
 MAGIC = b"KVTC"
@@ -246,20 +249,48 @@ def decode(
     """
     view = _payload_view(blob)
     total = view.nbytes
-    if total == 0:
+    body_at = head_length(view[: _PREFIX.size])
+    if total < body_at:
+        raise TruncatedError(f"chunk of {total} bytes ends inside its {body_at}-byte header")
+    payload = view[body_at:]
+    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer)
+    return payload
+
+
+def head_length(prefix: bytes | bytearray | memoryview) -> int:
+    """Bytes before the payload (magic, length, header), from the chunk's first 8 bytes."""
+    view = _payload_view(prefix)
+    if view.nbytes == 0:
         raise TruncatedError("empty chunk")
-    head = bytes(view[:4])
-    if head != MAGIC[: len(head)]:
+    if bytes(view[:4]) != MAGIC[: min(4, view.nbytes)]:
         raise CodecError("not a kvtier chunk (bad magic)")
-    if total < _PREFIX.size:
-        raise TruncatedError(f"chunk of {total} bytes is shorter than its prefix")
+    if view.nbytes < _PREFIX.size:
+        raise TruncatedError(f"chunk of {view.nbytes} bytes is shorter than its prefix")
     _, hlen = _PREFIX.unpack_from(view)
     if hlen > MAX_HEADER:
         raise CodecError(f"chunk header length {hlen} is implausible")
-    body_at = _PREFIX.size + hlen
-    if total < body_at:
-        raise TruncatedError(f"chunk of {total} bytes ends inside its {hlen}-byte header")
-    header = _parse_header(bytes(view[_PREFIX.size : body_at]))
+    return _PREFIX.size + hlen
+
+
+def verify(
+    head: bytes | bytearray | memoryview,
+    payload: memoryview,
+    *,
+    key: str,
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+    signer: Signer | None = None,
+) -> None:
+    """Check a chunk read as its head (magic, length, header) and its payload, where the
+    payload already is where it will be used (a host slot): nothing is copied. Raises
+    like :func:`decode`; on any error the payload's bytes must not be used."""
+    head_v = _payload_view(head)
+    body_at = head_length(head_v[: _PREFIX.size])
+    if head_v.nbytes < body_at:
+        raise TruncatedError(f"chunk ends inside its {body_at}-byte header")
+    if head_v.nbytes > body_at:
+        raise CodecError("chunk head and payload do not line up")
+    header = _parse_header(bytes(head_v[_PREFIX.size : body_at]))
     if header["key"] != key:
         raise KeyMismatchError("object holds a different chunk key than its name")
     if dtype is not None and header["dtype"] != dtype:
@@ -267,12 +298,11 @@ def decode(
     if shape is not None and header["shape"] != [int(d) for d in shape]:
         raise CodecError(f"chunk shape {header['shape']}, expected {list(shape)}")
     n = header["len"]
-    have = total - body_at
+    have = payload.nbytes
     if have < n:
         raise TruncatedError(f"chunk payload has {have} of {n} bytes")
     if have > n:
         raise CodecError(f"chunk has {have - n} bytes after its payload")
-    payload = view[body_at:]
     if xxhash.xxh3_128_digest(payload) != header["xxh"]:
         raise ChecksumError("chunk payload does not match its checksum")
     if signer is not None:
@@ -284,4 +314,3 @@ def decode(
         )
         if not signer.verify(canon, payload, sig):
             raise SignatureError("chunk signature does not match any accepted key")
-    return payload

@@ -36,7 +36,6 @@ from host slots, and later polls for results. Behind that:
 from __future__ import annotations
 
 import collections
-import inspect
 import itertools
 import logging
 import queue
@@ -48,7 +47,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvtier import codec
 from kvtier.backoff import Backoff, BackoffState, ExponentialBackoff
-from kvtier.errors import CodecError, ObjectTooLarge, TierError, TierUnavailable
+from kvtier.errors import CodecError, TierError, TierUnavailable
 from kvtier.tiers.base import ObjectTier
 
 if TYPE_CHECKING:
@@ -95,7 +94,7 @@ class _Op:
     """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
 
     __slots__ = ("op_id", "kind", "keys", "buf", "dtype", "shape", "t0", "deadline", "lock",
-                 "done", "seq")  # fmt: skip
+                 "done", "seq", "started")  # fmt: skip
 
     def __init__(
         self,
@@ -119,6 +118,8 @@ class _Op:
         self.deadline = self.t0 + timeout_s
         self.lock = threading.Lock()
         self.done = False
+        #: a get whose bytes are being read into ``buf`` (the caller's slot)
+        self.started = False
 
 
 class _RateLimitedLog:
@@ -141,15 +142,6 @@ class _RateLimitedLog:
             log.warning(msg + " (%d similar warnings suppressed)", *args, suppressed)
         else:
             log.warning(msg, *args)
-
-
-def _accepts(func: object, name: str) -> bool:
-    """Whether ``func`` takes keyword ``name`` (tiers written before get had ``max_bytes``)."""
-    try:
-        params = inspect.signature(func).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
@@ -198,7 +190,6 @@ class RemoteIO:
         self._tier_log = _RateLimitedLog()
         self._data_log = _RateLimitedLog()
         self._object_log = _RateLimitedLog()
-        self._get_takes_bound = _accepts(tier.get, "max_bytes")
         # reads get the larger half: lookups are latency-critical, uploads are not
         self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
         n_read, n_write = self.read_threads, self.write_threads
@@ -296,7 +287,8 @@ class RemoteIO:
         """Results completed since the last poll, reads past their deadline as timeouts."""
         now = time.monotonic()
         with self._lock:
-            expired = [op for op in self._inflight.values() if now > op.deadline]
+            # a get that has begun reading into its slot reports when the read is over
+            expired = [op for op in self._inflight.values() if now > op.deadline and not op.started]
         for op in expired:
             # a worker holding the lock is reporting right now; its result comes next poll
             if op.lock.acquire(blocking=False):
@@ -475,26 +467,21 @@ class RemoteIO:
                 self._finish(op, True, None, value=value)
             elif op.kind == "get":
                 assert buf is not None
-                limit = buf.nbytes + MAX_FRAME
-                blob = self.tier.get(key, max_bytes=limit) if self._get_takes_bound else (
-                    self.tier.get(key)
-                )
+                # straight into the slot, verified there: from here on this op reports only
+                # when the read is over, so the slot cannot be reused under a late write
+                with op.lock:
+                    if op.done:
+                        return
+                    op.started = True
+                head = self.tier.read_into(key, buf, MAX_FRAME)
                 self._mark_up(op)
-                if blob is None:
+                if head is None:
                     self._finish(op, False, None)
                     return
-                if len(blob) > limit:  # a tier that cannot bound its reads: at least refuse it
-                    raise ObjectTooLarge(f"object of {len(blob)} bytes, at most {limit} expected")
-                self._add("bytes_read", len(blob))
-                payload = codec.decode(
-                    blob, key=key, dtype=op.dtype, shape=op.shape, signer=self.signer
-                )
-                assert buf is not None
-                if payload.nbytes != buf.nbytes:
-                    raise CodecError(
-                        f"chunk payload is {payload.nbytes} bytes, the slot {buf.nbytes}"
-                    )
-                self._finish(op, True, None, nbytes=len(blob), copy_from=payload)
+                self._add("bytes_read", len(head) + buf.nbytes)
+                codec.verify(head, buf, key=key, dtype=op.dtype, shape=op.shape,
+                             signer=self.signer)  # fmt: skip
+                self._finish(op, True, None, nbytes=len(head) + buf.nbytes)
             else:
                 assert buf is not None
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
@@ -526,16 +513,13 @@ class RemoteIO:
         *,
         value: list[bool] | None = None,
         nbytes: int = 0,
-        copy_from: memoryview | None = None,
     ) -> None:
         """Report ``op`` unless poll() already reported it as a timeout."""
         with op.lock:
             if op.done:
                 return
-            if op.kind != "put" and ok and time.monotonic() > op.deadline:
-                ok, error_kind, value, copy_from = False, "timeout", None, None
-            if copy_from is not None and op.buf is not None:
-                op.buf[:] = copy_from
+            if op.kind == "exists" and ok and time.monotonic() > op.deadline:
+                ok, error_kind, value = False, "timeout", None
             self._report(op, ok, error_kind, value, nbytes)
 
     def _report(

@@ -13,10 +13,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-__all__ = ["ObjectTier", "Parts"]
+from kvtier.errors import ObjectTooLarge, TruncatedError
+
+__all__ = ["ObjectTier", "Parts", "head_length_for"]
+
+#: bytes before a chunk's header: magic and header length
+_PREFIX_BYTES = 8
 
 #: an encoded chunk as a list of buffers (header, payload), written without joining
 Parts = Sequence[bytes | memoryview]
+
+
+def head_length_for(size: int, payload: int, max_head: int, where: str) -> int:
+    """How many bytes of a ``size``-byte object come before a ``payload``-byte slot;
+    raises when no chunk for that slot can be that size (checked before reading)."""
+    head = size - payload
+    if head > max_head:
+        raise ObjectTooLarge(
+            f"{where}: object of {size} bytes, at most {payload + max_head} expected"
+        )
+    if head < _PREFIX_BYTES:
+        raise TruncatedError(f"{where}: object of {size} bytes, too short for this chunk")
+    return head
 
 
 class ObjectTier(ABC):
@@ -34,7 +52,9 @@ class ObjectTier(ABC):
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored, in order."""
+        """Whether each key is stored, in order. ``keys`` are a prompt's chunks and only
+        the stored prefix is used, so a backend may stop asking at the first missing key
+        and answer False for the rest (one request when the first chunk is missing)."""
 
     @abstractmethod
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
@@ -45,6 +65,26 @@ class ObjectTier(ABC):
         than ``max_bytes`` are ever read: a planted multi-GiB object must not
         make the engine allocate it.
         """
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        """Read a chunk straight into its host slot: the object's last ``dest.nbytes``
+        bytes land in ``dest``, the bytes before them (the chunk's head) are returned.
+
+        None when the key is not stored. An object longer than ``dest.nbytes +
+        max_head`` raises :class:`~kvtier.errors.ObjectTooLarge` before it is read;
+        one too short to hold a head and ``dest`` raises
+        :class:`~kvtier.errors.TruncatedError`. ``dest`` may hold any bytes after
+        an error: the caller verifies before it uses them. This default reads
+        through :meth:`get` (one extra copy); backends override it to read into
+        ``dest`` directly.
+        """
+        blob = self.get(key, max_bytes=dest.nbytes + max_head)
+        if blob is None:
+            return None
+        head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
+        view = memoryview(blob)
+        dest[:] = view[head_len:]
+        return bytes(view[:head_len])
 
     @abstractmethod
     def put(self, key: str, parts: Parts) -> None:

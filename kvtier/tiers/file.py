@@ -17,8 +17,8 @@ from urllib.parse import quote
 
 import xxhash
 
-from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.tiers.base import ObjectTier, Parts
+from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
+from kvtier.tiers.base import ObjectTier, Parts, head_length_for
 
 __all__ = ["FileTier", "SweepStats"]
 
@@ -143,6 +143,7 @@ class FileTier(ObjectTier):
         return ObjectError(msg)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        """In order, stopping at the first missing key (answers after it are False)."""
         out = []
         for key in keys:
             try:
@@ -150,10 +151,11 @@ class FileTier(ObjectTier):
             except OSError as exc:
                 if exc.errno in _TIER_ERRNOS:
                     raise self._error("exists", exc) from None
-                out.append(False)  # missing, or a name no object can be read from
-                continue
-            out.append(stat.S_ISREG(st.st_mode))
-        return out
+                break  # missing, or a name no object can be read from
+            if not stat.S_ISREG(st.st_mode):
+                break
+            out.append(True)
+        return out + [False] * (len(keys) - len(out))
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         try:
@@ -172,16 +174,52 @@ class FileTier(ObjectTier):
                     f"at most {max_bytes} expected"
                 )
             data = _read(fd, st.st_size)  # the size fstat saw: a file growing meanwhile is cut
-            if time.time() - st.st_mtime > _TOUCH_AFTER_S:
-                try:
-                    os.utime(fd)  # LRU: a hit makes the object young again
-                except OSError:
-                    pass  # another user's file or a read-only mount: eviction order only
+            self._touch(fd, st)
             return data
         except OSError as exc:
             raise self._error("get", exc) from None
         finally:
             os.close(fd)
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
+        try:
+            fd = os.open(self.path(key), _OPEN_READ)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._error("get", exc) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ObjectError(f"file tier get under {self.root}: not a regular file")
+            where = f"file tier get under {self.root}"
+            head = bytearray(head_length_for(st.st_size, dest.nbytes, max_head, where))
+            bufs, offset = [memoryview(head), dest], 0
+            while bufs:
+                n = os.preadv(fd, bufs, offset)
+                if n == 0:
+                    raise TruncatedError(f"{where}: object shrank while it was read")
+                offset += n
+                while bufs and n >= bufs[0].nbytes:
+                    n -= bufs[0].nbytes
+                    bufs.pop(0)
+                if bufs and n:
+                    bufs[0] = bufs[0][n:]
+            self._touch(fd, st)
+            return bytes(head)
+        except OSError as exc:
+            raise self._error("get", exc) from None
+        finally:
+            os.close(fd)
+
+    def _touch(self, fd: int, st: os.stat_result) -> None:
+        """LRU for ``file_max_bytes``: a hit makes the object young again (rarely written)."""
+        if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+            try:
+                os.utime(fd)
+            except OSError:
+                pass  # another user's file or a read-only mount: eviction order only
 
     def put(self, key: str, parts: Parts) -> None:
         dest = self.path(key)

@@ -12,8 +12,14 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.tiers.base import ObjectTier, Parts
+from kvtier.errors import (
+    ObjectError,
+    ObjectTooLarge,
+    TierError,
+    TierUnavailable,
+    TruncatedError,
+)
+from kvtier.tiers.base import ObjectTier, Parts, head_length_for
 
 __all__ = ["S3Tier", "client_config"]
 
@@ -43,6 +49,12 @@ def _is_object_error(exc: ClientError) -> bool:
     if code in _TIER_CODES or status >= 500 or status in (301, 307, 401, 403):
         return False
     return 400 <= status < 500
+
+
+def _prefix(found: list[bool]) -> list[bool]:
+    """True up to the first missing key, False from there on (lookups use the prefix)."""
+    n = found.index(False) if False in found else len(found)
+    return [True] * n + [False] * (len(found) - n)
 
 
 def _object_size(resp: dict) -> int | None:
@@ -198,11 +210,16 @@ class S3Tier(ObjectTier):
             raise self._fail("head", exc) from exc
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        if len(keys) <= 1:
-            return [self._head(k) for k in keys]
+        """The first key alone (a missing first chunk costs one request), then the rest
+        in parallel; answers after the first missing key are False."""
+        if not keys:
+            return []
+        if not self._head(keys[0]):
+            return [False] * len(keys)
         # map's iterator cancels the HEADs not yet sent when one fails: none waits out a
         # timeout against an endpoint that is down
-        return list(self._heads.map(self._head, keys))
+        out = [True, *self._heads.map(self._head, keys[1:])]
+        return _prefix(out)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
@@ -233,6 +250,46 @@ class S3Tier(ObjectTier):
                     f"at most {max_bytes} expected"
                 )
             return data
+        except _FAILURES as exc:
+            raise self._fail("get", exc) from exc
+        finally:
+            body.close()
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        """One ranged GET; the body streams into the slot (``readinto``, no full copy)."""
+        limit = dest.nbytes + max_head
+        try:
+            resp = self._client.get_object(
+                Bucket=self.bucket, Key=self.object_key(key), Range=f"bytes=0-{limit - 1}"
+            )
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in _MISSING:
+                return None
+            if code == "InvalidRange":  # a range of an empty object
+                raise TruncatedError(f"s3 get {self._where()}: empty object") from None
+            raise self._fail("get", exc) from exc
+        except _FAILURES as exc:
+            raise self._fail("get", exc) from exc
+        body = resp["Body"]
+        try:
+            size = _object_size(resp)
+            if size is None:  # no length: read what the range allows, then split it
+                blob = body.read(limit + 1)
+                size = len(blob)
+                head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
+                dest[:] = memoryview(blob)[head_len:]
+                return blob[:head_len]
+            head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
+            head = bytearray(head_len)
+            for buf in (memoryview(head), dest):
+                got = 0
+                while got < buf.nbytes:
+                    n = body.readinto(buf[got:])
+                    if not n:
+                        raise TruncatedError(f"s3 get {self._where()}: body ended early")
+                    got += n
+            return bytes(head)
         except _FAILURES as exc:
             raise self._fail("get", exc) from exc
         finally:

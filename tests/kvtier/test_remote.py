@@ -235,7 +235,12 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
     rio.close()
 
 
-def test_slow_get_times_out_and_never_writes_dest(redis_server: RedisServer, services) -> None:
+def test_slow_get_owns_its_slot_until_its_read_is_over(
+    redis_server: RedisServer, services
+) -> None:
+    """Reads land straight in the slot, so a get that has begun reading is reported only
+    when the read is over (a slot freed at the deadline could be reused under a late
+    write); a get still queued at its deadline, and an exists, time out at once."""
     redis_server.start()
     tier = RedisTier(redis_server.url)
     tier.put("slow", codec.encode("slow", payload(), dtype=DT, shape=SHAPE))
@@ -245,13 +250,13 @@ def test_slow_get_times_out_and_never_writes_dest(redis_server: RedisServer, ser
     dest = memoryview(bytearray(SIZE))
     rio.submit_get_into(1, "slow", dest, dtype=DT, shape=SHAPE)
     rio.submit_exists(2, ["slow"])
-    res = collect(rio, 2)
-    assert res[1].error_kind == "timeout" and res[2].error_kind == "timeout"
-    assert res[1].seconds < 1.5  # reported at the timeout, not when the reply comes
-    time.sleep(2.5)  # the fetch completes in the background...
-    assert bytes(dest) == bytes(SIZE)  # ...and is discarded
+    res = collect(rio, 1)
+    assert res[2].error_kind == "timeout" and res[2].seconds < 1.5
+    res = collect(rio, 1, timeout=10)
+    assert res[1].ok and res[1].seconds >= 1.5  # when the reply came, verified in place
+    assert bytes(dest) == payload()
     assert rio.poll() == []  # one result per op
-    assert rio.counters()["errors_timeout"] == 2
+    assert rio.counters()["errors_timeout"] == 1
     proxy.latency_s = 0
     rio.close()
     tier.close()
@@ -265,9 +270,9 @@ def _corruptions(key: str) -> dict[str, bytes]:
         "checksum": good[:-1] + bytes([good[-1] ^ 0xFF]),
         "truncated": good[: len(good) // 2],
         "wrong_key": other,
-        "malformed": b"\x00garbage" * 10,
+        "malformed": (b"\x00garbage" * SIZE)[: SIZE + 100],  # a slot's size, not a chunk
         "signature": good,  # unsigned, read with a key set
-        "size": small,  # header/shape says SHAPE, payload is 64 bytes: not our slot's size
+        "truncated-size": small,  # a chunk of 64 bytes: shorter than this slot, never read
     }
 
 
@@ -302,15 +307,14 @@ def test_corrupt_objects_are_reported_never_loaded(backend, request) -> None:
         via.submit_get_into(i, f"bad-{name}", dests[name], dtype=DT, shape=SHAPE)
         r = collect(via, 1)[i]
         assert not r.ok
-        expected = "malformed" if name in ("size", "malformed") else name
+        expected = "truncated" if name == "truncated-size" else name
         assert r.error_kind == expected, (name, r)
-        assert bytes(dests[name]) == b"\xee" * SIZE
     assert signed.counters()["errors_signature"] == 1
     signed.close()
     c = rio.counters()
     assert {k: c["errors_" + k] for k in ("checksum", "truncated", "wrong_key", "signature")} == {
-        "checksum": 1, "truncated": 1, "wrong_key": 1, "signature": 0}  # fmt: skip
-    assert c["errors_malformed"] == 2
+        "checksum": 1, "truncated": 2, "wrong_key": 1, "signature": 0}  # fmt: skip
+    assert c["errors_malformed"] == 1
     assert not rio.is_down  # bad data is not an outage
     rio.close()
 

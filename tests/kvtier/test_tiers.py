@@ -12,7 +12,7 @@ import pytest
 
 from kvtier import codec
 from kvtier.config import load_config
-from kvtier.errors import ConfigError, TierUnavailable
+from kvtier.errors import ConfigError, ObjectTooLarge, TierUnavailable, TruncatedError
 from kvtier.tiers import FileTier, ObjectTier, open_tier
 
 if TYPE_CHECKING:
@@ -63,9 +63,50 @@ def test_missing_key_is_none_not_error(tier: ObjectTier) -> None:
 
 def test_batch_exists_keeps_order(tier: ObjectTier) -> None:
     keys = [f"k{i:03d}" for i in range(40)]
-    for k in keys[::3]:
+    for k in keys[:5] + keys[8::3]:
         tier.put(k, _chunk(k, 64))
-    assert tier.exists(keys) == [i % 3 == 0 for i in range(len(keys))]
+    stored = [i < 5 or (i >= 8 and (i - 8) % 3 == 0) for i in range(len(keys))]
+    found = tier.exists(keys)
+    # the stored prefix exactly; after the first gap a backend may stop asking
+    assert found[:6] == stored[:6] and len(found) == len(keys)
+    assert all(s for f, s in zip(found, stored, strict=True) if f)
+
+
+def test_a_missing_first_chunk_costs_one_request(tier: ObjectTier, request) -> None:
+    """A 16-chunk prompt whose first chunk is not stored: exactly one backend request."""
+    keys = [f"p{i:02d}" for i in range(16)]
+    for k in keys[1:]:
+        tier.put(k, _chunk(k, 64))
+    requests = _count_requests(tier, request)
+    assert tier.exists(keys)[0] is False  # the rest is not used (Redis answers it anyway)
+    assert requests() == 1
+
+
+def _count_requests(tier: ObjectTier, request: pytest.FixtureRequest):
+    """A function returning how many backend requests ``tier`` made since this call."""
+    if tier.name == "s3":
+        sent = []
+        tier._client.meta.events.register("before-send.s3.*", lambda **kw: sent.append(1))
+        return lambda: len(sent)
+    mp = pytest.MonkeyPatch()
+    request.addfinalizer(mp.undo)
+    if tier.name == "redis":  # round trips: a pipeline is one, like any single command
+        import redis
+
+        trips = []
+        for cls, name in ((redis.Redis, "execute_command"), (redis.client.Pipeline, "execute")):
+            real_fn = getattr(cls, name)
+
+            def counted(self, *a, _real=real_fn, **k):
+                trips.append(1)
+                return _real(self, *a, **k)
+
+            mp.setattr(cls, name, counted)
+        return lambda: len(trips)
+    seen = []
+    real = os.lstat
+    mp.setattr(os, "lstat", lambda p, *a, **k: (seen.append(p), real(p, *a, **k))[1])
+    return lambda: len(seen)
 
 
 def test_overwrite_replaces_whole_object(tier: ObjectTier) -> None:
@@ -80,6 +121,31 @@ def test_large_object_from_memoryview_parts(tier: ObjectTier) -> None:
     assert isinstance(parts[1], memoryview)
     tier.put("big", parts)
     assert bytes(codec.decode(tier.get("big"), key="big")) == payload
+
+
+def test_read_into_puts_the_payload_in_the_slot_and_returns_the_head(tier: ObjectTier) -> None:
+    """The read path: the object's tail lands in the caller's buffer, the head comes back,
+    and it decodes to exactly the chunk that was stored."""
+    parts = _chunk("ri", 256 * 1024, fill=9)
+    tier.put("ri", parts)
+    head_len = len(bytes(parts[0]))
+    dest = memoryview(bytearray(256 * 1024))
+    head = tier.read_into("ri", dest, codec.MAX_HEADER + 8)
+    assert head == bytes(parts[0]) and len(head) == head_len
+    assert bytes(dest) == bytes([9]) * (256 * 1024)
+    codec.verify(head, dest, key="ri")  # no error: a genuine chunk, verified in place
+    assert tier.read_into("missing", dest, 100) is None
+
+
+def test_read_into_refuses_objects_that_cannot_fit_the_slot(tier: ObjectTier) -> None:
+    tier.put("short", _chunk("short", 100))
+    tier.put("long", _chunk("long", 5000))
+    dest = memoryview(bytearray(b"\xee" * 1000))
+    with pytest.raises(TruncatedError):
+        tier.read_into("short", dest, 4096)  # 100 payload bytes cannot fill 1,000
+    with pytest.raises(ObjectTooLarge):
+        tier.read_into("long", dest, 256)  # more than a head's worth past the slot
+    assert bytes(dest) == b"\xee" * 1000  # refused before anything was read
 
 
 def test_redis_ttl(redis_url: str, redis_server: RedisServer) -> None:
