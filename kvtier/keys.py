@@ -63,3 +63,27 @@ def chunk_block_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> 
     """The last block hash of every full chunk covered by ``block_hashes``."""
     n_chunks = len(block_hashes) // blocks_per_chunk
     return [bytes(block_hashes[(i + 1) * blocks_per_chunk - 1]) for i in range(n_chunks)]
+
+
+def token_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``, shaped like vLLM's.
+
+    The planner (``kvtier size --trace``) keys chunks with this instead of importing
+    vLLM: each block's hash covers its parent's hash, its tokens and, on the first block
+    only, ``cache_salt`` — the same chain vLLM builds, so two prompts share a block hash
+    exactly when vLLM's would be shared (same whole prefix, same salt). The values differ
+    from vLLM's (which are seeded per process); only equality matters to a hit rate.
+    Feed the result to :func:`chunk_block_hashes`, as the connector feeds vLLM's.
+    """
+    out: list[bytes] = []
+    parent = b"kvtier-block-chain"
+    salt = (cache_salt or "").encode()
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        extra = salt if i == 0 else b""
+        payload = msgpack.packb([parent, list(block), extra])
+        parent = hashlib.blake2b(payload, digest_size=16).digest()
+        out.append(parent)
+    return out

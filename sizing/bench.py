@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="write TTFT per outcome and hit rate over time to this PNG")
+    p.add_argument("--trace-out", metavar="FILE.jsonl", default=None,
+                   help="write the requests sent as a trace for `kvtier size --trace`")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,6 +340,7 @@ class RequestResult:
     cached_tokens: int | None = None
     error: str | None = None
     text: str = ""
+    prompt: str = ""
 
 
 def _base_url(url: str) -> str:
@@ -498,6 +501,8 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
             if poller:
                 poller.stop()
         after = scrape()
+    if getattr(args, "trace_out", None):
+        write_trace(results[0], args.trace_out)
     return summarize(args, model, scale, results, before, after,
                      poller.snapshots if poller else [])
 
@@ -532,7 +537,7 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
             pacer.wait()
             if args.reset_prefix_cache:
                 _reset_prefix_cache(client, base)
-            res = RequestResult(sess.index, turn, time.perf_counter() - t_start)
+            res = RequestResult(sess.index, turn, time.perf_counter() - t_start, prompt=prompt)
             try:
                 stream_completion(client, base, model, prompt, args.output_tokens, res)
             except Exception as exc:  # noqa: BLE001 - a bad response must not stall the queue
@@ -561,6 +566,16 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
     duration = time.perf_counter() - t_start
     results.sort(key=lambda r: r.start_s)
     return results, duration
+
+
+def write_trace(results: Sequence[RequestResult], path: str) -> None:
+    """The requests as sent, in start order, in the trace format of ``kvtier size --trace``
+    (``prompt`` text, tokenized there with the model's tokenizer as the server did), so a
+    bench run can be planned and replayed."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in sorted(results, key=lambda r: r.start_s):
+            f.write(json.dumps({"timestamp": round(r.start_s, 6), "prompt": r.prompt,
+                                "session": r.session, "turn": r.turn}) + "\n")
 
 
 def _first_model(client: Any, base: str) -> str:
@@ -685,7 +700,8 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
         "hit_rate_timeline": _timeline(before, timeline, after, source),
         "errors": errors,
         "samples": [
-            {k: v for k, v in asdict(r).items() if k != "text"} for r in results
+            {k: v for k, v in asdict(r).items() if k not in ("text", "prompt")}
+            for r in results
         ],
     }
 

@@ -37,7 +37,8 @@ unknown without them. Exit status: 0, or 1 when the plan does not fit, 2 on bad 
 examples:
   kvtier size --model /models/Llama-3-8B --gpu-memory 24 --host-memory 128 --warm-sessions 200
   kvtier size --model config.json --cpu-offload-gb 10 --cpu-offload-params experts --json
-  kvtier size --model /models/m --gpu-memory 80 --warm-sessions 100 --emit helm-values"""
+  kvtier size --model /models/m --gpu-memory 80 --warm-sessions 100 --emit helm-values
+  kvtier size --model /models/m --gpu-memory 80 --trace requests.jsonl --plot curves.png"""
 
 DOCTOR_EPILOG = """\
 vLLM logs the UVA offload in GiB and the prefetch offload in GB; both are shown as
@@ -150,6 +151,8 @@ def _size(args: argparse.Namespace) -> int:
     except (ModelConfigError, ValueError, KeyError) as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
         return 2
+    if args.trace:
+        return _size_trace(args, plan)
     if args.emit:
         print(emit(args.emit, plan, inp, chunk_size=args.chunk_size, remote_url=args.remote_url,
                    write_policy=args.write_policy, namespace=args.namespace))  # fmt: skip
@@ -160,6 +163,58 @@ def _size(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
     return 1 if plan["fits"] is False else 0
+
+
+def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
+    """``kvtier size --trace``: hit rate against tier size for the traffic in a trace."""
+    from kvtier.sizing import trace as tr
+
+    if not 0 < args.target_hit_rate <= 1:
+        print("kvtier size: error: --target-hit-rate must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.block_size < 1 or args.chunk_size % args.block_size:
+        print("kvtier size: error: --chunk-size must be a multiple of --block-size",
+              file=sys.stderr)
+        return 2
+    if args.gpu_kv_tokens is not None:
+        gpu_tokens, source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
+    elif plan.get("gpu_kv_tokens") is not None:
+        gpu_tokens, source = int(plan["gpu_kv_tokens"]), "the plan"
+    else:
+        gpu_tokens, source = 0, "unknown, taken as 0: pass --gpu-memory or --gpu-kv-tokens"
+    host_tier = args.cpu_bytes if args.cpu_bytes is not None else plan.get("host_tier_bytes")
+    tokenizer = args.tokenizer or (args.model if _is_dir(args.model) else None)
+    try:
+        sim, stats = tr.plan_trace(
+            args.trace, tokenizer=tokenizer, block_size=args.block_size,
+            chunk_size=args.chunk_size, gpu_kv_tokens=gpu_tokens,
+            max_chunks=args.trace_max_chunks, progress=sys.stderr.isatty(),
+        )
+    except tr.TraceError as e:
+        print(f"kvtier size: error: {e}", file=sys.stderr)
+        return 2
+    host_slot = tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), args.chunk_size)
+    rep = tr.report(
+        sim, stats, path=args.trace, host_slot_bytes=host_slot,
+        object_chunk_bytes=int(plan["kv_bytes_per_token_per_rank"]) * args.chunk_size * args.tp,
+        target=args.target_hit_rate, host_tier_bytes=host_tier, gpu_kv_tokens=gpu_tokens,
+        gpu_kv_source=source,
+    )
+    print(json.dumps(rep, indent=2) if args.json else tr.format_report(rep))
+    if args.plot:
+        tr.write_plot(rep, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    if stats.bad_lines:
+        print(f"kvtier size: warning: {stats.bad_lines} bad lines in the trace skipped",
+              file=sys.stderr)
+    return 0 if stats.requests else 2
+
+
+def _is_dir(path: str) -> bool:
+    import os
+
+    return os.path.isdir(path)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -228,6 +283,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     out.add_argument("--write-policy", default="write_through",
                      choices=("write_through", "write_back", "none"))
     out.add_argument("--namespace", default="", help="kvtier key namespace")
+    tr = size.add_argument_group(
+        "trace (hit rate against tier size for real traffic; see README, Sizing)")
+    tr.add_argument("--trace", metavar="FILE.jsonl",
+                    help="request trace, one JSON object a line: prompt_token_ids, prompt or "
+                    "messages, optional timestamp and cache_salt")
+    tr.add_argument("--tokenizer", metavar="PATH",
+                    help="tokenizer for text prompts and messages (default: --model's dir)")
+    tr.add_argument("--gpu-kv-tokens", type=int, metavar="N",
+                    help="tokens vLLM's own prefix cache holds (default: the plan's GPU KV)")
+    tr.add_argument("--block-size", type=int, default=16, help="vLLM block size (default 16)")
+    tr.add_argument("--cpu-bytes", type=int, metavar="BYTES",
+                    help="host tier per worker in front of the object tier (default: the "
+                    "plan's host tier)")
+    tr.add_argument("--target-hit-rate", type=float, default=0.8, metavar="F",
+                    help="share of prompt tokens to serve from any cache (default 0.8)")
+    tr.add_argument("--plot", metavar="FILE.png", help="draw the curves to this PNG")
+    tr.add_argument("--trace-max-chunks", type=int, default=1 << 20, metavar="N",
+                    help="deepest LRU position tracked; bounds memory (default 1048576)")
     size.set_defaults(func=_size)
 
     doc = sub.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"] + ".",

@@ -1,0 +1,563 @@
+"""Hit-rate curves from a request trace: ``kvtier size --model M --trace FILE``.
+
+An operator buying host RAM and object storage needs "what hit rate does each size
+give for *my* traffic", not a guess of warm sessions. kvtier's keys are a pure
+function of the prompt tokens, so one pass over a trace answers it for every size at
+once: vLLM's GPU prefix cache is simulated in front (block LRU, a fixed size), and the
+chunk keys it does not serve are run through an LRU stack (Mattson's stack distances,
+depths counted with a Fenwick tree), which gives the hit rate of every LRU tier size
+from one histogram.
+
+Keys are made as the connector makes them: :func:`kvtier.keys.token_block_hashes`
+builds vLLM's chain of block hashes (tokens, parent, ``cache_salt``) and
+:func:`kvtier.keys.chunk_block_hashes` — the very function the connector calls —
+cuts it into chunks. Hits follow the scheduler's rules: the last prompt token is
+always computed, vLLM's own hit comes first, kvtier serves the run of chunks after it
+up to the first chunk it lacks, and every full chunk of a prompt is then stored or
+touched in order.
+
+Memory is bounded: the trace is streamed line by line, the GPU model holds at most
+its own size, and the stack tracks at most ``max_chunks`` keys (deeper keys count as
+misses at every size, so the curve is exact up to that many chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from kvtier.keys import chunk_block_hashes, token_block_hashes
+
+#: kvtier's host slots are aligned to this many bytes (kvtier.layout.SLOT_ALIGN; that
+#: module imports torch, which `kvtier size` must not)
+SLOT_ALIGN = 4096
+DEFAULT_MAX_CHUNKS = 1 << 20
+CURVE_POINTS = 40
+
+
+class TraceError(Exception):
+    """The trace cannot be read at all (missing file, no tokenizer for text prompts)."""
+
+
+# ------------------------------------------------------------------------- reading
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace, as the token ids vLLM would see."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+    timestamp: float | None = None
+
+
+@dataclass(slots=True)
+class TraceStats:
+    """What the reader saw: good and bad lines, with the first few reasons."""
+
+    requests: int = 0
+    bad_lines: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    first_timestamp: float | None = None
+    last_timestamp: float | None = None
+
+    def bad(self, lineno: int, reason: str) -> None:
+        self.bad_lines += 1
+        if len(self.bad_examples) < 5:
+            self.bad_examples.append(f"line {lineno}: {reason}")
+
+
+class _BadLine(ValueError):
+    pass
+
+
+class Tokenizer:
+    """The model's tokenizer, loaded on the first text prompt (token-id traces need none)."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source = source
+        self._tok: Any = None
+
+    def _get(self) -> Any:
+        if self._tok is None:
+            if not self.source:
+                raise TraceError("the trace has text prompts; pass --tokenizer or a model dir")
+            try:
+                from transformers import AutoTokenizer
+
+                self._tok = AutoTokenizer.from_pretrained(self.source)
+            except Exception as e:  # noqa: BLE001 - any loader failure means the same thing
+                raise TraceError(f"cannot load the tokenizer from {self.source}: {e}") from e
+        return self._tok
+
+    def prompt(self, text: str) -> list[int]:
+        """As vLLM's /v1/completions tokenizes: with the tokenizer's special tokens (BOS)."""
+        return list(self._get()(text, add_special_tokens=True)["input_ids"])
+
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """As vLLM's /v1/chat/completions: the chat template rendered to text (with the
+        generation prompt), then tokenized without adding special tokens again."""
+        tok = self._get()
+        if not getattr(tok, "chat_template", None):
+            raise TraceError(f"the tokenizer of {self.source} has no chat template")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template error is this line's fault
+            raise _BadLine(f"chat template failed: {e}") from e
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _timestamp(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise _BadLine("timestamp is not a number or ISO 8601 time")
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return datetime.fromisoformat(v).timestamp()
+        except ValueError:
+            pass
+    raise _BadLine("timestamp is not a number or ISO 8601 time")
+
+
+def _token_ids(v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                          and t >= 0 for t in v):
+        raise _BadLine("prompt_token_ids is not a list of non-negative integers")
+    return v
+
+
+def parse_line(line: str, tokenizer: Tokenizer) -> TraceRequest:
+    """One JSONL line -> a request; raises _BadLine (counted) or TraceError (fatal)."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise _BadLine(f"not JSON ({e.args[0][:60]})") from e
+    if not isinstance(obj, dict):
+        raise _BadLine("not a JSON object")
+    salt = obj.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _BadLine("cache_salt is not a non-empty string")
+    ts = _timestamp(obj.get("timestamp"))
+    if "prompt_token_ids" in obj:
+        ids = _token_ids(obj["prompt_token_ids"])
+    elif "prompt" in obj:
+        p = obj["prompt"]
+        if isinstance(p, list):
+            ids = _token_ids(p)
+        elif isinstance(p, str):
+            ids = tokenizer.prompt(p)
+        else:
+            raise _BadLine("prompt is neither text nor token ids")
+    elif "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
+        ):
+            raise _BadLine("messages is not a list of {role, content} objects")
+        ids = tokenizer.chat(msgs)
+    else:
+        raise _BadLine("no prompt_token_ids, prompt or messages")
+    if not ids:
+        raise _BadLine("empty prompt")
+    return TraceRequest(ids, salt, ts)
+
+
+def read_trace(path: str, tokenizer: Tokenizer, stats: TraceStats,
+               progress: bool = False) -> Iterator[TraceRequest]:
+    """Stream the requests of a JSONL trace, one line at a time; bad lines go to ``stats``."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; bytes, to count progress exactly
+    except OSError as e:
+        raise TraceError(f"cannot read the trace: {e}") from e
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=os.fstat(f.fileno()).st_size, unit="B", unit_scale=True,
+                   desc="kvtier size --trace", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for lineno, raw in enumerate(f, 1):
+            if bar is not None:
+                bar.update(len(raw))
+            text = raw.decode("utf-8", "replace").strip()
+            if not text:
+                continue
+            try:
+                req = parse_line(text, tokenizer)
+            except _BadLine as e:
+                stats.bad(lineno, str(e))
+                continue
+            stats.requests += 1
+            if req.timestamp is not None:
+                if stats.first_timestamp is None:
+                    stats.first_timestamp = req.timestamp
+                stats.last_timestamp = req.timestamp
+            yield req
+    finally:
+        f.close()
+        if bar is not None:
+            bar.close()
+
+
+# ---------------------------------------------------------------------- simulation
+
+
+def _key(h: bytes) -> int:
+    """64 bits of a hash as an int: a quarter of the memory of the bytes object."""
+    return int.from_bytes(h[:8], "little")
+
+
+class GpuPrefixCache:
+    """vLLM's prefix cache as a block LRU of ``blocks`` blocks, one request at a time.
+
+    A request hits the longest run of cached blocks from its start (at most up to its
+    last token, which vLLM always computes); then all its full blocks are cached. vLLM
+    frees a finished request's blocks tail first, so its first block is evicted last:
+    blocks are touched in reverse order here for the same effect.
+    """
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = max(0, blocks)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, keys: list[int], max_blocks: int) -> int:
+        """Blocks of this request vLLM's cache already had; then caches all of them."""
+        if self.blocks == 0:
+            return 0
+        hit = 0
+        while hit < min(len(keys), max_blocks) and keys[hit] in self._lru:
+            hit += 1
+        for k in reversed(keys):
+            self._lru[k] = None
+            self._lru.move_to_end(k)
+        while len(self._lru) > self.blocks:
+            self._lru.popitem(last=False)
+        return hit
+
+
+class LruStack:
+    """Depth of each key in an LRU stack (1 = most recently used), for the ``limit``
+    most recent keys; older keys are forgotten, so memory stays bounded.
+
+    Every access gets a new timestamp; a Fenwick tree counts live timestamps, so a
+    key's depth is the number of live timestamps at or after its own. Timestamps are
+    renumbered when they run out (amortized O(1) per access).
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        self.limit = limit
+        self._cap = 2 * limit + 2
+        self._tree = array("q", bytes(8 * (self._cap + 1)))
+        self._ts: OrderedDict[int, int] = OrderedDict()
+        self._next = 1
+
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    def _add(self, i: int, delta: int) -> None:
+        tree, cap = self._tree, self._cap
+        while i <= cap:
+            tree[i] += delta
+            i += i & -i
+
+    def _prefix(self, i: int) -> int:
+        tree, s = self._tree, 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+    def depth(self, key: int) -> int | None:
+        """Stack depth of ``key`` now, or None if it was never seen (or forgotten)."""
+        ts = self._ts.get(key)
+        if ts is None:
+            return None
+        return len(self._ts) - self._prefix(ts - 1)
+
+    def access(self, key: int) -> None:
+        """Make ``key`` the most recently used."""
+        old = self._ts.pop(key, None)
+        if old is not None:
+            self._add(old, -1)
+        if self._next > self._cap:
+            self._compact()
+        self._ts[key] = self._next
+        self._add(self._next, 1)
+        self._next += 1
+        if len(self._ts) > self.limit:
+            _, ts = self._ts.popitem(last=False)
+            self._add(ts, -1)
+
+    def _compact(self) -> None:
+        tree = self._tree = array("q", bytes(8 * (self._cap + 1)))
+        cap = self._cap
+        for i, k in enumerate(self._ts, 1):
+            self._ts[k] = i
+            tree[i] += 1
+            j = i + (i & -i)
+            if j <= cap:
+                tree[j] += tree[i]
+        # the loop above built partial sums only for live positions; finish the rest
+        for i in range(len(self._ts) + 1, cap + 1):
+            j = i + (i & -i)
+            if j <= cap:
+                tree[j] += tree[i]
+        self._next = len(self._ts) + 1
+
+
+@dataclass(slots=True)
+class Simulation:
+    """Totals and the depth histogram of one pass over a trace."""
+
+    block_size: int
+    chunk_size: int
+    gpu_blocks: int
+    max_chunks: int = DEFAULT_MAX_CHUNKS
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    #: hit_tokens[d]: prompt tokens a tier of d or more chunks serves beyond vLLM's cache
+    #: that a tier of d-1 chunks does not (index 0 unused)
+    hit_tokens: array = field(default_factory=lambda: array("q"))
+    distinct_chunks: int = 0
+    _gpu: GpuPrefixCache | None = None
+    _stack: LruStack | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.chunk_size % self.block_size:
+            raise ValueError("chunk_size must be a multiple of block_size")
+        self._gpu = GpuPrefixCache(self.gpu_blocks)
+        self._stack = LruStack(self.max_chunks)
+        self.hit_tokens = array("q", [0])
+
+    def add(self, req: TraceRequest) -> None:
+        """Run one request through vLLM's cache, then through the tier's LRU stack."""
+        assert self._gpu is not None and self._stack is not None
+        bs, cs = self.block_size, self.chunk_size
+        n = len(req.token_ids)
+        self.prompt_tokens += n
+        blocks = token_block_hashes(req.token_ids, bs, req.cache_salt)
+        cap = (n - 1) // bs * bs  # vLLM computes the last prompt token itself
+        local = self._gpu.serve([_key(h) for h in blocks], cap // bs) * bs
+        self.gpu_hit_tokens += local
+        keys = [_key(h) for h in chunk_block_hashes(blocks, cs // bs)]
+        stack = self._stack
+        depths = [stack.depth(k) for k in keys]  # the lookup sees the tier before stores
+        deepest = 0
+        for c in range(local // cs, len(keys)):
+            d = depths[c]
+            if c * cs >= cap or d is None:
+                break
+            deepest = max(deepest, d)
+            tokens = min((c + 1) * cs, cap) - max(c * cs, local)
+            if tokens > 0:
+                while len(self.hit_tokens) <= deepest:
+                    self.hit_tokens.extend([0] * max(64, len(self.hit_tokens)))
+                self.hit_tokens[deepest] += tokens
+        for k in keys:  # every full chunk is then stored or touched, in order
+            stack.access(k)
+        self.distinct_chunks = max(self.distinct_chunks, len(stack))
+
+    def served(self) -> list[int]:
+        """served[s]: tokens a tier of s chunks serves beyond vLLM's cache (s = 0..max)."""
+        out, total = [0], 0
+        for d in range(1, len(self.hit_tokens)):
+            total += self.hit_tokens[d]
+            out.append(total)
+        return out
+
+
+# ------------------------------------------------------------------------- report
+
+
+def slot_bytes(kv_bytes_per_token_per_rank: int, chunk_size: int) -> int:
+    """Host bytes one chunk takes in one worker's slab (kvtier aligns slots)."""
+    n = kv_bytes_per_token_per_rank * chunk_size
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def _sizes(max_chunks: int, points: int = CURVE_POINTS) -> list[int]:
+    """Chunk counts from 1 to ``max_chunks``, spaced evenly on a log scale."""
+    if max_chunks < 1:
+        return []
+    out = {1, max_chunks}
+    for i in range(points):
+        out.add(max(1, round(max_chunks ** (i / (points - 1)))))
+    return sorted(out)
+
+
+def _smallest(served: list[int], need: float) -> int | None:
+    """Fewest chunks whose served tokens reach ``need`` (None: never)."""
+    lo, hi = 0, len(served) - 1
+    if served[hi] < need:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if served[mid] >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: int,
+           object_chunk_bytes: int, target: float, host_tier_bytes: int | None,
+           gpu_kv_tokens: int, gpu_kv_source: str) -> dict[str, Any]:
+    """The curves and the recommendation, as ``--json`` prints them."""
+    served = sim.served()
+    total = sim.prompt_tokens
+    rate = (lambda t: t / total) if total else (lambda t: 0.0)
+    top = len(served) - 1
+    host = [{"chunks": s, "bytes": s * host_slot_bytes, "hit_rate": rate(served[s])}
+            for s in _sizes(top)]
+    h_chunks = 0 if host_tier_bytes is None else host_tier_bytes // host_slot_bytes
+    h_served = served[min(h_chunks, top)]
+    obj = [{"chunks": s, "bytes": s * object_chunk_bytes,
+            "hit_rate": rate(served[s] - h_served)}
+           for s in _sizes(top) if s > h_chunks]
+    need = target * total - sim.gpu_hit_tokens
+    host_need = _smallest(served, need)
+    obj_need = _smallest(served, need)
+    if obj_need is not None and obj_need <= h_chunks:
+        obj_need = 0
+    dur = None
+    if stats.first_timestamp is not None and stats.last_timestamp is not None:
+        dur = stats.last_timestamp - stats.first_timestamp
+    return {
+        "trace": {
+            "path": os.path.basename(path),
+            "requests": stats.requests,
+            "bad_lines": stats.bad_lines,
+            "bad_examples": stats.bad_examples,
+            "prompt_tokens": total,
+            "duration_s": dur,
+            "distinct_chunks": sim.distinct_chunks,
+        },
+        "keys": {
+            "block_size": sim.block_size, "chunk_size": sim.chunk_size,
+            "host_slot_bytes": host_slot_bytes, "object_chunk_bytes": object_chunk_bytes,
+            "max_chunks": sim.max_chunks,
+        },
+        "gpu_prefix_cache": {
+            "tokens": gpu_kv_tokens, "source": gpu_kv_source,
+            "hit_rate": rate(sim.gpu_hit_tokens),
+        },
+        "max_hit_rate": rate(sim.gpu_hit_tokens + served[top]),
+        "host_tier": host,
+        "object_tier": {"behind_host_bytes": h_chunks * host_slot_bytes, "curve": obj},
+        "recommended": {
+            "target_hit_rate": target,
+            "host_bytes": None if host_need is None else host_need * host_slot_bytes,
+            "host_hit_rate": None if host_need is None else rate(served[host_need]),
+            "object_bytes": None if obj_need is None else obj_need * object_chunk_bytes,
+        },
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unreachable"
+    for unit, div in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The human-readable curves: sizes, hit rates beyond vLLM, and with vLLM's share."""
+    t, g, rec = rep["trace"], rep["gpu_prefix_cache"], rep["recommended"]
+    lines = [
+        f"trace              {t['path']}: {t['requests']} requests, {t['prompt_tokens']} "
+        f"prompt tokens, {t['distinct_chunks']} distinct chunks, {t['bad_lines']} bad lines",
+    ]
+    lines += [f"  bad              {e}" for e in t["bad_examples"]]
+    k = rep["keys"]
+    lines += [
+        f"chunks             {k['chunk_size']} tokens (blocks of {k['block_size']}); "
+        f"{_size(k['host_slot_bytes'])} per worker in the host tier, "
+        f"{_size(k['object_chunk_bytes'])} in the object tier",
+        f"vLLM prefix cache  {g['tokens']} tokens ({g['source']}): "
+        f"{g['hit_rate'] * 100:.1f} % of prompt tokens",
+        f"all reuse          {rep['max_hit_rate'] * 100:.1f} % of prompt tokens come from some "
+        f"cache with unbounded tiers",
+        "",
+        f"{'host tier / worker':>20}  {'beyond vLLM':>11}  {'with vLLM':>9}",
+    ]
+    for p in rep["host_tier"]:
+        lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %  "
+                     f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %")
+    ot = rep["object_tier"]
+    if ot["curve"]:
+        lines += ["", f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "
+                      f"{_size(ot['behind_host_bytes'])} per worker)"]
+        for p in ot["curve"]:
+            lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %")
+    lines += [
+        "",
+        f"target {rec['target_hit_rate'] * 100:.0f} % of prompt tokens from any cache: host tier "
+        f"{_size(rec['host_bytes'])} per worker; or object tier {_size(rec['object_bytes'])} "
+        f"behind {_size(ot['behind_host_bytes'])}",
+    ]
+    return "\n".join(lines)
+
+
+def write_plot(rep: dict[str, Any], path: str) -> None:
+    """Hit rate against size for the host tier (per worker) and the object tier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpu = rep["gpu_prefix_cache"]["hit_rate"] * 100
+    target = rep["recommended"]["target_hit_rate"] * 100
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    curves = [("host tier, per worker", rep["host_tier"], gpu),
+              ("object tier, behind the host tier", rep["object_tier"]["curve"], None)]
+    for ax, (title, pts, base) in zip(axes, curves, strict=True):
+        if pts:
+            xs = [p["bytes"] / 1024**3 for p in pts]
+            ax.plot(xs, [p["hit_rate"] * 100 for p in pts], marker=".", label="beyond vLLM")
+            if base is not None:
+                ax.plot(xs, [p["hit_rate"] * 100 + base for p in pts], marker=".",
+                        label="with vLLM's prefix cache")
+                ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
+            ax.set_xscale("log")
+            ax.legend(fontsize=8)
+        ax.set_ylim(-2, 102)
+        ax.set_xlabel("size (GiB)")
+        ax.set_ylabel("prompt tokens served (%)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    t = rep["trace"]
+    fig.suptitle(f"kvtier size --trace {t['path']}: {t['requests']} requests, vLLM prefix "
+                 f"cache {gpu:.1f} %", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan_trace(path: str, *, tokenizer: str | None, block_size: int, chunk_size: int,
+               gpu_kv_tokens: int, max_chunks: int = DEFAULT_MAX_CHUNKS,
+               progress: bool = False,
+               on_request: Callable[[TraceRequest], None] | None = None,
+               ) -> tuple[Simulation, TraceStats]:
+    """One streamed pass over a trace file."""
+    stats = TraceStats()
+    sim = Simulation(block_size, chunk_size, gpu_kv_tokens // block_size, max_chunks)
+    for req in read_trace(path, Tokenizer(tokenizer), stats, progress):
+        sim.add(req)
+        if on_request is not None:
+            on_request(req)
+    return sim, stats
