@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo test test-fast lint bench bench-ttft bench-tiers clean
+.PHONY: venv demo test test-fast lint bench bench-ttft bench-tiers bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,9 @@ bench-ttft: venv
 
 bench-tiers: venv
 	$(PY) bench/tier_throughput.py
+
+bench-scheduler: venv
+	$(PY) bench/scheduler_cost.py --plot bench/results/scheduler.png $(BENCH_ARGS)
 
 bench: venv
 	$(PY) bench/run_all.py $(BENCH_ARGS)

@@ -69,6 +69,7 @@ BUDGET = 8192  # max_num_batched_tokens
 MAX_LEN = 40_000
 DECODE_PROMPT = 4 * CHUNK + 6  # decode requests stay inside their 5th chunk while measured
 VOCAB = 32_000
+ANSWER_TOKENS = 8  # tokens generated for each arriving long prompt before it finishes
 HEAD_SIZE = 4  # one KV head of 4: a 512-byte block, a 4 KiB chunk (kvtier's smallest slot)
 VARIANTS = ("vllm", "kvtier", "offloading")
 HERE = Path(__file__).resolve().parent
@@ -90,7 +91,7 @@ class Plan:
 
 def plan_for(args: argparse.Namespace) -> Plan:
     if args.quick:
-        plan = Plan([16, 64], [1_000, 10_000], 12, 12, 30, VARIANTS)
+        plan = Plan([16, 64], [1_000, 4_000], 10, 10, 20, VARIANTS)
     else:
         plan = Plan([64, 256, 1024], [10_000, 100_000, 1_000_000], 60, 60, 200, VARIANTS)
     if args.running:
@@ -263,8 +264,8 @@ def index_len(variant: str, sched: Any) -> int | None:
     if variant == "kvtier":
         return len(kvtier_side(sched).index)
     if variant == "offloading":
-        policy = sched.connector.connector_scheduler.manager._policy
-        return len(policy) if hasattr(policy, "__len__") else None
+        chunks = getattr(sched.connector.connector_scheduler.manager._policy, "chunks", None)
+        return len(chunks) if chunks is not None else None
     return None
 
 
@@ -408,7 +409,8 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
             if phase == "prefill" and not scheds["vllm"].waiting and pending:
                 toks = [rng.randrange(2, VOCAB) for _ in range(pending.pop(0))]
                 for s in scheds.values():
-                    s.add_request(make_request(f"p{a}", toks))
+                    # answers are short, so the stream never fills max_num_seqs
+                    s.add_request(make_request(f"p{a}", toks, max_tokens=ANSWER_TOKENS))
                 a += 1
             rng.shuffle(order)
             crossed_any, shapes = [], set()
@@ -458,7 +460,7 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
 
 
 # ---- lookups ------------------------------------------------------------------------------
-def run_lookups(plan: Plan, n_index: int, bar: Any) -> list[dict[str, Any]]:
+def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[dict[str, Any]]:
     """get_num_new_matched_tokens for a fresh 32k-token request: hit, partial, miss."""
     rng = random.Random(f"lookup-{plan.seed}-{n_index}")
     prompt_len = 32 * 1024
@@ -488,9 +490,14 @@ def run_lookups(plan: Plan, n_index: int, bar: Any) -> list[dict[str, Any]]:
                 req = make_request(f"l-{outcome}-{i}", toks)
                 if hasattr(conn, "on_new_request") and variant == "offloading":
                     conn.on_new_request(req)
+                profiled = prof is not None and variant == "kvtier"
+                if profiled:
+                    prof.enable()
                 t0 = time.perf_counter()
                 n, _ = conn.get_num_new_matched_tokens(req, 0)
                 lat.append((time.perf_counter() - t0) * 1e6)
+                if profiled:
+                    prof.disable()
                 matched.append(n)
                 conn.request_finished(req, [])
             lat.sort()
@@ -660,10 +667,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
-                   help="small run: 16/64 running, 1k/10k chunks, 12+12 steps (< 1 min)")
+                   help="small run: 16/64 running, 1k/4k chunks, 10+10 steps (< 1 min)")
     p.add_argument("--running", help="comma-separated running-request counts (overrides)")
     p.add_argument("--index", help="comma-separated index sizes in chunks, e.g. 1e4,1e6")
-    p.add_argument("--steps", type=int, help="measured steps per phase (default 60, quick 12)")
+    p.add_argument("--steps", type=int, help="measured steps per phase (default 60, quick 10)")
     p.add_argument("--no-offloading", action="store_true",
                    help="leave vLLM's OffloadingConnector out")
     p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"),
@@ -697,6 +704,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{plan.decode_steps}+{plan.prefill_steps} steps:")
         print(f"{'own ms':>9} {'cum ms':>9} {'calls':>8}  function")
         for row in profile_report(prof, args.top):
+            print(f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
+                  f"{row['function']}")
+        import cProfile
+
+        lprof = cProfile.Profile()
+        with tqdm(total=3, disable=args.no_progress, desc="profile lookups") as bar:
+            looks = run_lookups(plan, n, bar, lprof)
+        print(f"\nget_num_new_matched_tokens, 32k-token prompt, {n:,} chunks, "
+              f"{plan.lookup_samples} x hit/partial/miss:")
+        for r in looks:
+            print(f"  {r['outcome']}: p50 {r['p50_us']:.0f} µs, "
+                  f"p99 {r['p99_us']:.0f} µs (profiled)")
+        print(f"{'own ms':>9} {'cum ms':>9} {'calls':>8}  function")
+        for row in profile_report(lprof, args.top):
             print(f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
                   f"{row['function']}")
         return 0
