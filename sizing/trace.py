@@ -475,6 +475,13 @@ def _size(n: int | None) -> str:
     return f"{n} B"
 
 
+def _thin(points: list[dict[str, Any]], rows: int = 14) -> list[dict[str, Any]]:
+    """At most about ``rows`` points for the text table (the JSON keeps them all)."""
+    step = max(1, math.ceil(len(points) / rows))
+    out = points[::step]
+    return out if not points or out[-1] is points[-1] else [*out, points[-1]]
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """The human-readable curves: sizes, hit rates beyond vLLM, and with vLLM's share."""
     t, g, rec = rep["trace"], rep["gpu_prefix_cache"], rep["recommended"]
@@ -495,14 +502,14 @@ def format_report(rep: dict[str, Any]) -> str:
         "",
         f"{'host tier / worker':>20}  {'beyond vLLM':>11}  {'with vLLM':>9}",
     ]
-    for p in rep["host_tier"]:
+    for p in _thin(rep["host_tier"]):
         lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %  "
                      f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %")
     ot = rep["object_tier"]
     if ot["curve"]:
         lines += ["", f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "
                       f"{_size(ot['behind_host_bytes'])} per worker)"]
-        for p in ot["curve"]:
+        for p in _thin(ot["curve"]):
             lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %")
     lines += [
         "",

@@ -336,3 +336,43 @@ def test_large_trace_is_streamed_in_bounded_memory(tmp_path: Path) -> None:
     assert big.stat().st_size > 3 * 2**20
     assert p_big < big.stat().st_size / 10  # the file is never held in memory
     assert p_big < 1.3 * p_small + 256 * 1024  # 8x the requests, about the same memory
+
+
+
+
+@pytest.fixture
+def bench_url() -> Any:
+    """test_bench's fake OpenAI-compatible server, started for this test."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from test_bench import FakeServer, _handler
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(FakeServer()))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path, tmp_path: Path,
+                                                capsys: Any) -> None:
+    from kvtier.sizing import bench
+    from test_bench import _args as bench_args
+
+    url = bench_url
+    out = tmp_path / "bench.jsonl"
+    assert bench.run(bench_args(url, "--no-calibrate", "--trace-out", str(out))) == 0
+    capsys.readouterr()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 8  # 4 sessions x 2 turns
+    assert [x["timestamp"] for x in lines] == sorted(x["timestamp"] for x in lines)
+    first = {x["session"]: x["prompt"] for x in lines if x["turn"] == 0}
+    assert len(set(first.values())) == 4
+    for x in lines:
+        if x["turn"] == 1:  # a later turn extends the earlier prompt, as it was sent
+            assert x["prompt"].startswith(first[x["session"]] + "\n")
+    rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(out), *COMMON)
+    assert rc == 0 and rep["trace"]["requests"] == 8 and rep["trace"]["bad_lines"] == 0
+    assert rep["max_hit_rate"] > 0.3  # the shared prefix and the earlier turns are reused
