@@ -359,6 +359,7 @@ def test_cache_salt_model_and_kv_dtype_separate_chunks(
         ("kv dtype", tiny_model, kv_dtype),
     ]
     written = 12
+    fingerprints = {}
     for what, model, kw in foreign:
         f = run_logged(
             "foreign_read",
@@ -380,10 +381,13 @@ def test_cache_salt_model_and_kv_dtype_separate_chunks(
         assert n_objects() == written, (what, n_objects())
         if what == "model":
             assert f["outs"][0]["tokens"] != runs["a_cold"]["tokens"], "really another model"
-            assert f["namespace"]["model"] == other
-        else:
+        fingerprints[what] = f["namespace"]["fingerprint"]
+        # with an object tier the weights' fingerprint names the model, not its path
+        assert f["namespace"]["model"] == "" and fingerprints[what], f["namespace"]
+        if what != "model":
             ns = f["namespace"]
             assert (ns["kv_cache_dtype"], ns["dtype"]) != ("auto", "bfloat16"), ns
+    assert fingerprints["model"] != fingerprints["kv dtype"], "other weights, other fingerprint"
     print(
         f"\nisolation: salts a/b/none, model seed 1, {kv_dtype}: {written} objects, "
         "no foreign hits, 0 failed requests"

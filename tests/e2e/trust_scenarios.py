@@ -313,7 +313,8 @@ def foreign_read(
         "index": report,
         "remote": remote,
         "stats": _stats(),
-        "namespace": {"model": ns.model, "dtype": ns.dtype, "kv_cache_dtype": ns.kv_cache_dtype},
+        "namespace": {"model": ns.model, "dtype": ns.dtype, "kv_cache_dtype": ns.kv_cache_dtype,
+                      "fingerprint": ns.fingerprint},
     }
 
 
