@@ -15,13 +15,20 @@ from collections.abc import Sequence
 
 from kvtier.errors import ObjectTooLarge, TruncatedError
 
-__all__ = ["ObjectTier", "Parts", "head_length_for"]
+__all__ = ["ObjectTier", "Parts", "head_length_for", "stored_prefix"]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
 
 #: an encoded chunk as a list of buffers (header, payload), written without joining
 Parts = Sequence[bytes | memoryview]
+
+
+def stored_prefix(found: Sequence[bool]) -> list[bool]:
+    """True up to the first missing key, False from there on: what every backend's
+    :meth:`ObjectTier.exists` answers (a lookup only uses the stored prefix)."""
+    n = list(found).index(False) if False in found else len(found)
+    return [True] * n + [False] * (len(found) - n)
 
 
 def head_length_for(size: int, payload: int, max_head: int, where: str) -> int:
@@ -52,9 +59,10 @@ class ObjectTier(ABC):
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored, in order. ``keys`` are a prompt's chunks and only
-        the stored prefix is used, so a backend may stop asking at the first missing key
-        and answer False for the rest (one request when the first chunk is missing)."""
+        """The stored prefix of ``keys`` (a prompt's chunks, in order): True up to the
+        first missing key, False for it and every key after it, stored or not. A
+        backend stops asking at the first missing key where it can (one request when
+        the first chunk is missing); see :func:`stored_prefix`."""
 
     @abstractmethod
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:

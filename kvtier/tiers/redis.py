@@ -11,7 +11,7 @@ from redis.retry import Retry
 
 from kvtier.config import redact_url
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.tiers.base import ObjectTier, Parts
+from kvtier.tiers.base import ObjectTier, Parts, stored_prefix
 
 __all__ = ["RedisTier"]
 
@@ -116,9 +116,10 @@ class RedisTier(ObjectTier):
             with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.exists(key)
-                return [bool(n) for n in pipe.execute()]
+                found = [bool(n) for n in pipe.execute()]
         except (redis.RedisError, OSError) as exc:
             raise self._fail("exists", exc) from None
+        return stored_prefix(found)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """GET; with ``max_bytes`` STRLEN + GETRANGE in one round trip, never more bytes.

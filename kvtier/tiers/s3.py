@@ -19,7 +19,7 @@ from kvtier.errors import (
     TierUnavailable,
     TruncatedError,
 )
-from kvtier.tiers.base import ObjectTier, Parts, head_length_for
+from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
 
 __all__ = ["S3Tier", "client_config"]
 
@@ -49,12 +49,6 @@ def _is_object_error(exc: ClientError) -> bool:
     if code in _TIER_CODES or status >= 500 or status in (301, 307, 401, 403):
         return False
     return 400 <= status < 500
-
-
-def _prefix(found: list[bool]) -> list[bool]:
-    """True up to the first missing key, False from there on (lookups use the prefix)."""
-    n = found.index(False) if False in found else len(found)
-    return [True] * n + [False] * (len(found) - n)
 
 
 def _object_size(resp: dict) -> int | None:
@@ -219,7 +213,7 @@ class S3Tier(ObjectTier):
         # map's iterator cancels the HEADs not yet sent when one fails: none waits out a
         # timeout against an endpoint that is down
         out = [True, *self._heads.map(self._head, keys[1:])]
-        return _prefix(out)
+        return stored_prefix(out)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
