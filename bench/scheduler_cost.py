@@ -283,7 +283,8 @@ def worker_output(variant: str, so: Any) -> Any:
     if variant == "kvtier":
         from kvtier.connectors.metadata import KVTierWorkerMeta
 
-        ops = meta.loads + meta.stores + meta.fetches + meta.uploads
+        fetches = [op for run in meta.fetches for op in run]
+        ops = meta.loads + meta.stores + fetches + meta.uploads
         wm: Any = KVTierWorkerMeta(steps=[meta.step], results={op.op_id: [True] for op in ops})
     elif variant == "offloading":
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (

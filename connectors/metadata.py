@@ -50,7 +50,8 @@ class KVTierMetadata(KVConnectorMetadata):
     host_bytes: int = 0
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
-    fetches: list[RemoteOp] = field(default_factory=list)
+    #: object tier -> host slots: one list per lookup, a prompt's chunks in order
+    fetches: list[list[RemoteOp]] = field(default_factory=list)
     uploads: list[RemoteOp] = field(default_factory=list)
 
 

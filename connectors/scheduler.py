@@ -45,12 +45,13 @@ _CLEAN_PAUSE_S = 5.0
 
 @dataclass(slots=True)
 class _Lookup:
-    """An object-tier lookup in flight for one request."""
+    """An object-tier lookup in flight for one request: its chunks from the first one
+    the host tier lacked, in order (fetched for it, or already there or being fetched
+    for another request)."""
 
     started: float
     first_chunk: int
-    exists_op: int | None = None
-    fetching: list[Entry] = field(default_factory=list)
+    chunks: list[Entry] = field(default_factory=list)
     done: bool = False
 
 
@@ -73,7 +74,7 @@ class _ReqState:
 
 @dataclass(slots=True)
 class _Pending:
-    kind: str  # "store" | "load" | "fetch" | "upload" | "exists"
+    kind: str  # "store" | "load" | "fetch" | "upload"
     entry: Entry | None
     started: float
     reports: list[bool] = field(default_factory=list)
@@ -87,7 +88,6 @@ class SchedulerSide:
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
         namespace: Namespace,
-        remote_factory: Any = None,
     ) -> None:
         self.cfg = cfg
         cache = vllm_config.cache_config
@@ -114,12 +114,11 @@ class SchedulerSide:
             )
         self.namespace = namespace
         self._index_ns = self.namespace.digest(ANY_RANK)
-        self._rank0_ns = self.namespace.digest(rank=0, stage=0)  # the first worker's keys
-        self.remote = remote_factory(cfg) if (remote_factory and cfg.remote_url) else None
-        if self.remote is not None:
-            faster_thread_switches()
-        self.write_through = self.remote is not None and cfg.write_policy == "write_through"
-        self.write_back = self.remote is not None and cfg.write_policy == "write_back"
+        #: the object tier is read and written by the workers, each under its own keys;
+        #: the scheduler only plans (a lookup is a read: no existence checks from here)
+        self.remote = bool(cfg.remote_url)
+        self.write_through = self.remote and cfg.write_policy == "write_through"
+        self.write_back = self.remote and cfg.write_policy == "write_back"
         self._op_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._uploads: list[RemoteOp] = []
@@ -146,9 +145,8 @@ class SchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
         self._loads: list[LoadOp] = []
-        self._fetches: list[RemoteOp] = []
+        self._fetches: list[list[RemoteOp]] = []
         self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
-        self._exists_waiters: dict[int, tuple[_ReqState, list[int]]] = {}
         self._last_evictions = 0
         logger.info(
             "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
@@ -173,7 +171,7 @@ class SchedulerSide:
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
         end_chunk = self._ready_run(st, first, cap)
-        if self.remote is not None and self._wants_remote(st, end_chunk, cap):
+        if self.remote and self._wants_remote(st, end_chunk, cap):
             if self._remote_lookup(st, end_chunk, cap):
                 self.stats.observe(metrics.LOOKUP_DELAY, time.perf_counter() - t0, ("sync",))
                 # vLLM re-asks at once in a tight loop; yield the GIL so the I/O threads
@@ -269,7 +267,6 @@ class SchedulerSide:
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):
                     self.stats.observe(metrics.TTFT, max(0.0, now - arrival), (outcome,))
-        self._poll_remote()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         st = self._reqs.pop(request.request_id, None)
@@ -295,8 +292,7 @@ class SchedulerSide:
         return True
 
     def shutdown(self) -> None:
-        if self.remote is not None:
-            self.remote.close()
+        pass  # the scheduler holds no connection: the workers own the object tier
 
     # ---- keys and plans ---------------------------------------------------------------
     def _state(self, request: Request) -> _ReqState:
@@ -455,96 +451,67 @@ class SchedulerSide:
         return end_chunk < len(st.keys) and end_chunk * self.chunk_size < cap
 
     def _remote_lookup(self, st: _ReqState, first: int, cap: int) -> bool:
-        """Advance this request's object-tier lookup; True while it should wait."""
-        assert self.remote is not None
-        self._poll_remote()
+        """Advance this request's object-tier lookup; True while it should wait.
+
+        A lookup is a read: it claims host slots for the prompt's chunks from
+        ``first`` on and sends their fetches to the workers as one run (the first
+        chunk alone, the rest once it was found, none after a miss), then waits
+        until the stored prefix is known: every chunk up to the first one that
+        failed or is missing has landed. Chunks another request is fetching are
+        waited on, not fetched twice.
+        """
         now = time.monotonic()
         lk = st.lookup
         if lk is None:
-            last = min(len(st.keys), math.ceil(cap / self.chunk_size))
-            wanted = list(range(first, last))
-            if not wanted:
-                return False
             lk = st.lookup = _Lookup(started=now, first_chunk=first)
-            op_id = next(self._op_ids)
-            lk.exists_op = op_id
-            self._exists_waiters[op_id] = (st, wanted)
-            keys = [chunk_key(self._rank0_ns, st.chunk_hashes[c]) for c in wanted]
-            self.remote.submit_exists(op_id, keys)
+            self._start_fetches(st, lk, first, cap)
+            if not lk.chunks:
+                self._finish_lookup(st)
+                return False
             return True
         if now - lk.started > self.cfg.lookup_timeout_ms / 1000:
             self.stats.inc(metrics.ERRORS, 1, ("timeout",))
             self._finish_lookup(st)
             return False
-        if lk.exists_op is not None:
-            return True
-        if any(e.state is State.FETCHING and self.index.get(e.key) is e for e in lk.fetching):
-            return True
+        for entry in lk.chunks:
+            if self.index.get(entry.key) is not entry:
+                break  # missing, failed or evicted: the usable prefix ends here
+            if entry.state is State.FETCHING:
+                return True
         self._finish_lookup(st)
         return False
+
+    def _start_fetches(self, st: _ReqState, lk: _Lookup, first: int, cap: int) -> None:
+        """Claim slots for chunks ``first``.. and queue their fetches as one run."""
+        # the host tier's part of this prompt stays: claims below must not evict it
+        for c in range(st.local_hit // self.chunk_size, first):
+            if self.index.is_ready(st.keys[c]):
+                self.index.touch(st.keys[c])
+        run: list[RemoteOp] = []
+        last = min(len(st.keys), math.ceil(cap / self.chunk_size))
+        for c in range(first, last):
+            key = st.keys[c]
+            entry = self.index.get(key)
+            if entry is None:
+                entry = self.index.begin(key, State.FETCHING)
+                if entry is None:  # every slot is busy: fetch what fits
+                    break
+                entry.block_hash = st.chunk_hashes[c]
+                op_id = next(self._op_ids)
+                run.append(RemoteOp(op_id, entry.slot, st.chunk_hashes[c]))
+                self._pending[op_id] = _Pending(
+                    "fetch", entry, time.perf_counter(), nbytes=self.slot_bytes
+                )
+            lk.chunks.append(entry)
+        if run:
+            self._fetches.append(run)
 
     def _finish_lookup(self, st: _ReqState) -> None:
         lk = st.lookup
         if lk is None or lk.done:
             return
         lk.done = True
-        if lk.exists_op is not None:
-            self._exists_waiters.pop(lk.exists_op, None)
-            lk.exists_op = None
         self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
-
-    def _poll_remote(self) -> None:
-        if self.remote is None:
-            return
-        for res in self.remote.poll():
-            waiter = self._exists_waiters.pop(res.op_id, None)
-            if waiter is None:
-                continue
-            st, wanted = waiter
-            lk = st.lookup
-            if lk is None or lk.done:
-                continue
-            lk.exists_op = None
-            if not res.ok:
-                self.totals["exists_failed"] += 1
-                if res.error_kind:
-                    self.stats.inc(metrics.ERRORS, 1, (metrics.error_kind_label(res.error_kind),))
-                self._finish_lookup(st)
-                continue
-            for c, present in zip(wanted, res.value or [], strict=False):
-                if not present:
-                    break
-                key = st.keys[c]
-                if key in self.index:
-                    existing = self.index.get(key)
-                    if existing is not None and existing.state is State.FETCHING:
-                        lk.fetching.append(existing)
-                    continue
-                entry = self.index.begin(key, State.FETCHING)
-                if entry is None:
-                    break
-                entry.block_hash = st.chunk_hashes[c]
-                op_id = next(self._op_ids)
-                self._fetches.append(RemoteOp(op_id, entry.slot, st.chunk_hashes[c]))
-                self._pending[op_id] = _Pending(
-                    "fetch", entry, time.perf_counter(), nbytes=self.slot_bytes
-                )
-                lk.fetching.append(entry)
-
-
-
-def faster_thread_switches(interval_s: float = 0.001) -> None:
-    """Let kvtier's I/O threads get the GIL within 1 ms instead of Python's default 5 ms.
-
-    While a request waits for an object-tier fetch, vLLM's engine loop re-asks in a
-    tight loop and holds the GIL almost all the time; each hand-off to an I/O thread
-    then waits a full switch interval. Measured on the file tier: fetch of six 4 MiB
-    chunks 150 ms -> 30 ms.
-    """
-    import sys
-
-    if sys.getswitchinterval() > interval_s:
-        sys.setswitchinterval(interval_s)
 
 
 def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:

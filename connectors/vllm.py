@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import KVTierConfig, load_config, redact_url
+from kvtier.config import load_config, redact_url
 
 from .identity import namespace_for
 from .metadata import KVTierMetadata
@@ -70,24 +70,6 @@ def worker_position() -> tuple[int, int]:
     return rank, stage
 
 
-def _remote_factory(role: str):
-    def make(cfg: KVTierConfig):
-        from kvtier.codec import Signer
-        from kvtier.remote import RemoteIO
-        from kvtier.tiers import open_tier
-
-        tier = open_tier(cfg)
-        return RemoteIO(
-            tier,
-            threads=cfg.io_threads,
-            queue_depth=cfg.io_queue_depth,
-            timeout_s=cfg.lookup_timeout_ms / 1000,
-            signer=Signer.from_config(cfg),
-        )
-
-    return make
-
-
 class KVTierConnector(KVConnectorBase_V1):
     """Host-RAM and object-store KV tiers for vLLM (``kv_role: kv_both``)."""
 
@@ -113,16 +95,16 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # vLLM builds the scheduler after the workers loaded the weights
             ns = namespace_for(self.cfg, vllm_config)
-            self._scheduler = SchedulerSide(
-                self.cfg, vllm_config, kv_cache_config, ns, _remote_factory("scheduler")
-            )
+            self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
         else:
             # a worker's connector comes before the weights (a hub model may not be
             # downloaded yet): its keys are made in register_kv_caches
             ns = namespace_for(self.cfg, vllm_config, read_weights=False)
+            from kvtier.remote import RemoteIO
+
             self._worker = WorkerSide(
-                self.cfg, ns, kv_cache_config.num_blocks, _remote_factory("worker")
+                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config
             )
             # with micro-batches a layer's attention runs once per ubatch: its KV is only
             # complete after the forward, so stores then start in wait_for_save

@@ -80,7 +80,7 @@ class WorkerSide:
             rank, stage, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
         )
         if self._remote_factory is not None and self.cfg.remote_url:
-            from .scheduler import faster_thread_switches
+            from kvtier.remote import faster_thread_switches
 
             self.remote = self._remote_factory(self.cfg)
             faster_thread_switches()
@@ -117,8 +117,8 @@ class WorkerSide:
         self.copier.begin_saves([
             StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
         ])
-        for op in meta.fetches:
-            self._fetch(slab, op)
+        for run in meta.fetches:
+            self._fetch_run(slab, run)
         for op in meta.uploads:
             self._upload(slab, op.op_id, op)
 
@@ -184,16 +184,20 @@ class WorkerSide:
     def _object_key(self, block_hash: bytes) -> str:
         return chunk_key(self._ns_digest, block_hash)
 
-    def _fetch(self, slab: HostSlab, op: RemoteOp) -> None:
+    def _fetch_run(self, slab: HostSlab, run: list[RemoteOp]) -> None:
+        """Fetch one prompt's chunks into their slots: the first alone, the rest once it
+        was found, none after a miss (RemoteIO.submit_get_run)."""
         if self.remote is None:
-            self._results[op.op_id] = [False]
+            for op in run:
+                self._results[op.op_id] = [False]
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()
-        self.remote.submit_get_into(
-            op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
+        self.remote.submit_get_run(
+            [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
+             for op in run],
             dtype=dtype, shape=shape,
-        )
+        )  # fmt: skip
 
     def _upload(self, slab: HostSlab, op_id: int, op: RemoteOp) -> None:
         if self.remote is None:

@@ -10,6 +10,9 @@ from host slots, and later polls for results. Behind that:
 - A full write queue drops the upload and counts it (``writes_dropped``); a
   chunk that never reaches the object tier only costs a future recompute,
   whereas blocking would stall the engine.
+- A lookup is a read (:meth:`RemoteIO.submit_get_run`): a prompt's chunks are
+  fetched in order, the first alone, the rest in parallel once it was found;
+  after a miss the chunks behind it are not asked for.
 - A read slower than ``timeout_s`` (queue wait included) is reported as
   ``"timeout"`` at the next poll; the thread still finishing it will not
   touch the destination buffer afterwards. Uploads have no deadline of their
@@ -66,7 +69,7 @@ ERROR_KINDS = (
 MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
 _COUNTERS = (
     "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
-    "ops_exists", "ops_get", "ops_put",
+    "ops_exists", "ops_get", "ops_put", "gets_skipped",
 ) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
 
 OpKind = Literal["exists", "get", "put"]
@@ -94,7 +97,7 @@ class _Op:
     """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
 
     __slots__ = ("op_id", "kind", "keys", "buf", "dtype", "shape", "t0", "deadline", "lock",
-                 "done", "seq", "started")  # fmt: skip
+                 "done", "seq", "started", "run", "pos")  # fmt: skip
 
     def __init__(
         self,
@@ -120,6 +123,9 @@ class _Op:
         self.done = False
         #: a get whose bytes are being read into ``buf`` (the caller's slot)
         self.started = False
+        #: the run of gets (one prompt's consecutive chunks) this get is ``pos`` in
+        self.run: list[_Op] | None = None
+        self.pos = 0
 
 
 class _RateLimitedLog:
@@ -243,6 +249,41 @@ class RemoteIO:
             _Op(next(self._seq), op_id, "get", [key], self.timeout_s, view, dtype, shape)
         )
 
+    def submit_get_run(
+        self,
+        gets: Sequence[tuple[int, str, memoryview]],
+        *,
+        dtype: str,
+        shape: Sequence[int],
+    ) -> None:
+        """Queue fetches of one prompt's consecutive chunks ``(op_id, key, dest)``, in order.
+
+        A lookup is a read: the first chunk is fetched at once (a missing object is a
+        miss, one request for a prompt the tier does not hold); once it was found the
+        rest are queued and read in parallel. A prompt can only use its chunks up to
+        the first gap, so when one is missing or fails, those after it that have not
+        started are reported as misses without asking (counted in ``gets_skipped``).
+        Every get yields one result, as from :meth:`submit_get_into`.
+        """
+        run = []
+        for op_id, key, dest in gets:
+            view = _byte_view(dest)
+            if view.readonly:
+                raise ValueError("submit_get_run needs writable destinations")
+            run.append(_Op(next(self._seq), op_id, "get", [key], self.timeout_s, view, dtype,
+                           shape))  # fmt: skip
+        for pos, op in enumerate(run):
+            op.run, op.pos = run, pos
+        if not run:
+            return
+        if self._closed or self._read_backoff.is_down:
+            self._finish(run[0], False, "unreachable")  # and the rest as misses
+            return
+        with self._lock:
+            for op in run:  # every get's deadline counts from now, queued or not
+                self._inflight[op.seq] = op
+        self._enqueue_read(run[0])
+
     def submit_put(
         self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
     ) -> bool:
@@ -273,6 +314,9 @@ class RemoteIO:
             return
         with self._lock:
             self._inflight[op.seq] = op
+        self._enqueue_read(op)
+
+    def _enqueue_read(self, op: _Op) -> None:
         try:
             self._rq.put_nowait(op)
         except queue.Full:
@@ -514,25 +558,55 @@ class RemoteIO:
         value: list[bool] | None = None,
         nbytes: int = 0,
     ) -> None:
-        """Report ``op`` unless poll() already reported it as a timeout."""
+        """Report ``op`` unless poll() already reported it as a timeout; go on with its run."""
         with op.lock:
             if op.done:
                 return
             if op.kind == "exists" and ok and time.monotonic() > op.deadline:
                 ok, error_kind, value = False, "timeout", None
             self._report(op, ok, error_kind, value, nbytes)
+        if op.run is None:
+            return
+        if not ok:
+            self._skip_after(op)
+        elif op.pos == 0:
+            for later in op.run[1:]:
+                if not later.done:
+                    self._enqueue_read(later)
+
+    def _skip_after(self, op: _Op) -> None:
+        """The run's chunks after a miss are of no use: report those not started as misses."""
+        assert op.run is not None
+        skipped = 0
+        for later in op.run[op.pos + 1 :]:
+            with later.lock:
+                if later.done or later.started:
+                    continue
+                self._report(later, False, None, None, 0, counted=False)
+                skipped += 1
+        if skipped:
+            self._add("gets_skipped", skipped)
 
     def _report(
-        self, op: _Op, ok: bool, error_kind: str | None, value: list[bool] | None, nbytes: int
+        self,
+        op: _Op,
+        ok: bool,
+        error_kind: str | None,
+        value: list[bool] | None,
+        nbytes: int,
+        *,
+        counted: bool = True,
     ) -> None:
-        """Publish the result; the caller holds ``op.lock``."""
+        """Publish the result; the caller holds ``op.lock``. ``counted=False``: an op
+        that never reached the tier (not in ``ops_*``)."""
         op.done = True
         op.buf = None
         result = IOResult(
             op.op_id, op.kind, ok, error_kind, value, nbytes, time.monotonic() - op.t0
         )
         with self._lock:
-            self._totals["ops_" + op.kind] += 1
+            if counted:
+                self._totals["ops_" + op.kind] += 1
             if error_kind is not None:
                 self._totals["errors_" + error_kind] += 1
             if op.kind == "put":
@@ -543,3 +617,17 @@ class RemoteIO:
             else:
                 self._inflight.pop(op.seq, None)
         self._results.append(result)
+
+
+def faster_thread_switches(interval_s: float = 0.001) -> None:
+    """Let kvtier's I/O threads get the GIL within 1 ms instead of Python's default 5 ms.
+
+    While a request waits for an object-tier fetch, vLLM's engine loop re-asks in a
+    tight loop and holds the GIL almost all the time; each hand-off to an I/O thread
+    then waits a full switch interval. Measured on the file tier: fetch of six 4 MiB
+    chunks 150 ms -> 30 ms.
+    """
+    import sys
+
+    if sys.getswitchinterval() > interval_s:
+        sys.setswitchinterval(interval_s)

@@ -19,9 +19,7 @@ BS, CHUNK = 32, 256
 BPC = CHUNK // BS
 
 
-def make_side(
-    cpu_bytes: str = "4MiB", extra: dict | None = None, remote_factory=None
-) -> SchedulerSide:
+def make_side(cpu_bytes: str = "4MiB", extra: dict | None = None) -> SchedulerSide:
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=BS, cpu_offload_gb=0),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -41,7 +39,7 @@ def make_side(
     )
     ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BS, chunk_size=CHUNK, tp_size=1)
-    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns, remote_factory)
+    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns)
     side.bind_kv_cache_manager(FakeManager())
     return side
 
@@ -74,10 +72,28 @@ def schedule_new(side: SchedulerSide, req, computed: int, n: int, first_block: i
     return side.build_connector_meta(so)
 
 
-def report(side: SchedulerSide, meta, ok: bool = True) -> None:
-    ids = [op.op_id for op in meta.loads + meta.stores + meta.fetches + meta.uploads]
-    out = KVTierWorkerMeta(steps=[meta.step], results={i: [ok] for i in ids})
+def op_ids(meta) -> list[int]:
+    fetches = [op for run in meta.fetches for op in run]
+    return [op.op_id for op in meta.loads + meta.stores + fetches + meta.uploads]
+
+
+def report(side: SchedulerSide, meta, ok: bool = True, results: dict | None = None) -> None:
+    """The workers' answer: every op ``ok``, except those ``results`` names."""
+    out = KVTierWorkerMeta(
+        steps=[meta.step], results={i: [ok] for i in op_ids(meta)} | (results or {})
+    )
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+
+
+def empty_step(side: SchedulerSide):
+    """A step that schedules nothing (vLLM's loop while a request waits for its lookup)."""
+    so = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+        scheduled_spec_decode_tokens={},
+    )
+    return side.build_connector_meta(so)
 
 
 def store_prompt(side: SchedulerSide, req) -> None:
@@ -205,38 +221,24 @@ def test_stores_with_every_slot_busy_are_skipped_and_counted() -> None:
     assert side.index.used_slots == 2 and side.index.total_refs() == 0
 
 
-class EmptyObjectTier:
-    """The scheduler's view of an object tier that holds nothing (every lookup a miss)."""
-
-    def __init__(self) -> None:
-        self.results: list = []
-
-    def submit_exists(self, op_id: int, keys: list[str]) -> None:
-        from kvtier.remote import IOResult
-
-        self.results.append(IOResult(op_id, "exists", True, None, [False] * len(keys), 0, 0.0))
-
-    def poll(self) -> list:
-        out, self.results = self.results, []
-        return out
-
-    def close(self) -> None:
-        pass
-
-
 def write_back_side(cpu_bytes: str) -> SchedulerSide:
     extra = {"remote_url": "file:///nonexistent", "write_policy": "write_back"}
-    return make_side(cpu_bytes, extra, remote_factory=lambda cfg: EmptyObjectTier())
+    return make_side(cpu_bytes, extra)
 
 
 def run_prompt(side: SchedulerSide, req, first_block: int):
-    """Look up, schedule and finish one prompt as vLLM does; the step's metadata."""
+    """Look up, schedule and finish one prompt as vLLM does; the metadata of the step that
+    computed it, with the uploads of the steps that ran while its lookup waited."""
+    uploads = []
     while side.get_num_new_matched_tokens(req, 0) == (None, False):
-        pass  # the object tier's (empty) answer is polled on the next call
+        meta = empty_step(side)  # the object tier holds nothing: every fetch fails
+        report(side, meta, results={op.op_id: [False] for run in meta.fetches for op in run})
+        uploads += meta.uploads
     side.update_state_after_alloc(req, None, 0)
     meta = schedule_new(side, req, 0, req.num_tokens, first_block=first_block)
     report(side, meta)
     side.request_finished(req, [])
+    meta.uploads = uploads + meta.uploads
     return meta
 
 
@@ -267,3 +269,75 @@ def test_write_back_keeps_the_newest_prompt_whole_and_uploads_what_it_evicts() -
     assert side.totals.get("store_skipped", 0) == 0
     assert side.index.total_refs() == 0
     side.index.check()
+
+
+def remote_side(cpu_bytes: str = "4MiB") -> SchedulerSide:
+    return make_side(cpu_bytes, {"remote_url": "file:///nonexistent", "write_policy": "none"})
+
+
+def test_a_lookup_is_one_run_of_fetches_and_stops_at_the_first_miss() -> None:
+    """No existence check: the lookup claims slots for the prompt's chunks and sends their
+    fetches as one ordered run; the hit is the prefix up to the first failed chunk, whose
+    slot (and those behind it) are freed, and nothing stays pinned."""
+    side = remote_side()
+    req = request("a", 1, 4 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    meta = empty_step(side)
+    assert len(meta.fetches) == 1
+    run = meta.fetches[0]
+    assert [op.block_hash for op in run] == side._reqs["a"].chunk_hashes[:4]
+    assert len({op.slot for op in run}) == 4
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False), "fetches not reported"
+    # chunk 2 is missing: chunk 3 was fetched anyway (in flight before the miss was known)
+    report(side, meta, results={run[2].op_id: [False]})
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+    assert side.index.used_slots == 3  # 0, 1 and the orphan 3 are ready; 2's slot is free
+    assert side.index.is_ready(side._reqs["a"].keys[3])
+    assert side.pending_ops() == 0 and side.index.total_refs() == 0
+    assert empty_step(side).fetches == [], "a finished lookup fetches nothing more"
+
+
+def test_a_lookup_waits_only_for_the_prefix() -> None:
+    """Once chunk 0 failed, the answer is known (no hit) while chunks 1-3 are in flight."""
+    side = remote_side()
+    req = request("a", 1, 4 * CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    run = empty_step(side).fetches[0]
+    out = KVTierWorkerMeta(steps=[], results={run[0].op_id: [False]})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_prefix_being_fetched_for_another_request_is_waited_on_not_fetched_again() -> None:
+    side = remote_side()
+    a, b = request("a", 1, 4 * CHUNK + 10), request("b", 1, 4 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    meta = empty_step(side)
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert empty_step(side).fetches == [], "b's chunks are a's fetches"
+    report(side, meta)
+    assert side.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
+    assert side.get_num_new_matched_tokens(a, 0) == (4 * CHUNK, False)
+
+
+def test_a_lookup_keeps_the_host_part_of_its_prompt() -> None:
+    """A full host tier: the claims for the remote part evict other prompts' chunks,
+    never the chunks this prompt is about to load from the host tier."""
+    side = remote_side("512KiB")  # 8 slots
+    old = request("old", 2, 4 * CHUNK)
+    mine = request("mine", 1, 8 * CHUNK + 10)
+    # the first 4 chunks of `mine` in the host tier, older than `old`'s
+    first_half = request("half", 1, 4 * CHUNK + 10)
+    for r in (first_half, old):
+        side.get_num_new_matched_tokens(r, 0)
+        report(side, empty_step(side), ok=False)
+        side.get_num_new_matched_tokens(r, 0)
+        side.update_state_after_alloc(r, None, 0)
+        report(side, schedule_new(side, r, 0, r.num_tokens))
+        side.request_finished(r, [])
+    assert side.index.used_slots == 8
+    assert side.get_num_new_matched_tokens(mine, 0) == (None, False)
+    meta = empty_step(side)
+    assert len(meta.fetches[0]) == 4  # chunks 4-7
+    report(side, meta)
+    assert side.get_num_new_matched_tokens(mine, 0) == (8 * CHUNK, False)

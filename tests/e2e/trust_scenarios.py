@@ -188,7 +188,8 @@ def _record_object_keys(llm) -> dict[str, list[str]]:
         st = side._reqs.get(request.request_id)
         if st is not None:
             side._refresh_keys(st)
-            keys[request.request_id] = [chunk_key(side._rank0_ns, h) for h in st.chunk_hashes]
+            rank0 = side.namespace.digest(rank=0, stage=0)
+            keys[request.request_id] = [chunk_key(rank0, h) for h in st.chunk_hashes]
         return original(request, block_ids)
 
     side.request_finished = request_finished
@@ -196,17 +197,12 @@ def _record_object_keys(llm) -> dict[str, list[str]]:
 
 
 def _remote_counters(llm) -> dict[str, int]:
-    """Object-tier op counters of this engine: the scheduler's lookups plus the worker's
-    fetches and uploads (the worker runs in this process: uniproc executor)."""
+    """Object-tier op counters of this engine: the worker's fetches and uploads (the
+    worker runs in this process: uniproc executor; the scheduler asks the tier nothing)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    total: dict[str, int] = {}
-    sides = [kvtier_side(llm), get_kv_transfer_group()._worker]
-    for side in sides:
-        if side is not None and side.remote is not None:
-            for k, v in side.remote.counters().items():
-                total[k] = total.get(k, 0) + v
-    return total
+    worker = get_kv_transfer_group()._worker
+    return worker.remote.counters() if worker is not None and worker.remote else {}
 
 
 # ---- signing ----------------------------------------------------------------------------
@@ -515,7 +511,6 @@ def soak(
     structures = {
         "reqs": len(side._reqs),
         "pending": len(side._pending),
-        "exists_waiters": len(side._exists_waiters),
         "ttft_by_step": len(side._ttft_by_step),
         "loads": len(side._loads),
         "fetches": len(side._fetches),

@@ -422,3 +422,97 @@ def test_backoff_values() -> None:
     assert NoBackoff().compute(3) == 0.0
     with pytest.raises(ValueError):
         ExponentialBackoff(base=-1)
+
+
+def _counting_reads(tier: ObjectTier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys ``tier.read_into`` was called for (one backend read each), in call order."""
+    asked: list[str] = []
+    real = tier.read_into
+
+    def read_into(key: str, dest: memoryview, max_head: int):
+        asked.append(key)
+        return real(key, dest, max_head)
+
+    monkeypatch.setattr(tier, "read_into", read_into)
+    return asked
+
+
+def _run(rio: RemoteIO, first_id: int, keys: list[str]) -> list[memoryview]:
+    dests = [memoryview(bytearray(SIZE)) for _ in keys]
+    rio.submit_get_run(
+        [(first_id + i, k, d) for i, (k, d) in enumerate(zip(keys, dests, strict=True))],
+        dtype=DT, shape=SHAPE,
+    )  # fmt: skip
+    return dests
+
+
+def test_a_run_whose_first_chunk_is_missing_asks_once(any_tier, monkeypatch) -> None:
+    """A 16-chunk lookup whose first chunk is not stored: one backend read, 16 misses."""
+    rio = make_rio(any_tier)
+    for i in range(1, 16):
+        assert rio.submit_put(i, f"run{i}", payload(i), dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    collect(rio, 15)
+    asked = _counting_reads(any_tier, monkeypatch)
+    _run(rio, 100, [f"run{i}" for i in range(16)])
+    res = collect(rio, 16)
+    assert asked == ["run0"]
+    assert all(not r.ok and r.error_kind is None for r in res.values())  # plain misses
+    c = rio.take_counters()
+    assert c["gets_skipped"] == 15 and c["ops_get"] == 1, c
+    rio.close()
+
+
+def test_a_run_reads_its_chunks_into_their_slots_and_stops_at_a_gap(any_tier) -> None:
+    """Chunks 0-5 stored but 3: 0-2 land verified in their slots, 3 is a miss, and each of
+    4-5 is either not asked (reported a miss) or read whole (never a half-written hit)."""
+    rio = make_rio(any_tier, signer=codec.Signer(b"k"))
+    stored = [0, 1, 2, 4, 5]
+    for i in stored:
+        assert rio.submit_put(i, f"gap{i}", payload(i), dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    collect(rio, len(stored))
+    dests = _run(rio, 200, [f"gap{i}" for i in range(6)])
+    res = collect(rio, 6)
+    assert [res[200 + i].ok for i in range(4)] == [True, True, True, False]
+    assert res[203].error_kind is None
+    for i in (0, 1, 2, 4, 5):
+        if res[200 + i].ok:
+            assert bytes(dests[i]) == bytes(payload(i))
+    c = rio.take_counters()
+    assert c["ops_get"] >= 4 and c["ops_get"] + c["gets_skipped"] == 6, c
+    rio.close()
+
+
+def test_a_rejected_first_chunk_ends_the_run(any_tier, monkeypatch) -> None:
+    """A first chunk that fails verification is a counted miss, and nothing behind it is
+    fetched: a forger cannot make a replica download a whole planted prompt."""
+    rio = make_rio(any_tier, signer=codec.Signer(b"k"))
+    for i in range(4):
+        assert rio.submit_put(i, f"bad{i}", payload(i), dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    collect(rio, 4)
+    other = make_rio(any_tier, signer=codec.Signer(b"other key"))
+    asked = _counting_reads(any_tier, monkeypatch)
+    dests = _run(other, 300, [f"bad{i}" for i in range(4)])
+    res = collect(other, 4)
+    assert asked == ["bad0"]
+    assert res[300].error_kind == "signature"
+    assert all(not r.ok for r in res.values())
+    assert all(r.error_kind is None for i, r in res.items() if i != 300)
+    assert bytes(dests[1]) == bytes(SIZE), "a skipped chunk's slot was never written"
+    other.close()
+    rio.close()
+
+
+def test_a_run_while_reads_are_down_fails_fast_without_asking(any_tier, monkeypatch) -> None:
+    rio = make_rio(any_tier, backoff=ConstantBackoff(60))
+    rio._read_backoff.failed()
+    asked = _counting_reads(any_tier, monkeypatch)
+    _run(rio, 400, ["x0", "x1", "x2"])
+    res = collect(rio, 3)
+    assert asked == []
+    # one counted failure; the chunks behind it are misses, not three more errors
+    assert [res[400 + i].error_kind for i in range(3)] == ["unreachable", None, None]
+    assert not any(r.ok for r in res.values())
+    rio.close()
