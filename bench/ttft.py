@@ -16,6 +16,17 @@ printed beside c/b. S3 is moto's server and Redis Debian's redis-server, both
 started on loopback by this script.
 
 Run it with ``make bench-ttft`` (about 3 minutes on 2 cores, plus ~1 minute a tier).
+
+``--sweep 512,1024,2048,4096,8192`` measures (a), (b), (c) and (d) for every
+tier of ``--restart`` (default: file, s3, redis) at each prompt length instead,
+and ``--plot out.png`` draws them (matplotlib): TTFT by prompt length, and TTFT
+divided by the cold prefill of the same length. ``--profile DIR`` runs one more
+restart engine per tier in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
+cProfile on the engine thread and on kvtier's I/O threads and a timeline of every
+object-tier op, and writes them to DIR.
+
+Every engine's OpenMP threads are bound to all CPUs this process may use
+(``VLLM_CPU_OMP_THREADS_BIND``), as ``make bench`` does.
 """
 
 from __future__ import annotations
@@ -34,10 +45,27 @@ import time
 from collections.abc import Iterator
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault(
+    "VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
     return [((i * 7919 + seed * 104729 + seed * seed) % 480) + 5 for i in range(n)]
+
+
+def _seeds(start: int, count: int, avoid: tuple[int, ...] = (999,)) -> list[int]:
+    """``count`` seeds from ``start`` whose prompts differ from each other and from
+    ``avoid``'s (_prompt has 480 distinct prompts; seeds 1 and 6 give the same one)."""
+    seen = {_prompt(a, 1)[0] for a in avoid}
+    out, seed = [], start
+    while len(out) < count:
+        first = _prompt(seed, 1)[0]
+        if first not in seen:
+            seen.add(first)
+            out.append(seed)
+        seed += 1
+    return out
 
 
 def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
@@ -99,13 +127,21 @@ def _tier(kind: str, workdir: str) -> Iterator[tuple[dict, dict]]:
         proc.wait(timeout=10)
 
 
-def _phase(args: argparse.Namespace, phase: str, extra: dict, env: dict) -> dict:
+def _phase(
+    args: argparse.Namespace, phase: str, extra: dict, env: dict, profile: str = "",
+    baseline: bool = False,
+) -> dict:
     """Run one engine of the restart measurement in its own process."""
     cmd = [sys.executable, __file__, "--phase", phase, "--extra", json.dumps(extra),
-           "--tokens", str(args.tokens), "--samples", str(args.samples),
+           "--lengths", ",".join(map(str, args.lengths)), "--samples", str(args.samples),
            "--layers", str(args.layers), "--hidden", str(args.hidden)]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
+    if baseline:
+        cmd += ["--baseline"]
+    if profile:
+        cmd += ["--profile-out", profile]
+        env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -113,29 +149,290 @@ def _phase(args: argparse.Namespace, phase: str, extra: dict, env: dict) -> dict
     raise RuntimeError(f"{phase} engine failed:\n{proc.stderr[-4000:]}")
 
 
+def profile_summary(out_dir: str, top: int = 25) -> str:
+    """Text summary of a --profile directory: the timeline of the restart hits (medians
+    per prompt length) and the functions with the most own time on each side."""
+    import io
+    import pstats
+
+    lines = []
+    with open(os.path.join(out_dir, "timeline.json")) as f:
+        reqs = json.load(f)
+    phases: dict[int, dict[str, list[float]]] = {}
+    for r in reqs:
+        ops = r["ops"]
+        gets = sorted((o for o in ops if o["kind"] == "get"), key=lambda o: o["queued"])
+        if not gets:
+            continue
+        g0, rest = gets[0], gets[1:] or gets[:1]
+        ph = {
+            "until first get submitted": g0["queued"],
+            "first get: queue wait": g0["start"] - g0["queued"],
+            "first get: backend call (read_into + verify)": g0["end"] - g0["start"],
+            "first get done -> rest submitted": min(g["queued"] for g in rest) - g0["end"],
+            "gets: first submitted -> last done": max(g["end"] for g in gets) - g0["queued"],
+            "gets: sum of backend calls (read_into + verify)": sum(
+                g["end"] - g["start"] for g in gets),
+            "gets: mean queue wait": statistics.mean(g["start"] - g["queued"] for g in gets),
+            "last get done -> first token": r["ttft_s"] - max(g["end"] for g in gets),
+            "TTFT": r["ttft_s"],
+            "gets": len(gets),
+        }  # fmt: skip
+        for k, v in ph.items():
+            phases.setdefault(r["tokens"], {}).setdefault(k, []).append(v)
+    for n, ph in sorted(phases.items()):
+        lines.append(f"restart hit, {n}-token prompt, median of {len(ph['TTFT'])}:")
+        for k, v in ph.items():
+            med = statistics.median(v)
+            lines.append(f"  {k:<50} {med:.0f}" if k == "gets" else
+                         f"  {k:<50} {med * 1000:8.1f} ms")  # fmt: skip
+    for name in ("engine_thread", "io_threads"):
+        path = os.path.join(out_dir, name + ".prof")
+        if not os.path.exists(path):
+            continue
+        buf = io.StringIO()
+        st = pstats.Stats(path, stream=buf)
+        st.sort_stats("tottime").print_stats(top)
+        lines.append(f"\n== {name}: own time (tottime), top {top} ==")
+        lines += [ln for ln in buf.getvalue().splitlines() if ln.strip()][-top - 2 :]
+        buf = io.StringIO()
+        st = pstats.Stats(path, stream=buf)
+        st.sort_stats("cumulative").print_stats(top)
+        lines.append(f"\n== {name}: cumulative time, top {top} ==")
+        lines += [ln for ln in buf.getvalue().splitlines() if ln.strip()][-top - 2 :]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+        f.write(text)
+    return text
+
+
+def _copy_objects(src_root: str, kind: str, extra: dict) -> int:
+    """Store the file tier's objects, byte for byte under the same keys, in an S3 or Redis
+    tier (the sweep writes its prompts through one engine, not one engine per tier)."""
+    from urllib.parse import unquote
+
+    if kind == "s3":
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=extra["s3_endpoint_url"],
+                              region_name="us-east-1", aws_access_key_id="bench",
+                              aws_secret_access_key="bench")  # fmt: skip
+
+        def put(key: str, data: bytes) -> None:
+            client.put_object(Bucket="kvtier-bench", Key="kv/" + key, Body=data)
+    else:
+        import redis
+
+        rclient = redis.Redis.from_url(extra["remote_url"])
+
+        def put(key: str, data: bytes) -> None:
+            rclient.set(key, data)
+
+    n = 0
+    for dirpath, _dirs, files in os.walk(src_root):
+        for name in files:
+            if name.startswith(".") or name.startswith("h-"):
+                continue  # temp files; hashed names do not give the key back
+            with open(os.path.join(dirpath, name), "rb") as f:
+                put(unquote(name), f.read())
+            n += 1
+    return n
+
+
+def _moto_raw(extra: dict, lengths: list[int], threads: int = 2, reps: int = 5) -> dict:
+    """What moto itself takes for one prompt's chunks, with raw boto3 on stored 4 MiB
+    objects: the first GET alone, then the rest on ``threads`` threads (as a kvtier
+    lookup reads them; kvtier's read threads at io_threads=4); medians of ``reps``.
+    ``head_seq_s``: HEADs one after another, what the existence check kvtier no longer
+    sends would have cost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+
+    from kvtier.tiers.s3 import client_config
+
+    client = boto3.client("s3", endpoint_url=extra["s3_endpoint_url"], region_name="us-east-1",
+                          aws_access_key_id="bench", aws_secret_access_key="bench",
+                          config=client_config(4, 2000))  # fmt: skip
+    listed = client.list_objects_v2(Bucket="kvtier-bench", Prefix="kv/").get("Contents", [])
+    keys = [o["Key"] for o in listed]
+
+    def head(k: str) -> None:
+        client.head_object(Bucket="kvtier-bench", Key=k)
+
+    def get(k: str) -> None:
+        client.get_object(Bucket="kvtier-bench", Key=k)["Body"].read()
+
+    out = {}
+    with ThreadPoolExecutor(threads) as pool:
+        for n in lengths:
+            chunks = keys[: n // 256]
+            heads, gets = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for k in chunks:
+                    head(k)
+                t1 = time.perf_counter()
+                get(chunks[0])
+                list(pool.map(get, chunks[1:]))
+                heads.append(t1 - t0)
+                gets.append(time.perf_counter() - t1)
+            out[str(n)] = {"objects": len(chunks), "head_seq_s": statistics.median(heads),
+                           "get_parallel_s": statistics.median(gets)}  # fmt: skip
+    return out
+
+
 def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
-    """--phase write: store the prompts and exit. --phase read: (d) then (b) per prompt."""
+    """--phase write: store the prompts and exit. --phase read: (d) then (b) per prompt,
+    for every length of --lengths; the result is keyed by length."""
     extra = json.loads(args.extra)
     llm = llm_factory(extra)
-    _ttft(llm, _prompt(999, args.tokens))
+    _ttft(llm, _prompt(999, min(args.lengths)))
+    seeds = _seeds(500, args.samples * len(args.lengths))
+    plan = [(n, seeds[li * args.samples + i]) for i in range(args.samples)
+            for li, n in enumerate(args.lengths)]  # fmt: skip
     if args.phase == "write":
-        for i in range(args.samples):
-            _ttft(llm, _prompt(500 + i, args.tokens))
+        base: dict[int, dict[str, list]] = {n: {"cold": [], "engine": [], "host": [],
+                                                "cached_engine": [], "cached_host": []}
+                                            for n in args.lengths}  # fmt: skip
+        for n, seed in plan:
+            p = _prompt(seed, n)
+            t = _ttft(llm, p)[0]
+            if args.baseline:  # (a), (b), (c) on the prompts this engine stores
+                base[n]["cold"].append(t)
+                t, c = _ttft(llm, p)
+                base[n]["engine"].append(t)
+                base[n]["cached_engine"].append(c)
+                llm.reset_prefix_cache()
+                t, c = _ttft(llm, p)
+                base[n]["host"].append(t)
+                base[n]["cached_host"].append(c)
         llm.llm_engine.engine_core.shutdown()  # flushes queued uploads
-        return {}
-    restart_hit, engine_hit, cached = [], [], []
-    for i in range(args.samples):
-        p = _prompt(500 + i, args.tokens)
+        if not args.baseline:
+            return {}
+        return {str(n): {"cold_ttft_s": statistics.median(b["cold"]),
+                         "engine_hit_ttft_s": statistics.median(b["engine"]),
+                         "kvtier_hit_ttft_s": statistics.median(b["host"]),
+                         "cold_all_s": b["cold"], "engine_hit_all_s": b["engine"],
+                         "kvtier_hit_all_s": b["host"],
+                         "cached_tokens_engine": b["cached_engine"][0],
+                         "cached_tokens_kvtier": b["cached_host"][0]}
+                for n, b in base.items()}  # fmt: skip
+    prof = _Profiler() if args.profile_out else None
+    restart_hit: dict[int, list] = {n: [] for n in args.lengths}
+    engine_hit: dict[int, list] = {n: [] for n in args.lengths}
+    cached: dict[int, list] = {n: [] for n in args.lengths}
+    for n, seed in plan:
+        p = _prompt(seed, n)
+        if prof:
+            prof.start(n)
         t, c = _ttft(llm, p)  # host tier empty: served by the object tier
-        restart_hit.append(t)
-        cached.append(c)
-        engine_hit.append(_ttft(llm, p)[0])
+        if prof:
+            prof.stop(t)
+        restart_hit[n].append(t)
+        cached[n].append(c)
+        engine_hit[n].append(_ttft(llm, p)[0])
     llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
-    return {"restart_hit_ttft_s": statistics.median(restart_hit),
-            "engine_hit_ttft_s": statistics.median(engine_hit), "cached": cached}
+    if prof:
+        prof.write(args.profile_out)  # after the I/O threads stopped and saved their profiles
+    return {str(n): {"restart_hit_ttft_s": statistics.median(restart_hit[n]),
+                     "engine_hit_ttft_s": statistics.median(engine_hit[n]),
+                     "restart_hit_all_s": restart_hit[n], "engine_hit_all_s": engine_hit[n],
+                     "cached": cached[n]} for n in args.lengths}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Profiler:
+    """--profile-out: cProfile of the engine thread and of RemoteIO's worker threads
+    during the restart hits, and a timeline of every object-tier op (engine in-process).
+
+    RemoteIO is wrapped here, in the benchmark's process, not changed."""
+
+    def __init__(self) -> None:
+        import cProfile
+        import threading
+
+        from kvtier.remote import RemoteIO
+
+        self.main = cProfile.Profile()
+        self.io: list = []
+        self.events: list[dict] = []
+        self.requests: list[dict] = []
+        self.active = False
+        self._lock = threading.Lock()
+        orig_worker, orig_execute = RemoteIO._worker, RemoteIO._execute
+        prof = self
+
+        def worker(rio, q):  # each I/O thread profiles itself
+            p = cProfile.Profile()
+            with prof._lock:
+                prof.io.append(p)
+            p.enable()
+            try:
+                return orig_worker(rio, q)
+            finally:
+                p.disable()
+
+        def execute(rio, op):
+            t1, mono1 = time.perf_counter(), time.monotonic()
+            try:
+                return orig_execute(rio, op)
+            finally:
+                if prof.active:
+                    t2 = time.perf_counter()
+                    queued = t1 - (mono1 - op.t0)  # when it was submitted
+                    prof.events.append({"kind": op.kind, "keys": len(op.keys),
+                                        "thread": threading.current_thread().name,
+                                        "queued": queued, "start": t1, "end": t2})  # fmt: skip
+
+        RemoteIO._worker, RemoteIO._execute = worker, execute
+        self._t0 = 0.0
+
+    def start(self, tokens: int) -> None:
+        self.events_start = len(self.events)
+        self._tokens = tokens
+        self.active = True
+        self._t0 = time.perf_counter()
+        self.main.enable()
+
+    def stop(self, ttft: float) -> None:
+        self.main.disable()
+        self.active = False
+        t0 = self._t0
+        ev = [{**e, "queued": e["queued"] - t0, "start": e["start"] - t0, "end": e["end"] - t0}
+              for e in self.events[self.events_start :]]  # fmt: skip
+        self.requests.append({"tokens": self._tokens, "ttft_s": ttft, "ops": ev})
+
+    def write(self, out_dir: str) -> None:
+        import pstats
+
+        os.makedirs(out_dir, exist_ok=True)
+        self.main.dump_stats(os.path.join(out_dir, "engine_thread.prof"))
+        io_stats = None
+        for p in self.io:
+            p.create_stats()
+            if not p.stats:
+                continue
+            if io_stats is None:
+                io_stats = pstats.Stats(p)
+            else:
+                io_stats.add(p)
+        if io_stats is not None:
+            io_stats.dump_stats(os.path.join(out_dir, "io_threads.prof"))
+        with open(os.path.join(out_dir, "timeline.json"), "w") as f:
+            json.dump(self.requests, f, indent=1)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated token counts: {text!r}") from None
+    if not out or min(out) < 64:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 64: {text!r}")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
     parser.add_argument("--samples", type=int, default=7, help="prompts per case")
@@ -148,16 +445,45 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated object tiers to measure a hit after an engine restart on "
         "(file, s3, redis)",
     )
+    parser.add_argument("--sweep", type=_int_list,
+                        help="comma-separated prompt lengths: every case at each of them "
+                        "(--restart defaults to file,s3,redis)")  # fmt: skip
+    parser.add_argument("--plot", help="with --sweep: draw the sweep into this PNG")
+    parser.add_argument("--out", help="also write the result JSON to this file")
+    parser.add_argument("--profile", help="profile a restart hit per tier into this directory "
+                        "(an extra in-process engine per tier)")  # fmt: skip
     parser.add_argument("--phase", choices=["write", "read"], help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", type=_int_list, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot and not args.sweep:
+        parser.error("--plot needs --sweep")
+    if args.sweep and not args.restart:
+        args.restart = "file,s3,redis"
+    if args.lengths is None:
+        args.lengths = args.sweep or [args.tokens]
+    bad = set(filter(None, args.restart.split(","))) - {"file", "s3", "redis"}
+    if bad:
+        parser.error(f"--restart takes file, s3, redis; not {', '.join(sorted(bad))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from kvtier.sizing.tinymodel import build_tiny_llama
     from vllm import LLM
 
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "kvtier-bench-model")
+    max_len = max(4096, max(args.lengths) + 64)
+    # the model's positions must cover the prompt and its output token: 8,192 by default
+    positions = 8192 if max_len <= 8192 else 1 << (max_len - 1).bit_length()
+    default_dir = "kvtier-bench-model" + ("" if positions == 8192 else f"-{positions}")
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), default_dir)
     model = build_tiny_llama(
-        model_dir, layers=args.layers, hidden=args.hidden, heads=16, kv_heads=8
+        model_dir, layers=args.layers, hidden=args.hidden, heads=16, kv_heads=8,
+        max_positions=positions,
     )
 
     def make_llm(extra: dict) -> LLM:
@@ -169,72 +495,203 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": 256, **extra,
             },
         }
-        return LLM(model=str(model), enforce_eager=True, block_size=32, max_model_len=4096,
-                   seed=0, kv_transfer_config=ktc)
+        # profiled: scheduler, worker and kvtier's I/O threads all in this process
+        inproc = {"distributed_executor_backend": "uni"} if args.profile_out else {}
+        return LLM(model=str(model), enforce_eager=True, block_size=32, max_model_len=max_len,
+                   seed=0, kv_transfer_config=ktc, **inproc)
 
     if args.phase:
         print("RESULT " + json.dumps(_restart_engine(args, make_llm)), flush=True)
         os._exit(0)
+    restarts: dict[str, dict] = {}
+    baseline: dict[str, dict] = {}
+    written = ""  # --sweep: the file tier the one writing engine filled
     if args.restart:
         args.model_dir = str(model)
-        restarts = {}
-        for kind in filter(None, args.restart.split(",")):
+        kinds = list(filter(None, args.restart.split(",")))
+        if args.sweep:  # one engine stores every prompt (and measures a, b, c) for all tiers
+            written = os.path.join(tempfile.mkdtemp(prefix="kvtier-bench-"), "tier")
+            t0 = time.monotonic()
+            baseline = _phase(args, "write", {"remote_url": f"file://{written}"}, {},
+                              baseline=True)  # fmt: skip
+            print(f"[write + baseline: {time.monotonic() - t0:.0f} s]", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        for kind in kinds:
+            t0 = time.monotonic()
             with _tier(kind, tempfile.mkdtemp(prefix="kvtier-bench-")) as (extra, env):
-                _phase(args, "write", extra, env)
+                if not written:
+                    _phase(args, "write", extra, env)
+                elif kind == "file":
+                    extra = {"remote_url": f"file://{written}"}
+                else:
+                    _copy_objects(written, kind, extra)
                 restarts[kind] = _phase(args, "read", extra, env)
-    else:
-        restarts = {}
+                if kind == "s3":  # how much of an S3 hit is moto itself
+                    raw = _moto_raw(extra, args.lengths)
+                    for n, v in raw.items():
+                        restarts[kind][n]["moto_raw"] = v
+                if args.profile:
+                    where = os.path.join(args.profile, kind)
+                    _phase(args, "read", extra, env, profile=where)
+                    print(f"\n[profile of the {kind} tier: {where}]\n" + profile_summary(where),
+                          file=sys.stderr, flush=True)  # fmt: skip
+            print(f"[{kind}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
+    if baseline:
+        _report(args, {int(n): v for n, v in baseline.items()}, restarts)
+        os._exit(0)
     llm = make_llm({})
-    _ttft(llm, _prompt(999, args.tokens))  # warm-up: first-run kernel setup
-    cold, engine_hit, kvtier_hit = [], [], []
-    cached = {"engine": [], "kvtier": []}
+    _ttft(llm, _prompt(999, min(args.lengths)))  # warm-up: first-run kernel setup
+    cold: dict[int, list] = {n: [] for n in args.lengths}
+    engine_hit: dict[int, list] = {n: [] for n in args.lengths}
+    kvtier_hit: dict[int, list] = {n: [] for n in args.lengths}
+    cached: dict[int, dict] = {n: {"engine": [], "kvtier": []} for n in args.lengths}
+    seeds = _seeds(0, args.samples * len(args.lengths))
     for i in range(args.samples):
-        p = _prompt(i, args.tokens)
-        llm.reset_prefix_cache()
-        cold.append(_ttft(llm, p)[0])
-        t, c = _ttft(llm, p)
-        engine_hit.append(t)
-        cached["engine"].append(c)
-        llm.reset_prefix_cache()
-        t, c = _ttft(llm, p)
-        kvtier_hit.append(t)
-        cached["kvtier"].append(c)
-    a, b, c = (statistics.median(x) for x in (cold, engine_hit, kvtier_hit))
-    result = {
-        "prompt_tokens": args.tokens,
-        "samples": args.samples,
-        "model": f"{args.layers} layers x {args.hidden}",
-        "cold_ttft_s": a,
-        "engine_hit_ttft_s": b,
-        "kvtier_hit_ttft_s": c,
-        "kvtier_over_engine_hit": c / b,
-        "kvtier_over_cold": c / a,
-        "cached_tokens_engine": cached["engine"][0],
-        "cached_tokens_kvtier": cached["kvtier"][0],
-        "restart": {
-            k: {**v, "over_engine_hit": v["restart_hit_ttft_s"] / v["engine_hit_ttft_s"]}
-            for k, v in restarts.items()
-        },
-    }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"\nTTFT, median of {args.samples}, {args.tokens}-token prompt, {result['model']}")
-        print(f"  (a) cold prefill                  {a * 1000:8.1f} ms")
-        print(f"  (b) vLLM in-engine prefix hit     {b * 1000:8.1f} ms"
-              f"   ({result['cached_tokens_engine']} tokens cached)")
-        print(f"  (c) kvtier host-tier hit          {c * 1000:8.1f} ms"
-              f"   ({result['cached_tokens_kvtier']} tokens loaded)")
-        print(f"  c/b = {c / b:.3f}   (goal <= 1.10)")
-        print(f"  c/a = {c / a:.3f}   (goal <= 0.06)")
-        for kind, r in result["restart"].items():
-            d, b2 = r["restart_hit_ttft_s"] * 1000, r["engine_hit_ttft_s"] * 1000
-            goal = "   (goal <= 1.5)" if kind == "file" else ""
-            print(f"  (d) {kind:5} tier hit after an engine restart {d:8.1f} ms;"
-                  f" ÷ in-engine hit there ({b2:.1f} ms) = {r['over_engine_hit']:.2f}{goal}")
-    sys.stdout.flush()
+        for li, n in enumerate(args.lengths):
+            p = _prompt(seeds[li * args.samples + i], n)
+            llm.reset_prefix_cache()
+            cold[n].append(_ttft(llm, p)[0])
+            t, c = _ttft(llm, p)
+            engine_hit[n].append(t)
+            cached[n]["engine"].append(c)
+            llm.reset_prefix_cache()
+            t, c = _ttft(llm, p)
+            kvtier_hit[n].append(t)
+            cached[n]["kvtier"].append(c)
+    base = {n: {"cold_ttft_s": statistics.median(cold[n]),
+                "engine_hit_ttft_s": statistics.median(engine_hit[n]),
+                "kvtier_hit_ttft_s": statistics.median(kvtier_hit[n]),
+                "cached_tokens_engine": cached[n]["engine"][0],
+                "cached_tokens_kvtier": cached[n]["kvtier"][0]} for n in args.lengths}  # fmt: skip
+    _report(args, base, restarts)
     llm.llm_engine.engine_core.shutdown()  # stop the engine core and worker processes
     os._exit(0)  # then skip the interpreter's slow teardown
+
+
+def _report(args: argparse.Namespace, base: dict[int, dict], restarts: dict[str, dict]) -> None:
+    """Print (and write, and plot) the result: ``base`` holds (a), (b), (c) by length."""
+    by_len = {}
+    for n in args.lengths:
+        a, b, c = (base[n][k] for k in ("cold_ttft_s", "engine_hit_ttft_s", "kvtier_hit_ttft_s"))
+        by_len[n] = {
+            **base[n],
+            "prompt_tokens": n,
+            "kvtier_over_engine_hit": c / b,
+            "kvtier_over_cold": c / a,
+            "restart": {
+                k: {**v[str(n)],
+                    "over_engine_hit": v[str(n)]["restart_hit_ttft_s"]
+                    / v[str(n)]["engine_hit_ttft_s"]}
+                for k, v in restarts.items()
+            },  # fmt: skip
+        }
+    machine = {"cpus": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+    if args.sweep:
+        result = {"samples": args.samples, "model": f"{args.layers} layers x {args.hidden}",
+                  "machine": machine, "sweep": [by_len[n] for n in args.lengths],
+                  "note": "(a), (b), (c) measured in the engine that stored the prompts "
+                  "(file tier configured); S3 and Redis hold copies of its objects"}  # fmt: skip
+    else:
+        result = {**by_len[args.tokens], "samples": args.samples, "machine": machine,
+                  "model": f"{args.layers} layers x {args.hidden}"}  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+    elif args.sweep:
+        _print_sweep(result)
+    else:
+        _print_one(result)
+    if args.plot:
+        plot_sweep(result, args.plot)
+    sys.stdout.flush()
+
+
+def _print_one(result: dict) -> None:
+    a, b, c = (result[k] * 1000 for k in ("cold_ttft_s", "engine_hit_ttft_s", "kvtier_hit_ttft_s"))
+    print(f"\nTTFT, median of {result['samples']}, {result['prompt_tokens']}-token prompt, "
+          f"{result['model']}")  # fmt: skip
+    print(f"  (a) cold prefill                  {a:8.1f} ms")
+    print(f"  (b) vLLM in-engine prefix hit     {b:8.1f} ms"
+          f"   ({result['cached_tokens_engine']} tokens cached)")
+    print(f"  (c) kvtier host-tier hit          {c:8.1f} ms"
+          f"   ({result['cached_tokens_kvtier']} tokens loaded)")
+    print(f"  c/b = {c / b:.3f}   (goal <= 1.10)")
+    print(f"  c/a = {c / a:.3f}   (goal <= 0.06)")
+    goals = {"file": 1.2, "redis": 1.4, "s3": 1.6}
+    for kind, r in result["restart"].items():
+        d, b2 = r["restart_hit_ttft_s"] * 1000, r["engine_hit_ttft_s"] * 1000
+        print(f"  (d) {kind:5} tier hit after an engine restart {d:8.1f} ms;"
+              f" ÷ in-engine hit there ({b2:.1f} ms) = {r['over_engine_hit']:.2f}"
+              f"   (goal <= {goals[kind]}; {r['cached'][0]} tokens cached)")
+        if "moto_raw" in r:
+            m = r["moto_raw"]
+            print(f"      moto itself, raw boto3 on {m['objects']} stored chunks: "
+                  f"{m['get_parallel_s'] * 1000:.1f} ms of GETs (the first, then the rest on "
+                  f"2 threads); an existence check would add {m['head_seq_s'] * 1000:.1f} ms "
+                  "of HEADs")
+
+
+def _print_sweep(result: dict) -> None:
+    tiers = list(result["sweep"][0]["restart"])
+    print(f"\nTTFT (ms), median of {result['samples']} per length, {result['model']}")
+    head = f"{'tokens':>6} {'cold':>8} {'in-engine':>9} {'host':>7}"
+    head += "".join(f" {t + ' restart':>14} {'÷ in-eng':>8}" for t in tiers)
+    print(head)
+    for r in result["sweep"]:
+        line = (f"{r['prompt_tokens']:>6} {r['cold_ttft_s'] * 1000:>8.1f} "
+                f"{r['engine_hit_ttft_s'] * 1000:>9.1f} {r['kvtier_hit_ttft_s'] * 1000:>7.1f}")
+        for t in tiers:
+            d = r["restart"][t]
+            line += f" {d['restart_hit_ttft_s'] * 1000:>14.1f} {d['over_engine_hit']:>8.2f}"
+        print(line)
+
+
+def plot_sweep(result: dict, path: str) -> None:
+    """Two panels: TTFT by prompt length (log-log), and TTFT ÷ cold prefill."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["sweep"]
+    xs = [r["prompt_tokens"] for r in rows]
+    series = [("cold prefill", [r["cold_ttft_s"] for r in rows], "k", "-", "o"),
+              ("in-engine prefix hit (vLLM)", [r["engine_hit_ttft_s"] for r in rows],
+               "tab:gray", "--", "s"),
+              ("kvtier host-tier hit", [r["kvtier_hit_ttft_s"] for r in rows],
+               "tab:purple", ":", "^")]  # fmt: skip
+    colors = {"file": "tab:blue", "s3": "tab:orange", "redis": "tab:red"}
+    names = {"file": "file://", "s3": "S3 (moto)", "redis": "Redis"}
+    for t in rows[0]["restart"]:
+        series.append((f"{names[t]} hit after restart",
+                       [r["restart"][t]["restart_hit_ttft_s"] for r in rows],
+                       colors[t], "-", "D"))  # fmt: skip
+    cold = series[0][1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for label, ys, color, ls, marker in series:
+        ax1.plot(xs, [y * 1000 for y in ys], ls, color=color, marker=marker, label=label)
+        if label != "cold prefill":
+            ax2.plot(xs, [y / c for y, c in zip(ys, cold, strict=True)], ls, color=color,
+                     marker=marker, label=label)  # fmt: skip
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.set_title("Time to first token")
+    ax2.axhline(1.0, color="k", lw=1)
+    ax2.set_ylabel("TTFT ÷ cold prefill of the same prompt")
+    ax2.set_title("Below 1: the hit beats recomputing")
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"{result['model']} Llama, vLLM CPU build, {result['machine']['cpus']} cores, "
+                 f"median of {result['samples']}")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
