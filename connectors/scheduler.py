@@ -358,7 +358,13 @@ class SchedulerSide:
         bpc = self.blocks_per_chunk
         for c in range(st.next_store, n_complete):
             key = st.keys[c]
-            if key in self.index:
+            held = self.index.get(key)
+            if held is not None and held.state is State.FETCHING:
+                # a lookup's fetch may still fail (a miss behind the prefix this request
+                # loaded): store from here on in a later step, once it was reported
+                n_complete = c
+                break
+            if held is not None:
                 self.index.touch(key)
                 continue
             entry = self.index.begin(key, State.STORING)

@@ -341,3 +341,31 @@ def test_a_lookup_keeps_the_host_part_of_its_prompt() -> None:
     assert len(meta.fetches[0]) == 4  # chunks 4-7
     report(side, meta)
     assert side.get_num_new_matched_tokens(mine, 0) == (8 * CHUNK, False)
+
+
+def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> None:
+    """Chunk 0 misses and the lookup ends while chunks 1-3 are in flight; the request is
+    computed at once, and its chunks 1-3 are stored in a later step, not skipped."""
+    side = remote_side()
+    req = request("a", 1, 4 * CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    run = empty_step(side).fetches[0]
+    out = KVTierWorkerMeta(steps=[], results={run[0].op_id: [False]})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens)
+    assert len(meta.stores) == 1, "chunks 1-3 are still held by their fetches"
+    report(side, meta)
+    out = KVTierWorkerMeta(steps=[], results={op.op_id: [False] for op in run[1:]})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    decode = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[req.num_tokens]),
+        num_scheduled_tokens={"a": 1},
+        scheduled_spec_decode_tokens={},
+    )
+    meta = side.build_connector_meta(decode)
+    assert [op.block_hash for op in meta.stores] == side._reqs["a"].chunk_hashes[1:4]
+    report(side, meta)
+    assert side.index.used_slots == 4 and side.pending_ops() == 0
