@@ -12,6 +12,8 @@ one ``index_select`` / ``index_copy_`` per layer and chunk, never per token.
 from __future__ import annotations
 
 import math
+import mmap
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +25,26 @@ if TYPE_CHECKING:
 
 #: slot sizes are rounded up to this, so every slot starts on an aligned address
 SLOT_ALIGN = 4096
+
+#: Linux's MADV_POPULATE_WRITE (5.14+); Python's mmap module may not name it
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_STEP = 64 << 20
+
+
+def _populate(buf: mmap.mmap, nbytes: int) -> None:
+    """Commit a fresh mapping's pages without writing them (so it is safe beside
+    copies into the same pages), a step at a time, on a background thread.
+
+    A page's first write costs a fault and a zeroing: measured here, reading a
+    4 MiB chunk into untouched memory took 4.9 ms against 0.5 ms into committed
+    memory, and 16-30 ms inside a busy engine. Without this, every slot pays that
+    once, on the first hit it serves, as a fetch after a restart does.
+    """
+    for start in range(0, nbytes, _POPULATE_STEP):
+        try:
+            buf.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, nbytes - start))
+        except (OSError, ValueError):  # a kernel without it, or the mapping is gone
+            return
 
 
 def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
@@ -102,8 +124,10 @@ def _align(n: int) -> int:
 class HostSlab:
     """One host allocation of exactly ``nbytes``, cut into fixed-size slots.
 
-    On the CPU backend this is plain memory. With ``pin=True`` (KV on CUDA) the
-    buffer is an exact-size mapping registered with ``cudaHostRegister`` (see
+    On the CPU backend this is an anonymous mapping whose pages are committed
+    in the background from the start (as pinning commits them on CUDA), so no
+    hit waits for page faults. With ``pin=True`` (KV on CUDA) the buffer is an
+    exact-size mapping registered with ``cudaHostRegister`` (see
     ``kvtier.cuda``), never ``Tensor.pin_memory()``, which rounds each
     allocation up to a power of two.
     """
@@ -124,7 +148,14 @@ class HostSlab:
             self.buffer = self._pinned_buffer.tensor
             self.pinned = self._pinned_buffer.pinned
         else:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime
+            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
+            self._populating = threading.Thread(
+                target=_populate, args=(self._map, nbytes), name="kvtier-slab-populate",
+                daemon=True,
+            )
+            self._populating.start()
 
     def close(self) -> None:
         """Unregister pinned memory now (it is also unregistered when collected)."""

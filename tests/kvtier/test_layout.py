@@ -120,3 +120,34 @@ def test_backends_with_equal_slot_bytes_describe_different_layouts() -> None:
     other_dtype, other_shape = flashinfer.describe()
     with pytest.raises(CodecError, match="shape"):
         codec.decode(blob, key="k", dtype=other_dtype, shape=other_shape)
+
+
+def _resident_bytes(addr: int, nbytes: int) -> int:
+    """Resident bytes of this process's mappings inside [addr, addr + nbytes)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo >= addr and hi <= addr + nbytes + 4096
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_a_cpu_slab_commits_its_pages_in_the_background_and_keeps_what_is_written() -> None:
+    """Pages are committed ahead of use (no hit pays first-touch faults), without
+    writing them: a slot filled while that runs keeps its bytes."""
+    src = make_caches(LAYOUTS["blocks_first"], torch.bfloat16)
+    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
+    n_slots = (192 << 20) // layout.slot_bytes
+    slab = HostSlab(layout.slot_bytes * n_slots, layout)
+    last = n_slots - 1
+    slab.slot_bytes(last).fill_(7)  # while the pages before it are being committed
+    slab._populating.join(timeout=60)
+    assert not slab._populating.is_alive()
+    resident = _resident_bytes(slab.buffer.data_ptr(), slab.nbytes)
+    assert resident >= 0.95 * slab.nbytes, (resident, slab.nbytes)
+    assert bool(slab.slot_bytes(last).eq(7).all())
+    assert int(slab.buffer[: layout.slot_bytes * last].count_nonzero()) == 0
