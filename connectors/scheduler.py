@@ -58,7 +58,9 @@ class _Lookup:
 @dataclass(slots=True)
 class _ReqState:
     request: Request
+    #: the last block hash of each full chunk so far
     chunk_hashes: list[bytes] = field(default_factory=list)
+    #: host-index keys of the first chunks, made on first use (SchedulerSide._key)
     keys: list[str] = field(default_factory=list)
     #: chunks below this index are stored (or were skipped on purpose)
     next_store: int = 0
@@ -203,7 +205,7 @@ class SchedulerSide:
         self.totals["lookup_tokens"] += lookup
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
         # the last token vLLM must compute) was there; the tail is always recomputed
-        reusable = min(cap, len(st.keys) * self.chunk_size)
+        reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
         total = local + num_external_tokens
         if total and total >= reusable:
             st.outcome = "hit"
@@ -245,7 +247,10 @@ class SchedulerSide:
                 self._ttft_by_step.setdefault(self._step, []).append(
                     (st.request.arrival_time, st.outcome)
                 )
-            self._plan_stores(st, req_id, computed_after, meta.stores)
+            if computed_after // self.chunk_size > st.next_store:
+                # a decode step completes a chunk once in chunk_size steps: the other
+                # steps cost this comparison, not a key refresh per running request
+                self._plan_stores(st, req_id, computed_after, meta.stores)
         self._clean_oldest()
         meta.uploads, self._uploads = self._uploads, []
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
@@ -303,20 +308,27 @@ class SchedulerSide:
         return st
 
     def _refresh_keys(self, st: _ReqState) -> None:
+        """The last block hash of every full chunk vLLM has hashed so far (cheap); keys
+        are made from them on first use (:meth:`_key`): a miss computes one."""
         hashes = st.request.block_hashes
-        n_chunks = len(hashes) // self.blocks_per_chunk
-        if n_chunks > len(st.keys):
-            new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.keys) :]
+        if len(hashes) // self.blocks_per_chunk > len(st.chunk_hashes):
+            new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.chunk_hashes) :]
             st.chunk_hashes.extend(new)
-            st.keys.extend(chunk_key(self._index_ns, h) for h in new)
+
+    def _key(self, st: _ReqState, c: int) -> str:
+        """Host-index key of chunk ``c`` (any rank's: the index is one for all workers)."""
+        keys = st.keys
+        while len(keys) <= c:
+            keys.append(chunk_key(self._index_ns, st.chunk_hashes[len(keys)]))
+        return keys[c]
 
     def _max_loadable(self, request: Request) -> int:
         """vLLM must compute at least the last prompt token itself."""
         return (request.num_tokens - 1) // self.block_size * self.block_size
 
     def _ready_run(self, st: _ReqState, first: int, cap: int) -> int:
-        i = first
-        while i < len(st.keys) and i * self.chunk_size < cap and self.index.is_ready(st.keys[i]):
+        i, n = first, len(st.chunk_hashes)
+        while i < n and i * self.chunk_size < cap and self.index.is_ready(self._key(st, i)):
             i += 1
         return i
 
@@ -325,7 +337,7 @@ class SchedulerSide:
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
         bs, bpc, cs = self.block_size, self.blocks_per_chunk, self.chunk_size
         for c in range(start // cs, math.ceil(end / cs)):
-            entry = self.index.pin(st.keys[c])
+            entry = self.index.pin(self._key(st, c))
             b_from = max(start, c * cs) // bs
             b_to = min(end, (c + 1) * cs) // bs
             op_id = next(self._op_ids)
@@ -345,7 +357,7 @@ class SchedulerSide:
         self, st: _ReqState, req_id: str, computed_after: int, out: list[StoreOp]
     ) -> None:
         self._refresh_keys(st)
-        n_complete = min(computed_after // self.chunk_size, len(st.keys))
+        n_complete = min(computed_after // self.chunk_size, len(st.chunk_hashes))
         # newer vLLM may hash blocks before their KV is final (EAGLE drafts); only
         # publishable hashes may key a stored chunk
         publishable = getattr(st.request, "num_publishable_block_hashes", None)
@@ -357,7 +369,7 @@ class SchedulerSide:
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
         bpc = self.blocks_per_chunk
         for c in range(st.next_store, n_complete):
-            key = st.keys[c]
+            key = self._key(st, c)
             held = self.index.get(key)
             if held is not None and held.state is State.FETCHING:
                 # a lookup's fetch may still fail (a miss behind the prefix this request
@@ -454,7 +466,7 @@ class SchedulerSide:
     def _wants_remote(self, st: _ReqState, end_chunk: int, cap: int) -> bool:
         if st.lookup is not None and st.lookup.done:
             return False
-        return end_chunk < len(st.keys) and end_chunk * self.chunk_size < cap
+        return end_chunk < len(st.chunk_hashes) and end_chunk * self.chunk_size < cap
 
     def _remote_lookup(self, st: _ReqState, first: int, cap: int) -> bool:
         """Advance this request's object-tier lookup; True while it should wait.
@@ -491,12 +503,13 @@ class SchedulerSide:
         """Claim slots for chunks ``first``.. and queue their fetches as one run."""
         # the host tier's part of this prompt stays: claims below must not evict it
         for c in range(st.local_hit // self.chunk_size, first):
-            if self.index.is_ready(st.keys[c]):
-                self.index.touch(st.keys[c])
+            key = self._key(st, c)
+            if self.index.is_ready(key):
+                self.index.touch(key)
         run: list[RemoteOp] = []
-        last = min(len(st.keys), math.ceil(cap / self.chunk_size))
+        last = min(len(st.chunk_hashes), math.ceil(cap / self.chunk_size))
         for c in range(first, last):
-            key = st.keys[c]
+            key = self._key(st, c)
             entry = self.index.get(key)
             if entry is None:
                 entry = self.index.begin(key, State.FETCHING)

@@ -369,3 +369,33 @@ def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> 
     assert [op.block_hash for op in meta.stores] == side._reqs["a"].chunk_hashes[1:4]
     report(side, meta)
     assert side.index.used_slots == 4 and side.pending_ops() == 0
+
+
+def test_a_miss_makes_one_key_and_decode_steps_make_none(monkeypatch) -> None:
+    """The cost of a lookup grows with what it finds, not with the prompt: a 32k-token
+    miss hashes one chunk key; decode steps that complete no chunk refresh nothing."""
+    import kvtier.connectors.scheduler as sched
+
+    made = []
+    real = sched.chunk_key
+    monkeypatch.setattr(sched, "chunk_key", lambda ns, h: (made.append(h), real(ns, h))[1])
+    side = make_side("64MiB")
+    req = request("long", 7, 32768 + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len(made) == 1
+    side.update_state_after_alloc(req, None, 0)
+    meta = schedule_new(side, req, 0, req.num_tokens)
+    assert len(meta.stores) == 128 and len(made) == 1 + 127
+    report(side, meta)
+    calls = []
+    monkeypatch.setattr(side, "_refresh_keys", lambda st: calls.append(st))
+    for step in range(1, 20):
+        decode = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["long"],
+                                                  num_computed_tokens=[req.num_tokens + step]),
+            num_scheduled_tokens={"long": 1},
+            scheduled_spec_decode_tokens={},
+        )
+        assert side.build_connector_meta(decode).stores == []
+    assert calls == [], "a decode step that completes no chunk refreshed keys"
