@@ -46,6 +46,8 @@ VLLM_HIT = "vllm:prefix_cache_hits_total"
 VLLM_QUERY = "vllm:prefix_cache_queries_total"
 VLLM_EXT_HIT = "vllm:external_prefix_cache_hits_total"
 VLLM_EXT_QUERY = "vllm:external_prefix_cache_queries_total"
+#: every prompt token by where it came from (vLLM >= 0.32): computed, GPU cache, connector
+VLLM_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 OUTCOMES = ("hit", "partial", "miss")
 
 
@@ -223,9 +225,11 @@ class Snapshot:
     t: float
     samples: list[MetricSample] = field(default_factory=list)
 
-    def total(self, name: str) -> float | None:
-        """Sum over every series of ``name`` (vLLM labels by model and engine); None if absent."""
-        vals = [v for n, _, v in self.samples if n == name]
+    def total(self, name: str, **where: str) -> float | None:
+        """Sum over every series of ``name`` (vLLM labels by model and engine) whose labels
+        include ``where``; None if absent."""
+        vals = [v for n, labels, v in self.samples
+                if n == name and all(labels.get(k) == x for k, x in where.items())]
         return sum(vals) if vals else None
 
     def has(self, name: str) -> bool:
@@ -244,15 +248,49 @@ class Snapshot:
         return out
 
 
-def counter_delta(before: Snapshot | None, after: Snapshot | None, name: str) -> float | None:
+def counter_delta(
+    before: Snapshot | None, after: Snapshot | None, name: str, **where: str
+) -> float | None:
     """Increase of a counter over the run; a series that appeared mid-run started at 0."""
     if after is None:
         return None
-    end = after.total(name)
+    end = after.total(name, **where)
     if end is None:
         return None
-    start = before.total(name) if before is not None else None
+    start = before.total(name, **where) if before is not None else None
     return end - (start or 0.0)
+
+
+#: where a prompt token came from, as the headline's split shows it
+TOKEN_SOURCES = ("gpu_prefix_cache", "kvtier_host", "kvtier_object_tier", "other_connector",
+                 "computed")  # fmt: skip
+
+
+def token_sources(before: Snapshot | None, after: Snapshot | None) -> dict[str, float] | None:
+    """Prompt tokens of the run by source, from vLLM's ``prompt_tokens_by_source`` and
+    kvtier's hit counters; None when the server does not export the former."""
+    def delta(name: str, **where: str) -> float:
+        return counter_delta(before, after, name, **where) or 0.0
+
+    if counter_delta(before, after, VLLM_BY_SOURCE) is None:
+        return None
+    external = delta(VLLM_BY_SOURCE, source="external_kv_transfer")
+    host, remote = delta(KVTIER_HIT, tier="host"), delta(KVTIER_HIT, tier="remote")
+    return {
+        "gpu_prefix_cache": delta(VLLM_BY_SOURCE, source="local_cache_hit"),
+        "kvtier_host": host,
+        "kvtier_object_tier": remote,
+        "other_connector": max(0.0, external - host - remote),
+        "computed": delta(VLLM_BY_SOURCE, source="local_compute"),
+    }
+
+
+def token_shares(sources: dict[str, float] | None) -> dict[str, float] | None:
+    """Each source's share of the run's prompt tokens."""
+    total = sum(sources.values()) if sources else 0.0
+    if not sources or total <= 0:
+        return None
+    return {k: v / total for k, v in sources.items()}
 
 
 def hit_rates(before: Snapshot | None, after: Snapshot | None) -> dict[str, float | None]:
@@ -263,15 +301,25 @@ def hit_rates(before: Snapshot | None, after: Snapshot | None) -> dict[str, floa
             return None
         return h / q
 
+    shares = token_shares(token_sources(before, after))
     return {
+        "any_cache": None if shares is None else 1.0 - shares["computed"],
         "kvtier": ratio(KVTIER_HIT, KVTIER_LOOKUP),
         "vllm_prefix_cache": ratio(VLLM_HIT, VLLM_QUERY),
         "vllm_external": ratio(VLLM_EXT_HIT, VLLM_EXT_QUERY),
     }
 
 
+#: the headline's meaning, by the key of hit_rates() it was taken from
+ANY_CACHE = "share of prompt tokens from any cache (vllm:prompt_tokens_by_source)"
+
+
 def pick_hit_rate(rates: dict[str, float | None]) -> tuple[float | None, str]:
-    """kvtier's own counters when they moved, else vLLM's prefix cache; and which was used."""
+    """The share of prompt tokens served from any cache (GPU prefix cache, kvtier, another
+    connector) when vLLM exports it; else kvtier's own counters (tokens beyond vLLM's
+    cache), else vLLM's prefix cache; and which was used."""
+    if rates.get("any_cache") is not None:
+        return rates["any_cache"], ANY_CACHE
     if rates.get("kvtier") is not None:
         return rates["kvtier"], f"{KVTIER_HIT} / {KVTIER_LOOKUP}"
     if rates.get("vllm_prefix_cache") is not None:
@@ -691,6 +739,8 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
         "ttft_buckets_by_outcome": {k: [[le, c] for le, c in v] for k, v in ttft_buckets.items()},
         "hit_rate": rate,
         "hit_rate_source": source,
+        "hit_rate_by_source": token_shares(token_sources(before, after)),
+        "prompt_tokens_by_source": token_sources(before, after),
         "hit_rates": rates,
         "metrics_deltas": {
             name: counter_delta(before, after, name)
@@ -713,7 +763,8 @@ def _outcome_order(outcome: str) -> tuple[int, str]:
 def _timeline(before: Snapshot | None, mids: list[Snapshot], after: Snapshot | None,
               source: str) -> list[dict[str, float | None]]:
     """Hit rate in each scrape interval, by the same source the summary uses."""
-    key = "kvtier" if source.startswith("kvtier:") else "vllm_prefix_cache"
+    key = ("any_cache" if source == ANY_CACHE
+           else "kvtier" if source.startswith("kvtier:") else "vllm_prefix_cache")
     snaps = [s for s in (before, *mids, after) if s is not None]
     snaps.sort(key=lambda s: s.t)
     if len(snaps) < 2:
@@ -752,6 +803,11 @@ def format_table(result: dict[str, Any]) -> str:
     hr = result["hit_rate"]
     rows.append(("hit rate", ("-" if hr is None else f"{hr * 100:.1f} %")
                  + f"  ({result['hit_rate_source']})"))
+    shares = result.get("hit_rate_by_source")
+    if shares:
+        rows.append(("  from", ", ".join(f"{k.replace('_', ' ')} {v * 100:.1f} %"
+                                         for k, v in shares.items() if k != "computed")))
+        rows.append(("  computed", f"{shares['computed'] * 100:.1f} %"))
     for err, n in list(result["errors"].items())[:5]:
         rows.append(("error", f"{n} x {err}"))
     width = max(len(k) for k, _ in rows)
@@ -803,8 +859,16 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     ax2.set_ylim(-2, 102)
     ax2.set_xlabel("time since start (s)")
     ax2.set_ylabel("hit rate per scrape interval (%)")
-    ax2.set_title(f"hit rate ({result['hit_rate_source'].split(' ')[0]})")
+    what = ("prompt tokens from any cache" if result["hit_rate_source"] == ANY_CACHE
+            else result["hit_rate_source"].split(" ")[0])
+    ax2.set_title(f"hit rate ({what})")
     ax2.grid(True, alpha=0.3)
+    shares = result.get("hit_rate_by_source")
+    if shares:  # the whole run's split, beside the curve
+        ax2.text(0.02, 0.02, "whole run:\n" + "\n".join(
+                     f"{k.replace('_', ' ')}: {v * 100:.1f} %" for k, v in shares.items()),
+                 transform=ax2.transAxes, fontsize=8, va="bottom",
+                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"})
     w = result["workload"]
     fig.suptitle(f"kvtier bench: {result['model']}, {w['sessions']}x{w['turns']} turns, "
                  f"{result['requests']} requests", fontsize=10)
