@@ -142,6 +142,10 @@ class SchedulerSide:
         self.stats = StatsRecorder()
         #: running totals since start, for tests and `kvtier doctor`-style introspection
         self.totals: collections.Counter[str] = collections.Counter()
+        # every name present from the start: a reader asking for one that is not is told
+        self.totals.update({f"hit_tokens_{tier}": 0 for tier in ("host", "remote")})
+        self.totals.update({f"{kind}_{end}": 0 for kind in ("store", "load", "fetch", "upload")
+                            for end in ("ok", "failed")})
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, _ReqState] = {}

@@ -243,9 +243,6 @@ def redact_url(url: str) -> str:
     return redact_credentials(url)
 
 
-_redact_url = redact_url  # the old private name, for callers not yet updated
-
-
 def redact_value(key: object, value: object) -> object:
     """A config value as a log line or report may show it.
 

@@ -25,10 +25,6 @@ HOST_REGISTER_PORTABLE = 1
 PAGE = mmap.PAGESIZE
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def alloc_host(nbytes: int) -> torch.Tensor:
     """A page-aligned uint8 tensor of exactly ``nbytes`` from an anonymous mapping.
 

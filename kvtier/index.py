@@ -166,10 +166,6 @@ class ChunkIndex:
             self._drop(entry)
         return len(victims)
 
-    def victims(self) -> list[Entry]:
-        """Ready, unpinned chunks in eviction order (oldest first)."""
-        return [e for e in self._entries.values() if e.state is State.READY and e.refs == 0]
-
     # ---- internals ---------------------------------------------------------------------
     def _take_slot(self, evict_ok: bool) -> int | None:
         """A free slot, else the least recently used idle chunk's slot. Chunks that must be

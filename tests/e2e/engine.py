@@ -141,7 +141,7 @@ def shared_prefix(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     a2 = generate(llm, [s + u1])[0]
     return {
         "a": a, "a_ref": a_ref, "b_ref": b_ref, "b": b, "a2": a2,
-        "b_hit_tokens": after.get("hit_tokens_host", 0) - before.get("hit_tokens_host", 0),
+        "b_hit_tokens": after["hit_tokens_host"] - before["hit_tokens_host"],
         "b_lookup_tokens": after.get("lookup_tokens", 0) - before.get("lookup_tokens", 0),
         "index": index_report(llm),
     }
@@ -320,11 +320,11 @@ def outage(model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str,
     open(os.path.join(signal_dir, "restartme"), "w").close()
     _wait_file(os.path.join(signal_dir, "restarted"))
     settle(llm, 6.0)  # past the backoff: the tier is tried again
-    before = kvtier_side(llm).totals.get("hit_tokens_remote", 0)
+    before = kvtier_side(llm).totals["hit_tokens_remote"]
     rounds.append(round_())
     settle(llm)
     rounds.append(round_())
-    after = kvtier_side(llm).totals.get("hit_tokens_remote", 0)
+    after = kvtier_side(llm).totals["hit_tokens_remote"]
     settle(llm)
     return {"rounds": rounds, "remote_hits_after_restart": after - before,
             "index": index_report(llm)}

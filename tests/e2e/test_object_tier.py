@@ -46,7 +46,7 @@ def test_restart_hits_from_object_tier(
     assert r["b"]["logprobs"] == w["b_ref"]["logprobs"]
     assert r["a"]["cached"] >= 1280
     assert r["a"]["tokens"] == w["a"]["tokens"]
-    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024
+    assert r["index"]["totals"]["hit_tokens_remote"] >= 1024
     assert r["index"]["totals"].get("fetch_ok", 0) >= 4
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
 
@@ -78,7 +78,7 @@ def test_two_replicas_share_one_tier(tiny_model: str, redis_url: str, tmp_path: 
     assert w["out"]["cached"] == 0
     assert r["out"]["cached"] >= 1024, "the prefix computed by one replica hits on the other"
     assert r["out"]["tokens"] == w["out"]["tokens"]
-    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024
+    assert r["index"]["totals"]["hit_tokens_remote"] >= 1024
 
 
 def test_unreachable_tier_at_startup_degrades_to_misses(tiny_model: str) -> None:
@@ -155,7 +155,7 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
         errors = {k: v for k, v in totals.items() if k.startswith("error_")}
         # A's first chunk is rejected and counted; nothing behind it is read
         assert errors == {f"error_{kind}": 1}, (kind, totals)
-        assert totals.get("hit_tokens_remote", 0) == 0
+        assert totals["hit_tokens_remote"] == 0
         assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
 
 
@@ -177,11 +177,11 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     # write_back: every chunk that left the host tier was uploaded first (the oldest are
     # uploaded ahead of eviction, so stores never wait or get skipped for it)
     assert totals.get("store_skipped", 0) == 0, totals
-    assert totals.get("upload_ok", 0) == totals["write_back"] >= totals["evictions"], totals
+    assert totals["upload_ok"] == totals["write_back"] >= totals["evictions"], totals
     assert len(files) >= totals["evictions"], totals
     assert w["index"]["refs"] == 0 and w["index"]["invariants"] is True
     r = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[51, 52, 53], repeats=1)
     # a new engine, empty host tier: 51 (evicted first) comes whole from the object tier
     assert r["rounds"][0][0]["cached"] >= 1024, r["index"]["totals"]
-    assert r["index"]["totals"].get("hit_tokens_remote", 0) >= 1024, "evicted chunks come back"
+    assert r["index"]["totals"]["hit_tokens_remote"] >= 1024, "evicted chunks come back"
     assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0][:3]]

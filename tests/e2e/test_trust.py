@@ -252,7 +252,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     assert p2["cached"] == 0, "a forged chunk was loaded"
     assert p2["tokens"] == w["cold"][1]["tokens"] and p2["logprobs"] == w["cold"][1]["logprobs"]
     t1 = r1["index"]["totals"]
-    assert t1.get("hit_tokens_remote", 0) == 1024 and t1.get("fetch_ok", 0) == 4, t1
+    assert t1["hit_tokens_remote"] == 1024 and t1["fetch_ok"] == 4, t1
     # P2's first chunk is rejected, so the three behind it are not even fetched
     assert t1.get("error_signature", 0) == 1, t1
     assert r1["stats"]["counters"].get("kvtier:errors|signature") == 1, r1["stats"]
@@ -264,7 +264,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
         assert out["cached"] == 0, "a K2 engine loaded a chunk it cannot verify"
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
     t2 = r2["index"]["totals"]
-    assert t2.get("hit_tokens_remote", 0) == 0 and t2.get("error_signature", 0) == 2, t2
+    assert t2["hit_tokens_remote"] == 0 and t2.get("error_signature", 0) == 2, t2
 
     # K1 reader on Redis (AUTH on): only forgeries there, none loaded, all counted
     redis_env = {**k1, "KVTIER_REMOTE_URL": redis_server.url}
@@ -276,7 +276,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
         assert out["cached"] == 0, "a forged chunk in Redis was loaded"
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
     t3 = r3["index"]["totals"]
-    assert t3.get("hit_tokens_remote", 0) == 0 and t3.get("error_signature", 0) == 2, t3
+    assert t3["hit_tokens_remote"] == 0 and t3.get("error_signature", 0) == 2, t3
     # each prompt's first chunk was fetched and rejected; nothing behind it was asked for
     assert r3["remote"]["ops_get"] == 2 and r3["remote"]["gets_skipped"] == 6, r3["remote"]
 
@@ -312,14 +312,14 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
     elsewhere = tmp_path / "mnt" / "same-weights"
     shutil.copytree(served, elsewhere)
     same = run_logged("remote_reader", logs, model=str(elsewhere), extra=extra)
-    assert same["index"]["totals"].get("hit_tokens_remote", 0) >= 1024, same["index"]
+    assert same["index"]["totals"]["hit_tokens_remote"] >= 1024, same["index"]
     assert same["b"]["tokens"] == w["b_ref"]["tokens"]
 
     shutil.rmtree(served)
     build_tiny_llama(served, seed=1)  # the redeploy: other weights, same everything else
     new = run_logged("remote_reader", logs, model=str(served), extra=extra)
     totals = new["index"]["totals"]
-    assert totals.get("hit_tokens_remote", 0) == 0 and totals.get("fetch_ok", 0) == 0, totals
+    assert totals["hit_tokens_remote"] == 0 and totals["fetch_ok"] == 0, totals
     assert new["b"]["cached"] == 0
     assert new["b"]["tokens"] != w["b_ref"]["tokens"] or new["b"]["logprobs"] != w["b_ref"][
         "logprobs"
@@ -375,7 +375,7 @@ def test_cache_salt_model_and_kv_dtype_separate_chunks(
         )
         assert [o["cached"] for o in f["outs"]] == [0, 0], (what, f["outs"])
         totals = f["index"]["totals"]
-        assert totals.get("hit_tokens_remote", 0) == 0 and totals.get("fetch_ok", 0) == 0
+        assert totals["hit_tokens_remote"] == 0 and totals["fetch_ok"] == 0
         # the tier was asked (and said no): one read per request, for its first chunk
         assert f["remote"]["ops_get"] == 2, (what, f["remote"])
         assert f["remote"]["gets_skipped"] >= 2, (what, f["remote"])
@@ -530,7 +530,7 @@ def test_soak_2000_shared_prefix_requests(tiny_model: str, tmp_path: Path) -> No
     assert r["distinct"] == 128
     assert idx["num_slots"] == 32 < 16 * 4, "the host tier is smaller than the working set"
     totals = idx["totals"]
-    assert totals["evictions"] > 0 and totals.get("hit_tokens_host", 0) > 0, totals
+    assert totals["evictions"] > 0 and totals["hit_tokens_host"] > 0, totals
     # no leaked slots, pins or per-request state
     assert idx["refs"] == 0 and idx["invariants"] is True
     assert idx["pending_ops"] == 0 and idx["open_requests"] == 0

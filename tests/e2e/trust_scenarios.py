@@ -266,9 +266,9 @@ def salt_check(model: str, extra: dict[str, Any], seed: int) -> dict[str, Any]:
     def run(name: str, salt: str | None, reset: bool = True) -> None:
         if reset:
             llm.reset_prefix_cache()
-        before = side.totals.get("hit_tokens_host", 0)
+        before = side.totals["hit_tokens_host"]
         out = gen(llm, [p], salt=salt)[0]
-        out["kvtier_hit"] = side.totals.get("hit_tokens_host", 0) - before
+        out["kvtier_hit"] = side.totals["hit_tokens_host"] - before
         runs[name] = out
 
     run("a_cold", "salt-a")
@@ -361,9 +361,9 @@ def outage_concurrent(
     def round_() -> list[dict[str, Any]]:
         llm.reset_prefix_cache(reset_connector=True)
         assert side.index.used_slots == 0, "the host tier was not emptied"
-        before = side.totals.get("hit_tokens_remote", 0)
+        before = side.totals["hit_tokens_remote"]
         outs = gen(llm, prompts)
-        remote_hits.append(side.totals.get("hit_tokens_remote", 0) - before)
+        remote_hits.append(side.totals["hit_tokens_remote"] - before)
         return outs
 
     rounds = [round_()]
@@ -420,11 +420,11 @@ def slow_tier(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, 
         return n, is_async
 
     side.get_num_new_matched_tokens = get_num_new_matched_tokens
-    hits_before = side.totals.get("hit_tokens_remote", 0)
+    hits_before = side.totals["hit_tokens_remote"]
     t1 = time.monotonic()
     warm = gen(llm, prompts)  # all at once: their lookups overlap
     warm_s = time.monotonic() - t1
-    hits = side.totals.get("hit_tokens_remote", 0) - hits_before
+    hits = side.totals["hit_tokens_remote"] - hits_before
     settle(llm)
     return {
         "cold": cold,
