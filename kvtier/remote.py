@@ -1,7 +1,8 @@
 """Asynchronous object-tier I/O that never blocks vLLM's scheduler or worker.
 
-The connector submits existence checks, fetches into host slots and uploads
-from host slots, and later polls for results. Behind that:
+The worker submits fetches into host slots (a lookup's run of them) and
+uploads from host slots, and later polls for results; existence checks remain
+for tools and tests. Behind that:
 
 - Reads (exists, get) and writes (put) have their own bounded queues and their
   own threads (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so
