@@ -8,6 +8,7 @@ with the reason; the runner reports it and moves on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -26,6 +27,17 @@ LOOPBACK_ENV = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localh
 
 class Unavailable(Exception):
     """A configuration cannot run here; the message says why."""
+
+
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """``--flag 1,2,4``: comma-separated integers, each at least ``minimum`` (argparse type)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+    if not out or min(out) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return out
 
 
 def free_port() -> int:

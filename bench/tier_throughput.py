@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from harness import free_port, int_list
+
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff
 from kvtier.remote import MAX_FRAME, RemoteIO
@@ -61,12 +63,6 @@ from kvtier.tiers.base import ObjectTier
 
 MiB = 2**20
 BACKENDS = ("file", "s3", "redis")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
@@ -94,7 +90,7 @@ def local_services(args: argparse.Namespace) -> Iterator[None]:
             binary = shutil.which("redis-server")
             if binary is None:
                 sys.exit("redis-server not found; install it or pass --redis-url")
-            port = _free_port()
+            port = free_port()
             procs.append(
                 subprocess.Popen(
                     [
@@ -118,7 +114,7 @@ def local_services(args: argparse.Namespace) -> Iterator[None]:
             _wait_port(port, procs[-1], "redis-server")
             args.redis_url = f"redis://127.0.0.1:{port}/0"
         if not args.s3_endpoint and not args.skip_s3:
-            port = _free_port()
+            port = free_port()
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -510,16 +506,6 @@ def print_into(rows: list[dict], hmac_on: bool) -> float:
     return worst
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return out
-
-
 def _backends(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in out if x not in BACKENDS]
@@ -540,10 +526,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=16,
                         help="chunks of the put/get table, objects stored for reads")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure")
-    parser.add_argument("--threads", type=_int_list, default=[1, 2, 4, 8],
+    parser.add_argument("--threads", type=int_list, default=[1, 2, 4, 8],
                         help="io_threads values of the read-into table (RemoteIO reads on "
                         "ceil(n/2) of them), comma-separated")  # fmt: skip
-    parser.add_argument("--concurrency", type=_int_list, default=[4, 16],
+    parser.add_argument("--concurrency", type=int_list, default=[4, 16],
                         help="chunks in flight (read-into table), comma-separated")  # fmt: skip
     parser.add_argument("--round-mib", type=float, default=64.0,
                         help="MiB read per round of the read-into table")  # fmt: skip

@@ -44,10 +44,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from harness import free_port, int_list, omp_cpus  # noqa: E402
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault(
-    "VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -78,12 +78,6 @@ def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out.num_cached_tokens or 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_port(port: int, timeout: float = 20) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -101,7 +95,7 @@ def _tier(kind: str, workdir: str) -> Iterator[tuple[dict, dict]]:
         shutil.rmtree(path, ignore_errors=True)
         yield {"remote_url": f"file://{path}"}, {}
         return
-    port = _free_port()
+    port = free_port()
     if kind == "redis":
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no"]
@@ -422,14 +416,8 @@ class _Profiler:
             json.dump(self.requests, f, indent=1)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated token counts: {text!r}") from None
-    if not out or min(out) < 64:
-        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 64: {text!r}")
-    return out
+def _lengths(text: str) -> list[int]:
+    return int_list(text, minimum=64)  # a prompt length of at least one chunk's worth
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -445,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated object tiers to measure a hit after an engine restart on "
         "(file, s3, redis)",
     )
-    parser.add_argument("--sweep", type=_int_list,
+    parser.add_argument("--sweep", type=_lengths,
                         help="comma-separated prompt lengths: every case at each of them "
                         "(--restart defaults to file,s3,redis)")  # fmt: skip
     parser.add_argument("--plot", help="with --sweep: draw the sweep into this PNG")
@@ -454,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(an extra in-process engine per tier)")  # fmt: skip
     parser.add_argument("--phase", choices=["write", "read"], help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
-    parser.add_argument("--lengths", type=_int_list, help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", type=_lengths, help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

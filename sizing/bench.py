@@ -695,6 +695,7 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     rates = hit_rates(before, after)
     rate, source = pick_hit_rate(rates)
+    sources = token_sources(before, after)
     by_outcome: dict[str, dict[str, Any]] = {}
     ttft_buckets: dict[str, list[tuple[float, float]]] = {}
     if after is not None and after.has(KVTIER_TTFT):
@@ -739,8 +740,8 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
         "ttft_buckets_by_outcome": {k: [[le, c] for le, c in v] for k, v in ttft_buckets.items()},
         "hit_rate": rate,
         "hit_rate_source": source,
-        "hit_rate_by_source": token_shares(token_sources(before, after)),
-        "prompt_tokens_by_source": token_sources(before, after),
+        "hit_rate_by_source": token_shares(sources),
+        "prompt_tokens_by_source": sources,
         "hit_rates": rates,
         "metrics_deltas": {
             name: counter_delta(before, after, name)

@@ -85,15 +85,28 @@ def report(side: SchedulerSide, meta, ok: bool = True, results: dict | None = No
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
 
 
-def empty_step(side: SchedulerSide):
-    """A step that schedules nothing (vLLM's loop while a request waits for its lookup)."""
+def answer(side: SchedulerSide, results: dict[int, list[bool]]) -> None:
+    """Worker results that arrive on their own (an object-tier fetch finishing late)."""
+    out = KVTierWorkerMeta(steps=[], results=results)
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+
+
+def decode_step(side: SchedulerSide, computed: dict[str, int]):
+    """A step that schedules one token for each running request (request id -> tokens
+    computed before the step); with none, vLLM's loop while a request waits."""
     so = SimpleNamespace(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(computed),
+                                              num_computed_tokens=list(computed.values())),
+        num_scheduled_tokens=dict.fromkeys(computed, 1),
         scheduled_spec_decode_tokens={},
     )
     return side.build_connector_meta(so)
+
+
+def empty_step(side: SchedulerSide):
+    """A step that schedules nothing (vLLM's loop while a request waits for its lookup)."""
+    return decode_step(side, {})
 
 
 def store_prompt(side: SchedulerSide, req) -> None:
@@ -128,13 +141,7 @@ def test_stores_wait_until_vllm_marks_block_hashes_publishable() -> None:
     assert len(meta.stores) == 3
     report(side, meta)
     req.num_publishable_block_hashes = len(req.block_hashes)
-    so = SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[2048]),
-        num_scheduled_tokens={"a": 1},
-        scheduled_spec_decode_tokens={},
-    )
-    meta = side.build_connector_meta(so)
+    meta = decode_step(side, {"a": 2048})
     assert [op.gpu_blocks[0] for op in meta.stores] == [100 + c * BPC for c in range(3, 8)]
 
 
@@ -303,8 +310,7 @@ def test_a_lookup_waits_only_for_the_prefix() -> None:
     req = request("a", 1, 4 * CHUNK + 10)
     side.get_num_new_matched_tokens(req, 0)
     run = empty_step(side).fetches[0]
-    out = KVTierWorkerMeta(steps=[], results={run[0].op_id: [False]})
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    answer(side, {run[0].op_id: [False]})
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
@@ -350,22 +356,14 @@ def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> 
     req = request("a", 1, 4 * CHUNK + 10)
     side.get_num_new_matched_tokens(req, 0)
     run = empty_step(side).fetches[0]
-    out = KVTierWorkerMeta(steps=[], results={run[0].op_id: [False]})
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    answer(side, {run[0].op_id: [False]})
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     side.update_state_after_alloc(req, None, 0)
     meta = schedule_new(side, req, 0, req.num_tokens)
     assert len(meta.stores) == 1, "chunks 1-3 are still held by their fetches"
     report(side, meta)
-    out = KVTierWorkerMeta(steps=[], results={op.op_id: [False] for op in run[1:]})
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
-    decode = SimpleNamespace(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[req.num_tokens]),
-        num_scheduled_tokens={"a": 1},
-        scheduled_spec_decode_tokens={},
-    )
-    meta = side.build_connector_meta(decode)
+    answer(side, {op.op_id: [False] for op in run[1:]})
+    meta = decode_step(side, {"a": req.num_tokens})
     assert [op.block_hash for op in meta.stores] == side._reqs["a"].chunk_hashes[1:4]
     report(side, meta)
     assert side.index.used_slots == 4 and side.pending_ops() == 0
@@ -390,12 +388,5 @@ def test_a_miss_makes_one_key_and_decode_steps_make_none(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(side, "_refresh_keys", lambda st: calls.append(st))
     for step in range(1, 20):
-        decode = SimpleNamespace(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=["long"],
-                                                  num_computed_tokens=[req.num_tokens + step]),
-            num_scheduled_tokens={"long": 1},
-            scheduled_spec_decode_tokens={},
-        )
-        assert side.build_connector_meta(decode).stores == []
+        assert decode_step(side, {"long": req.num_tokens + step}).stores == []
     assert calls == [], "a decode step that completes no chunk refreshed keys"
