@@ -48,7 +48,8 @@ except ImportError:  # run from a checkout without installing
 
 from kvtier import cuda as kcuda
 from kvtier.layout import HostSlab, SlotLayout
-from kvtier.transfer import CudaCopier, LoadJob, StoreJob
+from kvtier.ops import LoadOp, StoreOp
+from kvtier.transfer import CudaCopier
 
 GB = 1e9
 
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(args.blocks, generator=g).tolist()
     n = args.chunk_blocks
-    stores = [StoreJob(i, i, tuple(perm[i * n : (i + 1) * n])) for i in range(args.chunks)]
-    loads = [LoadJob(i, i, 0, tuple(perm[i * n : (i + 1) * n])) for i in range(args.chunks)]
+    stores = [StoreOp(i, i, tuple(perm[i * n : (i + 1) * n])) for i in range(args.chunks)]
+    loads = [LoadOp(i, i, 0, tuple(perm[i * n : (i + 1) * n])) for i in range(args.chunks)]
     moved = sum(ll.nbytes for ll in layout.layers) * args.chunks  # bytes per direction
     result["bytes_per_direction"] = moved
     result["layer_block_bytes"] = layout.layers[0].nbytes // n
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             copier.save_layer(li)
         out = copier.finish_saves()
         dt = time.perf_counter() - t0
-        assert None not in out.values()
+        assert out and all(r.ok for r in out)
         return dt
 
     def kv_h2d() -> float:
@@ -171,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         out = copier.begin_loads(loads)
         for li in range(args.layers):
             copier.wait_layer(li)
-        out.update(copier.finish_loads())
+        out += copier.finish_loads()
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        assert None not in out.values()
+        assert out and all(r.ok for r in out)
         return dt
 
     flat = torch.empty(moved, dtype=torch.uint8, device=dev)
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def overlap(
     copier: CudaCopier,
-    loads: list[LoadJob],
-    stores: list[StoreJob],
+    loads: list[LoadOp],
+    stores: list[StoreOp],
     layers: int,
     dev: torch.device,
     repeats: int,

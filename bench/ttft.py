@@ -155,7 +155,7 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
     phases: dict[int, dict[str, list[float]]] = {}
     for r in reqs:
         ops = r["ops"]
-        gets = sorted((o for o in ops if o["kind"] == "get"), key=lambda o: o["queued"])
+        gets = sorted((o for o in ops if o["kind"] == "fetch"), key=lambda o: o["queued"])
         if not gets:
             continue
         g0, rest = gets[0], gets[1:] or gets[:1]
@@ -374,7 +374,7 @@ class _Profiler:
                 if prof.active:
                     t2 = time.perf_counter()
                     queued = t1 - (mono1 - op.t0)  # when it was submitted
-                    prof.events.append({"kind": op.kind, "keys": len(op.keys),
+                    prof.events.append({"kind": str(op.kind),
                                         "thread": threading.current_thread().name,
                                         "queued": queued, "start": t1, "end": t2})  # fmt: skip
 

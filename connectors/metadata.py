@@ -1,6 +1,7 @@
 """What the scheduler side tells the workers each step, and what they answer.
 
-Plain dataclasses of ints and bytes: vLLM pickles them across processes.
+Plain dataclasses of ints and bytes: vLLM pickles them across processes. The ops
+themselves are :mod:`kvtier.ops` (the transfer contract).
 """
 
 from __future__ import annotations
@@ -12,35 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.ops import FetchOp, LoadOp, StoreOp, UploadOp
 
-@dataclass(slots=True)
-class LoadOp:
-    """Host slot -> paged KV: ``count`` slot blocks from ``first`` into ``gpu_blocks``."""
-
-    op_id: int
-    slot: int
-    first: int
-    gpu_blocks: list[int]
-
-
-@dataclass(slots=True)
-class StoreOp:
-    """Paged KV -> host slot (a whole chunk); optionally queued for the object tier."""
-
-    op_id: int
-    slot: int
-    gpu_blocks: list[int]
-    block_hash: bytes
-    upload_op_id: int | None = None
-
-
-@dataclass(slots=True)
-class RemoteOp:
-    """Object tier <-> host slot: a fetch (get into the slot) or an upload (put from it)."""
-
-    op_id: int
-    slot: int
-    block_hash: bytes
+__all__ = ["FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StoreOp", "UploadOp"]
 
 
 @dataclass
@@ -51,8 +26,8 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     #: object tier -> host slots: one list per lookup, a prompt's chunks in order
-    fetches: list[list[RemoteOp]] = field(default_factory=list)
-    uploads: list[RemoteOp] = field(default_factory=list)
+    fetches: list[list[FetchOp]] = field(default_factory=list)
+    uploads: list[UploadOp] = field(default_factory=list)
 
 
 @dataclass
@@ -60,7 +35,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """Per-op outcomes from each worker; aggregated across TP ranks by vLLM."""
 
     steps: list[int] = field(default_factory=list)
-    #: op id -> one flag per worker that reported it
+    #: op id -> one ``OpResult.ok`` per worker that reported it (vLLM merges the
+    #: workers' metadata with :meth:`aggregate`; the scheduler settles an op once
+    #: every worker's flag is in)
     results: dict[int, list[bool]] = field(default_factory=dict)
     #: error kind -> count, for ops that failed in a way worth counting
     errors: dict[str, int] = field(default_factory=dict)

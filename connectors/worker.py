@@ -15,12 +15,13 @@ import torch
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig
-from kvtier.keys import Namespace, chunk_key
+from kvtier.keys import KeySpace, Namespace
 from kvtier.layout import HostSlab, SlotLayout
+from kvtier.ops import FetchOp, OpKind, OpResult, UploadOp, by_op
 from kvtier.stats import StatsRecorder
-from kvtier.transfer import Copier, LoadJob, Outcome, StoreJob, make_copier
+from kvtier.transfer import Copier, make_copier
 
-from .metadata import KVTierMetadata, KVTierWorkerMeta, RemoteOp
+from .metadata import KVTierMetadata, KVTierWorkerMeta
 
 if TYPE_CHECKING:
     from kvtier.remote import RemoteIO
@@ -58,7 +59,7 @@ class WorkerSide:
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
         self._errors: dict[str, int] = {}
-        self._ns_digest = b""
+        self._keys: KeySpace | None = None  # set by register_kv_caches (rank and stage)
         self.stats = StatsRecorder()
 
     # ---- setup ------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class WorkerSide:
         object keys (each worker stores and loads only its own layers' and heads' KV)."""
         self.rank = rank
         self.stage = stage
-        self._ns_digest = self.namespace.digest(rank=rank, stage=stage)
+        self._keys = KeySpace.worker(self.namespace, rank, stage)
         self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
@@ -114,36 +115,28 @@ class WorkerSide:
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
-        self.copier.begin_saves([
-            StoreJob(op.op_id, op.slot, tuple(op.gpu_blocks)) for op in meta.stores
-        ])
+        self.copier.begin_saves(meta.stores)
         for run in meta.fetches:
             self._fetch_run(slab, run)
         for op in meta.uploads:
-            self._upload(slab, op.op_id, op)
+            self._upload(slab, op)
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Start this step's loads (on CUDA: every layer enqueued, each waited for by its
         own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
         self.begin_step(meta)
         assert self.copier is not None
-        self._load_outcome(meta, self.copier.begin_loads([
-            LoadJob(op.op_id, op.slot, op.first, tuple(op.gpu_blocks)) for op in meta.loads
-        ]))
+        self._record_loads(meta, self.copier.begin_loads(meta.loads))
 
-    def _load_outcome(self, meta: KVTierMetadata, outcome: Outcome) -> None:
+    def _record_loads(self, meta: KVTierMetadata, results: list[OpResult]) -> None:
         """Record load results; a failed load's blocks go to vLLM as load errors."""
-        if not outcome:
+        if not results:
             return
         blocks = {op.op_id: op.gpu_blocks for op in meta.loads}
-        for op_id, seconds in outcome.items():
-            if seconds is None:
-                self._results[op_id] = [False]
-                self._error("load")
-                self._failed_blocks.update(blocks.get(op_id, ()))
-            else:
-                self._results[op_id] = [True]
-                self.stats.observe(metrics.TRANSFER_SECONDS, seconds, ("load",))
+        for res in results:
+            self._record(res)
+            if not res.ok:
+                self._failed_blocks.update(blocks.get(res.op_id, ()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Compute waits for this layer's loads only (no-op on the synchronous path)."""
@@ -164,27 +157,37 @@ class WorkerSide:
         copier, slab = self.copier, self.slab
         assert copier is not None and slab is not None
         # slots read by this step's loads may be rewritten once results are reported
-        self._load_outcome(meta, copier.finish_loads())
-        outcome = copier.finish_saves()
+        self._record_loads(meta, copier.finish_loads())
+        saved = by_op(copier.finish_saves())
         for op in meta.stores:
-            ok = self._stored(outcome.get(op.op_id))
-            self._results[op.op_id] = [ok]
+            res = saved.get(op.op_id) or OpResult(op.op_id, OpKind.STORE, False)
+            self._record(res)
             if op.upload_op_id is not None:
-                if ok:
-                    self._upload(slab, op.upload_op_id, RemoteOp(op.op_id, op.slot, op.block_hash))
+                if res.ok:
+                    self._upload(slab, UploadOp(op.upload_op_id, op.slot, op.block_hash))
                 else:
                     self._results[op.upload_op_id] = [False]
 
-    def _stored(self, seconds: float | None) -> bool:
-        if seconds is None:
-            return False
-        self.stats.observe(metrics.TRANSFER_SECONDS, seconds, ("store",))
-        return True
+    def _record(self, res: OpResult) -> None:
+        """One op's result: its flag for the scheduler, its time or its error for the stats.
+
+        The one place every mover's result lands (copies here, object-tier I/O from
+        :meth:`_poll_remote`)."""
+        self._results[res.op_id] = [res.ok]
+        if res.ok:
+            self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, (res.kind.value,))
+            if res.kind is OpKind.UPLOAD:
+                self.stats.inc(metrics.BYTES, res.nbytes, ("remote", "write"))
+        elif res.kind is OpKind.LOAD:
+            self._error("load")  # vLLM recomputes its blocks: counted as a load error
+        elif res.error_kind:
+            self._error(res.error_kind)
 
     def _object_key(self, block_hash: bytes) -> str:
-        return chunk_key(self._ns_digest, block_hash)
+        assert self._keys is not None, "register_kv_caches was not called"
+        return self._keys.key(block_hash)
 
-    def _fetch_run(self, slab: HostSlab, run: list[RemoteOp]) -> None:
+    def _fetch_run(self, slab: HostSlab, run: list[FetchOp]) -> None:
         """Fetch one prompt's chunks into their slots: the first alone, the rest once it
         was found, none after a miss (RemoteIO.submit_get_run)."""
         if self.remote is None:
@@ -199,19 +202,19 @@ class WorkerSide:
             dtype=dtype, shape=shape,
         )  # fmt: skip
 
-    def _upload(self, slab: HostSlab, op_id: int, op: RemoteOp) -> None:
+    def _upload(self, slab: HostSlab, op: UploadOp) -> None:
         if self.remote is None:
-            self._results[op_id] = [False]
+            self._results[op.op_id] = [False]
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()
         queued = self.remote.submit_put(
-            op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
+            op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
             dtype=dtype, shape=shape,
         )
         if not queued:  # backpressure: dropped and counted; the slot is released at once
             self.stats.inc(metrics.WRITES_DROPPED)
-            self._results[op_id] = [False]
+            self._results[op.op_id] = [False]
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
@@ -223,18 +226,7 @@ class WorkerSide:
         if self.remote is None:
             return
         for res in self.remote.poll():
-            self._results[res.op_id] = [res.ok]
-            if res.kind == "get":
-                if res.ok:
-                    self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("fetch",))
-                elif res.error_kind:
-                    self._error(res.error_kind)
-            elif res.kind == "put":
-                if res.ok:
-                    self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, ("upload",))
-                    self.stats.inc(metrics.BYTES, res.nbytes, ("remote", "write"))
-                elif res.error_kind:
-                    self._error(res.error_kind)
+            self._record(res)
 
     def _error(self, kind: str) -> None:
         kind = metrics.error_kind_label(kind)

@@ -59,6 +59,37 @@ def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:
     return hashlib.blake2b(block_hash, key=ns_digest, digest_size=20).hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """The keys one process makes, and which digest it makes them with.
+
+    There are two, and only two:
+
+    - :meth:`index` — the scheduler's host-tier index, one for every worker of the
+      engine (``ANY_RANK``): a chunk is READY there once every worker stored its
+      part, so one key stands for all ranks' slots of it.
+    - :meth:`worker` — a worker's objects in the shared tier, under its own TP rank
+      and pipeline stage: each worker writes and reads only its own heads' and
+      layers' bytes, and a rank only ever finds what the same rank of a compatible
+      engine wrote. Nobody asks about another rank's object: a lookup is each
+      worker reading its own keys, and the scheduler learns the outcome from the
+      workers' reports (all must have found their part).
+    """
+
+    digest: bytes
+
+    @classmethod
+    def index(cls, ns: Namespace) -> KeySpace:
+        return cls(ns.digest(ANY_RANK, ANY_RANK))
+
+    @classmethod
+    def worker(cls, ns: Namespace, rank: int, stage: int) -> KeySpace:
+        return cls(ns.digest(rank, stage))
+
+    def key(self, block_hash: bytes) -> str:
+        return chunk_key(self.digest, block_hash)
+
+
 def chunk_block_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
     """The last block hash of every full chunk covered by ``block_hashes``."""
     n_chunks = len(block_hashes) // blocks_per_chunk

@@ -1,10 +1,10 @@
 """Asynchronous object-tier I/O that never blocks vLLM's scheduler or worker.
 
 The worker submits fetches into host slots (a lookup's run of them) and
-uploads from host slots, and later polls for results; existence checks remain
-for tools and tests. Behind that:
+uploads from host slots, and later polls for their :class:`kvtier.ops.OpResult`.
+Behind that:
 
-- Reads (exists, get) and writes (put) have their own bounded queues and their
+- Reads (fetches) and writes (uploads) have their own bounded queues and their
   own threads (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so
   a backlog of uploads never delays a lookup. A full read queue reports the
   lookup at once as ``"timeout"`` (counted in ``reads_dropped``).
@@ -20,7 +20,7 @@ for tools and tests. Behind that:
   own (the tier's socket timeouts bound them): the caller's payload must stay
   untouched until the put is reported, so it is never reported early.
 - A connection-level failure (``TierUnavailable``) marks that direction
-  (reads: exists and get; writes: put) down for ``backoff.compute(n)``
+  (reads: fetches; writes: uploads) down for ``backoff.compute(n)``
   seconds; until then its ops fail fast as ``"unreachable"`` without touching
   the network. After that the next op is a real attempt, and its success
   clears the state. Reads and writes back off separately: a store that
@@ -33,7 +33,7 @@ for tools and tests. Behind that:
 - ``close`` returns within its bound even when an I/O thread is stuck in a
   backend call: the threads are daemons and every join is bounded.
 - Nothing is raised to the caller for data or tier problems: every accepted
-  op yields exactly one :class:`IOResult` with an ``error_kind`` that is a
+  op yields exactly one :class:`~kvtier.ops.OpResult` with an ``error_kind`` that is a
   label of ``kvtier:errors`` (see :mod:`kvtier.metrics`).
 """
 
@@ -46,58 +46,37 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from kvtier import codec
 from kvtier.backoff import Backoff, BackoffState, ExponentialBackoff
 from kvtier.errors import CodecError, TierError, TierUnavailable
+from kvtier.ops import OpKind, OpResult
 from kvtier.tiers.base import ObjectTier
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
-__all__ = ["ERROR_KINDS", "IOResult", "RemoteIO"]
+__all__ = ["ERROR_KINDS", "RemoteIO"]
 
 log = logging.getLogger("kvtier.remote")
 
 #: error kinds RemoteIO reports and counts (a subset of kvtier.metrics.ERROR_KINDS)
 ERROR_KINDS = (
-    "checksum", "truncated", "signature", "wrong_key", "malformed",
+    "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
     "timeout", "unreachable", "tier", "object", "oversize",
 )  # fmt: skip
 #: what a stored chunk may add to its slot's bytes: magic, header length, the largest header
 MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
 _COUNTERS = (
     "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
-    "ops_exists", "ops_get", "ops_put", "gets_skipped",
+    "ops_fetch", "ops_upload", "gets_skipped",
 ) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
-
-OpKind = Literal["exists", "get", "put"]
-
-
-@dataclass(frozen=True, slots=True)
-class IOResult:
-    """The outcome of one submitted op.
-
-    ``ok=False`` with ``error_kind=None`` is a plain miss (the object is not
-    stored). ``value`` holds exists' answers; ``nbytes`` the bytes moved over
-    the network; ``seconds`` the time from submit to completion.
-    """
-
-    op_id: int
-    kind: OpKind
-    ok: bool
-    error_kind: str | None
-    value: list[bool] | None
-    nbytes: int
-    seconds: float
-
 
 class _Op:
     """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
 
-    __slots__ = ("op_id", "kind", "keys", "buf", "dtype", "shape", "t0", "deadline", "lock",
+    __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
                  "done", "seq", "started", "run", "pos")  # fmt: skip
 
     def __init__(
@@ -105,7 +84,7 @@ class _Op:
         seq: int,
         op_id: int,
         kind: OpKind,
-        keys: list[str],
+        key: str,
         timeout_s: float,
         buf: memoryview | None = None,
         dtype: str = "",
@@ -114,7 +93,7 @@ class _Op:
         self.seq = seq
         self.op_id = op_id
         self.kind = kind
-        self.keys = keys
+        self.key = key
         self.buf = buf
         self.dtype = dtype
         self.shape = list(shape)
@@ -182,7 +161,7 @@ class RemoteIO:
         self.backoff = backoff if backoff is not None else ExponentialBackoff()
         self._rq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)
         self._wq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)
-        self._results: collections.deque[IOResult] = collections.deque()
+        self._results: collections.deque[OpResult] = collections.deque()
         self._lock = threading.Lock()
         self._writes_idle = threading.Condition(self._lock)
         self._inflight: dict[int, _Op] = {}  # reads, watched by poll() for timeouts
@@ -235,20 +214,11 @@ class RemoteIO:
 
     # -- submitting ----------------------------------------------------------------------
 
-    def submit_exists(self, op_id: int, keys: list[str]) -> None:
-        """Queue an existence check; the result's ``value`` lists one bool per key."""
-        self._submit_read(_Op(next(self._seq), op_id, "exists", list(keys), self.timeout_s))
-
     def submit_get_into(
         self, op_id: int, key: str, dest: memoryview, *, dtype: str, shape: Sequence[int]
     ) -> None:
         """Queue a fetch of ``key``, verified, copied into ``dest`` (whose size must match)."""
-        view = _byte_view(dest)
-        if view.readonly:
-            raise ValueError("submit_get_into needs a writable destination")
-        self._submit_read(
-            _Op(next(self._seq), op_id, "get", [key], self.timeout_s, view, dtype, shape)
-        )
+        self.submit_get_run([(op_id, key, dest)], dtype=dtype, shape=shape)
 
     def submit_get_run(
         self,
@@ -264,15 +234,15 @@ class RemoteIO:
         rest are queued and read in parallel. A prompt can only use its chunks up to
         the first gap, so when one is missing or fails, those after it that have not
         started are reported as misses without asking (counted in ``gets_skipped``).
-        Every get yields one result, as from :meth:`submit_get_into`.
+        Every get yields one result.
         """
         run = []
         for op_id, key, dest in gets:
             view = _byte_view(dest)
             if view.readonly:
                 raise ValueError("submit_get_run needs writable destinations")
-            run.append(_Op(next(self._seq), op_id, "get", [key], self.timeout_s, view, dtype,
-                           shape))  # fmt: skip
+            run.append(_Op(next(self._seq), op_id, OpKind.FETCH, key, self.timeout_s, view,
+                           dtype, shape))  # fmt: skip
         for pos, op in enumerate(run):
             op.run, op.pos = run, pos
         if not run:
@@ -290,7 +260,8 @@ class RemoteIO:
     ) -> bool:
         """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
         op = _Op(
-            next(self._seq), op_id, "put", [key], self.timeout_s, _byte_view(payload), dtype, shape
+            next(self._seq), op_id, OpKind.UPLOAD, key, self.timeout_s, _byte_view(payload), dtype,
+            shape,
         )
         with self._lock:
             if self._closed:
@@ -309,14 +280,6 @@ class RemoteIO:
             return False
         return True
 
-    def _submit_read(self, op: _Op) -> None:
-        if self._closed or self._read_backoff.is_down:
-            self._finish(op, False, "unreachable")
-            return
-        with self._lock:
-            self._inflight[op.seq] = op
-        self._enqueue_read(op)
-
     def _enqueue_read(self, op: _Op) -> None:
         try:
             self._rq.put_nowait(op)
@@ -328,7 +291,7 @@ class RemoteIO:
 
     # -- results -------------------------------------------------------------------------
 
-    def poll(self) -> list[IOResult]:
+    def poll(self) -> list[OpResult]:
         """Results completed since the last poll, reads past their deadline as timeouts."""
         now = time.monotonic()
         with self._lock:
@@ -339,10 +302,10 @@ class RemoteIO:
             if op.lock.acquire(blocking=False):
                 try:
                     if not op.done:
-                        self._report(op, False, "timeout", None, 0)
+                        self._report(op, False, "timeout", 0)
                 finally:
                     op.lock.release()
-        out: list[IOResult] = []
+        out: list[OpResult] = []
         while self._results:
             out.append(self._results.popleft())
         return out
@@ -392,7 +355,7 @@ class RemoteIO:
                 with op.lock:
                     op.done = True
                     op.buf = None
-                if op.kind == "put":
+                if op.kind is OpKind.UPLOAD:
                     dropped += 1
         with self._lock:
             self._totals["writes_dropped"] += dropped
@@ -440,12 +403,12 @@ class RemoteIO:
 
     @property
     def reads_down(self) -> bool:
-        """True while exists and get fail fast after a read failed to reach the tier."""
+        """True while fetches fail fast after a read failed to reach the tier."""
         return self._read_backoff.is_down
 
     @property
     def writes_down(self) -> bool:
-        """True while puts fail fast after a write failed to reach the tier."""
+        """True while uploads fail fast after a write failed to reach the tier."""
         return self._write_backoff.is_down
 
     @property
@@ -465,11 +428,11 @@ class RemoteIO:
         return delta
 
     def _backoff_of(self, op: _Op) -> BackoffState:
-        return self._write_backoff if op.kind == "put" else self._read_backoff
+        return self._write_backoff if op.kind is OpKind.UPLOAD else self._read_backoff
 
     def _mark_down(self, op: _Op, exc: TierUnavailable) -> None:
         failures, delay = self._backoff_of(op).failed()
-        what = "writes" if op.kind == "put" else "reads"
+        what = "writes" if op.kind is OpKind.UPLOAD else "reads"
         self._tier_log.warning(
             "object tier %s unavailable (%d failures in a row), %s fail fast for %.2f s: %s",
             self.tier.name, failures, what, delay, exc,
@@ -477,7 +440,7 @@ class RemoteIO:
 
     def _mark_up(self, op: _Op) -> None:
         if self._backoff_of(op).succeeded():
-            what = "writes" if op.kind == "put" else "reads"
+            what = "writes" if op.kind is OpKind.UPLOAD else "reads"
             log.info("object tier %s is reachable again (%s)", self.tier.name, what)
 
     # -- workers -------------------------------------------------------------------------
@@ -499,19 +462,14 @@ class RemoteIO:
         if self._backoff_of(op).is_down:
             self._finish(op, False, "unreachable")
             return
-        if op.kind != "put" and time.monotonic() > op.deadline:
+        if op.kind is OpKind.FETCH and time.monotonic() > op.deadline:
             self._finish(op, False, "timeout")
             return
-        key, buf = op.keys[0], op.buf
-        if buf is None and op.kind != "exists":  # closed while this op was being picked up
+        key, buf = op.key, op.buf
+        if buf is None:  # closed while this op was being picked up
             return
         try:
-            if op.kind == "exists":
-                value = self.tier.exists(op.keys)
-                self._mark_up(op)
-                self._finish(op, True, None, value=value)
-            elif op.kind == "get":
-                assert buf is not None
+            if op.kind is OpKind.FETCH:
                 # straight into the slot, verified there: from here on this op reports only
                 # when the read is over, so the slot cannot be reused under a late write
                 with op.lock:
@@ -528,7 +486,6 @@ class RemoteIO:
                              signer=self.signer)  # fmt: skip
                 self._finish(op, True, None, nbytes=len(head) + buf.nbytes)
             else:
-                assert buf is not None
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
                 self._mark_up(op)
@@ -556,16 +513,13 @@ class RemoteIO:
         ok: bool,
         error_kind: str | None,
         *,
-        value: list[bool] | None = None,
         nbytes: int = 0,
     ) -> None:
         """Report ``op`` unless poll() already reported it as a timeout; go on with its run."""
         with op.lock:
             if op.done:
                 return
-            if op.kind == "exists" and ok and time.monotonic() > op.deadline:
-                ok, error_kind, value = False, "timeout", None
-            self._report(op, ok, error_kind, value, nbytes)
+            self._report(op, ok, error_kind, nbytes)
         if op.run is None:
             return
         if not ok:
@@ -583,7 +537,7 @@ class RemoteIO:
             with later.lock:
                 if later.done or later.started:
                     continue
-                self._report(later, False, None, None, 0, counted=False)
+                self._report(later, False, None, 0, counted=False)
                 skipped += 1
         if skipped:
             self._add("gets_skipped", skipped)
@@ -593,7 +547,6 @@ class RemoteIO:
         op: _Op,
         ok: bool,
         error_kind: str | None,
-        value: list[bool] | None,
         nbytes: int,
         *,
         counted: bool = True,
@@ -602,15 +555,15 @@ class RemoteIO:
         that never reached the tier (not in ``ops_*``)."""
         op.done = True
         op.buf = None
-        result = IOResult(
-            op.op_id, op.kind, ok, error_kind, value, nbytes, time.monotonic() - op.t0
+        result = OpResult(
+            op.op_id, op.kind, ok, time.monotonic() - op.t0, nbytes, error_kind
         )
         with self._lock:
             if counted:
                 self._totals["ops_" + op.kind] += 1
             if error_kind is not None:
                 self._totals["errors_" + error_kind] += 1
-            if op.kind == "put":
+            if op.kind is OpKind.UPLOAD:
                 self._pending_writes -= 1
                 if not ok:
                     self._put_failures += 1

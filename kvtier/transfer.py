@@ -1,7 +1,7 @@
 """Copies between vLLM's paged KV tensors and host slots, per layer.
 
-Two copiers share one small interface, so the worker does not care which one
-runs:
+Two copiers share one small interface (ops and results from :mod:`kvtier.ops`),
+so the worker does not care which one runs:
 
 - :class:`CpuCopier` — synchronous, the CPU backend's path: loads finish in
   ``begin_loads``, stores run in ``finish_saves`` (all layers written by then).
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from .layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
+from .ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
 
 logger = logging.getLogger("kvtier.transfer")
 
@@ -40,38 +41,26 @@ logger = logging.getLogger("kvtier.transfer")
 STAGING_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class LoadJob:
-    """Host slot -> paged KV: slot blocks ``first .. first+len(gpu_blocks)``."""
-
-    op_id: int
-    slot: int
-    first: int
-    gpu_blocks: tuple[int, ...]
+#: op id -> seconds its copy took, or None when it failed (the copiers' own tally,
+#: turned into OpResults at their interface by _results)
+_Times = dict[int, float | None]
 
 
-@dataclass(frozen=True, slots=True)
-class StoreJob:
-    """Paged KV -> host slot: ``gpu_blocks`` into slot blocks ``0 .. len-1``."""
-
-    op_id: int
-    slot: int
-    gpu_blocks: tuple[int, ...]
-
-
-Job = LoadJob | StoreJob
-#: (op id, seconds it took) for the stats, or (op id, None) when it failed
-Outcome = dict[int, float | None]
+def _results(kind: OpKind, times: _Times) -> list[OpResult]:
+    return [
+        OpResult(op_id, kind, False) if t is None else OpResult(op_id, kind, True, seconds=t)
+        for op_id, t in times.items()
+    ]
 
 
 # ---- index math (pure; unit-tested on the CPU) -----------------------------------------------
-def job_range(job: Job) -> tuple[int, int]:
+def job_range(job: CopyOp) -> tuple[int, int]:
     """(first slot block, count) that ``job`` touches."""
-    first = job.first if isinstance(job, LoadJob) else 0
+    first = job.first if isinstance(job, LoadOp) else 0
     return first, len(job.gpu_blocks)
 
 
-def check_job(job: Job, num_blocks: int, num_slots: int, blocks_per_chunk: int) -> str | None:
+def check_job(job: CopyOp, num_blocks: int, num_slots: int, blocks_per_chunk: int) -> str | None:
     """Why ``job`` must not be submitted, or None.
 
     On CUDA an out-of-range index is a device-side assert that kills the
@@ -90,13 +79,13 @@ def check_job(job: Job, num_blocks: int, num_slots: int, blocks_per_chunk: int) 
     return None
 
 
-def group_jobs(jobs: Sequence[Job], max_blocks: int) -> list[list[Job]]:
+def group_jobs(jobs: Sequence[CopyOp], max_blocks: int) -> list[list[CopyOp]]:
     """Split ``jobs`` (in order) into rounds of at most ``max_blocks`` blocks each.
 
     A job is never split; one larger than ``max_blocks`` is a round of its own.
     """
-    rounds: list[list[Job]] = []
-    cur: list[Job] = []
+    rounds: list[list[CopyOp]] = []
+    cur: list[CopyOp] = []
     n = 0
     for job in jobs:
         k = len(job.gpu_blocks)
@@ -128,7 +117,7 @@ def staging_shape(slot_shape: Sequence[int], dim: int, blocks: int) -> tuple[int
     return tuple(shape)
 
 
-def round_plan(jobs: Sequence[Job]) -> tuple[list[int], list[tuple[Job, int]]]:
+def round_plan(jobs: Sequence[CopyOp]) -> tuple[list[int], list[tuple[CopyOp, int]]]:
     """The batched index for one round and where each job sits in staging.
 
     Returns ``(gpu_blocks, [(job, staging_offset), ...])``: staging block
@@ -136,7 +125,7 @@ def round_plan(jobs: Sequence[Job]) -> tuple[list[int], list[tuple[Job, int]]]:
     ``gpu_blocks[staging_offset + j]``.
     """
     index: list[int] = []
-    places: list[tuple[Job, int]] = []
+    places: list[tuple[CopyOp, int]] = []
     for job in jobs:
         places.append((job, len(index)))
         index.extend(job.gpu_blocks)
@@ -225,7 +214,7 @@ class TorchCudaOps:
 
 # ---- copiers -------------------------------------------------------------------------------
 class Copier(ABC):
-    """Moves one step's loads and stores; outcomes are per op id."""
+    """Moves one step's loads and stores; every op accepted yields one OpResult."""
 
     #: True when wait_layer / save_layer do real work (the facade then needs
     #: PIECEWISE CUDA graphs, and the worker forwards the per-layer calls)
@@ -239,23 +228,23 @@ class Copier(ABC):
         self.slab = slab
         self.num_blocks = kv[0].shape[layout.layers[0].block_dim]
 
-    def check(self, job: Job) -> str | None:
+    def check(self, job: CopyOp) -> str | None:
         return check_job(job, self.num_blocks, self.slab.num_slots, self.layout.blocks_per_chunk)
 
     @abstractmethod
-    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
-        """Start every layer's loads; returns outcomes known now (all, when synchronous)."""
+    def begin_loads(self, jobs: Sequence[LoadOp]) -> list[OpResult]:
+        """Start every layer's loads; returns the results known now (all, when synchronous)."""
 
     @abstractmethod
-    def finish_loads(self) -> Outcome:
-        """Wait (host side) until this step's loads are done; outcomes not yet returned."""
+    def finish_loads(self) -> list[OpResult]:
+        """Wait (host side) until this step's loads are done; results not yet returned."""
 
     def wait_layer(self, layer: int) -> None:
         """Make compute wait for ``layer``'s loads (no-op when loads are synchronous)."""
         return None
 
     @abstractmethod
-    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+    def begin_saves(self, jobs: Sequence[StoreOp]) -> None:
         """Declare this step's stores; layers are saved by save_layer / finish_saves."""
 
     def save_layer(self, layer: int) -> None:
@@ -263,7 +252,7 @@ class Copier(ABC):
         return None
 
     @abstractmethod
-    def finish_saves(self) -> Outcome:
+    def finish_saves(self) -> list[OpResult]:
         """Save what is left and wait (host side) until every store is in the slab."""
 
 
@@ -272,24 +261,24 @@ class CpuCopier(Copier):
 
     def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
         super().__init__(kv, layout, slab)
-        self._stores: list[StoreJob] = []
+        self._stores: list[StoreOp] = []
 
-    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
-        return self._copy_jobs(jobs, to_host=False)
+    def begin_loads(self, jobs: Sequence[LoadOp]) -> list[OpResult]:
+        return _results(OpKind.LOAD, self._copy_jobs(jobs, to_host=False))
 
-    def finish_loads(self) -> Outcome:
-        return {}
+    def finish_loads(self) -> list[OpResult]:
+        return []
 
-    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+    def begin_saves(self, jobs: Sequence[StoreOp]) -> None:
         self._stores = list(jobs)
 
-    def finish_saves(self) -> Outcome:
+    def finish_saves(self) -> list[OpResult]:
         jobs, self._stores = self._stores, []
-        return self._copy_jobs(jobs, to_host=True)
+        return _results(OpKind.STORE, self._copy_jobs(jobs, to_host=True))
 
-    def _copy_jobs(self, jobs: Sequence[Job], to_host: bool) -> Outcome:
+    def _copy_jobs(self, jobs: Sequence[CopyOp], to_host: bool) -> _Times:
         """Each job in turn, every layer with one ``index_select`` or ``index_copy_``."""
-        out: Outcome = {}
+        out: _Times = {}
         for job in jobs:
             t0 = time.perf_counter()
             try:
@@ -313,7 +302,7 @@ class CpuCopier(Copier):
 @dataclass
 class _Round:
     index: torch.Tensor  # GPU block ids, on the KV device
-    places: list[tuple[Job, int]]
+    places: list[tuple[CopyOp, int]]
     blocks: int
 
 
@@ -355,13 +344,13 @@ class CudaCopier(Copier):
         self._staging: dict[str, torch.Tensor] = {}  # per stream, grown on demand
         self._loads: _Batch | None = None
         self._saves: _Batch | None = None
-        self._save_jobs: list[Job] = []
+        self._save_jobs: list[CopyOp] = []
         #: (slot, layer) -> the slot region's contiguous pieces, whole chunk (views, no copy)
         self._slot_pieces: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._carry: Outcome = {}  # outcomes of a step whose saves were never finished
+        self._carry: _Times = {}  # outcomes of a step whose saves were never finished
 
     # -- shared helpers --
-    def _checked(self, jobs: Sequence[Job], batch: _Batch, out: Outcome) -> list[Job]:
+    def _checked(self, jobs: Sequence[CopyOp], batch: _Batch, out: _Times) -> list[CopyOp]:
         ok = []
         for job in jobs:
             why = self.check(job)
@@ -374,7 +363,7 @@ class CudaCopier(Copier):
                 out[job.op_id] = None
         return ok
 
-    def _rounds(self, jobs: Sequence[Job]) -> list[_Round]:
+    def _rounds(self, jobs: Sequence[CopyOp]) -> list[_Round]:
         rounds = []
         for group in group_jobs(jobs, self.max_round_blocks):
             index, places = round_plan(group)
@@ -448,7 +437,7 @@ class CudaCopier(Copier):
         batch.last_event = ev
         batch.spans.append((start, ev))
 
-    def _settle(self, batch: _Batch, what: str) -> Outcome:
+    def _settle(self, batch: _Batch, what: str) -> _Times:
         """Wait (host side) for the batch's last copy; every op fails if the wait does."""
         try:
             if batch.last_event is not None:
@@ -458,7 +447,7 @@ class CudaCopier(Copier):
             batch.failed.update(batch.op_ids)
         return self._outcome(batch)
 
-    def _outcome(self, batch: _Batch) -> Outcome:
+    def _outcome(self, batch: _Batch) -> _Times:
         """Per op: its share (by blocks) of the GPU time this step's copies took."""
         try:
             busy = sum(self.ops.elapsed_s(a, b) for a, b in batch.spans)
@@ -471,10 +460,13 @@ class CudaCopier(Copier):
         }
 
     # -- loads --
-    def begin_loads(self, jobs: Sequence[LoadJob]) -> Outcome:
-        out: Outcome = {}
+    def begin_loads(self, jobs: Sequence[LoadOp]) -> list[OpResult]:
+        return _results(OpKind.LOAD, self._begin_loads(jobs))
+
+    def _begin_loads(self, jobs: Sequence[LoadOp]) -> _Times:
+        out: _Times = {}
         if self._loads is not None:  # the previous step was never finished
-            out.update(self.finish_loads())
+            out.update(self._finish_loads())
         if not jobs:
             return out
         batch = _Batch()
@@ -508,7 +500,10 @@ class CudaCopier(Copier):
         if ev is not None:
             self.ops.wait_event(self.ops.current_stream(), ev)
 
-    def finish_loads(self) -> Outcome:
+    def finish_loads(self) -> list[OpResult]:
+        return _results(OpKind.LOAD, self._finish_loads())
+
+    def _finish_loads(self) -> _Times:
         batch, self._loads = self._loads, None
         if batch is None:
             return {}
@@ -516,13 +511,13 @@ class CudaCopier(Copier):
         return self._settle(batch, "loads")
 
     # -- saves --
-    def begin_saves(self, jobs: Sequence[StoreJob]) -> None:
+    def begin_saves(self, jobs: Sequence[StoreOp]) -> None:
         if self._saves is not None:
             logger.warning("kvtier: saves of the previous step were not finished; finishing")
-            done = self.finish_saves()  # (it resets self._carry: evaluate it first)
+            done = self._finish_saves()  # (it resets self._carry: evaluate it first)
             self._carry.update(done)
         batch = _Batch()
-        out: Outcome = {}
+        out: _Times = {}
         ok = self._checked(jobs, batch, out)
         batch.failed.update(out)
         batch.op_ids.extend(out)
@@ -550,7 +545,10 @@ class CudaCopier(Copier):
             logger.exception("kvtier: enqueueing saves of layer %d failed", layer)
             batch.failed.update(batch.op_ids)
 
-    def finish_saves(self) -> Outcome:
+    def finish_saves(self) -> list[OpResult]:
+        return _results(OpKind.STORE, self._finish_saves())
+
+    def _finish_saves(self) -> _Times:
         batch = self._saves
         carry, self._carry = self._carry, {}
         if batch is None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvtier.layout import find_block_dim
+from kvtier.ops import OpKind, OpResult
 
 
 def make_caches(shape, dtype=torch.bfloat16, layers: int = 3, seed: int = 0):
@@ -100,3 +101,13 @@ class FakeOps:
     def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
         assert start.timing and end.timing and start.recorded_on is end.recorded_on
         return 0.001  # each layer's copies "took" 1 ms
+
+
+def times(results: list[OpResult]) -> dict[int, float | None]:
+    """A copier's results as op id -> seconds, None for a failed op (each op once,
+    every result a copy's)."""
+    out: dict[int, float | None] = {}
+    for r in results:
+        assert r.kind in (OpKind.LOAD, OpKind.STORE) and r.op_id not in out, r
+        out[r.op_id] = r.seconds if r.ok else None
+    return out

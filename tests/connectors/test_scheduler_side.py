@@ -254,7 +254,7 @@ def test_write_back_keeps_the_newest_prompt_whole_and_uploads_what_it_evicts() -
     oldest chunks were uploaded ahead of time and are evicted at once), the chunks that
     leave were all uploaded first, and nothing is left pinned."""
     side = write_back_side("768KiB")  # 12 slots of 64 KiB
-    assert side.index.num_slots == 12 and side._clean_reserve == 6
+    assert side.index.num_slots == 12 and side.planner.clean_reserve == 6
     uploaded: set[bytes] = set()
     stored: list[bytes] = []
     for i in range(10):
@@ -372,11 +372,11 @@ def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> 
 def test_a_miss_makes_one_key_and_decode_steps_make_none(monkeypatch) -> None:
     """The cost of a lookup grows with what it finds, not with the prompt: a 32k-token
     miss hashes one chunk key; decode steps that complete no chunk refresh nothing."""
-    import kvtier.connectors.scheduler as sched
+    from kvtier.keys import KeySpace
 
     made = []
-    real = sched.chunk_key
-    monkeypatch.setattr(sched, "chunk_key", lambda ns, h: (made.append(h), real(ns, h))[1])
+    real = KeySpace.key
+    monkeypatch.setattr(KeySpace, "key", lambda ks, h: (made.append(h), real(ks, h))[1])
     side = make_side("64MiB")
     req = request("long", 7, 32768 + 10)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -386,7 +386,7 @@ def test_a_miss_makes_one_key_and_decode_steps_make_none(monkeypatch) -> None:
     assert len(meta.stores) == 128 and len(made) == 1 + 127
     report(side, meta)
     calls = []
-    monkeypatch.setattr(side, "_refresh_keys", lambda st: calls.append(st))
+    monkeypatch.setattr(side.keys, "refresh", lambda st: calls.append(st))
     for step in range(1, 20):
         assert decode_step(side, {"long": req.num_tokens + step}).stores == []
     assert calls == [], "a decode step that completes no chunk refreshed keys"

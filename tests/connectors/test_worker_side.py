@@ -15,7 +15,7 @@ import pytest
 import torch
 from copyfakes import FakeOps, make_caches
 from kvtier.connectors import worker as worker_mod
-from kvtier.connectors.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connectors.metadata import FetchOp, KVTierMetadata, LoadOp, StoreOp
 from kvtier.connectors.vllm import KVTierConnector
 
 from kvtier.config import load_config
@@ -199,7 +199,7 @@ def test_pipeline_stages_never_load_each_others_chunks(tmp_path) -> None:
         original = stages[stage][1]
         sb = w.layout.slot_bytes
         fetch = step_meta(1, sb)
-        fetch.fetches = [[worker_mod.RemoteOp(3, 0, h)]]
+        fetch.fetches = [[FetchOp(3, 0, h)]]
         w.begin_step(fetch)
         w.wait_for_save(fetch)
         assert results(1, {3}) == {3: [True]}

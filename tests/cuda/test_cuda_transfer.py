@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from copyfakes import times
 
 from kvtier import cuda as kcuda
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
-from kvtier.transfer import CudaCopier, LoadJob, StoreJob, make_copier
+from kvtier.ops import LoadOp, StoreOp
+from kvtier.transfer import CudaCopier, make_copier
 
 pytestmark = pytest.mark.cuda
 
@@ -78,19 +80,19 @@ def test_round_trip_on_gpu_is_bit_exact(name, dtype) -> None:
     c = CudaCopier(kv, layout, slab, staging_bytes=3 * (layout.layers[0].nbytes // BPC) * BPC)
     store_ids = [list(range(i * 20, i * 20 + BPC)) for i in range(5)]
     store_ids[2] = [255 - b for b in store_ids[2]]  # not sorted, not contiguous
-    c.begin_saves([StoreJob(i, i, tuple(ids)) for i, ids in enumerate(store_ids)])
+    c.begin_saves([StoreOp(i, i, tuple(ids)) for i, ids in enumerate(store_ids)])
     for li in range(LAYERS):
         c.save_layer(li)
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert sorted(out) == list(range(5)) and None not in out.values()
 
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab)
     targets = [list(range(100 + 16 * i, 100 + 16 * i + BPC - 3)) for i in range(5)]
-    out = c2.begin_loads([LoadJob(10 + i, i, 3, tuple(t)) for i, t in enumerate(targets)])
+    out = times(c2.begin_loads([LoadOp(10 + i, i, 3, tuple(t)) for i, t in enumerate(targets)]))
     for li in range(LAYERS):
         c2.wait_layer(li)
-    out.update(c2.finish_loads())
+    out.update(times(c2.finish_loads()))
     assert None not in out.values() and len(out) == 5
     torch.cuda.synchronize()
     for s, d in zip(kv, dst, strict=True):
@@ -111,17 +113,17 @@ def test_flashinfer_hnd_strided_kv_round_trips_on_gpu() -> None:
     slab = HostSlab(layout.slot_bytes * 2, layout, pin=True)
     ids = tuple(range(200, 200 - 3 * BPC, -3))
     c = CudaCopier(kv, layout, slab)
-    c.begin_saves([StoreJob(1, 1, ids)])
+    c.begin_saves([StoreOp(1, 1, ids)])
     for li in range(LAYERS):
         c.save_layer(li)
-    assert None not in c.finish_saves().values()
+    assert None not in times(c.finish_saves()).values()
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab)
     targets = tuple(range(10, 10 + BPC))
-    out = c2.begin_loads([LoadJob(2, 1, 0, targets)])
+    out = times(c2.begin_loads([LoadOp(2, 1, 0, targets)]))
     for li in range(LAYERS):
         c2.wait_layer(li)
-    out.update(c2.finish_loads())
+    out.update(times(c2.finish_loads()))
     assert None not in out.values()
     torch.cuda.synchronize()
     for s, d in zip(kv, dst, strict=True):
@@ -138,14 +140,14 @@ def test_each_layer_waits_for_its_own_load() -> None:
     kv = [torch.zeros_like(t) for t in src.values()]
     c = CudaCopier(kv, layout, slab)
     ids = tuple(range(0, 2048, 16))
-    c.begin_loads([LoadJob(1, 0, 0, ids)])
+    times(c.begin_loads([LoadOp(1, 0, 0, ids)]))
     sums = []
     for li in range(len(kv)):
         c.wait_layer(li)
         sums.append((kv[li].view(torch.int16) == 3).sum())  # on the compute stream
     want = 2 * len(ids) * BS * 8 * 128
     assert [int(s) for s in sums] == [want] * len(kv)
-    assert None not in c.finish_loads().values()
+    assert None not in times(c.finish_loads()).values()
 
 
 def test_saves_wait_for_the_layer_compute() -> None:
@@ -157,14 +159,14 @@ def test_saves_wait_for_the_layer_compute() -> None:
     kv = list(src.values())
     c = CudaCopier(kv, layout, slab)
     ids = tuple(range(5, 2048, 16))
-    c.begin_saves([StoreJob(1, 0, ids)])
+    c.begin_saves([StoreOp(1, 0, ids)])
     big = torch.randn(4096, 4096, device="cuda")
     for li, t in enumerate(kv):
         for _ in range(4):
             big = big @ big / 64  # keep the compute stream busy before the write
         t.fill_(li + 1)  # this layer's "attention" writes its KV
         c.save_layer(li)
-    assert None not in c.finish_saves().values()
+    assert None not in times(c.finish_saves()).values()
     for li in range(len(kv)):
         assert (slab.layer_view(0, li).float() == li + 1).all(), li
 
@@ -179,8 +181,8 @@ def test_loads_do_not_block_the_host() -> None:
     slab = HostSlab(layout.slot_bytes, layout, pin=True)
     c = CudaCopier(kv, layout, slab)
     torch.cuda.synchronize()
-    c.begin_loads([LoadJob(1, 0, 0, tuple(range(0, 8192, 16)))])
+    times(c.begin_loads([LoadOp(1, 0, 0, tuple(range(0, 8192, 16)))]))
     last = c._loads.last_event if c._loads is not None else None
     assert last is not None and not last.query()
-    assert None not in c.finish_loads().values()
+    assert None not in times(c.finish_loads()).values()
     assert last.query()

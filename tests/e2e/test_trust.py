@@ -223,7 +223,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     assert [o["cached"] for o in w["ref"]] == [1024, 1024], "vLLM's own cache serves 1,024"
     p1_keys, p2_keys = w["object_keys"]
     assert len(p1_keys) == len(p2_keys) == 4 and not set(p1_keys) & set(p2_keys)
-    assert w["remote"]["ops_put"] == 8 and w["remote"].get("errors_tier", 0) == 0, w["remote"]
+    assert w["remote"]["ops_upload"] == 8 and w["remote"].get("errors_tier", 0) == 0, w["remote"]
     listed = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
     assert listed == {f"kv/{k}" for k in p1_keys + p2_keys}, "K1's chunks are in the bucket"
 
@@ -256,7 +256,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     # P2's first chunk is rejected, so the three behind it are not even fetched
     assert t1.get("error_signature", 0) == 1, t1
     assert r1["stats"]["counters"].get("kvtier:errors|signature") == 1, r1["stats"]
-    assert r1["remote"]["ops_get"] == 5 and r1["remote"]["gets_skipped"] == 3, r1["remote"]
+    assert r1["remote"]["ops_fetch"] == 5 and r1["remote"]["gets_skipped"] == 3, r1["remote"]
 
     # K2 reader on S3: K1's genuine chunks (and the forgeries) are never loaded
     r2 = run_logged("trust_read", logs, env=k2, model=tiny_model, extra=read_extra, seeds=seeds)
@@ -278,7 +278,7 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     t3 = r3["index"]["totals"]
     assert t3["hit_tokens_remote"] == 0 and t3.get("error_signature", 0) == 2, t3
     # each prompt's first chunk was fetched and rejected; nothing behind it was asked for
-    assert r3["remote"]["ops_get"] == 2 and r3["remote"]["gets_skipped"] == 6, r3["remote"]
+    assert r3["remote"]["ops_fetch"] == 2 and r3["remote"]["gets_skipped"] == 6, r3["remote"]
 
     lines = sum(assert_no_secrets(r) for r in (w, r1, r2, r3))
     rejected = sum(r["index"]["totals"].get("error_signature", 0) for r in (r1, r2, r3))
@@ -377,7 +377,7 @@ def test_cache_salt_model_and_kv_dtype_separate_chunks(
         totals = f["index"]["totals"]
         assert totals["hit_tokens_remote"] == 0 and totals["fetch_ok"] == 0
         # the tier was asked (and said no): one read per request, for its first chunk
-        assert f["remote"]["ops_get"] == 2, (what, f["remote"])
+        assert f["remote"]["ops_fetch"] == 2, (what, f["remote"])
         assert f["remote"]["gets_skipped"] >= 2, (what, f["remote"])
         assert f["stats"]["n"].get("kvtier:lookup_delay_seconds|async", 0) >= 2, f["stats"]
         # its own chunks went in under other keys, beside the first engine's
@@ -497,7 +497,7 @@ def test_slow_object_store_never_blocks_the_scheduler(
         verdicts.append(compare(warm, ref))
     assert "differ" not in verdicts and verdicts.count("tie") <= 1, verdicts
     # 12 chunks read back, and one read (a miss) for each cold prompt's first chunk
-    assert r["remote"]["ops_put"] == 12 and r["remote"]["ops_get"] == 12 + 3, r["remote"]
+    assert r["remote"]["ops_upload"] == 12 and r["remote"]["ops_fetch"] == 12 + 3, r["remote"]
     assert r["index"]["refs"] == 0 and r["index"]["pending_ops"] == 0
     assert proxy.connections >= 1
     assert_no_secrets(r)
@@ -587,7 +587,8 @@ def test_errors_logs_and_doctor_never_show_secrets(
     tier = RedisTier(server.url)
     rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=2.0, signer=None)
     server.kill()
-    rio.submit_exists(1, ["k"])
+    scratch = memoryview(bytearray(64))
+    rio.submit_get_into(1, "k", scratch, dtype="uint8", shape=[64])
     deadline = time.monotonic() + 10
     results = []
     while not results and time.monotonic() < deadline:

@@ -178,7 +178,7 @@ def _may_tie(top: dict[int, float], pick: int, other: int, tol: float) -> bool:
 
 def _record_object_keys(llm) -> dict[str, list[str]]:
     """request id -> the object-tier keys (rank 0) of its full chunks, kept at finish."""
-    from kvtier.keys import chunk_key
+    from kvtier.keys import KeySpace
 
     side = kvtier_side(llm)
     keys: dict[str, list[str]] = {}
@@ -187,9 +187,9 @@ def _record_object_keys(llm) -> dict[str, list[str]]:
     def request_finished(request, block_ids):
         st = side._reqs.get(request.request_id)
         if st is not None:
-            side._refresh_keys(st)
-            rank0 = side.namespace.digest(rank=0, stage=0)
-            keys[request.request_id] = [chunk_key(rank0, h) for h in st.chunk_hashes]
+            side.keys.refresh(st)
+            rank0 = KeySpace.worker(side.namespace, 0, 0)
+            keys[request.request_id] = [rank0.key(h) for h in st.chunk_hashes]
         return original(request, block_ids)
 
     side.request_finished = request_finished
@@ -510,11 +510,11 @@ def soak(
     settle(llm)
     structures = {
         "reqs": len(side._reqs),
-        "pending": len(side._pending),
+        "pending": len(side.ledger),
         "ttft_by_step": len(side._ttft_by_step),
-        "loads": len(side._loads),
-        "fetches": len(side._fetches),
-        "uploads": len(side._uploads),
+        "loads": len(side.planner.loads),
+        "fetches": len(side.lookups._runs),
+        "uploads": len(side.planner.uploads),
     }
     return {
         "requests": done,

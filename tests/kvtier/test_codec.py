@@ -21,7 +21,8 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
-from kvtier.remote import IOResult, RemoteIO
+from kvtier.ops import OpResult
+from kvtier.remote import RemoteIO
 from kvtier.tiers.base import ObjectTier
 
 PAYLOAD = bytes(range(256)) * 16
@@ -398,12 +399,12 @@ def fuzz_rio():
     rio.close()
 
 
-def _fetch(rio: RemoteIO, blob_bytes: bytes) -> tuple[IOResult, bytes]:
+def _fetch(rio: RemoteIO, blob_bytes: bytes) -> tuple[OpResult, bytes]:
     rio.tier.blob = blob_bytes
     dest = bytearray(b"\xee" * len(FUZZ_PAYLOAD))
     rio.submit_get_into(1, KEY, memoryview(dest), dtype="bfloat16", shape=FUZZ_SHAPE)
     deadline = time.monotonic() + 10
-    results: list[IOResult] = []
+    results: list[OpResult] = []
     while not results and time.monotonic() < deadline:
         results = rio.poll()
         time.sleep(0.0005)

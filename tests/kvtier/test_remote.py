@@ -12,7 +12,8 @@ import pytest
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
 from kvtier.config import load_config
-from kvtier.remote import IOResult, RemoteIO
+from kvtier.ops import OpKind, OpResult
+from kvtier.remote import RemoteIO
 from kvtier.tiers import FileTier, ObjectTier
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.s3 import S3Tier
@@ -31,8 +32,8 @@ def payload(seed: int = 1, size: int = SIZE) -> memoryview:
     return memoryview(bytearray((seed * 31 + i) % 251 for i in range(size)))
 
 
-def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, IOResult]:
-    out: list[IOResult] = []
+def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
+    out: list[OpResult] = []
     deadline = time.monotonic() + timeout
     while len(out) < n and time.monotonic() < deadline:
         out += rio.poll()
@@ -40,6 +41,11 @@ def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, IOResult]
     assert len(out) == n, f"expected {n} results, got {out}"
     assert len({r.op_id for r in out}) == n
     return {r.op_id: r for r in out}
+
+
+def probe(rio: RemoteIO, op_id: int, key: str) -> None:
+    """A fetch of ``key`` into a scratch slot: answers whether the tier is reached."""
+    rio.submit_get_into(op_id, key, memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
 
 
 def make_rio(tier: ObjectTier, **kw) -> RemoteIO:
@@ -68,15 +74,14 @@ def test_round_trip(any_tier: ObjectTier) -> None:
         assert rio.submit_put(i, f"key{i}", p, dtype=DT, shape=SHAPE)
     assert rio.flush(10) == 0
     puts = collect(rio, 5)
-    assert all(r.ok and r.kind == "put" and r.nbytes > SIZE for r in puts.values())
-    rio.submit_exists(10, ["key0", "nope", "key4"])
+    assert all(r.ok and r.kind is OpKind.UPLOAD and r.nbytes > SIZE for r in puts.values())
     dests = [memoryview(bytearray(SIZE)) for _ in range(5)]
     for i, d in enumerate(dests):
         rio.submit_get_into(20 + i, f"key{i}", d, dtype=DT, shape=SHAPE)
     miss = memoryview(bytearray(SIZE))
     rio.submit_get_into(30, "nope", miss, dtype=DT, shape=SHAPE)
-    res = collect(rio, 7)
-    assert res[10].ok and res[10].value == [True, False, False]  # the stored prefix
+    res = collect(rio, 6)
+    assert all(r.kind is OpKind.FETCH for r in res.values())
     assert all(res[20 + i].ok for i in range(5))
     assert [bytes(d) for d in dests] == [bytes(p) for p in src]
     assert not res[30].ok and res[30].error_kind is None  # a plain miss
@@ -107,9 +112,9 @@ def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, servi
     assert rio.counters()["writes_dropped"] == 30 - accepted
     # lookups do not queue behind the write backlog
     t0 = time.perf_counter()
-    rio.submit_exists(100, ["bp0"])
+    probe(rio, 100, "bp0")  # a hit or a miss, as far as the writes got
     res = collect(rio, 1, timeout=5)
-    assert res[100].ok and time.perf_counter() - t0 < 0.4  # less than one write takes
+    assert res[100].error_kind is None and time.perf_counter() - t0 < 0.4  # < one write
     assert rio.pending_writes > 0
     assert rio.flush(10) == 0
     results = collect(rio, accepted)  # dropped puts are not reported
@@ -124,13 +129,13 @@ def test_tier_down_at_start_then_started(services) -> None:
         RedisTier(f"redis://127.0.0.1:{proxy.port}/0", lookup_timeout_ms=300),
         backoff=ExponentialBackoff(0.2, 0.4),
     )
-    rio.submit_exists(1, ["a"])
+    probe(rio, 1, "a")
     r = collect(rio, 1)[1]
     assert not r.ok and r.error_kind == "unreachable"
     assert rio.is_down
     attempts = proxy.connections
     assert attempts >= 1
-    rio.submit_exists(2, ["a"])  # during the backoff: fails fast, no connection attempt
+    probe(rio, 2, "a")  # during the backoff: fails fast, no connection attempt
     assert collect(rio, 1)[2].error_kind == "unreachable"
     assert proxy.connections == attempts
     # writes back off on their own: the first put is a real attempt...
@@ -148,8 +153,8 @@ def test_tier_down_at_start_then_started(services) -> None:
     assert not rio.is_down
     assert rio.submit_put(5, "a", payload(), dtype=DT, shape=SHAPE)
     assert collect(rio, 1)[5].ok
-    rio.submit_exists(6, ["a"])
-    assert collect(rio, 1)[6].value == [True]
+    probe(rio, 6, "a")
+    assert collect(rio, 1)[6].ok
     assert rio.counters()["errors_unreachable"] == 4
     rio.close()
 
@@ -161,7 +166,7 @@ def test_redis_killed_mid_run_then_restarted(services, caplog) -> None:
     caplog.set_level(logging.INFO, "kvtier.remote")
     op = 0
 
-    def round_trip() -> tuple[IOResult, IOResult]:
+    def round_trip() -> tuple[OpResult, OpResult]:
         nonlocal op
         op += 2
         rio.submit_put(op, f"k{op}", payload(op), dtype=DT, shape=SHAPE)
@@ -198,10 +203,10 @@ def test_rate_limited_warning_counts_suppressed(services, caplog) -> None:
     caplog.set_level(logging.WARNING, "kvtier.remote")
     rio._tier_log.interval = 0.3  # the production interval is 10 s
     for i in range(5):
-        rio.submit_exists(i, ["x"])
+        probe(rio, i, "x")
         collect(rio, 1)
     time.sleep(0.35)
-    rio.submit_exists(9, ["x"])
+    probe(rio, 9, "x")
     collect(rio, 1)
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2 and "4 similar warnings suppressed" in msgs[1]
@@ -225,13 +230,12 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
     t0 = time.perf_counter()
     for i in range(4):
         assert rio.submit_put(i, f"lat{i}", payload(i), dtype=DT, shape=SHAPE)
-    rio.submit_exists(10, [f"lat{i}" for i in range(4)])
     for i, d in enumerate(dests):
         rio.submit_get_into(20 + i, f"lat{i}", d, dtype=DT, shape=SHAPE)
-    # nine submits, none waits for a 600 ms round trip (a wide margin: shared machines stall)
+    # eight submits, none waits for a 600 ms round trip (a wide margin: shared machines stall)
     assert time.perf_counter() - t0 < 0.3
     assert rio.poll() == []
-    res = collect(rio, 9, timeout=20)
+    res = collect(rio, 8, timeout=20)
     assert all(r.seconds >= 0.6 for r in res.values())
     assert all(res[i].ok for i in range(4))
     rio.close()
@@ -242,16 +246,18 @@ def test_slow_get_owns_its_slot_until_its_read_is_over(
 ) -> None:
     """Reads land straight in the slot, so a get that has begun reading is reported only
     when the read is over (a slot freed at the deadline could be reused under a late
-    write); a get still queued at its deadline, and an exists, time out at once."""
+    write); a get still queued at its deadline times out at once."""
     redis_server.start()
     tier = RedisTier(redis_server.url)
     tier.put("slow", codec.encode("slow", payload(), dtype=DT, shape=SHAPE))
     proxy = services.proxy((redis_server.host, redis_server.port))
     proxy.latency_s = 1.0  # each way: the reply comes 2 s later
-    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), timeout_s=0.2)
+    # one read thread: the second get waits in the queue behind the first
+    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), timeout_s=0.2, threads=2)
+    assert rio.read_threads == 1
     dest = memoryview(bytearray(SIZE))
     rio.submit_get_into(1, "slow", dest, dtype=DT, shape=SHAPE)
-    rio.submit_exists(2, ["slow"])
+    probe(rio, 2, "slow")
     res = collect(rio, 1)
     assert res[2].error_kind == "timeout" and res[2].seconds < 1.5
     res = collect(rio, 1, timeout=10)
@@ -345,7 +351,7 @@ def test_read_queue_full_reports_timeout(redis_server: RedisServer, services) ->
     proxy.latency_s = 0.1
     rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), threads=1, queue_depth=2)
     for i in range(6):
-        rio.submit_exists(i, ["a"])
+        probe(rio, i, "a")
     res = collect(rio, 6)
     assert sum(r.error_kind == "timeout" for r in res.values()) >= 3
     assert rio.counters()["reads_dropped"] >= 3
@@ -378,7 +384,7 @@ def test_refused_connections_then_recovery(backend, redis_server, s3_env, servic
     assert collect(rio, 1)[1].ok
     proxy.refuse = True
     proxy.reset_all()
-    rio.submit_exists(2, ["r"])
+    probe(rio, 2, "r")
     assert collect(rio, 1)[2].error_kind == "unreachable"
     proxy.refuse = False
     time.sleep(0.25)
@@ -393,20 +399,22 @@ def test_hung_server_times_out_then_recovers(redis_server: RedisServer, services
     proxy = services.proxy((redis_server.host, redis_server.port))
     url = f"redis://127.0.0.1:{proxy.port}/0"
     rio = make_rio(RedisTier(url, lookup_timeout_ms=300), timeout_s=0.3)
-    rio.submit_exists(0, ["h"])  # opens the pooled connections before the hang
-    assert collect(rio, 1)[0].ok
+    probe(rio, 0, "h")  # opens the pooled connections before the hang (a plain miss)
+    assert collect(rio, 1)[0].error_kind is None
     proxy.blackhole = True
     t0 = time.perf_counter()
-    rio.submit_exists(1, ["h"])
+    probe(rio, 1, "h")
     r = collect(rio, 1)[1]
-    assert r.error_kind == "timeout" and time.perf_counter() - t0 < 0.8  # not the 1 s socket
+    # the read began, so it owns its slot until the tier's socket timeout ends it (1 s,
+    # one retry): bounded, never hung; the scheduler's own lookup deadline stops waiting
+    assert r.error_kind == "unreachable" and time.perf_counter() - t0 < 3.5, r
     proxy.blackhole = False
     proxy.reset_all()  # what a hung server's eventual death looks like
     deadline = time.monotonic() + 5
     op = 2
     while True:
-        rio.submit_exists(op, ["h"])
-        if collect(rio, 1)[op].ok:
+        probe(rio, op, "h")
+        if collect(rio, 1)[op].error_kind is None:  # answered (a miss)
             break
         assert time.monotonic() < deadline, "no recovery after the hang"
         op += 1
@@ -461,7 +469,7 @@ def test_a_run_whose_first_chunk_is_missing_asks_once(any_tier, monkeypatch) -> 
     assert asked == ["run0"]
     assert all(not r.ok and r.error_kind is None for r in res.values())  # plain misses
     c = rio.take_counters()
-    assert c["gets_skipped"] == 15 and c["ops_get"] == 1, c
+    assert c["gets_skipped"] == 15 and c["ops_fetch"] == 1, c
     rio.close()
 
 
@@ -482,7 +490,7 @@ def test_a_run_reads_its_chunks_into_their_slots_and_stops_at_a_gap(any_tier) ->
         if res[200 + i].ok:
             assert bytes(dests[i]) == bytes(payload(i))
     c = rio.take_counters()
-    assert c["ops_get"] >= 4 and c["ops_get"] + c["gets_skipped"] == 6, c
+    assert c["ops_fetch"] >= 4 and c["ops_fetch"] + c["gets_skipped"] == 6, c
     rio.close()
 
 

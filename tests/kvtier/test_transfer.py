@@ -14,15 +14,14 @@ from functools import partial
 import copyfakes
 import pytest
 import torch
-from copyfakes import FakeOps, make_caches
+from copyfakes import FakeOps, make_caches, times
 
 from kvtier import cuda as kcuda
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
+from kvtier.ops import LoadOp, StoreOp
 from kvtier.transfer import (
     CpuCopier,
     CudaCopier,
-    LoadJob,
-    StoreJob,
     check_job,
     contiguous_pieces,
     group_jobs,
@@ -133,12 +132,12 @@ def test_host_slab_pinned_is_exact_size_and_round_trips(monkeypatch) -> None:
     assert rt.registered[0][1] == nbytes
     kv = list(src.values())
     c = CudaCopier(kv, layout, slab, ops=FakeOps())
-    c.begin_saves([StoreJob(1, 2, (9, 8, 7, 6))])
-    assert c.finish_saves()[1] is not None
+    c.begin_saves([StoreOp(1, 2, (9, 8, 7, 6))])
+    assert times(c.finish_saves())[1] is not None
     dst = [torch.zeros_like(t) for t in kv]
     c = CudaCopier(dst, layout, slab, ops=FakeOps())
-    c.begin_loads([LoadJob(2, 2, 0, (1, 2, 3, 4))])
-    assert c.finish_loads()[2] is not None
+    times(c.begin_loads([LoadOp(2, 2, 0, (1, 2, 3, 4))]))
+    assert times(c.finish_loads())[2] is not None
     for s_, d in zip(kv, dst, strict=True):
         assert torch.equal(blocks_of(d, [1, 2, 3, 4]), blocks_of(s_, [9, 8, 7, 6]))
     cpu = HostSlab(nbytes, layout)  # the CPU slab is unchanged: plain, unregistered
@@ -183,7 +182,7 @@ def test_contiguous_pieces_cover_the_narrowed_region(name, start, count) -> None
 
 
 def test_group_jobs_caps_blocks_per_round_and_keeps_order() -> None:
-    jobs = [StoreJob(i, i, tuple(range(n))) for i, n in enumerate([4, 4, 3, 4, 1, 9])]
+    jobs = [StoreOp(i, i, tuple(range(n))) for i, n in enumerate([4, 4, 3, 4, 1, 9])]
     rounds = group_jobs(jobs, max_blocks=8)
     assert [[j.op_id for j in r] for r in rounds] == [[0, 1], [2, 3, 4], [5]]
     assert group_jobs([], 8) == []
@@ -191,7 +190,7 @@ def test_group_jobs_caps_blocks_per_round_and_keeps_order() -> None:
 
 
 def test_round_plan_concatenates_indices_with_offsets() -> None:
-    jobs = [LoadJob(1, 0, 1, (7, 8, 9)), LoadJob(2, 3, 0, (2,)), LoadJob(3, 5, 0, (30, 31))]
+    jobs = [LoadOp(1, 0, 1, (7, 8, 9)), LoadOp(2, 3, 0, (2,)), LoadOp(3, 5, 0, (30, 31))]
     index, places = round_plan(jobs)
     assert index == [7, 8, 9, 2, 30, 31]
     assert [(j.op_id, at) for j, at in places] == [(1, 0), (2, 3), (3, 4)]
@@ -202,14 +201,14 @@ def test_check_job_refuses_what_would_be_a_device_assert() -> None:
     def check(job):
         return check_job(job, NUM_BLOCKS, num_slots=6, blocks_per_chunk=BPC)
 
-    assert check(StoreJob(1, 5, (0, 1, 2, 39))) is None
-    assert check(LoadJob(1, 0, 3, (5,))) is None
-    assert "slot" in check(StoreJob(1, 6, (0,)))
-    assert "outside 0..39" in check(StoreJob(1, 0, (0, 40)))
-    assert "outside 0..39" in check(LoadJob(1, 0, 0, (-1,)))
-    assert "chunk" in check(LoadJob(1, 0, 2, (1, 2, 3)))
-    assert "chunk" in check(StoreJob(1, 0, (0, 1, 2, 3, 4)))
-    assert check(StoreJob(1, 0, ())) == "no blocks"
+    assert check(StoreOp(1, 5, (0, 1, 2, 39))) is None
+    assert check(LoadOp(1, 0, 3, (5,))) is None
+    assert "slot" in check(StoreOp(1, 6, (0,)))
+    assert "outside 0..39" in check(StoreOp(1, 0, (0, 40)))
+    assert "outside 0..39" in check(LoadOp(1, 0, 0, (-1,)))
+    assert "chunk" in check(LoadOp(1, 0, 2, (1, 2, 3)))
+    assert "chunk" in check(StoreOp(1, 0, (0, 1, 2, 3, 4)))
+    assert check(StoreOp(1, 0, ())) == "no blocks"
 
 
 # ---- round trips through both copiers ---------------------------------------------------------
@@ -227,11 +226,11 @@ COPIER_CASES = [
 @pytest.mark.parametrize("copier,dtype,staging", COPIER_CASES)
 def test_store_then_load_is_bit_exact(name, copier, dtype, staging) -> None:
     src, kv, layout, slab, _, c = setup(LAYOUTS[name], dtype, staging_bytes=staging, copier=copier)
-    stores = [StoreJob(10, 1, (7, 3, 30, 12)), StoreJob(11, 4, (0, 39, 5, 6))]
+    stores = [StoreOp(10, 1, (7, 3, 30, 12)), StoreOp(11, 4, (0, 39, 5, 6))]
     c.begin_saves(stores)
     for li in range(LAYERS):
         c.save_layer(li)
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert set(out) == {10, 11} and all(v is not None for v in out.values())
 
     dst = [torch.zeros_like(t) for t in kv]
@@ -241,11 +240,11 @@ def test_store_then_load_is_bit_exact(name, copier, dtype, staging) -> None:
         if copier == "cuda"
         else CpuCopier(dst, layout, slab)
     )
-    loads = [LoadJob(20, 1, 1, (20, 21, 22)), LoadJob(21, 4, 0, (33, 34, 35, 36))]
-    out = c2.begin_loads(loads)
+    loads = [LoadOp(20, 1, 1, (20, 21, 22)), LoadOp(21, 4, 0, (33, 34, 35, 36))]
+    out = times(c2.begin_loads(loads))
     for li in range(LAYERS):
         c2.wait_layer(li)
-    out.update(c2.finish_loads())
+    out.update(times(c2.finish_loads()))
     assert set(out) == {20, 21} and all(v is not None for v in out.values())
     for s, d in zip(kv, dst, strict=True):
         assert torch.equal(blocks_of(d, [20, 21, 22]), blocks_of(s, [3, 30, 12]))
@@ -275,12 +274,12 @@ def test_flashinfer_hnd_strided_kv_round_trips(copier) -> None:
         c, c2 = (CudaCopier(t, layout, slab, ops=FakeOps()) for t in (kv, dst))
     else:
         c, c2 = CpuCopier(kv, layout, slab), CpuCopier(dst, layout, slab)
-    c.begin_saves([StoreJob(1, 1, (9, 2, 31, 17))])
+    c.begin_saves([StoreOp(1, 1, (9, 2, 31, 17))])
     for li in range(LAYERS):
         c.save_layer(li)
-    assert None not in c.finish_saves().values()
-    out = c2.begin_loads([LoadJob(2, 1, 0, (4, 5, 6, 7))])
-    out.update(c2.finish_loads())
+    assert None not in times(c.finish_saves()).values()
+    out = times(c2.begin_loads([LoadOp(2, 1, 0, (4, 5, 6, 7))]))
+    out.update(times(c2.finish_loads()))
     assert out and None not in out.values()
     for s, d in zip(kv, dst, strict=True):
         assert torch.equal(blocks_of(d, [4, 5, 6, 7]), blocks_of(s, [9, 2, 31, 17]))
@@ -303,7 +302,7 @@ def test_loads_one_event_per_layer_recorded_after_that_layer_only() -> None:
     ops.on_record = lambda ev, stream: seen.append(
         [bool(blocks_of(d, [9]).any()) for d in dst]
     ) if stream.name == "load" else None
-    out = c.begin_loads([LoadJob(1, 2, 0, (9,)), LoadJob(2, 3, 1, (10, 11))])
+    out = times(c.begin_loads([LoadOp(1, 2, 0, (9,)), LoadOp(2, 3, 1, (10, 11))]))
     assert out == {}  # nothing known yet: results come from finish_loads
     # the load stream first waits for compute (blocks may still be in use), then
     # each layer's event is recorded once that layer -- and no later one -- is copied
@@ -319,12 +318,12 @@ def test_loads_one_event_per_layer_recorded_after_that_layer_only() -> None:
     c.wait_layer(1)  # compute waits for layer 1's event only
     assert ops.log == [("wait", "compute", layer_events[1])]
     ops.log.clear()
-    out = c.finish_loads()
+    out = times(c.finish_loads())
     assert ops.log == [("sync", layer_events[-1])]  # host waits once, for the last layer
     # the metric: 1 ms per layer, shared by blocks (op 1 moved 1 block, op 2 two)
     assert out == pytest.approx({1: LAYERS * 0.001 / 3, 2: LAYERS * 0.001 * 2 / 3})
     ops.log.clear()
-    assert c.finish_loads() == {} and ops.log == []
+    assert times(c.finish_loads()) == {} and ops.log == []
     c.wait_layer(0)  # no loads this step: no wait
     assert ops.log == []
 
@@ -332,7 +331,7 @@ def test_loads_one_event_per_layer_recorded_after_that_layer_only() -> None:
 def test_saves_start_per_layer_after_compute_and_finish_synchronizes() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["blocks_first"])
     slab.buffer.zero_()
-    c.begin_saves([StoreJob(5, 0, (1, 2, 3, 4))])
+    c.begin_saves([StoreOp(5, 0, (1, 2, 3, 4))])
     assert ops.log == []  # nothing is copied before the layer is computed
     for li in range(LAYERS):
         ops.log.clear()
@@ -348,16 +347,16 @@ def test_saves_start_per_layer_after_compute_and_finish_synchronizes() -> None:
         assert region == [i <= li for i in range(LAYERS)]  # this layer saved, later ones not
     c.save_layer(1)  # a repeated call does nothing
     ops.log.clear()
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert ops.log == [("sync", ev_done)]
     assert out == pytest.approx({5: LAYERS * 0.001})
 
 
 def test_finish_saves_saves_layers_whose_save_kv_layer_never_came() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["mla"])
-    c.begin_saves([StoreJob(5, 2, (8, 9, 10, 11))])
+    c.begin_saves([StoreOp(5, 2, (8, 9, 10, 11))])
     c.save_layer(0)
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert out[5] is not None
     for li in range(LAYERS):
         assert torch.equal(
@@ -370,35 +369,35 @@ def test_no_saves_means_no_stream_work() -> None:
     c.begin_saves([])
     for li in range(LAYERS):
         c.save_layer(li)
-    assert c.finish_saves() == {} and ops.log == []
-    assert c.begin_loads([]) == {} and c.finish_loads() == {} and ops.log == []
+    assert times(c.finish_saves()) == {} and ops.log == []
+    assert times(c.begin_loads([])) == {} and times(c.finish_loads()) == {} and ops.log == []
 
 
 def test_refused_ops_fail_alone_and_touch_nothing() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["kv_first"])
     before = slab.buffer.clone()
-    c.begin_saves([StoreJob(1, 0, (0, 1, 2, 99)), StoreJob(2, 1, (4, 5, 6, 7))])
+    c.begin_saves([StoreOp(1, 0, (0, 1, 2, 99)), StoreOp(2, 1, (4, 5, 6, 7))])
     for li in range(LAYERS):
         c.save_layer(li)
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert out[1] is None and out[2] is not None
     assert torch.equal(slab.slot_bytes(0), before[: layout.slot_bytes])  # slot 0 untouched
 
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab, ops=FakeOps())
-    out = c2.begin_loads([LoadJob(3, 9, 0, (1,)), LoadJob(4, 1, 0, (1,))])
+    out = times(c2.begin_loads([LoadOp(3, 9, 0, (1,)), LoadOp(4, 1, 0, (1,))]))
     assert out == {3: None}
-    out = c2.finish_loads()
+    out = times(c2.finish_loads())
     assert out[4] is not None and 3 not in out
     assert torch.equal(blocks_of(dst[0], [1]), blocks_of(kv[0], [4]))
 
 
 def test_all_refused_enqueues_nothing() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["kv_first"])
-    c.begin_saves([StoreJob(1, 0, (99,))])
+    c.begin_saves([StoreOp(1, 0, (99,))])
     for li in range(LAYERS):
         c.save_layer(li)
-    assert c.finish_saves() == {1: None}
+    assert times(c.finish_saves()) == {1: None}
     assert ops.log == []
 
 
@@ -414,29 +413,29 @@ def test_a_failed_enqueue_fails_every_op_of_the_batch(monkeypatch) -> None:
         real(batch, li, to_host)
 
     monkeypatch.setattr(c, "_copy_layer", flaky)
-    assert c.begin_loads([LoadJob(1, 0, 0, (1,)), LoadJob(2, 1, 0, (2,))]) == {}
+    assert times(c.begin_loads([LoadOp(1, 0, 0, (1,)), LoadOp(2, 1, 0, (2,))])) == {}
     ops.log.clear()
     for li in range(LAYERS):
         c.wait_layer(li)  # never waits on an event that was not recorded
-    out = c.finish_loads()
+    out = times(c.finish_loads())
     assert out == {1: None, 2: None}
 
 
 def test_a_failed_host_sync_fails_the_saves() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["blocks_first"])
-    c.begin_saves([StoreJob(1, 0, (1, 2))])
+    c.begin_saves([StoreOp(1, 0, (1, 2))])
     for li in range(LAYERS):
         c.save_layer(li)
     ops.fail_sync = True
-    assert c.finish_saves() == {1: None}
+    assert times(c.finish_saves()) == {1: None}
 
 
 def test_unfinished_saves_are_finished_and_reported_next_step() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["blocks_first"])
-    c.begin_saves([StoreJob(1, 0, (1, 2))])
+    c.begin_saves([StoreOp(1, 0, (1, 2))])
     c.save_layer(0)
-    c.begin_saves([StoreJob(2, 1, (3, 4))])  # wait_for_save never came for step 1
-    out = c.finish_saves()
+    c.begin_saves([StoreOp(2, 1, (3, 4))])  # wait_for_save never came for step 1
+    out = times(c.finish_saves())
     assert set(out) == {1, 2} and None not in out.values()
     assert torch.equal(slab.layer_view(0, 2).narrow(0, 0, 2).view(torch.uint8),
                        blocks_of(kv[2], [1, 2]))
@@ -445,11 +444,11 @@ def test_unfinished_saves_are_finished_and_reported_next_step() -> None:
 def test_staging_is_one_buffer_per_stream_reused_across_layers_and_rounds() -> None:
     src, kv, layout, slab, ops, c = setup(LAYOUTS["kv_first"], staging_bytes=1)
     assert c.max_round_blocks == BPC  # the cap never goes below one chunk
-    jobs = [StoreJob(i, i, (i, i + 10)) for i in range(4)]  # 8 blocks: two rounds of 4
+    jobs = [StoreOp(i, i, (i, i + 10)) for i in range(4)]  # 8 blocks: two rounds of 4
     c.begin_saves(jobs)
     for li in range(LAYERS):
         c.save_layer(li)
-    out = c.finish_saves()
+    out = times(c.finish_saves())
     assert None not in out.values()
     assert set(c._staging) == {"save"}
     per_block = layout.layers[0].nbytes // BPC

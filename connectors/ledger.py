@@ -1,0 +1,92 @@
+"""The scheduler side's ledger of ops sent to the workers and not yet settled.
+
+An op is settled once every worker reported it (each worker moves its own part
+of a chunk: its heads, its layers); it succeeded only if all of them did.
+Settling updates the host-tier index: a stored or fetched chunk becomes READY
+(or its slot is freed), a load or upload releases the pin it held.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier import metrics
+from kvtier.index import ChunkIndex, Entry
+from kvtier.ops import OpKind
+from kvtier.stats import StatsRecorder
+
+
+@dataclass(slots=True)
+class Pending:
+    kind: OpKind
+    entry: Entry
+    started: float
+    reports: list[bool] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class OpLedger:
+    def __init__(
+        self,
+        index: ChunkIndex,
+        world_size: int,
+        stats: StatsRecorder,
+        totals: collections.Counter[str],
+        on_upload: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
+        self.index = index
+        self.world_size = world_size
+        self.stats = stats
+        self.totals = totals
+        #: told every settled upload's outcome (write_back pauses after a failure)
+        self.on_upload = on_upload
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, kind: OpKind, entry: Entry, nbytes: int = 0, op_id: int | None = None) -> int:
+        """Record an op about ``entry``; returns its id (a new one unless given)."""
+        op_id = self.new_id() if op_id is None else op_id
+        self._pending[op_id] = Pending(kind, entry, time.perf_counter(), nbytes=nbytes)
+        return op_id
+
+    def report(self, op_id: int, oks: list[bool]) -> None:
+        """Some workers' flags for ``op_id``; settles it once all of them are in."""
+        pending = self._pending.get(op_id)
+        if pending is None:
+            return
+        pending.reports.extend(oks)
+        if len(pending.reports) < self.world_size:
+            return
+        del self._pending[op_id]
+        self._settle(pending, all(pending.reports))
+
+    def _settle(self, pending: Pending, ok: bool) -> None:
+        kind, entry = pending.kind, pending.entry
+        self.totals[f"{kind.value}_{'ok' if ok else 'failed'}"] += 1
+        live = self.index.get(entry.key) is entry
+        if kind in (OpKind.STORE, OpKind.FETCH):
+            if live:
+                self.index.commit(entry.key, ok)
+            if ok:
+                tier, direction = ("host", "write") if kind is OpKind.STORE else ("remote", "read")
+                self.stats.inc(metrics.BYTES, pending.nbytes, (tier, direction))
+            return
+        if kind is OpKind.UPLOAD:
+            entry.uploading = False
+            self.on_upload(ok)
+        if live and entry.refs > 0:
+            self.index.unpin(entry.key)
+        if kind is OpKind.UPLOAD and ok and live:
+            entry.remote = True
+        if kind is OpKind.LOAD and ok:
+            self.stats.inc(metrics.BYTES, pending.nbytes, ("host", "read"))

@@ -1,0 +1,115 @@
+"""The object-tier lookup of one request: a state machine driven by vLLM's re-asks.
+
+A lookup is a read. The first time a request's prompt reaches past what the host
+tier holds, :meth:`RemoteLookups.advance` claims host slots for the rest of its
+full chunks and queues their fetches as one run (the workers read the first chunk
+alone, the rest once it was found, none after a miss). vLLM asks again each step;
+the answer is "wait" until the stored prefix is known: every chunk up to the first
+one that failed or is missing has been reported. The scheduler never waits on the
+network and never asks the object tier anything itself.
+
+States: no lookup -> in flight (``Lookup``, chunks FETCHING) -> done (the request
+then loads what landed, from the host tier, like any host hit). A lookup past
+``lookup_timeout_ms`` is done, counted as a timeout; its fetches still settle.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from kvtier import metrics
+from kvtier.index import ChunkIndex, State
+from kvtier.ops import FetchOp, OpKind
+from kvtier.stats import StatsRecorder
+
+from .ledger import OpLedger
+from .requests import ChunkKeys, Lookup, RequestState
+
+
+class RemoteLookups:
+    def __init__(
+        self,
+        index: ChunkIndex,
+        ledger: OpLedger,
+        keys: ChunkKeys,
+        stats: StatsRecorder,
+        *,
+        chunk_size: int,
+        slot_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self.index = index
+        self.ledger = ledger
+        self.keys = keys
+        self.stats = stats
+        self.chunk_size = chunk_size
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        self._runs: list[list[FetchOp]] = []
+
+    def take_runs(self) -> list[list[FetchOp]]:
+        """The fetch runs queued since the last call, one per lookup (for the metadata)."""
+        runs, self._runs = self._runs, []
+        return runs
+
+    def wants(self, st: RequestState, end_chunk: int, cap: int) -> bool:
+        """True when chunks the host tier lacks could still come from the object tier."""
+        if st.lookup is not None and st.lookup.done:
+            return False
+        return end_chunk < len(st.chunk_hashes) and end_chunk * self.chunk_size < cap
+
+    def advance(self, st: RequestState, first: int, cap: int) -> bool:
+        """Advance this request's lookup from chunk ``first``; True while it should wait.
+
+        Chunks another request is fetching are waited on, not fetched twice.
+        """
+        now = time.monotonic()
+        lk = st.lookup
+        if lk is None:
+            lk = st.lookup = Lookup(started=now, first_chunk=first)
+            self._start_fetches(st, lk, first, cap)
+            if not lk.chunks:
+                self.finish(st)
+                return False
+            return True
+        if now - lk.started > self.timeout_s:
+            self.stats.inc(metrics.ERRORS, 1, ("timeout",))
+            self.finish(st)
+            return False
+        for entry in lk.chunks:
+            if self.index.get(entry.key) is not entry:
+                break  # missing, failed or evicted: the usable prefix ends here
+            if entry.state is State.FETCHING:
+                return True
+        self.finish(st)
+        return False
+
+    def finish(self, st: RequestState) -> None:
+        lk = st.lookup
+        if lk is None or lk.done:
+            return
+        lk.done = True
+        self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
+
+    def _start_fetches(self, st: RequestState, lk: Lookup, first: int, cap: int) -> None:
+        """Claim slots for chunks ``first``.. and queue their fetches as one run."""
+        key = self.keys.key
+        # the host tier's part of this prompt stays: claims below must not evict it
+        for c in range(st.local_hit // self.chunk_size, first):
+            if self.index.is_ready(key(st, c)):
+                self.index.touch(key(st, c))
+        run: list[FetchOp] = []
+        last = min(len(st.chunk_hashes), math.ceil(cap / self.chunk_size))
+        for c in range(first, last):
+            entry = self.index.get(key(st, c))
+            if entry is None:
+                entry = self.index.begin(key(st, c), State.FETCHING)
+                if entry is None:  # every slot is busy: fetch what fits
+                    break
+                entry.block_hash = st.chunk_hashes[c]
+                op_id = self.ledger.add(OpKind.FETCH, entry, nbytes=self.slot_bytes)
+                run.append(FetchOp(op_id, entry.slot, st.chunk_hashes[c]))
+            lk.chunks.append(entry)
+        if run:
+            self._runs.append(run)

@@ -1,0 +1,66 @@
+"""What the scheduler side remembers about one request, and its chunk keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.index import Entry
+from kvtier.keys import KeySpace, chunk_block_hashes
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass(slots=True)
+class Lookup:
+    """An object-tier lookup in flight for one request: its chunks from the first one
+    the host tier lacked, in order (fetched for it, or already there or being fetched
+    for another request)."""
+
+    started: float
+    first_chunk: int
+    chunks: list[Entry] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    #: the last block hash of each full chunk so far
+    chunk_hashes: list[bytes] = field(default_factory=list)
+    #: host-index keys of the first chunks, made on first use (ChunkKeys.key)
+    keys: list[str] = field(default_factory=list)
+    #: chunks below this index are stored (or were skipped on purpose)
+    next_store: int = 0
+    #: (start, end) token range get_num_new_matched_tokens offered
+    plan: tuple[int, int] | None = None
+    #: tokens vLLM's own prefix cache had, as last passed to get_num_new_matched_tokens
+    local_hit: int = 0
+    lookup: Lookup | None = None
+    hit_sources: dict[str, int] = field(default_factory=dict)
+    outcome: str = "miss"
+    prefill_done: bool = False
+
+
+class ChunkKeys:
+    """Host-index keys of requests' chunks, made lazily: a lookup that misses at chunk
+    ``c`` hashes ``c + 1`` keys, not the whole prompt's."""
+
+    def __init__(self, keyspace: KeySpace, blocks_per_chunk: int) -> None:
+        self.keyspace = keyspace
+        self.blocks_per_chunk = blocks_per_chunk
+
+    def refresh(self, st: RequestState) -> None:
+        """Take the last block hash of every full chunk vLLM has hashed so far (cheap)."""
+        hashes = st.request.block_hashes
+        if len(hashes) // self.blocks_per_chunk > len(st.chunk_hashes):
+            new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.chunk_hashes) :]
+            st.chunk_hashes.extend(new)
+
+    def key(self, st: RequestState, c: int) -> str:
+        """Host-index key of chunk ``c`` (any rank's: the index is one for all workers)."""
+        keys = st.keys
+        while len(keys) <= c:
+            keys.append(self.keyspace.key(st.chunk_hashes[len(keys)]))
+        return keys[c]
