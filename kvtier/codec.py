@@ -16,6 +16,17 @@ length, its xxh3-128 checksum and an HMAC-SHA256 signature. The signature
 covers a canonical encoding of the header without ``"sig"`` and the payload,
 so neither can be swapped. Unknown, missing or mistyped header fields are
 rejected rather than ignored: a mutated chunk never decodes.
+
+A **sealed** chunk (an encryption key is configured, see :mod:`kvtier.seal`)
+has the same frame; its payload is the AES-256-GCM ciphertext of the KV bytes
+(as long as they are) and its header ``{"v", "key", "dtype", "shape", "len",
+"kid", "nonce", "tag"}`` (plus ``"sig"``) replaces the checksum with the key id,
+the nonce and the GCM tag. No checksum of the plaintext is stored: a keyless
+hash of the KV would let a bucket reader confirm a guessed prompt. The
+associated data is ``[v, key, dtype, shape, len]``, so a sealed chunk with any of
+them changed (moved to another chunk key's name) does not open; the tag also
+catches bit flips. With an HMAC key as well, the signature covers the sealed
+header and the ciphertext (encrypt-then-MAC) and is checked before decryption.
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ from kvtier.errors import (
     CodecError,
     ConfigError,
     KeyMismatchError,
+    SealedError,
     SignatureError,
     TruncatedError,
 )
+from kvtier.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES, Seal, Sealer
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -53,6 +66,8 @@ _PREFIX = struct.Struct("<4sI")
 #: headers are a few hundred bytes; anything bigger is garbage, not a header
 MAX_HEADER = 64 * 1024
 _FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
+_SEALED_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "kid", "nonce", "tag"})
+_SEAL_LENS = {"kid": KID_BYTES, "nonce": NONCE_BYTES, "tag": TAG_BYTES}
 _SIG_LEN = hashlib.sha256().digest_size
 _XXH_LEN = 16
 
@@ -65,28 +80,46 @@ def _payload_view(payload: bytes | bytearray | memoryview) -> memoryview:
 
 
 class Signer:
-    """HMAC-SHA256 signing of chunks: one key signs, several verify (key rotation).
+    """The keys that protect chunks in the object tier, as the codec and RemoteIO take them.
 
-    Without a signer anyone who can write the bucket can feed KV to every
-    replica; with one, only holders of a key can.
+    HMAC-SHA256 signing: one key signs, several verify (key rotation). Without
+    it anyone who can write the bucket can feed KV to every replica; with it,
+    only holders of a key can. ``sealer`` adds AES-256-GCM sealing
+    (:class:`kvtier.seal.Sealer`): chunks are encrypted, and authenticated by
+    the GCM tag, so a Signer may hold a sealer and no HMAC key at all.
     """
 
-    __slots__ = ("_sign_key", "_verify_keys")
+    __slots__ = ("_sign_key", "_verify_keys", "sealer")
 
-    def __init__(self, sign_key: bytes | None, verify_keys: Sequence[bytes] = ()) -> None:
+    def __init__(
+        self,
+        sign_key: bytes | None = None,
+        verify_keys: Sequence[bytes] = (),
+        *,
+        sealer: Sealer | None = None,
+    ) -> None:
         keys = ([sign_key] if sign_key else []) + [k for k in verify_keys if k]
-        if not keys:
-            raise ValueError("Signer needs a signing key or at least one verify key")
+        if not keys and sealer is None:
+            raise ValueError("Signer needs a signing key, a verify key or a sealer")
         self._sign_key = sign_key or None
         # the signing key verifies too, so a fresh rotation reads its own writes
         self._verify_keys = tuple(dict.fromkeys(keys))
+        self.sealer = sealer
 
     def __repr__(self) -> str:  # never the keys themselves
-        return f"Signer(signs={self._sign_key is not None}, verify_keys={len(self._verify_keys)})"
+        return (
+            f"Signer(signs={self._sign_key is not None}, verify_keys={len(self._verify_keys)}, "
+            f"sealer={self.sealer!r})"
+        )
 
     @property
     def can_sign(self) -> bool:
         return self._sign_key is not None
+
+    @property
+    def hmac(self) -> bool:
+        """True when chunks are signed and must carry a valid HMAC."""
+        return bool(self._verify_keys)
 
     def sign(self, header: bytes, payload: memoryview) -> bytes:
         if self._sign_key is None:
@@ -107,13 +140,16 @@ class Signer:
     def from_config(
         cls, cfg: KVTierConfig, environ: Mapping[str, str] | None = None
     ) -> Signer | None:
-        """Build the signer the config asks for; None when no HMAC key is configured.
+        """Build the signer the config asks for; None when neither an HMAC key nor an
+        encryption key is configured.
 
-        A configured but missing or empty key is a startup error (ConfigError
-        naming the config key and the variable or file), never a silent switch
-        to unsigned chunks. The secret itself never appears in a message.
+        A configured but missing or empty key (or an encryption key that is not
+        256 bits) is a startup error (ConfigError naming the config key and the
+        variable or file), never a silent switch to unsigned or plaintext
+        chunks. The secret itself never appears in a message.
         """
         env = os.environ if environ is None else environ
+        sealer = Sealer.from_config(cfg, env)
         sign_key: bytes | None = None
         if cfg.hmac_key_env:
             sign_key = _env_key(env, "hmac_key_env", cfg.hmac_key_env)
@@ -127,7 +163,7 @@ class Signer:
             raw = _file_key("hmac_verify_keys_file", cfg.hmac_verify_keys_file)
             verify += [k.strip() for k in raw.splitlines() if k.strip()]
         if sign_key is None and not verify:
-            return None
+            return None if sealer is None else cls(sealer=sealer)
         if sign_key is None:
             key = "hmac_verify_keys_env" if cfg.hmac_verify_keys_env else "hmac_verify_keys_file"
             raise ConfigError(
@@ -135,7 +171,7 @@ class Signer:
                 getattr(cfg, key),
                 "extra verify keys need a signing key too (hmac_key_env or hmac_key_file)",
             )
-        return cls(sign_key, verify)
+        return cls(sign_key, verify, sealer=sealer)
 
 
 def _env_key(env: Mapping[str, str], cfg_key: str, var: str) -> bytes:
@@ -156,9 +192,15 @@ def _file_key(cfg_key: str, path: str) -> bytes:
     return value
 
 
-def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, xxh: bytes) -> bytes:
-    """The bytes the signature covers: the header fields in a fixed order, no ``sig``."""
-    return msgpack.packb([version, key, dtype, shape, n, xxh], use_bin_type=True)
+def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:
+    """The bytes the signature covers: the header fields in a fixed order, no ``sig``
+    (``rest``: the checksum, or a sealed chunk's key id, nonce and tag)."""
+    return msgpack.packb([version, key, dtype, shape, n, *rest], use_bin_type=True)
+
+
+def _aad(version: int, key: str, dtype: str, shape: list[int], n: int) -> bytes:
+    """A sealed chunk's associated data: what it is and where it belongs."""
+    return msgpack.packb([version, key, dtype, shape, n], use_bin_type=True)
 
 
 def encode(
@@ -169,25 +211,31 @@ def encode(
     shape: Sequence[int],
     signer: Signer | None = None,
 ) -> list[bytes | memoryview]:
-    """Frame ``payload`` as a chunk; returns the parts to write, the payload not copied."""
+    """Frame ``payload`` as a chunk; returns the parts to write, the payload not copied.
+
+    With a sealer in ``signer`` the payload part is its ciphertext, in this thread's
+    scratch buffer: write the parts before this thread encodes again.
+    """
     view = _payload_view(payload)
     shape_l = [int(d) for d in shape]
     if any(d < 0 for d in shape_l):
         raise ValueError(f"shape {shape_l} has a negative dimension")
-    xxh = xxhash.xxh3_128_digest(view)
-    header: dict[str, Any] = {
-        "v": FORMAT_VERSION,
-        "key": key,
-        "dtype": dtype,
-        "shape": shape_l,
-        "len": view.nbytes,
-        "xxh": xxh,
-    }
-    if signer is not None:
-        canon = _canonical(FORMAT_VERSION, key, dtype, shape_l, view.nbytes, xxh)
-        header["sig"] = signer.sign(canon, view)
+    n = view.nbytes
+    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape_l,
+                              "len": n}  # fmt: skip
+    sealer = signer.sealer if signer is not None else None
+    if sealer is not None:
+        seal, body = sealer.seal(_aad(FORMAT_VERSION, key, dtype, shape_l, n), view)
+        header.update(kid=seal.kid, nonce=seal.nonce, tag=seal.tag)
+        rest: tuple[bytes, ...] = (seal.kid, seal.nonce, seal.tag)
+    else:
+        body = view
+        header["xxh"] = xxhash.xxh3_128_digest(view)
+        rest = (header["xxh"],)
+    if signer is not None and signer.hmac:
+        header["sig"] = signer.sign(_canonical(FORMAT_VERSION, key, dtype, shape_l, n, *rest), body)
     packed = msgpack.packb(header, use_bin_type=True)
-    return [_PREFIX.pack(MAGIC, len(packed)) + packed, view]
+    return [_PREFIX.pack(MAGIC, len(packed)) + packed, body]
 
 
 def encoded_size(parts: Sequence[bytes | memoryview]) -> int:
@@ -209,8 +257,9 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     version = header.get("v")
     if not _is_int(version) or version != FORMAT_VERSION:
         raise CodecError(f"unknown chunk format version {version!r} (this build reads 1)")
-    extra = set(header) - _FIELDS - {"sig"}
-    missing = _FIELDS - set(header)
+    fields = _SEALED_FIELDS if "nonce" in header else _FIELDS
+    extra = set(header) - fields - {"sig"}
+    missing = fields - set(header)
     if extra or missing:
         raise CodecError(
             f"chunk header fields wrong (unknown {sorted(extra)}, missing {sorted(missing)})"
@@ -224,8 +273,10 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         and all(_is_int(d) and d >= 0 for d in shape)
         and _is_int(header["len"])
         and header["len"] >= 0
-        and isinstance(header["xxh"], bytes)
-        and len(header["xxh"]) == _XXH_LEN
+        and all(
+            isinstance(header[f], bytes) and len(header[f]) == n
+            for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [("xxh", _XXH_LEN)])
+        )
         and (sig is None and "sig" not in header or isinstance(sig, bytes) and len(sig) == _SIG_LEN)
     ):
         raise CodecError("chunk header has a field of the wrong type")
@@ -240,12 +291,15 @@ def decode(
     shape: Sequence[int] | None = None,
     signer: Signer | None = None,
 ) -> memoryview:
-    """Check a stored chunk and return a view of its payload (no copy).
+    """Check a stored chunk and return a view of its payload (no copy of a plain chunk;
+    a sealed one is decrypted in place when ``blob`` is writable, else into a copy).
 
     Raises a :class:`~kvtier.errors.CodecError` subclass for anything that is
-    not exactly a chunk for ``key`` (and ``dtype``/``shape`` when given), and
+    not exactly a chunk for ``key`` (and ``dtype``/``shape`` when given),
     :class:`~kvtier.errors.SignatureError` when ``signer`` is set and the chunk
-    is unsigned or signed with a key it does not accept.
+    is unsigned or signed with a key it does not accept (or, with a sealer, not
+    sealed or not opening), and :class:`~kvtier.errors.SealedError` for a sealed
+    chunk this ``signer`` holds no key for.
     """
     view = _payload_view(blob)
     total = view.nbytes
@@ -253,6 +307,8 @@ def decode(
     if total < body_at:
         raise TruncatedError(f"chunk of {total} bytes ends inside its {body_at}-byte header")
     payload = view[body_at:]
+    if payload.readonly and "nonce" in _parse_header(bytes(view[_PREFIX.size : body_at])):
+        payload = memoryview(bytearray(payload))  # a sealed chunk opens in place
     verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer)
     return payload
 
@@ -282,8 +338,10 @@ def verify(
     signer: Signer | None = None,
 ) -> None:
     """Check a chunk read as its head (magic, length, header) and its payload, where the
-    payload already is where it will be used (a host slot): nothing is copied. Raises
-    like :func:`decode`; on any error the payload's bytes must not be used."""
+    payload already is where it will be used (a host slot): nothing is copied. A sealed
+    chunk is decrypted in place (``payload`` must then be writable), so on success the
+    payload holds the plaintext. Raises like :func:`decode`; on any error the payload's
+    bytes must not be used."""
     head_v = _payload_view(head)
     body_at = head_length(head_v[: _PREFIX.size])
     if head_v.nbytes < body_at:
@@ -303,14 +361,29 @@ def verify(
         raise TruncatedError(f"chunk payload has {have} of {n} bytes")
     if have > n:
         raise CodecError(f"chunk has {have - n} bytes after its payload")
-    if xxhash.xxh3_128_digest(payload) != header["xxh"]:
-        raise ChecksumError("chunk payload does not match its checksum")
-    if signer is not None:
+    sealer = signer.sealer if signer is not None else None
+    sealed = "nonce" in header
+    if sealed:
+        if sealer is None:
+            raise SealedError("chunk is sealed (encrypted) and this engine has no encryption key")
+        if not sealer.can_open(header["kid"]):
+            raise SealedError("chunk is sealed with an encryption key this engine does not hold")
+        if payload.readonly:
+            raise ValueError("a sealed chunk is opened in place: its payload must be writable")
+        rest: tuple[bytes, ...] = (header["kid"], header["nonce"], header["tag"])
+    else:
+        if sealer is not None:
+            raise SignatureError("chunk is not sealed but an encryption key is configured")
+        if xxhash.xxh3_128_digest(payload) != header["xxh"]:
+            raise ChecksumError("chunk payload does not match its checksum")
+        rest = (header["xxh"],)
+    if signer is not None and signer.hmac:
         sig = header.get("sig")
         if sig is None:
             raise SignatureError("chunk is not signed but a signing key is configured")
-        canon = _canonical(
-            header["v"], header["key"], header["dtype"], header["shape"], n, header["xxh"]
-        )
+        canon = _canonical(header["v"], header["key"], header["dtype"], header["shape"], n, *rest)
         if not signer.verify(canon, payload, sig):
             raise SignatureError("chunk signature does not match any accepted key")
+    if sealer is not None:  # sealed: checked above
+        aad = _aad(header["v"], header["key"], header["dtype"], header["shape"], n)
+        sealer.open_into(Seal(header["kid"], header["nonce"], header["tag"]), aad, payload)

@@ -290,6 +290,10 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "hmac_key_file": _path,
     "hmac_verify_keys_env": _env_name,
     "hmac_verify_keys_file": _path,
+    "encryption_key_env": _env_name,
+    "encryption_key_file": _path,
+    "encryption_decrypt_keys_env": _env_name,
+    "encryption_decrypt_keys_file": _path,
 }
 
 
@@ -335,6 +339,15 @@ class KVTierConfig:
     hmac_verify_keys_env: str | None = None
     #: file with extra keys accepted on read, one per line (rotation)
     hmac_verify_keys_file: str | None = None
+    #: name of the environment variable holding the AES-256-GCM key that seals (encrypts)
+    #: every chunk written to the object tier: 64 hex characters or base64 of 32 bytes
+    encryption_key_env: str | None = None
+    #: file holding the encryption key
+    encryption_key_file: str | None = None
+    #: environment variable with extra comma-separated keys that still decrypt (rotation)
+    encryption_decrypt_keys_env: str | None = None
+    #: file with extra keys that still decrypt, one per line (rotation)
+    encryption_decrypt_keys_file: str | None = None
 
     def check_block_size(self, block_size: int) -> None:
         """Fail startup when chunks would not line up with vLLM's blocks."""
@@ -388,10 +401,10 @@ def load_config(
         if env_value is not None:
             raw[key] = env_value
     values = {key: _PARSERS[key](key, value) for key, value in raw.items()}
-    if values.get("hmac_key_env") and values.get("hmac_key_file"):
-        raise ConfigError(
-            "hmac_key_file", values["hmac_key_file"], "set hmac_key_env or hmac_key_file, not both"
-        )
+    for kind in ("hmac", "encryption"):
+        env_key, file_key = f"{kind}_key_env", f"{kind}_key_file"
+        if values.get(env_key) and values.get(file_key):
+            raise ConfigError(file_key, values[file_key], f"set {env_key} or {file_key}, not both")
     if values.get("file_max_bytes") is not None and not str(
         values.get("remote_url") or ""
     ).startswith("file://"):

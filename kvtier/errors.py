@@ -5,7 +5,8 @@
     ├── CodecError         a stored chunk is malformed, corrupt, forged or not ours
     │   ├── ChecksumError      payload bytes do not match the header checksum
     │   ├── TruncatedError     fewer bytes than the header promises
-    │   ├── SignatureError     HMAC missing or wrong
+    │   ├── SignatureError     not authenticated: HMAC or AES-GCM tag missing or wrong
+    │   ├── SealedError        sealed with an encryption key this engine does not hold
     │   └── KeyMismatchError   the object holds a different chunk key
     └── TierError          the object tier could not serve a request
         ├── TierUnavailable    the backend is unreachable or timed out (backs off)
@@ -201,7 +202,18 @@ class TruncatedError(CodecError):
 
 
 class SignatureError(CodecError):
+    """The chunk is not authentic: unsigned or wrongly signed where an HMAC key is set,
+    unsealed where an encryption key is set, or a sealed chunk whose AES-GCM tag does not
+    match (tampered, corrupt, or moved to another chunk key)."""
+
     kind = "signature"
+
+
+class SealedError(CodecError):
+    """The chunk is sealed (encrypted) with a key this engine does not hold, or this engine
+    has no encryption key: it cannot be opened, so it is a miss (replicas whose keys differ)."""
+
+    kind = "sealed"
 
 
 class KeyMismatchError(CodecError):

@@ -37,9 +37,9 @@ DIRECTIONS = ("read", "write")
 TRANSFER_OPS = ("store", "load", "fetch", "upload")
 #: "object": one object could not be read or written (disk full, a Redis key of the wrong
 #: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
-#: never read
+#: never read; "sealed": a sealed (encrypted) chunk this engine holds no key for
 ERROR_KINDS = (
-    "checksum", "truncated", "signature", "wrong_key", "malformed",
+    "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
     "timeout", "unreachable", "tier", "load", "object", "oversize",
 )
 

@@ -1019,3 +1019,102 @@ def test_notes_warn_about_unsigned_chunks_and_the_generated_password(helm, tmp_p
                                  "networkPolicy": {"enabled": False}},
                           tmp_path, fake_api)  # fmt: skip
     assert "WARNING: networkPolicy.enabled is false" in notes
+
+
+# ---------------------------------------------------------------- encryption key
+
+ENC_SECRET = "kvtier-encryption-5d2c"
+ENC_KEY = "5d2c0b7e" * 8  # 64 hex characters: a 256-bit key
+
+
+@pytest.fixture
+def enc_secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The encryption key's Secret, as cluster_env resolves secretKeyRefs."""
+    monkeypatch.setitem(SECRETS, ENC_SECRET, {"encryption-key": ENC_KEY, "other": ENC_KEY[::-1]})
+    return ENC_SECRET
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"kvtier": {"remoteUrl": "s3://kv/prod"}},
+        {"redis": {"enabled": True, "existingSecret": "kvtier-inchart-redis-4f5a"}},
+        {"kvtier": {"remoteUrl": "s3://kv/prod", "hmac": HMAC}},
+    ],
+    ids=["s3", "in-chart-redis", "with-hmac"],
+)
+def test_the_encryption_key_comes_from_a_secret(helm, tmp_path, enc_secret, values):
+    """kvtier.encryption.existingSecret: a secretKeyRef in the vLLM container's environment,
+    encryption_key_env naming it in the config, the key in no manifest; it is enough for an
+    object tier on its own (AES-GCM authenticates), and kvtier builds its sealer from it."""
+    from kvtier.codec import Signer
+    from kvtier.seal import key_id
+
+    values = json.loads(json.dumps(values))
+    values.setdefault("kvtier", {})["encryption"] = {"existingSecret": enc_secret}
+    out = helm_template(helm, values, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert ENC_KEY not in out.stdout
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (dep,) = kind(docs, "Deployment", "vllm")
+    (c,) = pod_spec(dep)["containers"]
+    (entry,) = [e for e in c["env"] if e["name"] == "KVTIER_ENCRYPTION_KEY"]
+    assert entry["valueFrom"] == {"secretKeyRef": {"name": enc_secret, "key": "encryption-key"}}
+    extra = transfer_config(c)["kv_connector_extra_config"]
+    assert extra["encryption_key_env"] == "KVTIER_ENCRYPTION_KEY"
+    env = cluster_env(c)
+    signer = Signer.from_config(load_config(extra, environ=env), env)
+    assert signer is not None and signer.sealer is not None
+    assert signer.sealer.kid == key_id(bytes.fromhex(ENC_KEY))
+    assert signer.hmac == ("hmac" in values["kvtier"])
+
+
+def test_encryption_secret_key_and_variable_can_be_renamed(helm, tmp_path, enc_secret):
+    enc = {"existingSecret": enc_secret, "key": "other", "envName": "SEAL_KEY"}
+    docs = render(helm, {"kvtier": {"remoteUrl": "s3://kv/prod", "encryption": enc}}, tmp_path)
+    (dep,) = kind(docs, "Deployment", "vllm")
+    (c,) = pod_spec(dep)["containers"]
+    (entry,) = [e for e in c["env"] if e["name"] == "SEAL_KEY"]
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": enc_secret, "key": "other"}
+    assert not [e for e in c["env"] if e["name"] == "KVTIER_ENCRYPTION_KEY"]
+    assert transfer_config(c)["kv_connector_extra_config"]["encryption_key_env"] == "SEAL_KEY"
+
+
+def test_without_a_secret_nothing_is_encrypted_and_a_file_key_counts(helm, tmp_path):
+    docs = render(helm, {"kvtier": {"remoteUrl": "s3://kv/prod", "hmac": HMAC}}, tmp_path)
+    (dep,) = kind(docs, "Deployment", "vllm")
+    (c,) = pod_spec(dep)["containers"]
+    assert "encryption_key_env" not in transfer_config(c)["kv_connector_extra_config"]
+    assert not [e for e in c["env"] if "ENCRYPTION" in e["name"]]
+    by_file = {"kvtier": {"remoteUrl": "s3://kv/prod",
+                          "extraConfig": {"encryption_key_file": "/etc/kvtier/enc/key",
+                                          "encryption_decrypt_keys_file": "/etc/kvtier/enc/old"}}}
+    docs = render(helm, by_file, tmp_path)  # no HMAC key needed: the file key authenticates
+    (dep,) = kind(docs, "Deployment", "vllm")
+    (c,) = pod_spec(dep)["containers"]
+    cfg = load_config(transfer_config(c)["kv_connector_extra_config"], environ={})
+    assert cfg.encryption_key_file == "/etc/kvtier/enc/key"
+    assert cfg.encryption_decrypt_keys_file == "/etc/kvtier/enc/old"
+    err = render_fails(helm, {"kvtier": {"remoteUrl": "s3://kv/prod"}}, tmp_path)
+    assert "kvtier.encryption.existingSecret" in err
+
+
+@pytest.mark.parametrize(
+    ("encryption", "message"),
+    [
+        ({"existingSecret": "Not_A_Name"}, "kvtier.encryption.existingSecret: Does not match"),
+        ({"envName": "1BAD"}, "kvtier.encryption.envName: Does not match pattern"),
+        ({"key": ""}, "kvtier.encryption.key"),
+        ({"secret": "x"}, "Additional property secret is not allowed"),
+    ],
+)
+def test_schema_rejects_bad_encryption_values(helm, tmp_path, encryption, message):
+    err = render_fails(helm, {"kvtier": {"hmac": HMAC, "encryption": encryption}}, tmp_path)
+    assert message in err, err
+
+
+def test_notes_do_not_warn_when_chunks_are_encrypted(helm, tmp_path, fake_api, enc_secret):
+    image = {"repository": "registry.example.com/vllm-kvtier"}
+    values = {"image": image,
+              "kvtier": {"remoteUrl": "s3://kv/prod", "encryption": {"existingSecret": enc_secret}}}
+    assert "WARNING" not in install_notes(helm, values, tmp_path, fake_api)

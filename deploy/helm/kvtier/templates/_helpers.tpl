@@ -315,19 +315,28 @@ Argument: (dict "image" IMAGE-VALUES "default" DEFAULT-TAG)
 
 {{/*
 An object tier without an HMAC key lets anyone who can write it feed KV to every
-replica: refuse it unless kvtier.allowUnsignedChunks says so.
+replica: refuse it unless kvtier.allowUnsignedChunks says so. An encryption key
+counts: AES-GCM authenticates every sealed chunk, and unsealed ones are refused.
 */}}
 {{- define "kvtier.checkSigning" -}}
 {{- $k := .Values.kvtier }}
 {{- $url := include "kvtier.remoteUrl" . }}
-{{- $signed := or $k.hmac.existingSecret (get ($k.extraConfig | default dict) "hmac_key_file") }}
+{{- $signed := include "kvtier.signed" . }}
 {{- if and $url (not $signed) (not $k.allowUnsignedChunks) }}
 {{- $what := printf "kvtier.remoteUrl %q is an object tier" $url }}
 {{- if .Values.redis.enabled }}
 {{- $what = "the in-chart Redis (redis.enabled) is an object tier" }}
 {{- end }}
-{{- fail (printf "%s that every replica loads KV from, but no HMAC key signs its chunks: anyone who can write it could feed KV to every replica. Set kvtier.hmac.existingSecret to a Secret holding a key (kubectl create secret generic kvtier-hmac --from-literal=hmac-key=\"$(openssl rand -hex 32)\"), or set kvtier.allowUnsignedChunks=true to accept unsigned chunks." $what) }}
+{{- fail (printf "%s that every replica loads KV from, but no HMAC key signs its chunks (and no encryption key seals them): anyone who can write it could feed KV to every replica. Set kvtier.hmac.existingSecret to a Secret holding a key (kubectl create secret generic kvtier-hmac --from-literal=hmac-key=\"$(openssl rand -hex 32)\"), or kvtier.encryption.existingSecret to one holding an encryption key (kubectl create secret generic kvtier-encryption --from-literal=encryption-key=\"$(openssl rand -hex 32)\"), or set kvtier.allowUnsignedChunks=true to accept unsigned chunks." $what) }}
 {{- end }}
+{{- end }}
+
+{{/* "true" when chunks are authenticated: an HMAC key or an encryption key (AES-GCM). */}}
+{{- define "kvtier.signed" -}}
+{{- $k := .Values.kvtier }}
+{{- $extra := $k.extraConfig | default dict }}
+{{- $enc := $k.encryption | default dict }}
+{{- if or $k.hmac.existingSecret (get $extra "hmac_key_file") $enc.existingSecret (get $extra "encryption_key_file") }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -372,6 +381,9 @@ Sizes are rendered as byte counts so kvtier and the chart read them the same way
 {{- end }}
 {{- if $k.hmac.existingSecret }}
 {{- $_ = set $cfg "hmac_key_env" $k.hmac.envName }}
+{{- end }}
+{{- if $k.encryption.existingSecret }}
+{{- $_ = set $cfg "encryption_key_env" $k.encryption.envName }}
 {{- end }}
 {{- range $key, $val := $k.extraConfig }}
 {{- if hasKey $cfg $key }}
@@ -530,6 +542,13 @@ name for a UID without a passwd entry.
     secretKeyRef:
       name: {{ $k.hmac.existingSecret }}
       key: {{ $k.hmac.key }}
+{{- end }}
+{{- if $k.encryption.existingSecret }}
+- name: {{ $k.encryption.envName }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $k.encryption.existingSecret }}
+      key: {{ $k.encryption.key }}
 {{- end }}
 {{- if and .Values.weightOffload.disablePinMemory (gt (float64 (include "kvtier.cpuOffloadGb" .)) 0.0) }}
 - name: VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY
