@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from .events import ChunkEvents
+
 logger = logging.getLogger("kvtier.scheduler")
 
 
@@ -124,6 +126,8 @@ class SchedulerSide:
         self._step = 0
         self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
         self._last_evictions = 0
+        #: KV events for routers (.events), set by the connector when vLLM publishes them
+        self.events: ChunkEvents | None = None
         logger.info(
             "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
             num_slots,
@@ -148,7 +152,10 @@ class SchedulerSide:
         first = num_computed_tokens // self.chunk_size
         end_chunk = self._ready_run(st, first, cap)
         if self.remote and self.lookups.wants(st, end_chunk, cap):
-            if self.lookups.advance(st, end_chunk, cap):
+            waiting = self.lookups.advance(st, end_chunk, cap)
+            if self.events is not None:
+                self.events.record_lookup(st)  # the chunks the lookup claimed
+            if waiting:
                 self.stats.observe(metrics.LOOKUP_DELAY, time.perf_counter() - t0, ("sync",))
                 # vLLM re-asks at once in a tight loop; yield the GIL so the I/O threads
                 # that are fetching this request's chunks get to run (no sleep, no wait)
@@ -224,7 +231,10 @@ class SchedulerSide:
             if computed_after // self.chunk_size > st.next_store:
                 # a decode step completes a chunk once in chunk_size steps: the other
                 # steps cost this comparison, not a key refresh per running request
+                n_stores = len(meta.stores)
                 self.planner.plan_stores(st, self._block_ids, computed_after, meta.stores)
+                if self.events is not None:
+                    self.events.record_stores(st, meta.stores[n_stores:])
         self.planner.clean_oldest()
         meta.uploads, self.planner.uploads = self.planner.uploads, []
         used = (self.index.used_slots) * self.slot_bytes * self.world_size

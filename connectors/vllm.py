@@ -29,15 +29,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import load_config, redact_url
 
+from .events import ChunkEvents, events_enabled
 from .identity import namespace_for
-from .metadata import KVTierMetadata
+from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -92,10 +97,23 @@ class KVTierConnector(KVConnectorBase_V1):
             Signer.from_config(self.cfg)  # a missing or empty key stops startup here
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: ChunkEvents | None = None
+        #: sleep mode (vLLM >= 0.33): the KV tensors' memory is unmapped until wake-up
+        self._asleep = False
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._kv_ptrs: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             # vLLM builds the scheduler after the workers loaded the weights
             ns = namespace_for(self.cfg, vllm_config)
             self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
+            if events_enabled(vllm_config):
+                # vLLM publishes KV events (--kv-events-config): kvtier's tiers join them
+                self._events = ChunkEvents.for_engine(
+                    vllm_config, kv_cache_config, chunk_size=self.cfg.chunk_size,
+                    num_slots=self._scheduler.index.num_slots,
+                )
+                self._scheduler.events = self._events
+                self._scheduler.index.listener = self._events
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
         else:
             # a worker's connector comes before the weights (a hub model may not be
@@ -125,6 +143,26 @@ class KVTierConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is only a future miss
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.33 asks before it starts with ``enable_sleep_mode``.
+
+        Without an object tier: yes. Sleep (level 1 or 2) first resets the connector
+        (``reset_cache``), so the host tier holds nothing from before the sleep when
+        the engine wakes, even if the weights changed meanwhile (RL weight syncs sleep
+        at level 2 and load new weights); while asleep kvtier touches no KV tensor
+        (see :meth:`unregister_kv_caches`). The host slab itself is kvtier's own
+        memory and survives.
+
+        With an object tier: no. Its chunks are named by a fingerprint of the weights
+        read at startup; weights replaced in memory while asleep do not change it, so
+        the chunks this engine wrote after waking would carry the old weights' name into
+        a tier shared with replicas still serving those weights, and it would load
+        theirs. vLLM then refuses to start with sleep mode and names the connector.
+        """
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        return not load_config(extra).remote_url
+
     # ---- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -132,12 +170,49 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker.namespace = namespace_for(self.cfg, self._vllm_config)
         rank, stage = worker_position()
         self._worker.register_kv_caches(kv_caches, rank, stage)
+        self._kv_ptrs = {name: kv.data_ptr() for name, kv in kv_caches.items()}
+        self._kv_caches = kv_caches
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before sleep (and before it discards the KV cache): the KV
+        tensors' memory is about to be unmapped; vLLM has drained the transfers.
+
+        kvtier holds no registration of that memory (no RDMA, no ``cudaHostRegister``
+        of vLLM's KV: only of its own host slab), and copies between it and the host
+        tier only inside a step, for the step's loads and stores. So sleeping is this
+        flag: a step that asked for a copy before :meth:`restore_kv_caches` fails loudly
+        instead of reading or writing unmapped memory. Fetches and uploads work on the
+        host slab only and may go on. Idempotent.
+        """
+        self._asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33, after wake-up: take the KV tensors again. vLLM's sleep backend
+        maps the KV cache back at the same addresses, so kvtier's views of each layer are
+        valid again; a layer found elsewhere stops the engine (kvtier would copy into
+        memory vLLM no longer uses for it) rather than corrupt KV. Idempotent."""
+        if not self._asleep:
+            return
+        moved = [
+            name for name, kv in self._kv_caches.items() if kv.data_ptr() != self._kv_ptrs[name]
+        ]
+        if moved:
+            raise RuntimeError(
+                f"kvtier: vLLM's KV cache of {len(moved)} layers (first {moved[0]!r}) "
+                "moved across sleep mode; kvtier cannot follow a remapped KV cache"
+            )
+        self._asleep = False
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before every forward: the step's stores, fetches and uploads start here,
         since vLLM may call ``start_load_kv`` only after the forward."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            if self._asleep and (connector_metadata.loads or connector_metadata.stores):
+                raise RuntimeError(
+                    "kvtier: a step asked for KV copies while vLLM's KV cache is unmapped "
+                    "(sleep mode, before restore_kv_caches)"
+                )
             self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -201,10 +276,16 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._events is not None:
+            self._events.watch_uploads(meta)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
+            worker_meta = connector_output.kv_connector_worker_meta
+            if self._events is not None and isinstance(worker_meta, KVTierWorkerMeta):
+                self._events.settle_uploads(worker_meta)  # before a write-back evicts
             self._scheduler.update_connector_output(connector_output)
 
     def request_finished(
@@ -214,8 +295,14 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
-        """vLLM's ``reset_prefix_cache(reset_connector=True)`` also empties the host tier."""
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (and sleep mode, in vLLM >=
+        0.33) also empties the host tier: with KV events on, one ``BlockRemoved``."""
         return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events of kvtier's tiers since the last call (vLLM asks every step and
+        publishes them with its own when started with ``--kv-events-config``)."""
+        return self._events.take_events() if self._events is not None else ()
 
     # ---- both ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -7,6 +7,11 @@ The scheduler process owns it; workers only ever see slot numbers. A slot goes
 
 Only ``ready`` chunks are hits. A store or fetch that fails rolls back to free.
 A chunk with a non-zero ref count (being loaded or uploaded) is never evicted.
+
+An :class:`IndexListener` (``ChunkIndex.listener``) hears every chunk that turns
+ready and every chunk that leaves the index, whatever the reason (LRU eviction,
+a write-back that finished, ``clear``, a failed store or fetch): the KV events
+that cache-aware routers read are built from these two calls.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class State(enum.Enum):
@@ -40,6 +46,17 @@ class Entry:
     uploading: bool = False
 
 
+class IndexListener(Protocol):
+    """Told about the host tier's contents as they change (the index's caller thread)."""
+
+    def chunk_ready(self, entry: Entry) -> None:
+        """``entry`` just turned ready (a store or a fetch committed): it is a hit now."""
+
+    def chunk_dropped(self, entry: Entry) -> None:
+        """``entry`` left the index and its slot is free or reused. Called for every
+        entry that leaves, ready or not (a failed store drops one that never was)."""
+
+
 class ChunkIndex:
     """Fixed number of slots; evicts least-recently-used ready chunks with no refs."""
 
@@ -63,6 +80,8 @@ class ChunkIndex:
         # key -> entry, in LRU order (oldest first)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self.evictions = 0
+        #: told about every chunk that turns ready or leaves (None: nobody listens)
+        self.listener: IndexListener | None = None
 
     # ---- queries ---------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
@@ -109,8 +128,13 @@ class ChunkIndex:
         return entry
 
     def commit(self, key: str, ok: bool) -> Entry | None:
-        """Finish a store or fetch: ready on success, slot freed on failure."""
+        """Finish a store or fetch: ready on success, slot freed on failure. A store or
+        fetch that ``clear`` caught in flight is not committed: its slot is freed now (or
+        when the last holder lets go), whatever the outcome."""
         entry = self._entries.get(key)
+        if entry is not None and entry.state is State.EVICTING and not entry.refs:
+            self._drop(entry)
+            return None
         if entry is None or entry.state not in (State.STORING, State.FETCHING):
             return None
         if ok:
@@ -118,6 +142,8 @@ class ChunkIndex:
             entry.remote = entry.remote or entry.fetched
             entry.state = State.READY
             self._entries.move_to_end(key)
+            if self.listener is not None:
+                self.listener.chunk_ready(entry)
         elif entry.refs:
             entry.state = State.EVICTING  # freed when the last holder lets go
         else:
@@ -160,10 +186,16 @@ class ChunkIndex:
         return True
 
     def clear(self) -> int:
-        """Evict every chunk that is not in use; returns how many were dropped."""
+        """Empty the index: drop every idle ready chunk now (returns how many), and
+        every other one (pinned by a load or an upload, being stored or fetched) as soon
+        as it is released or settles. None of them is a hit again: after a reset
+        (vLLM's ``reset_prefix_cache``, and so sleep mode, where weights may change)
+        nothing stored before it is served."""
         victims = [e for e in self._entries.values() if e.refs == 0 and e.state is State.READY]
         for entry in victims:
             self._drop(entry)
+        for entry in self._entries.values():
+            entry.state = State.EVICTING
         return len(victims)
 
     # ---- internals ---------------------------------------------------------------------
@@ -191,12 +223,16 @@ class ChunkIndex:
                 continue
             self.evictions += 1
             del self._entries[entry.key]
+            if self.listener is not None:
+                self.listener.chunk_dropped(entry)
             return entry.slot
         return None
 
     def _drop(self, entry: Entry) -> None:
         del self._entries[entry.key]
         self._free.append(entry.slot)
+        if self.listener is not None:
+            self.listener.chunk_dropped(entry)
 
     def check(self) -> None:
         """Assert the invariants (tests and debug): every slot is free xor owned once."""

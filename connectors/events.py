@@ -1,0 +1,344 @@
+"""KV-cache events: what kvtier's tiers hold, for cache-aware routers.
+
+vLLM publishes its own KV-cache events (``--kv-events-config``: ZMQ, msgpack
+``KVEventBatch``) and, every step, adds the connector's (``take_events``). A router
+that reads them (llm-d's KV-cache indexer, Dynamo's KV router, production-stack)
+learns which replica holds which prefix. :class:`ChunkEvents` turns the host
+index's changes into vLLM's own event types, keyed by vLLM's own block hashes, so a
+router that already follows a replica's GPU blocks follows its kvtier chunks too:
+
+==============================================  ====================================
+what happened                                    event
+==============================================  ====================================
+a chunk turned ready in the host tier (stored    ``BlockStored`` medium ``"CPU"``,
+from the GPU, or fetched from the object tier)   locality ``"LOCAL"``
+a ready chunk left the host tier (LRU eviction,  ``BlockRemoved`` medium ``"CPU"``,
+written back and evicted, ``reset_cache``)       locality ``"LOCAL"``
+a chunk's upload to the object tier succeeded    ``BlockStored`` medium ``"STORAGE"``,
+                                                 locality ``"REMOTE"``
+a store or fetch that failed                     nothing (it never was a hit)
+==============================================  ====================================
+
+**One event per chunk.** A chunk spans ``chunk_size / block_size`` vLLM blocks and
+is stored, loaded and evicted as a whole, so its ``BlockStored`` lists all of their
+hashes (in prompt order), with ``parent_block_hash`` the hash of the block before the
+chunk (``None`` for a prompt's first chunk), ``token_ids`` the chunk's tokens,
+``block_size`` vLLM's block size and the per-block ``extra_keys`` (LoRA, multimodal,
+``cache_salt``) exactly as vLLM's GPU events carry them. This is the shape of vLLM's
+own ``OffloadingConnector`` "self-describing" events. Its ``BlockRemoved`` lists the
+same hashes; removals that follow each other in a step are merged into one event.
+The hashes are the very values vLLM publishes for the GPU blocks (its
+``maybe_convert_block_hash``: 64-bit ints unless
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
+
+**reset_cache** emits one ``BlockRemoved`` (medium ``"CPU"``) for the chunks it
+dropped, not ``AllBlocksCleared``: that event names no medium, so a router would
+forget the replica's GPU blocks too (vLLM emits its own on a prefix-cache reset),
+and chunks that a request is loading survive a reset.
+
+**The object tier** is shared by every replica with the same ``remote_url`` and
+``namespace``: a chunk there is a hit for any of them (at object-tier cost, after a
+fetch), not a reason to route to the replica that wrote it. Its ``BlockStored``
+therefore says ``locality="REMOTE"`` (vLLM: relative to the publisher). kvtier never
+deletes from the object tier (expiry is the backend's: S3 lifecycle rules,
+``remote_ttl_s``, the ``file_max_bytes`` sweep), so no ``BlockRemoved`` ever follows
+one: read ``STORAGE`` events as "was written at this time", to age out after the
+tier's retention. A chunk fetched from the object tier emits only its ``CPU`` event
+(it is now in this replica's RAM); its ``STORAGE`` event came from the replica that
+wrote it.
+
+**Cost.** Nothing when vLLM publishes no events (the connector then makes no
+:class:`ChunkEvents`). Otherwise, per chunk that begins a store or fetch, a slice of
+the request's block hashes and tokens; per chunk that turns ready or leaves, one
+event. Nothing per decode token. The queue is bounded: past ``max_events`` not yet
+taken (vLLM takes them every step), the oldest are dropped and counted
+(``dropped``), and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
+
+from kvtier.index import Entry
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvtier.ops import StoreOp
+
+    from .metadata import KVTierMetadata, KVTierWorkerMeta
+    from .requests import RequestState
+
+logger = logging.getLogger("kvtier.events")
+
+#: vLLM's ``locality`` values (``vllm.v1.kv_offload.base.Locality``)
+LOCAL = "LOCAL"
+REMOTE = "REMOTE"
+
+
+def events_enabled(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV-cache events (``--kv-events-config``)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """What a chunk's events say, captured while its request is at hand."""
+
+    block_hashes: list[Any]  # vLLM's ExternalBlockHash: int or bytes
+    parent_block_hash: Any
+    token_ids: list[int]
+    extra_keys: list[tuple[Any, ...] | None] | None
+    lora_id: int | None
+    lora_name: str | None
+    session_id: str | None
+    announced: bool = False
+
+
+@dataclass(slots=True)
+class _Upload:
+    block_hash: bytes
+    reports: int = 0
+    ok: bool = True
+
+
+class ChunkEvents:
+    """Builds vLLM KV events from the host index (an :class:`kvtier.index.IndexListener`).
+
+    The scheduler side calls :meth:`record_stores` and :meth:`record_lookup` when
+    chunks begin a store or a fetch (the request is at hand then); the connector
+    passes each step's metadata to :meth:`watch_uploads` and the workers' reports to
+    :meth:`settle_uploads` before the scheduler side settles them; the index calls
+    :meth:`chunk_ready` and :meth:`chunk_dropped`; vLLM calls :meth:`take_events`
+    every step. All on the scheduler's thread. Chunks are named by vLLM's hash of
+    their last block (``Entry.block_hash``), as in the ops.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        blocks_per_chunk: int,
+        max_events: int,
+        world_size: int = 1,
+        group_idx: int = 0,
+        kv_cache_spec_kind: str | None = None,
+        kv_cache_spec_sliding_window: int | None = None,
+    ) -> None:
+        if blocks_per_chunk < 1 or max_events < 1 or world_size < 1:
+            raise ValueError("blocks_per_chunk, max_events and world_size must be positive")
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.max_events = max_events
+        self.world_size = world_size
+        self.group_idx = group_idx
+        self.kv_cache_spec_kind = kv_cache_spec_kind
+        self.kv_cache_spec_sliding_window = kv_cache_spec_sliding_window
+        #: last block hash -> the chunk's event payload, from its store or fetch until it
+        #: leaves the index (so at most one per host slot)
+        self._chunks: dict[bytes, _Chunk] = {}
+        #: upload op id -> its chunk and the workers' flags so far (bounded like the queue)
+        self._uploads: dict[int, _Upload] = {}
+        self._queue: deque[KVCacheEvent] = deque()
+        #: hashes of ready chunks that left since the last event, merged into one
+        self._removed: list[Any] = []
+        self.dropped = 0
+        self.emitted = 0
+
+    @classmethod
+    def for_engine(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, chunk_size: int,
+        num_slots: int,
+    ) -> ChunkEvents:
+        """Events for the engine's first KV-cache group (the one kvtier stores)."""
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+
+        block_size = vllm_config.cache_config.block_size
+        par = vllm_config.parallel_config
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        return cls(
+            block_size=block_size,
+            blocks_per_chunk=chunk_size // block_size,
+            # a step changes at most a few events per slot (store, upload, eviction):
+            # vLLM takes them every step, so only a stalled consumer loop fills this
+            max_events=max(4096, 4 * num_slots),
+            world_size=par.tensor_parallel_size * par.pipeline_parallel_size,
+            group_idx=0,
+            kv_cache_spec_kind=get_kv_cache_spec_kind(spec).value,
+            kv_cache_spec_sliding_window=get_kv_cache_spec_sliding_window(spec),
+        )
+
+    # ---- from the scheduler side ------------------------------------------------------
+    def record_stores(self, st: RequestState, ops: Iterable[StoreOp]) -> None:
+        """``ops`` were just planned for request ``st`` (chunks in prompt order)."""
+        c = 0
+        for op in ops:
+            try:
+                c = st.chunk_hashes.index(op.block_hash, c)
+            except ValueError:
+                continue  # not one of this request's chunks: nothing to describe
+            self.record(st.request, c, op.block_hash)
+
+    def record_lookup(self, st: RequestState) -> None:
+        """Describe the chunks ``st``'s object-tier lookup claimed (idempotent: vLLM
+        re-asks while the lookup runs)."""
+        lk = st.lookup
+        if lk is None:
+            return
+        for i, entry in enumerate(lk.chunks):
+            if entry.block_hash and entry.block_hash not in self._chunks:
+                self.record(st.request, lk.first_chunk + i, entry.block_hash)
+
+    def record(self, request: Request, chunk: int, block_hash: bytes) -> None:
+        """Chunk ``chunk`` of ``request`` (last block hash ``block_hash``) begins a store
+        or a fetch: keep what its events will say."""
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        first = chunk * bpc
+        hashes = request.block_hashes[first : first + bpc]
+        if len(hashes) < bpc or hashes[-1] != block_hash:
+            return  # not this request's full chunk: kvtier stores whole chunks only
+        start = first * bs
+        extra: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for b in range(bpc):
+            keys, mm_idx = generate_block_hash_extra_keys(
+                request, start + b * bs, start + (b + 1) * bs, mm_idx
+            )
+            extra.append(keys)
+        lora = request.lora_request
+        self._chunks[block_hash] = _Chunk(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+            parent_block_hash=(
+                maybe_convert_block_hash(request.block_hashes[first - 1]) if first else None
+            ),
+            token_ids=list(request.all_token_ids[start : start + bpc * bs]),
+            extra_keys=to_event_extra_keys(extra),
+            lora_id=lora.adapter_id if lora is not None else None,
+            lora_name=lora.name if lora is not None else None,
+            session_id=getattr(request, "session_id", None),
+        )
+
+    # ---- uploads (from the connector, around the scheduler side) --------------------------
+    def watch_uploads(self, meta: KVTierMetadata) -> None:
+        """Note the step's uploads (write-through ones ride on their stores)."""
+        for op in meta.stores:
+            if op.upload_op_id is not None:
+                self._watch(op.upload_op_id, op.block_hash)
+        for up in meta.uploads:
+            self._watch(up.op_id, up.block_hash)
+
+    def settle_uploads(self, worker_meta: KVTierWorkerMeta) -> None:
+        """Workers' reports, before the scheduler side settles them: an upload every
+        worker wrote is a ``STORAGE`` store."""
+        for op_id, oks in worker_meta.results.items():
+            up = self._uploads.get(op_id)
+            if up is None:
+                continue
+            up.reports += len(oks)
+            up.ok = up.ok and all(oks)
+            if up.reports < self.world_size:
+                continue
+            del self._uploads[op_id]
+            chunk = self._chunks.get(up.block_hash)
+            if up.ok and chunk is not None:
+                self._push(self._stored(chunk, MEDIUM_STORAGE, REMOTE))
+
+    def _watch(self, op_id: int, block_hash: bytes) -> None:
+        if len(self._uploads) >= self.max_events:  # reports that never came: forget one
+            del self._uploads[next(iter(self._uploads))]
+        self._uploads[op_id] = _Upload(block_hash)
+
+    # ---- from the index (IndexListener) ------------------------------------------------
+    def chunk_ready(self, entry: Entry) -> None:
+        chunk = self._chunks.get(entry.block_hash)
+        if chunk is None or chunk.announced:
+            return
+        chunk.announced = True
+        self._push(self._stored(chunk, MEDIUM_CPU, LOCAL))
+
+    def chunk_dropped(self, entry: Entry) -> None:
+        chunk = self._chunks.pop(entry.block_hash, None)
+        if chunk is not None and chunk.announced:
+            self._removed.extend(chunk.block_hashes)
+
+    # ---- to vLLM ------------------------------------------------------------------------
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        self._flush_removed()
+        if not self._queue:
+            return []
+        out = list(self._queue)
+        self._queue.clear()
+        return out
+
+    def tracked(self) -> int:
+        """Chunks with a payload held (at most the host index's size)."""
+        return len(self._chunks)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> BlockStored:
+        return BlockStored(
+            block_hashes=list(chunk.block_hashes),
+            parent_block_hash=chunk.parent_block_hash,
+            token_ids=chunk.token_ids,
+            block_size=self.block_size,
+            lora_id=chunk.lora_id,
+            medium=medium,
+            lora_name=chunk.lora_name,
+            extra_keys=chunk.extra_keys,
+            group_idx=self.group_idx,
+            kv_cache_spec_kind=self.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=self.kv_cache_spec_sliding_window,
+            locality=locality,
+            session_id=chunk.session_id,
+        )
+
+    def _flush_removed(self) -> None:
+        if self._removed:
+            hashes, self._removed = self._removed, []
+            self._append(
+                BlockRemoved(
+                    block_hashes=hashes, medium=MEDIUM_CPU, group_idx=self.group_idx,
+                    locality=LOCAL,
+                )
+            )
+
+    def _push(self, event: KVCacheEvent) -> None:
+        self._flush_removed()  # keep the order: a chunk may leave and come back
+        self._append(event)
+
+    def _append(self, event: KVCacheEvent) -> None:
+        if len(self._queue) >= self.max_events:
+            self._queue.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                logger.warning(
+                    "kvtier: %d KV events dropped: nobody took them (queue of %d)",
+                    self.dropped, self.max_events,
+                )
+        self._queue.append(event)
+        self.emitted += 1
