@@ -28,6 +28,13 @@ objects are read
 A round is repeated batches of ``concurrency`` chunks until ``--round-mib``
 MiB were read; kvtier and raw alternate within each round.
 
+Then, encryption (``encryption_key_*``): put and get through kvtier with every
+chunk sealed (AES-256-GCM) against the same ops unsealed, both sync (one
+thread: encode + put, read_into + verify) and through RemoteIO (uploads from
+host slots, fetches into host slots), interleaved rounds; the ratio is sealed ÷
+plain of the median round (goal >= 0.9). Before it, the machine's AES-256-GCM
+speed on one core (seal into a buffer, open in place) is printed.
+
 Raw boto3 uses the same botocore Config as kvtier's S3 tier (pool size,
 timeouts, no extra CRC), so the ratio isolates kvtier's own overhead. Each
 figure is the best of ``--rounds`` interleaved rounds (the machine is shared);
@@ -59,6 +66,7 @@ from harness import free_port, int_list
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff
 from kvtier.remote import MAX_FRAME, RemoteIO
+from kvtier.seal import Sealer
 from kvtier.tiers.base import ObjectTier
 
 MiB = 2**20
@@ -477,6 +485,142 @@ def run_into(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
     return rows
 
 
+def aes_gcm_speed(size: int, rounds: int) -> dict[str, float]:
+    """GB/s of kvtier's sealing on one core: seal into its scratch buffer, open in place."""
+    sealer = Sealer(os.urandom(32))
+    plain = memoryview(os.urandom(size))
+    buf = memoryview(bytearray(size))
+    seal_t, open_t = [], []
+    for _ in range(max(rounds, 3) * 4):
+        t0 = time.perf_counter()
+        seal, ct = sealer.seal(b"aad", plain)
+        t1 = time.perf_counter()
+        buf[:] = ct
+        t2 = time.perf_counter()
+        sealer.open_into(seal, b"aad", buf)
+        open_t.append(time.perf_counter() - t2)
+        seal_t.append(t1 - t0)
+    assert bytes(buf) == bytes(plain)
+    return {"seal_gbps": size / statistics.median(seal_t) / 1e9,
+            "open_gbps": size / statistics.median(open_t) / 1e9}  # fmt: skip
+
+
+def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[dict]:
+    """The encryption table: sealed ÷ plain put and get, sync and through RemoteIO."""
+    size = len(chunks[0])
+    shape = [size // 2]
+    total = size * len(chunks)
+    hmac_key = b"bench-key" if args.hmac else None
+    plain_signer = codec.Signer(hmac_key) if hmac_key else None
+    sealed_signer = codec.Signer(hmac_key, sealer=Sealer(os.urandom(32)))
+    sides = {"plain": plain_signer, "sealed": sealed_signer}
+    slots = [memoryview(bytearray(size)) for _ in chunks]
+    # the host tier's slots the uploads read from: plaintext, never changed by sealing
+    sources = [memoryview(bytearray(c)) for c in chunks]
+    tier = _open(case, args.putget_threads)
+    rios = {
+        side: RemoteIO(_open(case, args.putget_threads), threads=args.putget_threads,
+                       queue_depth=len(chunks) + 1, timeout_s=60.0, signer=signer,
+                       backoff=ConstantBackoff(0.1))  # fmt: skip
+        for side, signer in sides.items()
+    }
+
+    def keys(side: str) -> list[str]:
+        return [f"enc-{side}-{i}" for i in range(len(chunks))]
+
+    def put_sync(side: str) -> Callable[[], None]:
+        def run() -> None:
+            for k, src in zip(keys(side), sources, strict=True):
+                tier.put(k, codec.encode(k, src, dtype="bfloat16", shape=shape,
+                                         signer=sides[side]))  # fmt: skip
+        return run
+
+    def get_sync(side: str) -> Callable[[], None]:
+        def run() -> None:
+            for k, slot in zip(keys(side), slots, strict=True):
+                head = tier.read_into(k, slot, MAX_FRAME)
+                assert head is not None
+                codec.verify(head, slot, key=k, dtype="bfloat16", shape=shape,
+                             signer=sides[side])  # fmt: skip
+        return run
+
+    def wait(rio: RemoteIO, n: int) -> None:
+        got = 0
+        while got < n:
+            results = rio.poll()
+            bad = [r for r in results if not r.ok]
+            if bad:
+                raise RuntimeError(f"RemoteIO op failed: {bad[0]}")
+            got += len(results)
+            if got < n:
+                time.sleep(0.002)
+
+    def put_async(side: str) -> Callable[[], None]:
+        def run() -> None:
+            rio = rios[side]
+            for i, (k, src) in enumerate(zip(keys(side), sources, strict=True)):
+                assert rio.submit_put(i, k, src, dtype="bfloat16", shape=shape)
+            wait(rio, len(chunks))
+        return run
+
+    def get_async(side: str) -> Callable[[], None]:
+        def run() -> None:
+            rio = rios[side]
+            for i, (k, slot) in enumerate(zip(keys(side), slots, strict=True)):
+                rio.submit_get_into(i, k, slot, dtype="bfloat16", shape=shape)
+            wait(rio, len(chunks))
+        return run
+
+    ops = [
+        ("sync, 1 thread", "put", put_sync),
+        ("sync, 1 thread", "get", get_sync),
+        (f"RemoteIO, {rios['plain'].write_threads} threads", "put", put_async),
+        (f"RemoteIO, {rios['plain'].read_threads} threads", "get", get_async),
+    ]
+    put_sync("plain")()
+    put_sync("sealed")()
+    rows = []
+    for mode, op, make in ops:
+        times: dict[str, list[float]] = {"plain": [], "sealed": []}
+        fns = [("plain", make("plain")), ("sealed", make("sealed"))]
+        for r in range(args.rounds):  # interleaved, alternating who goes first
+            for side, fn in fns if r % 2 == 0 else fns[::-1]:
+                times[side].append(_timed(fn))
+            if op == "get":
+                assert [bytes(s) for s in slots] == chunks, "a sealed chunk did not open"
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({
+            "backend": case.name, "mode": mode, "op": op, "chunk_mib": size / MiB,
+            "plain_gbps_median": total / med["plain"] / 1e9,
+            "sealed_gbps_median": total / med["sealed"] / 1e9,
+            "sealed_over_plain": med["plain"] / med["sealed"],
+        })  # fmt: skip
+    for rio in rios.values():
+        rio.close()  # closes its tier too
+    tier.close()
+    return rows
+
+
+def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -> float:
+    """Print the encryption table; returns the lowest sealed ÷ plain ratio."""
+    print(
+        f"\nEncryption: AES-256-GCM on one core {speed['seal_gbps']:.2f} GB/s seal, "
+        f"{speed['open_gbps']:.2f} GB/s open in place; {rows[0]['chunk_mib']:.0f} MiB chunks, "
+        f"median of the rounds, hmac={'on' if hmac_on else 'off'} on both sides, "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(f"{'backend':<11} {'mode':<22} {'op':<4} {'plain GB/s':>10} {'sealed GB/s':>11} "
+          f"{'sealed/plain':>12} {'goal':>5}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['backend']:<11} {r['mode']:<22} {r['op']:<4} {r['plain_gbps_median']:>10.2f} "
+            f"{r['sealed_gbps_median']:>11.2f} {r['sealed_over_plain']:>12.2f} {0.9:>5.1f}"
+        )
+    low = min(r["sealed_over_plain"] for r in rows)
+    print(f"lowest sealed/plain {low:.2f} (goal >= 0.9)")
+    return low
+
+
 GOALS = {"file": 0.8, "s3 (moto)": 0.9, "redis": 0.9}
 
 
@@ -538,7 +682,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", type=_backends, default=list(BACKENDS),
                         help="backends, comma-separated (file, s3, redis)")  # fmt: skip
     parser.add_argument("--skip-putget", action="store_true", help="only the read-into table")
-    parser.add_argument("--skip-into", action="store_true", help="only the put/get table")
+    parser.add_argument("--skip-into", action="store_true", help="no read-into table")
+    parser.add_argument("--skip-encryption", action="store_true",
+                        help="no encryption (sealed ÷ plain) table")  # fmt: skip
+    parser.add_argument("--only-encryption", action="store_true",
+                        help="only the encryption table")  # fmt: skip
     parser.add_argument("--hmac", action="store_true", help="sign and verify chunks (HMAC)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
@@ -547,6 +695,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.skip_s3 = args.skip_s3 or "s3" not in args.only
     args.skip_redis = args.skip_redis or "redis" not in args.only
     args.skip_file = "file" not in args.only
+    if args.only_encryption:
+        args.skip_putget = args.skip_into = True
+        args.skip_encryption = False
     if args.chunks < max(args.concurrency):
         parser.error("--chunks must be at least the largest --concurrency")
     return args
@@ -560,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [i.to_bytes(8, "little") + base[8:] for i in range(args.chunks)]
     rows: list[tuple] = []
     into: list[dict] = []
+    enc: list[dict] = []
     with local_services(args):
         cases = []
         if not args.skip_file:
@@ -573,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_case(case, args, chunks)
             if not args.skip_into:
                 into += run_into(case, args, chunks)
+            if not args.skip_encryption:
+                enc += run_encryption(case, args, chunks)
     worst = float("inf")
     if rows:
         print(
@@ -592,11 +746,15 @@ def main(argv: list[str] | None = None) -> int:
     if into:
         low = print_into(into, args.hmac)
         print(f"lowest async ratio ÷ its goal {low:.2f} (>= 1 meets every goal)")
+    speed: dict[str, float] = {}
+    if enc:
+        speed = aes_gcm_speed(size, args.rounds)
+        print_encryption(enc, speed, args.hmac)
     if args.json:
         keys = ("backend", "mode", "op", "kvtier_mbps_best", "raw_mbps_best", "ratio_median")
         with open(args.json, "w") as f:
             json.dump({"putget": [dict(zip(keys, r, strict=True)) for r in rows],
-                       "into": into}, f, indent=1)  # fmt: skip
+                       "into": into, "encryption": enc, "aes_gcm": speed}, f, indent=1)  # fmt: skip
     return 0
 
 
