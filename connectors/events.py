@@ -251,9 +251,11 @@ class ChunkEvents:
         for up in meta.uploads:
             self._watch(up.op_id, up.block_hash)
 
-    def settle_uploads(self, worker_meta: KVTierWorkerMeta) -> None:
-        """Workers' reports, before the scheduler side settles them: an upload every
-        worker wrote is a ``STORAGE`` store."""
+    def settle_uploads(self, worker_meta: KVTierWorkerMeta) -> list[_Chunk]:
+        """Workers' reports, *before* the scheduler side settles them (a write-back
+        eviction may drop the chunk then): the chunks every worker uploaded. Pass them
+        to :meth:`announce_uploads` once the scheduler side has settled the reports."""
+        done: list[_Chunk] = []
         for op_id, oks in worker_meta.results.items():
             up = self._uploads.get(op_id)
             if up is None:
@@ -265,7 +267,18 @@ class ChunkEvents:
             del self._uploads[op_id]
             chunk = self._chunks.get(up.block_hash)
             if up.ok and chunk is not None:
-                self._push(self._stored(chunk, MEDIUM_STORAGE, REMOTE))
+                done.append(chunk)
+        return done
+
+    def announce_uploads(self, done: list[_Chunk]) -> None:
+        """A ``STORAGE`` store for each uploaded chunk that is (or was) a host-tier hit:
+        a write-through chunk whose store failed has no event, even if its bytes went
+        up (its store's report settles in the same batch as its upload's, or before)."""
+        for chunk in done:
+            if chunk.announced:
+                # ahead of the host-tier removals this settling caused (a write-back
+                # eviction): a router never sees a moment where nobody holds the chunk
+                self._append(self._stored(chunk, MEDIUM_STORAGE, REMOTE))
 
     def _watch(self, op_id: int, block_hash: bytes) -> None:
         if len(self._uploads) >= self.max_events:  # reports that never came: forget one
