@@ -47,9 +47,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvtier import cuda as kcuda
+from kvtier.cuda_copier import CudaCopier
 from kvtier.layout import HostSlab, SlotLayout
 from kvtier.ops import LoadOp, StoreOp
-from kvtier.transfer import CudaCopier
 
 GB = 1e9
 

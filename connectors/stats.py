@@ -8,7 +8,7 @@ the metrics that :mod:`kvtier.metrics` defines, with vLLM's own labels first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -58,15 +58,19 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._metrics: dict[str, Any] = {}
         for spec in metrics.ALL:
             names = [*labelnames, *spec.labels]
+            # vLLM's wrappers of prometheus-client classes take these keyword arguments
+            counter, gauge, histogram = (
+                cast(Any, c) for c in (self._counter_cls, self._gauge_cls, self._histogram_cls)
+            )
             if spec.kind == "counter":
-                m = self._counter_cls(name=spec.name, documentation=spec.help, labelnames=names)
+                m = counter(name=spec.name, documentation=spec.help, labelnames=names)
             elif spec.kind == "gauge":
-                m = self._gauge_cls(
+                m = gauge(
                     name=spec.name, documentation=spec.help, labelnames=names,
                     multiprocess_mode="mostrecent",
                 )
             else:
-                m = self._histogram_cls(
+                m = histogram(
                     name=spec.name, documentation=spec.help, labelnames=names,
                     buckets=list(spec.buckets),
                 )

@@ -50,7 +50,7 @@ def register_host(tensor: torch.Tensor, cudart: Any = None) -> Callable[[], None
     nbytes = tensor.numel() * tensor.element_size()
     ptr = tensor.data_ptr()
     try:
-        rt = cudart if cudart is not None else torch.cuda.cudart()
+        rt = cudart if cudart is not None else torch.cuda.cudart()  # type: ignore[no-untyped-call]
         err = int(rt.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
     except Exception as exc:  # no runtime (or no such call): pageable, never a crash
         logger.warning("kvtier: cannot pin the host tier (%s); copies are synchronous", exc)

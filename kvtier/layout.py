@@ -172,7 +172,7 @@ class HostSlab:
         return self.buffer[start : start + self.layout.slot_bytes]
 
     def slot_memoryview(self, slot: int) -> memoryview:
-        return memoryview(self.slot_bytes(slot).numpy())
+        return memoryview(self.slot_bytes(slot).numpy())  # type: ignore[arg-type]  # a buffer
 
     def layer_view(self, slot: int, layer: int) -> torch.Tensor:
         """Slot region of one layer, shaped like the layer tensor (a view)."""

@@ -49,9 +49,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier import codec
-from kvtier.backoff import Backoff, BackoffState, ExponentialBackoff
+from kvtier.backoff import Backoff, ExponentialBackoff
 from kvtier.errors import CodecError, TierError, TierUnavailable
 from kvtier.ops import OpKind, OpResult
+from kvtier.tier_health import RateLimitedLog, TierHealth
 from kvtier.tiers.base import ObjectTier
 
 if TYPE_CHECKING:
@@ -108,28 +109,6 @@ class _Op:
         self.pos = 0
 
 
-class _RateLimitedLog:
-    """At most one warning per ``interval`` seconds; the rest are counted and mentioned."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last = -float("inf")
-        self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last < self.interval:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed, self._last = self._suppressed, 0, now
-        if suppressed:
-            log.warning(msg + " (%d similar warnings suppressed)", *args, suppressed)
-        else:
-            log.warning(msg, *args)
-
-
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -170,12 +149,10 @@ class RemoteIO:
         self._taken = dict.fromkeys(_COUNTERS, 0)
         self._pending_writes = 0
         self._put_failures = 0
-        self._read_backoff = BackoffState(self.backoff)
-        self._write_backoff = BackoffState(self.backoff)
+        self.health = TierHealth(tier.name, self.backoff)
         self._closed = False
-        self._tier_log = _RateLimitedLog()
-        self._data_log = _RateLimitedLog()
-        self._object_log = _RateLimitedLog()
+        self._data_log = RateLimitedLog()
+        self._object_log = RateLimitedLog()
         # reads get the larger half: lookups are latency-critical, uploads are not
         self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
         n_read, n_write = self.read_threads, self.write_threads
@@ -247,7 +224,7 @@ class RemoteIO:
             op.run, op.pos = run, pos
         if not run:
             return
-        if self._closed or self._read_backoff.is_down:
+        if self._closed or self.health.reads.is_down:
             self._finish(run[0], False, "unreachable")  # and the rest as misses
             return
         with self._lock:
@@ -268,7 +245,7 @@ class RemoteIO:
                 self._totals["writes_dropped"] += 1
                 return False
             self._pending_writes += 1
-        if self._write_backoff.is_down:
+        if self.health.writes.is_down:
             self._finish(op, False, "unreachable")
             return True
         try:
@@ -399,17 +376,17 @@ class RemoteIO:
     @property
     def is_down(self) -> bool:
         """True while reads or writes fail fast after a tier failure."""
-        return self._read_backoff.is_down or self._write_backoff.is_down
+        return self.health.is_down
 
     @property
     def reads_down(self) -> bool:
         """True while fetches fail fast after a read failed to reach the tier."""
-        return self._read_backoff.is_down
+        return self.health.reads.is_down
 
     @property
     def writes_down(self) -> bool:
         """True while uploads fail fast after a write failed to reach the tier."""
-        return self._write_backoff.is_down
+        return self.health.writes.is_down
 
     @property
     def pending_writes(self) -> int:
@@ -427,22 +404,6 @@ class RemoteIO:
             self._taken = dict(self._totals)
         return delta
 
-    def _backoff_of(self, op: _Op) -> BackoffState:
-        return self._write_backoff if op.kind is OpKind.UPLOAD else self._read_backoff
-
-    def _mark_down(self, op: _Op, exc: TierUnavailable) -> None:
-        failures, delay = self._backoff_of(op).failed()
-        what = "writes" if op.kind is OpKind.UPLOAD else "reads"
-        self._tier_log.warning(
-            "object tier %s unavailable (%d failures in a row), %s fail fast for %.2f s: %s",
-            self.tier.name, failures, what, delay, exc,
-        )  # fmt: skip
-
-    def _mark_up(self, op: _Op) -> None:
-        if self._backoff_of(op).succeeded():
-            what = "writes" if op.kind is OpKind.UPLOAD else "reads"
-            log.info("object tier %s is reachable again (%s)", self.tier.name, what)
-
     # -- workers -------------------------------------------------------------------------
 
     def _worker(self, q: queue.Queue[_Op | None]) -> None:
@@ -459,7 +420,7 @@ class RemoteIO:
     def _execute(self, op: _Op) -> None:
         if op.done:  # timed out (or closed) while queued: do not touch the network
             return
-        if self._backoff_of(op).is_down:
+        if self.health.of(op.kind is OpKind.UPLOAD).is_down:
             self._finish(op, False, "unreachable")
             return
         if op.kind is OpKind.FETCH and time.monotonic() > op.deadline:
@@ -477,7 +438,7 @@ class RemoteIO:
                         return
                     op.started = True
                 head = self.tier.read_into(key, buf, MAX_FRAME)
-                self._mark_up(op)
+                self.health.succeeded(op.kind is OpKind.UPLOAD)
                 if head is None:
                     self._finish(op, False, None)
                     return
@@ -488,7 +449,7 @@ class RemoteIO:
             else:
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
-                self._mark_up(op)
+                self.health.succeeded(op.kind is OpKind.UPLOAD)
                 n = codec.encoded_size(parts)
                 self._add("bytes_written", n)
                 self._finish(op, True, None, nbytes=n)
@@ -496,10 +457,10 @@ class RemoteIO:
             self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
             self._finish(op, False, exc.kind)
         except TierUnavailable as exc:
-            self._mark_down(op, exc)
+            self.health.failed(op.kind is OpKind.UPLOAD, exc)
             self._finish(op, False, "unreachable")
         except TierError as exc:  # one object failed; the tier answered, so it is up
-            self._mark_up(op)
+            self.health.succeeded(op.kind is OpKind.UPLOAD)
             self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op.kind, exc)
             self._finish(op, False, exc.kind if exc.kind in ERROR_KINDS else "tier")
 

@@ -19,8 +19,9 @@ from kvtier.connectors.metadata import FetchOp, KVTierMetadata, LoadOp, StoreOp
 from kvtier.connectors.vllm import KVTierConnector
 
 from kvtier.config import load_config
+from kvtier.cuda_copier import CudaCopier
 from kvtier.keys import Namespace
-from kvtier.transfer import CpuCopier, CudaCopier
+from kvtier.transfer import CpuCopier
 
 NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
 #: FlashAttention style: [2, num_blocks, block_size, H, D]

@@ -201,7 +201,7 @@ def test_rate_limited_warning_counts_suppressed(services, caplog) -> None:
     server = services.redis(start=False)
     rio = make_rio(RedisTier(server.url), backoff=NoBackoff())
     caplog.set_level(logging.WARNING, "kvtier.remote")
-    rio._tier_log.interval = 0.3  # the production interval is 10 s
+    rio.health.log.interval = 0.3  # the production interval is 10 s
     for i in range(5):
         probe(rio, i, "x")
         collect(rio, 1)
@@ -517,7 +517,7 @@ def test_a_rejected_first_chunk_ends_the_run(any_tier, monkeypatch) -> None:
 
 def test_a_run_while_reads_are_down_fails_fast_without_asking(any_tier, monkeypatch) -> None:
     rio = make_rio(any_tier, backoff=ConstantBackoff(60))
-    rio._read_backoff.failed()
+    rio.health.reads.failed()
     asked = _counting_reads(any_tier, monkeypatch)
     _run(rio, 400, ["x0", "x1", "x2"])
     res = collect(rio, 3)

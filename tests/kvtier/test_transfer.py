@@ -17,11 +17,11 @@ import torch
 from copyfakes import FakeOps, make_caches, times
 
 from kvtier import cuda as kcuda
+from kvtier.cuda_copier import CudaCopier
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
 from kvtier.ops import LoadOp, StoreOp
 from kvtier.transfer import (
     CpuCopier,
-    CudaCopier,
     check_job,
     contiguous_pieces,
     group_jobs,
