@@ -39,7 +39,6 @@ from .worker import WorkerSide
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
         PromMetricT,
     )
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -284,9 +284,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             worker_meta = connector_output.kv_connector_worker_meta
-            if self._events is not None and isinstance(worker_meta, KVTierWorkerMeta):
-                self._events.settle_uploads(worker_meta)  # before a write-back evicts
+            if self._events is None or not isinstance(worker_meta, KVTierWorkerMeta):
+                self._scheduler.update_connector_output(connector_output)
+                return
+            uploaded = self._events.settle_uploads(worker_meta)  # before a write-back evicts
             self._scheduler.update_connector_output(connector_output)
+            self._events.announce_uploads(uploaded)  # after the stores settled
 
     def request_finished(
         self, request: Request, block_ids: list[int]
