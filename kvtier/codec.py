@@ -195,12 +195,14 @@ def _file_key(cfg_key: str, path: str) -> bytes:
 def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:
     """The bytes the signature covers: the header fields in a fixed order, no ``sig``
     (``rest``: the checksum, or a sealed chunk's key id, nonce and tag)."""
-    return msgpack.packb([version, key, dtype, shape, n, *rest], use_bin_type=True)
+    packed: bytes = msgpack.packb([version, key, dtype, shape, n, *rest], use_bin_type=True)
+    return packed
 
 
 def _aad(version: int, key: str, dtype: str, shape: list[int], n: int) -> bytes:
     """A sealed chunk's associated data: what it is and where it belongs."""
-    return msgpack.packb([version, key, dtype, shape, n], use_bin_type=True)
+    packed: bytes = msgpack.packb([version, key, dtype, shape, n], use_bin_type=True)
+    return packed
 
 
 def encode(
@@ -322,7 +324,7 @@ def head_length(prefix: bytes | bytearray | memoryview) -> int:
         raise CodecError("not a kvtier chunk (bad magic)")
     if view.nbytes < _PREFIX.size:
         raise TruncatedError(f"chunk of {view.nbytes} bytes is shorter than its prefix")
-    _, hlen = _PREFIX.unpack_from(view)
+    hlen: int = _PREFIX.unpack_from(view)[1]
     if hlen > MAX_HEADER:
         raise CodecError(f"chunk header length {hlen} is implausible")
     return _PREFIX.size + hlen

@@ -226,3 +226,30 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
     assert totals.get("error_sealed", 0) == 0, totals
     _assert_key_never_shown(w)
     _assert_key_never_shown(r)
+
+
+@pytest.mark.parametrize("bad", ["short", "unset"])
+def test_a_bad_or_missing_key_stops_the_engine_at_startup(
+    bad: str, tiny_model: str, tmp_path: Path
+) -> None:
+    """A key that is not 256 bits (here 63 hex digits), or a variable that is not set,
+    stops the engine with a ConfigError naming the setting; the key is in no log line."""
+    logs = tmp_path / "logs"
+    extra = {"cpu_bytes": "64MiB", "encryption_key_env": KEY_VAR,
+             "remote_url": f"file://{tmp_path / 'kv'}"}  # fmt: skip
+    env = {KEY_VAR: K1_TEXT[:-1]} if bad == "short" else {}
+    with pytest.raises(AssertionError, match="ended without a result"):
+        run_logged("trust_read", logs, env=env, model=tiny_model, extra=extra, seeds=SEEDS[:1],
+                   timeout=300)  # fmt: skip
+    (log_path,) = logs.glob("*.log")
+    log = log_path.read_text()
+    assert "kvtier config 'encryption_key_env'" in log, log[-4000:]
+    want = "64 hex characters" if bad == "short" else "must be set, non-empty"
+    assert want in log, log[-4000:]
+    assert K1_TEXT[:-1] not in log and K1_TEXT[:-1].upper() not in log
+    doc = subprocess.run(
+        [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log_path)],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO),
+    )  # fmt: skip
+    assert K1_TEXT[:-1] not in doc.stdout + doc.stderr
+    assert "encryption_key_env" in doc.stdout + doc.stderr, doc.stdout[-3000:]
