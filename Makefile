@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo test test-fast lint bench bench-ttft bench-tiers bench-scheduler clean
+.PHONY: venv demo test test-fast lint typecheck bench bench-ttft bench-tiers bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -28,9 +28,12 @@ demo: venv
 	$(VENV)/bin/kvtier demo
 
 lint: venv
-	$(VENV)/bin/ruff check kvtier connectors sizing tests bench
+	$(VENV)/bin/ruff check kvtier connectors sizing tools tests bench
 
-test: venv lint $(CHECKOV)
+typecheck: venv
+	$(VENV)/bin/mypy
+
+test: venv lint typecheck $(CHECKOV)
 	$(PY) -m pytest -q tests
 
 test-fast: venv $(CHECKOV)

@@ -461,7 +461,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    from kvtier.sizing.tinymodel import build_tiny_llama
+    from kvtier.tools.tinymodel import build_tiny_llama
     from vllm import LLM
 
     max_len = max(4096, max(args.lengths) + 64)

@@ -324,4 +324,4 @@ def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: i
         cpu_offload_gb=cpu_offload_gb * world_size,
         model_dir=model_dir if os.path.isdir(model_dir) else None,
     )
-    return total // world_size
+    return int(total) // world_size

@@ -438,7 +438,7 @@ class RemoteIO:
                         return
                     op.started = True
                 head = self.tier.read_into(key, buf, MAX_FRAME)
-                self.health.succeeded(op.kind is OpKind.UPLOAD)
+                self.health.succeeded(write=False)
                 if head is None:
                     self._finish(op, False, None)
                     return
@@ -449,7 +449,7 @@ class RemoteIO:
             else:
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
-                self.health.succeeded(op.kind is OpKind.UPLOAD)
+                self.health.succeeded(write=True)
                 n = codec.encoded_size(parts)
                 self._add("bytes_written", n)
                 self._finish(op, True, None, nbytes=n)

@@ -317,7 +317,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if command == name:
             import importlib
 
-            mod = importlib.import_module(f"kvtier.sizing.{name}")
+            mod = importlib.import_module(f"kvtier.tools.{name}")
             mod.add_arguments(p)
             p.set_defaults(func=mod.run)
     return parser

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from kvtier.connectors.identity import namespace_for
-from kvtier.sizing.tinymodel import build_tiny_llama
+from kvtier.tools.tinymodel import build_tiny_llama
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError

@@ -300,7 +300,7 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
     find the old model's chunks; the same weights mounted elsewhere must."""
     import shutil
 
-    from kvtier.sizing.tinymodel import build_tiny_llama
+    from kvtier.tools.tinymodel import build_tiny_llama
 
     served = tmp_path / "models" / "served"
     build_tiny_llama(served, seed=0)
@@ -329,7 +329,7 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
 def test_cache_salt_model_and_kv_dtype_separate_chunks(
     tiny_model: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from kvtier.sizing.tinymodel import build_tiny_llama
+    from kvtier.tools.tinymodel import build_tiny_llama
 
     logs = tmp_path / "logs"
     root = tmp_path / "kv"

@@ -358,7 +358,7 @@ def bench_url() -> Any:
 
 def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path, tmp_path: Path,
                                                 capsys: Any) -> None:
-    from kvtier.sizing import bench
+    from kvtier.tools import bench
     from test_bench import _args as bench_args
 
     url = bench_url

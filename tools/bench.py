@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import queue
 import random
-import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from .bench_report import base_url, format_table, summarize, write_plot
+from .promtext import Snapshot, parse_metrics
 
 #: Everyday words that are one token each in common BPE vocabularies (and in the
 #: tiny test tokenizer), so that word counts track token counts.
@@ -39,16 +40,6 @@ WORDS: tuple[str, ...] = (
     "shared", "the", "values", "when", "while",
 )
 
-KVTIER_HIT = "kvtier:hit_tokens_total"
-KVTIER_LOOKUP = "kvtier:lookup_tokens_total"
-KVTIER_TTFT = "kvtier:ttft_seconds"
-VLLM_HIT = "vllm:prefix_cache_hits_total"
-VLLM_QUERY = "vllm:prefix_cache_queries_total"
-VLLM_EXT_HIT = "vllm:external_prefix_cache_hits_total"
-VLLM_EXT_QUERY = "vllm:external_prefix_cache_queries_total"
-#: every prompt token by where it came from (vLLM >= 0.32): computed, GPU cache, connector
-VLLM_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-OUTCOMES = ("hit", "partial", "miss")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -189,187 +180,6 @@ def next_prompt(prompt: str, answer: str, user_text: str) -> str:
     return "\n".join(part for part in (prompt, answer, user_text) if part)
 
 
-# ----------------------------------------------------------------------- metrics
-
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-MetricSample = tuple[str, dict[str, str], float]
-
-
-def parse_metrics(text: str) -> list[MetricSample]:
-    """Parse Prometheus text exposition into (name, labels, value) samples."""
-    samples: list[MetricSample] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, raw_labels, raw_value = m.groups()
-        try:
-            value = float(raw_value)
-        except ValueError:
-            continue
-        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\")
-                  for k, v in _LABEL.findall(raw_labels or "")}
-        samples.append((name, labels, value))
-    return samples
-
-
-@dataclass(slots=True)
-class Snapshot:
-    """One scrape of ``/metrics``: when, and what it said."""
-
-    t: float
-    samples: list[MetricSample] = field(default_factory=list)
-
-    def total(self, name: str, **where: str) -> float | None:
-        """Sum over every series of ``name`` (vLLM labels by model and engine) whose labels
-        include ``where``; None if absent."""
-        vals = [v for n, labels, v in self.samples
-                if n == name and all(labels.get(k) == x for k, x in where.items())]
-        return sum(vals) if vals else None
-
-    def has(self, name: str) -> bool:
-        """Whether any series of ``name`` (or its histogram parts) is exported."""
-        return any(n == name or n.startswith(name + "_") for n, _, _ in self.samples)
-
-    def buckets(self, name: str, label: str) -> dict[str, dict[float, float]]:
-        """Histogram ``name`` as {label value: {le: cumulative count}}, summed over other labels."""
-        out: dict[str, dict[float, float]] = {}
-        for n, labels, v in self.samples:
-            if n != name + "_bucket" or "le" not in labels:
-                continue
-            le = float(labels["le"])  # "+Inf" parses as inf
-            per = out.setdefault(labels.get(label, ""), {})
-            per[le] = per.get(le, 0.0) + v
-        return out
-
-
-def counter_delta(
-    before: Snapshot | None, after: Snapshot | None, name: str, **where: str
-) -> float | None:
-    """Increase of a counter over the run; a series that appeared mid-run started at 0."""
-    if after is None:
-        return None
-    end = after.total(name, **where)
-    if end is None:
-        return None
-    start = before.total(name, **where) if before is not None else None
-    return end - (start or 0.0)
-
-
-#: where a prompt token came from, as the headline's split shows it
-TOKEN_SOURCES = ("gpu_prefix_cache", "kvtier_host", "kvtier_object_tier", "other_connector",
-                 "computed")  # fmt: skip
-
-
-def token_sources(before: Snapshot | None, after: Snapshot | None) -> dict[str, float] | None:
-    """Prompt tokens of the run by source, from vLLM's ``prompt_tokens_by_source`` and
-    kvtier's hit counters; None when the server does not export the former."""
-    def delta(name: str, **where: str) -> float:
-        return counter_delta(before, after, name, **where) or 0.0
-
-    if counter_delta(before, after, VLLM_BY_SOURCE) is None:
-        return None
-    external = delta(VLLM_BY_SOURCE, source="external_kv_transfer")
-    host, remote = delta(KVTIER_HIT, tier="host"), delta(KVTIER_HIT, tier="remote")
-    return {
-        "gpu_prefix_cache": delta(VLLM_BY_SOURCE, source="local_cache_hit"),
-        "kvtier_host": host,
-        "kvtier_object_tier": remote,
-        "other_connector": max(0.0, external - host - remote),
-        "computed": delta(VLLM_BY_SOURCE, source="local_compute"),
-    }
-
-
-def token_shares(sources: dict[str, float] | None) -> dict[str, float] | None:
-    """Each source's share of the run's prompt tokens."""
-    total = sum(sources.values()) if sources else 0.0
-    if not sources or total <= 0:
-        return None
-    return {k: v / total for k, v in sources.items()}
-
-
-def hit_rates(before: Snapshot | None, after: Snapshot | None) -> dict[str, float | None]:
-    """Every hit rate the server lets us compute, by source."""
-    def ratio(hit: str, query: str) -> float | None:
-        h, q = counter_delta(before, after, hit), counter_delta(before, after, query)
-        if h is None or q is None or q <= 0:
-            return None
-        return h / q
-
-    shares = token_shares(token_sources(before, after))
-    return {
-        "any_cache": None if shares is None else 1.0 - shares["computed"],
-        "kvtier": ratio(KVTIER_HIT, KVTIER_LOOKUP),
-        "vllm_prefix_cache": ratio(VLLM_HIT, VLLM_QUERY),
-        "vllm_external": ratio(VLLM_EXT_HIT, VLLM_EXT_QUERY),
-    }
-
-
-#: the headline's meaning, by the key of hit_rates() it was taken from
-ANY_CACHE = "share of prompt tokens from any cache (vllm:prompt_tokens_by_source)"
-
-
-def pick_hit_rate(rates: dict[str, float | None]) -> tuple[float | None, str]:
-    """The share of prompt tokens served from any cache (GPU prefix cache, kvtier, another
-    connector) when vLLM exports it; else kvtier's own counters (tokens beyond vLLM's
-    cache), else vLLM's prefix cache; and which was used."""
-    if rates.get("any_cache") is not None:
-        return rates["any_cache"], ANY_CACHE
-    if rates.get("kvtier") is not None:
-        return rates["kvtier"], f"{KVTIER_HIT} / {KVTIER_LOOKUP}"
-    if rates.get("vllm_prefix_cache") is not None:
-        return rates["vllm_prefix_cache"], f"{VLLM_HIT} / {VLLM_QUERY}"
-    return None, "none (no hit counters on /metrics)"
-
-
-def bucket_delta(before: Snapshot | None, after: Snapshot, name: str,
-                 label: str) -> dict[str, list[tuple[float, float]]]:
-    """Histogram buckets added during the run: {label value: [(le, cumulative count)]}."""
-    end = after.buckets(name, label)
-    start = before.buckets(name, label) if before is not None else {}
-    out = {}
-    for key, per in end.items():
-        base = start.get(key, {})
-        out[key] = sorted((le, c - base.get(le, 0.0)) for le, c in per.items())
-    return out
-
-
-def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
-    """Prometheus-style quantile: linear interpolation inside the bucket holding rank q."""
-    if not buckets:
-        return None
-    total = buckets[-1][1]
-    if total <= 0:
-        return None
-    rank = q * total
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in buckets:
-        if c >= rank:
-            if math.isinf(le):
-                return prev_le
-            if c == prev_c:
-                return le
-            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-        prev_le, prev_c = le, c
-    return prev_le
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated quantile of raw samples (numpy's default method)."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 # ---------------------------------------------------------------------- requests
 
 
@@ -389,11 +199,6 @@ class RequestResult:
     error: str | None = None
     text: str = ""
     prompt: str = ""
-
-
-def _base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
 
 
 def stream_completion(client: Any, base: str, model: str, prompt: str, max_tokens: int,
@@ -514,7 +319,7 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
     import httpx
 
     _validate(args)
-    base = _base_url(args.url)
+    base = base_url(args.url)
     metrics_url = args.metrics_url or base + "/metrics"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency + 4)
@@ -682,204 +487,8 @@ def _reset_prefix_cache(client: Any, base: str) -> None:
         time.sleep(0.1)
 
 
-# ------------------------------------------------------------------- summarizing
-
-
-def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
-              run: tuple[list[RequestResult], float], before: Snapshot | None,
-              after: Snapshot | None, timeline: list[Snapshot]) -> dict[str, Any]:
-    """The numbers the table, --json and --plot show."""
-    results, duration = run
-    ok = [r for r in results if r.ok]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    out_tokens = sum(r.output_tokens or 0 for r in ok)
-    rates = hit_rates(before, after)
-    rate, source = pick_hit_rate(rates)
-    sources = token_sources(before, after)
-    by_outcome: dict[str, dict[str, Any]] = {}
-    ttft_buckets: dict[str, list[tuple[float, float]]] = {}
-    if after is not None and after.has(KVTIER_TTFT):
-        ttft_buckets = bucket_delta(before, after, KVTIER_TTFT, "outcome")
-        for outcome in sorted(ttft_buckets, key=_outcome_order):
-            b = ttft_buckets[outcome]
-            count = b[-1][1] if b else 0.0
-            by_outcome[outcome] = {
-                "count": int(round(count)),
-                "p50_s": histogram_quantile(0.5, b),
-                "p99_s": histogram_quantile(0.99, b),
-            }
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
-    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
-    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
-    return {
-        "url": _base_url(args.url),
-        "model": model,
-        "workload": {
-            "sessions": args.sessions, "turns": args.turns,
-            "shared_prefix_tokens": args.shared_prefix_tokens, "turn_tokens": args.turn_tokens,
-            "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-            "request_rate": args.request_rate, "seed": args.seed,
-            "reset_prefix_cache": bool(args.reset_prefix_cache),
-            "tokens_per_word": round(scale.per_word, 4),
-            "lead_tokens": round(scale.lead, 2),
-        },
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "throughput_rps": len(ok) / duration if duration > 0 else 0.0,
-        "output_tokens_per_s": out_tokens / duration if duration > 0 else 0.0,
-        "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
-        "cached_tokens_total": sum(cached) if cached else None,
-        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
-        "ttft_p50_s": quantile(ttfts, 0.5),
-        "ttft_p99_s": quantile(ttfts, 0.99),
-        "ttft_by_outcome": by_outcome,
-        "ttft_buckets_by_outcome": {k: [[le, c] for le, c in v] for k, v in ttft_buckets.items()},
-        "hit_rate": rate,
-        "hit_rate_source": source,
-        "hit_rate_by_source": token_shares(sources),
-        "prompt_tokens_by_source": sources,
-        "hit_rates": rates,
-        "metrics_deltas": {
-            name: counter_delta(before, after, name)
-            for name in (KVTIER_HIT, KVTIER_LOOKUP, VLLM_HIT, VLLM_QUERY, VLLM_EXT_HIT,
-                         VLLM_EXT_QUERY)
-        },
-        "hit_rate_timeline": _timeline(before, timeline, after, source),
-        "errors": errors,
-        "samples": [
-            {k: v for k, v in asdict(r).items() if k not in ("text", "prompt")}
-            for r in results
-        ],
-    }
-
-
-def _outcome_order(outcome: str) -> tuple[int, str]:
-    return (OUTCOMES.index(outcome) if outcome in OUTCOMES else len(OUTCOMES), outcome)
-
-
-def _timeline(before: Snapshot | None, mids: list[Snapshot], after: Snapshot | None,
-              source: str) -> list[dict[str, float | None]]:
-    """Hit rate in each scrape interval, by the same source the summary uses."""
-    key = ("any_cache" if source == ANY_CACHE
-           else "kvtier" if source.startswith("kvtier:") else "vllm_prefix_cache")
-    snaps = [s for s in (before, *mids, after) if s is not None]
-    snaps.sort(key=lambda s: s.t)
-    if len(snaps) < 2:
-        return []
-    t0 = snaps[0].t
-    out = []
-    for a, b in zip(snaps, snaps[1:], strict=False):
-        out.append({"t_s": b.t - t0, "hit_rate": hit_rates(a, b)[key]})
-    return out
-
-
-def _fmt_s(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.3f} s"
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The human-readable summary."""
-    w = result["workload"]
-    rows: list[tuple[str, str]] = [
-        ("server", f"{result['url']}  model={result['model']}"),
-        ("workload", f"{w['sessions']} sessions x {w['turns']} turns, shared "
-                     f"{w['shared_prefix_tokens']} + {w['turn_tokens']}/turn tokens, "
-                     f"{w['output_tokens']} out, concurrency {w['concurrency']}"),
-        ("requests", f"{result['requests']} ({result['failed']} failed)"),
-        ("duration", f"{result['duration_s']:.2f} s"),
-        ("throughput", f"{result['throughput_rps']:.3f} req/s  "
-                       f"({result['output_tokens_per_s']:.1f} output tok/s)"),
-        ("TTFT p50 / p99", f"{_fmt_s(result['ttft_p50_s'])} / {_fmt_s(result['ttft_p99_s'])}"
-                           "  (client, streamed)"),
-    ]
-    for outcome, d in result["ttft_by_outcome"].items():
-        rows.append((f"  TTFT {outcome}", f"{_fmt_s(d['p50_s'])} / {_fmt_s(d['p99_s'])}"
-                                         f"  (n={d['count']}, server {KVTIER_TTFT})"))
-    hr = result["hit_rate"]
-    rows.append(("hit rate", ("-" if hr is None else f"{hr * 100:.1f} %")
-                 + f"  ({result['hit_rate_source']})"))
-    shares = result.get("hit_rate_by_source")
-    if shares:
-        rows.append(("  from", ", ".join(f"{k.replace('_', ' ')} {v * 100:.1f} %"
-                                         for k, v in shares.items() if k != "computed")))
-        rows.append(("  computed", f"{shares['computed'] * 100:.1f} %"))
-    for err, n in list(result["errors"].items())[:5]:
-        rows.append(("error", f"{n} x {err}"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
-
-
-def _iter_cdf(values: Iterable[float]) -> tuple[list[float], list[float]]:
-    s = sorted(values)
-    return s, [(i + 1) / len(s) for i in range(len(s))]
-
-
-def write_plot(result: dict[str, Any], path: str) -> None:
-    """TTFT distribution per outcome (left) and hit rate over time (right), as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ttfts = [s["ttft_s"] for s in result["samples"] if s["ok"] and s["ttft_s"] is not None]
-    if ttfts:
-        xs, ys = _iter_cdf(ttfts)
-        ax1.step(xs, ys, where="post", label=f"client, all (n={len(xs)})", color="black")
-    for outcome, buckets in result["ttft_buckets_by_outcome"].items():
-        total = buckets[-1][1] if buckets else 0
-        finite = [(le, c) for le, c in buckets if not math.isinf(le)]
-        if total <= 0 or not finite:
-            continue
-        # only the buckets where this outcome's CDF moves, so the x axis stays readable
-        lo = max((i for i, (_, c) in enumerate(finite) if c == 0), default=0)
-        hi = min((i for i, (_, c) in enumerate(finite) if c >= total), default=len(finite) - 1)
-        finite = finite[lo:hi + 1]
-        ax1.step([le for le, _ in finite], [c / total for _, c in finite], where="post",
-                 label=f"server, {outcome} (n={int(total)})")
-    ax1.set_xscale("log")
-    ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax1.set_xlabel("time to first token (s)")
-    ax1.set_ylabel("fraction of requests")
-    ax1.set_title("TTFT distribution")
-    ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8)
-    tl = [p for p in result["hit_rate_timeline"] if p["hit_rate"] is not None]
-    if tl:
-        ax2.plot([p["t_s"] for p in tl], [p["hit_rate"] * 100 for p in tl], marker=".")
-    else:
-        ax2.text(0.5, 0.5, "no hit-rate counters on /metrics", ha="center", va="center",
-                 transform=ax2.transAxes)
-    ax2.set_ylim(-2, 102)
-    ax2.set_xlabel("time since start (s)")
-    ax2.set_ylabel("hit rate per scrape interval (%)")
-    what = ("prompt tokens from any cache" if result["hit_rate_source"] == ANY_CACHE
-            else result["hit_rate_source"].split(" ")[0])
-    ax2.set_title(f"hit rate ({what})")
-    ax2.grid(True, alpha=0.3)
-    shares = result.get("hit_rate_by_source")
-    if shares:  # the whole run's split, beside the curve
-        ax2.text(0.02, 0.02, "whole run:\n" + "\n".join(
-                     f"{k.replace('_', ' ')}: {v * 100:.1f} %" for k, v in shares.items()),
-                 transform=ax2.transAxes, fontsize=8, va="bottom",
-                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"})
-    w = result["workload"]
-    fig.suptitle(f"kvtier bench: {result['model']}, {w['sessions']}x{w['turns']} turns, "
-                 f"{result['requests']} requests", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """A standalone parser (``python -m kvtier.sizing.bench``, and the bench runner)."""
+    """A standalone parser (``python -m kvtier.tools.bench``, and the bench runner)."""
     parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return parser

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.sizing import bench
+from kvtier.tools import bench, promtext
 
 FIRST_TOKEN_DELAY = 0.2
 TOKEN_DELAY = 0.01
@@ -245,7 +245,7 @@ def test_headline_is_the_share_of_prompt_tokens_from_any_cache(
     assert bench.run(_args(url, "--json", "--plot", str(plot))) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["hit_rate"] == pytest.approx(0.4)
-    assert res["hit_rate_source"] == bench.ANY_CACHE
+    assert res["hit_rate_source"] == promtext.ANY_CACHE
     assert res["hit_rate_by_source"] == pytest.approx({
         "gpu_prefix_cache": 0.1, "kvtier_host": 0.3, "kvtier_object_tier": 0.0,
         "other_connector": 0.0, "computed": 0.6})
@@ -390,15 +390,15 @@ def test_metrics_parsing_and_quantiles() -> None:
         '# TYPE x counter\nx_total{a="q\\"uote",b="2"} 3.5\nx_total{a="z"} 1e1\n'
         'h_bucket{le="0.1"} 2\nh_bucket{le="1.0"} 4\nh_bucket{le="+Inf"} 5\ngarbage line\n'
     )
-    snap = bench.Snapshot(0.0, bench.parse_metrics(text))
+    snap = promtext.Snapshot(0.0, promtext.parse_metrics(text))
     assert snap.total("x_total") == 13.5 and snap.total("y_total") is None
     assert snap.samples[0][1] == {"a": 'q"uote', "b": "2"}
     b = sorted(snap.buckets("h", "outcome")[""].items())
-    assert bench.histogram_quantile(0.2, b) == pytest.approx(0.05)
-    assert bench.histogram_quantile(0.6, b) == pytest.approx(0.55)
-    assert bench.histogram_quantile(0.99, b) == pytest.approx(1.0)  # +Inf bucket: last finite le
-    assert bench.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
-    assert bench.quantile([], 0.5) is None
+    assert promtext.histogram_quantile(0.2, b) == pytest.approx(0.05)
+    assert promtext.histogram_quantile(0.6, b) == pytest.approx(0.55)
+    assert promtext.histogram_quantile(0.99, b) == pytest.approx(1.0)  # +Inf bucket: last finite le
+    assert promtext.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+    assert promtext.quantile([], 0.5) is None
 
 
 def test_wired_as_kvtier_bench(fake: tuple[FakeServer, str], capsys: Any) -> None:
@@ -422,7 +422,7 @@ def test_module_imports_neither_torch_vllm_nor_matplotlib(
 ) -> None:
     _, url = fake
     code = (
-        "import sys\nfrom kvtier.sizing import bench\n"
+        "import sys\nfrom kvtier.tools import bench\n"
         f"rc = bench.run(bench.build_parser().parse_args(['--url', '{url}', '--json', "
         "'--sessions', '2', '--shared-prefix-tokens', '20', '--turn-tokens', '5', "
         "'--output-tokens', '2']))\n"
@@ -460,7 +460,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
     can only have come from kvtier's host tier.
     """
     import httpx
-    from kvtier.sizing.tinymodel import build_tiny_llama
+    from kvtier.tools.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
     port = _free_port()
@@ -497,7 +497,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
         assert res["hit_rate"] is not None and res["hit_rate"] > 0, res["hit_rates"]
         # vLLM 0.32 says where each prompt token came from: the headline is that share,
         # and kvtier's host tier served part of it (vLLM's cache is reset between turns)
-        assert res["hit_rate_source"] == bench.ANY_CACHE, res["hit_rate_source"]
+        assert res["hit_rate_source"] == promtext.ANY_CACHE, res["hit_rate_source"]
         shares = res["hit_rate_by_source"]
         assert shares["kvtier_host"] > 0 and shares["computed"] < 1, shares
         assert res["hit_rate"] == pytest.approx(1 - shares["computed"])
@@ -528,7 +528,7 @@ def _load_report() -> Any:
 def _phase(ttfts: list[float], rps: float = 1.0) -> dict[str, Any]:
     samples = [{"start_s": float(i), "ok": True, "ttft_s": t} for i, t in enumerate(ttfts)]
     return {"samples": samples, "requests": len(ttfts), "failed": 0, "throughput_rps": rps,
-            "ttft_p50_s": bench.quantile(ttfts, 0.5), "hit_rate": 0.5,
+            "ttft_p50_s": promtext.quantile(ttfts, 0.5), "hit_rate": 0.5,
             "hit_rates": {"kvtier": 0.5, "vllm_prefix_cache": 0.0, "vllm_external": 0.5}}
 
 
