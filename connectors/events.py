@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +95,29 @@ logger = logging.getLogger("kvtier.events")
 #: vLLM's ``locality`` values (``vllm.v1.kv_offload.base.Locality``)
 LOCAL = "LOCAL"
 REMOTE = "REMOTE"
+
+
+_INT64 = (1 << 64) - 1
+
+
+def _int_hash(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash, "big") & _INT64
+
+
+def _same_hash(block_hash: bytes) -> bytes:
+    return block_hash
+
+
+def hash_converter() -> Callable[[bytes], Any]:
+    """vLLM's ``maybe_convert_block_hash``, decided once: vLLM's reads the environment on
+    every call (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), the costliest part of an
+    event. Checked against vLLM's own function, so both always agree."""
+    probe = bytes(range(32))
+    converted = maybe_convert_block_hash(probe)  # type: ignore[arg-type]
+    if converted == probe:
+        return _same_hash
+    assert converted == _int_hash(probe), "vLLM converts block hashes differently"
+    return _int_hash
 
 
 def events_enabled(vllm_config: VllmConfig) -> bool:
@@ -155,6 +179,7 @@ class ChunkEvents:
         self.group_idx = group_idx
         self.kv_cache_spec_kind = kv_cache_spec_kind
         self.kv_cache_spec_sliding_window = kv_cache_spec_sliding_window
+        self._convert = hash_converter()
         #: last block hash -> the chunk's event payload, from its store or fetch until it
         #: leaves the index (so at most one per host slot)
         self._chunks: dict[bytes, _Chunk] = {}
@@ -222,19 +247,20 @@ class ChunkEvents:
         if len(hashes) < bpc or hashes[-1] != block_hash:
             return  # not this request's full chunk: kvtier stores whole chunks only
         start = first * bs
-        extra: list[tuple[Any, ...] | None] = []
-        mm_idx = 0
-        for b in range(bpc):
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, start + b * bs, start + (b + 1) * bs, mm_idx
-            )
-            extra.append(keys)
         lora = request.lora_request
+        extra: list[tuple[Any, ...] | None] = [None] * bpc
+        if (getattr(request, "mm_features", None) or lora is not None
+                or getattr(request, "prompt_embeds", None) is not None
+                or (start == 0 and request.cache_salt)):
+            mm_idx = 0  # vLLM's own per-block extra keys, as in its GPU events
+            for b in range(bpc):
+                extra[b], mm_idx = generate_block_hash_extra_keys(
+                    request, start + b * bs, start + (b + 1) * bs, mm_idx
+                )
+        convert = self._convert
         self._chunks[block_hash] = _Chunk(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-            parent_block_hash=(
-                maybe_convert_block_hash(request.block_hashes[first - 1]) if first else None
-            ),
+            block_hashes=[convert(h) for h in hashes],
+            parent_block_hash=convert(request.block_hashes[first - 1]) if first else None,
             token_ids=list(request.all_token_ids[start : start + bpc * bs]),
             extra_keys=to_event_extra_keys(extra),
             lora_id=lora.adapter_id if lora is not None else None,

@@ -353,3 +353,18 @@ def test_chunk_events_reject_nonsense_sizes() -> None:
         ChunkEvents(block_size=BS, blocks_per_chunk=0, max_events=10)
     with pytest.raises(ValueError):
         ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=0)
+
+
+@pytest.mark.parametrize("as_int", ["1", "0"])
+def test_hashes_are_converted_exactly_as_vllm_converts_them(
+    as_int: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvtier decides the format once (vLLM's function reads the environment per call)."""
+    from kvtier.connectors.events import hash_converter
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_int)
+    convert = hash_converter()
+    req = make_request(40, 4 * BS)
+    for h in req.block_hashes:
+        assert convert(h) == maybe_convert_block_hash(h)
+    assert isinstance(convert(req.block_hashes[0]), int if as_int == "1" else bytes)
