@@ -8,7 +8,6 @@ Settling updates the host-tier index: a stored or fetched chunk becomes READY
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from kvtier import metrics
 from kvtier.index import ChunkIndex, Entry
 from kvtier.ops import OpKind
-from kvtier.stats import StatsRecorder
+from kvtier.stats import StatsRecorder, Totals
 
 
 @dataclass(slots=True)
@@ -35,7 +34,7 @@ class OpLedger:
         index: ChunkIndex,
         world_size: int,
         stats: StatsRecorder,
-        totals: collections.Counter[str],
+        totals: Totals,
         on_upload: Callable[[bool], None] = lambda ok: None,
     ) -> None:
         self.index = index

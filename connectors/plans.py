@@ -11,7 +11,6 @@ oldest ones ahead of eviction.
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from kvtier import metrics
 from kvtier.index import ChunkIndex, Entry, State
 from kvtier.ops import LoadOp, OpKind, StoreOp, UploadOp
-from kvtier.stats import StatsRecorder
+from kvtier.stats import StatsRecorder, Totals
 
 from .ledger import OpLedger
 from .requests import ChunkKeys, RequestState
@@ -37,7 +36,7 @@ class Planner:
         ledger: OpLedger,
         keys: ChunkKeys,
         stats: StatsRecorder,
-        totals: collections.Counter[str],
+        totals: Totals,
         *,
         block_size: int,
         chunk_size: int,
@@ -82,8 +81,7 @@ class Planner:
             tokens = (b_to - b_from) * bs
             tier = "remote" if entry.fetched else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
-            self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))
-            self.totals[f"hit_tokens_{tier}"] += tokens
+            self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))  # (and its total)
 
     # ---- stores -----------------------------------------------------------------------
     def plan_stores(
@@ -114,8 +112,7 @@ class Planner:
                 continue
             entry = self.index.begin(key, State.STORING)
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
-                self.totals["store_skipped"] += 1
-                self.stats.inc(metrics.STORES_SKIPPED)
+                self.stats.inc(metrics.STORES_SKIPPED)  # (and its total)
                 continue
             entry.block_hash = st.chunk_hashes[c]
             op_id = self.ledger.new_id()

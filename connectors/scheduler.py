@@ -15,7 +15,6 @@ keeps the step's metrics.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
@@ -29,7 +28,7 @@ from kvtier.index import ChunkIndex
 from kvtier.keys import KeySpace, Namespace
 from kvtier.layout import slot_bytes_for
 from kvtier.ops import OpKind
-from kvtier.stats import StatsRecorder
+from kvtier.stats import StatsRecorder, Totals, total_name
 
 from .ledger import OpLedger
 from .lookup import RemoteLookups
@@ -48,6 +47,19 @@ if TYPE_CHECKING:
     from .events import ChunkEvents
 
 logger = logging.getLogger("kvtier.scheduler")
+
+#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens,
+#: evictions, skipped stores: fed by the increments that go to Prometheus), settled
+#: ops by kind and result, write-back uploads begun, and the errors workers reported
+SCHEDULER_TOTALS: tuple[str, ...] = (
+    total_name(metrics.LOOKUP_TOKENS),
+    *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
+    total_name(metrics.EVICTIONS),
+    total_name(metrics.STORES_SKIPPED),
+    "write_back",
+    *(f"{kind.value}_{end}" for kind in OpKind for end in ("ok", "failed")),
+    *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
+)
 
 
 class SchedulerSide:
@@ -96,13 +108,9 @@ class SchedulerSide:
             if (cfg.remote_url or "").startswith("file:")
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
-        self.stats = StatsRecorder()
-        #: running totals since start, for tests and `kvtier doctor`-style introspection
-        self.totals: collections.Counter[str] = collections.Counter()
-        # every name present from the start: a reader asking for one that is not is told
-        self.totals.update({f"hit_tokens_{tier}": 0 for tier in ("host", "remote")})
-        self.totals.update({f"{kind.value}_{end}": 0 for kind in OpKind
-                            for end in ("ok", "failed")})
+        #: running totals since start, for tests and introspection (SCHEDULER_TOTALS)
+        self.totals = Totals(SCHEDULER_TOTALS)
+        self.stats = StatsRecorder(self.totals)
         self.ledger = OpLedger(
             self.index, self.world_size, self.stats, self.totals,
             on_upload=lambda ok: self.planner.upload_settled(ok),
@@ -183,7 +191,6 @@ class SchedulerSide:
             self.planner.plan_loads(st, self._block_ids(request.request_id), start, end)
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
-        self.totals["lookup_tokens"] += lookup
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
         # the last token vLLM must compute) was there; the tail is always recomputed
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
@@ -239,7 +246,6 @@ class SchedulerSide:
         meta.uploads, self.planner.uploads = self.planner.uploads, []
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
         self.stats.set(metrics.HOST_BYTES_USED, used)
-        self.totals["evictions"] = self.index.evictions
         if self.index.evictions != self._last_evictions:
             self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
             self._last_evictions = self.index.evictions
@@ -251,7 +257,7 @@ class SchedulerSide:
             for op_id in sorted(meta.results):
                 self.ledger.report(op_id, meta.results[op_id])
             for kind, n in meta.errors.items():
-                self.totals[f"error_{kind}"] += n
+                self.totals[f"error_{metrics.error_kind_label(kind)}"] += n
             now = time.time()
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):

@@ -52,6 +52,7 @@ from kvtier import codec
 from kvtier.backoff import Backoff, ExponentialBackoff
 from kvtier.errors import CodecError, TierError, TierUnavailable
 from kvtier.ops import OpKind, OpResult
+from kvtier.stats import Totals
 from kvtier.tier_health import RateLimitedLog, TierHealth
 from kvtier.tiers.base import ObjectTier
 
@@ -145,7 +146,7 @@ class RemoteIO:
         self._writes_idle = threading.Condition(self._lock)
         self._inflight: dict[int, _Op] = {}  # reads, watched by poll() for timeouts
         self._seq = itertools.count()
-        self._totals = dict.fromkeys(_COUNTERS, 0)
+        self._totals = Totals(_COUNTERS)  # guarded by self._lock
         self._taken = dict.fromkeys(_COUNTERS, 0)
         self._pending_writes = 0
         self._put_failures = 0

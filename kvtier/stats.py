@@ -3,14 +3,21 @@
 The scheduler and each worker record into a :class:`StatsRecorder`; vLLM moves
 the dict (``take()``) to the API server's process, where the connector's
 Prometheus class replays it onto the metrics defined in :mod:`kvtier.metrics`.
+
+A recorder may also keep :class:`Totals`: running totals since start, by name,
+fed by the very increments that go to Prometheus (``kvtier:hit_tokens_total``
+with ``tier="host"`` is the total ``hit_tokens_host``), for tests and
+introspection. Their names are declared up front, so reading or writing a name
+that does not exist fails instead of quietly reading 0.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from kvtier.metrics import MetricSpec
+from kvtier.metrics import PREFIX, MetricSpec
 
 StatsData = dict[str, dict[str, Any]]
 
@@ -27,12 +34,53 @@ def split_series_id(sid: str) -> tuple[str, tuple[str, ...]]:
     return name, tuple(labels)
 
 
-class StatsRecorder:
-    """Thread-safe counters, gauges and histogram samples since the last ``take()``."""
+def total_name(spec: MetricSpec, labels: tuple[str, ...] = ()) -> str:
+    """The :class:`Totals` name of one counter series: ``kvtier:hit_tokens`` with
+    ``("host",)`` is ``hit_tokens_host``."""
+    return "_".join((spec.name.removeprefix(PREFIX), *labels))
 
-    def __init__(self) -> None:
+
+class Totals(Mapping[str, int]):
+    """Running totals since start under names declared up front (not thread-safe:
+    the owner serialises access)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._values = dict.fromkeys(names, 0)
+
+    def __getitem__(self, name: str) -> int:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise KeyError(f"no total named {name!r}; totals are {sorted(self._values)}") from None
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self[name]  # only declared names
+        self._values[name] = value
+
+    def get(self, name: str, default: object = None) -> int:  # type: ignore[override]
+        """The total; an undeclared name raises even here (``.get(name, 0)`` on a
+        renamed total must fail, not read 0)."""
+        return self[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Totals({self._values})"
+
+
+class StatsRecorder:
+    """Thread-safe counters, gauges and histogram samples since the last ``take()``;
+    with ``totals``, every counter increment whose :func:`total_name` is declared
+    there is added to it too."""
+
+    def __init__(self, totals: Totals | None = None) -> None:
         self._lock = threading.Lock()
         self._data: StatsData = empty()
+        self.totals = totals
 
     def inc(self, spec: MetricSpec, amount: float = 1, labels: tuple[str, ...] = ()) -> None:
         if amount <= 0:
@@ -41,6 +89,10 @@ class StatsRecorder:
         with self._lock:
             counters = self._data["counters"]
             counters[sid] = counters.get(sid, 0) + amount
+            if self.totals is not None:
+                name = total_name(spec, labels)
+                if name in self.totals:
+                    self.totals[name] += int(amount)
 
     def observe(self, spec: MetricSpec, value: float, labels: tuple[str, ...] = ()) -> None:
         sid = series_id(spec, labels)

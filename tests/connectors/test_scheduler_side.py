@@ -221,7 +221,7 @@ def test_stores_with_every_slot_busy_are_skipped_and_counted() -> None:
     side.stats.take()
     meta = schedule_new(side, req, 0, req.num_tokens)
     assert len(meta.stores) == 2  # both slots are now STORING, nothing evictable
-    assert side.totals["store_skipped"] == 2
+    assert side.totals["stores_skipped"] == 2
     counters = side.stats.take()["counters"]
     assert counters[series_id(metrics.STORES_SKIPPED)] == 2
     report(side, meta)
@@ -273,7 +273,7 @@ def test_write_back_keeps_the_newest_prompt_whole_and_uploads_what_it_evicts() -
         e.block_hash == h for e in side.index._entries.values())]
     assert len(evicted) == 40 - 12
     assert set(evicted) <= uploaded, "a chunk left the host tier without being uploaded"
-    assert side.totals.get("store_skipped", 0) == 0
+    assert side.totals["stores_skipped"] == 0
     assert side.index.total_refs() == 0
     side.index.check()
 

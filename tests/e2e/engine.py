@@ -142,7 +142,7 @@ def shared_prefix(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "a": a, "a_ref": a_ref, "b_ref": b_ref, "b": b, "a2": a2,
         "b_hit_tokens": after["hit_tokens_host"] - before["hit_tokens_host"],
-        "b_lookup_tokens": after.get("lookup_tokens", 0) - before.get("lookup_tokens", 0),
+        "b_lookup_tokens": after["lookup_tokens"] - before["lookup_tokens"],
         "index": index_report(llm),
     }
 

@@ -1,0 +1,57 @@
+"""StatsRecorder and Totals: the counters Prometheus and the tests read come from one
+increment, and a total that does not exist cannot be read as 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import metrics
+from kvtier.stats import StatsRecorder, Totals, series_id, total_name
+
+
+def test_an_increment_feeds_prometheus_and_the_declared_total() -> None:
+    totals = Totals(["hit_tokens_host", "lookup_tokens"])
+    rec = StatsRecorder(totals)
+    rec.inc(metrics.HIT_TOKENS, 96, ("host",))
+    rec.inc(metrics.HIT_TOKENS, 32, ("remote",))  # no such total: Prometheus only
+    rec.inc(metrics.LOOKUP_TOKENS, 0)  # nothing happened: neither
+    data = rec.take()
+    assert data["counters"] == {
+        series_id(metrics.HIT_TOKENS, ("host",)): 96,
+        series_id(metrics.HIT_TOKENS, ("remote",)): 32,
+    }
+    assert dict(totals) == {"hit_tokens_host": 96, "lookup_tokens": 0}
+    rec.inc(metrics.HIT_TOKENS, 4, ("host",))
+    assert rec.take()["counters"] == {series_id(metrics.HIT_TOKENS, ("host",)): 4}
+    assert totals["hit_tokens_host"] == 100, "totals run since start; take() resets intervals"
+
+
+def test_an_undeclared_total_raises_on_every_access() -> None:
+    totals = Totals(["store_ok"])
+    totals["store_ok"] += 2
+    assert totals.get("store_ok", 0) == 2
+    for read in (lambda: totals["store_okay"], lambda: totals.get("store_okay", 0)):
+        with pytest.raises(KeyError, match="store_okay.*store_ok"):
+            read()
+    with pytest.raises(KeyError):
+        totals["store_okay"] = 1
+    assert "store_okay" not in totals and len(totals) == 1
+
+
+def test_total_names_follow_the_metric_and_its_labels() -> None:
+    assert total_name(metrics.HIT_TOKENS, ("remote",)) == "hit_tokens_remote"
+    assert total_name(metrics.STORES_SKIPPED) == "stores_skipped"
+
+
+def test_the_scheduler_declares_every_total_it_writes() -> None:
+    """Every name the scheduler side's parts write is declared (a typo is a KeyError the
+    unit tests would hit): the counters' own names resolve to metrics that exist."""
+    from kvtier.connectors.scheduler import SCHEDULER_TOTALS
+
+    assert len(SCHEDULER_TOTALS) == len(set(SCHEDULER_TOTALS))
+    counter_names = {total_name(spec, ()) for spec in metrics.ALL if spec.kind == "counter"}
+    for name in ("lookup_tokens", "evictions", "stores_skipped"):
+        assert name in SCHEDULER_TOTALS and name in counter_names
+    assert {"hit_tokens_host", "hit_tokens_remote", "fetch_failed", "error_sealed"} <= set(
+        SCHEDULER_TOTALS
+    )
