@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -242,7 +243,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.build_worker_meta() if self._worker is not None else None
 
     def _meta(self) -> KVTierMetadata:
