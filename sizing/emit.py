@@ -46,14 +46,21 @@ def extra_config(
     return cfg
 
 
-def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object that loads kvtier into vLLM."""
+def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object that loads kvtier into vLLM with ``extra`` as
+    its ``kv_connector_extra_config`` (the one place that spells it; tests and benches
+    use it too)."""
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": extra_config(plan, **kwargs),
+        "kv_connector_extra_config": extra,
     }
+
+
+def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object for a plan."""
+    return connector_config(extra_config(plan, **kwargs))
 
 
 def vllm_flags(inp: PlanInputs) -> list[str]:

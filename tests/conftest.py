@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/faultproxy.py for subdire
 os.environ.setdefault("KVTIER_CPU_HEADROOM_BYTES", "512MiB")
 
 from faultproxy import FaultProxy  # noqa: E402
+from kit import free_port
 
 #: the credentials moto accepts; nothing else in the environment is trusted
 S3_ENV = {
@@ -59,11 +60,6 @@ S3_ENV = {
 }
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen) -> None:

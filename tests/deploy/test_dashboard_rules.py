@@ -21,7 +21,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from kit import free_port
 
 from kvtier.metrics import ALL, exported_names
 
@@ -514,11 +514,6 @@ def exposition(scrape: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ExpositionServer:

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from kit import free_port
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from test_helm import (
@@ -610,10 +611,6 @@ def test_the_generated_password_is_kept_across_upgrades(helm, tmp_path, fake_api
     assert "/api/v1/namespaces/llm/secrets/rel-kvtier-redis-auth" in fake_api.requests
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openssl(*args: str) -> None:
@@ -702,7 +699,7 @@ def test_in_chart_redis_runs_its_rendered_config(helm, tmp_path, redis_server_bi
     assert acl.stat().st_mode & 0o077 == 0, "the ACL file must be private to Redis' user"
     assert acl.read_text().startswith(f"user default on >{password} ")
 
-    port = _free_port()
+    port = free_port()
     conf = pod.local(r["conf"]).replace("bind * -::*", "bind 127.0.0.1")
     conf = re.sub(r"^(tls-)?port 6379$", rf"\g<1>port {port}", conf, flags=re.M)
     conf_file = pod.paths["/etc/redis/conf"] / "redis.conf"

@@ -26,12 +26,9 @@ def toks(seed: int, n: int) -> list[int]:
 
 
 def ktc(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    from kvtier.sizing.emit import connector_config
+
+    return connector_config(extra)
 
 
 def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):

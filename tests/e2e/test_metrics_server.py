@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kvtier.sizing.emit import connector_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.metrics import ALL, exported_names
@@ -38,12 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
-KV_TRANSFER_CONFIG = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"cpu_bytes": "256MiB", "chunk_size": 256},
-}
+KV_TRANSFER_CONFIG = connector_config({"cpu_bytes": "256MiB", "chunk_size": 256})
 #: a shared prefix several 256-token chunks long (the tiny tokenizer makes ~1 token per word)
 SHARED_PREFIX = " ".join(
     [

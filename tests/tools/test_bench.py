@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit import free_port
+from kvtier.sizing.emit import connector_config
 from kvtier.tools import bench, promtext
 
 FIRST_TOKEN_DELAY = 0.2
@@ -437,18 +439,7 @@ def test_module_imports_neither_torch_vllm_nor_matplotlib(
 
 # ---------------------------------------------------------------------------- e2e
 
-KVTIER_CONFIG = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"cpu_bytes": "256MiB", "chunk_size": 256},
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+KVTIER_CONFIG = connector_config({"cpu_bytes": "256MiB", "chunk_size": 256})
 
 
 @pytest.mark.e2e
@@ -463,7 +454,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
     from kvtier.tools.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "NO_PROXY": "127.0.0.1,localhost"}
     log = open(tmp_path / "vllm.log", "wb")
