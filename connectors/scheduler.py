@@ -29,6 +29,7 @@ from kvtier.keys import KeySpace, Namespace
 from kvtier.layout import slot_bytes_for
 from kvtier.ops import OpKind
 from kvtier.stats import StatsRecorder, Totals, total_name
+from kvtier.tiers.policy import Timeouts
 
 from .ledger import OpLedger
 from .lookup import RemoteLookups
@@ -126,7 +127,7 @@ class SchedulerSide:
         )  # fmt: skip
         self.lookups = RemoteLookups(
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
-            slot_bytes=self.slot_bytes, timeout_s=cfg.lookup_timeout_ms / 1000,
+            slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
         )  # fmt: skip
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None

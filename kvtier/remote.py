@@ -176,13 +176,14 @@ class RemoteIO:
     ) -> RemoteIO:
         """RemoteIO for ``cfg``: its tier (opened here unless given), signer and limits."""
         from kvtier.tiers import open_tier
+        from kvtier.tiers.policy import Timeouts
 
         signer = codec.Signer.from_config(cfg, environ)
         return cls(
             tier if tier is not None else open_tier(cfg),
             threads=cfg.io_threads,
             queue_depth=cfg.io_queue_depth,
-            timeout_s=cfg.lookup_timeout_ms / 1000,
+            timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
             signer=signer,
             backoff=backoff,
         )

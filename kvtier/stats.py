@@ -57,7 +57,7 @@ class Totals(Mapping[str, int]):
         self[name]  # only declared names
         self._values[name] = value
 
-    def get(self, name: str, default: object = None) -> int:  # type: ignore[override]
+    def get(self, name: str, default: object = None) -> int:
         """The total; an undeclared name raises even here (``.get(name, 0)`` on a
         renamed total must fail, not read 0)."""
         return self[name]

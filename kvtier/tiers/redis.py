@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 from urllib.parse import urlparse
 
 import redis
@@ -12,6 +13,7 @@ from redis.retry import Retry
 from kvtier.config import redact_url
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.tiers.base import ObjectTier, Parts, stored_prefix
+from kvtier.tiers.policy import RETRIES, Timeouts
 
 __all__ = ["RedisTier"]
 
@@ -70,9 +72,9 @@ class RedisTier(ObjectTier):
         ttl_s: int | None = None,
     ) -> None:
         self._safe_url = redact_url(url)
-        self._password = redis.connection.parse_url(url).get("password")
+        self._password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call]
         self.ttl_s = ttl_s
-        timeout = lookup_timeout_ms / 1000
+        waits = Timeouts.from_ms(lookup_timeout_ms)
         # TLS verifies the server's certificate and name whatever redis-py's version
         # defaults to (5.x did not check the hostname); a URL's own ssl_* arguments win
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
@@ -81,10 +83,10 @@ class RedisTier(ObjectTier):
                 url,
                 **(tls if urlparse(url).scheme == "rediss" else {}),
                 max_connections=io_threads + 2,
-                timeout=max(1.0, timeout),
-                socket_timeout=max(1.0, 2 * timeout),
-                socket_connect_timeout=max(0.5, timeout),
-                retry=Retry(NoBackoff(), 1),
+                timeout=waits.pool_wait_s,
+                socket_timeout=waits.reply_s,
+                socket_connect_timeout=waits.connect_s,
+                retry=Retry(NoBackoff(), RETRIES),
             )
         except (ValueError, redis.RedisError) as exc:
             raise TierUnavailable(f"redis {self._safe_url}: {self._clean(exc)}") from None
@@ -130,7 +132,7 @@ class RedisTier(ObjectTier):
         """
         try:
             if max_bytes is None:
-                return self._client.get(key)
+                return cast("bytes | None", self._client.get(key))  # decode_responses is off
             with self._client.pipeline(transaction=False) as pipe:
                 pipe.strlen(key)
                 pipe.getrange(key, 0, max(1, max_bytes) - 1)
@@ -162,17 +164,17 @@ class RedisTier(ObjectTier):
         tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
         frame = _coalesce([head, *parts, tail])
         pool = self._client.connection_pool
-        for attempt in range(2):  # a second try replaces a connection the server dropped
+        for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
             try:
                 conn = _connection(pool)
             except (redis.RedisError, OSError) as exc:
                 raise self._fail("put", exc) from None
             try:
-                conn.send_packed_command(frame)
+                conn.send_packed_command(frame)  # type: ignore[no-untyped-call]
                 reply = conn.read_response()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                conn.disconnect()
-                if attempt:
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                if attempt == RETRIES:
                     raise self._fail("put", exc) from None
                 continue
             except redis.RedisError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 from urllib.parse import urlparse
 
 import boto3
@@ -20,6 +21,7 @@ from kvtier.errors import (
     TruncatedError,
 )
 from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
+from kvtier.tiers.policy import RETRIES, Timeouts
 
 __all__ = ["S3Tier", "client_config"]
 
@@ -51,7 +53,7 @@ def _is_object_error(exc: ClientError) -> bool:
     return 400 <= status < 500
 
 
-def _object_size(resp: dict) -> int | None:
+def _object_size(resp: dict[str, Any]) -> int | None:
     """The whole object's size: from ``Content-Range: bytes 0-N/TOTAL`` of a ranged GET."""
     total = str(resp.get("ContentRange") or "").rpartition("/")[2]
     if total.isdigit():
@@ -61,18 +63,18 @@ def _object_size(resp: dict) -> int | None:
 
 
 def client_config(io_threads: int, lookup_timeout_ms: int) -> Config:
-    """botocore settings: a pool per I/O thread, short timeouts, one retry at most.
+    """botocore settings: a pool per I/O thread, the tier policy's waits and retries.
 
     RemoteIO has its own deadline and backoff, so botocore's default of
     several retries with sleeps would only hide an outage for longer. The
     codec's end-to-end xxh3 checksum makes botocore's extra CRC pass redundant.
     """
-    timeout = lookup_timeout_ms / 1000
+    waits = Timeouts.from_ms(lookup_timeout_ms)
     return Config(
         max_pool_connections=io_threads + 2,
-        connect_timeout=max(1.0, timeout),
-        read_timeout=max(5.0, 2 * timeout),
-        retries={"max_attempts": 2, "mode": "standard"},
+        connect_timeout=waits.connect_s,
+        read_timeout=waits.body_s,
+        retries={"max_attempts": 1 + RETRIES, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
@@ -215,24 +217,37 @@ class S3Tier(ObjectTier):
         out = [True, *self._heads.map(self._head, keys[1:])]
         return stored_prefix(out)
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
-        """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
-        extra = {} if max_bytes is None else {"Range": f"bytes=0-{max(1, max_bytes) - 1}"}
+    def _get_object(self, key: str, limit: int | None) -> dict[str, Any] | None:
+        """GetObject of ``key``'s first ``limit`` bytes (all without one); None when it is
+        not stored, TruncatedError for a range of an empty object, else mapped errors."""
+        extra = {} if limit is None else {"Range": f"bytes=0-{max(1, limit) - 1}"}
         try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key), **extra)
+            resp: dict[str, Any] = self._client.get_object(
+                Bucket=self.bucket, Key=self.object_key(key), **extra
+            )
+            return resp
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
             if code in _MISSING:
                 return None
-            if code == "InvalidRange" and max_bytes is not None:
-                return b""  # a range of an empty object: the codec reports it as truncated
+            if code == "InvalidRange" and limit is not None:
+                raise TruncatedError(f"s3 get {self._where()}: empty object") from None
             raise self._fail("get", exc) from exc
         except _FAILURES as exc:
             raise self._fail("get", exc) from exc
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
+        try:
+            resp = self._get_object(key, max_bytes)
+        except TruncatedError:
+            return b""  # a range of an empty object: the codec reports it as truncated
+        if resp is None:
+            return None
         body = resp["Body"]
         try:
             if max_bytes is None:
-                return body.read()
+                return bytes(body.read())
             # the size before the body: a server that ignores Range sends the whole object
             size = _object_size(resp)
             if size is None or size <= max_bytes:
@@ -243,7 +258,7 @@ class S3Tier(ObjectTier):
                     f"s3 get {self._where()}: object of {size} bytes or more, "
                     f"at most {max_bytes} expected"
                 )
-            return data
+            return bytes(data)
         except _FAILURES as exc:
             raise self._fail("get", exc) from exc
         finally:
@@ -252,19 +267,9 @@ class S3Tier(ObjectTier):
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ranged GET; the body streams into the slot (``readinto``, no full copy)."""
         limit = dest.nbytes + max_head
-        try:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=self.object_key(key), Range=f"bytes=0-{limit - 1}"
-            )
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in _MISSING:
-                return None
-            if code == "InvalidRange":  # a range of an empty object
-                raise TruncatedError(f"s3 get {self._where()}: empty object") from None
-            raise self._fail("get", exc) from exc
-        except _FAILURES as exc:
-            raise self._fail("get", exc) from exc
+        resp = self._get_object(key, limit)
+        if resp is None:
+            return None
         body = resp["Body"]
         try:
             size = _object_size(resp)
@@ -273,7 +278,7 @@ class S3Tier(ObjectTier):
                 size = len(blob)
                 head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
                 dest[:] = memoryview(blob)[head_len:]
-                return blob[:head_len]
+                return bytes(blob[:head_len])
             head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
             head = bytearray(head_len)
             for buf in (memoryview(head), dest):
