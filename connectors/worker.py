@@ -81,7 +81,7 @@ class WorkerSide:
             rank, stage, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
         )
         if self._remote_factory is not None and self.cfg.remote_url:
-            from kvtier.remote import faster_thread_switches
+            from kvtier.threads import faster_thread_switches
 
             self.remote = self._remote_factory(self.cfg)
             faster_thread_switches()

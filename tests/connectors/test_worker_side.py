@@ -99,6 +99,7 @@ def test_saves_run_per_layer_when_vllm_starts_loads_after_the_forward(monkeypatc
     w, caches, ops = make_worker(monkeypatch, fake_cuda=True)
     facade = KVTierConnector.__new__(KVTierConnector)  # only the worker-side plumbing
     facade._worker, facade._scheduler, facade._connector_metadata = w, None, None
+    facade._asleep = False  # (set by __init__, which this test skips)
     meta = step_meta(1, w.layout.slot_bytes, stores=[StoreOp(7, 1, [5, 6, 7, 8], b"h")])
     facade.bind_connector_metadata(meta)
     for name in caches:  # the forward: each attention layer, then its save
