@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 import report  # noqa: E402
 from harness import Unavailable, VLLMServer  # noqa: E402
+
 from kvtier.tools import bench  # noqa: E402
 
 SHAPES = {

@@ -461,8 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    from kvtier.tools.tinymodel import build_tiny_llama
     from vllm import LLM
+
+    from kvtier.tools.tinymodel import build_tiny_llama
 
     max_len = max(4096, max(args.lengths) + 64)
     # the model's positions must cover the prompt and its output token: 8,192 by default

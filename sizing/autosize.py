@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 
-from kvtier.sizing import offload as off
-
 from kvtier.config import format_size, parse_size
 from kvtier.errors import ConfigError
+from kvtier.sizing import offload as off
 
 GiB = 1024**3
 

@@ -16,10 +16,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
-
 from kvtier.config import redact_value
 from kvtier.errors import is_secret_name, redact_text
+from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 
 GB = 10**9
 

@@ -332,6 +332,8 @@ class Simulation:
     #: that a tier of d-1 chunks does not (index 0 unused)
     hit_tokens: array = field(default_factory=lambda: array("q"))
     distinct_chunks: int = 0
+    #: full chunks of the longest prompt: below that many slots the model is not exact
+    max_request_chunks: int = 0
     _gpu: GpuPrefixCache | None = None
     _stack: LruStack | None = None
 
@@ -369,6 +371,7 @@ class Simulation:
         for k in keys:  # every full chunk is then stored or touched, in order
             stack.access(k)
         self.distinct_chunks = max(self.distinct_chunks, len(stack))
+        self.max_request_chunks = max(self.max_request_chunks, len(keys))
 
     def served(self) -> list[int]:
         """served[s]: tokens a tier of s chunks serves beyond vLLM's cache (s = 0..max)."""
@@ -420,7 +423,12 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
     total = sim.prompt_tokens
     rate = (lambda t: t / total) if total else (lambda t: 0.0)
     top = len(served) - 1
-    host = [{"chunks": s, "bytes": s * host_slot_bytes, "hit_rate": rate(served[s])}
+    # a tier smaller than a prompt's full chunks keeps that prompt's first chunks in the
+    # connector (the chunks its own step loads and stores cannot be evicted, the rest are
+    # skipped), where the LRU stack keeps its last ones: there the curve is only a model
+    longest = sim.max_request_chunks
+    host = [{"chunks": s, "bytes": s * host_slot_bytes, "hit_rate": rate(served[s]),
+             "below_longest_prompt": s < longest}
             for s in _sizes(top)]
     h_chunks = 0 if host_tier_bytes is None else host_tier_bytes // host_slot_bytes
     h_served = served[min(h_chunks, top)]
@@ -444,6 +452,7 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "prompt_tokens": total,
             "duration_s": dur,
             "distinct_chunks": sim.distinct_chunks,
+            "max_request_chunks": longest,
         },
         "keys": {
             "block_size": sim.block_size, "chunk_size": sim.chunk_size,
@@ -455,6 +464,8 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "hit_rate": rate(sim.gpu_hit_tokens),
         },
         "max_hit_rate": rate(sim.gpu_hit_tokens + served[top]),
+        #: from this host-tier size on the curve is exact for requests one at a time
+        "host_tier_exact_from_bytes": longest * host_slot_bytes,
         "host_tier": host,
         "object_tier": {"behind_host_bytes": h_chunks * host_slot_bytes, "curve": obj},
         "recommended": {
@@ -504,7 +515,12 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     for p in _thin(rep["host_tier"]):
         lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %  "
-                     f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %")
+                     f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %"
+                     + ("  *" if p.get("below_longest_prompt") else ""))
+    if any(p.get("below_longest_prompt") for p in rep["host_tier"]):
+        lines.append(f"{'':>20}  * smaller than the longest prompt's chunks "
+                     f"({_size(rep['host_tier_exact_from_bytes'])}): kvtier keeps such a "
+                     "prompt's first chunks, the model its last; it serves more than shown")
     ot = rep["object_tier"]
     if ot["curve"]:
         lines += ["", f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "
@@ -540,6 +556,10 @@ def write_plot(rep: dict[str, Any], path: str) -> None:
                 ax.plot(xs, [p["hit_rate"] * 100 + base for p in pts], marker=".",
                         label="with vLLM's prefix cache")
                 ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
+                exact = rep.get("host_tier_exact_from_bytes", 0) / 1024**3
+                if exact > xs[0]:
+                    ax.axvspan(xs[0], exact, color="grey", alpha=0.12,
+                               label="smaller than the longest prompt (model only)")
             ax.set_xscale("log")
             ax.legend(fontsize=8)
         ax.set_ylim(-2, 102)

@@ -14,10 +14,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvtier.connectors.events import ChunkEvents, events_enabled
-from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
-from kvtier.connectors.scheduler import SchedulerSide
-from kvtier.connectors.vllm import KVTierConnector
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.utils.hashing import sha256
@@ -29,6 +25,10 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from kvtier.config import load_config
+from kvtier.connectors.events import ChunkEvents, events_enabled
+from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
+from kvtier.connectors.scheduler import SchedulerSide
+from kvtier.connectors.vllm import KVTierConnector
 from kvtier.keys import Namespace
 from kvtier.ops import StoreOp
 

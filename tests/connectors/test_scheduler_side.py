@@ -9,10 +9,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvtier.connectors.metadata import KVTierWorkerMeta
-from kvtier.connectors.scheduler import SchedulerSide
 
 from kvtier.config import load_config
+from kvtier.connectors.metadata import KVTierWorkerMeta
+from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.keys import Namespace
 
 BS, CHUNK = 32, 256

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from kvtier.connectors.metadata import KVTierMetadata
 from kvtier.connectors.vllm import KVTierConnector
-
 from kvtier.index import ChunkIndex, State
 from kvtier.ops import LoadOp, StoreOp, UploadOp
 

@@ -14,11 +14,11 @@ import copyfakes
 import pytest
 import torch
 from copyfakes import FakeOps, make_caches
+
+from kvtier.config import load_config
 from kvtier.connectors import worker as worker_mod
 from kvtier.connectors.metadata import FetchOp, KVTierMetadata, LoadOp, StoreOp
 from kvtier.connectors.vllm import KVTierConnector
-
-from kvtier.config import load_config
 from kvtier.cuda_copier import CudaCopier
 from kvtier.keys import Namespace
 from kvtier.transfer import CpuCopier

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kvtier.sizing.autosize import weight_offload_host_bytes
-from kvtier.sizing.plan import host_total_bytes, parse_k8s_quantity
 
 from kvtier.config import KEYS, load_config, parse_size
+from kvtier.sizing.autosize import weight_offload_host_bytes
+from kvtier.sizing.plan import host_total_bytes, parse_k8s_quantity
 
 pytestmark = pytest.mark.integration
 

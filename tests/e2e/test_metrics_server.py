@@ -30,10 +30,10 @@ from typing import Any
 
 import httpx
 import pytest
-from kvtier.sizing.emit import connector_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.metrics import ALL, exported_names
+from kvtier.sizing.emit import connector_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 

@@ -75,8 +75,9 @@ def test_facade_reads_the_worker_position_from_vllm(monkeypatch) -> None:
     """TP rank and PP stage come from vLLM's process groups (stage 1 of PP=2 here)."""
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm import worker_position
     from vllm.distributed import parallel_state
+
+    from kvtier.connectors.vllm import worker_position
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=1))

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from kvtier.sizing.autosize import mem_available_bytes, resolve_cpu_bytes
 from sizing_helpers import GiB
 
 from kvtier.errors import ConfigError
+from kvtier.sizing.autosize import mem_available_bytes, resolve_cpu_bytes
 
 ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"
 

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from kvtier.sizing.cli import main
 from sizing_helpers import LOGS, model
+
+from kvtier.sizing.cli import main
 
 REQUIRED = ["kv_bytes_per_token", "kv_bytes_per_token_per_rank", "gpu_kv_bytes", "gpu_kv_tokens",
             "warm_set_bytes", "host_tier_bytes", "weight_offload_gpu_bytes",

@@ -10,9 +10,10 @@ import sys
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from sizing_helpers import LOGS, GiB, model
+
 from kvtier.sizing import doctor
 from kvtier.sizing.plan import PlanInputs, make_plan
-from sizing_helpers import LOGS, GiB, model
 
 
 def facts(name):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvtier.sizing.emit import emit
-from kvtier.sizing.plan import PlanInputs, make_plan, parse_k8s_quantity
 from sizing_helpers import GiB, model
 
 from kvtier.config import load_config
+from kvtier.sizing.emit import emit
+from kvtier.sizing.plan import PlanInputs, make_plan, parse_k8s_quantity
 
 
 def _plan(**kw):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvtier.sizing.model import ModelConfigError, load_shape, shape_from_config
 from sizing_helpers import model
+
+from kvtier.sizing.model import ModelConfigError, load_shape, shape_from_config
 
 
 def test_guide_example_llama3_8b():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from sizing_helpers import GiB, MiB, model
+
 from kvtier.sizing.plan import (
     CODES,
     PlanInputs,
@@ -14,7 +16,6 @@ from kvtier.sizing.plan import (
     make_plan,
     parse_k8s_quantity,
 )
-from sizing_helpers import GiB, MiB, model
 
 # Llama 3 8B per-layer tensors in bf16 and its whole checkpoint, by hand
 QKV, O_PROJ, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192

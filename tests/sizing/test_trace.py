@@ -17,11 +17,11 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtier.sizing import trace as tr
-from kvtier.sizing.cli import main
 from sizing_helpers import TINY_LLAMA, tiny_llama_tensors, write_model
 
 from kvtier.keys import chunk_block_hashes, token_block_hashes
+from kvtier.sizing import trace as tr
+from kvtier.sizing.cli import main
 
 # ------------------------------------------------------------------ brute force
 
@@ -358,8 +358,9 @@ def bench_url() -> Any:
 
 def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path, tmp_path: Path,
                                                 capsys: Any) -> None:
-    from kvtier.tools import bench
     from test_bench import _args as bench_args
+
+    from kvtier.tools import bench
 
     url = bench_url
     out = tmp_path / "bench.jsonl"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sizing_helpers import TINY_LLAMA, GiB, MiB, model, tiny_llama_tensors, write_model
+
 from kvtier.sizing import offload as off
 from kvtier.sizing.model import load_shape
 from kvtier.sizing.weights import (
@@ -13,7 +15,6 @@ from kvtier.sizing.weights import (
     read_safetensors_header,
     weights_from_config,
 )
-from sizing_helpers import TINY_LLAMA, GiB, MiB, model, tiny_llama_tensors, write_model
 
 LAYER_ORDER = [
     "self_attn.qkv_proj.weight",

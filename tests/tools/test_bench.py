@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from kit import free_port
+
 from kvtier.sizing.emit import connector_config
 from kvtier.tools import bench, promtext
 
@@ -451,6 +452,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
     can only have come from kvtier's host tier.
     """
     import httpx
+
     from kvtier.tools.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
