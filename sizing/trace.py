@@ -520,7 +520,7 @@ def format_report(rep: dict[str, Any]) -> str:
     if any(p.get("below_longest_prompt") for p in rep["host_tier"]):
         lines.append(f"{'':>20}  * smaller than the longest prompt's chunks "
                      f"({_size(rep['host_tier_exact_from_bytes'])}): kvtier keeps such a "
-                     "prompt's first chunks, the model its last; it serves more than shown")
+                     "prompt's first chunks, the model its last; kvtier may serve more")
     ot = rep["object_tier"]
     if ot["curve"]:
         lines += ["", f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "

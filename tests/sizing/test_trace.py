@@ -291,6 +291,28 @@ def test_json_schema_bytes_per_worker_and_recommendation(model_dir: Path, tmp_pa
     assert unreachable["recommended"]["host_bytes"] is None
 
 
+def test_sizes_below_the_longest_prompt_are_flagged(model_dir: Path, tmp_path: Path,
+                                                     capsys: Any) -> None:
+    # the connector keeps the first chunks of a prompt longer than the tier (its own
+    # step's loads and stores cannot be evicted), the LRU model its last: only from the
+    # longest prompt's chunk count on is the curve exact (tests/e2e/test_trace_replay.py)
+    rng = random.Random(7)
+    lens = [40, 72, 200, 56]  # the longest: 200 tokens = 25 chunks of 8 (199 loadable)
+    prompts = [[rng.randrange(9) for _ in range(n)] for n in lens]
+    path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": p} for p in prompts * 3])
+    _, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
+    assert rep["trace"]["max_request_chunks"] == 25
+    # TINY_LLAMA: 256 B/token, 8-token chunks: 2 KiB, aligned to one 4 KiB slot
+    assert rep["host_tier_exact_from_bytes"] == 25 * 4096
+    flags = [(p["chunks"], p["below_longest_prompt"]) for p in rep["host_tier"]]
+    assert all(below == (chunks < 25) for chunks, below in flags)
+    assert {below for _, below in flags} == {True, False}
+    _, text = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON[:-1])
+    assert "smaller than the longest prompt's chunks (100.00 KiB)" in text
+    rows = [ln for ln in text.splitlines() if ln.rstrip().endswith(" %") or ln.endswith("  *")]
+    assert rows[0].endswith("  *") and not rows[-1].endswith("  *"), rows
+
+
 def test_gpu_cache_size_from_the_plan_and_text_and_plot(model_dir: Path, tmp_path: Path,
                                                         capsys: Any) -> None:
     rng = random.Random(6)
