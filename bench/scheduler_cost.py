@@ -222,14 +222,12 @@ def kvtier_side(sched: Any) -> Any:
 def prefill_kvtier(sched: Any, n: int, rng: random.Random, hashes: Iterable[bytes] = ()) -> None:
     """Put ``n`` ready chunks into kvtier's host-tier index, keyed as a store keys them."""
     from kvtier.index import State
-    from kvtier.keys import chunk_key
 
-    side = kvtier_side(sched)
-    ns, index = side._index_ns, side.index
+    index = kvtier_side(sched).index
     fixed = list(hashes)
     for i in range(n):
         h = fixed[i] if i < len(fixed) else rng.randbytes(32)
-        key = chunk_key(ns, h)
+        key = h  # the index is keyed by vLLM's block hash, as a store keys it
         entry = index.begin(key, State.STORING)
         if entry is None:  # already there (a fixed hash repeated)
             continue

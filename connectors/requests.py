@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.index import Entry
-from kvtier.keys import KeySpace, chunk_block_hashes
+from kvtier.keys import chunk_block_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -27,10 +27,8 @@ class Lookup:
 @dataclass(slots=True)
 class RequestState:
     request: Request
-    #: the last block hash of each full chunk so far
+    #: the last block hash of each full chunk so far (the chunks' host-index keys)
     chunk_hashes: list[bytes] = field(default_factory=list)
-    #: host-index keys of the first chunks, made on first use (ChunkKeys.key)
-    keys: list[str] = field(default_factory=list)
     #: chunks below this index are stored (or were skipped on purpose)
     next_store: int = 0
     #: (start, end) token range get_num_new_matched_tokens offered
@@ -44,11 +42,16 @@ class RequestState:
 
 
 class ChunkKeys:
-    """Host-index keys of requests' chunks, made lazily: a lookup that misses at chunk
-    ``c`` hashes ``c + 1`` keys, not the whole prompt's."""
+    """Host-index keys of requests' chunks: vLLM's own hash of a chunk's last block.
 
-    def __init__(self, keyspace: KeySpace, blocks_per_chunk: int) -> None:
-        self.keyspace = keyspace
+    The index belongs to one engine (one model, one namespace), and vLLM's block hash
+    already chains the whole prefix, ``cache_salt``, LoRA and multimodal inputs, so it
+    identifies the chunk there as it identifies vLLM's own cached blocks; mixing in the
+    namespace (what object keys need, shared across engines: ``KeySpace``) would add
+    nothing but a hash per chunk and a key string per entry. A lookup makes no hash.
+    """
+
+    def __init__(self, blocks_per_chunk: int) -> None:
         self.blocks_per_chunk = blocks_per_chunk
 
     def refresh(self, st: RequestState) -> None:
@@ -58,9 +61,7 @@ class ChunkKeys:
             new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.chunk_hashes) :]
             st.chunk_hashes.extend(new)
 
-    def key(self, st: RequestState, c: int) -> str:
-        """Host-index key of chunk ``c`` (any rank's: the index is one for all workers)."""
-        keys = st.keys
-        while len(keys) <= c:
-            keys.append(self.keyspace.key(st.chunk_hashes[len(keys)]))
-        return keys[c]
+    @staticmethod
+    def key(st: RequestState, c: int) -> bytes:
+        """Host-index key of chunk ``c`` (one for all workers: the index is the engine's)."""
+        return st.chunk_hashes[c]

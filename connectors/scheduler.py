@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
 from kvtier.index import ChunkIndex
-from kvtier.keys import KeySpace, Namespace
+from kvtier.keys import Namespace
 from kvtier.layout import slot_bytes_for
 from kvtier.ops import OpKind
 from kvtier.stats import StatsRecorder, Totals, total_name
@@ -95,7 +95,7 @@ class SchedulerSide:
                 f" for chunk_size={cfg.chunk_size} on this model",
             )
         self.namespace = namespace
-        self.keys = ChunkKeys(KeySpace.index(namespace), self.blocks_per_chunk)
+        self.keys = ChunkKeys(self.blocks_per_chunk)
         #: the object tier is read and written by the workers, each under its own keys;
         #: the scheduler only plans (a lookup is a read: no existence checks from here)
         self.remote = bool(cfg.remote_url)

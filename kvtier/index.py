@@ -1,4 +1,5 @@
-"""The host tier's index: chunk key -> slot, with LRU, ref counts and two-phase state.
+"""The host tier's index: chunk key (vLLM's hash of its last block) -> slot, with LRU,
+ref counts and two-phase state.
 
 The scheduler process owns it; workers only ever see slot numbers. A slot goes
 
@@ -32,7 +33,7 @@ class State(enum.Enum):
 
 @dataclass(slots=True)
 class Entry:
-    key: str
+    key: bytes
     slot: int
     state: State
     refs: int = 0
@@ -78,20 +79,20 @@ class ChunkIndex:
         self._begin_write_back = begin_write_back
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         # key -> entry, in LRU order (oldest first)
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.evictions = 0
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
 
     # ---- queries ---------------------------------------------------------------------
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def is_ready(self, key: str) -> bool:
+    def is_ready(self, key: bytes) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.state is State.READY
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
     def __len__(self) -> int:
@@ -113,7 +114,7 @@ class ChunkIndex:
         return sum(e.refs for e in self._entries.values())
 
     # ---- allocation ------------------------------------------------------------------
-    def begin(self, key: str, state: State, *, evict_ok: bool = True) -> Entry | None:
+    def begin(self, key: bytes, state: State, *, evict_ok: bool = True) -> Entry | None:
         """Reserve a slot for ``key`` in ``state`` (storing or fetching).
 
         Returns None when the key is already present or no slot can be freed.
@@ -127,7 +128,7 @@ class ChunkIndex:
         self._entries[key] = entry
         return entry
 
-    def commit(self, key: str, ok: bool) -> Entry | None:
+    def commit(self, key: bytes, ok: bool) -> Entry | None:
         """Finish a store or fetch: ready on success, slot freed on failure. A store or
         fetch that ``clear`` caught in flight is not committed: its slot is freed now (or
         when the last holder lets go), whatever the outcome."""
@@ -154,7 +155,7 @@ class ChunkIndex:
         """Keep a chunk in any state from being evicted (an upload reads its slot)."""
         entry.refs += 1
 
-    def pin(self, key: str) -> Entry:
+    def pin(self, key: bytes) -> Entry:
         entry = self._entries[key]
         if entry.state is not State.READY:
             raise ValueError(f"cannot pin chunk in state {entry.state.value}")
@@ -162,19 +163,19 @@ class ChunkIndex:
         self._entries.move_to_end(key)
         return entry
 
-    def unpin(self, key: str) -> None:
+    def unpin(self, key: bytes) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.refs <= 0:
-            raise ValueError(f"unbalanced unpin of {key}")
+            raise ValueError(f"unbalanced unpin of {key!r}")
         entry.refs -= 1
         if entry.refs == 0 and entry.state is State.EVICTING:
             self._drop(entry)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: bytes) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def evict(self, key: str) -> bool:
+    def evict(self, key: bytes) -> bool:
         """Evict one chunk now (or as soon as its refs drop). Returns False if absent."""
         entry = self._entries.get(key)
         if entry is None:

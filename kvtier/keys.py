@@ -61,26 +61,19 @@ def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """The keys one process makes, and which digest it makes them with.
+    """The keys of a worker's objects in the shared tier, and the digest they carry.
 
-    There are two, and only two:
-
-    - :meth:`index` — the scheduler's host-tier index, one for every worker of the
-      engine (``ANY_RANK``): a chunk is READY there once every worker stored its
-      part, so one key stands for all ranks' slots of it.
-    - :meth:`worker` — a worker's objects in the shared tier, under its own TP rank
-      and pipeline stage: each worker writes and reads only its own heads' and
-      layers' bytes, and a rank only ever finds what the same rank of a compatible
-      engine wrote. Nobody asks about another rank's object: a lookup is each
-      worker reading its own keys, and the scheduler learns the outcome from the
-      workers' reports (all must have found their part).
+    Object keys are the only keys kvtier makes. Each worker's carry its own TP rank
+    and pipeline stage: a worker writes and reads only its own heads' and layers'
+    bytes, and a rank only ever finds what the same rank of a compatible engine
+    wrote. Nobody asks about another rank's object: a lookup is each worker reading
+    its own keys, and the scheduler learns the outcome from the workers' reports
+    (all must have found their part). The scheduler's host-tier index, which is one
+    engine's, is keyed by vLLM's block hash itself
+    (:class:`kvtier.connectors.requests.ChunkKeys`).
     """
 
     digest: bytes
-
-    @classmethod
-    def index(cls, ns: Namespace) -> KeySpace:
-        return cls(ns.digest(ANY_RANK, ANY_RANK))
 
     @classmethod
     def worker(cls, ns: Namespace, rank: int, stage: int) -> KeySpace:

@@ -299,7 +299,7 @@ def test_a_lookup_is_one_run_of_fetches_and_stops_at_the_first_miss() -> None:
     report(side, meta, results={run[2].op_id: [False]})
     assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
     assert side.index.used_slots == 3  # 0, 1 and the orphan 3 are ready; 2's slot is free
-    assert side.index.is_ready(side._reqs["a"].keys[3])
+    assert side.index.is_ready(side._reqs["a"].chunk_hashes[3])
     assert side.pending_ops() == 0 and side.index.total_refs() == 0
     assert empty_step(side).fetches == [], "a finished lookup fetches nothing more"
 
@@ -369,22 +369,28 @@ def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> 
     assert side.index.used_slots == 4 and side.pending_ops() == 0
 
 
-def test_a_miss_makes_one_key_and_decode_steps_make_none(monkeypatch) -> None:
-    """The cost of a lookup grows with what it finds, not with the prompt: a 32k-token
-    miss hashes one chunk key; decode steps that complete no chunk refresh nothing."""
-    from kvtier.keys import KeySpace
+def test_lookups_and_stores_hash_nothing_and_decode_steps_refresh_nothing(monkeypatch) -> None:
+    """The cost of a lookup grows with what it finds, not with the prompt: the index is
+    keyed by vLLM's own hash of each chunk's last block (the very object the request
+    holds), so a 32k-token miss and its 128 stores make no hash; decode steps that
+    complete no chunk refresh nothing."""
+    import kvtier.keys as keys_mod
 
     made = []
-    real = KeySpace.key
-    monkeypatch.setattr(KeySpace, "key", lambda ks, h: (made.append(h), real(ks, h))[1])
+    real = keys_mod.chunk_key
+    monkeypatch.setattr(keys_mod, "chunk_key", lambda ns, h: (made.append(h), real(ns, h))[1])
     side = make_side("64MiB")
     req = request("long", 7, 32768 + 10)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert len(made) == 1
     side.update_state_after_alloc(req, None, 0)
     meta = schedule_new(side, req, 0, req.num_tokens)
-    assert len(meta.stores) == 128 and len(made) == 1 + 127
+    assert len(meta.stores) == 128
     report(side, meta)
+    assert made == [], "the scheduler made object keys"
+    for c in (0, 127):
+        last_block = req.block_hashes[(c + 1) * BPC - 1]
+        entry = side.index.get(last_block)
+        assert entry is not None and entry.key is last_block and entry.block_hash is last_block
     calls = []
     monkeypatch.setattr(side.keys, "refresh", lambda st: calls.append(st))
     for step in range(1, 20):
