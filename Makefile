@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo test test-fast lint typecheck bench bench-ttft bench-tiers bench-scheduler clean
+.PHONY: venv demo test test-fast lint typecheck bench bench-ttft bench-tiers bench-scheduler bench-trace clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-tiers: venv
 
 bench-scheduler: venv
 	$(PY) bench/scheduler_cost.py --plot bench/results/scheduler.png $(BENCH_ARGS)
+
+bench-trace: venv
+	$(PY) bench/trace_replay.py --parallel 2 --plot bench/results/trace_replay.png --json bench/results/trace_replay.json $(BENCH_ARGS)
 
 bench: venv
 	$(PY) bench/run_all.py $(BENCH_ARGS)
