@@ -1,0 +1,82 @@
+"""Engine scenarios for tests/e2e/test_parallel.py: kvtier in tensor- and
+pipeline-parallel engines (one worker process per rank, each with its own host slab).
+
+Loaded by tests/e2e/engine.py through ``KVTIER_TEST_SCENARIO_MODULES``. The engine
+core runs in the scenario's process (its scheduler side is inspected as elsewhere);
+the workers are vLLM's multiprocess executor's, asked through ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tests.e2e import engine as _engine_mod
+from tests.e2e.engine import build_llm, generate, index_report, kvtier_side, settle, shutdown, toks
+
+
+def register(fn):  # type: ignore[no-untyped-def]
+    """engine.register, also into the running script's table (engine.py is __main__)."""
+    _engine_mod.register(fn)
+    main = sys.modules.get("__main__")
+    table = getattr(main, "SCENARIOS", None)
+    if isinstance(table, dict) and table is not _engine_mod.SCENARIOS:
+        table[fn.__name__] = fn
+    return fn
+
+
+def worker_tier(worker: Any) -> dict[str, Any]:
+    """Run in each worker process: what its kvtier worker side allocated."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group()._worker
+    assert side is not None and side.layout is not None
+    return {
+        "rank": side.rank,
+        "stage": side.stage,
+        "layers": len(side.layout.layers),
+        "slot_bytes": side.layout.slot_bytes,
+        "slab_bytes": side.slab.nbytes if side.slab is not None else None,
+    }
+
+
+def _parallel_llm(model: str, extra: dict[str, Any], tp: int, pp: int) -> Any:
+    return build_llm(model, extra, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     distributed_executor_backend="mp")
+
+
+def _scheduler_report(llm: Any) -> dict[str, Any]:
+    side = kvtier_side(llm)
+    return {"host_bytes": side.host_bytes, "slot_bytes": side.slot_bytes,
+            "num_slots": side.index.num_slots, "world_size": side.world_size}
+
+
+@register
+def parallel_writer(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict[str, Any]:
+    """A = S+U1, then B = S+U2 served by vLLM's own prefix cache (the reference), then B
+    again after a flush of vLLM's cache: only kvtier's host tier can serve S."""
+    llm = _parallel_llm(model, extra, tp, pp)
+    s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
+    a = generate(llm, [s + u1])[0]
+    b_ref = generate(llm, [s + u2])[0]
+    llm.reset_prefix_cache()
+    before = kvtier_side(llm).totals["hit_tokens_host"]
+    b = generate(llm, [s + u2])[0]
+    hit = kvtier_side(llm).totals["hit_tokens_host"] - before
+    settle(llm)
+    workers = llm.collective_rpc(worker_tier)
+    report = {"a": a, "b_ref": b_ref, "b": b, "b_host_hit_tokens": hit, "workers": workers,
+              "scheduler": _scheduler_report(llm), "index": index_report(llm)}
+    shutdown(llm)  # queued uploads flush
+    return report
+
+
+@register
+def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict[str, Any]:
+    """A new engine at the same parallel sizes, empty host tier: B from the object tier."""
+    llm = _parallel_llm(model, extra, tp, pp)
+    s, u2 = toks(1, 1024), toks(3, 200)
+    b = generate(llm, [s + u2])[0]
+    settle(llm)
+    return {"b": b, "workers": llm.collective_rpc(worker_tier),
+            "scheduler": _scheduler_report(llm), "index": index_report(llm)}
