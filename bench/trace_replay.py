@@ -222,7 +222,10 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int) -> dict[str
     }
     llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=4096,
               seed=0, kv_transfer_config=ktc)
-    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's
+    # scheduler side and its counters are at hand
+    core: Any = llm.llm_engine.engine_core
+    side = core.engine_core.scheduler.connector._scheduler
     sp = SamplingParams(max_tokens=1, temperature=0)
     requests = [json.loads(ln) for ln in trace.read_text().splitlines() if ln.strip()]
     hits: list[int] = []

@@ -330,7 +330,7 @@ class Simulation:
     gpu_hit_tokens: int = 0
     #: hit_tokens[d]: prompt tokens a tier of d or more chunks serves beyond vLLM's cache
     #: that a tier of d-1 chunks does not (index 0 unused)
-    hit_tokens: array = field(default_factory=lambda: array("q"))
+    hit_tokens: array[int] = field(default_factory=lambda: array("q"))
     distinct_chunks: int = 0
     #: full chunks of the longest prompt: below that many slots the model is not exact
     max_request_chunks: int = 0
