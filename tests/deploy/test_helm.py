@@ -449,7 +449,8 @@ def test_schema_extra_config_and_chart_keys_are_kvtier_config_keys(helm, tmp_pat
     schema = json.loads((CHART / "values.schema.json").read_text())
     extra_keys = set(schema["properties"]["kvtier"]["properties"]["extraConfig"]["properties"])
     everything = {
-        "kvtier": {**S3, "cpuBytes": "1GiB", "namespace": "tenant-1"},
+        "kvtier": {**S3, "cpuBytes": "1GiB", "namespace": "tenant-1",
+                   "encryption": {"existingSecret": "kvtier-encryption"}},
         "resources": {"limits": {"memory": "8Gi"}, "requests": {"memory": "8Gi"}},
     }
     chart_keys = set(transfer_config(vllm_container(render(helm, everything, tmp_path)))
