@@ -93,11 +93,17 @@ def _tokens(rng: random.Random, lo_hi: tuple[int, int]) -> list[int]:
     return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(rng.randint(*lo_hi))]
 
 
-def generate_trace(path: Path, shape: TraceShape) -> int:
-    """Write the trace as JSONL; returns the number of requests."""
+def corpus(shape: TraceShape) -> tuple[random.Random, list[list[int]], list[list[int]]]:
+    """The seeded generator, the system prompts and the documents (by popularity rank)."""
     rng = random.Random(shape.seed)
     systems = [_tokens(rng, shape.system_tokens) for _ in range(shape.system_prompts)]
     docs = [_tokens(rng, shape.doc_tokens) for _ in range(shape.documents)]
+    return rng, systems, docs
+
+
+def generate_trace(path: Path, shape: TraceShape) -> int:
+    """Write the trace as JSONL; returns the number of requests."""
+    rng, systems, docs = corpus(shape)
     weights = [(r + 1) ** -shape.zipf for r in range(shape.documents)]
     started, ts, lines = 0, 0.0, []
     active: list[dict[str, Any]] = []
