@@ -92,7 +92,8 @@ SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
             },
         },
     ),
-    # an external S3 tier with keys from a Secret, monitoring and egress rules to it
+    # an external S3 tier with keys (and the encryption key) from Secrets, monitoring and
+    # egress rules to it
     # (the chart refuses the in-chart Redis and kvtier.remoteUrl together)
     "s3": (
         "objects",
@@ -103,6 +104,7 @@ SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 "remoteUrl": "s3://kv-cache/prod",
                 "s3": {"endpointUrl": "https://s3.internal:9000", "existingSecret": "s3-keys"},
                 "hmac": HMAC,
+                "encryption": {"existingSecret": "kvtier-encryption-5d2c"},
             },
             "monitoring": MONITORING,
             "networkPolicy": {
