@@ -12,21 +12,29 @@ random-weight Llama):
 2. it runs the planner on it (``kvtier size --model M --trace FILE --gpu-kv-tokens 0
    --json`` for the curve, and the planner's own :class:`kvtier.sizing.trace.Simulation`
    for the exact hit rate at a size), with the engine's chunk and block size;
-3. it picks three host-tier sizes at about 20 %, 50 % and 90 % of the curve's range, and
-   replays the trace through one engine per size (``cpu_bytes`` = that many slots),
-   one request at a time in trace order, with ``LLM.reset_prefix_cache()`` before each
-   request, so vLLM's own prefix cache serves nothing and every hit is kvtier's;
+3. it picks three host-tier sizes at about 20 %, 50 % and 90 % of the curve's range (and
+   never fewer slots than the longest prompt's full chunks: below that the model is not
+   exact, see the README), and replays the trace through one engine per size
+   (``cpu_bytes`` = that many slots of the engine's own slot size), one request at a time
+   in trace order, with ``LLM.reset_prefix_cache()`` before each request (it leaves
+   kvtier's tier alone), so vLLM's own prefix cache serves nothing and every hit is
+   kvtier's;
 4. it measures kvtier's hit rate from its own counters (the scheduler side's
    ``totals["hit_tokens_host"]``, cross-checked with vLLM's ``num_cached_tokens``)
-   divided by the trace's prompt tokens, the planner's ``hit_rate``, and compares.
+   divided by the trace's prompt tokens, the planner's ``hit_rate``, and compares, size
+   by size and request by request.
+
+Without ``--quick`` two more replays show where the model stops being exact: one at half
+the longest prompt's chunks, and one at the largest size with ``--batched`` (4) requests
+at a time.
 
 Why a reset and not a small GPU KV: with the reset vLLM's hit is exactly zero, so the
 comparison checks the tier model (chunking, the last-token rule, LRU order, slot sizes)
 alone; a small GPU KV would add the planner's approximation of vLLM's block pool (an LRU
 of blocks) to it, and vLLM's pool never gets smaller than one request's blocks.
 
-    python bench/trace_replay.py --plot bench/results/trace_replay.png \\
-        --json bench/results/trace_replay.json
+    python bench/trace_replay.py --parallel 2 --plot bench/results/trace_replay.png \\
+        --json bench/results/trace_replay.json      # make bench-trace
 
 ``--quick`` replays a smaller trace (what ``tests/e2e/test_trace_replay.py`` runs).
 Every engine's OpenMP threads are bound to all CPUs this process may use
@@ -214,8 +222,10 @@ def rate_at(served: list[int], prompt_tokens: int, slots: int) -> float:
 # ------------------------------------------------------------------------- replay
 
 
-def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int) -> dict[str, Any]:
-    """One engine, this host-tier size: every request of the trace, one at a time."""
+def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
+           batch: int = 1) -> dict[str, Any]:
+    """One engine, this host-tier size: every request of the trace, one at a time (or
+    ``batch`` consecutive requests at once; then the hits are per batch)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -238,22 +248,26 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int) -> dict[str
     cached: list[int] = []
     resets_failed = pending_after = 0
     t0 = time.monotonic()
-    for r in requests:
+    for i in range(0, len(requests), batch):
         if not llm.reset_prefix_cache():
             resets_failed += 1
         before = side.totals["hit_tokens_host"]
-        tp = TokensPrompt(prompt_token_ids=r["prompt_token_ids"])
-        if r.get("cache_salt"):
-            tp["cache_salt"] = r["cache_salt"]
-        out = llm.generate([tp], sp, use_tqdm=False)[0]
+        prompts = []
+        for r in requests[i:i + batch]:
+            tp = TokensPrompt(prompt_token_ids=r["prompt_token_ids"])
+            if r.get("cache_salt"):
+                tp["cache_salt"] = r["cache_salt"]
+            prompts.append(tp)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
         hits.append(side.totals["hit_tokens_host"] - before)
-        cached.append(out.num_cached_tokens or 0)
+        cached.append(sum(o.num_cached_tokens or 0 for o in outs))
         pending_after = max(pending_after, side.pending_ops())
     # the totals' names as this build of the connector declares them
     totals = dict(side.totals)
     skipped = totals.get("stores_skipped", totals.get("store_skipped", 0))
     result = {
         "cpu_bytes": cpu_bytes,
+        "batch": batch,
         "slot_bytes": side.slot_bytes,
         "num_slots": side.index.num_slots,
         "requests": len(requests),
@@ -273,7 +287,7 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int) -> dict[str
     return result
 
 
-def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
+def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int, batch: int = 1,
                timeout: float = 900) -> dict[str, Any]:
     """:func:`replay` in a fresh process (one engine per process, engine core inside it)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -281,7 +295,8 @@ def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_cpus()),
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, __file__, "--phase-replay", json.dumps(
-        {"model": model, "trace": str(trace), "cpu_bytes": cpu_bytes, "chunk_size": chunk_size})]
+        {"model": model, "trace": str(trace), "cpu_bytes": cpu_bytes, "chunk_size": chunk_size,
+         "batch": batch})]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=timeout)
@@ -298,10 +313,11 @@ def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
 
 
 def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
-        slots: list[int] | None = None, below: bool = False,
+        slots: list[int] | None = None, below: bool = False, batch: int = 1,
         parallel: int = 1) -> dict[str, Any]:
     """Generate the trace, predict, replay at three sizes (and with ``below`` at one size
-    under the longest prompt's chunks): the whole comparison."""
+    under the longest prompt's chunks, with ``batch`` > 1 at the largest size with that
+    many requests at a time): the whole comparison."""
     from kvtier.tools.tinymodel import build_tiny_llama
 
     model = str(build_tiny_llama(model_dir))
@@ -311,22 +327,26 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
     served, prompt_tokens = planner_served(trace, chunk_size)
     slot_bytes = int(curve["keys"]["host_slot_bytes"])
     k_max = max_request_chunks(trace, chunk_size)
-    sizes = [(s, False) for s in (slots or pick_slots(served, k_max))]
+    sizes = [(s, False, 1) for s in (slots or pick_slots(served, k_max))]
     if below and k_max > 1:
-        sizes.append((max(1, k_max // 2), True))
+        sizes.append((max(1, k_max // 2), True, 1))
+    if batch > 1:  # where kvtier has the most to lose to its batch neighbours
+        sizes.append((max(s for s, is_below, _ in sizes if not is_below), False, batch))
     # the hit rates do not depend on timing (one request at a time in each engine), so
     # the engines may run side by side: their start-up is mostly one core's work
     with ThreadPoolExecutor(max(1, parallel)) as pool:
-        runs = list(pool.map(lambda sz: run_replay(model, trace, sz[0] * slot_bytes, chunk_size),
-                             sizes))
+        runs = list(pool.map(lambda sz: run_replay(model, trace, sz[0] * slot_bytes, chunk_size,
+                                                   sz[2]), sizes))
     points = []
-    for (s, is_below), m in zip(sizes, runs, strict=True):
+    for (s, is_below, _), m in zip(sizes, runs, strict=True):
         cpu_bytes = s * slot_bytes
         measured = m["hit_tokens_host"] / m["prompt_tokens"]
         predicted = rate_at(served, prompt_tokens, cpu_bytes // slot_bytes)
-        model_hits = lru_hits_per_request(trace, s, chunk_size)
-        differ = [i for i, (a, b) in enumerate(zip(model_hits, m["per_request_hits"],
-                                                    strict=True)) if a != b]
+        differ: list[int] = []
+        if m["batch"] == 1:  # batched, the hits are per batch
+            model_hits = lru_hits_per_request(trace, s, chunk_size)
+            differ = [i for i, (a, b) in enumerate(zip(model_hits, m["per_request_hits"],
+                                                        strict=True)) if a != b]
         points.append({
             "slots": s, "cpu_bytes": cpu_bytes, "below_longest_prompt": is_below,
             "predicted_hit_rate": predicted, "measured_hit_rate": measured,
@@ -358,12 +378,16 @@ def print_result(res: dict[str, Any]) -> None:
           f"{sorted({p['slot_bytes'] for p in res['points']})}); longest prompt "
           f"{t['max_request_chunks']} chunks; all reuse {res['max_hit_rate'] * 100:.1f} %")
     print(f"{'cpu_bytes':>12} {'slots':>6} {'predicted':>10} {'measured':>9} {'diff':>8} "
-          f"{'requests differing':>19}")
+          f"{'vLLM own':>9} {'requests differing':>19}")
     for p in res["points"]:
         note = "  (below the longest prompt)" if p["below_longest_prompt"] else ""
+        if p["batch"] > 1:
+            note = f"  ({p['batch']} requests at a time)"
+        differ = f"{p['requests_differing']:>10} of {p['requests']}" if p["batch"] == 1 else ""
+        own = (p["cached_tokens_vllm"] - p["hit_tokens_host"]) / p["prompt_tokens"]
         print(f"{p['cpu_bytes']:>12} {p['slots']:>6} {p['predicted_hit_rate'] * 100:>9.1f}% "
               f"{p['measured_hit_rate'] * 100:>8.1f}% {p['difference_pp']:>+6.1f}pp "
-              f"{p['requests_differing']:>10} of {p['requests']}{note}")
+              f"{own * 100:>8.1f}% {differ:>19}{note}")
 
 
 def write_plot(res: dict[str, Any], path: str) -> None:
@@ -378,21 +402,34 @@ def write_plot(res: dict[str, Any], path: str) -> None:
     xs = [p["bytes"] / mib for p in res["curve"] if p["bytes"]]
     ys = [p["hit_rate"] * 100 for p in res["curve"] if p["bytes"]]
     ax.plot(xs, ys, marker=".", label="kvtier size --trace (predicted)")
-    pts = [p for p in res["points"] if not p["below_longest_prompt"]]
+    pts = [p for p in res["points"] if not p["below_longest_prompt"] and p["batch"] == 1]
     low = [p for p in res["points"] if p["below_longest_prompt"]]
+    batched = [p for p in res["points"] if p["batch"] > 1]
     ax.plot([p["cpu_bytes"] / mib for p in pts], [p["measured_hit_rate"] * 100 for p in pts],
             "o", ms=9, mfc="none", mew=2, color="tab:red", label="vLLM + kvtier (measured)")
     if low:
         ax.plot([p["cpu_bytes"] / mib for p in low],
                 [p["measured_hit_rate"] * 100 for p in low], "s", ms=8, mfc="none", mew=2,
                 color="tab:orange", label="measured, tier smaller than the longest prompt")
+    if batched:
+        ax.plot([p["cpu_bytes"] / mib for p in batched],
+                [p["measured_hit_rate"] * 100 for p in batched], "^", ms=8, mfc="none", mew=2,
+                color="tab:purple",
+                label=f"measured, {batched[0]['batch']} requests at a time")
     ax.axvline(res["trace"]["max_request_chunks"] * res["planner_slot_bytes"] / mib,
                color="grey", ls=":", lw=1, label="longest prompt's chunks")
     for p in res["points"]:
-        ax.annotate(f"{p['measured_hit_rate'] * 100:.1f} % (pred. "
-                    f"{p['predicted_hit_rate'] * 100:.1f} %)",
-                    (p["cpu_bytes"] / mib, p["measured_hit_rate"] * 100),
-                    textcoords="offset points", xytext=(8, -12), fontsize=8)
+        text = (f"{p['measured_hit_rate'] * 100:.1f} % (pred. "
+                f"{p['predicted_hit_rate'] * 100:.1f} %)")
+        offset = (8, -12)
+        if p["batch"] > 1:
+            own = (p["cached_tokens_vllm"] - p["hit_tokens_host"]) / p["prompt_tokens"]
+            text = f"{p['measured_hit_rate'] * 100:.1f} % + vLLM's own {own * 100:.1f} %"
+            offset = (10, -4)
+        elif p["below_longest_prompt"]:
+            offset = (-50, 14)
+        ax.annotate(text, (p["cpu_bytes"] / mib, p["measured_hit_rate"] * 100),
+                    textcoords="offset points", xytext=offset, fontsize=8)
     ax.set_xscale("log")
     ax.set_ylim(-2, 102)
     ax.set_xlabel("host tier per worker, cpu_bytes (MiB)")
@@ -415,6 +452,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "sizes at 20, 50 and 90 %% of the curve's range)")
     p.add_argument("--no-below", action="store_true", help="skip the extra replay at half "
                    "the longest prompt's chunks (where the model is known not to be exact)")
+    p.add_argument("--batched", type=int, help="also replay the largest size this many "
+                   "requests at a time (default 4; 1: not; --quick: not)")
     p.add_argument("--parallel", type=int, default=1, help="engines run at once (the hit "
                    "rates do not depend on it; the start-ups overlap)")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
@@ -430,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.phase_replay:
         a = json.loads(args.phase_replay)
-        res = replay(a["model"], Path(a["trace"]), a["cpu_bytes"], a["chunk_size"])
+        res = replay(a["model"], Path(a["trace"]), a["cpu_bytes"], a["chunk_size"], a["batch"])
         print("RESULT " + json.dumps(res), flush=True)
         os._exit(0)  # skip vLLM's slow interpreter teardown
     shape = QUICK if args.quick else TraceShape()
@@ -439,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir or os.path.join(tempfile.gettempdir(), "kvtier-tiny4"))
     res = run(model_dir, workdir, shape, args.chunk_size, args.slots,
-              below=not args.quick and not args.no_below, parallel=args.parallel)
+              below=not args.quick and not args.no_below,
+              batch=args.batched if args.batched is not None else (1 if args.quick else 4),
+              parallel=args.parallel)
     print_result(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
