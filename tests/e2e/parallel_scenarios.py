@@ -80,3 +80,21 @@ def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
     settle(llm)
     return {"b": b, "workers": llm.collective_rpc(worker_tier),
             "scheduler": _scheduler_report(llm), "index": index_report(llm)}
+
+
+@register
+def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
+    """An MLA model at tensor-parallel size ``tp``. vLLM's CPU build turns its own
+    prefix cache off for MLA, so the reference is the prompt computed cold; the second
+    run is served by kvtier's host tier."""
+    llm = _parallel_llm(model, extra, tp, 1)
+    p = toks(5, 1024 + 40)
+    cold = generate(llm, [p])[0]
+    before = kvtier_side(llm).totals["hit_tokens_host"]
+    warm = generate(llm, [p])[0]
+    hit = kvtier_side(llm).totals["hit_tokens_host"] - before
+    settle(llm)
+    return {"cold": cold, "warm": warm, "warm_host_hit_tokens": hit,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            "workers": llm.collective_rpc(worker_tier), "scheduler": _scheduler_report(llm),
+            "index": index_report(llm)}

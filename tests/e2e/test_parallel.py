@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import run_engine
+from tests.e2e.engine import max_logprob_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -90,3 +91,52 @@ def test_parallel_engine_hits_host_and_object_tiers_with_exact_outputs(
     assert r["index"]["totals"]["hit_tokens_remote"] >= 1024
     assert r["index"]["totals"]["fetch_ok"] >= 4 and r["index"]["totals"]["fetch_failed"] == 0
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random-weight DeepSeek-V2 (MLA: one 576-wide latent per token and layer,
+    the head size vLLM's CPU MLA backend takes), with the tiny Llama's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-mla")
+    for f in Path(tiny_model).glob("*token*"):
+        shutil.copy(f, out)
+    cfg = DeepseekV2Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank(tiny_mla_model: str) -> None:
+    r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,
+                   extra={"cpu_bytes": CPU_BYTES}, tp=2)
+    assert r["block_size"] == 16, "vLLM's CPU MLA backend forces 16-token blocks"
+    # vLLM's own prefix cache is off for MLA on the CPU: only kvtier serves the prompt
+    assert r["cold"]["cached"] == 0
+    assert r["warm"]["cached"] >= 1024 and r["warm_host_hit_tokens"] == r["warm"]["cached"]
+    # cached against computed: the same tokens, logprobs within bf16 rounding
+    assert r["warm"]["tokens"] == r["cold"]["tokens"]
+    assert max_logprob_diff(r["warm"], r["cold"]) <= 0.05
+    # every rank holds the whole latent (vLLM replicates it): one full copy per rank,
+    # as the planner's per-rank figure says
+    per_rank = plan(tiny_mla_model, 2)
+    assert per_rank["mla"] is True
+    assert per_rank["kv_bytes_per_token_per_rank"] == per_rank["kv_bytes_per_token"]
+    workers = r["workers"]
+    assert sorted(w["rank"] for w in workers) == [0, 1]
+    assert all(w["slot_bytes"] == per_rank["kv_bytes_per_token_per_rank"] * CHUNK
+               for w in workers), workers
+    assert all(w["slab_bytes"] == CPU_BYTES for w in workers)
+    idx = r["index"]
+    assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
