@@ -368,3 +368,16 @@ def test_hashes_are_converted_exactly_as_vllm_converts_them(
     for h in req.block_hashes:
         assert convert(h) == maybe_convert_block_hash(h)
     assert isinstance(convert(req.block_hashes[0]), int if as_int == "1" else bytes)
+
+
+def test_a_hash_format_kvtier_does_not_know_falls_back_to_vllms_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.connectors import events as events_mod
+
+    def other(h: bytes) -> int:
+        return int.from_bytes(h[:4], "little")
+
+    monkeypatch.setattr(events_mod, "maybe_convert_block_hash", other)
+    convert = events_mod.hash_converter()
+    assert convert is other
