@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit import free_port
 
-from tests.conftest import free_port
 from tests.e2e.conftest import run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
