@@ -24,12 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def replay(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def replay(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("trace_replay")
     out = work / "result.json"
+    # three engines side by side: the hit rates do not depend on timing, start-ups overlap
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--quick", "--parallel", "3",
-         "--workdir", str(work), "--model-dir", str(work / "model"), "--json", str(out)],
+         "--workdir", str(work), "--model-dir", tiny_model, "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
