@@ -364,23 +364,16 @@ def test_large_trace_is_streamed_in_bounded_memory(tmp_path: Path) -> None:
 
 @pytest.fixture
 def bench_url() -> Any:
-    """test_bench's fake OpenAI-compatible server, started for this test."""
-    import threading
-    from http.server import ThreadingHTTPServer
+    """The fake OpenAI-compatible server the bench tests use, started for this test."""
+    from fake_openai import FakeServer, serving
 
-    from test_bench import FakeServer, _handler
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(FakeServer()))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(FakeServer()) as url:
+        yield url
 
 
 def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path, tmp_path: Path,
                                                 capsys: Any) -> None:
-    from test_bench import _args as bench_args
+    from fake_openai import bench_args
 
     from kvtier.tools import bench
 

@@ -16,193 +16,38 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_openai import (
+    FIRST_TOKEN_DELAY,
+    HIT_PER_REQUEST,
+    LOOKUP_PER_REQUEST,
+    TOKEN_DELAY,
+    FakeServer,
+    bench_args,
+    serving,
+)
 from kit import free_port
 
 from kvtier.sizing.emit import connector_config
 from kvtier.tools import bench, promtext
-
-FIRST_TOKEN_DELAY = 0.2
-TOKEN_DELAY = 0.01
-HIT_PER_REQUEST = 30
-LOOKUP_PER_REQUEST = 40
-TTFT_LE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5)
-
-
-class FakeServer:
-    """State and counters of the fake OpenAI-compatible server."""
-
-    def __init__(self, *, fail_every: int = 0, kvtier_metrics: bool = True,
-                 by_source: bool = False) -> None:
-        self.fail_every = fail_every
-        self.kvtier_metrics = kvtier_metrics
-        #: vLLM's prompt_tokens_by_source: 100 per request, 10 from the GPU prefix cache,
-        #: kvtier's 30 through the connector, 60 computed
-        self.by_source = by_source
-        self.sources = {"local_cache_hit": 700.0, "external_kv_transfer": 300.0,
-                        "local_compute": 5000.0}
-        self.lock = threading.Lock()
-        self.completions = 0
-        self.prompts: list[str] = []
-        self.resets = 0
-        # counters start far from zero: a rate computed from totals instead of deltas is wrong
-        self.kv_hit, self.kv_lookup = 1000.0, 9000.0
-        self.vllm_hit, self.vllm_query = 500.0, 600.0
-        self.ttft_obs: dict[str, list[float]] = {"hit": [0.05] * 7, "miss": [0.3] * 3}
-
-    def observe(self, n: int) -> None:
-        """Counters for the n-th (1-based) successful completion."""
-        self.kv_hit += HIT_PER_REQUEST
-        self.kv_lookup += LOOKUP_PER_REQUEST
-        self.vllm_hit += 10
-        self.vllm_query += 100
-        for source, n_tokens in (("local_cache_hit", 10), ("external_kv_transfer", 30),
-                                 ("local_compute", 60)):
-            self.sources[source] += n_tokens
-        outcome = "hit" if n % 2 == 0 else "miss"
-        self.ttft_obs[outcome].append(0.05 if outcome == "hit" else 0.3)
-
-    def metrics_text(self) -> str:
-        lab = 'model_name="fake",engine="0"'
-        lines = [
-            "# HELP vllm:prefix_cache_hits_total Prefix cache hits.",
-            "# TYPE vllm:prefix_cache_hits_total counter",
-            f"vllm:prefix_cache_hits_total{{{lab}}} {self.vllm_hit}",
-            f"vllm:prefix_cache_queries_total{{{lab}}} {self.vllm_query}",
-            f"vllm:prefix_cache_queries_created{{{lab}}} 1.7e9",
-        ]
-        if self.by_source:
-            lines += ["# TYPE vllm:prompt_tokens_by_source counter"] + [
-                f'vllm:prompt_tokens_by_source_total{{{lab},source="{k}"}} {v}'
-                for k, v in self.sources.items()
-            ]
-        if self.kvtier_metrics:
-            lines += [
-                "# TYPE kvtier:lookup_tokens_total counter",
-                f"kvtier:lookup_tokens_total{{{lab}}} {self.kv_lookup}",
-                # split across two tiers: the bench must sum them
-                f'kvtier:hit_tokens_total{{{lab},tier="host"}} {self.kv_hit - 100}',
-                f'kvtier:hit_tokens_total{{{lab},tier="remote"}} 100.0',
-                "# TYPE kvtier:ttft_seconds histogram",
-            ]
-            for outcome, obs in self.ttft_obs.items():
-                for le in TTFT_LE:
-                    c = sum(o <= le for o in obs)
-                    lines.append(
-                        f'kvtier:ttft_seconds_bucket{{{lab},outcome="{outcome}",le="{le}"}} {c}.0'
-                    )
-                lines.append(
-                    f'kvtier:ttft_seconds_bucket{{{lab},outcome="{outcome}",le="+Inf"}} '
-                    f"{len(obs)}.0"
-                )
-                lines.append(f'kvtier:ttft_seconds_count{{{lab},outcome="{outcome}"}} {len(obs)}')
-                lines.append(f'kvtier:ttft_seconds_sum{{{lab},outcome="{outcome}"}} {sum(obs)}')
-        return "\n".join(lines) + "\n"
-
-
-def _tokens(prompt: str) -> int:
-    """The fake tokenizer: a BOS, then one token per whitespace-separated word."""
-    return 1 + len(prompt.split())
-
-
-def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path == "/v1/models":
-                self._send(200, json.dumps({"data": [{"id": "fake-model"}]}).encode())
-            elif self.path == "/metrics":
-                with state.lock:
-                    text = state.metrics_text()
-                self._send(200, text.encode(), "text/plain; version=0.0.4")
-            else:
-                self._send(404, b"{}")
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
-            if self.path == "/tokenize":
-                self._send(200, json.dumps({"count": _tokens(body["prompt"])}).encode())
-                return
-            if self.path == "/reset_prefix_cache":
-                with state.lock:
-                    state.resets += 1
-                self._send(200, b'{"success": true}')
-                return
-            if self.path != "/v1/completions":
-                self._send(404, b"{}")
-                return
-            assert body["stream"] is True and body["temperature"] == 0
-            with state.lock:
-                state.completions += 1
-                n = state.completions
-                state.prompts.append(body["prompt"])
-            if state.fail_every and n % state.fail_every == 0:
-                self._send(500, b'{"error": "injected failure"}')
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            time.sleep(FIRST_TOKEN_DELAY)
-            for i in range(body["max_tokens"]):
-                chunk = {"choices": [{"index": 0, "text": f" tok{n}_{i}"}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-                time.sleep(TOKEN_DELAY)
-            usage = {"prompt_tokens": _tokens(body["prompt"]),
-                     "completion_tokens": body["max_tokens"],
-                     "prompt_tokens_details": {"cached_tokens": 3}}
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            with state.lock:
-                state.observe(n - (n // state.fail_every if state.fail_every else 0))
-            self.close_connection = True
-
-    return Handler
 
 
 @pytest.fixture
 def fake() -> Iterator[tuple[FakeServer, str]]:
     """A started fake server; the test may change its knobs before the run."""
     state = FakeServer()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def _args(url: str, *extra: str) -> Any:
-    return bench.build_parser().parse_args(
-        ["--url", url, "--sessions", "4", "--turns", "2", "--shared-prefix-tokens", "50",
-         "--turn-tokens", "10", "--output-tokens", "5", "--concurrency", "2", *extra]
-    )
+    with serving(state) as url:
+        yield state, url
 
 
 def test_ttft_table_and_hit_rate_from_deltas(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
-    assert bench.run(_args(url)) == 0
+    assert bench.run(bench_args(url)) == 0
     out = capsys.readouterr().out
     assert state.completions == 8
     for label in ("requests", "throughput", "TTFT p50 / p99", "TTFT hit", "TTFT miss",
@@ -215,7 +60,7 @@ def test_ttft_table_and_hit_rate_from_deltas(fake: tuple[FakeServer, str], capsy
 
 def test_json_fields_ttft_and_outcomes(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
-    assert bench.run(_args(url, "--json")) == 0
+    assert bench.run(bench_args(url, "--json")) == 0
     res = json.loads(capsys.readouterr().out)
     for key in ("requests", "failed", "throughput_rps", "ttft_p50_s", "ttft_p99_s", "hit_rate"):
         assert key in res
@@ -245,7 +90,7 @@ def test_headline_is_the_share_of_prompt_tokens_from_any_cache(
     state, url = fake
     state.by_source = True
     plot = tmp_path / "bench.png"
-    assert bench.run(_args(url, "--json", "--plot", str(plot))) == 0
+    assert bench.run(bench_args(url, "--json", "--plot", str(plot))) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["hit_rate"] == pytest.approx(0.4)
     assert res["hit_rate_source"] == promtext.ANY_CACHE
@@ -256,7 +101,7 @@ def test_headline_is_the_share_of_prompt_tokens_from_any_cache(
     assert res["hit_rates"]["kvtier"] == pytest.approx(0.75)  # still there, beside it
     assert plot.stat().st_size > 10_000
     assert [p for p in res["hit_rate_timeline"] if p["hit_rate"] is not None]
-    assert bench.run(_args(url)) == 0
+    assert bench.run(bench_args(url)) == 0
     out = capsys.readouterr().out
     assert "40.0 %" in out and "gpu prefix cache 10.0 %" in out and "kvtier host 30.0 %" in out
     assert "computed" in out and "60.0 %" in out
@@ -265,7 +110,7 @@ def test_headline_is_the_share_of_prompt_tokens_from_any_cache(
 def test_failed_requests_are_counted(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
     state.fail_every = 3
-    rc = bench.run(_args(url, "--json", "--sessions", "6", "--turns", "1"))
+    rc = bench.run(bench_args(url, "--json", "--sessions", "6", "--turns", "1"))
     res = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert res["requests"] == 6 and res["failed"] == 2
@@ -276,7 +121,7 @@ def test_failed_requests_are_counted(fake: tuple[FakeServer, str], capsys: Any) 
 def test_every_request_failing_exits_1(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
     state.fail_every = 1
-    assert bench.run(_args(url)) == 1
+    assert bench.run(bench_args(url)) == 1
     assert "8 x HTTP 500" in capsys.readouterr().out
 
 
@@ -284,7 +129,7 @@ def test_unreachable_server_is_a_failure_not_a_crash(capsys: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = _args(f"http://127.0.0.1:{port}", "--model", "m", "--json", "--turns", "1")
+    args = bench_args(f"http://127.0.0.1:{port}", "--model", "m", "--json", "--turns", "1")
     assert bench.run(args) == 1
     res = json.loads(capsys.readouterr().out)
     assert res["failed"] == res["requests"] == 4
@@ -294,7 +139,7 @@ def test_unreachable_server_is_a_failure_not_a_crash(capsys: Any) -> None:
 def test_vllm_counters_when_kvtier_is_absent(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
     state.kvtier_metrics = False
-    assert bench.run(_args(url, "--json")) == 0
+    assert bench.run(bench_args(url, "--json")) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["hit_rate"] == pytest.approx(0.1)
     assert res["hit_rate_source"].startswith("vllm:prefix_cache_hits_total")
@@ -305,7 +150,7 @@ def test_multi_turn_prompts_extend_previous_prompt_and_answer(
     fake: tuple[FakeServer, str], capsys: Any
 ) -> None:
     state, url = fake
-    assert bench.run(_args(url, "--json", "--turns", "3", "--concurrency", "1")) == 0
+    assert bench.run(bench_args(url, "--json", "--turns", "3", "--concurrency", "1")) == 0
     # sessions interleave turn by turn: s0t0 s1t0 s2t0 s3t0 s0t1 ... (completion n = index + 1)
     first, second, third = state.prompts[0], state.prompts[4], state.prompts[8]
     assert second.startswith(first + "\n tok1_0 tok1_1")
@@ -318,14 +163,14 @@ def test_multi_turn_prompts_extend_previous_prompt_and_answer(
 
 def test_reset_prefix_cache_before_each_request(fake: tuple[FakeServer, str], capsys: Any) -> None:
     state, url = fake
-    assert bench.run(_args(url, "--json", "--reset-prefix-cache")) == 0
+    assert bench.run(bench_args(url, "--json", "--reset-prefix-cache")) == 0
     assert state.resets == 8
 
 
 def test_plot_writes_png(fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any) -> None:
     _, url = fake
     png = tmp_path / "bench.png"
-    args = _args(url, "--plot", str(png), "--metrics-interval", "0.1")
+    args = bench_args(url, "--plot", str(png), "--metrics-interval", "0.1")
     assert bench.run(args) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plot written" in capsys.readouterr().out
@@ -335,7 +180,7 @@ def test_hit_rate_timeline_is_scraped_during_the_run(
     fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any
 ) -> None:
     _, url = fake
-    args = _args(url, "--json", "--plot", str(tmp_path / "p.png"), "--metrics-interval", "0.1")
+    args = bench_args(url, "--json", "--plot", str(tmp_path / "p.png"), "--metrics-interval", "0.1")
     assert bench.run(args) == 0
     res = json.loads(capsys.readouterr().out)
     tl = res["hit_rate_timeline"]
@@ -349,7 +194,7 @@ def test_request_rate_paces_arrivals(fake: tuple[FakeServer, str], capsys: Any) 
     rate, n = 10.0, 6
     rng = random.Random("kvtier-bench:0:arrivals")
     gaps = [rng.expovariate(rate) for _ in range(n)]
-    args = _args(url, "--json", "--sessions", str(n), "--turns", "1", "--concurrency", str(n),
+    args = bench_args(url, "--json", "--sessions", str(n), "--turns", "1", "--concurrency", str(n),
                  "--request-rate", str(rate))
     assert bench.run(args) == 0
     starts = sorted(s["start_s"] for s in json.loads(capsys.readouterr().out)["samples"])
@@ -382,7 +227,7 @@ def test_workload_is_deterministic_and_shares_the_prefix() -> None:
 def test_prompt_lengths_hit_the_token_counts(fake: tuple[FakeServer, str], capsys: Any) -> None:
     """Calibrated through /tokenize (which counts a BOS here), first turns are exact."""
     _, url = fake
-    assert bench.run(_args(url, "--json", "--turns", "1")) == 0
+    assert bench.run(bench_args(url, "--json", "--turns", "1")) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["workload"]["lead_tokens"] == 2.0 and res["workload"]["tokens_per_word"] == 1.0
     assert {s["prompt_tokens"] for s in res["samples"]} == {50 + 10}
