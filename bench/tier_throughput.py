@@ -33,7 +33,11 @@ chunk sealed (AES-256-GCM) against the same ops unsealed, both sync (one
 thread: encode + put, read_into + verify) and through RemoteIO (uploads from
 host slots, fetches into host slots), interleaved rounds; the ratio is sealed ÷
 plain of the median round (goal >= 0.9). Before it, the machine's AES-256-GCM
-speed on one core (seal into a buffer, open in place) is printed.
+speed on one core (seal into a buffer, open in place) is printed. And what a
+restart hit waits for: one prompt's run of ``--hit-chunks`` chunks fetched as a
+lookup does (``RemoteIO.submit_get_run``: the first alone, the rest in
+parallel), sealed and plain alternating, latency per run (median): the part of
+a restart hit's TTFT that encryption changes.
 
 Raw boto3 uses the same botocore Config as kvtier's S3 tier (pool size,
 timeouts, no extra CRC), so the ratio isolates kvtier's own overhead. Each
@@ -601,6 +605,55 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
     return rows
 
 
+def run_hit_latency(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> dict:
+    """Latency of one restart hit's fetches (a lookup run), plain and sealed alternating."""
+    size = len(chunks[0])
+    shape = [size // 2]
+    n = args.hit_chunks
+    hmac_key = b"bench-key" if args.hmac else None
+    sides = {"plain": codec.Signer(hmac_key) if hmac_key else None,
+             "sealed": codec.Signer(hmac_key, sealer=Sealer(os.urandom(32)))}  # fmt: skip
+    writer = _open(case, args.putget_threads)
+    for side, signer in sides.items():
+        for i in range(n):
+            k = f"hit-{side}-{i}"
+            writer.put(k, codec.encode(k, chunks[i % len(chunks)], dtype="bfloat16",
+                                       shape=shape, signer=signer))  # fmt: skip
+    writer.close()
+    rios = {side: RemoteIO(_open(case, args.putget_threads), threads=args.putget_threads,
+                           queue_depth=n + 1, timeout_s=60.0, signer=signer,
+                           backoff=ConstantBackoff(0.1))
+            for side, signer in sides.items()}  # fmt: skip
+    slots = [memoryview(bytearray(size)) for _ in range(n)]
+    times: dict[str, list[float]] = {"plain": [], "sealed": []}
+    reps = max(args.rounds, 3) * 5
+    for r in range(reps + 2):  # two warm-up runs each
+        for side in (("plain", "sealed") if r % 2 == 0 else ("sealed", "plain")):
+            rio = rios[side]
+            t0 = time.perf_counter()
+            rio.submit_get_run([(i, f"hit-{side}-{i}", slots[i]) for i in range(n)],
+                               dtype="bfloat16", shape=shape)  # fmt: skip
+            got: list = []
+            while len(got) < n:
+                got += rio.poll()
+                if len(got) < n:
+                    time.sleep(0.0005)  # an engine asks again every step
+            elapsed = time.perf_counter() - t0
+            if any(not x.ok for x in got):
+                raise RuntimeError(f"restart-hit fetch failed: {got}")
+            if r >= 2:
+                times[side].append(elapsed)
+    for i in range(n):
+        assert bytes(slots[i]) == chunks[i % len(chunks)], "a sealed chunk did not open"
+    for rio in rios.values():
+        rio.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"backend": case.name, "chunks": n, "chunk_mib": size / MiB, "runs": reps,
+            "io_threads": args.putget_threads, "read_threads": rios["plain"].read_threads,
+            "plain_ms_median": med["plain"] * 1000, "sealed_ms_median": med["sealed"] * 1000,
+            "added_ms": (med["sealed"] - med["plain"]) * 1000}  # fmt: skip
+
+
 def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -> float:
     """Print the encryption table; returns the lowest sealed ÷ plain ratio."""
     print(
@@ -619,6 +672,17 @@ def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -
     low = min(r["sealed_over_plain"] for r in rows)
     print(f"lowest sealed/plain {low:.2f} (goal >= 0.9)")
     return low
+
+
+def print_hit_latency(rows: list[dict]) -> None:
+    r0 = rows[0]
+    print(f"\nRestart-hit fetch: a lookup run of {r0['chunks']} chunks of {r0['chunk_mib']:.0f} "
+          f"MiB into host slots (io_threads {r0['io_threads']}: {r0['read_threads']} read "
+          f"threads), plain and sealed alternating, median of {r0['runs']} runs")  # fmt: skip
+    print(f"{'backend':<11} {'plain ms':>9} {'sealed ms':>10} {'added ms':>9}")
+    for r in rows:
+        print(f"{r['backend']:<11} {r['plain_ms_median']:>9.1f} {r['sealed_ms_median']:>10.1f} "
+              f"{r['added_ms']:>9.1f}")  # fmt: skip
 
 
 GOALS = {"file": 0.8, "s3 (moto)": 0.9, "redis": 0.9}
@@ -686,7 +750,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-encryption", action="store_true",
                         help="no encryption (sealed ÷ plain) table")  # fmt: skip
     parser.add_argument("--only-encryption", action="store_true",
-                        help="only the encryption table")  # fmt: skip
+                        help="only the encryption tables")  # fmt: skip
+    parser.add_argument("--hit-chunks", type=int, default=8,
+                        help="chunks of the restart-hit fetch (8 x 4 MiB: a 2,048-token "
+                        "prompt of bench/ttft.py's model)")  # fmt: skip
     parser.add_argument("--hmac", action="store_true", help="sign and verify chunks (HMAC)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
@@ -712,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple] = []
     into: list[dict] = []
     enc: list[dict] = []
+    hits: list[dict] = []
     with local_services(args):
         cases = []
         if not args.skip_file:
@@ -727,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
                 into += run_into(case, args, chunks)
             if not args.skip_encryption:
                 enc += run_encryption(case, args, chunks)
+                hits.append(run_hit_latency(case, args, chunks))
     worst = float("inf")
     if rows:
         print(
@@ -750,11 +819,13 @@ def main(argv: list[str] | None = None) -> int:
     if enc:
         speed = aes_gcm_speed(size, args.rounds)
         print_encryption(enc, speed, args.hmac)
+        print_hit_latency(hits)
     if args.json:
         keys = ("backend", "mode", "op", "kvtier_mbps_best", "raw_mbps_best", "ratio_median")
         with open(args.json, "w") as f:
             json.dump({"putget": [dict(zip(keys, r, strict=True)) for r in rows],
-                       "into": into, "encryption": enc, "aes_gcm": speed}, f, indent=1)  # fmt: skip
+                       "into": into, "encryption": enc, "aes_gcm": speed,
+                       "restart_hit_fetch": hits}, f, indent=1)  # fmt: skip
     return 0
 
 

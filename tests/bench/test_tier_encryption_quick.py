@@ -42,3 +42,7 @@ def test_tiny_file_run(tmp_path: Path) -> None:
         assert r["plain_gbps_median"] > 0 and r["sealed_gbps_median"] > 0
         assert r["sealed_over_plain"] > 0
     assert doc["aes_gcm"]["seal_gbps"] > 0 and doc["aes_gcm"]["open_gbps"] > 0
+    (hit,) = doc["restart_hit_fetch"]
+    assert hit["backend"] == "file" and hit["chunks"] == 8 and hit["runs"] >= 15
+    assert hit["plain_ms_median"] > 0 and hit["sealed_ms_median"] > 0
+    assert "Restart-hit fetch" in proc.stdout
