@@ -48,14 +48,18 @@ class Totals(Mapping[str, int]):
         self._values = dict.fromkeys(names, 0)
 
     def __getitem__(self, name: str) -> int:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise KeyError(f"no total named {name!r}; totals are {sorted(self._values)}") from None
+        value = self._values.get(name)
+        if value is None:
+            raise KeyError(f"no total named {name!r}; totals are {sorted(self._values)}")
+        return value
 
     def __setitem__(self, name: str, value: int) -> None:
-        self[name]  # only declared names
+        if name not in self._values:
+            self[name]  # raises, naming the declared ones
         self._values[name] = value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values  # (Mapping's would build a KeyError per miss)
 
     def get(self, name: str, default: object = None) -> int:
         """The total; an undeclared name raises even here (``.get(name, 0)`` on a
