@@ -77,6 +77,19 @@ MiB = 2**20
 BACKENDS = ("file", "s3", "redis")
 
 
+
+def wait_for_results(rio: RemoteIO, n: int) -> None:
+    """Poll ``rio`` until ``n`` results came; any failed op is an error of the bench."""
+    got = 0
+    while got < n:
+        results = rio.poll()
+        bad = [r for r in results if not r.ok]
+        if bad:
+            raise RuntimeError(f"RemoteIO op failed: {bad[0]}")
+        got += len(results)
+        if got < n:
+            time.sleep(0.002)  # an engine polls once per step; spinning would steal the GIL
+
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -324,15 +337,7 @@ def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
     )
 
     def wait_results(n: int) -> None:
-        got = 0
-        while got < n:
-            results = rio.poll()
-            bad = [r for r in results if not r.ok]
-            if bad:
-                raise RuntimeError(f"RemoteIO op failed: {bad[0]}")
-            got += len(results)
-            if got < n:
-                time.sleep(0.002)  # an engine polls once per step; spinning would steal the GIL
+        wait_for_results(rio, n)
 
     def kv_put_async() -> None:
         for i, (k, c) in enumerate(zip(keys, chunks, strict=True)):
@@ -548,16 +553,7 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
                              signer=sides[side])  # fmt: skip
         return run
 
-    def wait(rio: RemoteIO, n: int) -> None:
-        got = 0
-        while got < n:
-            results = rio.poll()
-            bad = [r for r in results if not r.ok]
-            if bad:
-                raise RuntimeError(f"RemoteIO op failed: {bad[0]}")
-            got += len(results)
-            if got < n:
-                time.sleep(0.002)
+    wait = wait_for_results
 
     def put_async(side: str) -> Callable[[], None]:
         def run() -> None:

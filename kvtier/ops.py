@@ -95,10 +95,6 @@ class OpResult:
     error_kind: str | None = None
 
 
-def failed(op_id: int, kind: OpKind, error_kind: str | None = None) -> OpResult:
-    return OpResult(op_id, kind, False, error_kind=error_kind)
-
-
 def by_op(results: Iterable[OpResult]) -> dict[int, OpResult]:
     """Results keyed by op id (a later result for the same op wins)."""
     return {r.op_id: r for r in results}

@@ -384,8 +384,14 @@ SCENARIOS = {
 
 
 def register(fn):
-    """Other test modules add scenarios by importing this module and decorating."""
+    """Other test modules add scenarios by importing this module and decorating. Also into
+    the running script's table: when engine.py runs as ``__main__`` and a scenario module
+    was imported under the package name first, that is a second copy of this module
+    whose SCENARIOS dict main() never reads."""
     SCENARIOS[fn.__name__] = fn
+    table = getattr(sys.modules.get("__main__"), "SCENARIOS", None)
+    if isinstance(table, dict) and table is not SCENARIOS:
+        table[fn.__name__] = fn
     return fn
 
 

@@ -9,25 +9,22 @@ stream's timeline by returning the wall clock between them.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
-from tests.e2e import engine as _engine_mod
-from tests.e2e.engine import build_llm, generate, index_report, kvtier_side, settle, toks
+from tests.e2e.engine import (
+    build_llm,
+    generate,
+    index_report,
+    kvtier_side,
+    register,
+    settle,
+    toks,
+)
 
 #: 4 full chunks of 256 and 40 tokens: kvtier stores chunks 0-3 of each prompt
 PROMPT_TOKENS = 1024 + 40
 
-
-def register(fn):  # type: ignore[no-untyped-def]
-    """engine.register, also into the running script's table (engine.py is __main__)."""
-    _engine_mod.register(fn)
-    main = sys.modules.get("__main__")
-    table = getattr(main, "SCENARIOS", None)
-    if isinstance(table, dict) and table is not _engine_mod.SCENARIOS:
-        table[fn.__name__] = fn
-    return fn
 
 
 def _events_llm(model: str, extra: dict[str, Any], endpoint: str) -> Any:

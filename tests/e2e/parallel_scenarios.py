@@ -8,21 +8,18 @@ the workers are vLLM's multiprocess executor's, asked through ``collective_rpc``
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from tests.e2e import engine as _engine_mod
-from tests.e2e.engine import build_llm, generate, index_report, kvtier_side, settle, shutdown, toks
-
-
-def register(fn):  # type: ignore[no-untyped-def]
-    """engine.register, also into the running script's table (engine.py is __main__)."""
-    _engine_mod.register(fn)
-    main = sys.modules.get("__main__")
-    table = getattr(main, "SCENARIOS", None)
-    if isinstance(table, dict) and table is not _engine_mod.SCENARIOS:
-        table[fn.__name__] = fn
-    return fn
+from tests.e2e.engine import (
+    build_llm,
+    generate,
+    index_report,
+    kvtier_side,
+    register,
+    settle,
+    shutdown,
+    toks,
+)
 
 
 def worker_tier(worker: Any) -> dict[str, Any]:

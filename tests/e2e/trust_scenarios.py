@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import sys
 import threading
 import time
 from typing import Any
@@ -26,23 +25,11 @@ from tests.e2e.engine import (
     build_llm,
     index_report,
     kvtier_side,
+    register,
     settle,
     shutdown,
     toks,
 )
-
-
-def register(fn):
-    """engine.register, and also into the running script's table: engine.py runs as
-    ``__main__``, so ``import tests.e2e.engine`` here loads a second copy of it whose
-    SCENARIOS dict main() never reads."""
-    _engine_mod.register(fn)
-    main = sys.modules.get("__main__")
-    table = getattr(main, "SCENARIOS", None)
-    if isinstance(table, dict) and table is not _engine_mod.SCENARIOS:
-        table[fn.__name__] = fn
-    return fn
-
 
 #: prompt length for the signing scenarios: 1,044 tokens = 4 full chunks of 256 plus 20.
 #: vLLM's own prefix cache then holds exactly 1,024 tokens of it (32 full blocks, the last
