@@ -31,6 +31,13 @@ The hashes are the very values vLLM publishes for the GPU blocks (its
 ``maybe_convert_block_hash``: 64-bit ints unless
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
+**Order.** Events follow the order chunks turn ready. A store's chunks turn ready in
+prompt order; fetched and uploaded chunks in the order their I/O threads finish, so
+one chunk's ``BlockStored`` can precede its parent's. A router that keys blocks by
+hash (llm-d's indexer) is unaffected; one that builds a prefix tree must accept a
+child before its parent (the parent's event follows in the same or a later batch,
+unless its fetch or upload failed).
+
 **reset_cache** emits one ``BlockRemoved`` (medium ``"CPU"``) for the chunks it
 dropped, not ``AllBlocksCleared``: that event names no medium, so a router would
 forget the replica's GPU blocks too (vLLM emits its own on a prefix-cache reset),
