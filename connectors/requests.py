@@ -57,9 +57,9 @@ class ChunkKeys:
     def refresh(self, st: RequestState) -> None:
         """Take the last block hash of every full chunk vLLM has hashed so far (cheap)."""
         hashes = st.request.block_hashes
-        if len(hashes) // self.blocks_per_chunk > len(st.chunk_hashes):
-            new = chunk_block_hashes(hashes, self.blocks_per_chunk)[len(st.chunk_hashes) :]
-            st.chunk_hashes.extend(new)
+        have = len(st.chunk_hashes)
+        if len(hashes) // self.blocks_per_chunk > have:
+            st.chunk_hashes.extend(chunk_block_hashes(hashes, self.blocks_per_chunk, have))
 
     @staticmethod
     def key(st: RequestState, c: int) -> bytes:

@@ -308,10 +308,8 @@ class SchedulerSide:
 
     def _ready_run(self, st: RequestState, first: int, cap: int) -> int:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
-        i, n = first, len(st.chunk_hashes)
-        while i < n and i * self.chunk_size < cap and self.index.is_ready(self.keys.key(st, i)):
-            i += 1
-        return i
+        stop = min(len(st.chunk_hashes), -(-cap // self.chunk_size))
+        return self.index.ready_run(st.chunk_hashes, first, stop)
 
 
 def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 
@@ -91,6 +92,19 @@ class ChunkIndex:
     def is_ready(self, key: bytes) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.state is State.READY
+
+    def ready_run(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        """End of the run of ready chunks ``keys[start:stop]`` begins with: ``keys[i]`` is
+        ready for every ``start <= i <`` the result. Every key is probed (a run has gaps:
+        LRU may evict a middle chunk), in one tight loop: this is a lookup's cost."""
+        get, ready = self._entries.get, State.READY
+        i = start
+        for key in islice(keys, start, stop):
+            entry = get(key)
+            if entry is None or entry.state is not ready:
+                break
+            i += 1
+        return i
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries

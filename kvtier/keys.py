@@ -83,10 +83,14 @@ class KeySpace:
         return chunk_key(self.digest, block_hash)
 
 
-def chunk_block_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
-    """The last block hash of every full chunk covered by ``block_hashes``."""
-    n_chunks = len(block_hashes) // blocks_per_chunk
-    return [bytes(block_hashes[(i + 1) * blocks_per_chunk - 1]) for i in range(n_chunks)]
+def chunk_block_hashes(
+    block_hashes: Sequence[bytes], blocks_per_chunk: int, first_chunk: int = 0
+) -> list[bytes]:
+    """The last block hash of every full chunk covered by ``block_hashes``, from chunk
+    ``first_chunk`` on (a request's keys grow as vLLM hashes its blocks: only the new
+    ones are taken). One strided slice: this runs on every lookup."""
+    end = len(block_hashes) // blocks_per_chunk * blocks_per_chunk
+    return list(block_hashes[(first_chunk + 1) * blocks_per_chunk - 1 : end : blocks_per_chunk])
 
 
 def token_block_hashes(

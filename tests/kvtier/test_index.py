@@ -178,3 +178,32 @@ def test_write_back_begins_one_upload_per_slot_asked_for() -> None:
     assert idx.begin("new2", State.STORING) is not None
     assert uploads == ["k0", "k1"] and idx.evictions == 2
     idx.check()
+
+
+def test_ready_run_stops_at_the_first_chunk_that_is_not_a_hit() -> None:
+    """A lookup's fast probe must give what probing each key in turn gives: a run with
+    a gap (a middle chunk evicted, or still storing/fetching) ends at the gap, never
+    past it (loading past a gap would load a slot holding another chunk's KV)."""
+    import random
+
+    rnd = random.Random(3)
+    keys = [f"c{i}" for i in range(12)]
+    for _ in range(400):
+        idx = ChunkIndex(8)
+        for key in keys:
+            if rnd.random() < 0.8:
+                state = rnd.choice([State.STORING, State.FETCHING, State.STORING])
+                if idx.begin(key, state) is not None and rnd.random() < 0.85:
+                    idx.commit(key, True)
+        start, stop = rnd.randrange(len(keys)), rnd.randrange(len(keys) + 2)
+        naive = start
+        while naive < min(stop, len(keys)) and idx.is_ready(keys[naive]):
+            naive += 1
+        assert idx.ready_run(keys, start, stop) == naive
+    idx = ChunkIndex(4)
+    for key in ("a", "b", "c"):
+        ready(idx, key)
+    idx.evict("b")
+    assert idx.ready_run(["a", "b", "c"], 0, 3) == 1
+    assert idx.ready_run(["a", "b", "c"], 2, 3) == 3
+    assert idx.ready_run(["a", "b", "c"], 2, 2) == 2

@@ -44,6 +44,13 @@ def test_same_prefix_same_key_in_every_process() -> None:
 def test_chunk_uses_its_last_block_hash() -> None:
     assert chunk_block_hashes(HASHES, 8) == [HASHES[7], HASHES[15], HASHES[23]]
     assert chunk_block_hashes(HASHES[:15], 8) == [HASHES[7]]  # partial chunk not keyed
+    # from a chunk on: what a request's keys grow by as vLLM hashes more blocks
+    assert chunk_block_hashes(HASHES, 8, 1) == [HASHES[15], HASHES[23]]
+    assert chunk_block_hashes(HASHES[:23], 8, 2) == []
+    for n in range(len(HASHES) + 1):
+        for first in range(4):
+            assert chunk_block_hashes(HASHES[:n], 8, first) == [
+                HASHES[(i + 1) * 8 - 1] for i in range(n // 8)][first:]
 
 
 def test_any_namespace_field_changes_the_key() -> None:
