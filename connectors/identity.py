@@ -53,6 +53,7 @@ def namespace_for(
         pp_size=vllm_config.parallel_config.pipeline_parallel_size,
         namespace=cfg.namespace,
         fingerprint=fingerprint,
+        replicated_kv=bool(getattr(model, "use_mla", False)),
     )
 
 

@@ -60,6 +60,8 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._errors: dict[str, int] = {}
         self._keys: KeySpace | None = None  # set by register_kv_caches (rank and stage)
+        #: this rank writes its chunks to the object tier (MLA: only rank 0 does)
+        self.uploads = True
         self.stats = StatsRecorder()
 
     # ---- setup ------------------------------------------------------------------------------
@@ -67,10 +69,12 @@ class WorkerSide:
         self, kv_caches: dict[str, torch.Tensor], rank: int, stage: int = 0
     ) -> None:
         """``rank``: this worker's TP rank, ``stage``: its pipeline stage; both go into its
-        object keys (each worker stores and loads only its own layers' and heads' KV)."""
+        object keys (each worker stores and loads only its own layers' and heads' KV;
+        KV that every rank holds whole, MLA's, is stored once, by rank 0)."""
         self.rank = rank
         self.stage = stage
         self._keys = KeySpace.worker(self.namespace, rank, stage)
+        self.uploads = KeySpace.writes(self.namespace, rank)
         self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
@@ -205,6 +209,11 @@ class WorkerSide:
     def _upload(self, slab: HostSlab, op: UploadOp) -> None:
         if self.remote is None:
             self._results[op.op_id] = [False]
+            return
+        if not self.uploads:
+            # rank 0 writes the one copy; the op succeeds when (and only when) its does,
+            # for the scheduler settles an op once every worker's flag is in
+            self._results[op.op_id] = [True]
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()

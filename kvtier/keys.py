@@ -42,6 +42,9 @@ class Namespace:
     pp_size: int = 1
     #: digest of the weights and everything that changes what they compute; "" = none
     fingerprint: str = ""
+    #: every TP rank holds the same KV (MLA's one latent per token): the ranks share one
+    #: object per chunk, rank 0's. Not in the digest: the model (in it) decides it.
+    replicated_kv: bool = False
 
     def digest(self, rank: int = ANY_RANK, stage: int = ANY_RANK) -> bytes:
         """16-byte digest of this namespace for one worker: its TP rank and pipeline stage
@@ -68,8 +71,10 @@ class KeySpace:
     bytes, and a rank only ever finds what the same rank of a compatible engine
     wrote. Nobody asks about another rank's object: a lookup is each worker reading
     its own keys, and the scheduler learns the outcome from the workers' reports
-    (all must have found their part). The scheduler's host-tier index, which is one
-    engine's, is keyed by vLLM's block hash itself
+    (all must have found their part). The exception is KV every rank holds whole
+    (``Namespace.replicated_kv``: MLA): all ranks of a stage use rank 0's keys, only
+    rank 0 writes (:meth:`writes`), and every rank reads the one copy. The scheduler's
+    host-tier index, which is one engine's, is keyed by vLLM's block hash itself
     (:class:`kvtier.connectors.requests.ChunkKeys`).
     """
 
@@ -77,7 +82,12 @@ class KeySpace:
 
     @classmethod
     def worker(cls, ns: Namespace, rank: int, stage: int) -> KeySpace:
-        return cls(ns.digest(rank, stage))
+        return cls(ns.digest(0 if ns.replicated_kv else rank, stage))
+
+    @staticmethod
+    def writes(ns: Namespace, rank: int) -> bool:
+        """Whether this rank uploads its chunks (replicated KV: rank 0 alone)."""
+        return rank == 0 or not ns.replicated_kv
 
     def key(self, block_hash: bytes) -> str:
         return chunk_key(self.digest, block_hash)

@@ -196,7 +196,7 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     host_slot = tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), args.chunk_size)
     rep = tr.report(
         sim, stats, path=args.trace, host_slot_bytes=host_slot,
-        object_chunk_bytes=int(plan["kv_bytes_per_token_per_rank"]) * args.chunk_size * args.tp,
+        object_chunk_bytes=int(plan["object_kv_bytes_per_token"]) * args.chunk_size,
         target=args.target_hit_rate, host_tier_bytes=host_tier, gpu_kv_tokens=gpu_tokens,
         gpu_kv_source=source,
     )

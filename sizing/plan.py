@@ -304,6 +304,9 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "sliding_layers": sum(1 for k in shape.layer_kinds if k == "sliding"),
         "kv_bytes_per_token": bpt,
         "kv_bytes_per_token_per_rank": bpt_rank,
+        # what the object tier stores per token: every rank's share, except MLA's latent,
+        # which every rank holds whole and rank 0 alone writes
+        "object_kv_bytes_per_token": bpt_rank if shape.is_mla else bpt_rank * tp,
         "context": inp.context,
         "session_kv_bytes_per_rank": session_rank,
         "weights_source": weights.source,

@@ -36,6 +36,8 @@ def format_plan(p: dict[str, Any]) -> str:
         ("KV heads", kv_heads),
         ("KV bytes / token", f"{p['kv_bytes_per_token']:,} B ({p['kv_cache_dtype']} KV cache)"),
         ("KV bytes / token / rank", f"{p['kv_bytes_per_token_per_rank']:,} B"),
+        ("object tier bytes / token", f"{p['object_kv_bytes_per_token']:,} B"
+         + (" (one copy for all ranks)" if p["mla"] and p["tp"] > 1 else "")),
         (f"one {p['context']:,}-token session", _b(p["session_kv_bytes_per_rank"]) + " per rank"),
         "weights",
         ("weights (" + p["weights_source"] + ")", _b(p["weight_bytes"])),

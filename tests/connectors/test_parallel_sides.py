@@ -14,6 +14,8 @@ Tensor parallelism runs for real in tests/e2e/test_parallel.py.
 from __future__ import annotations
 
 import itertools
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +31,7 @@ from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import KeySpace, Namespace
+from kvtier.remote import RemoteIO
 
 NUM_BLOCKS, BS, BPC = 40, 32, 4
 CHUNK = BS * BPC
@@ -59,16 +62,20 @@ class FakeManager:
 
 
 class PipelineEngine:
-    """One scheduler side and one worker side per stage, wired as vLLM wires them."""
+    """One scheduler side and one worker side per (stage, TP rank), wired as vLLM wires
+    them. ``replicated_kv``: every rank holds the same KV (MLA), as vLLM computes it."""
 
-    def __init__(self, stage_layers: list[list[int]], cpu_bytes: int) -> None:
+    def __init__(self, stage_layers: list[list[int]], cpu_bytes: int, *, tp: int = 1,
+                 extra: dict[str, Any] | None = None, replicated_kv: bool = False,
+                 seed: int = 0) -> None:
         pp = len(stage_layers)
         cfg = load_config({"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0,
-                           "chunk_size": CHUNK}, environ={})
-        self.ns = Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1)
+                           "chunk_size": CHUNK, **(extra or {})}, environ={})
+        self.ns = Namespace("m", None, "bfloat16", "auto", BS, CHUNK, tp,
+                            replicated_kv=replicated_kv)
         vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(block_size=BS, cpu_offload_gb=0),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=pp),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
             model_config=SimpleNamespace(model="/nonexistent/model"),
             scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
             offload_config=None,
@@ -80,16 +87,41 @@ class PipelineEngine:
         self.side = SchedulerSide(cfg, vllm_config, kv_cache_config, self.ns)  # type: ignore[arg-type]
         self.manager = FakeManager()
         self.side.bind_kv_cache_manager(self.manager)  # type: ignore[arg-type]
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(seed)
         self.caches: list[dict[str, torch.Tensor]] = []
         self.workers: list[WorkerSide] = []
+        factory = RemoteIO.from_config if cfg.remote_url else None
         for stage, layers in enumerate(stage_layers):
-            caches = {layer(i): torch.randn(SHAPE, generator=g).to(torch.bfloat16)
-                      for i in layers}
-            w = WorkerSide(cfg, self.ns, NUM_BLOCKS)
-            w.register_kv_caches(caches, rank=0, stage=stage)
-            self.caches.append(caches)
-            self.workers.append(w)
+            stage_caches = {layer(i): torch.randn(SHAPE, generator=g).to(torch.bfloat16)
+                            for i in layers}
+            for rank in range(tp):
+                caches = ({n: kv.clone() for n, kv in stage_caches.items()} if replicated_kv
+                          else {n: torch.randn(SHAPE, generator=g).to(torch.bfloat16)
+                                for n in stage_caches})
+                w = WorkerSide(cfg, self.ns, NUM_BLOCKS, factory)
+                w.register_kv_caches(caches, rank=rank, stage=stage)
+                self.caches.append(caches)
+                self.workers.append(w)
+
+    def idle_step(self) -> None:
+        """A step that schedules none of kvtier's requests (fetches and uploads go on)."""
+        self._run(SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={}, scheduled_spec_decode_tokens={}))
+
+    def settle(self) -> None:
+        """Idle steps until every op the scheduler sent has been reported."""
+        for _ in range(500):
+            if not len(self.side.ledger):
+                return
+            self.idle_step()
+            time.sleep(0.01)
+        raise AssertionError("ops still in flight")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
 
     def step(self, req: Request, computed: int, n: int, blocks: list[int],
              fail_stage: int | None = None) -> KVTierMetadata:
@@ -101,9 +133,12 @@ class PipelineEngine:
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
             num_scheduled_tokens={req.request_id: n}, scheduled_spec_decode_tokens={},
         )
-        meta = self.side.build_connector_meta(so)  # type: ignore[arg-type]
+        return self._run(so, fail_stage)
+
+    def _run(self, so: Any, fail_stage: int | None = None) -> KVTierMetadata:
+        meta = self.side.build_connector_meta(so)
         reports: list[KVTierWorkerMeta] = []
-        for stage, (w, caches) in enumerate(zip(self.workers, self.caches, strict=True)):
+        for w, caches in zip(self.workers, self.caches, strict=True):
             w.begin_step(meta)  # bind_connector_metadata
             w.start_load_kv(meta)
             for name in caches:  # the stage's forward: its own layers only
@@ -111,7 +146,7 @@ class PipelineEngine:
                 w.save_kv_layer(name)
             w.wait_for_save(meta)
             out = w.build_worker_meta()
-            if stage == fail_stage:
+            if w.stage == fail_stage:
                 out.results = {op: [False] * len(oks) for op, oks in out.results.items()}
             reports.append(out)
         merged: Any = reports[0]
@@ -123,7 +158,12 @@ class PipelineEngine:
 
     def prefill(self, req: Request, blocks: list[int], fail_stage: int | None = None) -> int:
         """Ask, allocate, run the prompt's prefill; returns the tokens kvtier loaded."""
-        n, is_async = self.side.get_num_new_matched_tokens(req, 0)
+        for _ in range(500):  # vLLM asks again each step while object-tier fetches run
+            n, is_async = self.side.get_num_new_matched_tokens(req, 0)
+            if n is not None:
+                break
+            self.idle_step()
+            time.sleep(0.01)
         assert n is not None and not is_async
         self.manager.blocks[req.request_id] = blocks
         self.side.update_state_after_alloc(req, None, n)  # type: ignore[arg-type]
@@ -189,3 +229,63 @@ def test_a_later_stage_with_more_layers_loses_slots_but_never_serves_a_partial_c
     loaded = eng.prefill(b, list(range(25)))
     assert loaded % CHUNK == 0 and loaded <= 2 * CHUNK
     eng.side.index.check()
+
+
+def objects(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def test_mla_kv_is_stored_once_and_loaded_on_every_rank(tmp_path: Path) -> None:
+    """MLA: every TP rank holds the same latent KV. Rank 0 alone writes each chunk to
+    the object tier; after a restart every rank fetches that one copy and loads it.
+    Without replication each rank writes and reads its own (the test's control)."""
+    extra = {"remote_url": f"file://{tmp_path / 'kv'}"}
+    cpu = 8 * PAGE * 2 * BPC
+    eng = PipelineEngine([[0, 1]], cpu, tp=2, extra=extra, replicated_kv=True)
+    assert [(w.rank, w.uploads) for w in eng.workers] == [(0, True), (1, False)]
+    a = make_request(3 * CHUNK + 1, seed=5)
+    assert eng.prefill(a, list(range(13))) == 0
+    eng.settle()
+    assert eng.side.totals["upload_ok"] == 3 and eng.side.totals["upload_failed"] == 0
+    assert len(objects(tmp_path / "kv")) == 3, "one object per chunk, not one per rank"
+    puts = [w.remote.counters()["ops_upload"] for w in eng.workers if w.remote]
+    assert puts == [3, 0], "rank 1 writes nothing"
+    source = eng.caches[0]
+    eng.shutdown()
+
+    # a restarted engine (other KV in its blocks, empty host tier): both ranks load
+    # rank 0's copy, and every rank's blocks then hold the writer's latent
+    eng2 = PipelineEngine([[0, 1]], cpu, tp=2, extra=extra, replicated_kv=True, seed=9)
+    b = make_request(3 * CHUNK + 1, seed=5)
+    dst = list(range(20, 33))
+    assert eng2.prefill(b, dst) == 3 * CHUNK
+    assert eng2.side.totals["fetch_ok"] == 3 and eng2.side.totals["hit_tokens_remote"] == 3 * CHUNK
+    assert [w.remote.counters()["ops_fetch"] for w in eng2.workers if w.remote] == [3, 3]
+    for caches in eng2.caches:
+        for name, kv in caches.items():
+            assert torch.equal(blocks_of(kv, dst[:12], NUM_BLOCKS),
+                               blocks_of(source[name], list(range(12)), NUM_BLOCKS))
+    eng2.shutdown()
+
+    # the control: per-rank KV (not replicated) writes one object per rank and chunk
+    other = tmp_path / "kv-per-rank"
+    eng3 = PipelineEngine([[0, 1]], cpu, tp=2, extra={"remote_url": f"file://{other}"})
+    assert eng3.prefill(make_request(3 * CHUNK + 1, seed=5), list(range(13))) == 0
+    eng3.settle()
+    assert len(objects(other)) == 6
+    eng3.shutdown()
+
+
+def test_mla_chunk_counts_as_uploaded_only_when_rank_0_wrote_it(tmp_path: Path) -> None:
+    """Rank 1 writes nothing and says so with an ok flag; the op's outcome is rank 0's."""
+    extra = {"remote_url": f"file://{tmp_path / 'kv'}"}
+    eng = PipelineEngine([[0, 1]], 8 * PAGE * 2 * BPC, tp=2, extra=extra, replicated_kv=True)
+    rank0 = eng.workers[0]
+    assert rank0.remote is not None
+    rank0.remote.close()
+    rank0.remote = None  # rank 0 lost its tier: its uploads fail
+    eng.prefill(make_request(2 * CHUNK + 1, seed=6), list(range(9)))
+    eng.settle()
+    assert eng.side.totals["upload_ok"] == 0 and eng.side.totals["upload_failed"] == 2
+    assert not objects(tmp_path / "kv")
+    eng.shutdown()

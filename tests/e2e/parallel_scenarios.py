@@ -28,12 +28,16 @@ def worker_tier(worker: Any) -> dict[str, Any]:
 
     side = get_kv_transfer_group()._worker
     assert side is not None and side.layout is not None
+    remote = side.remote.counters() if side.remote is not None else {}
     return {
         "rank": side.rank,
         "stage": side.stage,
         "layers": len(side.layout.layers),
         "slot_bytes": side.layout.slot_bytes,
         "slab_bytes": side.slab.nbytes if side.slab is not None else None,
+        "uploads": side.uploads,
+        "ops_upload": remote.get("ops_upload", 0),
+        "ops_fetch": remote.get("ops_fetch", 0),
     }
 
 
@@ -83,7 +87,8 @@ def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
 def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
     """An MLA model at tensor-parallel size ``tp``. vLLM's CPU build turns its own
     prefix cache off for MLA, so the reference is the prompt computed cold; the second
-    run is served by kvtier's host tier."""
+    run is served by kvtier's host tier; with an object tier, a third, after the host
+    tier was emptied, by the object tier (every rank fetching rank 0's one copy)."""
     llm = _parallel_llm(model, extra, tp, 1)
     p = toks(5, 1024 + 40)
     cold = generate(llm, [p])[0]
@@ -91,7 +96,15 @@ def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
     warm = generate(llm, [p])[0]
     hit = kvtier_side(llm).totals["hit_tokens_host"] - before
     settle(llm)
+    fetched, remote_hit = None, 0
+    if extra.get("remote_url"):
+        assert llm.reset_prefix_cache(reset_connector=True)
+        before = kvtier_side(llm).totals["hit_tokens_remote"]
+        fetched = generate(llm, [p])[0]
+        remote_hit = kvtier_side(llm).totals["hit_tokens_remote"] - before
+        settle(llm)
     return {"cold": cold, "warm": warm, "warm_host_hit_tokens": hit,
+            "fetched": fetched, "fetched_remote_hit_tokens": remote_hit,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "workers": llm.collective_rpc(worker_tier), "scheduler": _scheduler_report(llm),
             "index": index_report(llm)}

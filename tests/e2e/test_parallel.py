@@ -118,9 +118,12 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     return str(out)
 
 
-def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank(tiny_mla_model: str) -> None:
+def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
+    tiny_mla_model: str, tmp_path: Path
+) -> None:
+    kv = tmp_path / "kv"
     r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,
-                   extra={"cpu_bytes": CPU_BYTES}, tp=2)
+                   extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"}, tp=2)
     assert r["block_size"] == 16, "vLLM's CPU MLA backend forces 16-token blocks"
     # vLLM's own prefix cache is off for MLA on the CPU: only kvtier serves the prompt
     assert r["cold"]["cached"] == 0
@@ -140,3 +143,21 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank(tiny_mla_model: str)
     assert all(w["slab_bytes"] == CPU_BYTES for w in workers)
     idx = r["index"]
     assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
+
+    # the object tier holds the latent once: rank 0 wrote each of the prompt's 4 full
+    # chunks, rank 1 nothing; with the host tier emptied both ranks read that one copy
+    assert per_rank["object_kv_bytes_per_token"] == per_rank["kv_bytes_per_token"]
+    by_rank = {w["rank"]: w for w in workers}
+    assert (by_rank[0]["uploads"], by_rank[1]["uploads"]) == (True, False)
+    assert (by_rank[0]["ops_upload"], by_rank[1]["ops_upload"]) == (4, 0)
+    stored = [f for f in kv.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    assert len(stored) == 4
+    assert all(f.stat().st_size >= by_rank[0]["slot_bytes"] for f in stored)
+    assert r["fetched_remote_hit_tokens"] == 1024
+    # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
+    # the four chunks
+    assert by_rank[0]["ops_fetch"] == by_rank[1]["ops_fetch"] == 5
+    assert r["fetched"]["tokens"] == r["cold"]["tokens"]
+    assert max_logprob_diff(r["fetched"], r["cold"]) <= 0.05
+    # the cold request's run of four: chunk 0 missed, the other three never read
+    assert idx["totals"]["fetch_ok"] == 4 and idx["totals"]["fetch_failed"] == 4

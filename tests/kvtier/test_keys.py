@@ -8,7 +8,14 @@ import os
 import subprocess
 import sys
 
-from kvtier.keys import ANY_RANK, LAYOUT_VERSION, Namespace, chunk_block_hashes, chunk_key
+from kvtier.keys import (
+    ANY_RANK,
+    LAYOUT_VERSION,
+    KeySpace,
+    Namespace,
+    chunk_block_hashes,
+    chunk_key,
+)
 
 NS = Namespace(
     model="/models/llama", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
@@ -61,8 +68,9 @@ def test_any_namespace_field_changes_the_key() -> None:
         "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1, "pp_size": 2,
         "fingerprint": "weights-b",
     }
-    # a field added to Namespace but left out of its digest would let two layouts share keys
-    assert changes.keys() == {f.name for f in dataclasses.fields(Namespace)}
+    # a field added to Namespace but left out of its digest would let two layouts share
+    # keys; replicated_kv is left out on purpose (it picks whose keys, see below)
+    assert changes.keys() | {"replicated_kv"} == {f.name for f in dataclasses.fields(Namespace)}
     seen = {base}
     for field, value in changes.items():
         key = chunk_key(dataclasses.replace(NS, **{field: value}).digest(), HASHES[7])
@@ -100,3 +108,17 @@ def test_facade_reads_the_worker_position_from_vllm(monkeypatch) -> None:
 
 def test_different_prefix_different_key() -> None:
     assert chunk_key(NS.digest(), HASHES[7]) != chunk_key(NS.digest(), HASHES[8])
+
+
+def test_replicated_kv_ranks_share_rank_0s_keys_and_only_rank_0_writes() -> None:
+    """MLA: every TP rank holds the same latent, so all ranks read rank 0's object;
+    pipeline stages (other layers) keep their own keys."""
+    mla = dataclasses.replace(NS, tp_size=2, replicated_kv=True)
+    dense = dataclasses.replace(NS, tp_size=2)
+    h = HASHES[7]
+    assert KeySpace.worker(mla, 1, 0).key(h) == KeySpace.worker(mla, 0, 0).key(h)
+    assert KeySpace.worker(mla, 0, 0).key(h) == KeySpace.worker(dense, 0, 0).key(h)
+    assert KeySpace.worker(mla, 1, 1).key(h) != KeySpace.worker(mla, 1, 0).key(h)
+    assert KeySpace.worker(dense, 1, 0).key(h) != KeySpace.worker(dense, 0, 0).key(h)
+    assert [KeySpace.writes(mla, r) for r in (0, 1)] == [True, False]
+    assert [KeySpace.writes(dense, r) for r in (0, 1)] == [True, True]

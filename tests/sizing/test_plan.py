@@ -95,6 +95,18 @@ def test_tp_multiplies_workers_in_host_total():
     assert p["host_bytes_total"] == 2 * p["host_tier_bytes"] + 4 * GiB
 
 
+def test_object_tier_holds_every_ranks_share_but_mla_once():
+    """Per-rank KV is stored per rank (heads replicated past num_kv_heads included);
+    MLA's latent, the same on every rank, is written once, by rank 0."""
+    dense = plan(tp=2)
+    assert dense["object_kv_bytes_per_token"] == 2 * 65_536 == dense["kv_bytes_per_token"]
+    mla = plan(model=model("deepseek-v3"), tp=8)
+    assert mla["kv_bytes_per_token_per_rank"] == mla["kv_bytes_per_token"] == 70_272
+    assert mla["object_kv_bytes_per_token"] == 70_272
+    moe = plan(model=model("qwen3-30b-a3b"), tp=8)  # 4 KV heads on 8 ranks: each twice
+    assert moe["object_kv_bytes_per_token"] == 8 * 48 * 2 * 1 * 128 * 2
+
+
 def test_pin_rounding_pushes_host_over_the_limit():
     kw = dict(gpu_memory_gib=80, cpu_offload_gb=10, warm_sessions=0, host_memory_gib=15)
     p = plan(**kw)
