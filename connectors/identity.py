@@ -85,6 +85,23 @@ def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
         )
 
 
+def check_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse context parallelism: with ``--decode-context-parallel-size`` or
+    ``--prefill-context-parallel-size`` above 1, each rank holds another share of a
+    block's tokens, which kvtier's slots and keys (TP rank and pipeline stage) do not
+    name. Loading one share into another rank's blocks would be wrong KV."""
+    par = vllm_config.parallel_config
+    for flag in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(par, flag, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                "kv_connector",
+                "KVTierConnector",
+                f"kvtier does not support context parallelism, and vLLM runs with "
+                f"--{flag.replace('_', '-')} {size}: run without it, or without kvtier",
+            )
+
+
 def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
     """Digest of the weights (or ``cfg.model_fingerprint``) and of the settings that change
     what they compute: the model config after ``hf_overrides`` (rope scaling...), the

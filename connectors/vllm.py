@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.config import load_config, redact_url
 
 from .events import ChunkEvents, events_enabled
-from .identity import namespace_for
+from .identity import check_parallel, namespace_for
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
@@ -92,6 +92,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 "that config verbatim; pass the URL through KVTIER_REMOTE_URL instead"
             )
         self.cfg.check_block_size(vllm_config.cache_config.block_size)
+        check_parallel(vllm_config)
         if self.cfg.remote_url:
             from kvtier.codec import Signer
 

@@ -125,3 +125,17 @@ def test_hub_model_in_the_local_cache_is_fingerprinted(models, tmp_path, monkeyp
     hub.model_config.model = "org/model"
     cfg = load_config(REMOTE, environ={})
     assert namespace_for(cfg, hub).digest(0, 0) == digest(models["a"])
+
+
+@pytest.mark.parametrize("flag", ["decode_context_parallel_size",
+                                  "prefill_context_parallel_size"])
+def test_context_parallel_engines_are_refused_at_startup(flag: str) -> None:
+    """Each rank would hold another share of a block's tokens under the same key."""
+    from kvtier.connectors.identity import check_parallel
+
+    cfg = vllm_config("/models/m")
+    check_parallel(cfg)  # the default: one share
+    setattr(cfg.parallel_config, flag, 2)
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} 2") as e:
+        check_parallel(cfg)
+    assert e.value.key == "kv_connector"
