@@ -231,7 +231,6 @@ def prefill_kvtier(sched: Any, n: int, rng: random.Random, hashes: Iterable[byte
         entry = index.begin(key, State.STORING)
         if entry is None:  # already there (a fixed hash repeated)
             continue
-        entry.block_hash = h
         index.commit(key, True)
     if len(index) != n:
         raise RuntimeError(f"kvtier's index holds {len(index)} chunks, not {n}")

@@ -107,7 +107,6 @@ class RemoteLookups:
                 entry = self.index.begin(key(st, c), State.FETCHING)
                 if entry is None:  # every slot is busy: fetch what fits
                     break
-                entry.block_hash = st.chunk_hashes[c]
                 op_id = self.ledger.add(OpKind.FETCH, entry, nbytes=self.slot_bytes)
                 run.append(FetchOp(op_id, entry.slot, st.chunk_hashes[c]))
             lk.chunks.append(entry)

@@ -114,7 +114,6 @@ class Planner:
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
                 self.stats.inc(metrics.STORES_SKIPPED)  # (and its total)
                 continue
-            entry.block_hash = st.chunk_hashes[c]
             op_id = self.ledger.new_id()
             upload_id = None
             if self.write_through:

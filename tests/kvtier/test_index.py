@@ -207,3 +207,17 @@ def test_ready_run_stops_at_the_first_chunk_that_is_not_a_hit() -> None:
     assert idx.ready_run(["a", "b", "c"], 0, 3) == 1
     assert idx.ready_run(["a", "b", "c"], 2, 3) == 3
     assert idx.ready_run(["a", "b", "c"], 2, 2) == 2
+
+
+def test_entry_flags_are_independent() -> None:
+    idx = ChunkIndex(1)
+    e = idx.begin("a", State.FETCHING)
+    assert e is not None and not (e.remote or e.fetched or e.uploading)
+    e.uploading = True
+    idx.commit("a", True)  # a fetch: it came from the object tier, so it is there
+    assert (e.remote, e.fetched, e.uploading) == (True, True, True)
+    e.uploading = False
+    assert (e.remote, e.fetched, e.uploading) == (True, True, False)
+    e.remote = False
+    assert (e.remote, e.fetched, e.uploading) == (False, True, False)
+    assert e.block_hash == e.key == "a"
