@@ -4,7 +4,7 @@ Two cores: one worker process per rank, each bound to its own core
 (``VLLM_CPU_OMP_THREADS_BIND=0|1``; vLLM's automatic binding wants one NUMA node per
 worker). Each rank keeps its own host slab of ``cpu_bytes`` holding its own share of
 every chunk (its KV heads, or its pipeline stage's layers) and reads and writes the
-object tier under its own keys.
+object tier under its own keys (MLA, the same latent on every rank: rank 0's, once).
 
 Pipeline parallelism does not run on vLLM's CPU build 0.32, with or without a
 connector: the second stage's first forward fails in vLLM's model runner
