@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from copyfakes import blocks_of
+from kit import chunk_files
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -231,10 +232,6 @@ def test_a_later_stage_with_more_layers_loses_slots_but_never_serves_a_partial_c
     eng.side.index.check()
 
 
-def objects(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
-
-
 def test_mla_kv_is_stored_once_and_loaded_on_every_rank(tmp_path: Path) -> None:
     """MLA: every TP rank holds the same latent KV. Rank 0 alone writes each chunk to
     the object tier; after a restart every rank fetches that one copy and loads it.
@@ -247,7 +244,7 @@ def test_mla_kv_is_stored_once_and_loaded_on_every_rank(tmp_path: Path) -> None:
     assert eng.prefill(a, list(range(13))) == 0
     eng.settle()
     assert eng.side.totals["upload_ok"] == 3 and eng.side.totals["upload_failed"] == 0
-    assert len(objects(tmp_path / "kv")) == 3, "one object per chunk, not one per rank"
+    assert len(chunk_files(tmp_path / "kv")) == 3, "one object per chunk, not one per rank"
     puts = [w.remote.counters()["ops_upload"] for w in eng.workers if w.remote]
     assert puts == [3, 0], "rank 1 writes nothing"
     source = eng.caches[0]
@@ -272,7 +269,7 @@ def test_mla_kv_is_stored_once_and_loaded_on_every_rank(tmp_path: Path) -> None:
     eng3 = PipelineEngine([[0, 1]], cpu, tp=2, extra={"remote_url": f"file://{other}"})
     assert eng3.prefill(make_request(3 * CHUNK + 1, seed=5), list(range(13))) == 0
     eng3.settle()
-    assert len(objects(other)) == 6
+    assert len(chunk_files(other)) == 6
     eng3.shutdown()
 
 
@@ -287,5 +284,5 @@ def test_mla_chunk_counts_as_uploaded_only_when_rank_0_wrote_it(tmp_path: Path) 
     eng.prefill(make_request(2 * CHUNK + 1, seed=6), list(range(9)))
     eng.settle()
     assert eng.side.totals["upload_ok"] == 0 and eng.side.totals["upload_failed"] == 2
-    assert not objects(tmp_path / "kv")
+    assert not chunk_files(tmp_path / "kv")
     eng.shutdown()

@@ -59,12 +59,6 @@ def run_engine(
     )
 
 
-def chunk_files(root: Path) -> list[Path]:
-    """The chunk objects a file:// tier holds: its own bookkeeping (the sweep lock, temp
-    files of writes in flight) is dot-named."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
 def start_outage(server: Any, sig: Path, deadline_s: float, poll_s: float) -> threading.Thread:
     """A thread that kills ``server`` when the scenario asks, then restarts it.
 

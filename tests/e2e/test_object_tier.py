@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from kit import chunk_files
 
-from tests.e2e.conftest import ENGINE, REPO, chunk_files, run_engine, start_outage
+from tests.e2e.conftest import ENGINE, REPO, run_engine, start_outage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 

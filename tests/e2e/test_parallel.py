@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit import chunk_files
 
 from tests.e2e.conftest import run_engine
 from tests.e2e.engine import max_logprob_diff
@@ -150,7 +151,7 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     by_rank = {w["rank"]: w for w in workers}
     assert (by_rank[0]["uploads"], by_rank[1]["uploads"]) == (True, False)
     assert (by_rank[0]["ops_upload"], by_rank[1]["ops_upload"]) == (4, 0)
-    stored = [f for f in kv.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    stored = chunk_files(kv)
     assert len(stored) == 4
     assert all(f.stat().st_size >= by_rank[0]["slot_bytes"] for f in stored)
     assert r["fetched_remote_hit_tokens"] == 1024

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit import chunk_files
 
 from kvtier import codec, metrics
-from tests.e2e.conftest import ENGINE, REPO, chunk_files, start_outage
+from tests.e2e.conftest import ENGINE, REPO, start_outage
 from tests.e2e.trust_scenarios import compare
 
 pytestmark = pytest.mark.e2e
