@@ -32,7 +32,17 @@ class State(enum.Enum):
     EVICTING = "evicting"
 
 
-_REMOTE, _FETCHED, _UPLOADING = 1, 2, 4
+class _Flag:
+    """A bool attribute of :class:`Entry` kept as one bit of its ``_flags`` int."""
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+
+    def __get__(self, entry: Entry, owner: object = None) -> bool:
+        return bool(entry._flags & self.bit)
+
+    def __set__(self, entry: Entry, value: bool) -> None:
+        entry._flags = entry._flags | self.bit if value else entry._flags & ~self.bit
 
 
 @dataclass(slots=True)
@@ -46,41 +56,18 @@ class Entry:
     refs: int = 0
     _flags: int = 0
 
+    #: the chunk is known to be in the object tier
+    remote = _Flag(1)
+    #: the chunk came from the object tier (for hit-source accounting)
+    fetched = _Flag(2)
+    #: an upload of this chunk is in flight (write-back cleaning: it stays a hit meanwhile)
+    uploading = _Flag(4)
+
     @property
     def block_hash(self) -> bytes:
         """vLLM's hash of the chunk's last block (the owner's handle for object-tier
         ops): the index's key itself."""
         return self.key
-
-    @property
-    def remote(self) -> bool:
-        """The chunk is known to be in the object tier."""
-        return bool(self._flags & _REMOTE)
-
-    @remote.setter
-    def remote(self, value: bool) -> None:
-        self._set(_REMOTE, value)
-
-    @property
-    def fetched(self) -> bool:
-        """The chunk came from the object tier (for hit-source accounting)."""
-        return bool(self._flags & _FETCHED)
-
-    @fetched.setter
-    def fetched(self, value: bool) -> None:
-        self._set(_FETCHED, value)
-
-    @property
-    def uploading(self) -> bool:
-        """An upload of this chunk is in flight (write-back cleaning: it stays a hit)."""
-        return bool(self._flags & _UPLOADING)
-
-    @uploading.setter
-    def uploading(self, value: bool) -> None:
-        self._set(_UPLOADING, value)
-
-    def _set(self, flag: int, value: bool) -> None:
-        self._flags = self._flags | flag if value else self._flags & ~flag
 
 
 class IndexListener(Protocol):
@@ -246,8 +233,7 @@ class ChunkIndex:
         for entry in victims:
             self._drop(entry)
         for entry in self._entries.values():
-            entry.state = State.EVICTING
-        self._ready.clear()
+            self._become(entry, State.EVICTING)
         return len(victims)
 
     # ---- internals ---------------------------------------------------------------------
