@@ -77,7 +77,6 @@ MiB = 2**20
 BACKENDS = ("file", "s3", "redis")
 
 
-
 def wait_for_results(rio: RemoteIO, n: int) -> None:
     """Poll ``rio`` until ``n`` results came; any failed op is an error of the bench."""
     got = 0
@@ -89,6 +88,7 @@ def wait_for_results(rio: RemoteIO, n: int) -> None:
         got += len(results)
         if got < n:
             time.sleep(0.002)  # an engine polls once per step; spinning would steal the GIL
+
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
@@ -336,18 +336,15 @@ def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
         backoff=ConstantBackoff(0.1),
     )
 
-    def wait_results(n: int) -> None:
-        wait_for_results(rio, n)
-
     def kv_put_async() -> None:
         for i, (k, c) in enumerate(zip(keys, chunks, strict=True)):
             assert rio.submit_put(i, k, memoryview(c), dtype="bfloat16", shape=shape)
-        wait_results(len(keys))
+        wait_for_results(rio, len(keys))
 
     def kv_get_async() -> None:
         for i, (k, slot) in enumerate(zip(keys, slots, strict=True)):
             rio.submit_get_into(i, k, slot, dtype="bfloat16", shape=shape)
-        wait_results(len(keys))
+        wait_for_results(rio, len(keys))
 
     # RemoteIO gives reads and writes their own threads; the raw side gets as many per op
     put_pool = ThreadPoolExecutor(max_workers=rio.write_threads)
@@ -553,14 +550,12 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
                              signer=sides[side])  # fmt: skip
         return run
 
-    wait = wait_for_results
-
     def put_async(side: str) -> Callable[[], None]:
         def run() -> None:
             rio = rios[side]
             for i, (k, src) in enumerate(zip(keys(side), sources, strict=True)):
                 assert rio.submit_put(i, k, src, dtype="bfloat16", shape=shape)
-            wait(rio, len(chunks))
+            wait_for_results(rio, len(chunks))
         return run
 
     def get_async(side: str) -> Callable[[], None]:
@@ -568,7 +563,7 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
             rio = rios[side]
             for i, (k, slot) in enumerate(zip(keys(side), slots, strict=True)):
                 rio.submit_get_into(i, k, slot, dtype="bfloat16", shape=shape)
-            wait(rio, len(chunks))
+            wait_for_results(rio, len(chunks))
         return run
 
     ops = [

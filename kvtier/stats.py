@@ -50,13 +50,16 @@ class Totals(Mapping[str, int]):
     def __getitem__(self, name: str) -> int:
         value = self._values.get(name)
         if value is None:
-            raise KeyError(f"no total named {name!r}; totals are {sorted(self._values)}")
+            raise self._undeclared(name)
         return value
 
     def __setitem__(self, name: str, value: int) -> None:
         if name not in self._values:
-            self[name]  # raises, naming the declared ones
+            raise self._undeclared(name)
         self._values[name] = value
+
+    def _undeclared(self, name: str) -> KeyError:
+        return KeyError(f"no total named {name!r}; totals are {sorted(self._values)}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._values  # (Mapping's would build a KeyError per miss)
