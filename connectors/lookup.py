@@ -15,7 +15,6 @@ then loads what landed, from the host tier, like any host hit). A lookup past
 
 from __future__ import annotations
 
-import math
 import time
 
 from kvtier import metrics
@@ -24,7 +23,7 @@ from kvtier.ops import FetchOp, OpKind
 from kvtier.stats import StatsRecorder
 
 from .ledger import OpLedger
-from .requests import ChunkKeys, Lookup, RequestState
+from .requests import ChunkKeys, Lookup, RequestState, loadable_chunks
 
 
 class RemoteLookups:
@@ -57,7 +56,7 @@ class RemoteLookups:
         """True when chunks the host tier lacks could still come from the object tier."""
         if st.lookup is not None and st.lookup.done:
             return False
-        return end_chunk < len(st.chunk_hashes) and end_chunk * self.chunk_size < cap
+        return end_chunk < loadable_chunks(st, cap, self.chunk_size)
 
     def advance(self, st: RequestState, first: int, cap: int) -> bool:
         """Advance this request's lookup from chunk ``first``; True while it should wait.
@@ -100,8 +99,7 @@ class RemoteLookups:
             if self.index.is_ready(key(st, c)):
                 self.index.touch(key(st, c))
         run: list[FetchOp] = []
-        last = min(len(st.chunk_hashes), math.ceil(cap / self.chunk_size))
-        for c in range(first, last):
+        for c in range(first, loadable_chunks(st, cap, self.chunk_size)):
             entry = self.index.get(key(st, c))
             if entry is None:
                 entry = self.index.begin(key(st, c), State.FETCHING)

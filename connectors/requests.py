@@ -41,6 +41,13 @@ class RequestState:
     prefill_done: bool = False
 
 
+def loadable_chunks(st: RequestState, cap: int, chunk_size: int) -> int:
+    """How many of the request's chunks a load may touch: the full chunks vLLM has hashed
+    that begin below ``cap`` (the last token vLLM must compute itself ends it; the last
+    such chunk may load in part)."""
+    return min(len(st.chunk_hashes), -(-cap // chunk_size))
+
+
 class ChunkKeys:
     """Host-index keys of requests' chunks: vLLM's own hash of a chunk's last block.
 

@@ -35,7 +35,7 @@ from .ledger import OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .plans import Planner
-from .requests import ChunkKeys, RequestState
+from .requests import ChunkKeys, RequestState, loadable_chunks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -308,7 +308,7 @@ class SchedulerSide:
 
     def _ready_run(self, st: RequestState, first: int, cap: int) -> int:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
-        stop = min(len(st.chunk_hashes), -(-cap // self.chunk_size))
+        stop = loadable_chunks(st, cap, self.chunk_size)
         return self.index.ready_run(st.chunk_hashes, first, stop)
 
 
