@@ -33,8 +33,13 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
+# the engines (e2e) run E2E_WORKERS at a time (each is mostly one busy core); the rest,
+# and whatever asserts how long a call takes, run alone afterwards
+E2E_WORKERS ?= 2
+
 test: venv lint typecheck $(CHECKOV)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(E2E_WORKERS) -m "e2e and not timing" tests; e2e=$$?; \
+	$(PY) -m pytest -q -m "not e2e or timing" tests && exit $$e2e
 
 test-fast: venv $(CHECKOV)
 	$(PY) -m pytest -q tests -m "not e2e"

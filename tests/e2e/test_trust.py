@@ -458,6 +458,7 @@ def test_object_store_killed_under_16_concurrent_requests(
 
 
 @pytest.mark.integration
+@pytest.mark.timing  # every scheduler call under 1 ms: no other engine may share the cores
 def test_slow_object_store_never_blocks_the_scheduler(
     tiny_model: str, s3_server, services, tmp_path: Path
 ) -> None:
