@@ -9,7 +9,6 @@ Settling updates the host-tier index: a stored or fetched chunk becomes READY
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +22,6 @@ from kvtier.stats import StatsRecorder, Totals
 class Pending:
     kind: OpKind
     entry: Entry
-    started: float
     reports: list[bool] = field(default_factory=list)
     nbytes: int = 0
 
@@ -45,6 +43,10 @@ class OpLedger:
         self.on_upload = on_upload
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
+        self._settled_names = {
+            (kind, ok): f"{kind.value}_{'ok' if ok else 'failed'}"
+            for kind in OpKind for ok in (True, False)
+        }  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -55,7 +57,7 @@ class OpLedger:
     def add(self, kind: OpKind, entry: Entry, nbytes: int = 0, op_id: int | None = None) -> int:
         """Record an op about ``entry``; returns its id (a new one unless given)."""
         op_id = self.new_id() if op_id is None else op_id
-        self._pending[op_id] = Pending(kind, entry, time.perf_counter(), nbytes=nbytes)
+        self._pending[op_id] = Pending(kind, entry, nbytes=nbytes)
         return op_id
 
     def report(self, op_id: int, oks: list[bool]) -> None:
@@ -71,7 +73,7 @@ class OpLedger:
 
     def _settle(self, pending: Pending, ok: bool) -> None:
         kind, entry = pending.kind, pending.entry
-        self.totals[f"{kind.value}_{'ok' if ok else 'failed'}"] += 1
+        self.totals[self._settled_names[kind, ok]] += 1
         live = self.index.get(entry.key) is entry
         if kind in (OpKind.STORE, OpKind.FETCH):
             if live:

@@ -88,26 +88,37 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._data: StatsData = empty()
         self.totals = totals
+        # (metric, labels) -> (series id, its declared total or None): the scheduler
+        # records per chunk and per lookup, so each name is built and checked once
+        self._names: dict[tuple[str, tuple[str, ...]], tuple[str, str | None]] = {}
+
+    def _series(self, spec: MetricSpec, labels: tuple[str, ...]) -> tuple[str, str | None]:
+        names = self._names.get((spec.name, labels))
+        if names is None:
+            total = total_name(spec, labels)
+            declared = self.totals is not None and total in self.totals
+            names = self._names[(spec.name, labels)] = (
+                series_id(spec, labels), total if declared else None
+            )
+        return names
 
     def inc(self, spec: MetricSpec, amount: float = 1, labels: tuple[str, ...] = ()) -> None:
         if amount <= 0:
             return
-        sid = series_id(spec, labels)
+        sid, total = self._series(spec, labels)
         with self._lock:
             counters = self._data["counters"]
             counters[sid] = counters.get(sid, 0) + amount
-            if self.totals is not None:
-                name = total_name(spec, labels)
-                if name in self.totals:
-                    self.totals[name] += int(amount)
+            if total is not None and self.totals is not None:
+                self.totals[total] += int(amount)
 
     def observe(self, spec: MetricSpec, value: float, labels: tuple[str, ...] = ()) -> None:
-        sid = series_id(spec, labels)
+        sid = self._series(spec, labels)[0]
         with self._lock:
             self._data["samples"].setdefault(sid, []).append(float(value))
 
     def set(self, spec: MetricSpec, value: float, labels: tuple[str, ...] = ()) -> None:
-        sid = series_id(spec, labels)
+        sid = self._series(spec, labels)[0]
         with self._lock:
             self._data["gauges"][sid] = float(value)
 

@@ -24,6 +24,10 @@ def test_an_increment_feeds_prometheus_and_the_declared_total() -> None:
     rec.inc(metrics.HIT_TOKENS, 4, ("host",))
     assert rec.take()["counters"] == {series_id(metrics.HIT_TOKENS, ("host",)): 4}
     assert totals["hit_tokens_host"] == 100, "totals run since start; take() resets intervals"
+    # the recorder builds each series' names once; a wrong label set is still refused
+    for record in (rec.inc, rec.observe, rec.set):
+        with pytest.raises(ValueError, match="takes labels"):
+            record(metrics.HIT_TOKENS, 1, ())
 
 
 def test_an_undeclared_total_raises_on_every_access() -> None:
