@@ -17,6 +17,13 @@ from kvtier.index import ChunkIndex, Entry
 from kvtier.ops import OpKind
 from kvtier.stats import StatsRecorder, Totals
 
+#: the running total each settled op counts into, by kind and outcome ("store_ok", ...)
+SETTLED_TOTALS: dict[tuple[OpKind, bool], str] = {
+    (kind, ok): f"{kind.value}_{'ok' if ok else 'failed'}"
+    for kind in OpKind
+    for ok in (True, False)
+}
+
 
 @dataclass(slots=True)
 class Pending:
@@ -43,10 +50,6 @@ class OpLedger:
         self.on_upload = on_upload
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
-        self._settled_names = {
-            (kind, ok): f"{kind.value}_{'ok' if ok else 'failed'}"
-            for kind in OpKind for ok in (True, False)
-        }  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -73,7 +76,7 @@ class OpLedger:
 
     def _settle(self, pending: Pending, ok: bool) -> None:
         kind, entry = pending.kind, pending.entry
-        self.totals[self._settled_names[kind, ok]] += 1
+        self.totals[SETTLED_TOTALS[kind, ok]] += 1
         live = self.index.get(entry.key) is entry
         if kind in (OpKind.STORE, OpKind.FETCH):
             if live:

@@ -27,11 +27,10 @@ from kvtier.config import KVTierConfig, format_size
 from kvtier.index import ChunkIndex
 from kvtier.keys import Namespace
 from kvtier.layout import slot_bytes_for
-from kvtier.ops import OpKind
 from kvtier.stats import StatsRecorder, Totals, total_name
 from kvtier.tiers.policy import Timeouts
 
-from .ledger import OpLedger
+from .ledger import SETTLED_TOTALS, OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .plans import Planner
@@ -58,7 +57,7 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     total_name(metrics.EVICTIONS),
     total_name(metrics.STORES_SKIPPED),
     "write_back",
-    *(f"{kind.value}_{end}" for kind in OpKind for end in ("ok", "failed")),
+    *SETTLED_TOTALS.values(),
     *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
 )
 
