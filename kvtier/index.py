@@ -260,11 +260,8 @@ class ChunkIndex:
                         self._begin_write_back(entry)
                 continue
             self.evictions += 1
-            del self._entries[entry.key]
-            self._ready.discard(entry.key)
-            if self.listener is not None:
-                self.listener.chunk_dropped(entry)
-            return entry.slot
+            self._drop(entry)
+            return self._free.pop()  # the slot _drop just freed
         return None
 
     def _become(self, entry: Entry, state: State) -> None:
