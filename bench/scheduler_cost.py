@@ -32,7 +32,9 @@ Also measured: ``get_num_new_matched_tokens`` latency (first call for a fresh
 32k-token request, as vLLM makes it) for a hit, a partial hit (first half) and a
 miss against each index size; kvtier's per-step metadata in bytes as vLLM's
 multiprocess executor ships it to workers (``pickle``, highest protocol, in
-``MessageQueue.enqueue``); index memory per chunk (RSS growth / chunks).
+``MessageQueue.enqueue``); index memory per chunk (RSS growth / chunks), and what the
+index leaves to Python's garbage collector: objects it tracks per chunk and the time of
+one full collection, after vLLM's own start-up ``gc.freeze``.
 
     .venv/bin/python bench/scheduler_cost.py            # full run, ~5 min on 2 cores
     .venv/bin/python bench/scheduler_cost.py --quick    # small run, < 1 min
@@ -527,15 +529,27 @@ def index_memory(plan: Plan, n: int) -> list[dict[str, Any]]:
     freed memory the allocator reuses cannot hide."""
     import tracemalloc
 
+    from vllm.utils.gc_utils import freeze_gc_heap
+
     out = []
     for variant in [v for v in plan.variants if v != "vllm"]:
         fill = prefill_kvtier if variant == "kvtier" else prefill_offloading
         sched = make_scheduler(variant, n, 16, 4096)
-        gc.collect()
+        # as vLLM's engine core does once its scheduler (and so the connector) is built:
+        # what exists then is never walked again; what the index adds later may be
+        freeze_gc_heap()
+        tracked = len(gc.get_objects())
         before = rss()
         fill(sched, n, random.Random(1))
         gc.collect()
         grown = rss() - before
+        tracked = len(gc.get_objects()) - tracked
+        full_gc_ms = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gc.collect()
+            full_gc_ms.append((time.perf_counter() - t0) * 1e3)
+        gc.unfreeze()
         sched.shutdown()
         del sched
         gc.collect()
@@ -549,7 +563,9 @@ def index_memory(plan: Plan, n: int) -> list[dict[str, Any]]:
         tracemalloc.stop()
         out.append({"connector": variant, "index_chunks": n, "rss_growth_bytes": grown,
                     "bytes_per_chunk": round(grown / n, 1),
-                    "heap_bytes_per_chunk": round(heap / n, 1)})
+                    "heap_bytes_per_chunk": round(heap / n, 1),
+                    "gc_tracked_per_chunk": round(tracked / n, 2),
+                    "full_gc_ms": round(statistics.median(full_gc_ms), 1)})
         sched.shutdown()
         del sched
         gc.collect()
@@ -578,11 +594,12 @@ def table(result: dict[str, Any]) -> str:
     for r in result["lookups"]:
         lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['outcome']} | "
                      f"{r['matched_tokens']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |")
-    lines += ["", "| connector | chunks | bytes per chunk (RSS) | (tracemalloc) |",
-              "|---|---|---|---|"]
+    lines += ["", "| connector | chunks | bytes per chunk (RSS) | (tracemalloc) "
+              "| GC-tracked objects per chunk | full collection ms |", "|---|---|---|---|---|---|"]
     for r in result["memory"]:
         lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['bytes_per_chunk']:.0f} | "
-                     f"{r['heap_bytes_per_chunk']:.0f} |")
+                     f"{r['heap_bytes_per_chunk']:.0f} | {r['gc_tracked_per_chunk']:.2f} | "
+                     f"{r['full_gc_ms']:.1f} |")
     return "\n".join(lines)
 
 

@@ -117,6 +117,14 @@ class StatsRecorder:
         with self._lock:
             self._data["samples"].setdefault(sid, []).append(float(value))
 
+    def observe_many(
+        self, spec: MetricSpec, values: Iterable[float], labels: tuple[str, ...] = ()
+    ) -> None:
+        """Several samples of one series at once (what a caller buffered)."""
+        sid = self._series(spec, labels)[0]
+        with self._lock:
+            self._data["samples"].setdefault(sid, []).extend(map(float, values))
+
     def set(self, spec: MetricSpec, value: float, labels: tuple[str, ...] = ()) -> None:
         sid = self._series(spec, labels)[0]
         with self._lock:

@@ -92,3 +92,7 @@ def test_memory_per_chunk_is_measured(result: dict) -> None:
     assert kv and kv[0]["index_chunks"] > 0
     # an entry, its key and its hash cannot take less than ~100 bytes of Python heap
     assert 100 < kv[0]["heap_bytes_per_chunk"] < 10_000, kv
+    # the index's entries are kept out of the garbage collector's lists: after vLLM's
+    # start-up freeze, filling it leaves the collector nothing per chunk to walk
+    assert kv[0]["gc_tracked_per_chunk"] < 0.05, kv
+    assert kv[0]["full_gc_ms"] >= 0

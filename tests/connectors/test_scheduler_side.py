@@ -396,3 +396,22 @@ def test_lookups_and_stores_hash_nothing_and_decode_steps_refresh_nothing(monkey
     for step in range(1, 20):
         assert decode_step(side, {"long": req.num_tokens + step}).stores == []
     assert calls == [], "a decode step that completes no chunk refreshed keys"
+
+
+def test_every_lookup_call_is_one_sync_delay_sample_when_stats_are_taken() -> None:
+    """The hook buffers its own latency (a list append) and hands it over with the
+    stats: one sample per call, none lost and none counted twice."""
+    from kvtier import metrics
+    from kvtier.stats import series_id
+
+    side = make_side()
+    store_prompt(side, request("a", 3, 512))
+    side.get_stats()
+    for i in range(5):
+        side.get_num_new_matched_tokens(request(f"b{i}", 3 + i % 2, 512), 0)
+    sid = series_id(metrics.LOOKUP_DELAY, ("sync",))
+    samples = side.get_stats()["samples"][sid]
+    assert len(samples) == 5 and all(0 <= s < 1 for s in samples), samples
+    side.get_num_new_matched_tokens(request("c", 3, 512), 0)
+    assert len(side.get_stats()["samples"][sid]) == 1
+    assert sid not in side.get_stats()["samples"]

@@ -62,15 +62,30 @@ def _capture_stats() -> None:
 
     gc.callbacks.append(on_gc)
 
-    def observe(self, spec, value, labels=()):
-        if labels == ("sync",) and value > 0.001:
+    original_observe_many = StatsRecorder.observe_many
+
+    def capture_slow(labels, values):
+        # (the scheduler buffers its sync samples and records them when stats are taken:
+        # the gc figures are as of then)
+        if labels == ("sync",):
             with _CAPTURE_LOCK:
-                _CAPTURE["slow_sync"].append(
-                    {"s": value, "gc_count": gc_state["n"], "gc_s": gc_state["t"]}
+                _CAPTURE["slow_sync"].extend(
+                    {"s": v, "gc_count": gc_state["n"], "gc_s": gc_state["t"]}
+                    for v in values
+                    if v > 0.001
                 )
+
+    def observe(self, spec, value, labels=()):
+        capture_slow(labels, [value])
         return original_observe(self, spec, value, labels)
 
+    def observe_many(self, spec, values, labels=()):
+        values = list(values)
+        capture_slow(labels, values)
+        return original_observe_many(self, spec, values, labels)
+
     StatsRecorder.observe = observe  # type: ignore[method-assign]
+    StatsRecorder.observe_many = observe_many  # type: ignore[method-assign]
 
     def take(self: StatsRecorder) -> dict[str, Any]:
         data = original(self)

@@ -59,3 +59,17 @@ def test_the_scheduler_declares_every_total_it_writes() -> None:
     assert {"hit_tokens_host", "hit_tokens_remote", "fetch_failed", "error_sealed"} <= set(
         SCHEDULER_TOTALS
     )
+
+
+def test_observe_many_records_every_sample_of_its_series() -> None:
+    rec = StatsRecorder()
+    rec.observe(metrics.LOOKUP_DELAY, 0.5, ("sync",))
+    rec.observe_many(metrics.LOOKUP_DELAY, (1, 0.25), ("sync",))
+    rec.observe_many(metrics.LOOKUP_DELAY, [], ("async",))
+    samples = rec.take()["samples"]
+    assert samples == {
+        series_id(metrics.LOOKUP_DELAY, ("sync",)): [0.5, 1.0, 0.25],
+        series_id(metrics.LOOKUP_DELAY, ("async",)): [],
+    }
+    with pytest.raises(ValueError, match="takes labels"):
+        rec.observe_many(metrics.LOOKUP_DELAY, [1.0], ())
