@@ -65,6 +65,7 @@ taken (vLLM takes them every step), the oldest are dropped and counted
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvtier.index import Entry
+from kvtier.untrack import untrack
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -136,12 +138,17 @@ def events_enabled(vllm_config: VllmConfig) -> bool:
 
 @dataclass(slots=True)
 class _Chunk:
-    """What a chunk's events say, captured while its request is at hand."""
+    """What a chunk's events say, captured while its request is at hand and kept while
+    the chunk is in the host tier (its upload's event may come much later). One per
+    host slot, so compact and out of the garbage collector's lists
+    (:mod:`kvtier.untrack`): only atomic values and tuples; the token ids as int64
+    bytes (a list of them kept 256 int objects a chunk alive: 11 KB and 4 objects a full
+    collection walked per chunk; now about 3 KB and none)."""
 
-    block_hashes: list[Any]  # vLLM's ExternalBlockHash: int or bytes
+    block_hashes: tuple[Any, ...]  # vLLM's ExternalBlockHash: int or bytes
     parent_block_hash: Any
-    token_ids: list[int]
-    extra_keys: list[tuple[Any, ...] | None] | None
+    token_ids: bytes  # int64s
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None
     lora_id: int | None
     lora_name: str | None
     session_id: str | None
@@ -266,15 +273,18 @@ class ChunkEvents:
                     request, start + b * bs, start + (b + 1) * bs, mm_idx
                 )
         convert = self._convert
-        self._chunks[block_hash] = _Chunk(
-            block_hashes=[convert(h) for h in hashes],
+        extra_keys = to_event_extra_keys(extra)
+        payload = _Chunk(
+            block_hashes=tuple(convert(h) for h in hashes),
             parent_block_hash=convert(request.block_hashes[first - 1]) if first else None,
-            token_ids=list(request.all_token_ids[start : start + bpc * bs]),
-            extra_keys=to_event_extra_keys(extra),
+            token_ids=array("q", request.all_token_ids[start : start + bpc * bs]).tobytes(),
+            extra_keys=tuple(extra_keys) if extra_keys is not None else None,
             lora_id=lora.adapter_id if lora is not None else None,
             lora_name=lora.name if lora is not None else None,
             session_id=getattr(request, "session_id", None),
         )
+        untrack(payload)
+        self._chunks[block_hash] = payload
 
     # ---- uploads (from the connector, around the scheduler side) --------------------------
     def watch_uploads(self, meta: KVTierMetadata) -> None:
@@ -351,12 +361,12 @@ class ChunkEvents:
         return BlockStored(
             block_hashes=list(chunk.block_hashes),
             parent_block_hash=chunk.parent_block_hash,
-            token_ids=chunk.token_ids,
+            token_ids=memoryview(chunk.token_ids).cast("q").tolist(),
             block_size=self.block_size,
             lora_id=chunk.lora_id,
             medium=medium,
             lora_name=chunk.lora_name,
-            extra_keys=chunk.extra_keys,
+            extra_keys=list(chunk.extra_keys) if chunk.extra_keys is not None else None,
             group_idx=self.group_idx,
             kv_cache_spec_kind=self.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=self.kv_cache_spec_sliding_window,

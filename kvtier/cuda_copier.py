@@ -18,6 +18,7 @@ copy each chunk's piece device->host. The CUDA runtime calls sit behind
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ logger = logging.getLogger("kvtier.transfer")
 
 #: staging buffers are capped at this; larger steps run in several rounds per layer
 STAGING_BYTES = 64 << 20
+#: chunks whose slot views (every layer's) stay cached: more than a step moves. Unbounded,
+#: the cache grew to every slot x layer the tier ever used (a tensor view is ~0.5 KB of
+#: host memory and an object the garbage collector walks: GBs and seconds at 1M pairs)
+PIECES_CACHED_CHUNKS = 256
 
 
 # ---- the runtime interface ------------------------------------------------------------------
@@ -138,8 +143,10 @@ class CudaCopier(Copier):
         self._loads: _Batch | None = None
         self._saves: _Batch | None = None
         self._save_jobs: list[CopyOp] = []
-        #: (slot, layer) -> the slot region's contiguous pieces, whole chunk (views, no copy)
-        self._slot_pieces: dict[tuple[int, int], list[torch.Tensor]] = {}
+        #: (slot, layer) -> the slot region's contiguous pieces, whole chunk (views, no
+        #: copy), least recently used first; at most PIECES_CACHED_CHUNKS chunks' worth
+        self._slot_pieces: OrderedDict[tuple[int, int], list[torch.Tensor]] = OrderedDict()
+        self._pieces_cap = PIECES_CACHED_CHUNKS * len(layout.layers)
         self._carry: CopyTimes = {}  # outcomes of a step whose saves were never finished
 
     # -- shared helpers --
@@ -183,12 +190,16 @@ class CudaCopier(Copier):
 
     def _host_pieces(self, slot: int, li: int) -> list[torch.Tensor]:
         key = (slot, li)
-        pieces = self._slot_pieces.get(key)
-        if pieces is None:
-            ll = self.layout.layers[li]
-            view = indexable(self.slab.layer_view(slot, li))
-            pieces = contiguous_pieces(view, ll.block_dim, 0, self.layout.blocks_per_chunk)
-            self._slot_pieces[key] = pieces
+        cache = self._slot_pieces
+        pieces = cache.get(key)
+        if pieces is not None:
+            cache.move_to_end(key)
+            return pieces
+        ll = self.layout.layers[li]
+        view = indexable(self.slab.layer_view(slot, li))
+        pieces = cache[key] = contiguous_pieces(view, ll.block_dim, 0, self.layout.blocks_per_chunk)
+        if len(cache) > self._pieces_cap:
+            cache.popitem(last=False)
         return pieces
 
     def _pairs(

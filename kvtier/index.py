@@ -17,13 +17,14 @@ that cache-aware routers read are built from these two calls.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
+
+from kvtier.untrack import untrack
 
 
 class State(enum.Enum):
@@ -50,8 +51,8 @@ class _Flag:
 class Entry:
     """One chunk in the host tier. A million of these may be held: the three flags
     share one small int (a field each would cost 16 bytes a chunk more), and the index
-    takes each out of the garbage collector's lists (``_untrack``): its fields must only
-    ever hold atomic values (bytes, int, State), never a container."""
+    takes each out of the garbage collector's lists (:mod:`kvtier.untrack`): its fields
+    must only ever hold atomic values (bytes, int, State), never a container."""
 
     key: bytes
     slot: int
@@ -71,26 +72,6 @@ class Entry:
         """vLLM's hash of the chunk's last block (the owner's handle for object-tier
         ops): the index's key itself."""
         return self.key
-
-
-def _gc_untracker() -> Callable[[object], None]:
-    """CPython's ``PyObject_GC_UnTrack``: takes an object out of the cyclic garbage
-    collector's lists (refcounting still frees it). Elsewhere a no-op."""
-    try:
-        untrack = ctypes.pythonapi.PyObject_GC_UnTrack
-    except AttributeError:
-        return lambda obj: None
-    untrack.argtypes = [ctypes.py_object]
-    untrack.restype = None
-    return untrack
-
-
-#: An entry holds only a bytes key, ints and a State member, so it can never be part of
-#: a reference cycle and the collector has nothing to find in it. Tracked, a million of
-#: them made every full collection walk them all: 0.73 s of the scheduler's thread at
-#: 1M chunks, once each time a quarter as many new objects had survived. Untracked,
-#: a full collection does not see the index (``bench/scheduler_cost.py``'s ``memory``).
-_untrack = _gc_untracker()
 
 
 class IndexListener(Protocol):
@@ -185,7 +166,7 @@ class ChunkIndex:
         if slot is None:
             return None
         entry = Entry(key=key, slot=slot, state=state)
-        _untrack(entry)
+        untrack(entry)  # it holds atomic values only (kvtier.untrack)
         self._entries[key] = entry
         return entry
 

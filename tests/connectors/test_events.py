@@ -336,6 +336,33 @@ def test_recording_a_chunk_is_cheap() -> None:
     assert per_chunk < 250e-6, f"{per_chunk * 1e6:.0f} us per chunk"
 
 
+def test_payloads_held_per_chunk_give_the_garbage_collector_nothing_to_walk() -> None:
+    """A payload lives as long as its chunk is in the host tier (one per slot, maybe a
+    million): after vLLM's start-up freeze, recording chunks adds no object a full
+    collection walks, and the events still carry vLLM's values (lists, as vLLM's)."""
+    import gc
+
+    events = ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=1 << 16)
+    req = make_request(33, 64 * CHUNK + 1, salt="tenant-b")
+    gc.collect()
+    gc.freeze()
+    try:
+        before = len(gc.get_objects())
+        for c in range(64):
+            events.record(req, c, req.block_hashes[(c + 1) * BPC - 1])
+        gc.collect()
+        grown = len(gc.get_objects()) - before
+    finally:
+        gc.unfreeze()
+    assert events.tracked() == 64 and grown < 10, f"{grown} objects to walk"
+    events.chunk_ready(SimpleNamespace(block_hash=req.block_hashes[BPC - 1]))  # type: ignore[arg-type]
+    (ev,) = events.take_events()
+    assert isinstance(ev, BlockStored)
+    assert ev.token_ids == req.all_token_ids[:CHUNK] and type(ev.token_ids) is list
+    assert ev.extra_keys == [("tenant-b",)] + [None] * (BPC - 1)
+    assert type(ev.block_hashes) is list and ev.block_hashes == vllm_hashes(req, 0)
+
+
 # ---- wiring ----------------------------------------------------------------------------------
 def test_events_follow_vllms_kv_events_config() -> None:
     on = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))

@@ -253,6 +253,36 @@ def test_store_then_load_is_bit_exact(name, copier, dtype, staging) -> None:
         assert not blocks_of(d, rest).any()
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_slot_views_are_cached_for_a_bounded_number_of_chunks(name) -> None:
+    """The copier keeps each used slot's views for reuse, but only the most recently
+    used chunks' (a host tier of a million slots must not cost a million cached
+    views): through more slots than that bound, copies stay bit-exact."""
+    src, kv, layout, slab, _, c = setup(LAYOUTS[name], slots=6)
+    assert isinstance(c, CudaCopier)
+    c._pieces_cap = 2 * LAYERS  # two chunks' worth
+    for slot in range(6):
+        blocks = tuple((slot * 7 + j) % NUM_BLOCKS for j in range(BPC))
+        c.begin_saves([StoreOp(slot, slot, blocks)])
+        for li in range(LAYERS):
+            c.save_layer(li)
+        assert all(v is not None for v in times(c.finish_saves()).values())
+        assert len(c._slot_pieces) <= 2 * LAYERS
+    dst = [torch.zeros_like(t) for t in kv]
+    c2 = CudaCopier(dst, layout, slab, ops=FakeOps())
+    c2._pieces_cap = 2 * LAYERS
+    for slot in (5, 0, 3, 0, 1):  # evicted and re-made views, and a cached one again
+        first = slot * BPC % NUM_BLOCKS
+        out = times(c2.begin_loads([LoadOp(100 + slot, slot, 0, tuple(range(first, first + BPC)))]))
+        for li in range(LAYERS):
+            c2.wait_layer(li)
+        out.update(times(c2.finish_loads()))
+        assert all(v is not None for v in out.values()) and len(c2._slot_pieces) <= 2 * LAYERS
+        for s, d in zip(kv, dst, strict=True):
+            want = [(slot * 7 + j) % NUM_BLOCKS for j in range(BPC)]
+            assert torch.equal(blocks_of(d, list(range(first, first + BPC))), blocks_of(s, want))
+
+
 @pytest.mark.parametrize("copier", ["cuda", "cpu"])
 def test_flashinfer_hnd_strided_kv_round_trips(copier) -> None:
     """FlashInfer's HND layout hands connectors a permuted view of [num_blocks, 2, H,
