@@ -612,13 +612,18 @@ def plot(result: dict[str, Any], path: str) -> None:
     variants = [v for v in result["variants"] if v != "vllm"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     sizes = sorted({r["index_chunks"] for r in result["steps"]})
+    # a colour per connector, darker for a larger index; the line style is the phase
+    maps = {"kvtier": plt.get_cmap("Blues"), "offloading": plt.get_cmap("Oranges")}
+    shade = {n: 0.45 + 0.5 * i / max(1, len(sizes) - 1) for i, n in enumerate(sizes)}
+    markers = dict(zip(sizes, ("o", "s", "^", "D"), strict=False))
     ax = axes[0]
     for v in variants:
         for phase, style in (("decode", "-"), ("prefill", "--")):
             for n in sizes:
                 rs = [r for r in result["steps"] if r["phase"] == phase and r["index_chunks"] == n]
                 ax.plot([r["running_requests"] for r in rs], [r[f"{v}_ratio"] for r in rs],
-                        style, marker="o", label=f"{v} {phase} {n:,}")
+                        style, marker=markers.get(n, "o"), color=maps[v](shade[n]),
+                        label=f"{v} {phase} {n:,}")
     ax.axhline(1.05, color="grey", lw=0.8, ls=":")
     ax.axhline(1.15, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="running requests", ylabel="step time ÷ no connector",
@@ -639,7 +644,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         for outcome, style in (("hit", "-"), ("partial", "--"), ("miss", ":")):
             rs = [r for r in result["lookups"] if r["connector"] == v and r["outcome"] == outcome]
             ax.plot([r["index_chunks"] for r in rs], [r["p99_us"] for r in rs], style,
-                    marker="o", label=f"{v} {outcome} p99")
+                    marker="o", color=maps[v](0.8), label=f"{v} {outcome} p99")
     ax.axhline(200, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="index chunks", ylabel="µs",
            title="get_num_new_matched_tokens, 32k-token prompt")
