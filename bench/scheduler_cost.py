@@ -34,14 +34,17 @@ miss against each index size; kvtier's per-step metadata in bytes as vLLM's
 multiprocess executor ships it to workers (``pickle``, highest protocol, in
 ``MessageQueue.enqueue``); index memory per chunk (RSS growth / chunks), and what the
 index leaves to Python's garbage collector: objects it tracks per chunk and the time of
-one full collection, after vLLM's own start-up ``gc.freeze``.
+one full collection, after vLLM's own start-up ``gc.freeze``; and kvtier's worker side
+in a step where no chunk moves (32 and 80 attention layers), through the connector's
+per-step hooks as vLLM's model runner calls them.
 
     .venv/bin/python bench/scheduler_cost.py            # full run, ~5 min on 2 cores
     .venv/bin/python bench/scheduler_cost.py --quick    # small run, < 1 min
     .venv/bin/python bench/scheduler_cost.py --plot bench/results/scheduler.png
     .venv/bin/python bench/scheduler_cost.py --profile  # cProfile kvtier in the worst case
 
-Writes ``bench/results/scheduler.json``: ``{"steps": [...], "lookups": [...], ...}``.
+Writes ``bench/results/scheduler.json``: ``{"steps": [...], "lookups": [...], "memory":
+[...], "worker": [...], ...}``.
 """
 
 from __future__ import annotations
@@ -516,6 +519,64 @@ def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[di
     return out
 
 
+# ---- worker side --------------------------------------------------------------------------
+def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]]:
+    """kvtier's worker side in a step where no chunk moves (every decode step), driven
+    through the connector facade in the order vLLM's model runner calls it: the
+    metadata unpickled as vLLM's message queue delivers it, ``bind_connector_metadata``,
+    ``start_load_kv``, per attention layer ``wait_for_layer_load`` and ``save_kv_layer``,
+    ``wait_for_save``, the step's reports (load errors, worker metadata, stats),
+    ``clear_connector_metadata``. CPU tensors; on CUDA the same calls run with nothing to
+    enqueue."""
+    import torch
+
+    from kvtier.config import load_config
+    from kvtier.connectors.metadata import KVTierMetadata
+    from kvtier.connectors.vllm import KVTierConnector
+    from kvtier.connectors.worker import WorkerSide
+    from kvtier.keys import Namespace
+
+    out = []
+    num_blocks = 64
+    for layers in layer_counts:
+        cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": CHUNK}, environ={})
+        ns = Namespace("m", None, "bfloat16", "auto", BLOCK, CHUNK, 1)
+        worker = WorkerSide(cfg, ns, num_blocks)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        caches = {n: torch.zeros((2, num_blocks, BLOCK, 1, HEAD_SIZE), dtype=torch.bfloat16)
+                  for n in names}
+        worker.register_kv_caches(caches, rank=0)
+        assert worker.layout is not None
+        facade = KVTierConnector.__new__(KVTierConnector)  # the worker role's plumbing only
+        facade._worker, facade._scheduler, facade._connector_metadata = worker, None, None
+        facade._asleep = False
+        host_bytes = worker.layout.slot_bytes * 16
+        times = []
+        meta_bytes = 0
+        for i in range(steps + 10):
+            wire = pickle.dumps(KVTierMetadata(step=i, host_bytes=host_bytes),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            meta_bytes = len(wire)
+            t0 = time.perf_counter()
+            facade.bind_connector_metadata(pickle.loads(wire))
+            facade.start_load_kv(None)  # type: ignore[arg-type]
+            for n in names:
+                facade.wait_for_layer_load(n)
+                facade.save_kv_layer(n, None, None)  # type: ignore[arg-type]
+            facade.wait_for_save()
+            facade.get_block_ids_with_load_errors()
+            facade.build_connector_worker_meta()
+            facade.get_kv_connector_stats()
+            facade.clear_connector_metadata()
+            if i >= 10:  # the first steps allocate the host slab
+                times.append((time.perf_counter() - t0) * 1e6)
+        out.append({"layers": layers, "steps": steps, "meta_bytes": meta_bytes,
+                    "worker_step_us": round(statistics.median(times), 1),
+                    "worker_step_p99_us": round(sorted(times)[int(len(times) * 0.99)], 1)})
+        facade.shutdown()
+    return out
+
+
 # ---- memory -------------------------------------------------------------------------------
 def rss() -> int:
     import psutil
@@ -594,6 +655,11 @@ def table(result: dict[str, Any]) -> str:
     for r in result["lookups"]:
         lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['outcome']} | "
                      f"{r['matched_tokens']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |")
+    lines += ["", "| worker side, step with no chunk moving: layers | median µs | p99 µs "
+              "| metadata B |", "|---|---|---|---|"]
+    for r in result.get("worker", []):
+        lines.append(f"| {r['layers']} | {r['worker_step_us']:.0f} | {r['worker_step_p99_us']:.0f} "
+                     f"| {r['meta_bytes']} |")
     lines += ["", "| connector | chunks | bytes per chunk (RSS) | (tracemalloc) "
               "| GC-tracked objects per chunk | full collection ms |", "|---|---|---|---|---|---|"]
     for r in result["memory"]:
@@ -757,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                      "lookup_samples": plan.lookup_samples,
                      "index_prefill": "direct (ChunkIndex.begin/commit; manager prepare/complete)",
                      "metadata_serialization": "pickle.HIGHEST_PROTOCOL (vLLM MessageQueue)"},
-        "steps": [], "lookups": [], "memory": [],
+        "steps": [], "lookups": [], "memory": [], "worker": [],
     }
     try:
         import vllm
@@ -767,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     with tqdm(total=total, disable=args.no_progress, desc="scheduler cost") as bar:
         result["memory"] = index_memory(plan, max(plan.index_sizes))
+        result["worker"] = worker_steps((32, 80), plan.decode_steps * 5)
         for running, n in cases:
             bar.set_postfix_str(f"{running} running, {n:,} chunks")
             recs, _ = run_case(plan, running, n, bar)

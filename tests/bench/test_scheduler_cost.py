@@ -96,3 +96,13 @@ def test_memory_per_chunk_is_measured(result: dict) -> None:
     # start-up freeze, filling it leaves the collector nothing per chunk to walk
     assert kv[0]["gc_tracked_per_chunk"] < 0.05, kv
     assert kv[0]["full_gc_ms"] >= 0
+
+
+def test_the_worker_side_is_measured_in_steps_where_nothing_moves(result: dict) -> None:
+    rows = {r["layers"]: r for r in result["worker"]}
+    assert set(rows) == {32, 80}, rows
+    for r in rows.values():
+        # the facade ran every per-step hook over every layer; the metadata it unpickled
+        # is a step's with no ops (what the scheduler sends on a decode step)
+        assert r["steps"] >= 10 and 0 < r["worker_step_us"] <= r["worker_step_p99_us"]
+        assert 50 < r["meta_bytes"] < 500, r
