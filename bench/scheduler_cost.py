@@ -599,12 +599,12 @@ def index_memory(plan: Plan, n: int) -> list[dict[str, Any]]:
         # as vLLM's engine core does once its scheduler (and so the connector) is built:
         # what exists then is never walked again; what the index adds later may be
         freeze_gc_heap()
-        tracked = len(gc.get_objects())
+        tracked_before = len(gc.get_objects())
         before = rss()
         fill(sched, n, random.Random(1))
         gc.collect()
         grown = rss() - before
-        tracked = len(gc.get_objects()) - tracked
+        tracked = len(gc.get_objects()) - tracked_before
         full_gc_ms = []
         for _ in range(3):
             t0 = time.perf_counter()
