@@ -53,6 +53,26 @@ def _selectors(values: list[str] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: the deepest LRU position ``--trace-max-chunks`` may ask for (memory follows the
+#: trace's distinct chunks, about 150 bytes each, up to this many)
+MAX_TRACE_CHUNKS = 2**32
+
+
+def _chunk_count(text: str) -> int:
+    """``--trace-max-chunks``: a whole number of chunks, 1 to 2**32 (``1e6`` is accepted)."""
+    try:
+        v = float(text) if any(c in text.lower() for c in ".e") else int(text)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if isinstance(v, float) and not (v.is_integer() and 1 <= v <= MAX_TRACE_CHUNKS):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a whole number from 1 to {MAX_TRACE_CHUNKS}")
+    if not 1 <= v <= MAX_TRACE_CHUNKS:
+        raise argparse.ArgumentTypeError(
+            f"{text} chunks: must be from 1 to {MAX_TRACE_CHUNKS} (2**32)")
+    return int(v)
+
+
 def _add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", required=model_required, metavar="PATH",
@@ -172,9 +192,12 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     if not 0 < args.target_hit_rate <= 1:
         print("kvtier size: error: --target-hit-rate must be in (0, 1]", file=sys.stderr)
         return 2
-    if args.block_size < 1 or args.chunk_size % args.block_size:
-        print("kvtier size: error: --chunk-size must be a multiple of --block-size",
+    if args.block_size < 1 or args.chunk_size < 1 or args.chunk_size % args.block_size:
+        print("kvtier size: error: --chunk-size must be a positive multiple of --block-size",
               file=sys.stderr)
+        return 2
+    if args.cpu_bytes is not None and args.cpu_bytes < 0:
+        print("kvtier size: error: --cpu-bytes must not be negative", file=sys.stderr)
         return 2
     if args.gpu_kv_tokens is not None:
         gpu_tokens, source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
@@ -299,8 +322,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tr.add_argument("--target-hit-rate", type=float, default=0.8, metavar="F",
                     help="share of prompt tokens to serve from any cache (default 0.8)")
     tr.add_argument("--plot", metavar="FILE.png", help="draw the curves to this PNG")
-    tr.add_argument("--trace-max-chunks", type=int, default=1 << 20, metavar="N",
-                    help="deepest LRU position tracked; bounds memory (default 1048576)")
+    tr.add_argument("--trace-max-chunks", type=_chunk_count, default=1 << 20, metavar="N",
+                    help="deepest LRU position tracked; bounds memory (default 1048576, "
+                    "at most 2**32)")
     size.set_defaults(func=_size)
 
     doc = sub.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"] + ".",

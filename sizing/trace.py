@@ -115,13 +115,23 @@ class Tokenizer:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
+#: token ids vLLM can hold (int64); msgpack and the tokenizer refuse larger ones
+MAX_TOKEN_ID = 2**63 - 1
+
+
 def _timestamp(v: Any) -> float | None:
     if v is None:
         return None
     if isinstance(v, bool):
         raise _BadLine("timestamp is not a number or ISO 8601 time")
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v)
+    if isinstance(v, int | float):
+        try:
+            f = float(v)  # an int of hundreds of digits does not fit a float
+        except OverflowError:
+            raise _BadLine("timestamp is out of range") from None
+        if math.isfinite(f):
+            return f
+        raise _BadLine("timestamp is out of range")
     if isinstance(v, str):
         try:
             return datetime.fromisoformat(v).timestamp()
@@ -132,8 +142,8 @@ def _timestamp(v: Any) -> float | None:
 
 def _token_ids(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          and t >= 0 for t in v):
-        raise _BadLine("prompt_token_ids is not a list of non-negative integers")
+                                          and 0 <= t <= MAX_TOKEN_ID for t in v):
+        raise _BadLine("prompt_token_ids is not a list of integers in [0, 2**63)")
     return v
 
 
@@ -143,6 +153,8 @@ def parse_line(line: str, tokenizer: Tokenizer) -> TraceRequest:
         obj = json.loads(line)
     except ValueError as e:
         raise _BadLine(f"not JSON ({e.args[0][:60]})") from e
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise _BadLine("JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise _BadLine("not a JSON object")
     salt = obj.get("cache_salt")
@@ -252,14 +264,15 @@ class LruStack:
 
     Every access gets a new timestamp; a Fenwick tree counts live timestamps, so a
     key's depth is the number of live timestamps at or after its own. Timestamps are
-    renumbered when they run out (amortized O(1) per access).
+    renumbered when they run out (amortized O(1) per access); the tree grows with the
+    keys held, so memory follows the trace's distinct chunks, not ``limit``.
     """
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         self.limit = limit
-        self._cap = 2 * limit + 2
+        self._cap = min(2 * limit + 2, 4096)
         self._tree = array("q", bytes(8 * (self._cap + 1)))
         self._ts: OrderedDict[int, int] = OrderedDict()
         self._next = 1
@@ -302,6 +315,8 @@ class LruStack:
             self._add(ts, -1)
 
     def _compact(self) -> None:
+        # at least as many free timestamps as live ones after the renumbering
+        self._cap = max(self._cap, 2 * len(self._ts) + 2)
         tree = self._tree = array("q", bytes(8 * (self._cap + 1)))
         cap = self._cap
         for i, k in enumerate(self._ts, 1):

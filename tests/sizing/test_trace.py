@@ -392,3 +392,83 @@ def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path,
     rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(out), *COMMON)
     assert rc == 0 and rep["trace"]["requests"] == 8 and rep["trace"]["bad_lines"] == 0
     assert rep["max_hit_rate"] > 0.3  # the shared prefix and the earlier turns are reused
+
+
+# ------------------------------------------------------------- hostile input
+
+
+def test_hostile_lines_are_bad_lines_not_crashes(model_dir: Path, tmp_path: Path,
+                                                 capsys: Any) -> None:
+    """Lines that made the decoder, msgpack or float() raise are counted like any bad line:
+    exit 1 means "the plan does not fit", never "the reader crashed"."""
+    good = {"prompt_token_ids": list(range(40))}
+    lines = [good,
+             "[" * 100_000 + "]" * 100_000,  # RecursionError in the JSON decoder
+             '{"a": ' * 100_000 + "1" + "}" * 100_000,
+             {"prompt_token_ids": [2**64, 1, 2]},  # OverflowError in msgpack
+             {"prompt_token_ids": [1, 2, 2**63]},
+             '{"prompt_token_ids": [1, 2, 3], "timestamp": ' + "9" * 400 + "}",  # float()
+             '{"prompt_token_ids": [1, 2, 3], "timestamp": -' + "9" * 400 + "}",
+             good]
+    path = _write(tmp_path / "hostile.jsonl", lines)
+    rc, out = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON[:-1])
+    assert rc == 0
+    assert "2 requests" in out and "6 bad lines" in out
+    assert "line 2: JSON nested too deeply" in out and "line 3: JSON nested too deeply" in out
+    assert "line 4: prompt_token_ids is not a list of integers in [0, 2**63)" in out
+    assert "line 6: timestamp is out of range" in out
+    rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
+    assert rc == 0 and rep["trace"]["bad_lines"] == 6 and rep["trace"]["requests"] == 2
+
+
+@pytest.mark.parametrize("flags", [
+    ("--trace-max-chunks", "0"), ("--trace-max-chunks", "-3"),
+    ("--trace-max-chunks", "1e11"), ("--trace-max-chunks", "100000000000"),
+    ("--trace-max-chunks", "1.5"), ("--trace-max-chunks", "nan"),
+])
+def test_bad_max_chunks_is_a_usage_error(model_dir: Path, tmp_path: Path, capsys: Any,
+                                          flags: tuple[str, str]) -> None:
+    path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}])
+    with pytest.raises(SystemExit) as e:
+        main(["size", "--model", str(model_dir), "--trace", str(path), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "--trace-max-chunks" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [("--chunk-size", "0"), ("--chunk-size", "-8"),
+                                   ("--cpu-bytes", "-1")])
+def test_bad_trace_numbers_exit_2(model_dir: Path, tmp_path: Path, capsys: Any,
+                                  flags: tuple[str, str]) -> None:
+    path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}])
+    rc = main(["size", "--model", str(model_dir), "--trace", str(path), "--block-size", "4",
+               *flags])
+    assert rc == 2
+    assert f"{flags[0]} must" in capsys.readouterr().err
+
+
+def test_max_chunks_in_the_scientific_notation_and_memory_follows_the_trace(
+        model_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}] * 2)
+    rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON,
+                   "--trace-max-chunks", "4e9")
+    assert rc == 0 and rep["keys"]["max_chunks"] == 4_000_000_000
+    stack = tr.LruStack(2**32)  # no table of 2**33 entries up front
+    assert len(stack._tree) <= 4097
+
+
+def test_lru_stack_grows_with_its_keys() -> None:
+    rng = random.Random(4)
+    stack = tr.LruStack(limit=10**9)
+    order: list[int] = []
+    for i in range(12_000):  # past the first table's size: the tree grows while in use
+        key = i if rng.random() < 0.6 else rng.randrange(max(1, i))
+        if i % 97 == 0:
+            for probe in (key, rng.randrange(i + 1)):
+                want = len(order) - order.index(probe) if probe in order else None
+                assert stack.depth(probe) == want
+        stack.access(key)
+        if key in order:
+            order.remove(key)
+        order.append(key)
+    assert len(stack) == len(order) and len(stack._tree) > 4097
