@@ -14,11 +14,32 @@ Behind that:
 - A lookup is a read (:meth:`RemoteIO.submit_get_run`): a prompt's chunks are
   fetched in order, the first alone, the rest in parallel once it was found;
   after a miss the chunks behind it are not asked for.
-- A read slower than ``timeout_s`` (queue wait included) is reported as
-  ``"timeout"`` at the next poll; the thread still finishing it will not
-  touch the destination buffer afterwards. Uploads have no deadline of their
-  own (the tier's socket timeouts bound them): the caller's payload must stay
-  untouched until the put is reported, so it is never reported early.
+- A read still queued at its deadline (``timeout_s`` from submit) is reported
+  as ``"timeout"`` at the next poll. Whether a read starts (its thread begins
+  writing into the destination) or times out is one decision, taken under the
+  op's lock, so a slot reported free is never written afterwards.
+- A read that has begun is reported only when its backend call is over: its
+  destination is the caller's host slot, which must not be reused under a late
+  write. Past its deadline it is *stuck*: counted (``reads_stuck``, and
+  :attr:`RemoteIO.stuck_reads` while it lasts) and a timeout against the
+  tier's health, so a tier that keeps timing out goes down and lookups then
+  fail fast. The caller's own lookup deadline stops waiting for it (the
+  scheduler's lookup is over); its slot stays claimed until the read returns.
+  Stuck reads are bounded by the read threads: while every read thread is
+  stuck, reads fail fast (nothing could serve them) and queued ones are
+  reported at once. A read that returns after its deadline counts as a
+  timeout, never as the tier's recovery.
+- Uploads have no deadline of their own (the tier's socket timeouts bound
+  them): the caller's payload must stay untouched until the put is reported,
+  so it is never reported early. One still in its backend call after
+  ``write_stall_s`` is stuck in the same way (``writes_stuck``; writes go
+  down; while every write thread is stuck, queued uploads are reported failed
+  at once, which releases their slots).
+- An upload whose object already exists under its key is not written again
+  (``puts_existing``): the key names the chunk's content, and with an
+  encryption key every write spends one of the key's random nonces. A key
+  whose last fetch was rejected (corrupt, forged, sealed for another key,
+  oversize) is written again, which repairs it.
 - A connection-level failure (``TierUnavailable``) marks that direction
   (reads: fetches; writes: uploads) down for ``backoff.compute(n)``
   seconds; until then its ops fail fast as ``"unreachable"`` without touching
@@ -46,21 +67,23 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier import codec, metrics
 from kvtier.backoff import Backoff, ExponentialBackoff
-from kvtier.errors import CodecError, TierError, TierUnavailable
+from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable
 from kvtier.ops import OpKind, OpResult
 from kvtier.stats import Totals
 from kvtier.threads import run_within, stop_within
 from kvtier.tier_health import RateLimitedLog, TierHealth
 from kvtier.tiers.base import ObjectTier
+from kvtier.tiers.policy import Timeouts
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
-__all__ = ["ERROR_KINDS", "RemoteIO"]
+__all__ = ["ERROR_KINDS", "FlushReport", "RemoteIO"]
 
 log = logging.getLogger("kvtier.remote")
 
@@ -70,14 +93,45 @@ ERROR_KINDS = tuple(k for k in metrics.ERROR_KINDS if k != "load")
 MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
 _COUNTERS = (
     "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
-    "ops_fetch", "ops_upload", "gets_skipped",
+    "ops_fetch", "ops_upload", "gets_skipped", "reads_stuck", "writes_stuck",
+    "puts_existing", "seals",
 ) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
+#: keys whose last fetch was rejected, remembered so that their next upload rewrites them
+REWRITE_KEYS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What became of the uploads pending when :meth:`RemoteIO.flush` began (every one
+    is in exactly one of: written, failed, still queued, still in a backend call)."""
+
+    pending: int
+    written: int
+    failed: dict[str, int]
+    queued: int
+    writing: int
+    timeout_s: float
+
+    @property
+    def missing(self) -> int:
+        """Uploads that were not written (failed, or not finished within the flush)."""
+        return sum(self.failed.values()) + self.queued + self.writing
+
+    def describe(self) -> str:
+        failed = ", ".join(f"{k}: {n}" for k, n in sorted(self.failed.items()))
+        return (
+            f"{self.pending} pending: {self.written} written, "
+            f"{sum(self.failed.values())} failed ({failed or 'none'}), "
+            f"{self.queued} still queued after {self.timeout_s:.1f} s (dropped at close), "
+            f"{self.writing} still in a backend call (left behind, may or may not land)"
+        )
+
 
 class _Op:
     """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
 
     __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
-                 "done", "seq", "started", "run", "pos")  # fmt: skip
+                 "done", "seq", "started", "stall_at", "stuck", "run", "pos")  # fmt: skip
 
     def __init__(
         self,
@@ -101,8 +155,14 @@ class _Op:
         self.deadline = self.t0 + timeout_s
         self.lock = threading.Lock()
         self.done = False
-        #: a get whose bytes are being read into ``buf`` (the caller's slot)
+        #: its backend call has begun (a get: its bytes are being read into ``buf``, the
+        #: caller's slot); set under ``lock``, only while not ``done``: from then on the
+        #: op is reported only when the call is over
         self.started = False
+        #: when a started op counts as stuck (a get: its deadline)
+        self.stall_at = self.deadline
+        #: counted as stuck (poll() saw it started and past ``stall_at``)
+        self.stuck = False
         #: the run of gets (one prompt's consecutive chunks) this get is ``pos`` in
         self.run: list[_Op] | None = None
         self.pos = 0
@@ -130,11 +190,16 @@ class RemoteIO:
         timeout_s: float,
         signer: codec.Signer | None,
         backoff: Backoff | None = None,
+        write_stall_s: float | None = None,
     ) -> None:
         if threads < 1 or queue_depth < 1 or timeout_s <= 0:
             raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
         self.tier = tier
         self.timeout_s = timeout_s
+        #: an upload still in its backend call after this long is stuck
+        self.write_stall_s = (
+            Timeouts(timeout_s).stall_s if write_stall_s is None else write_stall_s
+        )
         self.signer = signer
         self.backoff = backoff if backoff is not None else ExponentialBackoff()
         self._rq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)
@@ -147,7 +212,13 @@ class RemoteIO:
         self._totals = Totals(_COUNTERS)  # guarded by self._lock
         self._taken = dict.fromkeys(_COUNTERS, 0)
         self._pending_writes = 0
-        self._put_failures = 0
+        self._puts_written = 0
+        self._put_failed_kinds: collections.Counter[str] = collections.Counter()
+        self._writing: dict[int, _Op] = {}  # uploads in their backend call
+        self._stuck = {OpKind.FETCH: 0, OpKind.UPLOAD: 0}  # started, past stall_at, not over
+        #: keys whose last fetch was rejected: their next upload rewrites the object
+        self._rewrite: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.last_flush: FlushReport | None = None
         self.health = TierHealth(tier.name, self.backoff)
         self._closed = False
         self._data_log = RateLimitedLog()
@@ -174,7 +245,6 @@ class RemoteIO:
     ) -> RemoteIO:
         """RemoteIO for ``cfg``: its tier (opened here unless given), signer and limits."""
         from kvtier.tiers import open_tier
-        from kvtier.tiers.policy import Timeouts
 
         signer = codec.Signer.from_config(cfg, environ)
         return cls(
@@ -224,7 +294,7 @@ class RemoteIO:
             op.run, op.pos = run, pos
         if not run:
             return
-        if self._closed or self.health.reads.is_down:
+        if self._closed or self.reads_down:
             self._finish(run[0], False, "unreachable")  # and the rest as misses
             return
         with self._lock:
@@ -245,7 +315,7 @@ class RemoteIO:
                 self._totals["writes_dropped"] += 1
                 return False
             self._pending_writes += 1
-        if self.health.writes.is_down:
+        if self.writes_down:
             self._finish(op, False, "unreachable")
             return True
         try:
@@ -269,40 +339,91 @@ class RemoteIO:
     # -- results -------------------------------------------------------------------------
 
     def poll(self) -> list[OpResult]:
-        """Results completed since the last poll, reads past their deadline as timeouts."""
+        """Results completed since the last poll; reads still queued past their deadline
+        as timeouts; started ops past theirs counted as stuck (reported when over)."""
         now = time.monotonic()
         with self._lock:
-            # a get that has begun reading into its slot reports when the read is over
-            expired = [op for op in self._inflight.values() if now > op.deadline and not op.started]
-        for op in expired:
-            # a worker holding the lock is reporting right now; its result comes next poll
-            if op.lock.acquire(blocking=False):
-                try:
-                    if not op.done:
-                        self._report(op, False, "timeout", 0)
-                finally:
-                    op.lock.release()
+            blocked = self._stuck[OpKind.FETCH] >= self.read_threads
+            # a read that has not started may time out; whether it has is decided below,
+            # under its own lock, where the I/O thread decides to start it
+            late = [op for op in self._inflight.values() if blocked or now > op.stall_at]
+            late += [op for op in self._writing.values() if now > op.stall_at]
+        timed_out = False
+        for op in late:
+            with op.lock:
+                if op.done or op.stuck:
+                    continue
+                if not op.started:  # queued: it can never write into its slot now
+                    expired = now > op.deadline
+                    self._report(op, False, "timeout" if expired else "unreachable", 0)
+                    timed_out |= expired
+                    continue
+                op.stuck = True  # in its backend call: reported when that is over
+                with self._lock:
+                    self._stuck[op.kind] += 1
+                    self._totals["reads_stuck" if op.kind is OpKind.FETCH else "writes_stuck"] += 1
+            self._stalled(op)
+        if timed_out:
+            self.health.failed(False, TimeoutError(
+                f"reads queued longer than the {self.timeout_s:.3f} s lookup deadline"
+            ))  # fmt: skip
+        if self.stuck_writes >= self.write_threads and not self._closed:
+            self._fail_queued_writes()
         out: list[OpResult] = []
         while self._results:
             out.append(self._results.popleft())
         return out
 
+    def _stalled(self, op: _Op) -> None:
+        """A started op past its deadline: a timeout against its direction's health."""
+        write = op.kind is OpKind.UPLOAD
+        self.health.failed(write, TimeoutError(
+            f"a {op.kind} has been in its backend call for "
+            f"{time.monotonic() - op.t0:.2f} s, past its {op.stall_at - op.t0:.2f} s deadline"
+        ))  # fmt: skip
+
+    def _fail_queued_writes(self) -> None:
+        """Every write thread is stuck: report the queued uploads (their slots go back)."""
+        while True:
+            try:
+                op = self._wq.get_nowait()
+            except queue.Empty:
+                return
+            if op is None:  # close()'s stop request: put it back for a thread to see
+                try:
+                    self._wq.put_nowait(None)
+                except queue.Full:  # a racing submit took the place; the threads are daemons
+                    pass
+                return
+            self._finish(op, False, "unreachable")
+
     def flush(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for queued uploads; returns how many were not written."""
+        """Wait up to ``timeout_s`` for the pending uploads; returns how many were not
+        written. What became of each is in :attr:`last_flush` and, when any was not
+        written, in one warning (failed by kind, still queued, still being written)."""
         deadline = time.monotonic() + timeout_s
         with self._writes_idle:
-            failures_before = self._put_failures
+            pending = self._pending_writes
+            written0, failed0 = self._puts_written, collections.Counter(self._put_failed_kinds)
             while self._pending_writes > 0:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._writes_idle.wait(remaining)
-            missing = self._pending_writes + self._put_failures - failures_before
-        if missing:
-            log.warning(
-                "%d object-tier writes were not written within the %.1f s flush", missing, timeout_s
+            writing = len(self._writing)
+            failed = self._put_failed_kinds - failed0
+            report = FlushReport(
+                pending=pending,
+                written=self._puts_written - written0,
+                failed=dict(failed),
+                queued=self._pending_writes - writing,
+                writing=writing,
+                timeout_s=timeout_s,
             )
-        return missing
+        self.last_flush = report
+        if report.missing:
+            log.warning("object-tier writes not written by the flush: %s", report.describe())
+        return report.missing
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop the threads, drop what is still queued (counted), close the tier.
@@ -340,12 +461,18 @@ class RemoteIO:
             self._writes_idle.notify_all()
             inflight = list(self._inflight.values())
             self._inflight.clear()
-        for op in inflight:  # a late fetch must not write into a buffer the caller reuses
+            writing = len(self._writing)
+        for op in inflight:  # a fetch not yet started never will
             with op.lock:
                 op.done = True
                 op.buf = None
         if dropped:
             log.warning("closing object-tier I/O: %d queued writes dropped", dropped)
+        if writing:
+            log.warning(
+                "closing object-tier I/O: %d writes still in a %s call, left behind "
+                "(they may or may not land)", writing, self.tier.name,
+            )  # fmt: skip
         queues = [self._rq if "-read-" in t.name else self._wq for t in self._threads]
         stuck = stop_within(self._threads, queues, deadline)
         if stuck:
@@ -361,17 +488,36 @@ class RemoteIO:
     @property
     def is_down(self) -> bool:
         """True while reads or writes fail fast after a tier failure."""
-        return self.health.is_down
+        return self.reads_down or self.writes_down
 
     @property
     def reads_down(self) -> bool:
-        """True while fetches fail fast after a read failed to reach the tier."""
-        return self.health.reads.is_down
+        """True while fetches fail fast: after a read failed to reach the tier or timed
+        out, and while every read thread is stuck in a backend call."""
+        return self.health.reads.is_down or self.stuck_reads >= self.read_threads
 
     @property
     def writes_down(self) -> bool:
-        """True while uploads fail fast after a write failed to reach the tier."""
-        return self.health.writes.is_down
+        """True while uploads fail fast: after a write failed to reach the tier or
+        stalled, and while every write thread is stuck in a backend call."""
+        return self.health.writes.is_down or self.stuck_writes >= self.write_threads
+
+    @property
+    def stuck_reads(self) -> int:
+        """Reads past their deadline still in their backend call (each holds a read
+        thread and its slot until the call returns; at most ``read_threads``)."""
+        return self._stuck[OpKind.FETCH]
+
+    @property
+    def stuck_writes(self) -> int:
+        """Uploads in their backend call for longer than ``write_stall_s``."""
+        return self._stuck[OpKind.UPLOAD]
+
+    @property
+    def seals(self) -> int:
+        """Chunks sealed (encrypted, one random nonce each) with this engine's key."""
+        sealer = self.signer.sealer if self.signer is not None else None
+        return sealer.seals if sealer is not None else 0
 
     @property
     def pending_writes(self) -> int:
@@ -405,25 +551,32 @@ class RemoteIO:
     def _execute(self, op: _Op) -> None:
         if op.done:  # timed out (or closed) while queued: do not touch the network
             return
-        if self.health.of(op.kind is OpKind.UPLOAD).is_down:
+        write = op.kind is OpKind.UPLOAD
+        if self.writes_down if write else self.reads_down:
             self._finish(op, False, "unreachable")
             return
-        if op.kind is OpKind.FETCH and time.monotonic() > op.deadline:
+        # start or time out: one decision, under the lock poll() decides timeouts under;
+        # once started, a get reads straight into its slot and reports only when the read
+        # is over, so the slot cannot be reused under a late write
+        with op.lock:
+            if op.done or op.buf is None:  # reported, or closed while being picked up
+                return
+            key, buf, now = op.key, op.buf, time.monotonic()
+            late = not write and now > op.deadline
+            if not late:
+                op.started = True
+                if write:
+                    op.stall_at = now + self.write_stall_s
+                    with self._lock:
+                        self._writing[op.seq] = op
+        if late:
+            self.health.failed(False, TimeoutError("a read waited past its deadline"))
             self._finish(op, False, "timeout")
             return
-        key, buf = op.key, op.buf
-        if buf is None:  # closed while this op was being picked up
-            return
         try:
-            if op.kind is OpKind.FETCH:
-                # straight into the slot, verified there: from here on this op reports only
-                # when the read is over, so the slot cannot be reused under a late write
-                with op.lock:
-                    if op.done:
-                        return
-                    op.started = True
+            if not write:
                 head = self.tier.read_into(key, buf, MAX_FRAME)
-                self.health.succeeded(write=False)
+                self._answered(op)
                 if head is None:
                     self._finish(op, False, None)
                     return
@@ -432,22 +585,54 @@ class RemoteIO:
                              signer=self.signer)  # fmt: skip
                 self._finish(op, True, None, nbytes=len(head) + buf.nbytes)
             else:
+                with self._lock:
+                    rewrite = key in self._rewrite
+                # the key names the chunk: an object already there is this chunk, and
+                # writing it again would spend one of the encryption key's nonces
+                if not rewrite and self.tier.exists([key])[0]:
+                    self._answered(op)
+                    self._add("puts_existing", 1)
+                    self._finish(op, True, None)
+                    return
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
                 self.tier.put(key, parts)
-                self.health.succeeded(write=True)
+                self._answered(op)
                 n = codec.encoded_size(parts)
-                self._add("bytes_written", n)
+                with self._lock:
+                    self._totals["bytes_written"] += n
+                    self._rewrite.pop(key, None)
                 self._finish(op, True, None, nbytes=n)
         except CodecError as exc:
             self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
+            if not write:
+                self._remember_rewrite(key)
             self._finish(op, False, exc.kind)
         except TierUnavailable as exc:
-            self.health.failed(op.kind is OpKind.UPLOAD, exc)
+            self.health.failed(write, exc)
             self._finish(op, False, "unreachable")
         except TierError as exc:  # one object failed; the tier answered, so it is up
-            self.health.succeeded(op.kind is OpKind.UPLOAD)
+            self._answered(op)
             self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op.kind, exc)
+            if not write and isinstance(exc, ObjectError):
+                self._remember_rewrite(key)
             self._finish(op, False, exc.kind if exc.kind in ERROR_KINDS else "tier")
+
+    def _answered(self, op: _Op) -> None:
+        """The tier answered ``op``'s call: up again, unless it answered too late (then
+        that is a timeout, once per op: a tier that answers only after the deadline
+        stays down, however it answers)."""
+        if time.monotonic() <= op.stall_at:
+            self.health.succeeded(op.kind is OpKind.UPLOAD)
+        elif not op.stuck:  # poll() counted it already when it saw it stuck
+            self._stalled(op)
+
+    def _remember_rewrite(self, key: str) -> None:
+        """A fetch of ``key`` was rejected: the next upload of it writes it again."""
+        with self._lock:
+            self._rewrite[key] = None
+            self._rewrite.move_to_end(key)
+            while len(self._rewrite) > REWRITE_KEYS:
+                self._rewrite.popitem(last=False)
 
     def _add(self, counter: str, n: int) -> None:
         with self._lock:
@@ -509,10 +694,15 @@ class RemoteIO:
                 self._totals["ops_" + op.kind] += 1
             if error_kind is not None:
                 self._totals["errors_" + error_kind] += 1
+            if op.stuck:
+                self._stuck[op.kind] -= 1
             if op.kind is OpKind.UPLOAD:
                 self._pending_writes -= 1
-                if not ok:
-                    self._put_failures += 1
+                self._writing.pop(op.seq, None)
+                if ok:
+                    self._puts_written += 1
+                else:
+                    self._put_failed_kinds[error_kind or "tier"] += 1
                 self._writes_idle.notify_all()
             else:
                 self._inflight.pop(op.seq, None)

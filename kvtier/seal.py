@@ -97,7 +97,7 @@ class Sealer:
     Never shows a key: ``repr`` counts them, and errors name only what failed.
     """
 
-    __slots__ = ("_seal_key", "_seal_kid", "_keys", "_local")
+    __slots__ = ("_seal_key", "_seal_kid", "_keys", "_local", "_seals", "_seals_lock")
 
     def __init__(self, seal_key: bytes, open_keys: Sequence[bytes] = ()) -> None:
         for k in (seal_key, *open_keys):
@@ -108,6 +108,8 @@ class Sealer:
         # the sealing key opens too, so a fresh rotation reads its own writes
         self._keys = {key_id(k): k for k in (*open_keys, seal_key)}
         self._local = threading.local()
+        self._seals = 0
+        self._seals_lock = threading.Lock()
 
     def __repr__(self) -> str:  # never the keys themselves
         return f"Sealer(open_keys={len(self._keys)})"
@@ -116,6 +118,11 @@ class Sealer:
     def kid(self) -> bytes:
         """The id of the sealing key."""
         return self._seal_kid
+
+    @property
+    def seals(self) -> int:
+        """How many times this sealer sealed (drew a random nonce for its one key)."""
+        return self._seals
 
     def can_open(self, kid: bytes) -> bool:
         return kid in self._keys
@@ -132,6 +139,8 @@ class Sealer:
         """Encrypt ``plain`` with a fresh nonce; returns the seal and the ciphertext, which
         lives in this thread's scratch buffer until the thread seals again."""
         nonce = os.urandom(NONCE_BYTES)
+        with self._seals_lock:
+            self._seals += 1
         out = self.scratch(plain.nbytes)
         enc = Cipher(algorithms.AES(self._seal_key), modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(AAD_LABEL + aad)

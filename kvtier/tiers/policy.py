@@ -49,3 +49,10 @@ class Timeouts:
     def body_s(self) -> float:
         """A pause while streaming an object's body (S3 reads 4-8 MiB chunks)."""
         return max(5.0, 2 * self.lookup_s)
+
+    @property
+    def stall_s(self) -> float:
+        """An upload still in its backend call after this long is stuck (RemoteIO counts
+        it and takes writes down): every attempt's connect and longest pause, and then
+        some. A read is stuck past the lookup deadline itself."""
+        return (1 + RETRIES) * (self.connect_s + self.body_s)
