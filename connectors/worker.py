@@ -63,6 +63,7 @@ class WorkerSide:
         #: this rank writes its chunks to the object tier (MLA: only rank 0 does)
         self.uploads = True
         self.stats = StatsRecorder()
+        self._seals_counted = 0  # the RemoteIO's seals already added to the stats
 
     # ---- setup ------------------------------------------------------------------------------
     def register_kv_caches(
@@ -236,6 +237,12 @@ class WorkerSide:
             return
         for res in self.remote.poll():
             self._record(res)
+        # stuck calls (each holds an I/O thread) and the encryption key's nonces spent
+        self.stats.set(metrics.STUCK_OPS, self.remote.stuck_reads, ("read",))
+        self.stats.set(metrics.STUCK_OPS, self.remote.stuck_writes, ("write",))
+        seals = self.remote.seals
+        self.stats.inc(metrics.SEALS, seals - self._seals_counted)
+        self._seals_counted = seals
 
     def _error(self, kind: str) -> None:
         kind = metrics.error_kind_label(kind)

@@ -124,11 +124,23 @@ ERRORS = MetricSpec(
     "Chunks or operations that failed and became misses, by kind.",
     ("kind",),
 )
+STUCK_OPS = MetricSpec(
+    PREFIX + "stuck_ops", "gauge",
+    "Object-tier reads past their deadline (writes past their stall bound) whose backend "
+    "call has not returned; each holds an I/O thread, a read also its host slot.",
+    ("direction",),
+)
+SEALS = MetricSpec(
+    PREFIX + "seals", "counter",
+    "Chunks sealed (AES-GCM, one random 96-bit nonce each) with the engine's encryption "
+    "key; summed over every engine that shares a key, keep it far below 2**32.",
+)
 
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
 )
+ALL += (STUCK_OPS, SEALS)
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:

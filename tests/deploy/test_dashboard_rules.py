@@ -497,6 +497,13 @@ kvtier:stores_skipped_total{model_name="tiny-llama",engine="0"} 1
 # TYPE kvtier:errors_total counter
 kvtier:errors_total{model_name="tiny-llama",engine="0",kind="timeout"} 1
 kvtier:errors_total{model_name="tiny-llama",engine="0",kind="checksum"} 0
+# HELP kvtier:stuck_ops Object-tier calls past their deadline that have not returned.
+# TYPE kvtier:stuck_ops gauge
+kvtier:stuck_ops{model_name="tiny-llama",engine="0",direction="read"} 1
+kvtier:stuck_ops{model_name="tiny-llama",engine="0",direction="write"} 0
+# HELP kvtier:seals_total Chunks sealed with the engine's encryption key.
+# TYPE kvtier:seals_total counter
+kvtier:seals_total{model_name="tiny-llama",engine="0"} 6
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")
