@@ -197,9 +197,7 @@ class RemoteIO:
         self.tier = tier
         self.timeout_s = timeout_s
         #: an upload still in its backend call after this long is stuck
-        self.write_stall_s = (
-            Timeouts(timeout_s).stall_s if write_stall_s is None else write_stall_s
-        )
+        self.write_stall_s = Timeouts(timeout_s).stall_s if write_stall_s is None else write_stall_s
         self.signer = signer
         self.backoff = backoff if backoff is not None else ExponentialBackoff()
         self._rq: queue.Queue[_Op | None] = queue.Queue(maxsize=queue_depth)

@@ -1,0 +1,40 @@
+"""The worker exports what RemoteIO counts about the object tier: stuck calls and seals."""
+
+from __future__ import annotations
+
+import threading
+
+from faketier import DT, SHAPE, SIZE, FakeTier, collect, make_rio, payload, until
+
+from kvtier import codec, metrics
+from kvtier.backoff import ConstantBackoff
+from kvtier.config import load_config
+from kvtier.connectors.worker import WorkerSide
+from kvtier.keys import Namespace
+from kvtier.seal import Sealer
+from kvtier.stats import series_id
+
+
+def test_worker_reports_stuck_reads_and_seals() -> None:
+    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": 128}, environ={})
+    w = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", 32, 128, 1), 40)
+    tier = FakeTier()
+    tier.hold["s"] = threading.Event()
+    rio = make_rio(tier, timeout_s=0.05, backoff=ConstantBackoff(60),
+                   signer=codec.Signer(sealer=Sealer(bytes(32))))  # fmt: skip
+    w.remote = rio
+    for i in range(3):  # one chunk stored three times: sealed once
+        assert rio.submit_put(i, "c", payload(1), dtype=DT, shape=SHAPE)
+        collect(rio, 1)
+    rio.submit_get_into(9, "s", memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
+    until(lambda: "s" in tier.entered, "the read to begin")
+    until(lambda: rio.stuck_reads == 1 or bool(rio.poll()), "the read to be stuck")
+    w.build_worker_meta()
+    data = w.get_stats()
+    assert data["counters"][series_id(metrics.SEALS)] == 1
+    assert data["gauges"][series_id(metrics.STUCK_OPS, ("read",))] == 1
+    assert data["gauges"][series_id(metrics.STUCK_OPS, ("write",))] == 0
+    w.build_worker_meta()
+    assert series_id(metrics.SEALS) not in w.get_stats()["counters"]  # counted once
+    tier.hold["s"].set()
+    rio.close()
