@@ -153,15 +153,19 @@ class Signer:
         sign_key: bytes | None = None
         if cfg.hmac_key_env:
             sign_key = _env_key(env, "hmac_key_env", cfg.hmac_key_env)
+            _long_enough("hmac_key_env", cfg.hmac_key_env, [sign_key])
         elif cfg.hmac_key_file:
             sign_key = _file_key("hmac_key_file", cfg.hmac_key_file)
+            _long_enough("hmac_key_file", cfg.hmac_key_file, [sign_key])
         verify: list[bytes] = []
         if cfg.hmac_verify_keys_env:
             raw = _env_key(env, "hmac_verify_keys_env", cfg.hmac_verify_keys_env)
-            verify += [k.strip() for k in raw.split(b",") if k.strip()]
+            extra = [k.strip() for k in raw.split(b",") if k.strip()]
+            verify += _long_enough("hmac_verify_keys_env", cfg.hmac_verify_keys_env, extra)
         if cfg.hmac_verify_keys_file:
             raw = _file_key("hmac_verify_keys_file", cfg.hmac_verify_keys_file)
-            verify += [k.strip() for k in raw.splitlines() if k.strip()]
+            extra = [k.strip() for k in raw.splitlines() if k.strip()]
+            verify += _long_enough("hmac_verify_keys_file", cfg.hmac_verify_keys_file, extra)
         if sign_key is None and not verify:
             return None if sealer is None else cls(sealer=sealer)
         if sign_key is None:
@@ -172,6 +176,24 @@ class Signer:
                 "extra verify keys need a signing key too (hmac_key_env or hmac_key_file)",
             )
         return cls(sign_key, verify, sealer=sealer)
+
+
+#: the shortest HMAC key accepted: 32 bytes, SHA-256's output size (RFC 2104: a shorter key
+#: weakens the MAC). ``openssl rand -hex 32`` gives 64.
+HMAC_KEY_MIN_BYTES = 32
+
+
+def _long_enough(cfg_key: str, where: str, keys: list[bytes]) -> list[bytes]:
+    """``keys`` when each is at least :data:`HMAC_KEY_MIN_BYTES` long; a ConfigError naming
+    the config key and the variable or file (never the key, nor its length) otherwise."""
+    if any(len(k) < HMAC_KEY_MIN_BYTES for k in keys):
+        raise ConfigError(
+            cfg_key,
+            where,
+            f"a key of at least {HMAC_KEY_MIN_BYTES} bytes (e.g. openssl rand -hex 32); "
+            "the one there is shorter",
+        )
+    return keys
 
 
 def _env_key(env: Mapping[str, str], cfg_key: str, var: str) -> bytes:

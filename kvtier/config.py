@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, Literal
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qsl, unquote, urlparse
 
 from kvtier.errors import (
     ConfigError,
@@ -222,6 +222,49 @@ def _remote_url(key: str, value: object) -> str | None:
     return url
 
 
+#: settings that turn authentication or encryption on: an empty value is a mistake (an
+#: unset template variable, ``KVTIER_HMAC_KEY_ENV=""``), never a quiet way to switch it off
+SECURITY_KEYS = ("hmac_key_env", "hmac_key_file", "encryption_key_env", "encryption_key_file")
+#: settings an empty ``KVTIER_<KEY>`` must not blank out when the JSON sets them
+_NO_EMPTY_OVERRIDE = (*SECURITY_KEYS, "namespace")
+#: rediss:// query arguments that turn certificate or host name checks off, and what
+#: redis-py reads as "off" (the values of ``ssl_cert_reqs`` it accepts are none, optional,
+#: required; ``ssl_check_hostname`` is off for an empty value or one of redis-py's false words)
+_TLS_OFF_WORDS = frozenset({"", "0", "F", "FALSE", "N", "NO"})
+
+
+def insecure_tls_args(url: str) -> list[str]:
+    """The query arguments of a ``rediss://`` URL that weaken TLS verification, as
+    ``name=value`` (empty when it has none). Every value is looked at, decoded once and
+    twice (redis-py before 6 decoded query values twice), so no spelling slips past."""
+    try:
+        parsed = urlparse(url)
+        pairs = parse_qsl(parsed.query, keep_blank_values=True)
+    except ValueError:
+        return []
+    if parsed.scheme != "rediss":
+        return []
+    weak = []
+    for name, value in pairs:
+        for v in dict.fromkeys((value, unquote(value))):
+            if name == "ssl_cert_reqs" and v != "required":
+                weak.append(f"{name}={v}")
+            elif name == "ssl_check_hostname" and v.strip().upper() in _TLS_OFF_WORDS:
+                weak.append(f"{name}={v}")
+            elif name == "ssl_exclude_verify_flags" and v.strip():
+                weak.append(f"{name}={v}")
+    return list(dict.fromkeys(weak))
+
+
+def _bool_flag(key: str, value: object) -> bool:
+    """true/false (a JSON boolean, or its text in an environment override)."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "true or false")
+    return value
+
+
 def _endpoint_url(key: str, value: object) -> str | None:
     got = _url(key, value)
     if got is None:
@@ -260,6 +303,15 @@ def redact_value(key: object, value: object) -> object:
     return Redacted(f"<{type(value).__name__}{size}>")
 
 
+def _bool(key: str, value: object) -> bool:
+    """true/false (JSON), or its text from an environment override."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ConfigError(key, value, "true or false")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:
     def parse(key: str, value: object) -> str:
         if not isinstance(value, str) or value not in choices:
@@ -280,6 +332,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "remote_url": _remote_url,
     "s3_endpoint_url": _endpoint_url,
     "remote_ttl_s": lambda k, v: None if v is None else _int(k, v, 1, 2**31 - 1),
+    "remote_tls_insecure": _bool_flag,
     "file_max_bytes": lambda k, v: None if v is None else parse_size(k, v),
     "write_policy": _choice(WRITE_POLICIES),
     "lookup_timeout_ms": lambda k, v: _int(k, v, 1, 3_600_000),
@@ -294,6 +347,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_key_file": _path,
     "encryption_decrypt_keys_env": _env_name,
     "encryption_decrypt_keys_file": _path,
+    "trust_multimodal_ids": _bool,
 }
 
 
@@ -318,6 +372,9 @@ class KVTierConfig:
     s3_endpoint_url: str | None = None
     #: expiry of chunks written to Redis, seconds; None = no expiry
     remote_ttl_s: int | None = None
+    #: allow a rediss:// remote_url to turn off TLS verification (ssl_cert_reqs=none or
+    #: optional, ssl_check_hostname=false); logged as a warning at startup
+    remote_tls_insecure: bool = False
     #: size bound of a file:// tier: past it the least recently used chunks go (down to
     #: 90%); None = unbounded (the directory's own quota applies)
     file_max_bytes: int | None = None
@@ -348,6 +405,9 @@ class KVTierConfig:
     encryption_decrypt_keys_env: str | None = None
     #: file with extra keys that still decrypt, one per line (rotation)
     encryption_decrypt_keys_file: str | None = None
+    #: share chunks of multimodal requests without a cache_salt through the object tier:
+    #: only when no client can name an input (multi_modal_uuids) another client sent
+    trust_multimodal_ids: bool = False
 
     def check_block_size(self, block_size: int) -> None:
         """Fail startup when chunks would not line up with vLLM's blocks."""
@@ -398,9 +458,33 @@ def load_config(
         )
     for key in KEYS:
         env_value = env.get(ENV_PREFIX + key.upper())
-        if env_value is not None:
-            raw[key] = env_value
+        if env_value is None:
+            continue
+        if key in _NO_EMPTY_OVERRIDE and not env_value.strip() and raw.get(key):
+            raise ConfigError(
+                key,
+                f"{ENV_PREFIX}{key.upper()}=",
+                "an empty environment override would switch this setting off without a word; "
+                f"unset {ENV_PREFIX}{key.upper()}, or remove {key} from the config",
+            )
+        raw[key] = env_value
+    for key in SECURITY_KEYS:
+        if key in raw and isinstance(raw[key], str) and not raw[key].strip():
+            raise ConfigError(
+                key,
+                raw[key],
+                "a name (empty would turn it off silently); to run without it, leave it out",
+            )
     values = {key: _PARSERS[key](key, value) for key, value in raw.items()}
+    weak = insecure_tls_args(values.get("remote_url") or "")
+    if weak and not values.get("remote_tls_insecure"):
+        raise ConfigError(
+            "remote_url",
+            values["remote_url"],
+            f"{', '.join(weak)} turns off TLS verification of the server; remove it (give "
+            "the server's CA with ssl_ca_certs=/path/ca.pem), or set remote_tls_insecure "
+            "to true to allow it",
+        )
     for kind in ("hmac", "encryption"):
         env_key, file_key = f"{kind}_key_env", f"{kind}_key_file"
         if values.get(env_key) and values.get(file_key):

@@ -41,5 +41,6 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
             io_threads=cfg.io_threads,
             lookup_timeout_ms=cfg.lookup_timeout_ms,
             ttl_s=cfg.remote_ttl_s,
+            tls_insecure=cfg.remote_tls_insecure,
         )
     raise ConfigError("remote_url", redact_url(url), "file://, s3://, redis:// or rediss://")

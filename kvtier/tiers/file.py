@@ -28,9 +28,10 @@ _MAX_NAME = 200  # below every common filesystem's 255-byte name limit
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".sweep.lock"
 #: errors of the file system or its mount rather than of one file: RemoteIO backs off on
-#: these; every other OSError (ENOSPC, EACCES, ELOOP from a symlink ...) is one object's miss
+#: these; every other OSError (ENOSPC, EACCES, ELOOP from a symlink, ESTALE: NFS says the
+#: file another node deleted or replaced is gone ...) is one object's miss
 _TIER_ERRNOS = frozenset({
-    errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTDOWN,
+    errno.EIO, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTDOWN,
     errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNREFUSED,
     errno.ECONNRESET, errno.ENODEV, errno.EROFS, errno.ESHUTDOWN,
 })  # fmt: skip

@@ -2,30 +2,146 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import redis
+from redis._parsers import _RESP2Parser
+from redis._parsers.socket import SocketBuffer
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.utils import SENTINEL
 
-from kvtier.config import redact_url
-from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.tiers.base import ObjectTier, Parts, stored_prefix
+from kvtier.config import insecure_tls_args, redact_url
+from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
+from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
 from kvtier.tiers.policy import RETRIES, Timeouts
 
-__all__ = ["RedisTier"]
+__all__ = ["RedisTier", "ReplyTooLarge"]
+
+log = logging.getLogger("kvtier.tiers.redis")
 
 _SMALL = 64 * 1024
 #: error replies about the server, not one key (a replica mid-failover, MASTERDOWN, ACLs, a
-#: cluster answering MOVED): back off. Every other error reply (WRONGTYPE, OOM ...) is that
-#: key's miss.
+#: cluster answering MOVED to a client that is not a cluster client): back off. Every
+#: other error reply is that key's miss: WRONGTYPE, OOM (the ENOSPC of Redis), and ASK /
+#: TRYAGAIN, which are about one hash slot being migrated, not the server.
 _TIER_REPLIES = (
     redis.exceptions.ReadOnlyError, redis.exceptions.NoPermissionError,
-    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-    redis.exceptions.AskError, redis.exceptions.AuthenticationWrongNumberOfArgsError,
+    redis.exceptions.ClusterDownError, redis.exceptions.MovedError,
+    redis.exceptions.AuthenticationWrongNumberOfArgsError,
 )  # fmt: skip
+#: error codes redis-py has no class for that are about the server: a script hogging it
+#: (BUSY), failing snapshots refusing writes (MISCONF), too few replicas (NOREPLICAS)
+_TIER_CODES = re.compile(r"(BUSY|MISCONF|NOREPLICAS)\b")
+#: the longest status, error or length line read from the server (a real one is < 1 KiB)
+_LINE_CAP = 64 * 1024
+#: the largest bulk reply to anything but a bounded read (EXISTS, SET, DEL answer integers
+#: and "OK"; only GET without a bound may be larger, and it lifts the cap)
+_REPLY_CAP = 64 * 1024
+#: the most elements of one array reply (kvtier sends no command that returns an array)
+_ARRAY_CAP = 1024
+#: bulk replies from this size on are read straight into their own buffer
+_DIRECT_BYTES = 64 * 1024
+_INT_LINE = re.compile(rb"-?[0-9]{1,20}")
+
+
+class ReplyTooLarge(redis.exceptions.RedisError):
+    """A bulk reply longer than the caller's bound: refused from its length line, before
+    its bytes are read (the connection is dropped, not drained)."""
+
+
+class _Bound(threading.local):
+    """The largest bulk reply this thread's current command may read (None: no bound).
+
+    Replies are parsed on the calling thread, which holds its pooled connection for
+    the whole command, so a thread-local bound is the command's bound."""
+
+    limit: int | None = _REPLY_CAP
+
+
+class _BoundedBuffer(SocketBuffer):
+    """redis-py's socket buffer with a bound on a line: a server that never sends CRLF
+    must not make the client buffer everything it sends."""
+
+    def readline(self, timeout: float | object = SENTINEL) -> bytes:
+        buf = self._buffer
+        data = buf.readline()
+        while not data.endswith(b"\r\n"):
+            if len(data) > _LINE_CAP:
+                raise redis.exceptions.InvalidResponse(
+                    f"Protocol Error: a reply line longer than {_LINE_CAP} bytes"
+                )
+            self._read_from_socket(timeout=timeout)
+            data += buf.readline()
+        return data[:-2]
+
+
+class _BoundedParser(_RESP2Parser):
+    """RESP2 parsing that checks every length line before it reads what it announces.
+
+    redis-py (and hiredis) read a bulk reply whole before the caller sees it: a server
+    that ignores GETRANGE's range and sends 512 MiB would cost 1 GiB before any size
+    check. Here a bulk reply longer than the thread's :class:`_Bound` raises
+    :class:`ReplyTooLarge` from its length line, and malformed length lines are
+    protocol errors (not ``ValueError``); redis-py then drops the connection.
+    """
+
+    bound: _Bound  # set on the per-tier subclass
+    _buffer: Any  # redis-py's SocketBuffer (here a _BoundedBuffer), None when disconnected
+    _sock: Any
+
+    def on_connect(self, connection: Any) -> None:
+        super().on_connect(connection)  # type: ignore[no-untyped-call]
+        self._buffer = _BoundedBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
+
+    def _read_response(self, disable_decoding: bool = False, timeout: object = SENTINEL) -> Any:
+        pos = self._buffer.get_pos()
+        raw = self._buffer.readline(timeout=timeout)
+        kind, rest = raw[:1], raw[1:]
+        if kind in (b"$", b"*", b":"):
+            if not _INT_LINE.fullmatch(rest):
+                raise redis.exceptions.InvalidResponse(f"Protocol Error: {raw[:80]!r}")
+            n = int(rest)
+            if kind == b"$" and self.bound.limit is not None and n > self.bound.limit:
+                raise ReplyTooLarge(f"a reply of {n} bytes, at most {self.bound.limit} expected")
+            if kind == b"*" and n > _ARRAY_CAP:
+                raise redis.exceptions.InvalidResponse(
+                    f"Protocol Error: an array of {n} elements, at most {_ARRAY_CAP} expected"
+                )
+            if kind == b"$" and n >= _DIRECT_BYTES:
+                return self._read_bulk(n, timeout)
+        self._buffer.rewind(pos)  # the line was only looked at: redis-py parses it
+        return super()._read_response(disable_decoding=disable_decoding, timeout=timeout)
+
+    def _read_bulk(self, n: int, timeout: object) -> bytearray:
+        """A chunk-sized bulk reply read straight from the socket into one buffer of its
+        size: no growing buffer and two copies (the pure-Python parser's way), as fast
+        as hiredis."""
+        out = bytearray(n + 2)
+        view = memoryview(out)
+        got = self._buffer._buffer.readinto(view)  # what the socket buffer holds already
+        sock = self._sock
+        if timeout is not SENTINEL:
+            sock.settimeout(timeout)
+        try:
+            while got < n + 2:
+                k = sock.recv_into(view[got:])
+                if not k:
+                    raise redis.ConnectionError("Connection closed by server.")
+                got += k
+        finally:
+            view.release()
+            if timeout is not SENTINEL:
+                sock.settimeout(self._buffer.socket_timeout)
+        if out[n:] != b"\r\n":
+            raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
+        del out[n:]  # shrinks in place
+        return out
 
 
 def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
@@ -70,25 +186,49 @@ class RedisTier(ObjectTier):
         io_threads: int = 4,
         lookup_timeout_ms: int = 2000,
         ttl_s: int | None = None,
+        tls_insecure: bool = False,
     ) -> None:
         self._safe_url = redact_url(url)
         self._password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call]
         self.ttl_s = ttl_s
         waits = Timeouts.from_ms(lookup_timeout_ms)
+        weak = insecure_tls_args(url)
+        if weak and not tls_insecure:
+            raise ConfigError(
+                "remote_url",
+                url,
+                f"{', '.join(weak)} turns off TLS verification; "
+                "set remote_tls_insecure to true to allow it",
+            )
+        if weak:
+            log.warning(
+                "redis %s: TLS verification is OFF (%s, allowed by remote_tls_insecure): "
+                "anyone on the network path can read and replace chunks",
+                self._safe_url,
+                ", ".join(weak),
+            )
+        self._bound = _Bound()
+        parser = type("_TierParser", (_BoundedParser,), {"bound": self._bound})
         # TLS verifies the server's certificate and name whatever redis-py's version
         # defaults to (5.x did not check the hostname); a URL's own ssl_* arguments win
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
         try:
-            pool = redis.BlockingConnectionPool.from_url(
-                url,
-                **(tls if urlparse(url).scheme == "rediss" else {}),
+            options = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+            if urlparse(url).scheme == "rediss":
+                options = {**tls, **options}
+            # kvtier's own settings win over the URL's query (which redis-py would let
+            # override them): the reply bounds, RESP2, the tier policy's waits and retry
+            options.update(
+                parser_class=parser,
+                protocol=2,
                 max_connections=io_threads + 2,
                 timeout=waits.pool_wait_s,
                 socket_timeout=waits.reply_s,
                 socket_connect_timeout=waits.connect_s,
                 retry=Retry(NoBackoff(), RETRIES),
             )
-        except (ValueError, redis.RedisError) as exc:
+            pool = redis.BlockingConnectionPool(**options)  # type: ignore[no-untyped-call]
+        except (ValueError, TypeError, redis.RedisError) as exc:
             raise TierUnavailable(f"redis {self._safe_url}: {self._clean(exc)}") from None
         self._client = redis.Redis(connection_pool=pool)
 
@@ -105,22 +245,39 @@ class RedisTier(ObjectTier):
         Connection errors, timeouts, AUTH failures and protocol errors mean the
         server cannot be used; an error *reply* (one key of the wrong type, a
         value refused for memory) means it answered and only this key failed.
+        A reply longer than the caller's bound is that object's ``oversize``.
         """
         text = f"redis {op} {self._safe_url}: {self._clean(exc)}"
-        if isinstance(exc, redis.ResponseError) and not isinstance(exc, _TIER_REPLIES):
+        if isinstance(exc, ReplyTooLarge):
+            return ObjectTooLarge(text)
+        if isinstance(exc, redis.ResponseError):
+            if isinstance(exc, _TIER_REPLIES) or _TIER_CODES.match(str(exc)):
+                return TierUnavailable(text)
             return ObjectError(text)
         if isinstance(exc, redis.DataError):
             return ObjectError(text)
         return TierUnavailable(text)
+
+    def _wrong_reply(self, op: str, command: str, reply: object) -> ObjectError:
+        """A reply of the wrong type (a bulk string for STRLEN, an integer for GETRANGE):
+        that object's miss, counted and logged like any other, never a TypeError."""
+        return ObjectError(
+            f"redis {op} {self._safe_url}: {command} replied with a {type(reply).__name__}"
+        )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         try:
             with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.exists(key)
-                found = [bool(n) for n in pipe.execute()]
+                replies = pipe.execute()
         except (redis.RedisError, OSError) as exc:
             raise self._fail("exists", exc) from None
+        found = []
+        for n in replies:
+            if type(n) is not int:
+                raise self._wrong_reply("exists", "EXISTS", n)
+            found.append(n > 0)
         return stored_prefix(found)
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
@@ -128,22 +285,48 @@ class RedisTier(ObjectTier):
 
         An empty or missing value is None (STRLEN says 0 for both). A value
         replaced between the two commands can only come back cut or mixed,
-        which the codec rejects.
+        which the codec rejects. Every bulk reply is bounded from its length
+        line (:class:`_BoundedParser`): a server that ignores the range costs
+        a dropped connection, not the bytes it sends.
         """
+        data = self._get(key, max_bytes)
+        return data if data is None or type(data) is bytes else bytes(data)
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        """:meth:`ObjectTier.read_into` without the copy ``get`` makes of a large reply."""
+        blob = self._get(key, dest.nbytes + max_head)
+        if blob is None:
+            return None
+        head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
+        view = memoryview(blob)
+        dest[:] = view[head_len:]
+        return bytes(view[:head_len])
+
+    def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
+        self._bound.limit = None if max_bytes is None else max(1, max_bytes)
         try:
             if max_bytes is None:
-                return cast("bytes | None", self._client.get(key))  # decode_responses is off
+                data = self._client.get(key)  # decode_responses is off
+                if data is not None and type(data) not in (bytes, bytearray):
+                    raise self._wrong_reply("get", "GET", data)
+                return cast("bytes | bytearray | None", data)
             with self._client.pipeline(transaction=False) as pipe:
                 pipe.strlen(key)
                 pipe.getrange(key, 0, max(1, max_bytes) - 1)
                 size, data = pipe.execute()
         except (redis.RedisError, OSError) as exc:
             raise self._fail("get", exc) from None
+        finally:
+            self._bound.limit = _REPLY_CAP
+        if type(size) is not int:
+            raise self._wrong_reply("get", "STRLEN", size)
+        if type(data) not in (bytes, bytearray):
+            raise self._wrong_reply("get", "GETRANGE", data)
         if size > max_bytes:
             raise ObjectTooLarge(
                 f"redis get {self._safe_url}: value of {size} bytes, at most {max_bytes} expected"
             )
-        return data if size else None
+        return cast("bytes | bytearray", data) if size else None
 
     def put(self, key: str, parts: Parts) -> None:
         """SET (with EX when a TTL is configured), sending the parts without joining them.

@@ -27,11 +27,20 @@ __all__ = ["S3Tier", "client_config"]
 
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _FAILURES = (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError)
-#: error codes about one object: that object is a miss, the bucket keeps being used
+#: error codes about one object: that object is a miss, the bucket keeps being used.
+#: XMinioStorageFull is MinIO's full disk: like ENOSPC on the file tier and OOM on Redis,
+#: writes fail one by one while reads go on.
 _OBJECT_CODES = frozenset({
     "InvalidObjectState", "InvalidRange", "EntityTooLarge", "KeyTooLongError",
     "PreconditionFailed", "NoSuchVersion", "InvalidArgument", "InvalidRequest",
+    "XMinioStorageFull",
 })  # fmt: skip
+#: more codes that concern one object when a GET of it answers them: an object sealed with
+#: a KMS key this engine may not use, or written by another account without granting the
+#: bucket's owner access, is refused with 403 AccessDenied while every other object reads
+#: (anyone who can write the bucket can plant one). A credential that lost access to the
+#: whole bucket still shows on every write and HEAD, which back off.
+_GET_OBJECT_CODES = frozenset({"AccessDenied"})
 #: error codes about the bucket, the credentials or the service: back off
 _TIER_CODES = frozenset({
     "NoSuchBucket", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
@@ -42,11 +51,11 @@ _TIER_CODES = frozenset({
 })  # fmt: skip
 
 
-def _is_object_error(exc: ClientError) -> bool:
+def _is_object_error(exc: ClientError, op: str = "") -> bool:
     """Whether a service error concerns one object (4xx) rather than bucket or service."""
     code = str(exc.response.get("Error", {}).get("Code", ""))
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    if code in _OBJECT_CODES:
+    if code in _OBJECT_CODES or (op == "get" and code in _GET_OBJECT_CODES):
         return True
     if code in _TIER_CODES or status >= 500 or status in (301, 307, 401, 403):
         return False
@@ -185,7 +194,7 @@ class S3Tier(ObjectTier):
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
             detail = f"{err.get('Code', '?')} {err.get('Message', '')}".strip()
-            if _is_object_error(exc):
+            if _is_object_error(exc, op):
                 return ObjectError(f"s3 {op} {self._where()}: {detail}")
         else:
             detail = f"{type(exc).__name__}: {exc}"

@@ -177,22 +177,23 @@ def test_signer_repr_has_no_secret() -> None:
 
 
 def test_signer_from_config(tmp_path) -> None:
+    pad = "-" + "x" * 24  # HMAC keys from config are at least 32 bytes
     assert Signer.from_config(load_config({}, environ={}), environ={}) is None
     cfg = load_config({"hmac_key_env": "MY_KEY", "hmac_verify_keys_env": "OLD_KEYS"}, environ={})
-    env = {"MY_KEY": "k2-secret\n", "OLD_KEYS": "k1-secret, k0-secret"}
+    env = {"MY_KEY": f"k2-secret{pad}\n", "OLD_KEYS": f"k1-secret{pad}, k0-secret{pad}"}
     s = Signer.from_config(cfg, environ=env)
-    chunk = blob(signer=Signer(b"k0-secret"))
+    chunk = blob(signer=Signer(f"k0-secret{pad}".encode()))
     assert bytes(decode(chunk, key=KEY, signer=s)) == PAYLOAD
     key_file = tmp_path / "hmac.key"
-    key_file.write_text("file-secret\n")
+    key_file.write_text(f"file-secret{pad}\n")
     verify_file = tmp_path / "old.keys"
-    verify_file.write_text("a-secret\n\nb-secret\n")
+    verify_file.write_text(f"a-secret{pad}\n\nb-secret{pad}\n")
     cfg = load_config(
         {"hmac_key_file": str(key_file), "hmac_verify_keys_file": str(verify_file)}, environ={}
     )
     s = Signer.from_config(cfg, environ={})
-    assert bytes(decode(blob(signer=Signer(b"b-secret")), key=KEY, signer=s)) == PAYLOAD
-    assert bytes(decode(blob(signer=Signer(b"file-secret")), key=KEY, signer=s)) == PAYLOAD
+    for key in (f"b-secret{pad}", f"file-secret{pad}"):
+        assert bytes(decode(blob(signer=Signer(key.encode())), key=KEY, signer=s)) == PAYLOAD
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,11 @@ def test_signer_from_config(tmp_path) -> None:
         ({"hmac_key_env": "UNSET_VAR"}, {}, "hmac_key_env"),
         ({"hmac_key_env": "EMPTY"}, {"EMPTY": "  "}, "hmac_key_env"),
         ({"hmac_key_file": "/nonexistent/kvtier.key"}, {}, "hmac_key_file"),
-        ({"hmac_key_env": "K", "hmac_verify_keys_env": "NOPE"}, {"K": "x"}, "hmac_verify_keys_env"),
+        (
+            {"hmac_key_env": "K", "hmac_verify_keys_env": "NOPE"},
+            {"K": "x" * 32},
+            "hmac_verify_keys_env",
+        ),
         ({"hmac_verify_keys_env": "V"}, {"V": "the-secret"}, "hmac_verify_keys_env"),
     ],
 )

@@ -128,7 +128,7 @@ def test_from_config_env_file_and_rotation(tmp_path) -> None:
     assert codec.Signer.from_config(cfg, env).sealer.kid == key_id(KEY)  # type: ignore[union-attr]
     # with an HMAC key too, both apply
     cfg = load_config({"hmac_key_env": "H", "encryption_key_env": VAR}, environ={})
-    both = codec.Signer.from_config(cfg, {**env, "H": "hmac-key"})
+    both = codec.Signer.from_config(cfg, {**env, "H": "hmac-key-" + "x" * 24})
     assert both is not None and both.hmac and both.can_sign and both.sealer is not None
     assert codec.Signer.from_config(load_config({}, environ={}), env) is None
 

@@ -425,7 +425,8 @@ def test_file_errors_are_sorted_by_errno(tmp_path) -> None:
     tier = FileTier(str(tmp_path), background_sweep=False)
     assert isinstance(tier._error("put", OSError(errno.ENOSPC, "full")), ObjectError)
     assert isinstance(tier._error("get", OSError(errno.ELOOP, "link")), ObjectError)
-    assert isinstance(tier._error("get", OSError(errno.ESTALE, "nfs")), TierUnavailable)
+    assert isinstance(tier._error("get", OSError(errno.ESTALE, "nfs")), ObjectError)
+    assert isinstance(tier._error("get", OSError(errno.ENOTCONN, "nfs")), TierUnavailable)
     assert isinstance(tier._error("put", OSError(errno.EROFS, "ro")), TierUnavailable)
 
 
