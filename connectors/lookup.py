@@ -11,6 +11,8 @@ network and never asks the object tier anything itself.
 States: no lookup -> in flight (``Lookup``, chunks FETCHING) -> done (the request
 then loads what landed, from the host tier, like any host hit). A lookup past
 ``lookup_timeout_ms`` is done, counted as a timeout; its fetches still settle.
+Chunks a request may not share (``RequestState.shared_chunks``: a LoRA adapter kvtier
+could not fingerprint, client-named images) are never looked up.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class RemoteLookups:
         """True when chunks the host tier lacks could still come from the object tier."""
         if st.lookup is not None and st.lookup.done:
             return False
-        return end_chunk < loadable_chunks(st, cap, self.chunk_size)
+        return end_chunk < self._shared_end(st, cap)
 
     def advance(self, st: RequestState, first: int, cap: int) -> bool:
         """Advance this request's lookup from chunk ``first``; True while it should wait.
@@ -91,6 +93,11 @@ class RemoteLookups:
         lk.done = True
         self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
 
+    def _shared_end(self, st: RequestState, cap: int) -> int:
+        """End of the chunks a lookup may ask the object tier for: the loadable ones the
+        request may share (``RequestState.shared_chunks``: the rest stay host-only)."""
+        return min(loadable_chunks(st, cap, self.chunk_size), st.shared_chunks)
+
     def _start_fetches(self, st: RequestState, lk: Lookup, first: int, cap: int) -> None:
         """Claim slots for chunks ``first``.. and queue their fetches as one run."""
         key = self.keys.key
@@ -99,7 +106,7 @@ class RemoteLookups:
             if self.index.is_ready(key(st, c)):
                 self.index.touch(key(st, c))
         run: list[FetchOp] = []
-        for c in range(first, loadable_chunks(st, cap, self.chunk_size)):
+        for c in range(first, self._shared_end(st, cap)):
             entry = self.index.get(key(st, c))
             if entry is None:
                 entry = self.index.begin(key(st, c), State.FETCHING)

@@ -6,7 +6,8 @@ completed (planned in ``build_connector_meta``, copied by the workers in
 ``wait_for_save``, before vLLM may free the blocks), and the object-tier writes
 of the write policy: ``write_through`` uploads every stored chunk,
 ``write_back`` uploads a chunk only before it leaves the host tier, cleaning the
-oldest ones ahead of eviction.
+oldest ones ahead of eviction. A chunk the request may not share
+(``RequestState.shared_chunks``) is stored and never uploaded.
 """
 
 from __future__ import annotations
@@ -116,7 +117,11 @@ class Planner:
                 continue
             op_id = self.ledger.new_id()
             upload_id = None
-            if self.write_through:
+            if c >= st.shared_chunks:
+                # host-only (RequestState.shared_chunks): marked as if it were in the object
+                # tier, so write-back never uploads it either
+                entry.remote = True
+            elif self.write_through:
                 self.index.hold(entry)  # until the upload is reported
                 upload_id = self.ledger.add(OpKind.UPLOAD, entry)
             out.append(

@@ -34,7 +34,14 @@ from .ledger import SETTLED_TOTALS, OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .plans import Planner
-from .requests import ChunkKeys, RequestState, loadable_chunks
+from .requests import (
+    HOST_ONLY_REASONS,
+    AdapterFingerprints,
+    ChunkKeys,
+    RequestIdentity,
+    RequestState,
+    loadable_chunks,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,6 +66,8 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     "write_back",
     *SETTLED_TOTALS.values(),
     *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
+    # requests whose chunks (from some point on) stay out of the object tier, by reason
+    *(f"host_only_{reason}" for reason in HOST_ONLY_REASONS),
 )
 
 
@@ -94,7 +103,12 @@ class SchedulerSide:
                 f" for chunk_size={cfg.chunk_size} on this model",
             )
         self.namespace = namespace
-        self.keys = ChunkKeys(self.blocks_per_chunk)
+        #: a request's key tag (its LoRA adapter's version) and what it may share
+        self.identity = RequestIdentity(
+            chunk_size=self.chunk_size, trust_multimodal_ids=cfg.trust_multimodal_ids,
+            adapters=AdapterFingerprints(remote=bool(cfg.remote_url)),
+        )  # fmt: skip
+        self.keys = ChunkKeys(self.blocks_per_chunk, self.identity)
         #: the object tier is read and written by the workers, each under its own keys;
         #: the scheduler only plans (a lookup is a read: no existence checks from here)
         self.remote = bool(cfg.remote_url)
@@ -300,7 +314,9 @@ class SchedulerSide:
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = RequestState(request=request)
+            st = self.keys.new_state(request)
+            if st.host_only is not None and self.remote:
+                self.totals[f"host_only_{st.host_only}"] += 1
             self._reqs[request.request_id] = st
         return st
 
