@@ -140,6 +140,78 @@ def generate_trace(path: Path, shape: TraceShape) -> int:
     return len(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class HashTraceShape:
+    """A Mooncake-format trace (``timestamp`` in ms, ``input_length``, ``output_length``,
+    ``hash_ids`` of ``block_size``-token blocks): multi-turn sessions that extend their
+    earlier prompts, behind a few shared system prompts. The default has the size of
+    Mooncake's conversation trace: 12,000 requests, about 145M prompt tokens."""
+
+    requests: int = 12_000
+    block_size: int = 512
+    #: sessions in progress at once: their turns interleave in the trace
+    concurrent: int = 60
+    system_prompts: int = 8
+    system_tokens: tuple[int, int] = (1_000, 6_000)
+    first_user_tokens: tuple[int, int] = (1_500, 9_500)
+    #: tokens added per turn (the answer and the next user message)
+    turn_tokens: tuple[int, int] = (300, 3_000)
+    max_turns: int = 8
+    output_tokens: tuple[int, int] = (50, 600)
+    #: mean gap between requests, ms
+    gap_ms: float = 300.0
+    seed: int = 0
+
+
+#: what the hash-id replay tests send: short prompts a tiny model takes
+HASH_QUICK = HashTraceShape(requests=40, block_size=32, concurrent=6, system_prompts=2,
+                            system_tokens=(40, 120), first_user_tokens=(20, 100),
+                            turn_tokens=(10, 60), max_turns=4, output_tokens=(1, 4),
+                            gap_ms=50.0)
+
+
+def generate_hash_trace(path: Path, shape: HashTraceShape) -> int:
+    """Write the trace as JSONL; returns the number of prompt tokens. A session's next
+    prompt is its last one plus new tokens: its full blocks keep their ids, the partial
+    last block and everything after get new ones (Mooncake's ids are prefix-chained)."""
+    rng = random.Random(f"kvtier-hash-trace:{shape.seed}")
+    bs = shape.block_size
+    next_id = 0
+
+    def new_ids(k: int) -> list[int]:
+        nonlocal next_id
+        next_id += k
+        return list(range(next_id - k, next_id))
+
+    systems = []
+    for _ in range(shape.system_prompts):
+        n = rng.randint(*shape.system_tokens) // bs * bs  # whole blocks: shared as such
+        systems.append((n, new_ids(n // bs)))
+    active: list[dict[str, Any]] = []
+    ts, total = 0.0, 0
+    with path.open("w") as f:
+        for _ in range(shape.requests):
+            while len(active) < shape.concurrent:
+                n_sys, ids_sys = systems[rng.randrange(len(systems))]
+                active.append({"full": list(ids_sys), "n": n_sys + rng.randint(
+                    *shape.first_user_tokens), "turns": rng.randint(1, shape.max_turns)})
+            s = active[rng.randrange(len(active))]
+            n, full = s["n"], s["full"]
+            need = -(-n // bs)
+            full += new_ids(n // bs - len(full))  # new whole blocks
+            ids = full + new_ids(need - len(full))  # and the partial last one
+            ts += rng.expovariate(1.0 / shape.gap_ms)
+            f.write(json.dumps({"timestamp": int(ts), "input_length": n,
+                                "output_length": rng.randint(*shape.output_tokens),
+                                "hash_ids": ids}, separators=(",", ":")) + "\n")
+            total += n
+            s["n"] = n + rng.randint(*shape.turn_tokens)
+            s["turns"] -= 1
+            if not s["turns"]:
+                active.remove(s)
+    return total
+
+
 # ----------------------------------------------------------------------- prediction
 
 

@@ -199,6 +199,19 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     if args.cpu_bytes is not None and args.cpu_bytes < 0:
         print("kvtier size: error: --cpu-bytes must not be negative", file=sys.stderr)
         return 2
+    form = tr.TraceFormat(args.trace_format, args.trace_block_size)
+    if args.trace_block_size is not None:
+        if not 1 <= args.trace_block_size <= tr.MAX_TRACE_BLOCK_SIZE:
+            print(f"kvtier size: error: --trace-block-size must be from 1 to "
+                  f"{tr.MAX_TRACE_BLOCK_SIZE}", file=sys.stderr)
+            return 2
+        if err := tr.block_size_error(args.chunk_size, args.trace_block_size):
+            print(f"kvtier size: error: {err}", file=sys.stderr)
+            return 2
+    elif args.trace_format in tr.HASH_BLOCK_SIZE:
+        if err := tr.block_size_error(args.chunk_size, tr.HASH_BLOCK_SIZE[args.trace_format]):
+            print(f"kvtier size: error: {err}", file=sys.stderr)
+            return 2
     if args.gpu_kv_tokens is not None:
         gpu_tokens, source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
     elif plan.get("gpu_kv_tokens") is not None:
@@ -211,7 +224,7 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         sim, stats = tr.plan_trace(
             args.trace, tokenizer=tokenizer, block_size=args.block_size,
             chunk_size=args.chunk_size, gpu_kv_tokens=gpu_tokens,
-            max_chunks=args.trace_max_chunks, progress=sys.stderr.isatty(),
+            max_chunks=args.trace_max_chunks, progress=sys.stderr.isatty(), form=form,
         )
     except tr.TraceError as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
@@ -310,7 +323,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "trace (hit rate against tier size for real traffic; see README, Sizing)")
     tr.add_argument("--trace", metavar="FILE.jsonl",
                     help="request trace, one JSON object a line: prompt_token_ids, prompt or "
-                    "messages, optional timestamp and cache_salt")
+                    "messages, optional timestamp (seconds) and cache_salt; or a hash-id "
+                    "line (hash_ids, input_length, output_length, timestamp)")
+    tr.add_argument("--trace-format", default="auto",
+                    choices=("auto", "tokens", "text", "messages", "mooncake", "bailian"),
+                    help="auto (default): each line by its fields: prompt_token_ids or a "
+                    "list prompt = tokens, a text prompt = text, messages, hash_ids with "
+                    "chat_id, parent_chat_id or turn = bailian (16-token blocks, timestamp "
+                    "in seconds), other hash_ids = mooncake (512-token blocks, timestamp in "
+                    "milliseconds); naming one makes every other line a bad line")
+    tr.add_argument("--trace-block-size", type=int, metavar="N",
+                    help="tokens per hash id (default: 512 for mooncake lines, 16 for "
+                    "bailian); --chunk-size must be a multiple of it or divide it")
     tr.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer for text prompts and messages (default: --model's dir)")
     tr.add_argument("--gpu-kv-tokens", type=int, metavar="N",

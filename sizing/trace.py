@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import sys
 from array import array
 from collections import OrderedDict
@@ -50,13 +51,66 @@ class TraceError(Exception):
 # ------------------------------------------------------------------------- reading
 
 
+#: the trace formats ``--trace-format`` names; ``auto`` tells them apart line by line
+TRACE_FORMATS = ("auto", "tokens", "text", "messages", "mooncake", "bailian")
+#: tokens per hash id when ``--trace-block-size`` is not given: Mooncake's FAST'25 traces
+#: hash 512-token blocks, the Qwen/Bailian traces 16-token blocks
+HASH_BLOCK_SIZE = {"mooncake": 512, "bailian": 16}
+#: the fields that tell a Bailian line from a Mooncake one (both have ``hash_ids``)
+BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "turn")
+#: hash ids are chained through Python's int hash, exact below this bound (2**61 - 1)
+MAX_HASH_ID = 2**61 - 2
+#: longest prompt a hash-id line may claim (its keys are made, not read from the line)
+MAX_INPUT_LENGTH = 2**24
+MAX_TRACE_BLOCK_SIZE = 2**20
+
+
 @dataclass(slots=True)
 class TraceRequest:
-    """One request of a trace, as the token ids vLLM would see."""
+    """One request of a trace: the token ids vLLM would see, or a hash-id line's blocks.
+
+    A hash-id line (Mooncake, Bailian) has ``hash_ids``: one id per ``block_size`` tokens
+    of its prompt of ``length`` tokens, the last block possibly partial; ``token_ids`` is
+    then empty. Text and chat lines read without a tokenizer (``kvtier bench --trace``)
+    keep ``text`` or ``messages`` and no token ids.
+    """
 
     token_ids: list[int]
     cache_salt: str | None = None
     timestamp: float | None = None
+    hash_ids: list[int] | None = None
+    length: int = 0
+    block_size: int = 0
+    output_length: int | None = None
+    fmt: str = "tokens"
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.length if self.hash_ids is not None else len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFormat:
+    """How to read the lines: ``fmt`` one of :data:`TRACE_FORMATS`; ``block_size`` the
+    tokens per hash id (None: 512 for Mooncake lines, 16 for Bailian lines)."""
+
+    fmt: str = "auto"
+    block_size: int | None = None
+
+    def hash_block_size(self, flavour: str) -> int:
+        return self.block_size or HASH_BLOCK_SIZE[flavour]
+
+
+def block_size_error(chunk_size: int, trace_block_size: int) -> str | None:
+    """Why a kvtier chunk cannot be cut from the trace's blocks, or None when it can."""
+    if chunk_size % trace_block_size == 0 or trace_block_size % chunk_size == 0:
+        return None
+    return (f"--chunk-size {chunk_size} and the trace's {trace_block_size}-token hash blocks: "
+            "one must be a multiple of the other (a chunk is a run of whole trace blocks, or "
+            "a trace block whole chunks); the trace says nothing of which tokens two blocks "
+            "with different ids share, so a chunk cannot straddle a block boundary")
 
 
 @dataclass(slots=True)
@@ -68,11 +122,37 @@ class TraceStats:
     bad_examples: list[str] = field(default_factory=list)
     first_timestamp: float | None = None
     last_timestamp: float | None = None
+    #: good lines by format, and the tokens per hash id seen
+    formats: dict[str, int] = field(default_factory=dict)
+    block_sizes: set[int] = field(default_factory=set)
+    output_tokens: int = 0
+    #: good lines that gave an ``output_length``
+    output_known: int = 0
 
     def bad(self, lineno: int, reason: str) -> None:
         self.bad_lines += 1
         if len(self.bad_examples) < 5:
             self.bad_examples.append(f"line {lineno}: {reason}")
+
+    def good(self, req: TraceRequest) -> None:
+        self.requests += 1
+        self.formats[req.fmt] = self.formats.get(req.fmt, 0) + 1
+        if req.hash_ids is not None:
+            self.block_sizes.add(req.block_size)
+        if req.output_length is not None:
+            self.output_tokens += req.output_length
+            self.output_known += 1
+        if req.timestamp is not None:
+            if self.first_timestamp is None:
+                self.first_timestamp = req.timestamp
+            self.last_timestamp = req.timestamp
+
+    @property
+    def format(self) -> str | None:
+        """The trace's format; "mixed" when its lines differ."""
+        if not self.formats:
+            return None
+        return next(iter(self.formats)) if len(self.formats) == 1 else "mixed"
 
 
 class _BadLine(ValueError):
@@ -147,8 +227,56 @@ def _token_ids(v: Any) -> list[int]:
     return v
 
 
-def parse_line(line: str, tokenizer: Tokenizer) -> TraceRequest:
-    """One JSONL line -> a request; raises _BadLine (counted) or TraceError (fatal)."""
+def _count(obj: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = obj.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _BadLine(f"{name} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _detect(obj: dict[str, Any]) -> str:
+    if "hash_ids" in obj:
+        return "bailian" if any(k in obj for k in BAILIAN_FIELDS) else "mooncake"
+    if "prompt_token_ids" in obj:
+        return "tokens"
+    if "prompt" in obj:
+        return "tokens" if isinstance(obj["prompt"], list) else "text"
+    if "messages" in obj:
+        return "messages"
+    raise _BadLine("no prompt_token_ids, prompt, messages or hash_ids")
+
+
+def _hash_line(obj: dict[str, Any], flavour: str, form: TraceFormat,
+               salt: str | None) -> TraceRequest:
+    """A Mooncake or Bailian line: ``hash_ids`` of ``block_size``-token blocks."""
+    bs = form.hash_block_size(flavour)
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= MAX_HASH_ID
+            for h in ids):
+        raise _BadLine(f"hash_ids is not a non-empty list of integers in [0, {MAX_HASH_ID}]")
+    n = _count(obj, "input_length", 1, MAX_INPUT_LENGTH)
+    if n is None:
+        n = len(ids) * bs  # no length: whole blocks
+    if -(-n // bs) != len(ids):
+        raise _BadLine(f"input_length {n} is {-(-n // bs)} blocks of {bs} tokens but the line "
+                       f"has {len(ids)} hash_ids (is the trace block size {bs}? "
+                       "--trace-block-size)")
+    out = _count(obj, "output_length", 0, MAX_INPUT_LENGTH)
+    ts = _timestamp(obj.get("timestamp"))
+    if ts is not None and flavour == "mooncake":
+        ts /= 1000.0  # Mooncake's timestamps are milliseconds
+    return TraceRequest([], salt, ts, ids, n, bs, out, flavour)
+
+
+def parse_line(line: str, tokenizer: Tokenizer | None,
+               form: TraceFormat = TraceFormat()) -> TraceRequest:
+    """One JSONL line -> a request; raises _BadLine (counted) or TraceError (fatal).
+
+    Without a tokenizer (``kvtier bench --trace`` sends text as it is) text and chat
+    lines keep their ``text`` or ``messages`` and no token ids."""
     try:
         obj = json.loads(line)
     except ValueError as e:
@@ -160,33 +288,62 @@ def parse_line(line: str, tokenizer: Tokenizer) -> TraceRequest:
     salt = obj.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise _BadLine("cache_salt is not a non-empty string")
-    ts = _timestamp(obj.get("timestamp"))
-    if "prompt_token_ids" in obj:
-        ids = _token_ids(obj["prompt_token_ids"])
-    elif "prompt" in obj:
-        p = obj["prompt"]
-        if isinstance(p, list):
-            ids = _token_ids(p)
-        elif isinstance(p, str):
-            ids = tokenizer.prompt(p)
+    fmt = _detect(obj)
+    if form.fmt != "auto" and fmt != form.fmt:
+        if {fmt, form.fmt} <= set(HASH_BLOCK_SIZE):
+            fmt = form.fmt  # a hash-id line read as the format asked for
         else:
+            raise _BadLine(f"a {fmt} line, not {form.fmt} (--trace-format)")
+    if fmt in HASH_BLOCK_SIZE:
+        return _hash_line(obj, fmt, form, salt)
+    ts = _timestamp(obj.get("timestamp"))
+    out = _count(obj, "output_length", 0, MAX_INPUT_LENGTH)
+    req = TraceRequest([], salt, ts, output_length=out, fmt=fmt)
+    if "prompt_token_ids" in obj:
+        req.token_ids = _token_ids(obj["prompt_token_ids"])
+    elif fmt == "tokens":
+        req.token_ids = _token_ids(obj["prompt"])
+    elif fmt == "text":
+        p = obj["prompt"]
+        if not isinstance(p, str):
             raise _BadLine("prompt is neither text nor token ids")
-    elif "messages" in obj:
+        req.text = p
+        if tokenizer is not None:
+            req.token_ids = tokenizer.prompt(p)
+        elif not p:
+            raise _BadLine("empty prompt")
+    else:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
         ):
             raise _BadLine("messages is not a list of {role, content} objects")
-        ids = tokenizer.chat(msgs)
-    else:
-        raise _BadLine("no prompt_token_ids, prompt or messages")
-    if not ids:
+        req.messages = msgs
+        if tokenizer is not None:
+            req.token_ids = tokenizer.chat(msgs)
+    if not req.token_ids and tokenizer is not None:
         raise _BadLine("empty prompt")
-    return TraceRequest(ids, salt, ts)
+    if not req.token_ids and fmt == "tokens":
+        raise _BadLine("empty prompt")
+    return req
 
 
-def read_trace(path: str, tokenizer: Tokenizer, stats: TraceStats,
-               progress: bool = False) -> Iterator[TraceRequest]:
+def truncate(req: TraceRequest, max_tokens: int) -> TraceRequest:
+    """Keep a request's first ``max_tokens`` tokens (in place): a prefix of a prompt is a
+    prefix of every prompt that shared it, so shared prefixes stay shared."""
+    if req.prompt_tokens <= max_tokens:
+        return req
+    if req.hash_ids is not None:
+        req.length = max_tokens
+        del req.hash_ids[-(-max_tokens // req.block_size):]
+    else:
+        del req.token_ids[max_tokens:]
+    return req
+
+
+def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
+               progress: bool = False,
+               form: TraceFormat = TraceFormat()) -> Iterator[TraceRequest]:
     """Stream the requests of a JSONL trace, one line at a time; bad lines go to ``stats``."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below; bytes, to count progress exactly
@@ -206,20 +363,35 @@ def read_trace(path: str, tokenizer: Tokenizer, stats: TraceStats,
             if not text:
                 continue
             try:
-                req = parse_line(text, tokenizer)
+                req = parse_line(text, tokenizer, form)
             except _BadLine as e:
                 stats.bad(lineno, str(e))
                 continue
-            stats.requests += 1
-            if req.timestamp is not None:
-                if stats.first_timestamp is None:
-                    stats.first_timestamp = req.timestamp
-                stats.last_timestamp = req.timestamp
+            stats.good(req)
             yield req
     finally:
         f.close()
         if bar is not None:
             bar.close()
+
+
+def block_tokens(hash_id: int, block_size: int, lo: int = 100, hi: int = 30000) -> list[int]:
+    """The tokens ``kvtier bench --trace`` sends for a hash id: ``block_size`` ids in
+    [lo, hi), a pure function of the id (string-seeded, so the same in every process), so
+    two requests share a prefix exactly when their hash ids do, as the planner assumes."""
+    rng = random.Random(f"kvtier-trace-block:{hash_id}:{lo}:{hi}")
+    return [rng.randrange(lo, hi) for _ in range(block_size)]
+
+
+def expand_tokens(req: TraceRequest, lo: int = 100, hi: int = 30000) -> list[int]:
+    """A hash-id request as token ids (:func:`block_tokens` per id, cut to its length)."""
+    if req.hash_ids is None:
+        return req.token_ids
+    out: list[int] = []
+    for h in req.hash_ids:
+        out += block_tokens(h, req.block_size, lo, hi)
+    del out[req.length:]
+    return out
 
 
 # ---------------------------------------------------------------------- simulation
@@ -228,6 +400,27 @@ def read_trace(path: str, tokenizer: Tokenizer, stats: TraceStats,
 def _key(h: bytes) -> int:
     """64 bits of a hash as an int: a quarter of the memory of the bytes object."""
     return int.from_bytes(h[:8], "little")
+
+
+def hash_id_keys(req: TraceRequest, step: int) -> list[int]:
+    """Keys of a hash-id request's prefixes of ``step``, ``2 * step``, ... tokens (its
+    full vLLM blocks, or its full chunks), without expanding the tokens.
+
+    A prefix of L tokens is the blocks before the one holding token L and the first
+    tokens of that one: its key is the chain of hash ids up to that block (and the line's
+    ``cache_salt``) with the offset in it. Two prefixes get one key exactly when their
+    tokens are the same, were every id expanded to its own tokens
+    (tests/sizing/test_trace_hash_ids.py checks this against :func:`expand_tokens`).
+    """
+    assert req.hash_ids is not None
+    bs = req.block_size
+    p = hash(("kvtier-cache-salt", req.cache_salt)) if req.cache_salt else 0
+    chain = []
+    for h in req.hash_ids:
+        p = hash((p, h))
+        chain.append(p)
+    return [hash((chain[(end - 1) // bs], (end - 1) % bs))
+            for end in range(step, req.length + 1, step)]
 
 
 class GpuPrefixCache:
@@ -363,13 +556,18 @@ class Simulation:
         """Run one request through vLLM's cache, then through the tier's LRU stack."""
         assert self._gpu is not None and self._stack is not None
         bs, cs = self.block_size, self.chunk_size
-        n = len(req.token_ids)
+        if req.hash_ids is not None:
+            n = req.length
+            gpu_keys, keys = hash_id_keys(req, bs), hash_id_keys(req, cs)
+        else:
+            n = len(req.token_ids)
+            blocks = token_block_hashes(req.token_ids, bs, req.cache_salt)
+            gpu_keys = [_key(h) for h in blocks]
+            keys = [_key(h) for h in chunk_block_hashes(blocks, cs // bs)]
         self.prompt_tokens += n
-        blocks = token_block_hashes(req.token_ids, bs, req.cache_salt)
         cap = (n - 1) // bs * bs  # vLLM computes the last prompt token itself
-        local = self._gpu.serve([_key(h) for h in blocks], cap // bs) * bs
+        local = self._gpu.serve(gpu_keys, cap // bs) * bs
         self.gpu_hit_tokens += local
-        keys = [_key(h) for h in chunk_block_hashes(blocks, cs // bs)]
         stack = self._stack
         depths = [stack.depth(k) for k in keys]  # the lookup sees the tier before stores
         deepest = 0
@@ -458,14 +656,25 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
     dur = None
     if stats.first_timestamp is not None and stats.last_timestamp is not None:
         dur = stats.last_timestamp - stats.first_timestamp
+    per_s = (lambda x: x / dur) if dur else (lambda x: None)
+    out_tokens = stats.output_tokens if stats.output_known else None
     return {
         "trace": {
             "path": os.path.basename(path),
+            "format": stats.format,
+            "formats": stats.formats,
+            #: tokens per hash id (hash-id traces; None for token, text and chat traces)
+            "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
+                           else sorted(stats.block_sizes) or None),
             "requests": stats.requests,
             "bad_lines": stats.bad_lines,
             "bad_examples": stats.bad_examples,
             "prompt_tokens": total,
+            "output_tokens": out_tokens,
             "duration_s": dur,
+            "requests_per_s": per_s(stats.requests),
+            "prompt_tokens_per_s": per_s(total),
+            "output_tokens_per_s": None if out_tokens is None else per_s(out_tokens),
             "distinct_chunks": sim.distinct_chunks,
             "max_request_chunks": longest,
         },
@@ -516,6 +725,18 @@ def format_report(rep: dict[str, Any]) -> str:
         f"prompt tokens, {t['distinct_chunks']} distinct chunks, {t['bad_lines']} bad lines",
     ]
     lines += [f"  bad              {e}" for e in t["bad_examples"]]
+    fmt = t.get("format")
+    if fmt:
+        kind = fmt if fmt != "mixed" else ", ".join(f"{k} {v}" for k, v in t["formats"].items())
+        if t.get("block_size"):
+            kind += f", {t['block_size']} tokens per hash id"
+        lines.append(f"  format           {kind}")
+    if t.get("requests_per_s"):
+        rate = f"  rate             {t['requests_per_s']:.3g} requests/s over " \
+               f"{t['duration_s']:.0f} s, {t['prompt_tokens_per_s']:.4g} prompt tokens/s"
+        if t.get("output_tokens_per_s") is not None:
+            rate += f", {t['output_tokens_per_s']:.4g} output tokens/s"
+        lines.append(rate)
     k = rep["keys"]
     lines += [
         f"chunks             {k['chunk_size']} tokens (blocks of {k['block_size']}); "
@@ -594,11 +815,22 @@ def plan_trace(path: str, *, tokenizer: str | None, block_size: int, chunk_size:
                gpu_kv_tokens: int, max_chunks: int = DEFAULT_MAX_CHUNKS,
                progress: bool = False,
                on_request: Callable[[TraceRequest], None] | None = None,
+               form: TraceFormat = TraceFormat(),
+               max_input_tokens: int | None = None,
                ) -> tuple[Simulation, TraceStats]:
-    """One streamed pass over a trace file."""
+    """One streamed pass over a trace file (prompts cut to ``max_input_tokens`` as
+    ``kvtier bench --trace`` cuts them). A hash block size that does not fit the chunk
+    size is a :class:`TraceError`."""
     stats = TraceStats()
     sim = Simulation(block_size, chunk_size, gpu_kv_tokens // block_size, max_chunks)
-    for req in read_trace(path, Tokenizer(tokenizer), stats, progress):
+    checked: set[int] = set()
+    for req in read_trace(path, Tokenizer(tokenizer), stats, progress, form):
+        if req.hash_ids is not None and req.block_size not in checked:
+            if err := block_size_error(chunk_size, req.block_size):
+                raise TraceError(err)
+            checked.add(req.block_size)
+        if max_input_tokens is not None:
+            truncate(req, max_input_tokens)
         sim.add(req)
         if on_request is not None:
             on_request(req)

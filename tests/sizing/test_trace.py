@@ -193,6 +193,9 @@ def test_text_prompts_and_messages_tokenize_as_vllm(model_dir: Path, tmp_path: P
         rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
         assert rc == 0
         rep["trace"].pop("path")
+        assert rep["trace"].pop("format") == {"rendered": "tokens", "ids": "tokens",
+                                                    "msgs": "messages"}.get(name, name)
+        rep["trace"].pop("formats")
         reps[name] = rep
     assert reps["text"]["trace"]["prompt_tokens"] > 60 * 60
     assert reps["text"]["max_hit_rate"] > 0.3
