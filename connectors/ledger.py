@@ -3,7 +3,8 @@
 An op is settled once every worker reported it (each worker moves its own part
 of a chunk: its heads, its layers); it succeeded only if all of them did.
 Settling updates the host-tier index: a stored or fetched chunk becomes READY
-(or its slot is freed), a load or upload releases the pin it held.
+(or its slot is freed), a load or upload releases the pin it held, and a fetch a
+store superseded frees the slot it was reading into.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class OpLedger:
         if kind in (OpKind.STORE, OpKind.FETCH):
             if live:
                 self.index.commit(entry.key, ok)
+            elif kind is OpKind.FETCH:
+                # a store superseded this fetch: its read is over, its slot free now
+                self.index.release_superseded(entry)
             if ok:
                 tier, direction = ("host", "write") if kind is OpKind.STORE else ("remote", "read")
                 self.stats.inc(metrics.BYTES, pending.nbytes, (tier, direction))

@@ -79,9 +79,11 @@ class RemoteLookups:
             self.finish(st)
             return False
         for entry in lk.chunks:
-            if self.index.get(entry.key) is not entry:
+            held = self.index.get(entry.key)
+            if held is None or (held is not entry and held.state is not State.STORING):
                 break  # missing, failed or evicted: the usable prefix ends here
-            if entry.state is State.FETCHING:
+            if held.state in (State.FETCHING, State.STORING):
+                # (a store, maybe one that superseded this fetch, settles within a step)
                 return True
         self.finish(st)
         return False

@@ -103,15 +103,16 @@ class Planner:
         for c in range(st.next_store, n_complete):
             key = self.keys.key(st, c)
             held = self.index.get(key)
-            if held is not None and held.state is State.FETCHING:
-                # a lookup's fetch may still fail (a miss behind the prefix this request
-                # loaded): store from here on in a later step, once it was reported
-                n_complete = c
-                break
-            if held is not None:
+            if held is not None and held.state is not State.FETCHING:
                 self.index.touch(key)
                 continue
-            entry = self.index.begin(key, State.STORING)
+            if held is not None:
+                # a fetch not reported yet (behind a lookup's miss, or past its timeout):
+                # this request computed the chunk, so it is stored now, into a new slot;
+                # waiting for the fetch would lose it when the request has no later step
+                entry = self.index.supersede(key)
+            else:
+                entry = self.index.begin(key, State.STORING)
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
                 self.stats.inc(metrics.STORES_SKIPPED)  # (and its total)
                 continue

@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
-from kvtier.index import ChunkIndex
+from kvtier.index import ChunkIndex, State
 from kvtier.keys import Namespace
 from kvtier.layout import slot_bytes_for
 from kvtier.stats import StatsRecorder, Totals, total_name
@@ -55,20 +55,35 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.scheduler")
 
-#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens,
-#: evictions, skipped stores: fed by the increments that go to Prometheus), settled
+#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens, miss tokens
+#: by reason, evictions, skipped stores: fed by the increments that go to Prometheus), settled
 #: ops by kind and result, write-back uploads begun, and the errors workers reported
 SCHEDULER_TOTALS: tuple[str, ...] = (
     total_name(metrics.LOOKUP_TOKENS),
     *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
     total_name(metrics.EVICTIONS),
     total_name(metrics.STORES_SKIPPED),
+    *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
     "write_back",
+    "weights_changes",  # weights replaced while the engine ran (weights_changed)
     *SETTLED_TOTALS.values(),
     *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
     # requests whose chunks (from some point on) stay out of the object tier, by reason
     *(f"host_only_{reason}" for reason in HOST_ONLY_REASONS),
 )
+
+
+#: SchedulerSide._store_waits: the request gave up waiting for a store
+STORE_WAIT_OVER = -1.0
+
+#: the miss reason (metrics.MISS_REASONS) of a chunk the index holds but could not serve;
+#: a ready one was not ready when the request was answered (it is counted as absent)
+MISS_BY_STATE: dict[State, str] = {
+    State.STORING: "storing",
+    State.FETCHING: "fetching",
+    State.EVICTING: "evicting",
+    State.READY: "absent",
+}
 
 
 class SchedulerSide:
@@ -145,6 +160,19 @@ class SchedulerSide:
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
+        #: a lookup that reaches a chunk still being stored waits for its store (settled
+        #: a step or two later: vLLM's async scheduling plans the next step before this
+        #: one's reports are in) at most this long; request id -> since when it waits,
+        #: STORE_WAIT_OVER once it gave up (its misses then count as "storing")
+        self.store_wait_s = Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s
+        self._store_waits: dict[str, float] = {}
+        #: weights replaced while the engine ran (weights_changed): how many times, and
+        #: the salt the workers' object keys carry since the last time (b"": none yet)
+        self.weights_epoch = 0
+        self.weights_salt = b""
+        #: until when (time.monotonic) the workers' object-tier reads fail fast, as their
+        #: last report said (may_load_async expects no lookup to go out before)
+        self.reads_down_until = 0.0
         #: this hook's own latency per call, moved into the stats when they are taken: a
         #: list append is what a lookup can afford (a recorder call cost it 15 µs of cold
         #: memory reads at 1M chunks, a tenth of the whole lookup)
@@ -177,6 +205,9 @@ class SchedulerSide:
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
         end_chunk = self._ready_run(st, first, cap)
+        if self._wait_for_store(st, end_chunk, cap):
+            self._sync_lookup_s.append(time.perf_counter() - t0)
+            return None, False  # "ask again": the store settles in a step or two
         if self.remote and self.lookups.wants(st, end_chunk, cap):
             waiting = self.lookups.advance(st, end_chunk, cap)
             if self.events is not None:
@@ -193,6 +224,30 @@ class SchedulerSide:
         st.plan = (num_computed_tokens, num_computed_tokens + n) if n else None
         self._sync_lookup_s.append(time.perf_counter() - t0)
         return n, False
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34, as a request enters the waiting queues: whether its lookup may go to
+        the object tier. With ``--max-num-inflight-kv-loads`` vLLM then asks
+        :meth:`get_num_new_matched_tokens` for it even while the running batch is full, so
+        the lookup's fetches start (the answer is "ask again" meanwhile) and the chunks are
+        in the host tier by the time a slot frees.
+
+        True when an object tier is configured, the workers' last report did not say its
+        reads fail fast, no lookup of this request has finished yet, and the host tier does
+        not hold the request's last loadable chunk. That last probe stands for the whole
+        prefix (a chunk is stored after the ones before it, so a host tier holding the last
+        almost always holds the rest; a gap LRU left only means no early start). One dict
+        lookup and one set probe: no hashing, nothing per chunk.
+        """
+        if not self.remote or time.monotonic() < self.reads_down_until:
+            return False
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.lookup is not None and st.lookup.done:
+            return False
+        hashes = request.block_hashes
+        bpc = self.blocks_per_chunk
+        n = min(len(hashes) // bpc, -(-self._max_loadable(request) // self.chunk_size))
+        return n > 0 and not self.index.is_ready(hashes[n * bpc - 1])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -213,6 +268,7 @@ class SchedulerSide:
         # the last token vLLM must compute) was there; the tail is always recomputed
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
         total = local + num_external_tokens
+        self._count_misses(st, total, reusable, cap)
         if total and total >= reusable:
             st.outcome = "hit"
         else:
@@ -234,6 +290,7 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
         meta = KVTierMetadata(step=self._step, host_bytes=self.host_bytes)
+        meta.weights_epoch, meta.weights_salt = self.weights_epoch, self.weights_salt
         meta.loads, self.planner.loads = self.planner.loads, []
         meta.fetches = self.lookups.take_runs()
         scheduled: list[tuple[str, int]] = [
@@ -276,6 +333,8 @@ class SchedulerSide:
                 self.ledger.report(op_id, meta.results[op_id])
             for kind, n in meta.errors.items():
                 self.totals[f"error_{metrics.error_kind_label(kind)}"] += n
+            down_s = meta.reads_down_s
+            self.reads_down_until = time.monotonic() + down_s if down_s else 0.0
             now = time.time()
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):
@@ -283,6 +342,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         st = self._reqs.pop(request.request_id, None)
+        self._store_waits.pop(request.request_id, None)
         if st is not None:
             self.lookups.finish(st)
         # Stores run inside the step that computes a chunk, before vLLM frees its blocks,
@@ -307,6 +367,25 @@ class SchedulerSide:
         logger.info("kvtier: host tier reset, %d chunks dropped", dropped)
         return True
 
+    def weights_changed(self, why: str) -> None:
+        """vLLM replaced the weights while the engine ran (``why``: the worker method,
+        e.g. ``reload_weights``). Nothing stored before may be served: the host tier is
+        emptied (chunks being stored, fetched or loaded are dropped as they settle:
+        :meth:`ChunkIndex.clear`), and from the next step on the workers key their objects
+        under a new identity drawn here (``weights_salt``), so they neither read the
+        chunks of the old weights nor write the new weights' KV under the old name; no
+        other engine shares that identity (none can know it holds the same weights)."""
+        self.weights_epoch += 1
+        self.weights_salt = os.urandom(16)
+        dropped = self.index.clear()
+        self.totals["weights_changes"] += 1
+        logger.warning(
+            "kvtier: the weights changed (%s): host tier emptied (%d chunks dropped); "
+            "object-tier keys now name this engine's weights alone until it restarts. "
+            "vLLM's own prefix cache is not reset by a weight change: reset it "
+            "(reset_prefix_cache) before serving, as vLLM requires", why, dropped,
+        )
+
     def shutdown(self) -> None:
         pass  # the scheduler holds no connection: the workers own the object tier
 
@@ -327,6 +406,40 @@ class SchedulerSide:
     def _max_loadable(self, request: Request) -> int:
         """vLLM must compute at least the last prompt token itself."""
         return (request.num_tokens - 1) // self.block_size * self.block_size
+
+    def _wait_for_store(self, st: RequestState, c: int, cap: int) -> bool:
+        """True when the request should ask again because chunk ``c``, the first one its
+        run of ready chunks lacks, is being stored (by a request that finished, or one
+        in the same step: its store is reported a step or two later). Waits at most
+        ``store_wait_s`` per request; then its misses count as "storing"."""
+        if c >= loadable_chunks(st, cap, self.chunk_size):
+            return False
+        entry = self.index.get(self.keys.key(st, c))
+        if entry is None or entry.state is not State.STORING:
+            return False
+        rid = st.request.request_id
+        now = time.monotonic()
+        since = self._store_waits.setdefault(rid, now)
+        if since == STORE_WAIT_OVER:
+            return False
+        if now - since > self.store_wait_s:
+            self._store_waits[rid] = STORE_WAIT_OVER
+            logger.info("kvtier: request %s gave up waiting for a chunk being stored "
+                        "(%.2f s); it is counted as a miss", rid, now - since)
+            return False
+        return True
+
+    def _count_misses(self, st: RequestState, served_end: int, reusable: int, cap: int) -> None:
+        """Count the prompt tokens kvtier was asked about and did not serve, by reason:
+        the state of the first chunk not served decides for the full chunks after it,
+        the part past the last full chunk is the "tail"."""
+        if served_end < reusable:
+            entry = self.index.get(self.keys.key(st, served_end // self.chunk_size))
+            reason = "absent" if entry is None else MISS_BY_STATE[entry.state]
+            self.stats.inc(metrics.MISS_TOKENS, reusable - served_end, (reason,))
+        tail = cap - max(reusable, served_end)
+        if tail > 0:
+            self.stats.inc(metrics.MISS_TOKENS, tail, ("tail",))
 
     def _ready_run(self, st: RequestState, first: int, cap: int) -> int:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""

@@ -8,6 +8,10 @@ The scheduler process owns it; workers only ever see slot numbers. A slot goes
 
 Only ``ready`` chunks are hits. A store or fetch that fails rolls back to free.
 A chunk with a non-zero ref count (being loaded or uploaded) is never evicted.
+A store of a chunk whose fetch is not reported yet *supersedes* the fetch
+(:meth:`ChunkIndex.supersede`): the key gets a new slot at once, and the fetch's
+slot, which its read may still be writing, is freed only when that fetch is
+reported (:meth:`ChunkIndex.release_superseded`).
 
 An :class:`IndexListener` (``ChunkIndex.listener``) hears every chunk that turns
 ready and every chunk that leaves the index, whatever the reason (LRU eviction,
@@ -110,6 +114,9 @@ class ChunkIndex:
         # the keys of the READY entries: a lookup's probes touch this table alone (half
         # the memory reads of entry and state; ~34 bytes a chunk at 1M chunks)
         self._ready: set[bytes] = set()
+        # slot -> a fetch's entry a store superseded: out of the key map, its slot still
+        # taken until the fetch is reported (a read may be writing into it)
+        self._superseded: dict[int, Entry] = {}
         self.evictions = 0
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
@@ -169,6 +176,45 @@ class ChunkIndex:
         untrack(entry)  # it holds atomic values only (kvtier.untrack)
         self._entries[key] = entry
         return entry
+
+    def supersede(self, key: bytes) -> Entry | None:
+        """A store of ``key`` while its fetch is unreported: a new slot, ``storing``.
+
+        The request computing the chunk stores it now (it may have no later step in
+        which to do so: a request that finishes with its prefill frees its blocks). The
+        fetch's entry leaves the key map at once, so it can never turn ready; its slot
+        stays taken until :meth:`release_superseded` is called for that entry, when
+        its fetch is reported. Returns None (and changes nothing) when ``key`` is not
+        ``fetching`` or no slot can be freed.
+        """
+        old = self._entries.get(key)
+        if old is None or old.state is not State.FETCHING:
+            return None
+        slot = self._take_slot(True)
+        if slot is None:
+            return None
+        del self._entries[key]
+        old.state = State.EVICTING  # (never ready: the ready set is unchanged)
+        self._superseded[old.slot] = old
+        entry = Entry(key=key, slot=slot, state=State.STORING)
+        untrack(entry)
+        self._entries[key] = entry
+        return entry
+
+    def release_superseded(self, entry: Entry) -> bool:
+        """The fetch of a superseded ``entry`` was reported: free its slot. False when
+        ``entry`` is not a superseded one. Nobody is told: the chunk was never a hit,
+        and its key now names the store that superseded it."""
+        if self._superseded.get(entry.slot) is not entry:
+            return False
+        del self._superseded[entry.slot]
+        self._free.append(entry.slot)
+        return True
+
+    @property
+    def superseded(self) -> int:
+        """Slots still held by fetches a store superseded (not yet reported)."""
+        return len(self._superseded)
 
     def commit(self, key: bytes, ok: bool) -> Entry | None:
         """Finish a store or fetch: ready on success, slot freed on failure. A store or
@@ -286,7 +332,7 @@ class ChunkIndex:
 
     def check(self) -> None:
         """Assert the invariants (tests and debug): every slot is free xor owned once."""
-        owned = [e.slot for e in self._entries.values()]
+        owned = [e.slot for e in self._entries.values()] + list(self._superseded)
         assert len(owned) == len(set(owned)), "a slot is owned twice"
         assert not set(owned) & set(self._free), "a slot is both free and owned"
         assert len(owned) + len(self._free) == self.num_slots, "a slot leaked"

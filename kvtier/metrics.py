@@ -44,6 +44,16 @@ ERROR_KINDS = (
 )
 
 
+#: why prompt tokens kvtier was asked about were not served (``kvtier:miss_tokens``):
+#: "absent": no tier held the chunk (never stored, evicted, or not in the object tier; a
+#: fetch that failed is also in ``kvtier:errors`` by kind); "storing": its store was still
+#: unreported after the request waited ``lookup_timeout_ms`` for it; "fetching": its fetch
+#: was still in flight when the lookup timed out; "evicting": it was being dropped (a
+#: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
+#: token vLLM computes itself (kvtier holds whole chunks only)
+MISS_REASONS = ("absent", "storing", "fetching", "evicting", "tail")
+
+
 def error_kind_label(kind: str) -> str:
     """The ``kind`` label for an error: a known kind as is, anything else "tier"."""
     return kind if kind in ERROR_KINDS else "tier"
@@ -58,6 +68,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "op": TRANSFER_OPS,
     "kind": ERROR_KINDS,
 }
+LABEL_VALUES["reason"] = MISS_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +152,14 @@ ALL: tuple[MetricSpec, ...] = (
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
 )
 ALL += (STUCK_OPS, SEALS)
+
+MISS_TOKENS = MetricSpec(
+    PREFIX + "miss_tokens", "counter",
+    "Prompt tokens kvtier was asked about and did not serve, by why (MISS_REASONS); with "
+    "hit_tokens they add up to lookup_tokens.",
+    ("reason",),
+)
+ALL += (MISS_TOKENS,)
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:

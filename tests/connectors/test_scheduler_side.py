@@ -349,9 +349,10 @@ def test_a_lookup_keeps_the_host_part_of_its_prompt() -> None:
     assert side.get_num_new_matched_tokens(mine, 0) == (8 * CHUNK, False)
 
 
-def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> None:
+def test_chunks_still_being_fetched_behind_a_miss_are_stored_at_once() -> None:
     """Chunk 0 misses and the lookup ends while chunks 1-3 are in flight; the request is
-    computed at once, and its chunks 1-3 are stored in a later step, not skipped."""
+    computed at once and stores all four in that step, into other slots than the fetches'
+    (tests/connectors/test_store_then_hit.py: the request may have no later step)."""
     side = remote_side()
     req = request("a", 1, 4 * CHUNK + 10)
     side.get_num_new_matched_tokens(req, 0)
@@ -360,12 +361,11 @@ def test_chunks_still_being_fetched_behind_a_miss_are_stored_once_reported() -> 
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     side.update_state_after_alloc(req, None, 0)
     meta = schedule_new(side, req, 0, req.num_tokens)
-    assert len(meta.stores) == 1, "chunks 1-3 are still held by their fetches"
+    assert [op.block_hash for op in meta.stores] == side._reqs["a"].chunk_hashes[:4]
     report(side, meta)
+    assert side.index.used_slots == 7, "the fetches' slots are held until they report"
     answer(side, {op.op_id: [False] for op in run[1:]})
-    meta = decode_step(side, {"a": req.num_tokens})
-    assert [op.block_hash for op in meta.stores] == side._reqs["a"].chunk_hashes[1:4]
-    report(side, meta)
+    assert decode_step(side, {"a": req.num_tokens}).stores == []
     assert side.index.used_slots == 4 and side.pending_ops() == 0
 
 

@@ -110,19 +110,61 @@ def test_clear_drops_unpinned_ready_only() -> None:
     idx.check()
 
 
+def test_a_store_supersedes_an_unreported_fetch_without_reusing_its_slot() -> None:
+    """The fetch's read may still be writing its slot: the store gets another one, the
+    fetch's slot is freed only when that fetch is reported, and the key is the store's."""
+    heard: list[tuple[str, str]] = []
+    idx = ChunkIndex(3)
+    idx.listener = type("L", (), {
+        "chunk_ready": lambda self, e: heard.append(("ready", e.key)),
+        "chunk_dropped": lambda self, e: heard.append(("dropped", e.key)),
+    })()  # fmt: skip
+    fetch = idx.begin("a", State.FETCHING)
+    assert fetch is not None
+    assert idx.supersede("b") is None, "only a fetching chunk is superseded"
+    store = idx.supersede("a")
+    assert store is not None and store.slot != fetch.slot and store.state is State.STORING
+    assert idx.get("a") is store and idx.superseded == 1 and idx.used_slots == 2
+    idx.check()
+    assert idx.commit("a", True) is store and idx.is_ready("a")
+    assert idx.begin("b", State.STORING) is not None  # the third slot
+    assert idx.begin("c", State.STORING, evict_ok=False) is None, "the fetch's slot is taken"
+    assert idx.release_superseded(fetch) and not idx.release_superseded(fetch)
+    assert not idx.release_superseded(store), "a live entry is not superseded"
+    assert idx.is_ready("a") and idx.used_slots == 2 and idx.superseded == 0
+    assert heard == [("ready", "a")], "the superseded fetch was never a chunk anyone heard of"
+    idx.check()
+
+
+def test_a_store_that_finds_no_slot_leaves_the_fetch_as_it_was() -> None:
+    idx = ChunkIndex(1)
+    fetch = idx.begin("a", State.FETCHING)
+    assert idx.supersede("a") is None
+    assert idx.get("a") is fetch and fetch.state is State.FETCHING and idx.superseded == 0
+    idx.check()
+
+
 def test_random_workload_keeps_invariants() -> None:
     import random
 
     rnd = random.Random(7)
     idx = ChunkIndex(5)
     pinned: list[str] = []
+    superseded: list[Entry] = []
     for _ in range(3000):
         key = f"k{rnd.randrange(20)}"
         op = rnd.random()
         if op < 0.4:
             e = idx.begin(key, rnd.choice([State.STORING, State.FETCHING]))
-            if e is not None:
+            if e is not None and e.state is State.FETCHING and rnd.random() < 0.5:
+                store = idx.supersede(key)  # a store while the fetch is unreported
+                if store is not None:
+                    superseded.append(e)
+                    idx.commit(key, rnd.random() < 0.9)
+            elif e is not None:
                 idx.commit(key, rnd.random() < 0.9)
+        elif op < 0.45 and superseded:
+            assert idx.release_superseded(superseded.pop(0))
         elif op < 0.6 and idx.is_ready(key):
             idx.pin(key)
             pinned.append(key)
@@ -133,7 +175,9 @@ def test_random_workload_keeps_invariants() -> None:
         idx.check()
     for key in pinned:
         idx.unpin(key)
-    assert idx.total_refs() == 0
+    for entry in superseded:
+        assert idx.release_superseded(entry)
+    assert idx.total_refs() == 0 and idx.superseded == 0
     idx.check()
 
 
