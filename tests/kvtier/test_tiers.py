@@ -290,3 +290,10 @@ def test_rediss_tls_and_auth_from_the_url(services) -> None:
     with open_tier(load_config({"remote_url": other_name}, environ={})) as t:
         with pytest.raises(TierUnavailable, match="(?i)hostname|match|certificate"):
             t.get("tls")
+    # turning verification off takes an explicit opt-in, and then really is off
+    unverified = f"{untrusted}?ssl_cert_reqs=none"
+    with pytest.raises(ConfigError, match="remote_tls_insecure"):
+        load_config({"remote_url": unverified}, environ={})
+    cfg = load_config({"remote_url": unverified, "remote_tls_insecure": True}, environ={})
+    with open_tier(cfg) as t:
+        assert bytes(codec.decode(t.get("tls"), key="tls")) == bytes([7]) * 1000

@@ -1,0 +1,27 @@
+"""An engine whose config would switch security off without a word does not start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import run_engine
+
+pytestmark = pytest.mark.e2e
+
+
+def test_an_empty_key_variable_stops_the_engine(tiny_model: str, tmp_path: Path) -> None:
+    """``KVTIER_HMAC_KEY_ENV=""`` (an unset template variable) over a JSON that asks for
+    signing used to start the engine unsigned; it stops startup, naming the key."""
+    extra = {
+        "cpu_bytes": "256MiB",
+        "remote_url": f"file://{tmp_path}/kv",
+        "hmac_key_env": "KVTIER_TEST_HMAC_KEY",
+    }
+    env = {"KVTIER_HMAC_KEY_ENV": "", "KVTIER_TEST_HMAC_KEY": "k" * 64}
+    r = run_engine("start_only", model=tiny_model, extra=extra, env=env)
+    assert r["started"] is False, "the engine started without the HMAC key it was asked for"
+    assert "ConfigError" in r["error"] and "'hmac_key_env'" in r["error"], r["error"]
+    assert "KVTIER_HMAC_KEY_ENV" in r["error"], r["error"]
+    assert not list((tmp_path / "kv").rglob("*-*")), "chunks were written unsigned"
