@@ -504,6 +504,11 @@ kvtier:stuck_ops{model_name="tiny-llama",engine="0",direction="write"} 0
 # HELP kvtier:seals_total Chunks sealed with the engine's encryption key.
 # TYPE kvtier:seals_total counter
 kvtier:seals_total{model_name="tiny-llama",engine="0"} 6
+# HELP kvtier:miss_tokens_total Prompt tokens kvtier was asked about and did not serve, by why.
+# TYPE kvtier:miss_tokens_total counter
+kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="absent"} 1024
+kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="fetching"} 256
+kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="tail"} 40
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")
