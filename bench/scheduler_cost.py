@@ -36,15 +36,18 @@ multiprocess executor ships it to workers (``pickle``, highest protocol, in
 index leaves to Python's garbage collector: objects it tracks per chunk and the time of
 one full collection, after vLLM's own start-up ``gc.freeze``; and kvtier's worker side
 in a step where no chunk moves (32 and 80 attention layers), through the connector's
-per-step hooks as vLLM's model runner calls them.
+per-step hooks as vLLM's model runner calls them; and ``may_load_async`` (vLLM >= 0.34
+asks it as each request enters the waiting queues) per call, with an object tier
+configured, against each index size.
 
     .venv/bin/python bench/scheduler_cost.py            # full run, ~5 min on 2 cores
     .venv/bin/python bench/scheduler_cost.py --quick    # small run, < 1 min
     .venv/bin/python bench/scheduler_cost.py --plot bench/results/scheduler.png
     .venv/bin/python bench/scheduler_cost.py --profile  # cProfile kvtier in the worst case
+    .venv/bin/python bench/scheduler_cost.py --may-load-async  # that hook alone, 10k-1M chunks
 
 Writes ``bench/results/scheduler.json``: ``{"steps": [...], "lookups": [...], "memory":
-[...], "worker": [...], ...}``.
+[...], "worker": [...], "may_load_async": [...], ...}``.
 """
 
 from __future__ import annotations
@@ -126,9 +129,11 @@ def _model_dir() -> str:
     return str(path)
 
 
-def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: int) -> Any:
+def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: int,
+                   remote_url: str | None = None) -> Any:
     """vLLM's v1 Scheduler as vLLM's tests build it (tests/v1/core/utils.py
-    ``create_scheduler``), with ``variant``'s connector in the scheduler role."""
+    ``create_scheduler``), with ``variant``'s connector in the scheduler role (kvtier's
+    with an object tier at ``remote_url``: the scheduler plans for it, never opens it)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -155,6 +160,9 @@ def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: i
             kv_connector_extra_config={
                 "cpu_bytes": index_chunks * chunk_bytes, "cpu_headroom_bytes": 0,
                 "chunk_size": CHUNK,
+                # no weights to fingerprint in the bench's model directory: name them
+                **({"remote_url": remote_url, "model_fingerprint": "bench"}
+                   if remote_url else {}),
             },
         )
     elif variant == "offloading":
@@ -519,6 +527,53 @@ def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[di
     return out
 
 
+# ---- may_load_async -----------------------------------------------------------------------
+def run_may_load_async(plan: Plan, n_index: int) -> list[dict[str, Any]]:
+    """kvtier's ``may_load_async`` (vLLM >= 0.34 asks it as each request enters the waiting
+    queues), with an object tier configured and ``n_index`` chunks in the host tier, for a
+    fresh 32k-token request whose prompt the host tier holds (the answer is no), half
+    holds and lacks (yes). Called on the connector as vLLM's scheduler calls it."""
+    rng = random.Random(f"may-load-async-{plan.seed}-{n_index}")
+    prompt_len = 32 * 1024
+    hit_toks = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+    hashes = chunk_last_hashes(make_request("probe", hit_toks))
+    half = len(hashes) // 2
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-tier-") as tier:
+        sched = make_scheduler("kvtier", n_index, 16, 4096, remote_url=f"file://{tier}")
+        conn = sched.connector
+        prefill_kvtier(sched, n_index, random.Random(rng.random()), hashes=hashes)
+        out = []
+        for outcome in ("hit", "partial", "miss"):
+            reqs = []
+            for i in range(plan.lookup_samples):
+                if outcome == "hit":
+                    toks = hit_toks
+                elif outcome == "partial":
+                    toks = hit_toks[: half * CHUNK] + [
+                        rng.randrange(2, VOCAB) for _ in range(prompt_len - half * CHUNK)
+                    ]
+                else:
+                    toks = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+                reqs.append(make_request(f"m-{outcome}-{i}", toks))
+            lat: list[float] = []
+            answers = set()
+            for req in reqs:
+                t0 = time.perf_counter()
+                answers.add(conn.may_load_async(req))
+                lat.append((time.perf_counter() - t0) * 1e6)
+            lat.sort()
+            out.append({
+                "index_chunks": n_index, "prompt_tokens": prompt_len, "outcome": outcome,
+                "answer": sorted(answers), "samples": len(lat),
+                "p50_us": round(statistics.median(lat), 2),
+                "p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
+            })
+        sched.shutdown()
+        del sched, conn
+    gc.collect()
+    return out
+
+
 # ---- worker side --------------------------------------------------------------------------
 def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]]:
     """kvtier's worker side in a step where no chunk moves (every decode step), driven
@@ -655,6 +710,7 @@ def table(result: dict[str, Any]) -> str:
     for r in result["lookups"]:
         lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['outcome']} | "
                      f"{r['matched_tokens']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |")
+    lines += ["", may_load_async_table(result.get("may_load_async", []))]
     lines += ["", "| worker side, step with no chunk moving: layers | median µs | p99 µs "
               "| metadata B |", "|---|---|---|---|"]
     for r in result.get("worker", []):
@@ -666,6 +722,15 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['bytes_per_chunk']:.0f} | "
                      f"{r['heap_bytes_per_chunk']:.0f} | {r['gc_tracked_per_chunk']:.2f} | "
                      f"{r['full_gc_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def may_load_async_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| may_load_async: index chunks | prompt held | answer | p50 µs | p99 µs |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['index_chunks']:,} | {r['outcome']} | {r['answer']} | "
+                     f"{r['p50_us']:.2f} | {r['p99_us']:.2f} |")
     return "\n".join(lines)
 
 
@@ -766,6 +831,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="only cProfile kvtier's scheduler in the worst case (largest running "
                    "count and index) and print where its time goes, function by function")
     p.add_argument("--top", type=int, default=25, help="functions shown by --profile")
+    p.add_argument("--may-load-async", action="store_true",
+                   help="only time may_load_async against each index size and print it "
+                   "(writes no results file)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -808,6 +876,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['function']}")
         return 0
 
+    if args.may_load_async:
+        rows = [r for n in plan.index_sizes for r in run_may_load_async(plan, n)]
+        print(may_load_async_table(rows))
+        return 0
+
     cases = [(r, n) for n in plan.index_sizes for r in plan.running]
     n_lookup = len(plan.index_sizes) * 3 * (len(plan.variants) - 1)
     total = len(cases) * (plan.decode_steps + plan.prefill_steps) + n_lookup
@@ -823,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
                      "lookup_samples": plan.lookup_samples,
                      "index_prefill": "direct (ChunkIndex.begin/commit; manager prepare/complete)",
                      "metadata_serialization": "pickle.HIGHEST_PROTOCOL (vLLM MessageQueue)"},
-        "steps": [], "lookups": [], "memory": [], "worker": [],
+        "steps": [], "lookups": [], "memory": [], "worker": [], "may_load_async": [],
     }
     try:
         import vllm
@@ -841,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in plan.index_sizes:
             bar.set_postfix_str(f"lookups, {n:,} chunks")
             result["lookups"].extend(run_lookups(plan, n, bar))
+            result["may_load_async"].extend(run_may_load_async(plan, n))
     result["seconds"] = round(time.monotonic() - t_start, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

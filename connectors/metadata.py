@@ -41,6 +41,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     results: dict[int, list[bool]] = field(default_factory=dict)
     #: error kind -> count, for ops that failed in a way worth counting
     errors: dict[str, int] = field(default_factory=dict)
+    #: seconds this worker's object-tier reads still fail fast after a failure to reach
+    #: the tier (0: up); merged as the longest, for a lookup needs every worker's read
+    reads_down_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
@@ -51,5 +54,6 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         for kind, n in other.errors.items():
             errors[kind] = errors.get(kind, 0) + n
         return KVTierWorkerMeta(
-            steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors
+            steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors,
+            reads_down_s=max(self.reads_down_s, other.reads_down_s),
         )

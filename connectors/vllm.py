@@ -143,7 +143,32 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a best-effort cache: a dropped store is only a future miss
+        """No: a best-effort cache. Stores are copied inside the step that computed the
+        chunk and nothing is handed off after it (``request_finished`` frees at once), so a
+        preempted request has nothing pending; a dropped store is only a future miss."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM >= 0.34: ``KVCacheAccess.IN_PROCESS``. kvtier's workers reach vLLM's KV
+        only with torch copies in their own process (views of each layer's tensor, index
+        copies, ``cudaMemcpyAsync`` through torch); nothing registers it with an RDMA or
+        UCX engine or exports it to another process (``cudaHostRegister`` pins kvtier's
+        own host slab only). So any allocation of the KV cache works, the extensible one
+        included."""
+        from vllm.config import kv_transfer  # KVCacheAccess exists from 0.34 on
+
+        return kv_transfer.KVCacheAccess.IN_PROCESS  # type: ignore[attr-defined,unused-ignore]
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.34, with EAGLE-style drafting: no. Lookahead hashing folds the tokens
+        after a block into its hash and publishes it only once they exist; kvtier keys its
+        chunks by vLLM's block hashes as they appear and stores a chunk in the step that
+        computed it, so with lookahead hashes the chunk's last hash would be missing then
+        and the store skipped. Answering no keeps vLLM's plain block hashes (vLLM then
+        drops the drafter's volatile last block from prefix hits its own way)."""
+        return False
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
@@ -263,6 +288,15 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34: true exactly when this request's lookup may go to the object tier
+        (tier configured and reading, host tier lacking the prompt's last chunk): see
+        :meth:`SchedulerSide.may_load_async`. vLLM then starts its lookup even while the
+        running batch is full; kvtier answers "ask again" until the fetched chunks are in
+        the host tier and loads them from there, never ``load_kv_async=True``."""
+        assert self._scheduler is not None
+        return self._scheduler.may_load_async(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

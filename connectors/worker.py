@@ -9,6 +9,7 @@ scheduler through the worker metadata.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -228,9 +229,17 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
-        meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors)
+        meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors,
+                                reads_down_s=self.reads_down_s())
         self._steps, self._results, self._errors = [], {}, {}
         return meta
+
+    def reads_down_s(self) -> float:
+        """How long this worker's object-tier reads still fail fast (0: up, or no tier):
+        the scheduler's ``may_load_async`` does not expect a lookup to go out meanwhile."""
+        if self.remote is None:
+            return 0.0
+        return max(0.0, self.remote.health.reads.down_until - time.monotonic())
 
     def _poll_remote(self) -> None:
         if self.remote is None:

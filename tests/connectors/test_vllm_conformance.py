@@ -10,7 +10,8 @@ installed build from ``.venv``, the others from their wheel on the package index
 - every public method kvtier defines is a hook of that release (a hook renamed or
   removed upstream would silently never be called), of the same kind (method,
   classmethod, property) and callable the way vLLM calls the base's;
-- the hooks a release adds that kvtier must answer (sleep mode in 0.33, KV events)
+- the hooks a release adds that kvtier must answer (sleep mode in 0.33; async loads,
+  KV cache access and lookahead hashes in 0.34; KV events)
   are implemented;
 - every ``from vllm... import name`` in ``connectors/`` resolves in that release.
 """
@@ -34,17 +35,24 @@ from tests.connectors.vllm_sources import (
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 CONNECTOR = REPO / "connectors" / "vllm.py"
 #: newer releases than the CPU build in .venv, checked from their wheels
-RELEASES = ["0.33.0"]
+RELEASES = ["0.33.0", "0.34.0"]
+_BASIC = {"take_events", "reset_cache", "request_finished", "build_connector_worker_meta",
+          "requires_kv_delivery"}
+_SLEEP = {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"}
+#: 0.34: async loads that start while the batch is full, how the KV cache is reached,
+#: lookahead block hashes (README: why kvtier answers each as it does)
+_V034 = {"may_load_async", "kv_cache_access", "supports_lookahead_block_hashes"}
 #: hooks each release must see answered by kvtier itself, not by the base's default
 REQUIRED = {
-    "installed": {"take_events", "reset_cache", "request_finished", "build_connector_worker_meta"},
-    "0.33.0": {"take_events", "reset_cache", "request_finished", "build_connector_worker_meta",
-               "supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"},
+    "installed": _BASIC,
+    "0.33.0": _BASIC | _SLEEP,
+    "0.34.0": _BASIC | _SLEEP | _V034,
 }
 #: kvtier's hooks that only newer releases call (each one is REQUIRED of a newer release)
 NEWER_ONLY = {
-    "installed": {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"},
-    "0.33.0": set(),
+    "installed": _SLEEP | _V034,
+    "0.33.0": _V034,
+    "0.34.0": set(),
 }
 
 
@@ -161,6 +169,20 @@ def test_every_vllm_import_of_the_connector_resolves(release: tuple[str, Sources
                     if a.name.split(".")[0] == "vllm" and src.tree(a.name) is None
                 ]
     assert not missing, f"vLLM {version}:\n" + "\n".join(missing)
+
+
+def test_the_kv_cache_access_kvtier_answers_is_the_releases(
+    release: tuple[str, Sources],
+) -> None:
+    """``kv_cache_access`` reads ``KVCacheAccess`` off the module (older releases lack the
+    name, so it cannot be a ``from`` import the check above sees): where the hook exists,
+    the module defines it."""
+    version, src = release
+    if "kv_cache_access" not in src.class_methods(BASE, "KVConnectorBase_V1"):
+        assert version in ("installed", "0.33.0"), version
+        return
+    assert src.defines("vllm.config.kv_transfer", "KVCacheAccess"), version
+    assert "kv_transfer.KVCacheAccess.IN_PROCESS" in CONNECTOR.read_text()
 
 
 # ---- the checker itself can fail ----------------------------------------------------------
