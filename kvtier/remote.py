@@ -496,6 +496,13 @@ class RemoteIO:
         return self.health.writes.is_down or self.stuck_writes >= self.write_threads
 
     @property
+    def reads_down_s(self) -> float:
+        """How long fetches will still fail fast: the backoff left or, while every read
+        thread is stuck, at least the lookup deadline (ask again after it)."""
+        left = max(0.0, self.health.reads.down_until - time.monotonic())
+        return max(left, self.timeout_s) if self.stuck_reads >= self.read_threads else left
+
+    @property
     def stuck_reads(self) -> int:
         """Reads past their deadline still in their backend call (each holds a read
         thread and its slot until the call returns; at most ``read_threads``)."""
