@@ -303,15 +303,6 @@ def redact_value(key: object, value: object) -> object:
     return Redacted(f"<{type(value).__name__}{size}>")
 
 
-def _bool(key: str, value: object) -> bool:
-    """true/false (JSON), or its text from an environment override."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise ConfigError(key, value, "true or false")
-
-
 def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:
     def parse(key: str, value: object) -> str:
         if not isinstance(value, str) or value not in choices:
@@ -347,7 +338,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_key_file": _path,
     "encryption_decrypt_keys_env": _env_name,
     "encryption_decrypt_keys_file": _path,
-    "trust_multimodal_ids": _bool,
+    "trust_multimodal_ids": _bool_flag,
 }
 
 
