@@ -37,6 +37,11 @@ class FakeServer:
         self.lock = threading.Lock()
         self.completions = 0
         self.prompts: list[str] = []
+        #: every completion or chat request body, with its arrival (time.monotonic())
+        self.bodies: list[tuple[float, dict[str, Any]]] = []
+        self.in_flight = self.max_in_flight = 0
+        #: lines appended to /metrics as they are (gauges a test sets)
+        self.extra_metrics = ""
         self.resets = 0
         # counters start far from zero: a rate computed from totals instead of deltas is wrong
         self.kv_hit, self.kv_lookup = 1000.0, 9000.0
@@ -90,12 +95,17 @@ class FakeServer:
                 )
                 lines.append(f'kvtier:ttft_seconds_count{{{lab},outcome="{outcome}"}} {len(obs)}')
                 lines.append(f'kvtier:ttft_seconds_sum{{{lab},outcome="{outcome}"}} {sum(obs)}')
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.extra_metrics
 
 
-def _tokens(prompt: str) -> int:
-    """The fake tokenizer: a BOS, then one token per whitespace-separated word."""
-    return 1 + len(prompt.split())
+def _tokens(prompt: str | list[int]) -> int:
+    """The fake tokenizer: a BOS, then one token per whitespace-separated word; token ids
+    are taken as they are."""
+    return len(prompt) if isinstance(prompt, list) else 1 + len(prompt.split())
+
+
+def _chat_tokens(messages: list[dict[str, Any]]) -> int:
+    return _tokens(" ".join(f"{m['role']}: {m.get('content', '')}" for m in messages))
 
 
 def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
@@ -132,28 +142,42 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
                     state.resets += 1
                 self._send(200, b'{"success": true}')
                 return
-            if self.path != "/v1/completions":
+            chat = self.path == "/v1/chat/completions"
+            if self.path != "/v1/completions" and not chat:
                 self._send(404, b"{}")
                 return
             assert body["stream"] is True and body["temperature"] == 0
             with state.lock:
                 state.completions += 1
                 n = state.completions
-                state.prompts.append(body["prompt"])
+                state.prompts.append(body.get("prompt"))
+                state.bodies.append((time.monotonic(), body))
             if state.fail_every and n % state.fail_every == 0:
                 self._send(500, b'{"error": "injected failure"}')
                 return
+            with state.lock:
+                state.in_flight += 1
+                state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            try:
+                self._stream(n, body, chat)
+            finally:
+                with state.lock:
+                    state.in_flight -= 1
+
+        def _stream(self, n: int, body: dict[str, Any], chat: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
             time.sleep(FIRST_TOKEN_DELAY)
             for i in range(body["max_tokens"]):
-                chunk = {"choices": [{"index": 0, "text": f" tok{n}_{i}"}]}
+                chunk = {"choices": [{"index": 0, "delta": {"content": f" tok{n}_{i}"}}
+                                     if chat else {"index": 0, "text": f" tok{n}_{i}"}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
                 time.sleep(TOKEN_DELAY)
-            usage = {"prompt_tokens": _tokens(body["prompt"]),
+            usage = {"prompt_tokens": (_chat_tokens(body["messages"]) if chat
+                                       else _tokens(body["prompt"])),
                      "completion_tokens": body["max_tokens"],
                      "prompt_tokens_details": {"cached_tokens": 3}}
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())

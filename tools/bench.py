@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
 import sys
@@ -81,6 +82,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="write TTFT per outcome and hit rate over time to this PNG")
     p.add_argument("--trace-out", metavar="FILE.jsonl", default=None,
                    help="write the requests sent as a trace for `kvtier size --trace`")
+    t = p.add_argument_group(
+        "trace replay (--trace: send a trace's requests instead of generated sessions)")
+    t.add_argument("--trace", metavar="FILE.jsonl", default=None,
+                   help="replay this trace: every format `kvtier size --trace` reads; hash-id "
+                   "lines (Mooncake, Bailian) become tokens, the same id always the same "
+                   "tokens; token-id, text and chat lines are sent as they are")
+    t.add_argument("--trace-format", default="auto",
+                   choices=("auto", "tokens", "text", "messages", "mooncake", "bailian"),
+                   help="as `kvtier size --trace-format` (default: per line)")
+    t.add_argument("--trace-block-size", type=int, default=None, metavar="N",
+                   help="tokens per hash id (default 512 for Mooncake lines, 16 for Bailian)")
+    t.add_argument("--speedup", type=float, default=1.0, metavar="F",
+                   help="send at F times the trace's rate (its timestamps divided by F)")
+    t.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="replay only the first N requests")
+    t.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
+                   help="cut token-id and hash-id prompts to their first N tokens (shared "
+                   "prefixes stay shared); text and chat prompts are sent whole")
+    t.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
+                   help="cap a line's output_length (lines without one ask --output-tokens)")
+    t.add_argument("--max-concurrency", type=int, default=32, metavar="N",
+                   help="requests in flight at most; a request due while N are in flight "
+                   "waits and counts as late (default 32)")
+    t.add_argument("--token-range", default="100:30000", metavar="LO:HI",
+                   help="token ids a hash id expands to, in [LO, HI) (default 100:30000; "
+                   "inside the model's vocabulary)")
+    t.add_argument("--plan-model", metavar="PATH", default=None,
+                   help="the served model's directory or config.json: with it the trace's "
+                   "predicted host-tier hit rate (kvtier size --trace) is shown beside what "
+                   "the server delivered, at the tier size /metrics reports")
+    t.add_argument("--plan-chunk-size", type=int, default=256, metavar="N",
+                   help="the server's kvtier chunk_size, for the prediction (default 256)")
+    t.add_argument("--plan-tp", type=int, default=1, metavar="N",
+                   help="the server's tensor-parallel size, for the prediction (default 1)")
+    t.add_argument("--gpu-kv-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's GPU KV tokens, for the prediction (default: from /metrics' "
+                   "vllm:cache_config_info)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,22 +237,33 @@ class RequestResult:
     error: str | None = None
     text: str = ""
     prompt: str = ""
+    #: trace replay: when the trace says it was due (s since the start), None otherwise
+    due_s: float | None = None
 
 
-def stream_completion(client: Any, base: str, model: str, prompt: str, max_tokens: int,
-                      result: RequestResult) -> None:
-    """POST one streamed completion, filling ``result``; never raises for server errors."""
+def stream_completion(client: Any, base: str, model: str, prompt: str | list[int],
+                      max_tokens: int, result: RequestResult, *,
+                      messages: list[dict[str, Any]] | None = None,
+                      cache_salt: str | None = None) -> None:
+    """POST one streamed completion (a chat completion with ``messages``), filling
+    ``result``; never raises for server errors. ``prompt`` may be token ids."""
     import httpx
 
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body: dict[str, Any] = {
+        "model": model, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
     }
+    if messages is not None:
+        body["messages"], path = messages, "/v1/chat/completions"
+    else:
+        body["prompt"], path = prompt, "/v1/completions"
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     t0 = time.perf_counter()
     chunks = 0
     parts: list[str] = []
     try:
-        with client.stream("POST", base + "/v1/completions", json=body) as resp:
+        with client.stream("POST", base + path, json=body) as resp:
             if resp.status_code != 200:
                 detail = resp.read().decode("utf-8", "replace")[:200]
                 result.error = f"HTTP {resp.status_code}: {detail}"
@@ -233,7 +282,9 @@ def stream_completion(client: Any, base: str, model: str, prompt: str, max_token
                     if result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - t0
                     chunks += 1
-                    parts.append(obj["choices"][0].get("text") or "")
+                    choice = obj["choices"][0]
+                    parts.append(choice.get("text") or (choice.get("delta") or {}).get(
+                        "content") or "")
                 usage = obj.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")
@@ -318,6 +369,8 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
     """Run the workload against the server and return the summary (what --json prints)."""
     import httpx
 
+    if getattr(args, "trace", None):
+        return execute_trace(args, progress=progress)
     _validate(args)
     base = base_url(args.url)
     metrics_url = args.metrics_url or base + "/metrics"
@@ -416,6 +469,270 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
             t.join()
     finally:
         bar.close()
+    duration = time.perf_counter() - t_start
+    results.sort(key=lambda r: r.start_s)
+    return results, duration
+
+
+# ------------------------------------------------------------------- trace replay
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise BenchError(f"--token-range {text!r}: want LO:HI, e.g. 100:30000") from None
+    if not 0 <= lo < hi <= 2**31:
+        raise BenchError(f"--token-range {text}: want 0 <= LO < HI <= 2**31")
+    return lo, hi
+
+
+def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
+    import math
+
+    if not (math.isfinite(args.speedup) and args.speedup > 0):
+        raise BenchError("--speedup must be a positive number")
+    for name in ("max_requests", "max_input_tokens", "max_output_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_concurrency", "plan_chunk_size", "plan_tp", "output_tokens"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.trace_block_size is not None and not 1 <= args.trace_block_size <= 2**20:
+        raise BenchError("--trace-block-size must be from 1 to 1048576")
+    if args.trace_out:
+        raise BenchError("--trace-out writes generated sessions; with --trace the trace is "
+                         "already the record")
+    if not os.path.isfile(args.trace):
+        raise BenchError(f"cannot read the trace {args.trace}")
+    return _token_range(args.token_range)
+
+
+class Prediction:
+    """``kvtier size --trace`` on the requests as they are sent (cut, counted), one at a
+    time in trace order: the host tier's share of prompt tokens at the server's size."""
+
+    def __init__(self, args: argparse.Namespace, before: Snapshot | None) -> None:
+        from kvtier.sizing import trace as tr
+
+        self.tr = tr
+        self.reason: str | None = None
+        info = _cache_config(before)
+        self.block_size = int(info.get("block_size") or 16)
+        if args.gpu_kv_tokens is not None:
+            gpu_tokens, self.gpu_source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
+        elif info.get("num_gpu_blocks"):
+            gpu_tokens = int(info["num_gpu_blocks"]) * self.block_size
+            self.gpu_source = "vllm:cache_config_info"
+        else:
+            gpu_tokens, self.gpu_source = 0, "unknown, taken as 0"
+        self.gpu_tokens = gpu_tokens
+        self.chunk_size = args.plan_chunk_size
+        self.sim: Any = None
+        if self.chunk_size % self.block_size:
+            self.reason = (f"--plan-chunk-size {self.chunk_size} is not a multiple of the "
+                           f"server's block size {self.block_size}")
+        else:
+            self.sim = tr.Simulation(self.block_size, self.chunk_size,
+                                     gpu_tokens // self.block_size)
+        self.skipped = 0
+        self.checked: set[int] = set()
+
+    def add(self, req: Any) -> None:
+        if self.sim is None:
+            return
+        if req.hash_ids is None and not req.token_ids:
+            self.skipped += 1  # text and chat lines: their tokens are the server's
+            return
+        if req.hash_ids is not None and req.block_size not in self.checked:
+            if err := self.tr.block_size_error(self.chunk_size, req.block_size):
+                self.reason, self.sim = err, None
+                return
+            self.checked.add(req.block_size)
+        self.sim.add(req)
+
+    def result(self, args: argparse.Namespace, after: Snapshot | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"host_hit_rate": None, "gpu_hit_rate": None,
+                               "chunk_size": self.chunk_size, "block_size": self.block_size,
+                               "gpu_kv_tokens": self.gpu_tokens,
+                               "gpu_kv_source": self.gpu_source,
+                               "requests_not_modelled": self.skipped}
+        sim = self.sim
+        if sim is None or not sim.prompt_tokens:
+            out["why_none"] = self.reason or "no token-id or hash-id request to model"
+            return out
+        total = sim.prompt_tokens
+        out["gpu_hit_rate"] = sim.gpu_hit_tokens / total
+        served = sim.served()
+        capacity = after.total("kvtier:host_bytes_capacity") if after is not None else None
+        if capacity is None:
+            out["why_none"] = "the server's /metrics has no kvtier:host_bytes_capacity"
+            return out
+        if not args.plan_model:
+            out["why_none"] = "pass --plan-model (the served model) for the slot size"
+            return out
+        from kvtier.sizing.model import ModelConfigError
+        from kvtier.sizing.plan import PlanInputs, make_plan
+
+        try:
+            plan = make_plan(PlanInputs(model=args.plan_model, tp=args.plan_tp))
+        except (ModelConfigError, ValueError, KeyError) as e:
+            out["why_none"] = f"--plan-model: {e}"
+            return out
+        slot = self.tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), self.chunk_size)
+        chunks = int(capacity) // (slot * args.plan_tp)
+        out.update(host_tier_bytes=int(capacity), host_tier_chunks=chunks,
+                   host_hit_rate=served[min(chunks, len(served) - 1)] / total,
+                   max_hit_rate=(sim.gpu_hit_tokens + served[-1]) / total)
+        return out
+
+
+def _cache_config(snap: Snapshot | None) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` (block_size, num_gpu_blocks)."""
+    for name, labels, _ in (snap.samples if snap is not None else []):
+        if name == "vllm:cache_config_info":
+            return labels
+    return {}
+
+
+def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
+                  ) -> dict[str, Any]:
+    """Replay ``args.trace`` against the server, open loop at the trace's timestamps
+    (divided by ``--speedup``), at most ``--max-concurrency`` in flight; the summary."""
+    import httpx
+
+    from kvtier.sizing import trace as tr
+
+    lo, hi = _validate_trace(args)
+    base = base_url(args.url)
+    metrics_url = args.metrics_url or base + "/metrics"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency + 4)
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    form = tr.TraceFormat(args.trace_format, args.trace_block_size)
+    stats = tr.TraceStats()
+    with httpx.Client(timeout=timeout, limits=limits, headers=headers, trust_env=False) as client:
+
+        def scrape() -> Snapshot | None:
+            if metrics_url == "none":
+                return None
+            try:
+                r = client.get(metrics_url, timeout=10.0)
+                r.raise_for_status()
+            except httpx.HTTPError:
+                return None
+            return Snapshot(time.perf_counter(), parse_metrics(r.text))
+
+        model = args.model or _first_model(client, base)
+        before = scrape()
+        prediction = Prediction(args, before)
+        poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
+        if poller:
+            poller.start()
+        try:
+            reqs = tr.read_trace(args.trace, None, stats, False, form)
+            run_ = _drive_trace(client, base, model, reqs, args, (lo, hi), prediction,
+                                progress)
+        finally:
+            if poller:
+                poller.stop()
+        after = scrape()
+    trace_info = {
+        "path": os.path.basename(args.trace), "format": stats.format,
+        "formats": stats.formats,
+        "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
+                       else sorted(stats.block_sizes) or None),
+        "bad_lines": stats.bad_lines, "bad_examples": stats.bad_examples,
+        "prediction": prediction.result(args, after),
+    }
+    return summarize(args, model, TokenScale(), run_, before, after,
+                     poller.snapshots if poller else [], trace_info)
+
+
+def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.Namespace,
+                 token_range: tuple[int, int], prediction: Prediction,
+                 progress: bool | None) -> tuple[list[RequestResult], float]:
+    """Open loop: each request starts at its due time, or as soon as fewer than
+    ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import lru_cache
+
+    from tqdm import tqdm
+
+    from kvtier.sizing import trace as tr
+
+    lo, hi = token_range
+
+    @lru_cache(maxsize=1 << 16)
+    def block(h: int, size: int) -> tuple[int, ...]:
+        return tuple(tr.block_tokens(h, size, lo, hi))
+
+    def tokens(req: Any) -> list[int]:
+        if req.hash_ids is None:
+            return list(req.token_ids)
+        out: list[int] = []
+        for h in req.hash_ids:
+            out += block(h, req.block_size)
+        del out[req.length:]
+        return out
+
+    if progress is None:
+        progress = not args.json and sys.stderr.isatty()
+    bar = tqdm(total=args.max_requests, desc="kvtier bench --trace", unit="req",
+               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    slots = threading.BoundedSemaphore(args.max_concurrency)
+    lock = threading.Lock()
+    results: list[RequestResult] = []
+    t_start = time.perf_counter()
+
+    def send(i: int, req: Any, prompt: str | list[int], max_tokens: int, due: float) -> None:
+        try:
+            if args.reset_prefix_cache:
+                _reset_prefix_cache(client, base)
+            res = RequestResult(i, 0, time.perf_counter() - t_start, due_s=due)
+            try:
+                stream_completion(client, base, model, prompt, max_tokens, res,
+                                  messages=req.messages, cache_salt=req.cache_salt)
+            except Exception as exc:  # noqa: BLE001 - a bad response must not stop the replay
+                res.ok, res.error = False, f"{type(exc).__name__}: {exc}"[:240]
+            with lock:
+                results.append(res)
+                bar.update(1)
+                if not res.ok:
+                    bar.set_postfix(failed=sum(not r.ok for r in results))
+        finally:
+            slots.release()
+
+    first_ts: float | None = None
+    due = 0.0
+    with ThreadPoolExecutor(max_workers=args.max_concurrency) as pool:
+        try:
+            for i, req in enumerate(reqs):
+                if args.max_requests is not None and i >= args.max_requests:
+                    break
+                if args.max_input_tokens is not None:
+                    tr.truncate(req, args.max_input_tokens)
+                prediction.add(req)
+                if req.timestamp is not None:
+                    if first_ts is None:
+                        first_ts = req.timestamp
+                    due = max(0.0, (req.timestamp - first_ts) / args.speedup)
+                out_tokens = req.output_length or args.output_tokens
+                if args.max_output_tokens is not None:
+                    out_tokens = min(out_tokens, args.max_output_tokens)
+                prompt: str | list[int] = (req.text if req.text is not None
+                                           else tokens(req))
+                delay = due - (time.perf_counter() - t_start)
+                if delay > 0:
+                    time.sleep(delay)
+                slots.acquire()
+                pool.submit(send, i, req, prompt, max(1, out_tokens), due)
+        except tr.TraceError as e:
+            raise BenchError(str(e)) from e
+        finally:
+            pool.shutdown(wait=True)
+            bar.close()
     duration = time.perf_counter() - t_start
     results.sort(key=lambda r: r.start_s)
     return results, duration

@@ -41,10 +41,49 @@ def base_url(url: str) -> str:
 
 
 
+def _trace_workload(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "trace": info["path"], "format": info["format"], "formats": info["formats"],
+        "block_size": info["block_size"], "speedup": args.speedup,
+        "max_requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
+        "max_output_tokens": args.max_output_tokens, "max_concurrency": args.max_concurrency,
+        "reset_prefix_cache": bool(args.reset_prefix_cache), "token_range": args.token_range,
+    }
+
+
+def _replay(results: list[RequestResult], info: dict[str, Any], sources: dict[str, float] | None,
+            after: Snapshot | None, before: Snapshot | None) -> dict[str, Any]:
+    """What a trace replay adds: lateness against the trace's clock, the lines skipped,
+    and the planner's prediction beside what the server delivered."""
+    lags = [max(0.0, r.start_s - r.due_s) for r in results if r.due_s is not None]
+    sent = sum(r.prompt_tokens or 0 for r in results if r.ok)
+    delivered: dict[str, float | None] = {"host_hit_rate": None, "gpu_hit_rate": None}
+    if sources:
+        total = sum(sources.values())
+        if total > 0:
+            delivered = {"host_hit_rate": sources["kvtier_host"] / total,
+                         "gpu_hit_rate": sources["gpu_prefix_cache"] / total}
+    elif sent:
+        host = counter_delta(before, after, KVTIER_HIT, tier="host")
+        delivered["host_hit_rate"] = None if host is None else host / sent
+    pred = info["prediction"]
+    diff = None
+    if pred.get("host_hit_rate") is not None and delivered["host_hit_rate"] is not None:
+        diff = (delivered["host_hit_rate"] - pred["host_hit_rate"]) * 100
+    return {
+        "bad_lines": info["bad_lines"], "bad_examples": info["bad_examples"],
+        "late_requests": sum(lag > 0.1 for lag in lags),
+        "lag_p50_s": quantile(lags, 0.5), "lag_p99_s": quantile(lags, 0.99),
+        "prompt_tokens_sent": sent,
+        "predicted": pred, "delivered": delivered, "host_difference_pp": diff,
+    }
+
+
 def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
               run: tuple[list[RequestResult], float], before: Snapshot | None,
-              after: Snapshot | None, timeline: list[Snapshot]) -> dict[str, Any]:
-    """The numbers the table, --json and --plot show."""
+              after: Snapshot | None, timeline: list[Snapshot],
+              trace_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The numbers the table, --json and --plot show (``trace_info``: a trace replay's)."""
     results, duration = run
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -70,18 +109,22 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    workload = _trace_workload(args, trace_info) if trace_info is not None else {
+        "sessions": args.sessions, "turns": args.turns,
+        "shared_prefix_tokens": args.shared_prefix_tokens, "turn_tokens": args.turn_tokens,
+        "output_tokens": args.output_tokens, "concurrency": args.concurrency,
+        "request_rate": args.request_rate, "seed": args.seed,
+        "reset_prefix_cache": bool(args.reset_prefix_cache),
+        "tokens_per_word": round(scale.per_word, 4),
+        "lead_tokens": round(scale.lead, 2),
+    }
+    extra = ({"trace_replay": _replay(results, trace_info, sources, after, before)}
+             if trace_info is not None else {})
     return {
         "url": base_url(args.url),
         "model": model,
-        "workload": {
-            "sessions": args.sessions, "turns": args.turns,
-            "shared_prefix_tokens": args.shared_prefix_tokens, "turn_tokens": args.turn_tokens,
-            "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-            "request_rate": args.request_rate, "seed": args.seed,
-            "reset_prefix_cache": bool(args.reset_prefix_cache),
-            "tokens_per_word": round(scale.per_word, 4),
-            "lead_tokens": round(scale.lead, 2),
-        },
+        "workload": workload,
+        **extra,
         "requests": len(results),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -144,9 +187,7 @@ def format_table(result: dict[str, Any]) -> str:
     w = result["workload"]
     rows: list[tuple[str, str]] = [
         ("server", f"{result['url']}  model={result['model']}"),
-        ("workload", f"{w['sessions']} sessions x {w['turns']} turns, shared "
-                     f"{w['shared_prefix_tokens']} + {w['turn_tokens']}/turn tokens, "
-                     f"{w['output_tokens']} out, concurrency {w['concurrency']}"),
+        ("workload", _workload_line(w)),
         ("requests", f"{result['requests']} ({result['failed']} failed)"),
         ("duration", f"{result['duration_s']:.2f} s"),
         ("throughput", f"{result['throughput_rps']:.3f} req/s  "
@@ -167,8 +208,48 @@ def format_table(result: dict[str, Any]) -> str:
         rows.append(("  computed", f"{shares['computed'] * 100:.1f} %"))
     for err, n in list(result["errors"].items())[:5]:
         rows.append(("error", f"{n} x {err}"))
+    if "trace_replay" in result:
+        rows += _replay_rows(result["trace_replay"])
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _workload_line(w: dict[str, Any]) -> str:
+    if "trace" in w:
+        kind = w["format"] or "empty"
+        if w.get("block_size"):
+            kind += f", {w['block_size']} tokens per hash id"
+        cut = f", prompts cut to {w['max_input_tokens']} tokens" if w["max_input_tokens"] else ""
+        return (f"trace {w['trace']} ({kind}) at {w['speedup']:g}x its rate, at most "
+                f"{w['max_concurrency']} in flight{cut}")
+    return (f"{w['sessions']} sessions x {w['turns']} turns, shared "
+            f"{w['shared_prefix_tokens']} + {w['turn_tokens']}/turn tokens, "
+            f"{w['output_tokens']} out, concurrency {w['concurrency']}")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f} %"
+
+
+def _replay_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [("late", f"{r['late_requests']} requests started > 0.1 s after their time "
+                     f"(lag p50 {_fmt_s(r['lag_p50_s'])}, p99 {_fmt_s(r['lag_p99_s'])})")]
+    if r["bad_lines"]:
+        rows.append(("bad lines", f"{r['bad_lines']} skipped; "
+                                  + "; ".join(r["bad_examples"][:3])))
+    p, d = r["predicted"], r["delivered"]
+    if p.get("host_hit_rate") is not None:
+        size = f"{p['host_tier_chunks']} chunks of {p['chunk_size']}"
+        rows.append(("host tier", f"predicted {_pct(p['host_hit_rate'])} (kvtier size --trace, "
+                                  f"{size}), delivered {_pct(d['host_hit_rate'])}"))
+    else:
+        rows.append(("host tier", f"delivered {_pct(d['host_hit_rate'])}; no prediction: "
+                                  f"{p.get('why_none')}"))
+    if p.get("gpu_hit_rate") is not None:
+        rows.append(("vLLM cache", f"predicted {_pct(p['gpu_hit_rate'])} ({p['gpu_kv_tokens']} "
+                                   f"tokens, {p['gpu_kv_source']}), delivered "
+                                   f"{_pct(d['gpu_hit_rate'])}"))
+    return rows
 
 
 def _iter_cdf(values: Iterable[float]) -> tuple[list[float], list[float]]:
@@ -227,7 +308,9 @@ def write_plot(result: dict[str, Any], path: str) -> None:
                  transform=ax2.transAxes, fontsize=8, va="bottom",
                  bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"})
     w = result["workload"]
-    fig.suptitle(f"kvtier bench: {result['model']}, {w['sessions']}x{w['turns']} turns, "
+    what = (f"trace {w['trace']}" if "trace" in w
+            else f"{w['sessions']}x{w['turns']} turns")
+    fig.suptitle(f"kvtier bench: {result['model']}, {what}, "
                  f"{result['requests']} requests", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
