@@ -40,6 +40,13 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # planted there opens at once (and is refused by fstat) instead of blocking an I/O thread.
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_TMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the root (the operator's path: a symlink there is theirs, and followed)
+_OPEN_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: a fan-out directory, opened relative to the root's fd: O_NOFOLLOW refuses a symlink
+#: planted at its name (ELOOP) and O_DIRECTORY anything else that is not a directory, so
+#: every object is opened, created, renamed and unlinked relative to a directory that is
+#: really under the root, whatever the path looks like a moment later (no check-then-use)
+_OPEN_SUBDIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: a hit refreshes a file's mtime at most this often: LRU needs minutes, not a write per hit
 _TOUCH_AFTER_S = 60.0
 _HEX = frozenset("0123456789abcdef")
@@ -54,6 +61,9 @@ class SweepStats:
     evicted: int = 0
     evicted_bytes: int = 0
     temp_removed: int = 0
+    #: fan-out names that are not directories (a symlink aiming writes out of the root, a
+    #: file): never followed, never counted, never written through; logged
+    foreign: int = 0
 
 
 class FileTier(ObjectTier):
@@ -72,11 +82,20 @@ class FileTier(ObjectTier):
     Files hold prompt KV, so they are created with ``file_mode`` (default
     ``0o640``) and directories with ``0o770``, both less the process umask:
     never world-readable. Engines that run as different users share the
-    directory through a common group (a setgid directory, umask 002).
+    directory through a common group (a setgid directory, umask 002). A file
+    only ever has a group this process is a member of: where a setgid
+    directory (the root, or a fan-out directory someone else made) would give
+    it another group, it is handed to the process's own group before a byte
+    is written, so a directory's owner cannot give the KV to a group of their
+    choosing (a setgid root of a foreign group is also logged at open).
 
-    Nothing in the directory is trusted: a read opens with ``O_NOFOLLOW |
-    O_NONBLOCK`` and refuses anything but a regular file no larger than the
-    caller's bound before reading a byte.
+    Nothing in the directory is trusted. Every object is reached through
+    directory fds: the root, then its fan-out directory opened with
+    ``O_NOFOLLOW | O_DIRECTORY`` relative to it, then the object relative to
+    that; a symlink planted at a fan-out name (``ab -> /dev/shm``) is refused,
+    never followed, so nothing is read, written or deleted outside the root.
+    A read opens with ``O_NOFOLLOW | O_NONBLOCK`` and refuses anything but a
+    regular file no larger than the caller's bound before reading a byte.
 
     ``max_bytes`` bounds the directory: a background sweep deletes the least
     recently used objects (oldest mtime; a hit refreshes it) down to
@@ -113,8 +132,19 @@ class FileTier(ObjectTier):
         self.sweep_interval_s = sweep_interval_s
         try:
             os.makedirs(self.root, mode=0o770, exist_ok=True)
+            root_st = os.stat(self.root)
         except OSError as exc:
             raise TierUnavailable(f"file tier {self.root}: {exc.strerror}") from exc
+        #: the groups a file may have: the process's own; any other is handed back to egid
+        self._gids = frozenset({os.getegid(), *os.getgroups()})
+        if root_st.st_mode & stat.S_ISGID and root_st.st_gid not in self._gids:
+            log.warning(
+                "file tier %s: the directory is setgid to group %d, which this process is not "
+                "a member of; kvtier creates its files with its own group (%d) instead",
+                self.root,
+                root_st.st_gid,
+                os.getegid(),
+            )
         self._lock = threading.Lock()
         self._written_since_sweep = 0
         self._stop = threading.Event()
@@ -132,10 +162,50 @@ class FileTier(ObjectTier):
 
     def path(self, key: str) -> str:
         """Where ``key`` is stored (tests write corrupt objects straight there)."""
-        name = quote(key, safe="-_.")
-        if len(name) > _MAX_NAME or name.startswith("."):
-            name = "h-" + hashlib.sha256(key.encode()).hexdigest()
-        return os.path.join(self.root, xxhash.xxh3_64_hexdigest(key.encode())[:2], name)
+        return os.path.join(self.root, *_place(key))
+
+    def _subdir(self, sub: str, op: str, *, create: bool = False) -> int | None:
+        """An fd of the fan-out directory ``sub``, opened relative to the root without
+        following a symlink there; None when it does not exist (and ``create`` is off).
+        Raises ObjectError when ``sub`` is a symlink or anything but a directory."""
+        root_fd = os.open(self.root, _OPEN_ROOT)
+        try:
+            for attempt in range(2):
+                try:
+                    return os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
+                except FileNotFoundError:
+                    if not create or attempt:
+                        return None
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise ObjectError(
+                            f"file tier {op} under {self.root}: {sub} is not a directory (a "
+                            "symlink or a file put there); refused, never followed"
+                        ) from None
+                    raise
+                try:
+                    os.mkdir(sub, 0o770, dir_fd=root_fd)
+                    self._own_group_at(root_fd, sub)
+                except FileExistsError:
+                    pass  # another engine made it: open it (and check it) again
+            return None
+        finally:
+            os.close(root_fd)
+
+    def _own_group_at(self, dir_fd: int, name: str) -> None:
+        """A directory this process just made keeps a group it is a member of."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if st.st_gid not in self._gids:
+                os.chown(name, -1, os.getegid(), dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            pass  # the files in it get their group checked one by one anyway
+
+    def _own_group(self, fd: int) -> None:
+        """A new file's group is one of this process's, never one a setgid directory
+        chose; raises OSError (the write fails) when it cannot be made so."""
+        if os.fstat(fd).st_gid not in self._gids:
+            os.fchown(fd, -1, os.getegid())
 
     def _error(self, op: str, exc: OSError) -> TierError:
         msg = f"file tier {op} under {self.root}: {exc.strerror or type(exc).__name__}"
@@ -147,8 +217,17 @@ class FileTier(ObjectTier):
         """In order, stopping at the first missing key (answers after it are False)."""
         out = []
         for key in keys:
+            sub, name = _place(key)
             try:
-                st = os.lstat(self.path(key))
+                dir_fd = self._subdir(sub, "exists")
+                if dir_fd is None:
+                    break
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                finally:
+                    os.close(dir_fd)
+            except ObjectError:
+                break  # a fan-out name that is not a directory: nothing there is served
             except OSError as exc:
                 if exc.errno in _TIER_ERRNOS:
                     raise self._error("exists", exc) from None
@@ -158,13 +237,27 @@ class FileTier(ObjectTier):
             out.append(True)
         return out + [False] * (len(keys) - len(out))
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def _open_object(self, key: str) -> int | None:
+        """An fd of ``key``'s file, read-only, reached through the fan-out directory's fd;
+        None when it is not stored."""
+        sub, name = _place(key)
+        dir_fd = self._subdir(sub, "get")
+        if dir_fd is None:
+            return None
         try:
-            fd = os.open(self.path(key), _OPEN_READ)
+            return os.open(name, _OPEN_READ, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
+        finally:
+            os.close(dir_fd)
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        try:
+            fd = self._open_object(key)
         except OSError as exc:
             raise self._error("get", exc) from None
+        if fd is None:
+            return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -185,11 +278,11 @@ class FileTier(ObjectTier):
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
         try:
-            fd = os.open(self.path(key), _OPEN_READ)
-        except FileNotFoundError:
-            return None
+            fd = self._open_object(key)
         except OSError as exc:
             raise self._error("get", exc) from None
+        if fd is None:
+            return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -223,14 +316,19 @@ class FileTier(ObjectTier):
                 pass  # another user's file or a read-only mount: eviction order only
 
     def put(self, key: str, parts: Parts) -> None:
-        dest = self.path(key)
+        sub, name = _place(key)
+        dir_fd: int | None = None
         tmp = None
         try:
-            fd, tmp = self._create_temp(os.path.dirname(dest))
+            dir_fd = self._subdir(sub, "put", create=True)
+            if dir_fd is None:  # removed again by another engine between mkdir and open
+                raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
+            fd, tmp = self._create_temp(dir_fd)
             with open(fd, "wb") as f:
+                self._own_group(fd)
                 for part in parts:
                     f.write(part)
-            os.replace(tmp, dest)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             tmp = None
         except OSError as exc:
             if exc.errno in _DISK_FULL and self.max_bytes is not None:
@@ -239,9 +337,11 @@ class FileTier(ObjectTier):
         finally:
             if tmp is not None:
                 try:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dir_fd)
                 except OSError:
                     pass
+            if dir_fd is not None:
+                os.close(dir_fd)
         if self.max_bytes is not None:
             with self._lock:
                 self._written_since_sweep += sum(memoryview(p).nbytes for p in parts)
@@ -249,24 +349,25 @@ class FileTier(ObjectTier):
             if due:
                 self._wake.set()
 
-    def _create_temp(self, folder: str) -> tuple[int, str]:
-        """A new temp file in ``folder``, created with ``file_mode`` (the kernel applies umask)."""
-        for attempt in range(2):
-            tmp = os.path.join(folder, _TMP_PREFIX + secrets.token_hex(8))
-            try:
-                return os.open(tmp, _OPEN_TMP, self.file_mode), tmp
-            except FileNotFoundError:
-                if attempt:
-                    raise
-                os.makedirs(folder, mode=0o770, exist_ok=True)
-        raise AssertionError("unreachable")
+    def _create_temp(self, dir_fd: int) -> tuple[int, str]:
+        """A new temp file in the directory ``dir_fd``: its fd and its name there, created
+        with ``file_mode`` (the kernel applies umask)."""
+        tmp = _TMP_PREFIX + secrets.token_hex(8)
+        return os.open(tmp, _OPEN_TMP, self.file_mode, dir_fd=dir_fd), tmp
 
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
+            sub, name = _place(key)
             try:
-                os.unlink(self.path(key))
-            except FileNotFoundError:
-                pass
+                dir_fd = self._subdir(sub, "delete")
+                if dir_fd is None:
+                    continue
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(dir_fd)
             except OSError as exc:
                 raise self._error("delete", exc) from None
 
@@ -313,36 +414,65 @@ class FileTier(ObjectTier):
 
     def _sweep_locked(self) -> SweepStats:
         stats = SweepStats()
-        now = time.time()
-        objects: list[tuple[float, int, str]] = []
         try:
-            subdirs = [
-                e.path for e in os.scandir(self.root)
-                if len(e.name) == 2 and set(e.name) <= _HEX and e.is_dir(follow_symlinks=False)
-            ]  # fmt: skip
+            root_fd = os.open(self.root, _OPEN_ROOT)
+        except OSError as exc:
+            log.warning("file tier %s: cannot open for a sweep: %s", self.root, exc.strerror)
+            return stats
+        try:
+            return self._sweep_at(root_fd, stats)
+        finally:
+            os.close(root_fd)
+
+    def _sweep_at(self, root_fd: int, stats: SweepStats) -> SweepStats:
+        """The sweep through directory fds: like every read and write it never leaves the
+        root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
+        now = time.time()
+        objects: list[tuple[float, int, str, str]] = []
+        try:
+            subdirs = []
+            for e in os.scandir(root_fd):
+                if len(e.name) != 2 or not set(e.name) <= _HEX:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    subdirs.append(e.name)
+                else:
+                    stats.foreign += 1
         except OSError as exc:
             log.warning("file tier %s: cannot list for a sweep: %s", self.root, exc.strerror)
             return stats
+        if stats.foreign:
+            log.warning(
+                "file tier %s: %d fan-out name(s) are not directories (symlinks or files "
+                "put there); kvtier never reads or writes through them",
+                self.root,
+                stats.foreign,
+            )
         for sub in subdirs:
             if self._stop.is_set():
                 return stats
             try:
-                entries = list(os.scandir(sub))
+                sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
             except OSError:
-                continue  # removed by another engine, or unreadable: next pass
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # vanished under us
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                if entry.name.startswith(_TMP_PREFIX):
-                    if now - st.st_mtime > self.tmp_max_age_s and _unlink(entry.path):
-                        stats.temp_removed += 1
-                    continue  # a live writer's temp file becomes an object soon
-                objects.append((st.st_mtime, st.st_size, entry.path))
-                stats.total_bytes += st.st_size
+                continue  # removed by another engine, swapped for a symlink, unreadable
+            try:
+                for entry in list(os.scandir(sub_fd)):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # vanished under us
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    if entry.name.startswith(_TMP_PREFIX):
+                        if now - st.st_mtime > self.tmp_max_age_s and _unlink(entry.name, sub_fd):
+                            stats.temp_removed += 1
+                        continue  # a live writer's temp file becomes an object soon
+                    objects.append((st.st_mtime, st.st_size, sub, entry.name))
+                    stats.total_bytes += st.st_size
+            except OSError:
+                continue  # unreadable: next pass
+            finally:
+                os.close(sub_fd)
         with self._lock:
             self._written_since_sweep = 0
         if self.max_bytes is None or stats.total_bytes <= self.max_bytes:
@@ -350,21 +480,26 @@ class FileTier(ObjectTier):
         target = int(self.max_bytes * self.low_water)
         total = stats.total_bytes
         objects.sort()
-        for mtime, size, path in objects:
+        for mtime, size, sub, name in objects:
             if total <= target or self._stop.is_set():
                 break
             try:
-                if os.lstat(path).st_mtime != mtime:
-                    continue  # read or rewritten since the scan: young now
-            except FileNotFoundError:
-                total -= size  # another engine evicted it
-                continue
+                sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
             except OSError:
                 continue
-            if _unlink(path):
-                stats.evicted += 1
-                stats.evicted_bytes += size
-            total -= size
+            try:
+                if os.stat(name, dir_fd=sub_fd, follow_symlinks=False).st_mtime != mtime:
+                    continue  # read or rewritten since the scan: young now
+                if _unlink(name, sub_fd):
+                    stats.evicted += 1
+                    stats.evicted_bytes += size
+                total -= size
+            except FileNotFoundError:
+                total -= size  # another engine evicted it
+            except OSError:
+                continue
+            finally:
+                os.close(sub_fd)
         return stats
 
     def _sweep_loop(self) -> None:
@@ -405,10 +540,19 @@ def _read(fd: int, n: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _unlink(path: str) -> bool:
-    """Remove ``path``; False when it was gone already or could not be removed."""
+def _place(key: str) -> tuple[str, str]:
+    """``key``'s fan-out directory and file name under the root."""
+    name = quote(key, safe="-_.")
+    if len(name) > _MAX_NAME or name.startswith("."):
+        name = "h-" + hashlib.sha256(key.encode()).hexdigest()
+    return xxhash.xxh3_64_hexdigest(key.encode())[:2], name
+
+
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` in the directory ``dir_fd``; False when it was gone already or
+    could not be removed."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False

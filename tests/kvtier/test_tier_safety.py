@@ -358,8 +358,8 @@ def test_readonly_replica_backs_off_writes_not_reads(services) -> None:
 class _FullDiskTier(FileTier):
     """A FileTier whose temp files are /dev/full: every write gets a real ENOSPC."""
 
-    def _create_temp(self, folder: str) -> tuple[int, str]:
-        return os.open("/dev/full", os.O_WRONLY), os.path.join(folder, ".tmp-never-created")
+    def _create_temp(self, dir_fd: int) -> tuple[int, str]:
+        return os.open("/dev/full", os.O_WRONLY), ".tmp-never-created"
 
 
 def test_full_disk_on_write_does_not_stop_hits(tmp_path) -> None:

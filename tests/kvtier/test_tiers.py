@@ -103,9 +103,9 @@ def _count_requests(tier: ObjectTier, request: pytest.FixtureRequest):
 
             mp.setattr(cls, name, counted)
         return lambda: len(trips)
-    seen = []
-    real = os.lstat
-    mp.setattr(os, "lstat", lambda p, *a, **k: (seen.append(p), real(p, *a, **k))[1])
+    seen = []  # the file tier looks a key up through its fan-out directory's fd
+    real = tier._subdir
+    mp.setattr(tier, "_subdir", lambda sub, *a, **k: (seen.append(sub), real(sub, *a, **k))[1])
     return lambda: len(seen)
 
 
