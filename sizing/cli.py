@@ -236,6 +236,8 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         target=args.target_hit_rate, host_tier_bytes=host_tier, gpu_kv_tokens=gpu_tokens,
         gpu_kv_source=source,
     )
+    if args.emit:
+        return _emit_from_trace(args, plan, rep, stats.requests)
     print(json.dumps(rep, indent=2) if args.json else tr.format_report(rep))
     if args.plot:
         tr.write_plot(rep, args.plot)
@@ -245,6 +247,29 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         print(f"kvtier size: warning: {stats.bad_lines} bad lines in the trace skipped",
               file=sys.stderr)
     return 0 if stats.requests else 2
+
+
+def _emit_from_trace(args: argparse.Namespace, plan: dict[str, Any], rep: dict[str, Any],
+                     requests: int) -> int:
+    """``--trace`` with ``--emit``: the config to paste, its ``cpu_bytes`` the host tier the
+    trace needs for ``--target-hit-rate`` (or, out of reach, the size where the curve stops
+    rising); the report goes to stderr so stdout is only the config."""
+    from kvtier.sizing import trace as tr
+    from kvtier.sizing.emit import emit
+
+    host = rep["recommended"]["host_bytes"]
+    if host is None:
+        top = rep["host_tier"][-1] if rep["host_tier"] else None
+        host = next((p["bytes"] for p in rep["host_tier"]
+                     if top is not None and p["hit_rate"] >= top["hit_rate"]), None)
+        print(f"kvtier size: warning: the trace never reaches "
+              f"{args.target_hit_rate * 100:g} % of prompt tokens from a cache; cpu_bytes is "
+              "where its curve stops rising", file=sys.stderr)
+    print(tr.format_report(rep), file=sys.stderr)
+    print(emit(args.emit, {**plan, "host_tier_bytes": host}, _inputs(args),
+               chunk_size=args.chunk_size, remote_url=args.remote_url,
+               write_policy=args.write_policy, namespace=args.namespace))
+    return 0 if requests else 2
 
 
 def _is_dir(path: str) -> bool:

@@ -296,3 +296,27 @@ def test_mooncake_sized_trace_in_30_s_and_300_mb(tmp_path: Path) -> None:
     assert rep["trace"]["requests"] == 12_000 and rep["trace"]["prompt_tokens"] == total
     assert wall <= 30, wall
     assert rss_mb <= 300, rss_mb
+
+
+def test_emit_from_a_trace_puts_the_recommended_host_tier_in_the_config(
+        model_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    docs = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    lines = [mooncake(i, docs[i % 3] + [100 + i], 70) for i in range(30)]
+    path = _write(tmp_path / "t.jsonl", lines)
+    common = ("--model", str(model_dir), "--trace", str(path), "--trace-block-size", "16",
+              "--chunk-size", "32", "--gpu-kv-tokens", "0", "--target-hit-rate", "0.5")
+    rc, rep = _run(capsys, *common, "--json")
+    assert rc == 0 and rep["recommended"]["host_bytes"]
+    assert main(["size", *common, "--emit", "kv-transfer-config"]) == 0
+    out = capsys.readouterr()
+    cfg = json.loads(out.out)  # stdout is the config alone; the curves went to stderr
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["cpu_bytes"] == rep["recommended"]["host_bytes"] and extra["chunk_size"] == 32
+    assert "host tier / worker" in out.err
+    # out of reach: the size where the curve stops rising, and a warning
+    assert main(["size", *common[:-1], "0.99", "--emit", "kv-transfer-config"]) == 0
+    out = capsys.readouterr()
+    top = rep["host_tier"][-1]["hit_rate"]
+    first_top = next(p["bytes"] for p in rep["host_tier"] if p["hit_rate"] >= top)
+    assert json.loads(out.out)["kv_connector_extra_config"]["cpu_bytes"] == first_top
+    assert "never reaches 99 %" in out.err
