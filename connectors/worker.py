@@ -9,6 +9,7 @@ scheduler through the worker metadata.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -238,7 +239,7 @@ class WorkerSide:
         the scheduler's ``may_load_async`` does not expect a lookup to go out meanwhile."""
         if self.remote is None:
             return 0.0
-        return self.remote.reads_down_s  # the backoff, or every read thread stuck
+        return max(0.0, self.remote.health.reads.down_until - time.monotonic())
 
     def _poll_remote(self) -> None:
         if self.remote is None:
