@@ -20,6 +20,11 @@ key. :class:`RequestIdentity` decides that once per request:
   hash from a client's id, so unless the operator says the ids are trusted
   (``trust_multimodal_ids``) or the request carries a ``cache_salt``, every chunk
   from the first multimodal placeholder on stays in the host tier.
+- **Prompts mixing token ids and embeddings** (``prompt_is_token_ids``): vLLM hashes the
+  token ids (0 where an embedding is used) and the embeddings tensor (zeros, or any
+  filler, where a token id is used), but not the mask that says which of the two each
+  position uses: token 0 with a zero row and a zero embedding row hash alike and
+  compute differently. Such requests stay in the host tier.
 
 Host-only chunks are neither looked up in nor written to the object tier.
 """
@@ -49,7 +54,9 @@ logger = logging.getLogger("kvtier.scheduler")
 
 #: why a request's chunks (all of them or those from a point on) stay in the host tier;
 #: the scheduler side counts requests per reason (``host_only_<reason>``)
-HOST_ONLY_REASONS = ("multimodal", "lora_unreadable", "lora_pending", "lora_changed")
+HOST_ONLY_REASONS = (
+    "multimodal", "lora_unreadable", "lora_pending", "lora_changed", "mixed_embeds",
+)
 #: every chunk of the request may be shared
 ALL_CHUNKS = sys.maxsize
 
@@ -354,3 +361,6 @@ class RequestIdentity:
             if first < st.shared_chunks:
                 st.shared_chunks = first
                 st.host_only = "multimodal"
+        if getattr(request, "prompt_is_token_ids", None) is not None:
+            st.shared_chunks = 0
+            st.host_only = "mixed_embeds"

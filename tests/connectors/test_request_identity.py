@@ -325,3 +325,41 @@ def test_trust_multimodal_ids_config() -> None:
     for bad in ("yes", 1, None, "maybe"):
         with pytest.raises(ConfigError, match="trust_multimodal_ids"):
             load_config({"trust_multimodal_ids": bad}, environ={})
+
+
+# ---- prompts mixing token ids and embeddings --------------------------------------------
+def test_mixed_token_and_embedding_prompts_stay_host_only() -> None:
+    """vLLM hashes a mixed prompt's token ids (0 where an embedding is used) and its
+    embeddings tensor (zeros where a token id is used), not which of the two each
+    position uses: token 0 and a zero embedding row hash alike, compute differently."""
+    import torch
+
+    ids = tokens(1, 1024)
+    ids[5] = 0
+    embeds = torch.zeros(1024, 16)
+    embeds[600:700] = 1.0  # an embedding part; both requests agree on it
+    mask_a = [not 600 <= i < 700 for i in range(1024)]  # position 5: token 0
+    mask_b = list(mask_a)
+    mask_b[5] = False  # position 5: the (zero) embedding row
+
+    def mixed(mask: list[bool]) -> Request:
+        return Request(f"r{next(_ids)}", ids, SamplingParams(max_tokens=4), None,
+                       prompt_embeds=embeds, prompt_is_token_ids=mask,
+                       block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
+
+    a, b = mixed(mask_a), mixed(mask_b)
+    assert a.block_hashes == b.block_hashes  # vLLM cannot tell them apart
+    side = make_side(extra=REMOTE)
+    fetched, stores = compute(side, a)
+    assert fetched == [] and len(stores) == 4
+    assert all(op.upload_op_id is None for op in stores)  # a never reaches the tier
+    replica = make_side(extra=REMOTE)
+    assert ask(replica, b) == (0, [])  # and b never asks it
+    assert side.totals["host_only_mixed_embeds"] == 1
+    assert replica.totals["host_only_mixed_embeds"] == 1
+    # prompts of embeddings alone are hashed by content and still shared
+    plain = Request(f"r{next(_ids)}", None, SamplingParams(max_tokens=4), None,
+                    prompt_embeds=embeds + 2.0,
+                    block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
+    fetched, stores = compute(side, plain)
+    assert len(fetched) == 4 and all(op.upload_op_id is not None for op in stores)
