@@ -151,6 +151,7 @@ def test_a_hung_tier_costs_one_timeout_per_lookup_until_down_then_nothing() -> N
     assert len(slow) <= rio.read_threads + 1, waited
     assert max(waited[-20:]) < timeout / 2, waited  # down: answered at once
     assert rio.stuck_reads == rio.read_threads == tier.calls["read"]
+    assert rio.reads_down_s >= timeout  # what the worker tells the scheduler
     assert slots_out <= rio.read_threads + 1
     assert len(rio._inflight) == rio.read_threads  # only the stuck reads are still out
     assert threading.active_count() == threads_before

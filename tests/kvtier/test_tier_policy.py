@@ -49,3 +49,14 @@ def test_remote_io_deadline_is_the_lookup_timeout(tmp_path) -> None:
         assert rio.timeout_s == Timeouts.from_ms(750).lookup_s == 0.75
     finally:
         rio.close()
+
+
+def test_an_upload_is_stuck_after_every_attempt_could_have_timed_out(tmp_path) -> None:
+    waits = Timeouts.from_ms(2000)
+    assert waits.stall_s == (1 + RETRIES) * (waits.connect_s + waits.body_s) == 14.0
+    cfg = load_config({"remote_url": f"file://{tmp_path}", "lookup_timeout_ms": 2000}, environ={})
+    rio = RemoteIO.from_config(cfg, environ={})
+    try:
+        assert rio.write_stall_s == waits.stall_s
+    finally:
+        rio.close()
