@@ -1,17 +1,23 @@
 """What a chunk key says about the engine: the model's identity and KV layout.
 
-The host tier lives and dies with one engine, whose weights never change, so the
-model's name is enough there. The object tier outlives engines and is shared by
-replicas: its keys carry a fingerprint of the weights (:mod:`kvtier.fingerprint`)
-and of every setting that changes what they compute, and startup refuses the
-settings under which chunks from another process could be wrong for this one.
+The host tier lives and dies with one engine, so the model's name is enough there.
+The object tier outlives engines and is shared by replicas: its keys carry a
+fingerprint of the weights (:mod:`kvtier.fingerprint`), where they were loaded from
+(the files, or random values), and every setting that changes what they compute, and
+startup refuses the settings under which chunks from another process could be wrong
+for this one. Each worker's keys also name its layers and their KV dtypes
+(``Namespace.layers``). Weights replaced while the engine runs (a reload, a weight
+transfer) are followed: :func:`follow_weight_changes` tells the scheduler side, which
+drops the host tier and gives the object keys a new identity of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
@@ -102,14 +108,59 @@ def check_parallel(vllm_config: VllmConfig) -> None:
             )
 
 
+#: vLLM load formats that read the weights from the model's own files, the files
+#: :func:`kvtier.fingerprint.weights_fingerprint` reads (local or streamed)
+FILE_LOAD_FORMATS = frozenset({
+    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
+    "mistral", "sharded_state", "runai_streamer", "runai_streamer_sharded",
+})
+#: load formats that fill the weights with random values instead of the files'
+RANDOM_LOAD_FORMATS = frozenset({"dummy"})
+#: names random weights in this process: vLLM draws them per device type and version,
+#: so no other process can be trusted to hold the same ones
+_RANDOM_WEIGHTS = os.urandom(16).hex()
+
+
+def load_source(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
+    """Where the weights come from, as part of the model identity: ``"files"`` (the model's
+    weight files, which the fingerprint reads), ``"dummy"`` (random values: a benchmark
+    engine must never fill a tier under the real weights' keys, nor share with another
+    process, whose random values may differ), or another loader's name (tensorizer, a
+    peer, a cache: the weights do not come from the files the fingerprint read, so such an
+    engine needs ``model_fingerprint`` and never shares with a file-loaded one)."""
+    load = getattr(vllm_config, "load_config", None)
+    fmt = str(getattr(load, "load_format", "auto") or "auto")
+    fmt = str(getattr(fmt, "value", fmt)).lower()  # an enum in some vLLM versions
+    if fmt in FILE_LOAD_FORMATS:
+        return "files"
+    if fmt in RANDOM_LOAD_FORMATS:
+        return fmt
+    if not cfg.model_fingerprint:
+        raise ConfigError(
+            "model_fingerprint",
+            None,
+            f"vLLM loads the weights with --load-format {fmt}, not from the model's files "
+            "that kvtier fingerprints, and an object tier must never hand one model's KV to "
+            "another: set model_fingerprint to a string that changes whenever those weights "
+            "do, or drop remote_url",
+        )
+    return f"loader:{fmt}"
+
+
 def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
-    """Digest of the weights (or ``cfg.model_fingerprint``) and of the settings that change
+    """Digest of the weights (or ``cfg.model_fingerprint``), where they were loaded from
+    (:func:`load_source`: the files, or random values) and of the settings that change
     what they compute: the model config after ``hf_overrides`` (rope scaling...), the
     quantization method and the context length (rope variants pick factors by it)."""
     model = vllm_config.model_config
-    weights = cfg.model_fingerprint or _weights(model)
+    source = load_source(cfg, vllm_config)
+    if source in RANDOM_LOAD_FORMATS:
+        weights = f"random:{_RANDOM_WEIGHTS}"  # the files are not read: nothing to share
+    else:
+        weights = cfg.model_fingerprint or _weights(model)
     settings: dict[str, Any] = {
         "weights": weights,
+        "load": source,
         "hf_config": _config_dict(getattr(model, "hf_config", None)),
         "quantization": str(getattr(model, "quantization", None)),
         "max_model_len": getattr(model, "max_model_len", None),
@@ -166,3 +217,69 @@ def _public(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_public(v) for v in value]
     return value
+
+
+# ---- weights that change while the engine runs --------------------------------------------
+#: the vLLM worker methods, as ``collective_rpc`` names them, that change the weights in
+#: place: a reload (from disk or an iterator), a weight transfer's session (RL trainers:
+#: ``/update_weights``, ``LLM.update_weights``), a config swap, zeroed or discarded weights
+WEIGHT_CHANGING_RPCS = frozenset({
+    "reload_weights", "update_config", "load_model", "reset_weights", "discard",
+    "checkpoint_restore", "start_weight_update", "start_draft_weight_update",
+    "update_weights", "finish_weight_update",
+})
+
+#: what the engine core's connector implements to be told (KVTierConnector; a
+#: private name: it is no vLLM hook)
+WEIGHTS_CHANGED_HOOK = "_kvtier_weights_changed"
+
+
+def follow_weight_changes() -> bool:
+    """Tell kvtier's scheduler side of every weight change vLLM makes while it runs.
+
+    Every way vLLM 0.32 offers to replace the weights of a running engine goes through
+    the engine core's ``collective_rpc`` (``LLM.collective_rpc("reload_weights")``, the
+    weight-transfer API and its ``/update_weights`` endpoint, ``update_config``): this
+    wraps it, once per process, so that after one of :data:`WEIGHT_CHANGING_RPCS` returns
+    (or fails: a half-done update changed weights too) the engine core's connector is
+    told before the next step is scheduled. It then drops its host tier and gives its
+    object keys a new identity (``SchedulerSide.weights_changed``). Returns whether the
+    hook is in place (False: a vLLM without an engine core to wrap)."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
+        return False
+    original = EngineCore.collective_rpc
+    if getattr(original, "_kvtier_follows_weights", False):
+        return True
+
+    @functools.wraps(original)
+    def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
+        method = args[0] if args else kwargs.get("method")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if isinstance(method, str) and method in WEIGHT_CHANGING_RPCS:
+                weights_changed(self, method)
+
+    collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
+    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    return True
+
+
+def weights_changed(engine_core: Any, method: str) -> int:
+    """Tell the connectors of ``engine_core``'s scheduler (kvtier's, also inside a
+    MultiConnector) that the weights changed; returns how many were told."""
+    scheduler = getattr(engine_core, "scheduler", None)
+    todo = [getattr(scheduler, "connector", None)]
+    told = 0
+    while todo:
+        connector = todo.pop()
+        if connector is None:
+            continue
+        hook = getattr(connector, WEIGHTS_CHANGED_HOOK, None)
+        if callable(hook):
+            hook(method)
+            told += 1
+        todo.extend(getattr(connector, "_connectors", ()) or ())
+    return told

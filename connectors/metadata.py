@@ -28,6 +28,10 @@ class KVTierMetadata(KVConnectorMetadata):
     #: object tier -> host slots: one list per lookup, a prompt's chunks in order
     fetches: list[list[FetchOp]] = field(default_factory=list)
     uploads: list[UploadOp] = field(default_factory=list)
+    #: how many times the weights changed while the engine ran, and the salt of the
+    #: object keys' identity since the last change (SchedulerSide.weights_changed)
+    weights_epoch: int = 0
+    weights_salt: bytes = b""
 
 
 @dataclass

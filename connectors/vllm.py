@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.config import load_config, redact_url
 
 from .events import ChunkEvents, events_enabled
-from .identity import check_parallel, namespace_for
+from .identity import check_parallel, follow_weight_changes, namespace_for
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
@@ -108,6 +108,8 @@ class KVTierConnector(KVConnectorBase_V1):
             # vLLM builds the scheduler after the workers loaded the weights
             ns = namespace_for(self.cfg, vllm_config)
             self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
+            # weights replaced while the engine runs reach _kvtier_weights_changed
+            follow_weight_changes()
             if events_enabled(vllm_config):
                 # vLLM publishes KV events (--kv-events-config): kvtier's tiers join them
                 self._events = ChunkEvents.for_engine(
@@ -332,6 +334,13 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def _kvtier_weights_changed(self, method: str) -> None:
+        """The engine core ran ``method`` (``reload_weights``, ``update_weights``...) on
+        the workers: the weights changed (``identity.follow_weight_changes``). The host
+        tier is emptied and the object keys get a new identity before the next step."""
+        if self._scheduler is not None:
+            self._scheduler.weights_changed(method)
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (and sleep mode, in vLLM >=

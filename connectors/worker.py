@@ -8,6 +8,7 @@ scheduler through the worker metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ import torch
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig
-from kvtier.keys import KeySpace, Namespace
+from kvtier.keys import KeySpace, Namespace, after_weight_change
 from kvtier.layout import HostSlab, SlotLayout
 from kvtier.ops import FetchOp, OpKind, OpResult, UploadOp, by_op
 from kvtier.stats import StatsRecorder
@@ -61,6 +62,9 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._errors: dict[str, int] = {}
         self._keys: KeySpace | None = None  # set by register_kv_caches (rank and stage)
+        #: the scheduler's count of weight changes this worker's keys follow (the step's
+        #: metadata carries it, and the salt of the identity since: _follow_weights)
+        self.weights_epoch = 0
         #: this rank writes its chunks to the object tier (MLA: only rank 0 does)
         self.uploads = True
         self.stats = StatsRecorder()
@@ -75,9 +79,12 @@ class WorkerSide:
         KV that every rank holds whole, MLA's, is stored once, by rank 0)."""
         self.rank = rank
         self.stage = stage
+        self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
+        # the keys name this worker's layers and their KV dtypes (another pipeline
+        # partition, or other layers kept out of an fp8 KV cache, is another namespace)
+        self.namespace = dataclasses.replace(self.namespace, layers=self.layout.identity())
         self._keys = KeySpace.worker(self.namespace, rank, stage)
         self.uploads = KeySpace.writes(self.namespace, rank)
-        self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
         by_ptr = {kv.data_ptr(): i for i, kv in enumerate(self._kv)}
@@ -118,6 +125,8 @@ class WorkerSide:
         if self._begun_step == meta.step:
             return
         self._begun_step = meta.step
+        if meta.weights_epoch != self.weights_epoch:
+            self._follow_weights(meta.weights_epoch, meta.weights_salt)
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
@@ -126,6 +135,20 @@ class WorkerSide:
             self._fetch_run(slab, run)
         for op in meta.uploads:
             self._upload(slab, op)
+
+    def _follow_weights(self, epoch: int, salt: bytes) -> None:
+        """The weights changed while the engine ran (SchedulerSide.weights_changed): from
+        this step on, this worker's object keys carry the new identity. Fetches and
+        uploads already queued keep the keys they were made with, which match their
+        bytes (the scheduler drops what they bring back)."""
+        assert self._keys is not None, "register_kv_caches was not called"
+        self.weights_epoch = epoch
+        self.namespace = dataclasses.replace(
+            self.namespace, fingerprint=after_weight_change(self.namespace.fingerprint, salt)
+        )
+        self._keys = KeySpace.worker(self.namespace, self.rank, self.stage)
+        logger.info("kvtier worker rank %d: object keys follow weight change %d",
+                    self.rank, epoch)
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Start this step's loads (on CUDA: every layer enqueued, each waited for by its

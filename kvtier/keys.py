@@ -7,8 +7,10 @@ multimodal inputs — mixed with a namespace digest of everything that makes KV
 bytes incompatible: model identity (a fingerprint of the weights and config,
 see :mod:`kvtier.fingerprint`), dtypes, kvtier's layout version, the TP size
 and rank, the pipeline size and stage (stage 1 holds other layers than stage 0,
-often with the same shapes), and the operator's ``namespace``. Nothing here depends on
-``PYTHONHASHSEED``.
+often with the same shapes), the worker's layers by name with each layer's KV dtype
+and shape (:meth:`kvtier.layout.SlotLayout.identity`: two pipeline partitions, or two
+lists of layers kept out of an fp8 KV cache, give other keys), and the operator's
+``namespace``. Nothing here depends on ``PYTHONHASHSEED``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import msgpack
 
 #: bump when the byte layout of a stored chunk changes
-LAYOUT_VERSION = 2  # 2: chunk headers record the layer layout
+LAYOUT_VERSION = 3  # 2: chunk headers record the layer layout; 3: keys name each layer
 
 #: the scheduler's index is shared by all workers; this stands in for rank and stage there
 ANY_RANK = -1
@@ -45,6 +47,10 @@ class Namespace:
     #: every TP rank holds the same KV (MLA's one latent per token): the ranks share one
     #: object per chunk, rank 0's. Not in the digest: the model (in it) decides it.
     replicated_kv: bool = False
+    #: digest of the layers this worker's KV holds: each layer's name, KV dtype and
+    #: shape (:meth:`kvtier.layout.SlotLayout.identity`); "" until the worker registered
+    #: its KV caches (the scheduler's namespace, which stands for all workers)
+    layers: str = ""
 
     def digest(self, rank: int = ANY_RANK, stage: int = ANY_RANK) -> bytes:
         """16-byte digest of this namespace for one worker: its TP rank and pipeline stage
@@ -52,7 +58,7 @@ class Namespace:
         fields = [
             "kvtier", self.layout_version, self.model, self.revision or "", self.dtype,
             self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size, rank,
-            self.namespace, self.pp_size, stage, self.fingerprint,
+            self.namespace, self.pp_size, stage, self.fingerprint, self.layers,
         ]
         return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
 
@@ -91,6 +97,16 @@ class KeySpace:
 
     def key(self, block_hash: bytes) -> str:
         return chunk_key(self.digest, block_hash)
+
+
+def after_weight_change(fingerprint: str, salt: bytes) -> str:
+    """The model identity of an engine whose weights changed while it ran (a reload, a
+    weight transfer): ``salt`` is fresh randomness drawn at the change, so the chunks
+    written afterwards share keys with no other engine's (and no earlier epoch's); no
+    process can know whether its new weights equal anyone else's."""
+    h = hashlib.blake2b(salt, digest_size=16, person=b"kvtier-epoch")
+    h.update(fingerprint.encode())
+    return h.hexdigest()
 
 
 def chunk_block_hashes(

@@ -11,12 +11,14 @@ one ``index_select`` / ``index_copy_`` per layer and chunk, never per token.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import mmap
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,18 +76,24 @@ class SlotLayout:
     layers: tuple[LayerLayout, ...]
     blocks_per_chunk: int
     slot_bytes: int
+    #: every registered layer name -> index in ``layers`` of the region holding its KV
+    #: (layers that share one KV tensor name the same region)
+    names: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_kv_caches(
         cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int
     ) -> SlotLayout:
-        layers = []
+        layers: list[LayerLayout] = []
         offset = 0
-        seen: set[int] = set()
+        seen: dict[int, int] = {}
+        names: list[tuple[str, int]] = []
         for name, kv in kv_caches.items():
             if kv.data_ptr() in seen:  # layers sharing one KV tensor are stored once
+                names.append((name, seen[kv.data_ptr()]))
                 continue
-            seen.add(kv.data_ptr())
+            seen[kv.data_ptr()] = len(layers)
+            names.append((name, len(layers)))
             dim = find_block_dim(kv.shape, num_blocks)
             shape = list(kv.shape)
             shape[dim] = blocks_per_chunk
@@ -94,7 +102,21 @@ class SlotLayout:
             offset += nbytes
         if not layers:
             raise ValueError("no KV cache tensors were registered")
-        return cls(tuple(layers), blocks_per_chunk, _align(offset))
+        return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names))
+
+    def identity(self) -> str:
+        """Digest of which layers a slot holds and how: every layer's name (vLLM's,
+        ``model.layers.12.self_attn.attn``), the region it lands in, and each region's KV
+        dtype, block dimension and shape. It goes into the worker's object keys
+        (``Namespace.layers``): two engines whose stage 1 holds layers 10-21 and 11-22,
+        or whose layer 0 keeps bf16 KV in one and fp8 in the other, never share a chunk,
+        though their slots may have the same size and, stage by stage, the same shapes."""
+        regions = [
+            [str(ll.dtype).removeprefix("torch."), ll.block_dim, list(ll.slot_shape)]
+            for ll in self.layers
+        ]
+        blob = json.dumps([sorted(self.names), regions, self.blocks_per_chunk]).encode()
+        return hashlib.blake2b(blob, digest_size=16, person=b"kvtier-layers").hexdigest()
 
     def describe(self) -> tuple[str, list[int]]:
         """(dtype, shape) recorded in stored chunks so a foreign layout is rejected.
@@ -104,12 +126,26 @@ class SlotLayout:
         the same byte count, and a chunk laid out for one must never load into
         the other.
         """
-        dtypes = sorted({str(layer.dtype).removeprefix("torch.") for layer in self.layers})
         first = self.layers[0]
-        return ",".join(dtypes), [
+        return self.dtypes(), [
             len(self.layers), self.blocks_per_chunk, self.slot_bytes,
             first.block_dim, *first.slot_shape,
         ]
+
+
+    def dtypes(self) -> str:
+        """The layers' KV dtypes in slot order, as runs: ``"bfloat16"`` when all share
+        one, else e.g. ``"bfloat16*1,float8_e4m3fn*3"`` (which layer has which)."""
+        runs: list[list[Any]] = []
+        for layer in self.layers:
+            name = str(layer.dtype).removeprefix("torch.")
+            if runs and runs[-1][0] == name:
+                runs[-1][1] += 1
+            else:
+                runs.append([name, 1])
+        if len(runs) == 1:
+            return str(runs[0][0])
+        return ",".join(f"{name}*{n}" for name, n in runs)
 
 
 def slot_bytes_for(per_block_bytes: Sequence[int], blocks_per_chunk: int) -> int:

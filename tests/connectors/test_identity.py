@@ -139,3 +139,114 @@ def test_context_parallel_engines_are_refused_at_startup(flag: str) -> None:
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} 2") as e:
         check_parallel(cfg)
     assert e.value.key == "kv_connector"
+
+
+# ---- where the weights come from (--load-format) -------------------------------------------
+def loaded(model, load_format: str, extra=REMOTE) -> bytes:
+    cfg = vllm_config(model)
+    cfg.load_config = SimpleNamespace(load_format=load_format)
+    return namespace_for(load_config(extra, environ={}), cfg).digest(0, 0)
+
+
+def test_random_weights_never_share_keys_with_the_files_weights(models, tmp_path) -> None:
+    """``--load-format dummy`` on the real model's directory: random values, other keys,
+    even when the operator named the weights (model_fingerprint names the files')."""
+    real = loaded(models["a"], "auto")
+    assert real == loaded(models["a"], "safetensors") == digest(models["a"])
+    assert loaded(models["a"], "dummy") != real
+    named = {**REMOTE, "model_fingerprint": "build-7"}
+    assert loaded(models["a"], "dummy", named) != loaded(models["a"], "auto", named)
+    # a directory with the config alone (no weights to read) is enough for random weights
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(models["a"] / "config.json", bare / "config.json")
+    assert loaded(bare, "dummy") != real
+
+
+def test_weights_from_elsewhere_need_model_fingerprint_and_share_with_no_files_engine(
+    models,
+) -> None:
+    """tensorizer, a peer's or a cache's weights: not the files kvtier fingerprints."""
+    with pytest.raises(ConfigError, match="model_fingerprint") as e:
+        loaded(models["a"], "tensorizer")
+    assert "--load-format tensorizer" in str(e.value)
+    named = {**REMOTE, "model_fingerprint": "build-7"}
+    assert loaded(models["a"], "tensorizer", named) != loaded(models["a"], "auto", named)
+    # the host tier alone reads no weights and names none
+    loaded(models["a"], "tensorizer", {})
+
+
+# ---- weights replaced while the engine runs -------------------------------------------------
+class _Told:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _kvtier_weights_changed(self, method: str) -> None:
+        self.calls.append(method)
+
+
+def _engine_core(monkeypatch, result=None, error: Exception | None = None):
+    """vLLM's EngineCore with its collective_rpc wrapped by kvtier, a fake executor and a
+    scheduler whose connector records what it is told."""
+    from vllm.v1.engine.core import EngineCore
+
+    from kvtier.connectors.identity import follow_weight_changes
+
+    # the wrapper goes on the class: put the original back after the test
+    monkeypatch.setattr(EngineCore, "collective_rpc", EngineCore.collective_rpc)
+    assert follow_weight_changes() and follow_weight_changes()  # idempotent
+
+    def rpc(method, timeout=None, args=(), kwargs=None):
+        if error is not None:
+            raise error
+        return [result]
+
+    core = object.__new__(EngineCore)
+    told = _Told()
+    core.model_executor = SimpleNamespace(collective_rpc=rpc)
+    core.scheduler = SimpleNamespace(connector=told)
+    return core, told
+
+
+def test_every_weight_changing_rpc_reaches_the_connector(monkeypatch) -> None:
+    from kvtier.connectors.identity import WEIGHT_CHANGING_RPCS
+
+    core, told = _engine_core(monkeypatch, result="ok")
+    assert core.collective_rpc("reload_weights", kwargs={"weights_path": "/m"}) == ["ok"]
+    assert told.calls == ["reload_weights"]
+    for method in sorted(WEIGHT_CHANGING_RPCS):
+        core.collective_rpc(method=method)
+    assert told.calls[1:] == sorted(WEIGHT_CHANGING_RPCS)
+    # what does not change weights leaves the tiers alone (tests run functions this way)
+    core.collective_rpc("synchronize_device")
+    core.collective_rpc(lambda worker: None)
+    assert len(told.calls) == 1 + len(WEIGHT_CHANGING_RPCS)
+
+
+def test_a_failed_weight_update_still_counts_as_a_change(monkeypatch) -> None:
+    """A reload that fails half-way has replaced some weights already."""
+    core, told = _engine_core(monkeypatch, error=RuntimeError("trainer went away"))
+    with pytest.raises(RuntimeError, match="trainer went away"):
+        core.collective_rpc("update_weights", kwargs={"update_info": {}})
+    assert told.calls == ["update_weights"]
+
+
+def test_a_connector_inside_a_multi_connector_is_told() -> None:
+    from kvtier.connectors.identity import weights_changed
+
+    inner = _Told()
+    multi = SimpleNamespace(_connectors=[SimpleNamespace(), inner])
+    assert weights_changed(SimpleNamespace(scheduler=SimpleNamespace(connector=multi)), "x") == 1
+    assert inner.calls == ["x"]
+    assert weights_changed(SimpleNamespace(scheduler=None), "x") == 0
+
+
+def test_weight_changing_rpcs_are_vllm_worker_methods() -> None:
+    """A method vLLM renames would silently stop being followed: each name must exist on
+    vLLM's worker (the class every platform's worker derives from)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from kvtier.connectors.identity import WEIGHT_CHANGING_RPCS
+
+    missing = sorted(m for m in WEIGHT_CHANGING_RPCS if not callable(getattr(Worker, m, None)))
+    assert not missing, missing

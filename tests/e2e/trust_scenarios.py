@@ -180,6 +180,8 @@ def _may_tie(top: dict[int, float], pick: int, other: int, tol: float) -> bool:
 
 def _record_object_keys(llm) -> dict[str, list[str]]:
     """request id -> the object-tier keys (rank 0) of its full chunks, kept at finish."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     from kvtier.keys import KeySpace
 
     side = kvtier_side(llm)
@@ -190,7 +192,9 @@ def _record_object_keys(llm) -> dict[str, list[str]]:
         st = side._reqs.get(request.request_id)
         if st is not None:
             side.keys.refresh(st)
-            rank0 = KeySpace.worker(side.namespace, 0, 0)
+            # the worker's namespace: its keys also name its layers (Namespace.layers)
+            worker = get_kv_transfer_group()._worker
+            rank0 = KeySpace.worker(worker.namespace, 0, 0)
             keys[request.request_id] = [rank0.key(h) for h in st.chunk_hashes]
         return original(request, block_ids)
 

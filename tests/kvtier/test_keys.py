@@ -13,6 +13,7 @@ from kvtier.keys import (
     LAYOUT_VERSION,
     KeySpace,
     Namespace,
+    after_weight_change,
     chunk_block_hashes,
     chunk_key,
 )
@@ -66,7 +67,7 @@ def test_any_namespace_field_changes_the_key() -> None:
         "model": "/models/other", "revision": "abc", "dtype": "float16",
         "kv_cache_dtype": "fp8", "block_size": 16, "chunk_size": 512, "tp_size": 2,
         "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1, "pp_size": 2,
-        "fingerprint": "weights-b",
+        "fingerprint": "weights-b", "layers": "layers-11-22",
     }
     # a field added to Namespace but left out of its digest would let two layouts share
     # keys; replicated_kv is left out on purpose (it picks whose keys, see below)
@@ -122,3 +123,18 @@ def test_replicated_kv_ranks_share_rank_0s_keys_and_only_rank_0_writes() -> None
     assert KeySpace.worker(dense, 1, 0).key(h) != KeySpace.worker(dense, 0, 0).key(h)
     assert [KeySpace.writes(mla, r) for r in (0, 1)] == [True, False]
     assert [KeySpace.writes(dense, r) for r in (0, 1)] == [True, True]
+
+
+def test_a_weight_change_gives_an_identity_of_its_own() -> None:
+    """Weights replaced in a running engine: the new identity is neither the old one nor
+    any other change's (the salt is drawn per change), and it is one value for a salt."""
+    fp = "weights-a"
+    one, two = after_weight_change(fp, b"\x01" * 16), after_weight_change(fp, b"\x02" * 16)
+    assert len({fp, one, two}) == 3
+    assert after_weight_change(fp, b"\x01" * 16) == one
+    assert after_weight_change("weights-b", b"\x01" * 16) != one
+    keys = {
+        KeySpace.worker(dataclasses.replace(NS, fingerprint=f), 0, 0).key(HASHES[7])
+        for f in (fp, one, two)
+    }
+    assert len(keys) == 3
