@@ -9,8 +9,13 @@ then runs two engines, one after the other, each in its own process:
 2. Engine 2 starts after engine 1 has exited, with an empty host tier, and gets
    its hits from the local-directory object tier engine 1 wrote.
 
-It prints what each request cost: prompt tokens, tokens served by kvtier, and
-time to first token (TTFT), then TTFT cold vs with a kvtier hit.
+It prints what each request cost: prompt tokens, tokens served by kvtier and from
+which of its tiers, tokens vLLM's own prefix cache served, the prompt tokens kvtier
+missed and why (``kvtier:miss_tokens`` reasons, the tail past the last full chunk
+left out), and time to first token (TTFT), then TTFT cold vs with a kvtier hit.
+vLLM's ``reset_prefix_cache()`` may refuse (while a finished request's blocks are
+still held); the demo retries it and says so when it never succeeded, since vLLM's
+own cache then serves what kvtier would have.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 DOC_TOKENS = 1536
 QUESTION_TOKENS = 64
@@ -74,7 +80,7 @@ def _say(msg: str) -> None:
     print(f"[kvtier demo] {msg}", file=sys.stderr, flush=True)
 
 
-def _phase(spec: dict) -> list[dict] | None:
+def _phase(spec: dict[str, Any]) -> list[dict[str, Any]] | None:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -85,23 +91,45 @@ def _phase(spec: dict) -> list[dict] | None:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            rows: list[dict[str, Any]] = json.loads(line[7:])
+            return rows
     sys.stderr.write(proc.stderr[-8000:])
     _say(f"engine {spec['phase']} failed (exit {proc.returncode}); its log is above")
     return None
 
 
-def _report(first: list[dict], second: list[dict]) -> None:
+def _source(r: dict[str, Any]) -> str:
+    """Which of kvtier's tiers served the row: host, disk, both, or "-"."""
+    parts = [name for name, key in (("host", "host_tokens"), ("disk", "remote_tokens"))
+             if r.get(key)]
+    return "+".join(parts) or "-"
+
+
+def _missed(r: dict[str, Any]) -> str:
+    """The prompt tokens kvtier missed, by reason (the tail left out), or "-"."""
+    missed = {k: v for k, v in r.get("missed", {}).items() if v and k != "tail"}
+    return ",".join(f"{k}:{v}" for k, v in sorted(missed.items())) or "-"
+
+
+def _report(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
     print()
-    print(f"{'engine':>6} {'doc':>4} {'q':>3} {'prompt':>7} {'kvtier':>7} {'source':>8} "
-          f"{'TTFT ms':>8}")
+    print(f"{'engine':>6} {'doc':>4} {'q':>3} {'prompt':>7} {'kvtier':>7} {'source':>9} "
+          f"{'vllm':>6} {'missed':>14} {'TTFT ms':>8}")
     for phase, rows in ((1, first), (2, second)):
         for r in rows:
-            source = r["source"] if r["kvtier_tokens"] else "-"
+            vllm = f"{r['vllm_tokens']}{'' if r['reset'] else '!'}"
             print(f"{phase:>6} {r['doc']:>4} {r['q']:>3} {r['prompt_tokens']:>7} "
-                  f"{r['kvtier_tokens']:>7} {source:>8} {r['ttft_s'] * 1000:>8.1f}")
+                  f"{r['kvtier_tokens']:>7} {_source(r):>9} {vllm:>6} {_missed(r):>14} "
+                  f"{r['ttft_s'] * 1000:>8.1f}")
     rows = first + second
-    cold = [r["ttft_s"] for r in rows if r["kvtier_tokens"] == 0]
+    print()
+    print("kvtier: tokens kvtier's host tier or disk tier served; vllm: tokens vLLM's own "
+          "prefix cache served; missed: tokens kvtier lacked, by reason")
+    unreset = sum(not r["reset"] for r in rows)
+    if unreset:
+        print(f"! vLLM's prefix cache could not be flushed before {unreset} request(s): "
+              "its own hits there stand in for kvtier's")
+    cold = [r["ttft_s"] for r in rows if r["kvtier_tokens"] == 0 and r["vllm_tokens"] == 0]
     host = [r["ttft_s"] for r in first if r["kvtier_tokens"] > 0]
     remote = [r["ttft_s"] for r in second if r["kvtier_tokens"] > 0]
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -122,11 +150,21 @@ def _report(first: list[dict], second: list[dict]) -> None:
 
 
 # ---- engine process --------------------------------------------------------------------------
+def _reset_prefix_cache(llm: Any) -> bool:
+    """Flush vLLM's own prefix cache; True once it said it did. vLLM refuses while blocks
+    are still held (a finished request's, for a moment): a few tries, then False."""
+    for _ in range(20):
+        if llm.reset_prefix_cache():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     return [((i * 7919 + seed * 104729 + seed * seed) % 480) + 5 for i in range(n)]
 
 
-def _engine(spec: dict) -> list[dict]:
+def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -151,17 +189,24 @@ def _engine(spec: dict) -> list[dict]:
         for d in range(spec["docs"]):
             prompt = _tokens(100 + d, DOC_TOKENS) + _tokens(1000 * spec["phase"] + 10 * d + q,
                                                             QUESTION_TOKENS)
-            llm.reset_prefix_cache()  # what GPU memory pressure does to a long prefix
+            reset = _reset_prefix_cache(llm)  # what GPU memory pressure does to a prefix
             before = dict(side.totals) if side else {}
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
             ttft = time.perf_counter() - t0
             after = dict(side.totals) if side else {}
-            remote = after.get("hit_tokens_remote", 0) - before.get("hit_tokens_remote", 0)
+            delta = {k: after[k] - before.get(k, 0) for k in after}
+            cached = out.num_cached_tokens or 0
+            host, remote = delta.get("hit_tokens_host", 0), delta.get("hit_tokens_remote", 0)
+            if side is None:  # (the engine in another process: the split is unknown)
+                host = cached
             rows.append({
                 "doc": d, "q": q, "prompt_tokens": len(prompt),
-                "kvtier_tokens": out.num_cached_tokens or 0,
-                "source": "disk" if remote else "host", "ttft_s": ttft,
+                "kvtier_tokens": host + remote, "host_tokens": host, "remote_tokens": remote,
+                "vllm_tokens": max(0, cached - host - remote), "reset": reset,
+                "missed": {k.removeprefix("miss_tokens_"): v for k, v in delta.items()
+                           if k.startswith("miss_tokens_")},
+                "ttft_s": ttft,
             })
     llm.llm_engine.engine_core.shutdown()  # flushes queued uploads to the object tier
     return rows

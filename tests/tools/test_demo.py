@@ -24,11 +24,17 @@ def test_demo_shows_host_and_restart_hits(tmp_path: Path) -> None:
     out = proc.stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[12]\s+\d+\s+\d+\s", line)]
     assert len(rows) == 2 * 2 + 2  # engine 1: docs x questions, engine 2: one per doc
+    # engine doc q prompt kvtier source vllm missed ttft
     engine1 = [r for r in rows if r[0] == "1"]
     engine2 = [r for r in rows if r[0] == "2"]
-    assert all(r[4] == "0" for r in engine1[:2]), "first question per document is cold"
-    assert all(int(r[4]) >= 1024 and r[5] == "host" for r in engine1[2:])
+    assert all(r[4] == "0" and r[5] == "-" for r in engine1[:2]), "first questions are cold"
+    assert all(r[7] == "absent:1536" for r in engine1[:2]), out  # the document: 6 chunks
+    # a later question loads the whole document from the host tier, and nothing of it
+    # comes from vLLM's own cache: reset_prefix_cache() said it flushed it
+    assert all(r[4] == "1536" and r[5] == "host" and r[7] == "-" for r in engine1[2:]), out
     assert all(int(r[4]) >= 1024 and r[5] == "disk" for r in engine2), out
+    assert all(r[6] == "0" for r in rows), out
+    assert "could not be flushed" not in out
     served = int(re.search(r"tokens served by kvtier\s+(\d+)", out).group(1))
     assert served == sum(int(r[4]) for r in rows)
     assert "TTFT after restart (disk)" in out
