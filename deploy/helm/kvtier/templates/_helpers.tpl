@@ -232,15 +232,63 @@ autosize uses the same bound), or the budget itself with disablePinMemory.
 {{- if and .Values.redis.enabled $url }}
 {{- fail "redis.enabled deploys a Redis that kvtier uses as its object tier; leave kvtier.remoteUrl empty, or disable redis.enabled to use your own" }}
 {{- end }}
-{{- if regexMatch "^[a-zA-Z0-9+.-]+://[^/]*@" $url }}
-{{- fail "kvtier.remoteUrl holds credentials (user:password@); they would be readable in the pod spec. Give the password as kvtier.redis.existingSecret instead" }}
-{{- end }}
+{{- include "kvtier.refuseCredentials" (list "kvtier.remoteUrl" $url) }}
 {{- if and .Values.redis.enabled .Values.redis.tls.enabled }}
 {{- printf "rediss://%s:6379/0?ssl_ca_certs=%s/ca.crt" (include "kvtier.redisName" .) (include "kvtier.redisCaDir" .) }}
 {{- else if .Values.redis.enabled }}
 {{- printf "redis://%s:6379/0" (include "kvtier.redisName" .) }}
 {{- else }}
 {{- $url }}
+{{- end }}
+{{- end }}
+
+{{/*
+kvtier.refuseCredentials: fail when a URL holds a credential anywhere a pod spec would show
+it: user:password@ (or a user@), a query argument named like one (password=, pwd=,
+token=, secret=, ...key=, auth=, sig=, cred=: redis-py takes ?password=, S3 presigned URLs
+carry X-Amz-Signature= and X-Amz-Credential=), or a query argument whose name is
+percent-encoded (clients decode names, so pass%77ord= is password=). ssl_keyfile= names
+a file, not a secret. Argument: (list FIELD URL).
+*/}}
+{{- define "kvtier.refuseCredentials" -}}
+{{- $field := index . 0 }}
+{{- $url := toString (index . 1) }}
+{{- $hint := "they would be readable in the pod spec (kubectl get -o yaml). Give a Redis password as kvtier.redis.existingSecret, S3 keys as kvtier.s3.existingSecret" }}
+{{- if regexMatch "^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*@" $url }}
+{{- fail (printf "%s holds credentials (user:password@); %s" $field $hint) }}
+{{- end }}
+{{- $query := regexReplaceAll "(?i)[?&;]ssl_keyfile=[^&;#]*" (regexReplaceAll "^[^?#]*" $url "") "" }}
+{{- if regexMatch "[?&;#][^=&;#]*%" $query }}
+{{- fail (printf "%s holds credentials or may: a query argument with a percent-encoded name; write its name plainly. %s" $field $hint) }}
+{{- end }}
+{{- if regexMatch "(?i)[?&;#][^=&;#]*(pass|pwd|secret|token|key|auth|sig|cred)[^=&;#]*=" $query }}
+{{- fail (printf "%s holds credentials (a password=, token=, secret= or key= argument); %s" $field $hint) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Every value that reaches the vLLM container's args or plain env is free of credentials:
+the object tier URL, the S3 endpoint, URLs in kvtier.extraConfig, vllm.extraArgs and
+vllm.env values.
+*/}}
+{{- define "kvtier.checkCredentials" -}}
+{{- $k := .Values.kvtier }}
+{{- include "kvtier.refuseCredentials" (list "kvtier.remoteUrl" ($k.remoteUrl | default "")) }}
+{{- include "kvtier.refuseCredentials" (list "kvtier.s3.endpointUrl" ($k.s3.endpointUrl | default "")) }}
+{{- range $key, $val := $k.extraConfig }}
+{{- if and (kindIs "string" $val) (contains "://" $val) }}
+{{- include "kvtier.refuseCredentials" (list (printf "kvtier.extraConfig.%s" $key) $val) }}
+{{- end }}
+{{- end }}
+{{- range $i, $a := .Values.vllm.extraArgs }}
+{{- if contains "://" (toString $a) }}
+{{- include "kvtier.refuseCredentials" (list (printf "vllm.extraArgs[%d]" $i) (regexReplaceAll "^--[a-zA-Z0-9-]+=" (toString $a) "")) }}
+{{- end }}
+{{- end }}
+{{- range .Values.vllm.env }}
+{{- if and (kindIs "string" .value) (contains "://" (toString .value)) }}
+{{- include "kvtier.refuseCredentials" (list (printf "vllm.env %s" .name) .value) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
