@@ -168,7 +168,8 @@ class AdapterVersion:
     reason: str | None = None
 
 
-#: at most this many files in an adapter directory are watched; a larger one is not shared
+#: at most this many files (and directories) in an adapter directory are watched; a larger
+#: one is not shared
 MAX_ADAPTER_FILES = 256
 #: adapter paths remembered (first version seen, fingerprint); the oldest is forgotten
 MAX_ADAPTERS = 1024
@@ -306,20 +307,28 @@ def _signature(path: str) -> bytes | None:
     try:
         if not stat.S_ISDIR(os.stat(path).st_mode):
             return None
-        for dirpath, dirnames, filenames in os.walk(path, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in sorted(filenames):
-                if name.startswith("."):
+        stack = [("", path)]
+        visited = 0
+        while stack:
+            visited += 1
+            if visited > MAX_ADAPTER_FILES:  # a deep tree or a link loop: not watched
+                return None
+            rel, directory = stack.pop()
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            for e in entries:
+                if e.name.startswith("."):
                     continue
-                full = os.path.join(dirpath, name)
-                s = os.stat(full)
+                s = e.stat()  # follows links, as the fingerprint does
+                if stat.S_ISDIR(s.st_mode):
+                    stack.append((f"{rel}{e.name}/", e.path))
+                    continue
                 if not stat.S_ISREG(s.st_mode):
                     continue
                 if len(parts) >= MAX_ADAPTER_FILES:
                     return None
-                rel = os.path.relpath(full, path)
                 parts.append(
-                    f"{rel}\0{s.st_size}\0{s.st_ino}\0{s.st_dev}\0{s.st_mtime_ns}\0"
+                    f"{rel}{e.name}\0{s.st_size}\0{s.st_ino}\0{s.st_dev}\0{s.st_mtime_ns}\0"
                     f"{s.st_ctime_ns}".encode("utf-8", "replace")
                 )
     except OSError:

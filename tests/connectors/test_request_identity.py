@@ -363,3 +363,15 @@ def test_mixed_token_and_embedding_prompts_stay_host_only() -> None:
                     block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
     fetched, stores = compute(side, plain)
     assert len(fetched) == 4 and all(op.upload_op_id is not None for op in stores)
+
+
+def test_adapter_directory_with_a_link_loop_is_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "adapter"
+    write_adapter(path, 1)
+    (path / "sub").mkdir()
+    (path / "sub" / "loop").symlink_to(path)
+    fps = AdapterFingerprints(remote=True, background=False)
+    t0 = time.perf_counter()
+    version = fps.version(str(path))
+    assert time.perf_counter() - t0 < 5
+    assert not version.shared and version.reason == "lora_unreadable"
