@@ -151,7 +151,9 @@ def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
     """Digest of the weights (or ``cfg.model_fingerprint``), where they were loaded from
     (:func:`load_source`: the files, or random values) and of the settings that change
     what they compute: the model config after ``hf_overrides`` (rope scaling...), the
-    quantization method and the context length (rope variants pick factors by it)."""
+    quantization method and the context length (rope variants pick factors by it); and
+    of a speculative drafter's own weights, whose layers' KV the chunks hold too
+    (``model_fingerprint``, when set, must name those as well)."""
     model = vllm_config.model_config
     source = load_source(cfg, vllm_config)
     if source in RANDOM_LOAD_FORMATS:
@@ -166,8 +168,22 @@ def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
         "max_model_len": getattr(model, "max_model_len", None),
         "attention_dtype": str(getattr(model, "override_attention_dtype", None)),
     }
+    draft = _draft_model(vllm_config)
+    if draft is not None and not cfg.model_fingerprint:
+        # a drafter's attention layers (EAGLE, a draft model) keep KV in the same chunks
+        settings["draft"] = _weights(draft)
     blob = json.dumps(settings, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _draft_model(vllm_config: VllmConfig) -> Any:
+    """The speculative drafter's model config when it has weights of its own (another
+    directory than the target's: EAGLE heads, a draft model), else None (n-gram, MTP)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or str(draft.model) == str(vllm_config.model_config.model):
+        return None
+    return draft
 
 
 def _weights(model: Any) -> str:

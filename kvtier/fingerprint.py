@@ -15,7 +15,9 @@ fingerprint covers what changes when weights change, at a few reads per tensor:
 - other weight files (``.bin``, ``.pt``, ``.gguf``...): size and 16 samples of 4 KiB;
 - the JSON configuration next to them (``config.json``, quantization and
   generation configs), but not the tokenizer: the same token ids give the same KV
-  whatever text they came from.
+  whatever text they came from;
+- Python files (``modeling_*.py``): with ``--trust-remote-code`` the model's own
+  code computes the KV, and a fix to it changes the KV as new weights would.
 
 Two directories with the same files give the same fingerprint wherever they are
 mounted, so replicas share chunks; a change of weights or config gives another.
@@ -66,6 +68,9 @@ def weights_fingerprint(model_dir: str | os.PathLike[str]) -> str:
             else:
                 _sampled(path, h)
             n_weights += 1
+        elif name.endswith(".py"):
+            h.update(b"P" + rel.encode() + b"\0")
+            h.update(path.read_bytes())
         elif name.endswith(".json") and path.parent == root and not name.startswith(
             _SKIP_JSON_PREFIXES
         ):

@@ -250,3 +250,25 @@ def test_weight_changing_rpcs_are_vllm_worker_methods() -> None:
 
     missing = sorted(m for m in WEIGHT_CHANGING_RPCS if not callable(getattr(Worker, m, None)))
     assert not missing, missing
+
+
+def test_a_drafters_own_weights_are_part_of_the_identity(models, tmp_path) -> None:
+    """EAGLE heads or a draft model: their attention layers' KV is in the chunks too."""
+
+    def with_draft(draft, extra=REMOTE) -> bytes:
+        cfg = vllm_config(models["a"])
+        cfg.speculative_config = SimpleNamespace(
+            draft_model_config=None if draft is None else SimpleNamespace(
+                model=str(draft), revision=None))
+        return namespace_for(load_config(extra, environ={}), cfg).digest(0, 0)
+
+    base = digest(models["a"])
+    assert with_draft(None) == base
+    assert with_draft(models["a"]) == base  # MTP: the target's own directory
+    assert with_draft(models["b"]) != base
+    moved = tmp_path / "drafts" / "b"
+    shutil.copytree(models["b"], moved)
+    assert with_draft(moved) == with_draft(models["b"])  # the drafter's weights, not path
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        with_draft("nobody/not-downloaded-drafter")
+    with_draft("nobody/not-downloaded-drafter", {**REMOTE, "model_fingerprint": "build-7"})

@@ -96,3 +96,12 @@ def test_no_weights_or_no_directory_is_an_error(tmp_path: Path) -> None:
         weights_fingerprint(tmp_path)
     with pytest.raises(FingerprintError, match="not a directory"):
         weights_fingerprint(tmp_path / "missing")
+
+
+def test_the_models_own_code_counts(tmp_path: Path) -> None:
+    """``--trust-remote-code``: the model directory's Python computes the KV."""
+    a = _model(tmp_path / "a")
+    (a / "modeling_tiny.py").write_text("def rope(x):\n    return x * 1.0\n")
+    base = weights_fingerprint(a)
+    (a / "modeling_tiny.py").write_text("def rope(x):\n    return x * 0.5\n")
+    assert weights_fingerprint(a) != base
