@@ -520,7 +520,9 @@ class Prediction:
         self.reason: str | None = None
         info = _cache_config(before)
         self.block_size = int(info.get("block_size") or 16)
-        if args.gpu_kv_tokens is not None:
+        if args.reset_prefix_cache:
+            gpu_tokens, self.gpu_source = 0, "none: --reset-prefix-cache empties it each time"
+        elif args.gpu_kv_tokens is not None:
             gpu_tokens, self.gpu_source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
         elif info.get("num_gpu_blocks"):
             gpu_tokens = int(info["num_gpu_blocks"]) * self.block_size

@@ -191,6 +191,16 @@ def test_prediction_beside_what_the_server_delivered(fake: tuple[FakeServer, str
     table = capsys.readouterr().out
     assert f"predicted {p['host_hit_rate'] * 100:.1f} % (kvtier size --trace, 5 chunks of " \
            "32), delivered 30.0 %" in table
+    # vLLM's cache emptied before every request: the model gives it nothing
+    rc, rep = _run(url, path, capsys, "--trace-block-size", "16", "--plan-model", tiny_llama,
+                   "--plan-chunk-size", "32", "--max-input-tokens", "64",
+                   "--reset-prefix-cache")
+    p = rep["trace_replay"]["predicted"]
+    assert p["gpu_kv_tokens"] == 0 and p["gpu_hit_rate"] == 0
+    sim = tr.Simulation(16, 32, 0)
+    for x in lines:
+        sim.add(tr.truncate(tr.TraceRequest([], None, None, list(x["hash_ids"]), 70, 16), 64))
+    assert p["host_hit_rate"] == pytest.approx(sim.served()[5] / sim.prompt_tokens)
     # without --plan-model the table says why there is no prediction
     rc, rep = _run(url, path, capsys, "--trace-block-size", "16")
     assert rep["trace_replay"]["predicted"]["host_hit_rate"] is None
