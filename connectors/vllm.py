@@ -76,6 +76,57 @@ def worker_position() -> tuple[int, int]:
     return rank, stage
 
 
+def check_kv_cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Refuse at startup a KV cache kvtier cannot store and restore whole.
+
+    kvtier does not subclass vLLM's ``SupportsHMA``, so vLLM runs its hybrid KV cache
+    manager off: a model with full and sliding-window attention gets one group (its
+    sliding-window layers allocated as full attention), which kvtier stores whole. What
+    can still reach kvtier is refused here, naming the model and why, rather than served
+    with a wrong load: several KV cache groups (layers vLLM keeps apart even with the
+    hybrid manager off, e.g. hidden-state caches; kvtier would move only the first group's
+    blocks, and vLLM's scheduler fails on the first finished request), a group that is
+    not attention KV (Mamba/SSM state: one state per request, not per token, so a chunk
+    of tokens cannot be stored or restored), or no KV cache at all. Hybrid SSM models
+    (Jamba, Bamba...) never get here: vLLM refuses them without the hybrid manager.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    def specs_of(group: Any) -> list[Any]:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return list(spec.kv_cache_specs.values())
+        return [spec]
+
+    def describe(group: Any) -> str:
+        kinds = "/".join(sorted({type(s).__name__ for s in specs_of(group)}))
+        return f"{kinds} x {len(group.layer_names)} layers"
+
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        reason = "it has no KV cache (an attention-free model): there is nothing to store"
+    elif len(groups) > 1:
+        reason = (
+            f"its KV cache has {len(groups)} groups ({'; '.join(map(describe, groups))}); "
+            "kvtier stores one group of attention layers and does not support vLLM's hybrid "
+            "KV cache manager (SupportsHMA), so it would load one group's KV without the rest"
+        )
+    elif not all(isinstance(s, AttentionSpec) for s in specs_of(groups[0])):
+        reason = (
+            f"its KV cache is {describe(groups[0])}, recurrent state (Mamba/SSM) held once "
+            "per request rather than per token, which kvtier's chunks of tokens cannot "
+            "store or restore"
+        )
+    else:
+        return
+    from kvtier.errors import ConfigError
+
+    raise ConfigError(
+        "model", str(vllm_config.model_config.model),
+        f"kvtier cannot serve this model: {reason}; serve it without kvtier's connector",
+    )
+
+
 class KVTierConnector(KVConnectorBase_V1):
     """Host-RAM and object-store KV tiers for vLLM (``kv_role: kv_both``)."""
 
@@ -93,6 +144,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         self.cfg.check_block_size(vllm_config.cache_config.block_size)
         check_parallel(vllm_config)
+        check_kv_cache_groups(vllm_config, kv_cache_config)
         if self.cfg.remote_url:
             from kvtier.codec import Signer
 

@@ -1,0 +1,161 @@
+"""Hybrid models: what kvtier serves and what it refuses at startup, with vLLM's own objects.
+
+kvtier does not subclass ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
+when kvtier is the connector. The KV cache groups kvtier is then handed come from vLLM's
+own ``get_kv_cache_groups`` over a model's per-layer ``KVCacheSpec``s (as the engine core
+builds them), and the connector is built by vLLM's real ``Scheduler`` (scheduler role) or
+directly (worker role), as vLLM builds it. No model runs: vLLM's CPU build cannot run a
+hybrid model with the hybrid manager, and the grouping is what decides.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvtier.connectors.vllm import KVTierConnector
+from kvtier.errors import ConfigError
+from kvtier.layout import SlotLayout, slot_bytes_for
+
+BS, CHUNK = 16, 64
+NUM_BLOCKS = 32
+FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+SWA = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
+                        sliding_window=32)
+MAMBA = MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)),
+                  dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=FULL.page_size_bytes)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    """A directory vLLM's ModelConfig accepts (a config.json; nothing runs the model)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def engine_config(model_dir: str) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0,
+                                   "chunk_size": CHUNK},
+    )
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
+                                 skip_tokenizer_init=True, max_model_len=2048),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
+        kv_transfer_config=ktc,
+    )
+
+
+def vllm_groups(vc: VllmConfig, specs: dict[str, KVCacheSpec]) -> KVCacheConfig:
+    """The KV cache config vLLM's engine core builds from these layers' specs."""
+    groups = get_kv_cache_groups(vc, dict(specs))
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def scheduler(vc: VllmConfig, kv_cache_config: KVCacheConfig) -> Any:
+    """vLLM's real scheduler, which builds kvtier's connector in the scheduler role."""
+    vc.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vc),
+                     block_size=BS, log_stats=True)
+
+
+def attn(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def test_vllm_runs_without_its_hybrid_manager_for_kvtier(model_dir: str) -> None:
+    assert not issubclass(KVTierConnector, SupportsHMA)
+    assert engine_config(model_dir).scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def test_full_and_sliding_window_layers_are_one_group_stored_whole(model_dir: str) -> None:
+    """Gemma 2/3, gpt-oss style (alternating full and sliding-window layers): vLLM gives
+    kvtier one full-attention group of every layer, so kvtier stores every layer's KV for
+    the whole prefix, and its slot is what the workers lay out over the real tensors."""
+    vc = engine_config(model_dir)
+    kcc = vllm_groups(vc, {attn(0): FULL, attn(1): SWA, attn(2): FULL, attn(3): SWA})
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [FullAttentionSpec]
+    sched = scheduler(vc, kcc)
+    side = sched.connector._scheduler
+    assert side.slot_bytes == slot_bytes_for([FULL.page_size_bytes] * 4, CHUNK // BS)
+    kv = {attn(i): torch.zeros(2, NUM_BLOCKS, BS, 2, 8, dtype=torch.bfloat16) for i in range(4)}
+    assert SlotLayout.from_kv_caches(kv, NUM_BLOCKS, CHUNK // BS).slot_bytes == side.slot_bytes
+    sched.shutdown()
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_mamba_model_is_refused_at_startup_naming_the_model_and_why(
+    model_dir: str, role: KVConnectorRole,
+) -> None:
+    """A pure SSM model (Mamba, Mamba2, FalconMamba) runs in vLLM without the hybrid
+    manager: one group of Mamba state, one state per request. kvtier's chunks are tokens;
+    it would load a "prefix" into state blocks. Refused as vLLM builds the connector."""
+    vc = engine_config(model_dir)
+    kcc = vllm_groups(vc, {"model.layers.0.mixer": MAMBA, "model.layers.1.mixer": MAMBA})
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [MambaSpec]
+    with pytest.raises(ConfigError) as err:
+        if role is KVConnectorRole.SCHEDULER:
+            scheduler(vc, kcc)
+        else:
+            KVTierConnector(vc, role, kcc)
+    msg = str(err.value)
+    assert model_dir in msg and "MambaSpec x 2 layers" in msg and "Mamba/SSM" in msg, msg
+    assert "without kvtier" in msg
+
+
+def test_a_hybrid_ssm_model_is_refused_by_vllm_before_kvtier(model_dir: str) -> None:
+    """Jamba, Bamba, ... (attention and Mamba layers): without the hybrid manager vLLM
+    cannot put them in one group and stops before any connector is built."""
+    vc = engine_config(model_dir)
+    with pytest.raises(ValueError, match="unified type"):
+        vllm_groups(vc, {attn(0): FULL, "model.layers.1.mixer": MAMBA})
+
+
+def test_several_groups_are_refused_not_half_loaded(model_dir: str) -> None:
+    """Groups as vLLM's hybrid manager makes them (full and sliding-window apart, block
+    tables of their own): kvtier would move the first group's blocks only."""
+    vc = engine_config(model_dir)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([attn(0), attn(2)], FULL), KVCacheGroupSpec([attn(1), attn(3)], SWA)])
+    with pytest.raises(ConfigError) as err:
+        scheduler(vc, kcc)
+    msg = str(err.value)
+    assert "2 groups (FullAttentionSpec x 2 layers; SlidingWindowSpec x 2 layers)" in msg, msg
+    assert model_dir in msg and "SupportsHMA" in msg
+
+
+def test_a_model_without_kv_cache_is_refused(model_dir: str) -> None:
+    vc = engine_config(model_dir)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    with pytest.raises(ConfigError, match="attention-free"):
+        KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
+
