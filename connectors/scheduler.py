@@ -160,9 +160,6 @@ class SchedulerSide:
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
-        #: until when (time.monotonic) the workers' object-tier reads fail fast, as their
-        #: last report said (may_load_async expects no lookup to go out before)
-        self.reads_down_until = 0.0
         #: a lookup that reaches a chunk still being stored waits for its store (settled
         #: a step or two later: vLLM's async scheduling plans the next step before this
         #: one's reports are in) at most this long; request id -> since when it waits,
@@ -227,30 +224,6 @@ class SchedulerSide:
         st.plan = (num_computed_tokens, num_computed_tokens + n) if n else None
         self._sync_lookup_s.append(time.perf_counter() - t0)
         return n, False
-
-    def may_load_async(self, request: Request) -> bool:
-        """vLLM >= 0.34, as a request enters the waiting queues: whether its lookup may go to
-        the object tier. With ``--max-num-inflight-kv-loads`` vLLM then asks
-        :meth:`get_num_new_matched_tokens` for it even while the running batch is full, so
-        the lookup's fetches start (the answer is "ask again" meanwhile) and the chunks are
-        in the host tier by the time a slot frees.
-
-        True when an object tier is configured, the workers' last report did not say its
-        reads fail fast, no lookup of this request has finished yet, and the host tier does
-        not hold the request's last loadable chunk. That last probe stands for the whole
-        prefix (a chunk is stored after the ones before it, so a host tier holding the last
-        almost always holds the rest; a gap LRU left only means no early start). One dict
-        lookup and one set probe: no hashing, nothing per chunk.
-        """
-        if not self.remote or time.monotonic() < self.reads_down_until:
-            return False
-        st = self._reqs.get(request.request_id)
-        if st is not None and st.lookup is not None and st.lookup.done:
-            return False
-        hashes = request.block_hashes
-        bpc = self.blocks_per_chunk
-        n = min(len(hashes) // bpc, -(-self._max_loadable(request) // self.chunk_size))
-        return n > 0 and not self.index.is_ready(hashes[n * bpc - 1])
 
     def may_load_async(self, request: Request) -> bool:
         """vLLM >= 0.34, as a request enters the waiting queues: whether its lookup may go to
@@ -360,8 +333,6 @@ class SchedulerSide:
                 self.ledger.report(op_id, meta.results[op_id])
             for kind, n in meta.errors.items():
                 self.totals[f"error_{metrics.error_kind_label(kind)}"] += n
-            down_s = meta.reads_down_s
-            self.reads_down_until = time.monotonic() + down_s if down_s else 0.0
             down_s = meta.reads_down_s
             self.reads_down_until = time.monotonic() + down_s if down_s else 0.0
             now = time.time()
