@@ -25,3 +25,21 @@ def test_an_empty_key_variable_stops_the_engine(tiny_model: str, tmp_path: Path)
     assert "ConfigError" in r["error"] and "'hmac_key_env'" in r["error"], r["error"]
     assert "KVTIER_HMAC_KEY_ENV" in r["error"], r["error"]
     assert not list((tmp_path / "kv").rglob("*-*")), "chunks were written unsigned"
+
+
+def test_symlinked_fanout_dirs_take_no_chunk_outside_the_tier(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """All 256 fan-out names of a shared directory are symlinks to another directory (one
+    that could be /dev/shm): the engine serves every request, and not one byte lands
+    outside the tier's directory; the failed uploads are counted, the tier stays up."""
+    root, outside = tmp_path / "kv", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    for i in range(256):
+        (root / f"{i:02x}").symlink_to(outside)
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{root}"}
+    w = run_engine("remote_writer", model=tiny_model, extra=extra)
+    assert w["b_ref"]["cached"] == 1024  # the engine itself runs as always
+    assert [p for p in outside.rglob("*")] == [], "chunks were written outside the tier"
+    assert w["index"]["refs"] == 0 and w["index"]["invariants"] is True
