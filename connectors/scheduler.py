@@ -103,8 +103,7 @@ class SchedulerSide:
         par = vllm_config.parallel_config
         self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
 
-        group = kv_cache_config.kv_cache_groups[0]
-        per_block = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
+        per_block = layer_page_bytes(kv_cache_config)
         self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
         self.host_bytes = resolve_host_bytes(cfg, vllm_config, self.world_size)
         num_slots = self.host_bytes // self.slot_bytes
@@ -436,6 +435,8 @@ class SchedulerSide:
         if served_end < reusable:
             entry = self.index.get(self.keys.key(st, served_end // self.chunk_size))
             reason = "absent" if entry is None else MISS_BY_STATE[entry.state]
+            if reason == "absent" and self.remote and time.monotonic() < self.reads_down_until:
+                reason = "tier_down"  # (the lookup was answered at once: reads fail fast)
             self.stats.inc(metrics.MISS_TOKENS, reusable - served_end, (reason,))
         tail = cap - max(reusable, served_end)
         if tail > 0:
@@ -445,6 +446,28 @@ class SchedulerSide:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
         stop = loadable_chunks(st, cap, self.chunk_size)
         return self.index.ready_run(st.chunk_hashes, first, stop)
+
+
+def layer_page_bytes(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Bytes per block of each KV layer the workers store, as vLLM placed them.
+
+    vLLM gives the scheduler one layer's spec per group (of a ``UniformTypeKVCacheSpecs``,
+    attention layers of different sizes, the first layer's), so each layer's page is read
+    from its ``kv_cache_tensors`` entry: the smaller of its layer and block strides (a
+    layer-outermost tensor steps blocks by the page, a block-outermost one steps layers by
+    it). The group spec's page for every layer where vLLM says nothing usable."""
+    group = kv_cache_config.kv_cache_groups[0]
+    fallback = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
+    pages: dict[str, int] = {}
+    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
+        layers = getattr(tensor, "layers", None)
+        strides = getattr(tensor, "layer_stride", 0), getattr(tensor, "block_stride", 0)
+        if not layers or min(strides) <= 0:
+            return fallback
+        pages.update(dict.fromkeys(layers, min(strides)))
+    if set(pages) != set(group.layer_names):
+        return fallback
+    return [pages[name] for name in group.layer_names]
 
 
 def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:

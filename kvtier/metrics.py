@@ -46,12 +46,13 @@ ERROR_KINDS = (
 
 #: why prompt tokens kvtier was asked about were not served (``kvtier:miss_tokens``):
 #: "absent": no tier held the chunk (never stored, evicted, or not in the object tier; a
-#: fetch that failed is also in ``kvtier:errors`` by kind); "storing": its store was still
+#: fetch that failed is also in ``kvtier:errors`` by kind); "tier_down": absent while the
+#: object tier's reads failed fast after a failure to reach it; "storing": its store was still
 #: unreported after the request waited ``lookup_timeout_ms`` for it; "fetching": its fetch
 #: was still in flight when the lookup timed out; "evicting": it was being dropped (a
 #: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
 #: token vLLM computes itself (kvtier holds whole chunks only)
-MISS_REASONS = ("absent", "storing", "fetching", "evicting", "tail")
+MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail")
 
 
 def error_kind_label(kind: str) -> str:

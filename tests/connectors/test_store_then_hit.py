@@ -169,10 +169,29 @@ def test_misses_by_reason_add_up_to_the_tokens_kvtier_was_asked_about() -> None:
     lookup = total_name(metrics.LOOKUP_TOKENS)
     hits = total_name(metrics.HIT_TOKENS, ("host",))
     store_prompt(side, request("a", 1, 4 * CHUNK + 40))  # cold: 4 chunks absent
-    assert misses(side) == {"absent": 4 * CHUNK, "storing": 0, "fetching": 0,
+    assert misses(side) == {"absent": 4 * CHUNK, "tier_down": 0, "storing": 0, "fetching": 0,
                             "evicting": 0, "tail": 32}  # fmt: skip
     b = request("b", 1, 4 * CHUNK + 40)
     assert side.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
     alloc(side, b, 4 * CHUNK)
     assert misses(side)["tail"] == 64 and misses(side)["absent"] == 4 * CHUNK
     assert side.totals[lookup] == side.totals[hits] + sum(misses(side).values())
+
+
+def test_a_miss_while_the_object_tier_reads_fail_fast_is_counted_as_tier_down() -> None:
+    """A fresh engine whose first read failed to reach the tier: the lookups that follow
+    are answered at once (reads fail fast for the backoff) and their misses say why."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.metadata import KVTierWorkerMeta
+
+    side = remote_side()
+    a = request("a", 1, 4 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    run = empty_step(side).fetches[0]
+    out = KVTierWorkerMeta(steps=[], results={op.op_id: [False] for op in run},
+                           reads_down_s=5.0)  # fmt: skip
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    side.update_state_after_alloc(a, None, 0)
+    assert misses(side)["tier_down"] == 4 * CHUNK and misses(side)["absent"] == 0
