@@ -369,11 +369,11 @@ class RemoteIO:
 
     def _stalled(self, op: _Op) -> None:
         """A started op past its deadline: a timeout against its direction's health."""
-        write = op.kind is OpKind.UPLOAD
-        self.health.failed(write, TimeoutError(
+        self.health.timed_out(
+            op.kind is OpKind.UPLOAD,
             f"a {op.kind} has been in its backend call for "
-            f"{time.monotonic() - op.t0:.2f} s, past its {op.stall_at - op.t0:.2f} s deadline"
-        ))  # fmt: skip
+            f"{time.monotonic() - op.t0:.2f} s, past its {op.stall_at - op.t0:.2f} s deadline",
+        )
 
     def _fail_queued_writes(self) -> None:
         """Every write thread is stuck: report the queued uploads (their slots go back)."""

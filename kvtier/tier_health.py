@@ -62,6 +62,15 @@ class TierHealth:
             self.tier_name, failures, "writes" if write else "reads", delay, exc,
         )  # fmt: skip
 
+    def timed_out(self, write: bool, detail: str) -> None:
+        """A call still running past its deadline (a hung mount, a server that stopped
+        answering): counted like a failure, so a tier that keeps timing out goes down."""
+        failures, delay = self.of(write).failed()
+        self.log.warning(
+            "object tier %s is timing out (%d failures in a row), %s fail fast for %.2f s: %s",
+            self.tier_name, failures, "writes" if write else "reads", delay, detail,
+        )  # fmt: skip
+
     def succeeded(self, write: bool) -> None:
         """The tier answered (even with an error about one object): that direction is up."""
         if self.of(write).succeeded():

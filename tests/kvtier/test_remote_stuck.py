@@ -101,7 +101,8 @@ def test_a_read_that_starts_while_poll_times_it_out_is_never_reported_before_it_
 # ---- a slow or hung tier -----------------------------------------------------------------------
 
 
-def test_a_started_read_past_its_deadline_is_stuck_counted_and_keeps_its_slot() -> None:
+def test_a_started_read_past_its_deadline_is_stuck_counted_and_keeps_its_slot(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.remote")
     tier = FakeTier()
     tier.objects["s"] = frame("s", 3)
     tier.hold["s"] = threading.Event()
@@ -117,6 +118,7 @@ def test_a_started_read_past_its_deadline_is_stuck_counted_and_keeps_its_slot() 
     assert collect(rio, 1)[2].error_kind == "unreachable"
     assert tier.calls["read"] == 1
     assert rio.stuck_reads == 1 and rio.counters()["reads_stuck"] == 1
+    assert "object tier fake is timing out (1 failures in a row), reads fail fast" in caplog.text
     tier.hold["s"].set()
     res = collect(rio, 1)[1]  # reported once its read is over, verified in its slot
     assert res.ok and bytes(slot) == bytes(payload(3))
