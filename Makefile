@@ -55,6 +55,7 @@ bench-scheduler: venv
 
 bench-trace: venv
 	$(PY) bench/trace_replay.py --parallel 2 --plot bench/results/trace_replay.png --json bench/results/trace_replay.json $(BENCH_ARGS)
+	$(PY) bench/trace_replay.py --hash-ids --parallel 2 --plot bench/results/trace_replay_hash.png --json bench/results/trace_replay_hash.json $(BENCH_ARGS)
 
 bench: venv
 	$(PY) bench/run_all.py $(BENCH_ARGS)

@@ -163,11 +163,32 @@ class HashTraceShape:
     seed: int = 0
 
 
-#: what the hash-id replay tests send: short prompts a tiny model takes
-HASH_QUICK = HashTraceShape(requests=40, block_size=32, concurrent=6, system_prompts=2,
-                            system_tokens=(40, 120), first_user_tokens=(20, 100),
-                            turn_tokens=(10, 60), max_turns=4, output_tokens=(1, 4),
-                            gap_ms=50.0)
+#: the hash-id replay of `make bench-trace` (``--hash-ids``): Mooncake-format lines with
+#: 32-token blocks (the engine's block size), prompts the tiny model takes
+HASH_REPLAY = HashTraceShape(requests=240, block_size=32, concurrent=16, system_prompts=4,
+                             system_tokens=(64, 320), first_user_tokens=(40, 240),
+                             turn_tokens=(20, 120), max_turns=5, output_tokens=(1, 8),
+                             gap_ms=400.0)
+#: what tests/e2e/test_trace_replay.py replays with ``--quick --hash-ids``
+HASH_QUICK = HashTraceShape(requests=60, block_size=32, concurrent=8, system_prompts=3,
+                            system_tokens=(64, 256), first_user_tokens=(40, 200),
+                            turn_tokens=(20, 100), max_turns=4, output_tokens=(1, 4),
+                            gap_ms=200.0)
+
+
+def expand_trace(hash_trace: Path, path: Path, block_size: int) -> int:
+    """The hash-id trace as the engine sees it: each id as the tokens ``kvtier bench
+    --trace`` sends for it (:func:`kvtier.sizing.trace.block_tokens`, in the tiny model's
+    vocabulary), timestamps in seconds; returns the number of requests."""
+    from kvtier.sizing.trace import TraceFormat, expand_tokens, parse_line
+
+    lines = []
+    for ln in hash_trace.read_text().splitlines():
+        req = parse_line(ln, None, TraceFormat(block_size=block_size))
+        lines.append(json.dumps({"timestamp": req.timestamp,
+                                 "prompt_token_ids": expand_tokens(req, TOKEN_LO, TOKEN_HI)}))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
 
 
 def generate_hash_trace(path: Path, shape: HashTraceShape) -> int:
@@ -215,11 +236,12 @@ def generate_hash_trace(path: Path, shape: HashTraceShape) -> int:
 # ----------------------------------------------------------------------- prediction
 
 
-def planner_curve(model: str, trace: Path, chunk_size: int) -> dict[str, Any]:
+def planner_curve(model: str, trace: Path, chunk_size: int,
+                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``kvtier size --trace --json`` as a user runs it, vLLM's cache taken as empty."""
     argv = [sys.executable, "-m", "kvtier.sizing.cli", "size", "--model", model,
             "--trace", str(trace), "--gpu-kv-tokens", "0", "--chunk-size", str(chunk_size),
-            "--block-size", str(BLOCK_SIZE), "--json"]
+            "--block-size", str(BLOCK_SIZE), "--json", *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"kvtier size failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -227,13 +249,15 @@ def planner_curve(model: str, trace: Path, chunk_size: int) -> dict[str, Any]:
     return rep
 
 
-def planner_served(trace: Path, chunk_size: int) -> tuple[list[int], int]:
+def planner_served(trace: Path, chunk_size: int,
+                   trace_block_size: int | None = None) -> tuple[list[int], int]:
     """served[s] (tokens a tier of s chunks serves) and the prompt tokens, from the
     planner's own simulation (the CLI prints 40 points of it)."""
-    from kvtier.sizing.trace import plan_trace
+    from kvtier.sizing.trace import TraceFormat, plan_trace
 
     sim, _ = plan_trace(str(trace), tokenizer=None, block_size=BLOCK_SIZE,
-                        chunk_size=chunk_size, gpu_kv_tokens=0)
+                        chunk_size=chunk_size, gpu_kv_tokens=0,
+                        form=TraceFormat(block_size=trace_block_size))
     return sim.served(), sim.prompt_tokens
 
 
@@ -386,17 +410,28 @@ def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int, batch: 
 
 def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
         slots: list[int] | None = None, below: bool = False, batch: int = 1,
-        parallel: int = 1) -> dict[str, Any]:
+        parallel: int = 1, hash_shape: HashTraceShape | None = None) -> dict[str, Any]:
     """Generate the trace, predict, replay at three sizes (and with ``below`` at one size
     under the longest prompt's chunks, with ``batch`` > 1 at the largest size with that
-    many requests at a time): the whole comparison."""
+    many requests at a time): the whole comparison. With ``hash_shape`` the trace is a
+    hash-id (Mooncake-format) one: the planner reads it as it is, the engine gets each id's
+    tokens."""
     from kvtier.tools.tinymodel import build_tiny_llama
 
     model = str(build_tiny_llama(model_dir))
     trace = workdir / "trace.jsonl"
-    n = generate_trace(trace, shape)
-    curve = planner_curve(model, trace, chunk_size)
-    served, prompt_tokens = planner_served(trace, chunk_size)
+    plan_from, extra, tbs, fmt = trace, (), None, "tokens"
+    if hash_shape is None:
+        n = generate_trace(trace, shape)
+    else:
+        plan_from, tbs, fmt = workdir / "trace_hash.jsonl", hash_shape.block_size, "mooncake"
+        extra = ("--trace-block-size", str(tbs))
+        generate_hash_trace(plan_from, hash_shape)
+        n = expand_trace(plan_from, trace, tbs)
+    curve = planner_curve(model, plan_from, chunk_size, extra)
+    served, prompt_tokens = planner_served(plan_from, chunk_size, tbs)
+    # the ids planned without their tokens, and the tokens the engine gets: one curve
+    same_as_tokens = planner_served(trace, chunk_size) == (served, prompt_tokens)
     slot_bytes = int(curve["keys"]["host_slot_bytes"])
     k_max = max_request_chunks(trace, chunk_size)
     sizes = [(s, False, 1) for s in (slots or pick_slots(served, k_max))]
@@ -430,8 +465,10 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
               f"measured {measured * 100:.1f} %, {len(differ)} requests differ, "
               f"engine {m['engine_s']:.0f} s]", file=sys.stderr, flush=True)
     return {
-        "trace": {**curve["trace"], "path": trace.name, "generated_requests": n,
-                  "max_request_chunks": k_max, "shape": asdict(shape)},
+        "trace": {**curve["trace"], "path": plan_from.name, "generated_requests": n,
+                  "max_request_chunks": k_max,
+                  "shape": asdict(hash_shape if hash_shape is not None else shape)},
+        "format": fmt, "planned_from_ids_as_from_tokens": same_as_tokens,
         "chunk_size": chunk_size, "block_size": BLOCK_SIZE,
         "planner_slot_bytes": slot_bytes,
         "max_hit_rate": served[-1] / prompt_tokens,
@@ -444,7 +481,8 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
 
 def print_result(res: dict[str, Any]) -> None:
     t = res["trace"]
-    print(f"\ntrace: {t['requests']} requests, {t['prompt_tokens']} prompt tokens, "
+    print(f"\ntrace ({res.get('format', 'tokens')}): {t['requests']} requests, "
+          f"{t['prompt_tokens']} prompt tokens, "
           f"{t['distinct_chunks']} distinct chunks of {res['chunk_size']} tokens; "
           f"slot {res['planner_slot_bytes']} B (engine: "
           f"{sorted({p['slot_bytes'] for p in res['points']})}); longest prompt "
@@ -529,6 +567,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=1, help="engines run at once (the hit "
                    "rates do not depend on it; the start-ups overlap)")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
+    p.add_argument("--hash-ids", action="store_true", help="a hash-id (Mooncake-format) "
+                   "trace instead: planned from the ids, replayed as each id's tokens")
     p.add_argument("--model-dir", help="where to build the tiny model (default: a temp dir)")
     p.add_argument("--workdir", help="where the trace goes (default: a temp dir)")
     p.add_argument("--plot", help="draw the curve and the measured points into this PNG")
@@ -546,13 +586,17 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)  # skip vLLM's slow interpreter teardown
     shape = QUICK if args.quick else TraceShape()
     shape = TraceShape(**{**asdict(shape), "seed": args.seed})
+    hash_shape = None
+    if args.hash_ids:
+        hash_shape = HASH_QUICK if args.quick else HASH_REPLAY
+        hash_shape = HashTraceShape(**{**asdict(hash_shape), "seed": args.seed})
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-trace-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir or os.path.join(tempfile.gettempdir(), "kvtier-tiny4"))
     res = run(model_dir, workdir, shape, args.chunk_size, args.slots,
               below=not args.quick and not args.no_below,
               batch=args.batched if args.batched is not None else (1 if args.quick else 4),
-              parallel=args.parallel)
+              parallel=args.parallel, hash_shape=hash_shape)
     print_result(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")

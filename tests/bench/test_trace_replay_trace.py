@@ -74,3 +74,21 @@ def test_model_per_request_agrees_with_the_planner(tmp_path: Path) -> None:
         assert sum(hits) == served[min(slots, len(served) - 1)] > 0
     assert total == sum(len(json.loads(ln)["prompt_token_ids"])
                         for ln in path.read_text().splitlines())
+
+
+def test_hash_id_trace_is_planned_from_its_ids_as_its_tokens_replay(tmp_path: Path) -> None:
+    """``--hash-ids``: the planner reads the Mooncake-format lines without their tokens,
+    the engine gets each id's tokens (the vocabulary of the tiny model): one curve."""
+    hash_trace, tokens = tmp_path / "h.jsonl", tmp_path / "t.jsonl"
+    shape = trace_replay.HASH_QUICK
+    trace_replay.generate_hash_trace(hash_trace, shape)
+    n = trace_replay.expand_trace(hash_trace, tokens, shape.block_size)
+    assert n == shape.requests
+    served, total = trace_replay.planner_served(hash_trace, 128, shape.block_size)
+    assert trace_replay.planner_served(tokens, 128) == (served, total)
+    lines = [json.loads(ln) for ln in tokens.read_text().splitlines()]
+    assert all(trace_replay.TOKEN_LO <= t < trace_replay.TOKEN_HI
+               for x in lines for t in x["prompt_token_ids"])
+    slots = trace_replay.pick_slots(served, trace_replay.max_request_chunks(tokens, 128))
+    rates = [trace_replay.rate_at(served, total, s) for s in slots]
+    assert all(b - a >= 0.05 for a, b in zip(rates, rates[1:], strict=False)), rates

@@ -65,3 +65,38 @@ def test_replay_is_what_the_planner_modelled(replay: dict[str, Any]) -> None:
         assert p["cached_tokens_vllm"] == p["hit_tokens_host"] == sum(p["per_request_hits"])
         assert p["store_failed"] == 0 and p["load_failed"] == 0
         assert p["evictions"] > 0, "every size should be smaller than the trace"
+
+
+def test_hash_id_trace_within_5_points_of_the_curve(
+        tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> None:
+    """The same check for a hash-id (Mooncake-format) trace: the planner reads the ids
+    without expanding them (`--trace-block-size 32`), the engine gets each id's tokens
+    (as `kvtier bench --trace` sends them)."""
+    work = tmp_path_factory.mktemp("trace_replay_hash")
+    out = work / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--quick", "--hash-ids",
+         "--parallel", "3", "--workdir", str(work), "--model-dir", tiny_model,
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    check_hash_replay(json.loads(out.read_text()))
+
+
+def check_hash_replay(res: dict[str, Any]) -> None:
+    t = res["trace"]
+    assert res["format"] == "mooncake" and t["format"] == "mooncake" and t["block_size"] == 32
+    assert res["planned_from_ids_as_from_tokens"]
+    assert t["bad_lines"] == 0 and t["requests"] == t["generated_requests"] == 60
+    points = res["points"]
+    assert len(points) == 3
+    for p in points:
+        assert abs(p["measured_hit_rate"] - p["predicted_hit_rate"]) <= 0.05, p
+        assert p["slot_bytes"] == res["planner_slot_bytes"] and p["slots"] >= t[
+            "max_request_chunks"]
+        assert p["prompt_tokens"] == t["prompt_tokens"] and p["resets_failed"] == 0
+        assert p["cached_tokens_vllm"] == p["hit_tokens_host"]
+        assert p["store_failed"] == 0 and p["load_failed"] == 0
+    measured = [p["measured_hit_rate"] for p in points]
+    assert measured[0] > 0 and measured == sorted(measured) and len(set(measured)) == 3
