@@ -92,7 +92,6 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
     from kvtier.ops import StoreOp
 
@@ -241,7 +240,7 @@ class ChunkEvents:
                 c = st.chunk_hashes.index(op.block_hash, c)
             except ValueError:
                 continue  # not one of this request's chunks: nothing to describe
-            self.record(st.request, c, op.block_hash)
+            self.record(st, c, op.block_hash)
 
     def record_lookup(self, st: RequestState) -> None:
         """Describe the chunks ``st``'s object-tier lookup claimed (idempotent: vLLM
@@ -251,15 +250,19 @@ class ChunkEvents:
             return
         for i, entry in enumerate(lk.chunks):
             if entry.block_hash and entry.block_hash not in self._chunks:
-                self.record(st.request, lk.first_chunk + i, entry.block_hash)
+                self.record(st, lk.first_chunk + i, entry.block_hash)
 
-    def record(self, request: Request, chunk: int, block_hash: bytes) -> None:
-        """Chunk ``chunk`` of ``request`` (last block hash ``block_hash``) begins a store
-        or a fetch: keep what its events will say."""
+    def record(self, st: RequestState, chunk: int, block_hash: bytes) -> None:
+        """Chunk ``chunk`` of ``st``'s request (index key ``block_hash``) begins a store
+        or a fetch: keep what its events will say. The index key is the request's chunk
+        key (vLLM's hash, tagged with a LoRA adapter's fingerprint), so the chunk is
+        matched by that key and described by vLLM's own block hashes."""
+        request = st.request
         bpc, bs = self.blocks_per_chunk, self.block_size
         first = chunk * bpc
         hashes = request.block_hashes[first : first + bpc]
-        if len(hashes) < bpc or hashes[-1] != block_hash:
+        keys = st.chunk_hashes
+        if len(hashes) < bpc or chunk >= len(keys) or keys[chunk] != block_hash:
             return  # not this request's full chunk: kvtier stores whole chunks only
         start = first * bs
         lora = request.lora_request

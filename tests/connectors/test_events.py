@@ -348,8 +348,9 @@ def test_payloads_held_per_chunk_give_the_garbage_collector_nothing_to_walk() ->
     gc.freeze()
     try:
         before = len(gc.get_objects())
+        st = SimpleNamespace(request=req, chunk_hashes=req.block_hashes[BPC - 1 :: BPC])
         for c in range(64):
-            events.record(req, c, req.block_hashes[(c + 1) * BPC - 1])
+            events.record(st, c, st.chunk_hashes[c])  # type: ignore[arg-type]
         gc.collect()
         grown = len(gc.get_objects()) - before
     finally:
@@ -408,3 +409,24 @@ def test_a_hash_format_kvtier_does_not_know_falls_back_to_vllms_function(
     monkeypatch.setattr(events_mod, "maybe_convert_block_hash", other)
     convert = events_mod.hash_converter()
     assert convert is other
+
+
+def test_chunks_under_tagged_keys_are_described_by_vllms_block_hashes() -> None:
+    """A LoRA request's index keys are vLLM's hashes tagged with the adapter's version
+    (``tagged_key``): its stored chunks still produce events, and the events carry
+    vLLM's own block hashes (what a router matches), not kvtier's keys."""
+    from kvtier.connectors.requests import tagged_key
+
+    events = ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=1 << 10)
+    req = make_request(41, 2 * CHUNK + 1)
+    tag = b"\x07" * 32
+    keys = [tagged_key(tag, h) for h in req.block_hashes[BPC - 1 :: BPC]]
+    st = SimpleNamespace(request=req, chunk_hashes=keys)
+    events.record_stores(st, [StoreOp(i, i, [], k) for i, k in enumerate(keys)])  # type: ignore[arg-type]
+    for k in keys:
+        events.chunk_ready(SimpleNamespace(block_hash=k))  # type: ignore[arg-type]
+    stored = events.take_events()
+    assert len(stored) == 2 and all(isinstance(ev, BlockStored) for ev in stored)
+    assert [ev.block_hashes[-1] for ev in stored] == [
+        events._convert(h) for h in req.block_hashes[BPC - 1 :: BPC]
+    ]
