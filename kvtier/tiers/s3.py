@@ -39,7 +39,8 @@ _OBJECT_CODES = frozenset({
 #: a KMS key this engine may not use, or written by another account without granting the
 #: bucket's owner access, is refused with 403 AccessDenied while every other object reads
 #: (anyone who can write the bucket can plant one). A credential that lost access to the
-#: whole bucket still shows on every write and HEAD, which back off.
+#: whole bucket still shows on every write (and HEAD), which back off; reads then fail
+#: fast, one request each, instead of pausing every read for one planted object.
 _GET_OBJECT_CODES = frozenset({"AccessDenied"})
 #: error codes about the bucket, the credentials or the service: back off
 _TIER_CODES = frozenset({

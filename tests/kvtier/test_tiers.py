@@ -297,3 +297,9 @@ def test_rediss_tls_and_auth_from_the_url(services) -> None:
     cfg = load_config({"remote_url": unverified, "remote_tls_insecure": True}, environ={})
     with open_tier(cfg) as t:
         assert bytes(codec.decode(t.get("tls"), key="tls")) == bytes([7]) * 1000
+    # a chunk-sized reply over TLS (read straight from the socket into its buffer)
+    with open_tier(load_config({"remote_url": server.url}, environ={})) as t:
+        t.put("big", _chunk("big", 3 * 2**20 + 5))
+        dest = memoryview(bytearray(3 * 2**20 + 5))
+        head = t.read_into("big", dest, 4096)
+        assert head is not None and bytes(dest) == bytes([7]) * (3 * 2**20 + 5)
