@@ -266,8 +266,8 @@ def _hash_line(obj: dict[str, Any], flavour: str, form: TraceFormat,
                        "--trace-block-size)")
     out = _count(obj, "output_length", 0, MAX_INPUT_LENGTH)
     ts = _timestamp(obj.get("timestamp"))
-    if ts is not None and flavour == "mooncake":
-        ts /= 1000.0  # Mooncake's timestamps are milliseconds
+    if ts is not None and flavour == "mooncake" and not isinstance(obj["timestamp"], str):
+        ts /= 1000.0  # Mooncake's timestamps are milliseconds (an ISO 8601 time is a time)
     return TraceRequest([], salt, ts, ids, n, bs, out, flavour)
 
 

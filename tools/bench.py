@@ -490,8 +490,8 @@ def _token_range(text: str) -> tuple[int, int]:
 def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
     import math
 
-    if not (math.isfinite(args.speedup) and args.speedup > 0):
-        raise BenchError("--speedup must be a positive number")
+    if not (math.isfinite(args.speedup) and 1e-3 <= args.speedup <= 1e6):
+        raise BenchError("--speedup must be a number from 0.001 to 1000000")
     for name in ("max_requests", "max_input_tokens", "max_output_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -726,8 +726,8 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
                 prompt: str | list[int] = (req.text if req.text is not None
                                            else tokens(req))
                 delay = due - (time.perf_counter() - t_start)
-                if delay > 0:
-                    time.sleep(delay)
+                if delay > 0:  # bounded: a timestamp of 1e300 must not overflow sleep()
+                    time.sleep(min(delay, 1e7))
                 slots.acquire()
                 pool.submit(send, i, req, prompt, max(1, out_tokens), due)
         except tr.TraceError as e:

@@ -152,6 +152,11 @@ def test_mooncake_lines_are_512_token_blocks_and_milliseconds(model_dir: Path,
         sim.add(tr.TraceRequest(tr.expand_tokens(tr.TraceRequest(
             [], None, None, line["hash_ids"], line["input_length"], 512), *WIDE)))
     assert rep["max_hit_rate"] == pytest.approx(sim.served()[-1] / sim.prompt_tokens)
+    iso = _write(tmp_path / "iso.jsonl", [{**lines[0], "timestamp": "2025-01-01T00:00:00"},
+                                          {**lines[1], "timestamp": "2025-01-01T00:00:30"}])
+    _, rep = _run(capsys, "--model", str(model_dir), "--trace", str(iso), "--chunk-size",
+                  "256", "--json")
+    assert rep["trace"]["duration_s"] == 30.0  # an ISO 8601 time is not milliseconds
     _, text = _run(capsys, "--model", str(model_dir), "--trace", str(path), "--chunk-size",
                    "256")
     assert "format           mooncake, 512 tokens per hash id" in text

@@ -70,6 +70,7 @@ def test_hash_ids_become_the_same_tokens_and_shared_ids_shared_prefixes(
     assert rep["trace_replay"]["prompt_tokens_sent"] == 40 + 60 + 5 + 44
 
 
+@pytest.mark.timing
 def test_open_loop_at_the_trace_rate_with_speedup(fake: tuple[FakeServer, str], tmp_path: Path,
                                                   capsys: Any) -> None:
     state, url = fake
@@ -94,9 +95,13 @@ def test_max_concurrency_bounds_requests_in_flight(fake: tuple[FakeServer, str],
     path = _write(tmp_path / "t.jsonl", [mooncake(0, [i], 10) for i in range(6)])
     rc, rep = _run(url, path, capsys, "--trace-block-size", "16", "--max-concurrency", "2")
     assert rc == 0 and rep["requests"] == 6
-    assert state.max_in_flight == 2
+    # the client's own intervals (the server may see the next request before its handler
+    # of the last one has counted it out)
+    spans = [(x["start_s"], x["start_s"] + x["latency_s"]) for x in rep["samples"]]
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) == 2
+    assert state.max_in_flight >= 2
     # all were due at once: the last four waited for a free place
-    assert rep["trace_replay"]["late_requests"] == 4
+    assert rep["trace_replay"]["late_requests"] >= 4
     assert rep["trace_replay"]["lag_p99_s"] > 0.2
 
 
@@ -209,6 +214,7 @@ def test_prediction_beside_what_the_server_delivered(fake: tuple[FakeServer, str
 
 @pytest.mark.parametrize("flags,why", [
     (("--speedup", "0"), "--speedup"), (("--speedup", "nan"), "--speedup"),
+    (("--speedup", "1e-300"), "--speedup"),
     (("--max-concurrency", "0"), "--max-concurrency"),
     (("--max-requests", "0"), "--max-requests"),
     (("--max-input-tokens", "-1"), "--max-input-tokens"),
