@@ -18,7 +18,11 @@ import pytest
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
-from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -159,3 +163,47 @@ def test_a_model_without_kv_cache_is_refused(model_dir: str) -> None:
     with pytest.raises(ConfigError, match="attention-free"):
         KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
 
+
+
+@pytest.mark.parametrize("wide_first", [False, True])
+def test_layers_of_different_sizes_in_one_group_size_the_slot_layer_by_layer(
+    model_dir: str, wide_first: bool,
+) -> None:
+    """Attention layers of different KV sizes (2 and 4 KV heads: Nemotron-NAS style) are
+    one group, ``UniformTypeKVCacheSpecs`` on the workers, of which vLLM hands the
+    scheduler only the first layer's spec. The scheduler sizes a chunk's slot from where
+    vLLM placed each layer, as the workers lay it out over the real tensors: counting the
+    first layer's page once per layer made it smaller than the workers' when that layer was
+    the small one, so the scheduler planned slots past the end of the workers' slabs."""
+    vc = engine_config(model_dir)
+    vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves first
+    wide = FullAttentionSpec(block_size=BS, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
+    specs = {attn(0): wide, attn(1): FULL} if wide_first else {attn(0): FULL, attn(1): wide}
+    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)),
+                                                 1 << 20)
+    sched = scheduler(vc, generate_scheduler_kv_cache_config([worker_cfg]))
+    side = sched.connector._scheduler
+    kv = {name: torch.zeros(2, worker_cfg.num_blocks, BS, spec.num_kv_heads, 8,
+                            dtype=torch.bfloat16) for name, spec in specs.items()}
+    layout = SlotLayout.from_kv_caches(kv, worker_cfg.num_blocks, CHUNK // BS)
+    assert side.slot_bytes == layout.slot_bytes
+    assert side.index.num_slots == side.host_bytes // layout.slot_bytes
+    sched.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) -> None:
+    """Layer-outermost (blocks step by the page) and block-outermost (layers step by it)
+    placements of same-size layers give the slot the group spec gives."""
+    from kvtier.connectors.scheduler import layer_page_bytes
+
+    vc = engine_config(model_dir)
+    vc.cache_config.kv_cache_layout = layout
+    specs = {attn(i): FULL for i in range(3)}
+    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)),
+                                                 1 << 20)
+    sched_cfg = generate_scheduler_kv_cache_config([worker_cfg])
+    page = FULL.page_size_bytes
+    strides = {(t.layer_stride > page, t.block_stride > page) for t in sched_cfg.kv_cache_tensors}
+    assert strides == ({(True, False)} if layout == "LBNHC" else {(False, True)})
+    assert layer_page_bytes(sched_cfg) == [page] * 3
