@@ -207,3 +207,51 @@ def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) 
     strides = {(t.layer_stride > page, t.block_stride > page) for t in sched_cfg.kv_cache_tensors}
     assert strides == ({(True, False)} if layout == "LBNHC" else {(False, True)})
     assert layer_page_bytes(sched_cfg) == [page] * 3
+
+
+def test_a_sliding_window_only_model_loads_real_blocks_only_inside_its_window(
+    model_dir: str,
+) -> None:
+    """Every layer sliding-window (one group of ``SlidingWindowSpec``, which vLLM keeps with
+    the hybrid manager off): vLLM backs a hit's blocks outside the window of its next token
+    with its null block, and kvtier's loads follow vLLM's block table. So the window's
+    blocks receive their own chunk's blocks, and what lies outside the window goes to the
+    null block, which no request attends to: copies wasted, never a block vLLM uses."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvtier.index import State
+
+    vc = engine_config(model_dir)
+    kcc = vllm_groups(vc, {attn(0): SWA, attn(1): SWA})
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [SlidingWindowSpec]
+    sched = scheduler(vc, kcc)
+    side = sched.connector._scheduler
+    init_none_hash(sha256)
+    req = Request("r", list(range(5, 5 + 4 * CHUNK + 10)), SamplingParams(max_tokens=2), None,
+                  block_hasher=get_request_block_hasher(BS, sha256))
+    bpc = CHUNK // BS
+    for key in req.block_hashes[bpc - 1 :: bpc]:  # the host tier holds all 4 chunks
+        side.index.begin(key, State.STORING)
+        side.index.commit(key, True)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * CHUNK
+    table = out.scheduled_new_reqs[0].block_ids[0]
+    null = sched.kv_cache_manager.block_pool.null_block.block_id
+    window_blocks = SWA.sliding_window // BS
+    loaded = {}  # hit block index -> vLLM block it lands in
+    for op in out.kv_connector_metadata.loads:
+        chunk = next(c for c in range(4) if side.index.get(req.block_hashes[c * bpc + bpc - 1])
+                     .slot == op.slot)
+        for i, block in enumerate(op.gpu_blocks):
+            loaded[chunk * bpc + op.first + i] = block
+    assert sorted(loaded) == list(range(4 * bpc))
+    for b, block in loaded.items():
+        if b >= 4 * bpc - window_blocks:
+            assert block == table[b] != null, b
+        else:
+            assert block == null, b
+    sched.shutdown()
