@@ -185,6 +185,25 @@ def test_the_kv_cache_access_kvtier_answers_is_the_releases(
     assert "kv_transfer.KVCacheAccess.IN_PROCESS" in CONNECTOR.read_text()
 
 
+def test_the_gpu_extra_allows_exactly_the_checked_releases() -> None:
+    """``pip install kvtier[gpu]`` accepts the releases checked here and none after them:
+    a new vLLM release goes into RELEASES before the pin lets users install it."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (gpu,) = extras["gpu"]
+    m = re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", gpu.replace(" ", ""))
+    assert m, gpu
+    low, high = (int(m[1]), int(m[2])), (int(m[3]), int(m[4]))
+    (cpu,) = extras["cpu"]
+    installed = tuple(int(x) for x in cpu.split("==")[1].split(".")[:2])
+    newest = max(tuple(int(x) for x in v.split(".")[:2]) for v in RELEASES)
+    assert low == installed, (gpu, cpu)
+    assert high == (newest[0], newest[1] + 1), (gpu, RELEASES)
+
+
 # ---- the checker itself can fail ----------------------------------------------------------
 def _m(kind: str, *params: Param) -> Method:
     return Method("f", kind, False, params)
