@@ -73,6 +73,9 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
 )
 
 
+#: RequestState.next_store of a request none of whose chunks may be stored any more
+NEVER_STORE = 1 << 62
+
 #: SchedulerSide._store_waits: the request gave up waiting for a store
 STORE_WAIT_OVER = -1.0
 
@@ -200,6 +203,10 @@ class SchedulerSide:
         t0 = time.perf_counter()
         st = self._state(request)
         st.local_hit = num_computed_tokens
+        if self.weights_epoch:
+            # vLLM's own prefix cache may still hold blocks computed before a weight
+            # change (it is not reset by one): after a change, what it served is not stored
+            st.next_store = max(st.next_store, num_computed_tokens // self.chunk_size)
         self.keys.refresh(st)
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
@@ -370,13 +377,20 @@ class SchedulerSide:
         """vLLM replaced the weights while the engine ran (``why``: the worker method,
         e.g. ``reload_weights``). Nothing stored before may be served: the host tier is
         emptied (chunks being stored, fetched or loaded are dropped as they settle:
-        :meth:`ChunkIndex.clear`), and from the next step on the workers key their objects
+        :meth:`ChunkIndex.clear`), requests already begun store nothing more (their KV
+        is the old weights'), nor does any request store what vLLM's own prefix cache
+        served it from then on (vLLM does not reset that cache on a weight change), and
+        from the next step on the workers key their objects
         under a new identity drawn here (``weights_salt``), so they neither read the
         chunks of the old weights nor write the new weights' KV under the old name; no
         other engine shares that identity (none can know it holds the same weights)."""
         self.weights_epoch += 1
         self.weights_salt = os.urandom(16)
         dropped = self.index.clear()
+        for st in self._reqs.values():
+            # requests begun before the change hold KV of the old weights: none of their
+            # chunks is stored from now on
+            st.next_store = NEVER_STORE
         self.totals["weights_changes"] += 1
         logger.warning(
             "kvtier: the weights changed (%s): host tier emptied (%d chunks dropped); "

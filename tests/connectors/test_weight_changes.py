@@ -84,3 +84,43 @@ def test_stores_planned_before_a_change_and_settled_after_are_dropped(tmp_path: 
     eng.settle()
     assert eng.side.totals["fetch_ok"] == 0
     eng.shutdown()
+
+
+def test_requests_begun_before_a_change_store_nothing_after_it(tmp_path: Path) -> None:
+    """A prompt prefilled in pieces across the change: its first chunks' KV is the old
+    weights', so the chunks it completes afterwards (built on them) are not stored."""
+    eng = engine(tmp_path)
+    req = make_request(H_CHUNKS * CHUNK + 1, seed=3)
+    n, _ = eng.side.get_num_new_matched_tokens(req, 0)
+    while n is None:  # the object-tier lookup (a miss) runs first
+        eng.idle_step()
+        n, _ = eng.side.get_num_new_matched_tokens(req, 0)
+    eng.side.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+    eng.step(req, 0, CHUNK, blocks(0))  # chunk 0 computed with the old weights
+    eng.settle()
+    assert eng.side.totals["store_ok"] == 1
+    eng.side.weights_changed("reload_weights")
+    eng.step(req, CHUNK, req.num_tokens - CHUNK, blocks(0))  # the rest, with the new ones
+    eng.settle()
+    assert eng.side.totals["store_ok"] == 1 and eng.side.index.used_slots == 0
+    eng.side.request_finished(req, [])
+    eng.shutdown()
+
+
+def test_after_a_change_what_vllms_own_cache_served_is_not_stored(tmp_path: Path) -> None:
+    """vLLM keeps its prefix cache across a weight change: blocks it serves may hold the
+    old weights' KV, so kvtier stores only the chunks the request computed itself."""
+    eng = engine(tmp_path)
+    eng.side.weights_changed("reload_weights")
+    req = make_request(H_CHUNKS * CHUNK + 1, seed=4)
+    local = 2 * CHUNK  # vLLM's own cache served the first two chunks
+    n, _ = eng.side.get_num_new_matched_tokens(req, local)
+    while n is None:
+        eng.idle_step()
+        n, _ = eng.side.get_num_new_matched_tokens(req, local)
+    assert n == 0
+    eng.side.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+    eng.step(req, local, req.num_tokens - local, blocks(0))
+    eng.settle()
+    assert eng.side.totals["store_ok"] == H_CHUNKS - 2  # the third chunk only
+    eng.shutdown()
