@@ -28,7 +28,9 @@ from kvtier.errors import (
 
 ENV_PREFIX = "KVTIER_"
 WRITE_POLICIES = ("write_through", "write_back", "none")
-REMOTE_SCHEMES = ("file", "s3", "redis", "rediss")
+REMOTE_SCHEMES = ("file", "s3", "redis", "rediss", "redis+cluster", "rediss+cluster")
+#: Redis Cluster / Valkey cluster URLs: a seed list of host:port, the topology is discovered
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 #: the largest size accepted (1 EiB): past it a typo, not a machine
 MAX_SIZE_BYTES = 2**60
 
@@ -191,12 +193,50 @@ def _url(key: str, value: object) -> tuple[str, Any] | None:
     return url, parsed
 
 
+def cluster_seeds(url: str) -> list[tuple[str, int]]:
+    """The seed nodes of a ``redis+cluster://[user:password@]h1:p1,h2:p2/`` URL, in order
+    (port 6379 when left out; ``[v6]:port`` for IPv6). ValueError names what is wrong."""
+    netloc = urlparse(url).netloc
+    hosts = netloc.rpartition("@")[2]
+    seeds = []
+    for part in hosts.split(","):
+        m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::([0-9]{1,5}))?", part, re.ASCII)
+        port = int(m.group(2)) if m and m.group(2) else 6379
+        if not m or not 0 < port < 65536:
+            raise ValueError(f"seed {part!r} is not host:port")
+        seeds.append((m.group(1).strip("[]"), port))
+    return seeds
+
+
+def _cluster_url(key: str, value: object) -> str | None:
+    text = _text(key, value)
+    if text is None or not text.strip():
+        return None
+    url = _no_controls(key, text.strip(), "a URL")
+    allowed = "redis+cluster://host1:6379,host2:6379/ (seed nodes, db 0 only)"
+    try:
+        parsed = urlparse(url)
+        cluster_seeds(url)
+    except ValueError as exc:
+        raise ConfigError(key, url, f"{allowed}: {exc}") from None
+    if not re.fullmatch(r"/?|/0", parsed.path, re.ASCII) or parsed.fragment:
+        raise ConfigError(key, url, f"{allowed}; a cluster has database 0 only")
+    return url
+
+
 def _remote_url(key: str, value: object) -> str | None:
+    if isinstance(value, str) and value.strip().lower().startswith(
+        tuple(s + "://" for s in CLUSTER_SCHEMES)
+    ):
+        return _cluster_url(key, value)
     got = _url(key, value)
     if got is None:
         return None
     url, parsed = got
-    allowed = "file:///dir, s3://bucket[/prefix], redis://host:port[/db] or rediss://..."
+    allowed = (
+        "file:///dir, s3://bucket[/prefix], redis://host:port[/db], rediss://..., "
+        "redis+cluster://host1:port,host2:port/ or rediss+cluster://..."
+    )
     if parsed.scheme not in REMOTE_SCHEMES:
         raise ConfigError(key, url, allowed)
     if parsed.scheme == "file":
@@ -242,7 +282,7 @@ def insecure_tls_args(url: str) -> list[str]:
         pairs = parse_qsl(parsed.query, keep_blank_values=True)
     except ValueError:
         return []
-    if parsed.scheme != "rediss":
+    if parsed.scheme not in ("rediss", "rediss+cluster"):
         return []
     weak = []
     for name, value in pairs:

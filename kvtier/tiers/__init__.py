@@ -1,7 +1,8 @@
 """Object tiers: the shared store behind the host tier, picked by ``remote_url``.
 
 ``file:///dir`` is always available; ``s3://`` needs boto3 and ``redis://`` /
-``rediss://`` need redis-py, imported only when chosen.
+``rediss://`` (one node) and ``redis+cluster://`` / ``rediss+cluster://`` (Redis Cluster,
+Valkey cluster) need redis-py, imported only when chosen.
 """
 
 from __future__ import annotations
@@ -43,4 +44,18 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
             ttl_s=cfg.remote_ttl_s,
             tls_insecure=cfg.remote_tls_insecure,
         )
-    raise ConfigError("remote_url", redact_url(url), "file://, s3://, redis:// or rediss://")
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        from kvtier.tiers.redis_cluster import RedisClusterTier
+
+        return RedisClusterTier(
+            url,
+            io_threads=cfg.io_threads,
+            lookup_timeout_ms=cfg.lookup_timeout_ms,
+            ttl_s=cfg.remote_ttl_s,
+            tls_insecure=cfg.remote_tls_insecure,
+        )
+    raise ConfigError(
+        "remote_url",
+        redact_url(url),
+        "file://, s3://, redis://, rediss://, redis+cluster:// or rediss+cluster://",
+    )

@@ -161,6 +161,21 @@ def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
     return out
 
 
+def _set_frame(key: str, parts: Parts, ttl_s: int | None) -> list[bytes | memoryview]:
+    """The RESP frame of ``SET key <parts> [EX ttl_s]`` around the parts, not joining them."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    name = key.encode()
+    extra = [b"EX", b"%d" % ttl_s] if ttl_s else []
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+        3 + len(extra),
+        len(name),
+        name,
+        total,
+    )
+    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
+    return _coalesce([head, *parts, tail])
+
+
 def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
     try:
         return pool.get_connection()  # redis-py >= 5.3 warns when given a command name
@@ -335,17 +350,7 @@ class RedisTier(ObjectTier):
         payload behind its header; instead the RESP frame is written around
         the parts and sent with the connection's own ``send_packed_command``.
         """
-        total = sum(memoryview(p).nbytes for p in parts)
-        name = key.encode()
-        extra = [b"EX", b"%d" % self.ttl_s] if self.ttl_s else []
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-            3 + len(extra),
-            len(name),
-            name,
-            total,
-        )
-        tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
-        frame = _coalesce([head, *parts, tail])
+        frame = _set_frame(key, parts, self.ttl_s)
         pool = self._client.connection_pool
         for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
             try:

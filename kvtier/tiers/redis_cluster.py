@@ -1,0 +1,378 @@
+"""Object tier on Redis Cluster or a Valkey cluster (``redis+cluster://`` / ``rediss+cluster://``).
+
+The URL names seed nodes only (``redis+cluster://h1:6379,h2:6379/``); redis-py's own
+:class:`redis.cluster.RedisCluster` discovers the slots and follows MOVED, ASK and
+failovers: kvtier keeps no slot map and writes no redirection logic. What kvtier adds is
+the single node's guarantees, on every node's connections:
+
+- every reply is parsed by the single node's bounded RESP2 parser (``_BoundedParser``,
+  plugged in through the node pools' class, since ``RedisCluster`` drops a
+  ``parser_class`` argument), so a reply's size is checked from its length line;
+- a chunk read is STRLEN + GETRANGE on its one node in one round trip; a chunk write is
+  one SET sent from its parts without joining them (redis-py's ``execute_command``, with
+  its redirection handling, only when the fast path meets a redirection or a dead
+  connection);
+- a node that cannot be reached (killed, partitioned, mid-failover) is that chunk's
+  error, of kind ``node`` (:class:`NodeUnavailable`), never the tier's: the cluster's other
+  slots keep serving and RemoteIO does not back the whole tier off. Ops on a node that just
+  failed fail fast for a short, growing while (at most :data:`NODE_BACKOFF_CAP_S`), then one
+  op tries it again, and redis-py's topology refresh after a connection error finds the
+  promoted replica. Only when no node at all can be reached (the topology refresh fails) or
+  the cluster says it is down as a whole (``CLUSTERDOWN The cluster is down``, the server
+  default ``cluster-require-full-coverage yes`` during a failover) is the tier unavailable.
+
+Keys are the same strings as on one node (no hash tags): a fleet can move between a
+single node and a cluster, and a prompt's chunks spread over every primary.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier.backoff import BackoffState, ExponentialBackoff
+from kvtier.config import cluster_seeds, insecure_tls_args, redact_url
+from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
+from kvtier.tiers.base import Parts
+from kvtier.tiers.policy import RETRIES, Timeouts
+from kvtier.tiers.redis import RedisTier, _Bound, _BoundedParser, _connection, _set_frame
+
+__all__ = ["NODE_BACKOFF_CAP_S", "NodeUnavailable", "RedisClusterTier"]
+
+log = logging.getLogger("kvtier.tiers.redis")
+
+#: the longest a node that failed is skipped before one op tries it again
+NODE_BACKOFF_CAP_S = 1.0
+#: distinct node addresses counted one by one; the rest are counted under "other"
+NODE_LABELS = 32
+
+
+class NodeUnavailable(TierError):
+    """One cluster node (and so the slots it serves) cannot be reached; the cluster can."""
+
+    kind = "node"
+
+
+class _SlotDown(redis.ResponseError):
+    """``CLUSTERDOWN`` / ``TRYAGAIN`` under a class redis-py's cluster client does not retry
+    with sleeps (it sleeps 0.25 s on ClusterDownError, 0.05 s per TRYAGAIN): backends never
+    sleep, so the reply goes to the tier's own classification at once."""
+
+
+class _ClusterParser(_BoundedParser):
+    EXCEPTION_CLASSES = {
+        **_BoundedParser.EXCEPTION_CLASSES, "CLUSTERDOWN": _SlotDown, "TRYAGAIN": _SlotDown,
+    }  # fmt: skip
+
+
+#: errors of the fast write path that redis-py's own ``execute_command`` then handles: a
+#: dead connection or node (it refreshes the topology and retries once), a redirection
+_SLOW_PATH = (
+    redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.MovedError,
+    redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError,
+)  # fmt: skip
+
+
+def _node_name(exc: BaseException, default: str | None) -> str:
+    """host:port of the node an error of redis-py's cluster client came from (the node
+    the key mapped to when the call began, where redis-py does not say)."""
+    where = getattr(exc, "connection", None)
+    host, port = getattr(where, "host", None), getattr(where, "port", None)
+    if host is not None:
+        return f"{host}:{port}"
+    return default or "unknown"
+
+
+def _seed(host: str, port: int) -> Any:
+    return redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
+
+
+class RedisClusterTier(RedisTier):
+    """Chunks as plain string values on a Redis Cluster; seeds, AUTH and TLS from the URL."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        io_threads: int = 4,
+        lookup_timeout_ms: int = 2000,
+        ttl_s: int | None = None,
+        tls_insecure: bool = False,
+    ) -> None:
+        self._safe_url = redact_url(url)
+        parsed = urlparse(url)
+        tls = parsed.scheme == "rediss+cluster"
+        try:
+            self._seeds = cluster_seeds(url)
+        except ValueError as exc:
+            raise ConfigError("remote_url", url, f"redis+cluster://host:port,...: {exc}") from None
+        # one node's URL with the cluster URL's user, password and query: what redis-py reads
+        userinfo = parsed.netloc.rpartition("@")[0]
+        host, port = self._seeds[0]
+        netloc = (userinfo + "@" if userinfo else "") + (
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        )
+        node_url = urlunparse(("rediss" if tls else "redis", netloc, "/0", "", parsed.query, ""))
+        self._password = redis.connection.parse_url(node_url).get("password")  # type: ignore[no-untyped-call]
+        self.ttl_s = ttl_s
+        self._waits = Timeouts.from_ms(lookup_timeout_ms)
+        weak = insecure_tls_args(url)
+        if weak and not tls_insecure:
+            raise ConfigError(
+                "remote_url", url,
+                f"{', '.join(weak)} turns off TLS verification; "
+                "set remote_tls_insecure to true to allow it",
+            )  # fmt: skip
+        if weak:
+            log.warning(
+                "redis cluster %s: TLS verification is OFF (%s, allowed by remote_tls_insecure):"
+                " anyone on the network path can read and replace chunks",
+                self._safe_url, ", ".join(weak),
+            )  # fmt: skip
+        self._bound = _Bound()
+        parser = type("_TierParser", (_ClusterParser,), {"bound": self._bound})
+        limits = {
+            "parser_class": parser,
+            "max_connections": io_threads + 2,
+            "timeout": self._waits.pool_wait_s,
+        }
+
+        class _Pool(redis.BlockingConnectionPool):
+            """Every node's pool: the tier's parser and bounds (RedisCluster passes only the
+            connection arguments it knows to a node's pool)."""
+
+            def __init__(self, **kwargs: Any) -> None:
+                super().__init__(**{**kwargs, **limits})  # type: ignore[no-untyped-call]
+
+        try:
+            options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise ConfigError("remote_url", self._safe_url, f"a valid Redis URL: {exc}") from None
+        options.pop("host"), options.pop("port"), options.pop("db", None)
+        # arguments RedisCluster would drop without a word: refused, never half-applied
+        known = set(redis.cluster.REDIS_ALLOWED_KEYS) - {"host", "port", "retry", "db"}
+        dropped = sorted(set(options) - known)
+        if dropped:
+            raise ConfigError(
+                "remote_url", self._safe_url,
+                f"query arguments a cluster client can use ({', '.join(sorted(known))}); "
+                f"{', '.join(dropped)} would be ignored",
+            )  # fmt: skip
+        if tls:  # verify certificate and name whatever redis-py defaults to; the URL's own win
+            options = {"ssl_cert_reqs": "required", "ssl_check_hostname": True, **options}
+        options.update(
+            protocol=2,
+            socket_timeout=self._waits.reply_s,
+            socket_connect_timeout=self._waits.connect_s,
+        )
+        seed = urlunparse(("rediss" if tls else "redis", netloc.rpartition("@")[2], "", "", "", ""))
+        self._cluster_args: dict[str, Any] = {
+            "url": seed,  # only the first seed's address: every option is a keyword below
+            "startup_nodes": [_seed(h, p) for h, p in self._seeds[1:]],
+            "require_full_coverage": False,
+            "retry": Retry(NoBackoff(), RETRIES),
+            "connection_pool_class": _Pool,
+            **options,
+        }
+        self._client_lock = threading.Lock()
+        self._calling = threading.local()  # .node: the node this thread's call maps to
+        self._cluster: Any = None  # redis.cluster.RedisCluster
+        self._nodes_lock = threading.Lock()
+        self._node_health: dict[str, BackoffState] = {}
+        self._node_errors: collections.Counter[str] = collections.Counter()
+        self._node_backoff = ExponentialBackoff(0.05, NODE_BACKOFF_CAP_S)
+        try:
+            self._cluster_client()
+        except ConfigError:
+            raise
+        except TierError as exc:  # unreachable now: ops try again (and back off) later
+            log.warning("redis cluster %s not reachable at startup: %s", self._safe_url, exc)
+
+    def __repr__(self) -> str:
+        return f"RedisClusterTier({self._safe_url!r})"
+
+    # -- the client ------------------------------------------------------------------
+
+    def _cluster_client(self) -> Any:
+        """The cluster client, built on first use (the topology is read then): a cluster
+        that cannot be reached at startup costs misses until it can, not the engine."""
+        client = self._cluster
+        if client is not None:
+            return client
+        with self._client_lock:
+            if self._cluster is None:
+                try:
+                    self._cluster = redis.cluster.RedisCluster(**self._cluster_args)
+                except redis.RedisError as exc:
+                    if "cluster" in str(exc).lower() and "not enabled" in str(exc).lower():
+                        raise ConfigError(
+                            "remote_url", self._safe_url,
+                            "a Redis Cluster; this server runs without cluster mode: use "
+                            "redis://host:port/0 (or rediss://) for a single node",
+                        ) from None  # fmt: skip
+                    raise TierUnavailable(
+                        f"redis cluster {self._safe_url}: {self._clean(exc)}"
+                    ) from None
+            return self._cluster
+
+    @property
+    def _client(self) -> Any:  # type: ignore[override]  # RedisTier's methods reach the client through this name
+        return self._cluster_client()
+
+    # -- errors ----------------------------------------------------------------------
+
+    def _fail(self, op: str, exc: BaseException) -> TierError:
+        """The single node's mapping, plus what only a cluster says: one node unreachable
+        (``node``), a slot not served or being migrated (that chunk's miss), no node
+        reachable or the whole cluster down (the tier)."""
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError) and not isinstance(
+            exc, redis.AuthenticationError
+        ):
+            node = _node_name(exc, getattr(self._calling, "node", None))
+            self._node_failed(node)
+            return NodeUnavailable(
+                f"redis cluster {op} {self._safe_url}: node {node}: {self._clean(exc)}"
+            )
+        if isinstance(exc, _SlotDown):
+            text = f"redis cluster {op} {self._safe_url}: {self._clean(exc)}"
+            if "cluster is down" in str(exc).lower():
+                return TierUnavailable(text)
+            return ObjectError(text)  # a slot not served, TRYAGAIN during a migration
+        if isinstance(exc, redis.exceptions.SlotNotCoveredError):
+            return ObjectError(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
+        if isinstance(exc, redis.exceptions.RedisClusterException):
+            return TierUnavailable(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
+        if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError):
+            # redis-py follows these; one left over is a slot moving under the call
+            return ObjectError(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
+        return super()._fail(op, exc)
+
+    def _node_failed(self, node: str) -> None:
+        with self._nodes_lock:
+            label = (
+                node
+                if node in self._node_errors or len(self._node_errors) < NODE_LABELS
+                else "other"
+            )
+            self._node_errors[label] += 1
+            state = self._node_health.get(node)
+            if state is None and len(self._node_health) < 4 * NODE_LABELS:
+                state = self._node_health[node] = BackoffState(self._node_backoff)
+        if state is not None:
+            state.failed()
+
+    def _node_of(self, key: str) -> str | None:
+        """host:port of the primary serving ``key`` in the client's current slot map."""
+        client = self._cluster
+        if client is None:
+            return None
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+        except (redis.RedisError, IndexError, KeyError):
+            return None
+        return node.name if node is not None else None
+
+    def _check_node(self, op: str, key: str) -> None:
+        """Fail fast on a key whose node failed a moment ago (no network): the tier's other
+        slots go on, and once the node's short backoff is over one op tries it again."""
+        node = self._calling.node = self._node_of(key)
+        if node is None:
+            return
+        state = self._node_health.get(node)
+        if state is not None and state.is_down:
+            raise NodeUnavailable(
+                f"redis cluster {op} {self._safe_url}: node {node} failed "
+                f"{state.failures} time(s) in a row, skipped for a moment"
+            )
+
+    def _node_answered(self, key: str) -> None:
+        node = self._node_of(key)
+        state = self._node_health.get(node) if node is not None else None
+        if state is not None and state.failures and state.succeeded():
+            log.info("redis cluster %s: node %s answers again", self._safe_url, node)
+
+    def node_errors(self) -> dict[str, int]:
+        """Connection failures per node address since open (at most :data:`NODE_LABELS`
+        addresses, the rest under "other")."""
+        with self._nodes_lock:
+            return dict(self._node_errors)
+
+    # -- the object tier -------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys[:1]:
+            self._check_node("exists", key)
+        found = super().exists(keys)
+        if keys:
+            self._node_answered(keys[0])
+        return found
+
+    def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
+        self._check_node("get", key)
+        data = super()._get(key, max_bytes)
+        self._node_answered(key)
+        return data
+
+    def put(self, key: str, parts: Parts) -> None:
+        """SET from the parts on the key's primary (one round trip, no join); a
+        redirection or a dead pooled connection goes through redis-py's own
+        ``execute_command`` (which follows MOVED / ASK and refreshes the topology)."""
+        self._check_node("put", key)
+        client = self._cluster_client()
+        extra: list[Any] = ["EX", self.ttl_s] if self.ttl_s else []
+        reply: Any = None
+        conn: Any = None
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+            pool = client.get_redis_connection(node).connection_pool
+            conn = _connection(pool)
+            conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
+            reply = conn.read_response()
+        except _SLOW_PATH as exc:
+            if conn is not None and not isinstance(exc, redis.ResponseError):
+                conn.disconnect()
+            reply = None
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("put", exc) from None
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        if reply is None:  # the slow path: redis-py's redirections, retry and refresh
+            try:
+                reply = client.execute_command(
+                    "SET", key, b"".join(bytes(memoryview(p)) for p in parts), *extra
+                )
+            except (redis.RedisError, OSError) as exc:
+                raise self._fail("put", exc) from None
+        if reply not in (b"OK", "OK", True):
+            raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
+        self._node_answered(key)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """DEL per key (a cluster refuses one DEL across slots), pipelined per node."""
+        if not keys:
+            return
+        try:
+            with self._cluster_client().pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.delete(key)
+                pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            raise self._fail("delete", exc) from None
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._cluster = self._cluster, None
+        if client is not None:
+            client.close()

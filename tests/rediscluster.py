@@ -1,0 +1,201 @@
+"""A real Redis Cluster on loopback for tests: ``redis-server --cluster-enabled yes``
+processes joined by ``redis-cli --cluster create`` (3 primaries + 3 replicas by default).
+
+Started and stopped by the test that uses it; a missing ``redis-server`` or ``redis-cli``
+fails the test with a clear message (never a skip): ``.ci/run`` installs both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"{name} is not on PATH: the cluster tests need a real Redis Cluster. Install it "
+            "with `apt-get install -y redis-server redis-tools` (.ci/run does this).",
+            pytrace=False,
+        )
+    return path
+
+
+def _free_pair() -> int:
+    """A loopback port p with p + 10000 (its cluster bus) also free a moment ago."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free loopback port pair for a cluster node")
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not within {timeout:.0f} s")
+
+
+def _command(port: int, *args: str, timeout: float = 2.0) -> str:
+    """One command to a node through redis-cli (text reply)."""
+    out = subprocess.run(
+        [_binary("redis-cli"), "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    return out.stdout
+
+
+class RedisCluster:
+    """``primaries`` primaries with ``replicas`` replicas each; ``node_timeout_ms`` is
+    ``cluster-node-timeout`` (how long a dead primary goes unnoticed before a failover)."""
+
+    def __init__(
+        self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
+        password: str | None = None, full_coverage: bool = False,
+    ) -> None:  # fmt: skip
+        self.server = _binary("redis-server")
+        self.cli = _binary("redis-cli")
+        self.primaries, self.replicas = primaries, replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.password = password
+        self.full_coverage = full_coverage
+        self.workdir = tempfile.mkdtemp(prefix="kvtier-redis-cluster-")
+        self.ports = [_free_pair() for _ in range(primaries * (1 + replicas))]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def seeds(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports[: self.primaries])
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{auth}{self.seeds}/"
+
+    def _start_node(self, port: int) -> None:
+        node_dir = os.path.join(self.workdir, str(port))
+        os.makedirs(node_dir, exist_ok=True)
+        argv = [
+            self.server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            # the surviving primaries serve their slots while one is being failed over, and
+            # a replica takes over however long ago it last heard from its primary
+            "--cluster-require-full-coverage", "yes" if self.full_coverage else "no", "--cluster-replica-validity-factor", "0",
+            "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
+            "--dir", node_dir, "--loglevel", "warning",
+        ]  # fmt: skip
+        if self.password:
+            argv += ["--requirepass", self.password, "--masterauth", self.password]
+        with open(os.path.join(node_dir, "server.log"), "ab") as log:
+            self.procs[port] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def _auth(self) -> list[str]:
+        return ["-a", self.password, "--no-auth-warning"] if self.password else []
+
+    def start(self, timeout: float = 30.0) -> None:
+        for port in self.ports:
+            self._start_node(port)
+        for port in self.ports:
+            _wait(lambda p=port: "PONG" in _command(p, *self._auth(), "PING"), 10, f"node {port}")
+        subprocess.run(
+            [self.cli, *self._auth(), "--cluster", "create",
+             *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True, capture_output=True, timeout=timeout,
+        )  # fmt: skip
+        _wait(self._ready, timeout, "cluster state ok on every node")
+
+    def _ready(self) -> bool:
+        if not all(
+            "cluster_state:ok" in _command(p, *self._auth(), "CLUSTER", "INFO")
+            for p in self.live_ports()
+        ):
+            return False
+        if len(self.primary_ports()) != self.primaries:
+            return False
+        # every replica has its primary's data (a failover right after create promotes one)
+        return all(
+            "master_link_status:up" in _command(p, *self._auth(), "INFO", "replication")
+            for p in self.live_ports()
+            if "role:slave" in _command(p, *self._auth(), "INFO", "replication")
+        )
+
+    def live_ports(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def primary_ports(self) -> list[int]:
+        """Ports of live primaries that own slots, as a live node sees the cluster."""
+        for port in self.live_ports():
+            text = _command(port, *self._auth(), "CLUSTER", "NODES")
+            if not text:
+                continue
+            out = []
+            for line in text.splitlines():
+                f = line.split()
+                if len(f) > 8 and "master" in f[2] and "fail" not in f[2]:
+                    out.append(int(f[1].split("@")[0].rsplit(":", 1)[1]))
+            return sorted(out)
+        return []
+
+    def port_of_slot(self, slot: int) -> int:
+        """The primary serving ``slot`` now (as the first live node sees it)."""
+        for port in self.live_ports():
+            text = _command(port, *self._auth(), "CLUSTER", "NODES")
+            for line in text.splitlines():
+                f = line.split()
+                if len(f) < 9 or "master" not in f[2] or "fail" in f[2]:
+                    continue
+                for r in f[8:]:
+                    lo, _, hi = r.partition("-")
+                    if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                        return int(f[1].split("@")[0].rsplit(":", 1)[1])
+        raise LookupError(f"no primary serves slot {slot}")
+
+    def keys_on(self, port: int) -> int:
+        return int(_command(port, *self._auth(), "DBSIZE").strip() or 0)
+
+    def kill(self, port: int) -> None:
+        """kill -9 one node: connections die without a goodbye."""
+        proc = self.procs[port]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def wait_failover(self, dead: int, timeout: float = 20.0) -> None:
+        """Until every slot is served again and ``dead`` is no primary any more."""
+        _wait(
+            lambda: self._ready() and dead not in self.primary_ports(),
+            timeout, f"failover of {dead}",
+        )  # fmt: skip
+
+    def cleanup(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
