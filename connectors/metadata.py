@@ -28,6 +28,9 @@ class KVTierMetadata(KVConnectorMetadata):
     #: object tier -> host slots: one list per lookup, a prompt's chunks in order
     fetches: list[list[FetchOp]] = field(default_factory=list)
     uploads: list[UploadOp] = field(default_factory=list)
+    #: vLLM's null block (stands for blocks a request no longer needs: a sliding-window
+    #: layer's outside its window); loads skip it. None until a KV cache manager is bound
+    null_block: int | None = None
     #: how many times the weights changed while the engine ran, and the salt of the
     #: object keys' identity since the last change (SchedulerSide.weights_changed)
     weights_epoch: int = 0

@@ -175,6 +175,8 @@ class SchedulerSide:
         #: until when (time.monotonic) the workers' object-tier reads fail fast, as their
         #: last report said (may_load_async expects no lookup to go out before)
         self.reads_down_until = 0.0
+        #: vLLM's null block id (bind_kv_cache_manager), sent with the loads (metadata)
+        self.null_block: int | None = None
         #: this hook's own latency per call, moved into the stats when they are taken: a
         #: list append is what a lookup can afford (a recorder call cost it 15 µs of cold
         #: memory reads at 1M chunks, a tenth of the whole lookup)
@@ -196,6 +198,8 @@ class SchedulerSide:
     # ---- vLLM hooks -------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
+        null = getattr(getattr(manager, "block_pool", None), "null_block", None)
+        self.null_block = getattr(null, "block_id", None)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -295,7 +299,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
-        meta = KVTierMetadata(step=self._step, host_bytes=self.host_bytes)
+        meta = KVTierMetadata(step=self._step, host_bytes=self.host_bytes,
+                              null_block=self.null_block)
         meta.weights_epoch, meta.weights_salt = self.weights_epoch, self.weights_salt
         meta.loads, self.planner.loads = self.planner.loads, []
         meta.fetches = self.lookups.take_runs()

@@ -19,7 +19,7 @@ from kvtier import metrics
 from kvtier.config import KVTierConfig
 from kvtier.keys import KeySpace, Namespace, after_weight_change
 from kvtier.layout import HostSlab, SlotLayout
-from kvtier.ops import FetchOp, OpKind, OpResult, UploadOp, by_op
+from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, by_op
 from kvtier.stats import StatsRecorder
 from kvtier.transfer import Copier, make_copier
 
@@ -155,7 +155,31 @@ class WorkerSide:
         own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
         self.begin_step(meta)
         assert self.copier is not None
-        self._record_loads(meta, self.copier.begin_loads(meta.loads))
+        self._record_loads(meta, self.copier.begin_loads(self._backed_loads(meta)))
+
+    def _backed_loads(self, meta: KVTierMetadata) -> list[LoadOp]:
+        """The step's loads without the blocks vLLM backs with its null block.
+
+        With sliding-window layers (one ``SlidingWindowSpec`` group) vLLM gives a hit's
+        blocks outside the window of its next token the null block: nothing reads them,
+        so only the window is copied. They lead an op's blocks (the window is the end of
+        the hit); an op left with none is done without a copy."""
+        null = meta.null_block
+        if null is None:
+            return meta.loads
+        out: list[LoadOp] = []
+        for op in meta.loads:
+            blocks = op.gpu_blocks
+            k = 0
+            while k < len(blocks) and blocks[k] == null:
+                k += 1
+            if k == len(blocks):
+                self._results[op.op_id] = [True]
+            elif k:
+                out.append(LoadOp(op.op_id, op.slot, op.first + k, blocks[k:]))
+            else:
+                out.append(op)
+        return out
 
     def _record_loads(self, meta: KVTierMetadata, results: list[OpResult]) -> None:
         """Record load results; a failed load's blocks go to vLLM as load errors."""

@@ -209,20 +209,21 @@ def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) 
     assert layer_page_bytes(sched_cfg) == [page] * 3
 
 
-def test_a_sliding_window_only_model_loads_real_blocks_only_inside_its_window(
-    model_dir: str,
-) -> None:
+def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> None:
     """Every layer sliding-window (one group of ``SlidingWindowSpec``, which vLLM keeps with
     the hybrid manager off): vLLM backs a hit's blocks outside the window of its next token
-    with its null block, and kvtier's loads follow vLLM's block table. So the window's
-    blocks receive their own chunk's blocks, and what lies outside the window goes to the
-    null block, which no request attends to: copies wasted, never a block vLLM uses."""
+    with its null block. The scheduler plans the whole hit as vLLM's block table says; the
+    worker copies only the blocks vLLM backs, the window, bit for bit from their own
+    chunk's slot blocks, over real tensors, and nothing lands in the null block."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    from kvtier.config import load_config
+    from kvtier.connectors.worker import WorkerSide
     from kvtier.index import State
+    from kvtier.keys import Namespace
 
     vc = engine_config(model_dir)
     kcc = vllm_groups(vc, {attn(0): SWA, attn(1): SWA})
@@ -233,7 +234,8 @@ def test_a_sliding_window_only_model_loads_real_blocks_only_inside_its_window(
     req = Request("r", list(range(5, 5 + 4 * CHUNK + 10)), SamplingParams(max_tokens=2), None,
                   block_hasher=get_request_block_hasher(BS, sha256))
     bpc = CHUNK // BS
-    for key in req.block_hashes[bpc - 1 :: bpc]:  # the host tier holds all 4 chunks
+    keys = req.block_hashes[bpc - 1 :: bpc]
+    for key in keys:  # the host tier holds all 4 chunks of the prompt
         side.index.begin(key, State.STORING)
         side.index.commit(key, True)
     sched.add_request(req)
@@ -241,17 +243,43 @@ def test_a_sliding_window_only_model_loads_real_blocks_only_inside_its_window(
     assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * CHUNK
     table = out.scheduled_new_reqs[0].block_ids[0]
     null = sched.kv_cache_manager.block_pool.null_block.block_id
-    window_blocks = SWA.sliding_window // BS
-    loaded = {}  # hit block index -> vLLM block it lands in
-    for op in out.kv_connector_metadata.loads:
-        chunk = next(c for c in range(4) if side.index.get(req.block_hashes[c * bpc + bpc - 1])
-                     .slot == op.slot)
-        for i, block in enumerate(op.gpu_blocks):
-            loaded[chunk * bpc + op.first + i] = block
-    assert sorted(loaded) == list(range(4 * bpc))
-    for b, block in loaded.items():
-        if b >= 4 * bpc - window_blocks:
-            assert block == table[b] != null, b
-        else:
-            assert block == null, b
+    window = range(4 * bpc - SWA.sliding_window // BS, 4 * bpc)  # the hit's blocks it needs
+    assert [b for b in range(4 * bpc) if table[b] != null] == list(window)
+    meta = out.kv_connector_metadata
+    assert meta.null_block == null
+    assert sum(len(op.gpu_blocks) for op in meta.loads) == 4 * bpc  # the plan: the whole hit
+
+    cfg = load_config({"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK},
+                      environ={})
+    worker = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1), NUM_BLOCKS)
+    g = torch.Generator().manual_seed(1)
+    kv = {attn(i): torch.randn(2, NUM_BLOCKS, BS, 2, 8, generator=g).to(torch.bfloat16)
+          for i in range(2)}
+    before = {name: t.clone() for name, t in kv.items()}
+    worker.register_kv_caches(kv, rank=0)
+    worker.begin_step(meta)
+    assert worker.slab is not None and worker.copier is not None
+    worker.slab.buffer.copy_(torch.randint(0, 256, worker.slab.buffer.shape, generator=g,
+                                           dtype=torch.uint8))
+    asked: list[Any] = []
+    begin_loads = worker.copier.begin_loads
+    worker.copier.begin_loads = lambda ops: asked.extend(ops) or begin_loads(ops)  # type: ignore[method-assign]
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert sorted(b for op in asked for b in op.gpu_blocks) == sorted(table[b] for b in window)
+    slot_of = {side.index.get(k).slot: c for c, k in enumerate(keys)}
+    for li, name in enumerate(kv):
+        for b in range(4 * bpc):
+            c, j = divmod(b, bpc)
+            slot = next(s for s, cc in slot_of.items() if cc == c)
+            if b in window:
+                want = worker.slab.layer_view(slot, li)[:, j]
+                bits = kv[name][:, table[b]].view(torch.int16)  # bit for bit (NaNs too)
+                assert torch.equal(bits, want.view(torch.int16)), (name, b)
+        untouched = [i for i in range(NUM_BLOCKS) if i not in {table[b] for b in window}]
+        assert torch.equal(kv[name][:, untouched].view(torch.int16),
+                           before[name][:, untouched].view(torch.int16)), name
+    reported = worker.build_worker_meta().results
+    assert sorted(reported) == sorted(op.op_id for op in meta.loads)
+    assert all(oks == [True] for oks in reported.values())
     sched.shutdown()
