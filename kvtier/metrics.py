@@ -37,11 +37,13 @@ DIRECTIONS = ("read", "write")
 TRANSFER_OPS = ("store", "load", "fetch", "upload")
 #: "object": one object could not be read or written (disk full, a Redis key of the wrong
 #: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
-#: never read; "sealed": a sealed (encrypted) chunk this engine holds no key for
+#: never read; "sealed": a sealed (encrypted) chunk this engine holds no key for; "node": one
+#: node of a Redis Cluster could not be reached (its slots miss, the other nodes serve)
 ERROR_KINDS = (
     "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
     "timeout", "unreachable", "tier", "load", "object", "oversize",
 )
+ERROR_KINDS += ("node",)
 
 
 #: why prompt tokens kvtier was asked about were not served (``kvtier:miss_tokens``):
