@@ -545,8 +545,9 @@ def write_plot(res: dict[str, Any], path: str) -> None:
     ax.set_xlabel("host tier per worker, cpu_bytes (MiB)")
     ax.set_ylabel("prompt tokens served by kvtier's host tier (%)")
     t = res["trace"]
-    ax.set_title(f"Generated trace: {t['requests']} requests, {t['prompt_tokens']} prompt tokens,"
-                 f" chunk {res['chunk_size']}", fontsize=10)
+    kind = "hash-id (Mooncake-format) " if res.get("format") == "mooncake" else ""
+    ax.set_title(f"Generated {kind}trace: {t['requests']} requests, {t['prompt_tokens']} "
+                 f"prompt tokens, chunk {res['chunk_size']}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
