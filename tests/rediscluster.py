@@ -104,7 +104,8 @@ class RedisCluster:
             "--cluster-node-timeout", str(self.node_timeout_ms),
             # the surviving primaries serve their slots while one is being failed over, and
             # a replica takes over however long ago it last heard from its primary
-            "--cluster-require-full-coverage", "yes" if self.full_coverage else "no", "--cluster-replica-validity-factor", "0",
+            "--cluster-require-full-coverage", "yes" if self.full_coverage else "no",
+            "--cluster-replica-validity-factor", "0",
             "--save", "",
             "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
             "--dir", node_dir, "--loglevel", "warning",

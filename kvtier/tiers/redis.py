@@ -21,7 +21,7 @@ from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, T
 from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
 from kvtier.tiers.policy import RETRIES, Timeouts
 
-__all__ = ["RedisTier", "ReplyTooLarge"]
+__all__ = ["ClusterNodeRefused", "RedisTier", "ReplyTooLarge"]
 
 log = logging.getLogger("kvtier.tiers.redis")
 
@@ -48,6 +48,32 @@ _ARRAY_CAP = 1024
 #: bulk replies from this size on are read straight into their own buffer
 _DIRECT_BYTES = 64 * 1024
 _INT_LINE = re.compile(rb"-?[0-9]{1,20}")
+
+
+class ClusterNodeRefused(redis.exceptions.RedisError):
+    """A ``redis://`` URL that names a node of a Redis Cluster: it would serve only the keys
+    of its own slots and answer MOVED for the rest, so every connection refuses it."""
+
+
+#: what a ``redis://`` URL at a cluster node is told, at open and on every connection
+CLUSTER_NODE_HELP = (
+    "a single Redis node; this server is a node of a Redis Cluster (cluster_enabled:1): "
+    "use redis+cluster://host:port[,host:port...]/ (or rediss+cluster://) with the same "
+    "query, which follows the cluster's slots"
+)
+
+
+def _refuse_cluster_node(conn: Any) -> None:
+    """Every new connection (after AUTH): a node in cluster mode is refused (INFO cluster,
+    one round trip per pooled connection). A server that does not say is taken as one node."""
+    conn.on_connect()
+    conn.send_command("INFO", "cluster")
+    try:
+        info = conn.read_response()
+    except redis.ResponseError:  # an ACL without INFO, a cache without the section
+        return
+    if isinstance(info, bytes | bytearray) and b"cluster_enabled:1" in info:
+        raise ClusterNodeRefused(CLUSTER_NODE_HELP)
 
 
 class ReplyTooLarge(redis.exceptions.RedisError):
@@ -241,11 +267,23 @@ class RedisTier(ObjectTier):
                 socket_timeout=waits.reply_s,
                 socket_connect_timeout=waits.connect_s,
                 retry=Retry(NoBackoff(), RETRIES),
+                redis_connect_func=_refuse_cluster_node,
             )
             pool = redis.BlockingConnectionPool(**options)  # type: ignore[no-untyped-call]
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise TierUnavailable(f"redis {self._safe_url}: {self._clean(exc)}") from None
         self._client = redis.Redis(connection_pool=pool)
+        self._refuse_if_cluster(pool)
+
+    def _refuse_if_cluster(self, pool: redis.ConnectionPool) -> None:
+        """A ``redis://`` URL at a Redis Cluster node stops startup with a ConfigError when
+        the server answers now; one that cannot be reached is asked on each connection."""
+        try:
+            pool.release(_connection(pool))
+        except ClusterNodeRefused:
+            raise ConfigError("remote_url", self._safe_url, CLUSTER_NODE_HELP) from None
+        except (redis.RedisError, OSError) as exc:
+            log.info("redis %s not reachable at startup (%s)", self._safe_url, self._clean(exc))
 
     def __repr__(self) -> str:
         return f"RedisTier({self._safe_url!r})"
@@ -263,6 +301,8 @@ class RedisTier(ObjectTier):
         A reply longer than the caller's bound is that object's ``oversize``.
         """
         text = f"redis {op} {self._safe_url}: {self._clean(exc)}"
+        if isinstance(exc, ClusterNodeRefused):
+            return TierUnavailable(text)
         if isinstance(exc, ReplyTooLarge):
             return ObjectTooLarge(text)
         if isinstance(exc, redis.ResponseError):

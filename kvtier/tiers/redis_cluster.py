@@ -74,6 +74,8 @@ class _ClusterParser(_BoundedParser):
     }  # fmt: skip
 
 
+#: what redis-py's cluster client raises (RedisClusterException is no RedisError)
+_CLIENT_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 #: errors of the fast write path that redis-py's own ``execute_command`` then handles: a
 #: dead connection or node (it refreshes the topology and retries once), a redirection
 _SLOW_PATH = (
@@ -214,7 +216,7 @@ class RedisClusterTier(RedisTier):
             if self._cluster is None:
                 try:
                     self._cluster = redis.cluster.RedisCluster(**self._cluster_args)
-                except redis.RedisError as exc:
+                except _CLIENT_ERRORS as exc:
                     if "cluster" in str(exc).lower() and "not enabled" in str(exc).lower():
                         raise ConfigError(
                             "remote_url", self._safe_url,
@@ -279,7 +281,7 @@ class RedisClusterTier(RedisTier):
             return None
         try:
             node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-        except (redis.RedisError, IndexError, KeyError):
+        except (*_CLIENT_ERRORS, IndexError, KeyError):
             return None
         return node.name if node is not None else None
 
@@ -313,14 +315,20 @@ class RedisClusterTier(RedisTier):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         for key in keys[:1]:
             self._check_node("exists", key)
-        found = super().exists(keys)
+        try:
+            found = super().exists(keys)
+        except redis.exceptions.RedisClusterException as exc:
+            raise self._fail("exists", exc) from None
         if keys:
             self._node_answered(keys[0])
         return found
 
     def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
         self._check_node("get", key)
-        data = super()._get(key, max_bytes)
+        try:
+            data = super()._get(key, max_bytes)
+        except redis.exceptions.RedisClusterException as exc:
+            raise self._fail("get", exc) from None
         self._node_answered(key)
         return data
 
@@ -343,17 +351,15 @@ class RedisClusterTier(RedisTier):
             if conn is not None and not isinstance(exc, redis.ResponseError):
                 conn.disconnect()
             reply = None
-        except (redis.RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             raise self._fail("put", exc) from None
         finally:
             if conn is not None:
                 pool.release(conn)
         if reply is None:  # the slow path: redis-py's redirections, retry and refresh
             try:
-                reply = client.execute_command(
-                    "SET", key, b"".join(bytes(memoryview(p)) for p in parts), *extra
-                )
-            except (redis.RedisError, OSError) as exc:
+                reply = client.execute_command("SET", key, b"".join(parts), *extra)
+            except _CLIENT_ERRORS as exc:
                 raise self._fail("put", exc) from None
         if reply not in (b"OK", "OK", True):
             raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
@@ -368,7 +374,7 @@ class RedisClusterTier(RedisTier):
                 for key in keys:
                     pipe.delete(key)
                 pipe.execute()
-        except (redis.RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             raise self._fail("delete", exc) from None
 
     def close(self) -> None:
