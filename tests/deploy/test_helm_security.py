@@ -120,6 +120,41 @@ SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
             },
         },
     ),
+    # an external Redis Cluster over TLS: seed nodes, an ACL user's password from a Secret,
+    # the CA from a Secret volume, egress to the cluster's nodes
+    "redis-cluster": (
+        "rcluster",
+        "llm-rcluster",
+        {
+            "kvtier": {
+                "remoteUrl": "rediss+cluster://rc-0.rc.cache.svc:6379,rc-1.rc.cache.svc:6379/"
+                "?ssl_ca_certs=/etc/kvtier/redis-ca/ca.crt",
+                "redis": {"existingSecret": "kvtier-redis-auth-9b2d", "username": "kvtier"},
+                "hmac": HMAC,
+            },
+            "extraVolumes": [{"name": "redis-ca", "secret": {"secretName": "rc-ca"}}],
+            "extraVolumeMounts": [
+                {"name": "redis-ca", "mountPath": "/etc/kvtier/redis-ca", "readOnly": True}
+            ],
+            "networkPolicy": {
+                "egress": {
+                    "restrict": True,
+                    "rules": [
+                        {
+                            "to": [
+                                {
+                                    "namespaceSelector": {
+                                        "matchLabels": {"kubernetes.io/metadata.name": "cache"}
+                                    }
+                                }
+                            ],
+                            "ports": [{"port": 6379, "protocol": "TCP"}],
+                        }
+                    ],
+                }
+            },
+        },
+    ),
     # every skip's condition lifted but one: digests, CPU limits, the HMAC key as a
     # file (the Redis password still reaches kvtier through the environment)
     "pinned": (

@@ -582,7 +582,7 @@ name for a UID without a passwd entry.
       name: {{ $redisSecret }}
       key: {{ $k.redis.passwordKey }}
 - name: KVTIER_REMOTE_URL
-  value: {{ regexReplaceAll "^(rediss?)://" $remoteUrl (printf "${1}://%s:$(REDIS_PASSWORD)@" ($k.redis.username | default "")) | quote }}
+  value: {{ regexReplaceAll "^(rediss?(\\+cluster)?)://" $remoteUrl (printf "${1}://%s:$(REDIS_PASSWORD)@" ($k.redis.username | default "")) | quote }}
 {{- end }}
 {{- if $k.hmac.existingSecret }}
 - name: {{ $k.hmac.envName }}
