@@ -299,6 +299,11 @@ class WorkerSide:
         seals = self.remote.seals
         self.stats.inc(metrics.SEALS, seals - self._seals_counted)
         self._seals_counted = seals
+        # a Redis Cluster's unreachable nodes, by address (bounded by the tier)
+        take_node_errors = getattr(self.remote.tier, "take_node_errors", None)
+        if take_node_errors is not None:
+            for node, n in take_node_errors().items():
+                self.stats.inc(metrics.NODE_ERRORS, n, (node,))
 
     def _error(self, kind: str) -> None:
         kind = metrics.error_kind_label(kind)

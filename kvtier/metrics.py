@@ -10,6 +10,7 @@ defined here is shown on the dashboard.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,9 +42,8 @@ TRANSFER_OPS = ("store", "load", "fetch", "upload")
 #: node of a Redis Cluster could not be reached (its slots miss, the other nodes serve)
 ERROR_KINDS = (
     "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
-    "timeout", "unreachable", "tier", "load", "object", "oversize",
+    "timeout", "unreachable", "tier", "load", "object", "oversize", "node",
 )
-ERROR_KINDS += ("node",)
 
 
 #: why prompt tokens kvtier was asked about were not served (``kvtier:miss_tokens``):
@@ -163,6 +163,31 @@ MISS_TOKENS = MetricSpec(
     ("reason",),
 )
 ALL += (MISS_TOKENS,)
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
+
+
+class NodeAddresses(tuple[str, ...]):
+    """The values of the ``node`` label: a node's ``host:port``, known only at run time
+    (none created up front), or "other" past :data:`NODE_LABELS` addresses per process."""
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, str) and (
+            value == "other" or _ADDRESS.fullmatch(value) is not None
+        )
+
+
+#: distinct node addresses one process labels on its own (the rest are "other")
+NODE_LABELS = 32
+LABEL_VALUES["node"] = NodeAddresses()
+NODE_ERRORS = MetricSpec(
+    PREFIX + "node_errors", "counter",
+    "Object-tier calls that failed because one Redis Cluster node could not be reached, by "
+    "node address (at most 32 per process, the rest 'other'); also in errors{kind=\"node\"}.",
+    ("node",),
+)
+ALL += (NODE_ERRORS,)
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvtier import metrics
 from kvtier.backoff import BackoffState, ExponentialBackoff
 from kvtier.config import cluster_seeds, insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
@@ -53,7 +54,7 @@ log = logging.getLogger("kvtier.tiers.redis")
 #: the longest a node that failed is skipped before one op tries it again
 NODE_BACKOFF_CAP_S = 1.0
 #: distinct node addresses counted one by one; the rest are counted under "other"
-NODE_LABELS = 32
+NODE_LABELS = metrics.NODE_LABELS
 
 
 class NodeUnavailable(TierError):
@@ -193,6 +194,7 @@ class RedisClusterTier(RedisTier):
         self._nodes_lock = threading.Lock()
         self._node_health: dict[str, BackoffState] = {}
         self._node_errors: collections.Counter[str] = collections.Counter()
+        self._node_errors_new: collections.Counter[str] = collections.Counter()
         self._node_backoff = ExponentialBackoff(0.05, NODE_BACKOFF_CAP_S)
         try:
             self._cluster_client()
@@ -261,6 +263,16 @@ class RedisClusterTier(RedisTier):
         return super()._fail(op, exc)
 
     def _node_failed(self, node: str) -> None:
+        self._count_node(node)
+        with self._nodes_lock:
+            state = self._node_health.get(node)
+            if state is None and len(self._node_health) < 4 * NODE_LABELS:
+                state = self._node_health[node] = BackoffState(self._node_backoff)
+        if state is not None:
+            state.failed()
+
+    def _count_node(self, node: str) -> None:
+        """One call failed for ``node``: counted under its address (bounded)."""
         with self._nodes_lock:
             label = (
                 node
@@ -268,11 +280,7 @@ class RedisClusterTier(RedisTier):
                 else "other"
             )
             self._node_errors[label] += 1
-            state = self._node_health.get(node)
-            if state is None and len(self._node_health) < 4 * NODE_LABELS:
-                state = self._node_health[node] = BackoffState(self._node_backoff)
-        if state is not None:
-            state.failed()
+            self._node_errors_new[label] += 1
 
     def _node_of(self, key: str) -> str | None:
         """host:port of the primary serving ``key`` in the client's current slot map."""
@@ -293,6 +301,7 @@ class RedisClusterTier(RedisTier):
             return
         state = self._node_health.get(node)
         if state is not None and state.is_down:
+            self._count_node(node)
             raise NodeUnavailable(
                 f"redis cluster {op} {self._safe_url}: node {node} failed "
                 f"{state.failures} time(s) in a row, skipped for a moment"
@@ -309,6 +318,13 @@ class RedisClusterTier(RedisTier):
         addresses, the rest under "other")."""
         with self._nodes_lock:
             return dict(self._node_errors)
+
+    def take_node_errors(self) -> dict[str, int]:
+        """Connection failures per node address since the last call (the worker turns
+        them into ``kvtier:node_errors{node}``)."""
+        with self._nodes_lock:
+            new, self._node_errors_new = self._node_errors_new, collections.Counter()
+        return dict(new)
 
     # -- the object tier -------------------------------------------------------------
 

@@ -509,6 +509,9 @@ kvtier:seals_total{model_name="tiny-llama",engine="0"} 6
 kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="absent"} 1024
 kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="fetching"} 256
 kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="tail"} 40
+# HELP kvtier:node_errors_total Object-tier calls that failed because one Redis Cluster node could not be reached.
+# TYPE kvtier:node_errors_total counter
+kvtier:node_errors_total{model_name="tiny-llama",engine="0",node="10.0.0.7:6379"} 5
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")

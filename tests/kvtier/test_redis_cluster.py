@@ -271,7 +271,9 @@ def test_primary_killed_mid_run() -> None:
         after = rio.counters()
         assert after["errors_node"] - before["errors_node"] == len(on_victim) + len(doomed)
         assert after["errors_unreachable"] == before["errors_unreachable"] == 0
-        assert set(tier.node_errors()) == {f"127.0.0.1:{victim}"}
+        # per node (kvtier:node_errors{node}): every failed call, the victim's address only
+        assert tier.take_node_errors() == {f"127.0.0.1:{victim}": len(on_victim) + len(doomed)}
+        assert tier.take_node_errors() == {}
 
         c.wait_failover(victim)
         deadline = time.monotonic() + 10
