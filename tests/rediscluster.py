@@ -74,7 +74,7 @@ class RedisCluster:
 
     def __init__(
         self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
-        password: str | None = None, full_coverage: bool = False,
+        password: str | None = None, full_coverage: bool = False, tls: bool = False,
     ) -> None:  # fmt: skip
         self.server = _binary("redis-server")
         self.cli = _binary("redis-cli")
@@ -82,7 +82,18 @@ class RedisCluster:
         self.node_timeout_ms = node_timeout_ms
         self.password = password
         self.full_coverage = full_coverage
+        self.tls = tls
         self.workdir = tempfile.mkdtemp(prefix="kvtier-redis-cluster-")
+        self.cert_path = os.path.join(self.workdir, "cert.pem")
+        self.key_path = os.path.join(self.workdir, "key.pem")
+        if tls:  # a self-signed certificate for 127.0.0.1, also the CA clients trust
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                 "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", self.key_path,
+                 "-out", self.cert_path],
+                check=True, capture_output=True,
+            )  # fmt: skip
         self.ports = [_free_pair() for _ in range(primaries * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -93,13 +104,15 @@ class RedisCluster:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss+cluster://{auth}{self.seeds}/?ssl_ca_certs={self.cert_path}"
         return f"redis+cluster://{auth}{self.seeds}/"
 
     def _start_node(self, port: int) -> None:
         node_dir = os.path.join(self.workdir, str(port))
         os.makedirs(node_dir, exist_ok=True)
         argv = [
-            self.server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            self.server, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
             "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
             "--cluster-node-timeout", str(self.node_timeout_ms),
             # the surviving primaries serve their slots while one is being failed over, and
@@ -110,13 +123,22 @@ class RedisCluster:
             "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
             "--dir", node_dir, "--loglevel", "warning",
         ]  # fmt: skip
+        if self.tls:
+            argv += ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes",
+                     "--tls-replication", "yes", "--tls-auth-clients", "no",
+                     "--tls-cert-file", self.cert_path, "--tls-key-file", self.key_path,
+                     "--tls-ca-cert-file", self.cert_path]  # fmt: skip
+        else:
+            argv += ["--port", str(port)]
         if self.password:
             argv += ["--requirepass", self.password, "--masterauth", self.password]
         with open(os.path.join(node_dir, "server.log"), "ab") as log:
             self.procs[port] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def _auth(self) -> list[str]:
-        return ["-a", self.password, "--no-auth-warning"] if self.password else []
+        """redis-cli's arguments for this cluster: AUTH, TLS trusting the test certificate."""
+        tls = ["--tls", "--cacert", self.cert_path] if self.tls else []
+        return tls + (["-a", self.password, "--no-auth-warning"] if self.password else [])
 
     def start(self, timeout: float = 30.0) -> None:
         for port in self.ports:

@@ -385,6 +385,7 @@ class RedisClusterTier(RedisTier):
         """DEL per key (a cluster refuses one DEL across slots), pipelined per node."""
         if not keys:
             return
+        self._calling.node = None
         try:
             with self._cluster_client().pipeline(transaction=False) as pipe:
                 for key in keys:

@@ -312,3 +312,34 @@ def test_codec_frames_round_trip_through_remoteio(cluster: RedisCluster) -> None
     assert all(d == payload(i) for i, d in enumerate(dests))
     rio.close()
     tier.close()
+
+
+def test_tls_and_auth_on_every_node() -> None:
+    """rediss+cluster:// with a password: the TLS options and AUTH reach every node the
+    cluster announces (not only the seed); an untrusted certificate or a wrong password
+    is the tier's outage, never a per-node miss."""
+    c = RedisCluster(replicas=0, tls=True, password="cluster-pw-5e1f")
+    try:
+        c.start()
+        tier = open_tier(load_config({"remote_url": c.url}))
+        keys = prompt_keys(24)
+        for i, key in enumerate(keys):
+            tier.put(key, [b"head1234", payload(i)])
+        assert all(c.keys_on(p) > 0 for p in c.primary_ports())
+        for i, key in enumerate(keys):
+            dest = memoryview(bytearray(SIZE))
+            assert tier.read_into(key, dest, 64) == b"head1234"
+            assert dest == payload(i)
+        with pytest.raises(ObjectTooLarge):
+            tier.read_into(keys[0], memoryview(bytearray(100)), 64)
+        tier.close()
+        wrong_pw = c.url.replace("cluster-pw-5e1f", "wrong-pw")
+        no_ca = c.url.split("?")[0]
+        for url in (wrong_pw, no_ca):
+            t = RedisClusterTier(url)
+            with pytest.raises(TierUnavailable) as err:
+                t.get(keys[0], 10_000)
+            assert "cluster-pw-5e1f" not in str(err.value) and "wrong-pw" not in str(err.value)
+            t.close()
+    finally:
+        c.cleanup()
