@@ -85,13 +85,22 @@ def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
 
 @register
 def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
-    """An MLA model at tensor-parallel size ``tp``. vLLM's CPU build turns its own
-    prefix cache off for MLA, so the reference is the prompt computed cold; the second
-    run is served by kvtier's host tier; with an object tier, a third, after the host
-    tier was emptied, by the object tier (every rank fetching rank 0's one copy)."""
+    """An MLA model at tensor-parallel size ``tp``. The reference is the prompt computed
+    cold; the second run, after vLLM's own prefix cache was emptied (its reference CPU
+    MLA backend keeps none, its AMX one does), is served by kvtier's host tier; with an
+    object tier, a third, after the host tier was emptied, by the object tier (every rank
+    fetching rank 0's one copy)."""
     llm = _parallel_llm(model, extra, tp, 1)
     p = toks(5, 1024 + 40)
-    cold = generate(llm, [p])[0]
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        # vLLM keeps a prefix cache (its AMX backend): the reference is its own hit of the
+        # same 1,024 tokens (a split prefill rounds bf16 otherwise than one pass, and a
+        # random-weight model has near ties); the first request stores those chunks
+        cold = generate(llm, [p[:1024 + 1]])[0]
+        ref = generate(llm, [p])[0]
+        assert llm.reset_prefix_cache()
+    else:  # its reference backend keeps none: the prompt computed cold is the reference
+        cold = ref = generate(llm, [p])[0]
     before = kvtier_side(llm).totals["hit_tokens_host"]
     warm = generate(llm, [p])[0]
     hit = kvtier_side(llm).totals["hit_tokens_host"] - before
@@ -103,7 +112,7 @@ def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
         fetched = generate(llm, [p])[0]
         remote_hit = kvtier_side(llm).totals["hit_tokens_remote"] - before
         settle(llm)
-    return {"cold": cold, "warm": warm, "warm_host_hit_tokens": hit,
+    return {"cold": cold, "ref": ref, "warm": warm, "warm_host_hit_tokens": hit,
             "fetched": fetched, "fetched_remote_hit_tokens": remote_hit,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "workers": llm.collective_rpc(worker_tier), "scheduler": _scheduler_report(llm),

@@ -125,13 +125,18 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     kv = tmp_path / "kv"
     r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,
                    extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"}, tp=2)
-    assert r["block_size"] == 16, "vLLM's CPU MLA backend forces 16-token blocks"
-    # vLLM's own prefix cache is off for MLA on the CPU: only kvtier serves the prompt
+    # vLLM's reference CPU MLA backend forces 16-token blocks; where AMX is present it
+    # picks its AMX backend, which keeps the 32 asked for
+    import torch
+
+    assert r["block_size"] == (32 if torch.cpu._is_amx_tile_supported() else 16)
+    # vLLM's own prefix cache was emptied before the warm run: only kvtier serves it
     assert r["cold"]["cached"] == 0
     assert r["warm"]["cached"] >= 1024 and r["warm_host_hit_tokens"] == r["warm"]["cached"]
     # cached against computed: the same tokens, logprobs within bf16 rounding
-    assert r["warm"]["tokens"] == r["cold"]["tokens"]
-    assert max_logprob_diff(r["warm"], r["cold"]) <= 0.05
+    assert r["ref"]["cached"] in (0, 1024)  # computed cold, or vLLM's own hit
+    assert r["warm"]["tokens"] == r["ref"]["tokens"]
+    assert max_logprob_diff(r["warm"], r["ref"]) <= 0.05
     # every rank holds the whole latent (vLLM replicates it): one full copy per rank,
     # as the planner's per-rank figure says
     per_rank = plan(tiny_mla_model, 2)
@@ -158,7 +163,7 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
     # the four chunks
     assert by_rank[0]["ops_fetch"] == by_rank[1]["ops_fetch"] == 5
-    assert r["fetched"]["tokens"] == r["cold"]["tokens"]
-    assert max_logprob_diff(r["fetched"], r["cold"]) <= 0.05
+    assert r["fetched"]["tokens"] == r["ref"]["tokens"]
+    assert max_logprob_diff(r["fetched"], r["ref"]) <= 0.05
     # the cold request's run of four: chunk 0 missed, the other three never read
     assert idx["totals"]["fetch_ok"] == 4 and idx["totals"]["fetch_failed"] == 4
