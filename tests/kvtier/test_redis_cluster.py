@@ -343,3 +343,24 @@ def test_tls_and_auth_on_every_node() -> None:
             t.close()
     finally:
         c.cleanup()
+
+
+def test_a_node_that_just_failed_is_skipped_for_a_moment(
+    cluster: RedisCluster, tier: RedisClusterTier
+) -> None:
+    """After a node's failure its keys fail fast (no network: the node here is up), the
+    other nodes' keys are served, and after the node's short backoff it is tried again."""
+    keys = prompt_keys(12)
+    for i, key in enumerate(keys):
+        tier.put(key, [b"head1234", payload(i)])
+    node = tier._node_of(keys[0])
+    assert node is not None
+    other = next(k for k in keys if tier._node_of(k) != node)
+    tier._node_failed(node)
+    with pytest.raises(NodeUnavailable, match="skipped for a moment"):
+        tier.get(keys[0], 10_000)
+    assert tier.get(other, 10_000) is not None
+    assert tier.take_node_errors() == {node: 2}  # the failure, and the call it skipped
+    time.sleep(0.06)  # the first failure's backoff: 50 ms
+    assert tier.get(keys[0], 10_000) == b"head1234" + bytes(payload(0))
+    assert not tier._node_health[node].failures  # answered: the node is up again
