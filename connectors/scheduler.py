@@ -252,11 +252,21 @@ class SchedulerSide:
         if not self.remote or time.monotonic() < self.reads_down_until:
             return False
         st = self._reqs.get(request.request_id)
+        if st is None and (getattr(request, "lora_request", None) is not None
+                           or getattr(request, "mm_features", None)
+                           or getattr(request, "prompt_embeds", None) is not None):
+            st = self._state(request)  # its keys may be tagged, its chunks host-only
         if st is not None and st.lookup is not None and st.lookup.done:
             return False
+        cap = -(-self._max_loadable(request) // self.chunk_size)
+        if st is not None and (st.key_tag or st.shared_chunks < cap):
+            # keyed by the request's own chunk keys, up to the chunks it may share
+            self.keys.refresh(st)
+            n = min(len(st.chunk_hashes), st.shared_chunks, cap)
+            return n > 0 and not self.index.is_ready(st.chunk_hashes[n - 1])
         hashes = request.block_hashes
         bpc = self.blocks_per_chunk
-        n = min(len(hashes) // bpc, -(-self._max_loadable(request) // self.chunk_size))
+        n = min(len(hashes) // bpc, cap)
         return n > 0 and not self.index.is_ready(hashes[n * bpc - 1])
 
     def update_state_after_alloc(

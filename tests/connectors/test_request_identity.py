@@ -375,3 +375,39 @@ def test_adapter_directory_with_a_link_loop_is_unreadable(tmp_path: Path) -> Non
     version = fps.version(str(path))
     assert time.perf_counter() - t0 < 5
     assert not version.shared and version.reason == "lora_unreadable"
+
+
+# ---- may_load_async (vLLM >= 0.34) agrees with the lookup ----------------------------
+def test_may_load_async_follows_an_adapters_keys(tmp_path: Path) -> None:
+    """A LoRA request's chunks are in the host tier under its tagged keys: once they are,
+    it says no, as the lookup then sends no fetch (vLLM's raw hash is never a key)."""
+    path = tmp_path / "adapter"
+    lora = LoRARequest("ad", 1, str(path))
+    write_adapter(path, 1)
+    side = ready_adapter_side(tmp_path, lora)
+    first = make_request(1, 1024 + 10, lora=lora)
+    assert side.may_load_async(first)
+    compute(side, first)
+    again = make_request(1, 1024 + 10, lora=lora)
+    predicted = side.may_load_async(again)
+    n, fetched = ask(side, again)
+    assert n == 1024 and fetched == [] and predicted is False
+
+
+def test_may_load_async_says_no_for_chunks_that_stay_host_only(tmp_path: Path) -> None:
+    """An adapter kvtier cannot read keeps its chunks out of the object tier: no early
+    start, since its lookup sends nothing; a client-named image past chunk 0 looks up
+    chunk 0 alone, which the host tier then holds."""
+    side = make_side(extra=REMOTE)
+    lora = LoRARequest("ad", 1, str(tmp_path / "missing-dir"))
+    req = make_request(1, 1024 + 10, lora=lora)
+    predicted = side.may_load_async(req)
+    n, fetched = ask(side, req)
+    assert (predicted, n, fetched) == (False, 0, [])
+
+    side = make_side(extra=REMOTE)
+    compute(side, make_request(2, 1024 + 10, mm=[image("cat", 300)]))
+    req = make_request(2, 1024 + 10, mm=[image("cat", 300)])
+    predicted = side.may_load_async(req)
+    n, fetched = ask(side, req)
+    assert fetched == [] and predicted is False
