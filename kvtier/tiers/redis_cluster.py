@@ -95,6 +95,12 @@ def _node_name(exc: BaseException, default: str | None) -> str:
     return default or "unknown"
 
 
+_NOT_A_CLUSTER = (
+    "a Redis Cluster; this server runs without cluster mode: use redis://host:port/0 "
+    "(or rediss://) for a single node"
+)
+
+
 def _seed(host: str, port: int) -> Any:
     return redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
 
@@ -197,9 +203,7 @@ class RedisClusterTier(RedisTier):
         self._node_errors_new: collections.Counter[str] = collections.Counter()
         self._node_backoff = ExponentialBackoff(0.05, NODE_BACKOFF_CAP_S)
         try:
-            self._cluster_client()
-        except ConfigError:
-            raise
+            self._cluster_client(opening=True)
         except TierError as exc:  # unreachable now: ops try again (and back off) later
             log.warning("redis cluster %s not reachable at startup: %s", self._safe_url, exc)
 
@@ -208,9 +212,10 @@ class RedisClusterTier(RedisTier):
 
     # -- the client ------------------------------------------------------------------
 
-    def _cluster_client(self) -> Any:
+    def _cluster_client(self, opening: bool = False) -> Any:
         """The cluster client, built on first use (the topology is read then): a cluster
-        that cannot be reached at startup costs misses until it can, not the engine."""
+        that cannot be reached at startup costs misses until it can, not the engine. A
+        server without cluster mode is a ConfigError at startup, later the tier's outage."""
         client = self._cluster
         if client is not None:
             return client
@@ -219,19 +224,21 @@ class RedisClusterTier(RedisTier):
                 try:
                     self._cluster = redis.cluster.RedisCluster(**self._cluster_args)
                 except _CLIENT_ERRORS as exc:
-                    if "cluster" in str(exc).lower() and "not enabled" in str(exc).lower():
-                        raise ConfigError(
-                            "remote_url", self._safe_url,
-                            "a Redis Cluster; this server runs without cluster mode: use "
-                            "redis://host:port/0 (or rediss://) for a single node",
-                        ) from None  # fmt: skip
+                    text = str(exc).lower()
+                    if opening and "cluster" in text and "not enabled" in text:
+                        raise ConfigError("remote_url", self._safe_url, _NOT_A_CLUSTER) from None
+                    if "cluster" in text and "not enabled" in text:
+                        raise TierUnavailable(
+                            f"redis cluster {self._safe_url}: {_NOT_A_CLUSTER}"
+                        ) from None
                     raise TierUnavailable(
                         f"redis cluster {self._safe_url}: {self._clean(exc)}"
                     ) from None
             return self._cluster
 
     @property
-    def _client(self) -> Any:  # type: ignore[override]  # RedisTier's methods reach the client through this name
+    def _client(self) -> Any:  # type: ignore[override]
+        """The cluster client, under the name RedisTier's methods use."""
         return self._cluster_client()
 
     # -- errors ----------------------------------------------------------------------
