@@ -299,6 +299,13 @@ class WorkerSide:
         seals = self.remote.seals
         self.stats.inc(metrics.SEALS, seals - self._seals_counted)
         self._seals_counted = seals
+        # bytes before and after compression, and the time spent on it, by direction
+        for direction, (raw, stored, secs) in self.remote.take_compression().items():
+            if raw:
+                self.stats.inc(metrics.COMPRESS_RAW_BYTES, raw, (direction,))
+                self.stats.inc(metrics.COMPRESS_STORED_BYTES, stored, (direction,))
+            if secs:
+                self.stats.inc(metrics.COMPRESS_SECONDS, secs, (direction,))
         # a Redis Cluster's unreachable nodes, by address (bounded by the tier)
         take_node_errors = getattr(self.remote.tier, "take_node_errors", None)
         if take_node_errors is not None:

@@ -27,6 +27,15 @@ associated data is ``[v, key, dtype, shape, len]``, so a sealed chunk with any o
 them changed (moved to another chunk key's name) does not open; the tag also
 catches bit flips. With an HMAC key as well, the signature covers the sealed
 header and the ciphertext (encrypt-then-MAC) and is checked before decryption.
+
+A **compressed** chunk (``compression: lossless``, see :mod:`kvtier.compress`)
+adds ``"z"``, the name of its form, to either header; its payload (and ``len``)
+is the compressed stream, which the checksum, the HMAC and the AEAD cover (they
+also cover the form: compress, then seal and sign). It is read by verifying first,
+then decompressing into the slot, whose size (never the object's) bounds the
+output. A chunk is stored compressed only when its whole compressed object is
+shorter than the raw payload alone, so a tier's ``read_into`` of a slot refuses it
+unread (too short) and the reader knows to read it whole.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
+from kvtier.compress import decompress_into
 from kvtier.errors import (
     ChecksumError,
     CodecError,
@@ -57,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION", "MAGIC", "Signer", "decode", "encode", "encoded_size", "head_length",
+    "is_compressed",
     "verify",
 ]
 
@@ -69,6 +80,8 @@ _FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
 _SEALED_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "kid", "nonce", "tag"})
 _SEAL_LENS = {"kid": KID_BYTES, "nonce": NONCE_BYTES, "tag": TAG_BYTES}
 _SIG_LEN = hashlib.sha256().digest_size
+#: the longest compressed-form name a header may carry
+_FORM_MAX = 32
 _XXH_LEN = 16
 
 
@@ -221,9 +234,10 @@ def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *re
     return packed
 
 
-def _aad(version: int, key: str, dtype: str, shape: list[int], n: int) -> bytes:
-    """A sealed chunk's associated data: what it is and where it belongs."""
-    packed: bytes = msgpack.packb([version, key, dtype, shape, n], use_bin_type=True)
+def _aad(version: int, key: str, dtype: str, shape: list[int], n: int, *form: bytes) -> bytes:
+    """A sealed chunk's associated data: what it is and where it belongs (and, compressed,
+    its form)."""
+    packed: bytes = msgpack.packb([version, key, dtype, shape, n, *form], use_bin_type=True)
     return packed
 
 
@@ -234,32 +248,74 @@ def encode(
     dtype: str,
     shape: Sequence[int],
     signer: Signer | None = None,
+    compressed: tuple[str, bytes | bytearray | memoryview] | None = None,
 ) -> list[bytes | memoryview]:
     """Frame ``payload`` as a chunk; returns the parts to write, the payload not copied.
 
     With a sealer in ``signer`` the payload part is its ciphertext, in this thread's
     scratch buffer: write the parts before this thread encodes again.
+
+    ``compressed`` is ``(form, stream)``, ``payload`` compressed: the chunk is framed
+    compressed when its whole object is shorter than ``payload`` alone (then, and only
+    then, :func:`encoded_size` of the parts is below ``payload``'s size), else raw.
     """
     view = _payload_view(payload)
     shape_l = [int(d) for d in shape]
     if any(d < 0 for d in shape_l):
         raise ValueError(f"shape {shape_l} has a negative dimension")
+    sealer = signer.sealer if signer is not None else None
+    signs = signer is not None and signer.hmac
+    form: str | None = None
+    if compressed is not None:
+        form, stream = compressed[0], _payload_view(compressed[1])
+        if not form or len(form) > _FORM_MAX:
+            raise ValueError(f"compressed form name {form!r} is empty or too long")
+        # fixed-length fields: the header's size is known before sealing or signing
+        probe = _header(key, dtype, shape_l, stream.nbytes, form, sealer is not None, signs)
+        if _PREFIX.size + len(msgpack.packb(probe, use_bin_type=True)) + stream.nbytes < (
+            view.nbytes + _PREFIX.size
+        ):
+            view = stream
+        else:
+            form = None
     n = view.nbytes
     header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape_l,
                               "len": n}  # fmt: skip
-    sealer = signer.sealer if signer is not None else None
+    extra: tuple[bytes, ...] = ()
+    if form is not None:
+        header["z"] = form
+        extra = (form.encode(),)
     if sealer is not None:
-        seal, body = sealer.seal(_aad(FORMAT_VERSION, key, dtype, shape_l, n), view)
+        aad = _aad(FORMAT_VERSION, key, dtype, shape_l, n, *extra)
+        seal, body = sealer.seal(aad, view)
         header.update(kid=seal.kid, nonce=seal.nonce, tag=seal.tag)
         rest: tuple[bytes, ...] = (seal.kid, seal.nonce, seal.tag)
     else:
         body = view
         header["xxh"] = xxhash.xxh3_128_digest(view)
         rest = (header["xxh"],)
-    if signer is not None and signer.hmac:
-        header["sig"] = signer.sign(_canonical(FORMAT_VERSION, key, dtype, shape_l, n, *rest), body)
+    if signs:
+        assert signer is not None
+        canon = _canonical(FORMAT_VERSION, key, dtype, shape_l, n, *rest, *extra)
+        header["sig"] = signer.sign(canon, body)
     packed = msgpack.packb(header, use_bin_type=True)
     return [_PREFIX.pack(MAGIC, len(packed)) + packed, body]
+
+
+def _header(
+    key: str, dtype: str, shape: list[int], n: int, form: str, sealed: bool, signed: bool
+) -> dict[str, Any]:
+    """A header with placeholder bytes of the real lengths (its packed size is the real
+    one's: every bytes field has a fixed length)."""
+    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
+                              "len": n, "z": form}  # fmt: skip
+    if sealed:
+        header.update({f: bytes(k) for f, k in _SEAL_LENS.items()})
+    else:
+        header["xxh"] = bytes(_XXH_LEN)
+    if signed:
+        header["sig"] = bytes(_SIG_LEN)
+    return header
 
 
 def encoded_size(parts: Sequence[bytes | memoryview]) -> int:
@@ -269,6 +325,11 @@ def encoded_size(parts: Sequence[bytes | memoryview]) -> int:
 
 def _is_int(x: object) -> bool:
     return type(x) is int  # not bool: msgpack's true must not pass for version 1
+
+
+def _form_ok(form: object, present: bool) -> bool:
+    """A compressed form's name, when there is one: a short non-empty string."""
+    return not present or isinstance(form, str) and 0 < len(form) <= _FORM_MAX
 
 
 def _parse_header(raw: bytes) -> dict[str, Any]:
@@ -282,7 +343,7 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     if not _is_int(version) or version != FORMAT_VERSION:
         raise CodecError(f"unknown chunk format version {version!r} (this build reads 1)")
     fields = _SEALED_FIELDS if "nonce" in header else _FIELDS
-    extra = set(header) - fields - {"sig"}
+    extra = set(header) - fields - {"sig", "z"}
     missing = fields - set(header)
     if extra or missing:
         raise CodecError(
@@ -302,6 +363,7 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
             for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [("xxh", _XXH_LEN)])
         )
         and (sig is None and "sig" not in header or isinstance(sig, bytes) and len(sig) == _SIG_LEN)
+        and _form_ok(header.get("z", ""), "z" in header)
     ):
         raise CodecError("chunk header has a field of the wrong type")
     return header
@@ -314,9 +376,12 @@ def decode(
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
     signer: Signer | None = None,
+    out: memoryview | None = None,
 ) -> memoryview:
     """Check a stored chunk and return a view of its payload (no copy of a plain chunk;
     a sealed one is decrypted in place when ``blob`` is writable, else into a copy).
+    A compressed chunk is decompressed into ``out`` (its size is the only bound on the
+    output) and ``out`` is returned; without ``out`` it is a :class:`CodecError`.
 
     Raises a :class:`~kvtier.errors.CodecError` subclass for anything that is
     not exactly a chunk for ``key`` (and ``dtype``/``shape`` when given),
@@ -333,8 +398,21 @@ def decode(
     payload = view[body_at:]
     if payload.readonly and "nonce" in _parse_header(bytes(view[_PREFIX.size : body_at])):
         payload = memoryview(bytearray(payload))  # a sealed chunk opens in place
-    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer)
-    return payload
+    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out)
+    return payload if out is None or not is_compressed(view[:body_at]) else out
+
+
+def is_compressed(head: bytes | bytearray | memoryview) -> bool:
+    """Whether a chunk's head (magic, length, header) says its payload is compressed;
+    False for a head that does not parse (:func:`verify` then says why)."""
+    view = _payload_view(head)
+    try:
+        body_at = head_length(view[: _PREFIX.size])
+        if view.nbytes < body_at:
+            return False
+        return "z" in _parse_header(bytes(view[_PREFIX.size : body_at]))
+    except CodecError:
+        return False
 
 
 def head_length(prefix: bytes | bytearray | memoryview) -> int:
@@ -360,12 +438,16 @@ def verify(
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
     signer: Signer | None = None,
-) -> None:
+    out: memoryview | None = None,
+) -> float:
     """Check a chunk read as its head (magic, length, header) and its payload, where the
     payload already is where it will be used (a host slot): nothing is copied. A sealed
     chunk is decrypted in place (``payload`` must then be writable), so on success the
-    payload holds the plaintext. Raises like :func:`decode`; on any error the payload's
-    bytes must not be used."""
+    payload holds the plaintext. A compressed chunk is checked as stored (compressed,
+    and sealed) and then decompressed into ``out``, which it must fill exactly (a
+    compressed chunk without ``out`` is a :class:`CodecError`). Raises like
+    :func:`decode`; on any error the payload's and ``out``'s bytes must not be used.
+    Returns the seconds spent decompressing (0.0 for a raw chunk)."""
     head_v = _payload_view(head)
     body_at = head_length(head_v[: _PREFIX.size])
     if head_v.nbytes < body_at:
@@ -379,6 +461,9 @@ def verify(
         raise CodecError(f"chunk dtype {header['dtype']!r}, expected {dtype!r}")
     if shape is not None and header["shape"] != [int(d) for d in shape]:
         raise CodecError(f"chunk shape {header['shape']}, expected {list(shape)}")
+    form: str | None = header.get("z")
+    if form is not None and out is None:
+        raise CodecError("chunk is compressed and was read where it cannot be decompressed")
     n = header["len"]
     have = payload.nbytes
     if have < n:
@@ -401,13 +486,20 @@ def verify(
         if xxhash.xxh3_128_digest(payload) != header["xxh"]:
             raise ChecksumError("chunk payload does not match its checksum")
         rest = (header["xxh"],)
+    extra = () if form is None else (form.encode(),)
     if signer is not None and signer.hmac:
         sig = header.get("sig")
         if sig is None:
             raise SignatureError("chunk is not signed but a signing key is configured")
-        canon = _canonical(header["v"], header["key"], header["dtype"], header["shape"], n, *rest)
+        canon = _canonical(
+            header["v"], header["key"], header["dtype"], header["shape"], n, *rest, *extra
+        )
         if not signer.verify(canon, payload, sig):
             raise SignatureError("chunk signature does not match any accepted key")
     if sealer is not None:  # sealed: checked above
-        aad = _aad(header["v"], header["key"], header["dtype"], header["shape"], n)
+        aad = _aad(header["v"], header["key"], header["dtype"], header["shape"], n, *extra)
         sealer.open_into(Seal(header["kid"], header["nonce"], header["tag"]), aad, payload)
+    if form is None:
+        return 0.0
+    assert out is not None
+    return decompress_into(form, payload, out)

@@ -380,6 +380,9 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_decrypt_keys_file": _path,
     "trust_multimodal_ids": _bool_flag,
 }
+#: how chunks are stored in the object tier: raw, or compressed losslessly (kvtier.compress)
+COMPRESSIONS = ("none", "lossless")
+_PARSERS["compression"] = _choice(COMPRESSIONS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
@@ -439,6 +442,9 @@ class KVTierConfig:
     #: share chunks of multimodal requests without a cache_salt through the object tier:
     #: only when no client can name an input (multi_modal_uuids) another client sent
     trust_multimodal_ids: bool = False
+    #: object-tier chunks: "none" (raw) or "lossless" (python-blosc2: byte shuffle + zstd;
+    #: every engine reads both forms, whatever its own setting)
+    compression: str = "none"
 
     def check_block_size(self, block_size: int) -> None:
         """Fail startup when chunks would not line up with vLLM's blocks."""

@@ -39,10 +39,11 @@ TRANSFER_OPS = ("store", "load", "fetch", "upload")
 #: "object": one object could not be read or written (disk full, a Redis key of the wrong
 #: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
 #: never read; "sealed": a sealed (encrypted) chunk this engine holds no key for; "node": one
-#: node of a Redis Cluster could not be reached (its slots miss, the other nodes serve)
+#: node of a Redis Cluster could not be reached (its slots miss, the other nodes serve);
+#: "format": a chunk stored in a compressed form this engine cannot read
 ERROR_KINDS = (
     "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
-    "timeout", "unreachable", "tier", "load", "object", "oversize", "node",
+    "timeout", "unreachable", "tier", "load", "object", "oversize", "node", "format",
 )
 
 
@@ -188,6 +189,25 @@ NODE_ERRORS = MetricSpec(
     ("node",),
 )
 ALL += (NODE_ERRORS,)
+
+COMPRESS_RAW_BYTES = MetricSpec(
+    PREFIX + "compress_raw_bytes", "counter",
+    "KV bytes of the chunks the object tier wrote (write) or served (read), before "
+    "compression; with compress_stored_bytes the tier's compression ratio.",
+    ("direction",),
+)
+COMPRESS_STORED_BYTES = MetricSpec(
+    PREFIX + "compress_stored_bytes", "counter",
+    "The same chunks' payload bytes as stored in the object tier (compressed, or raw where "
+    "compression is off or did not pay).",
+    ("direction",),
+)
+COMPRESS_SECONDS = MetricSpec(
+    PREFIX + "compress_seconds", "counter",
+    "Seconds the object-tier I/O threads spent compressing (write) and decompressing (read).",
+    ("direction",),
+)
+ALL += (COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS)
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:

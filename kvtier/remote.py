@@ -53,6 +53,14 @@ Behind that:
   ``"oversize"``.
 - ``close`` returns within its bound even when an I/O thread is stuck in a
   backend call: the threads are daemons and every join is bounded.
+- With a compressor (``compression: lossless``) an upload is compressed, then
+  framed, sealed and signed, all on its write thread; a fetch reads the whole
+  object (one bounded ``get``) into a per-read-thread scratch buffer, verifies it
+  there and decompresses it into the slot. Without one a fetch reads straight into
+  the slot; an object too short for that (a compressed chunk another engine wrote)
+  is read again whole and decompressed the same way, so every engine reads both.
+  Bytes before and after compression and the seconds spent are counted
+  (:meth:`RemoteIO.take_compression`).
 - Nothing is raised to the caller for data or tier problems: every accepted
   op yields exactly one :class:`~kvtier.ops.OpResult` with an ``error_kind`` that is a
   label of ``kvtier:errors`` (see :mod:`kvtier.metrics`).
@@ -70,9 +78,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier import codec, metrics
+from kvtier import codec, compress, metrics
 from kvtier.backoff import Backoff, ExponentialBackoff
-from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable
+from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable, TruncatedError
 from kvtier.ops import OpKind, OpResult
 from kvtier.stats import Totals
 from kvtier.threads import run_within, stop_within
@@ -96,6 +104,9 @@ _COUNTERS = (
     "ops_fetch", "ops_upload", "gets_skipped", "reads_stuck", "writes_stuck",
     "puts_existing", "seals",
 ) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
+#: per direction: KV bytes, their bytes as stored (compressed or not), microseconds spent
+#: compressing (write) or decompressing (read)
+_ZCOUNTERS = tuple(f"z_{what}_{d}" for d in ("read", "write") for what in ("raw", "stored", "us"))
 #: keys whose last fetch was rejected, remembered so that their next upload rewrites them
 REWRITE_KEYS = 4096
 
@@ -191,6 +202,7 @@ class RemoteIO:
         signer: codec.Signer | None,
         backoff: Backoff | None = None,
         write_stall_s: float | None = None,
+        compressor: compress.Compressor | None = None,
     ) -> None:
         if threads < 1 or queue_depth < 1 or timeout_s <= 0:
             raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
@@ -207,8 +219,12 @@ class RemoteIO:
         self._writes_idle = threading.Condition(self._lock)
         self._inflight: dict[int, _Op] = {}  # reads, watched by poll() for timeouts
         self._seq = itertools.count()
-        self._totals = Totals(_COUNTERS)  # guarded by self._lock
-        self._taken = dict.fromkeys(_COUNTERS, 0)
+        self._totals = Totals(_COUNTERS + _ZCOUNTERS)  # guarded by self._lock
+        self._taken = dict.fromkeys(_COUNTERS + _ZCOUNTERS, 0)
+        self._z_taken = dict.fromkeys(_ZCOUNTERS, 0)
+        #: compresses uploads (``compression: lossless``); None: stored raw
+        self.compressor = compressor
+        self._scratch = threading.local()  # a read thread's buffer for compressed objects
         self._pending_writes = 0
         self._puts_written = 0
         self._put_failed_kinds: collections.Counter[str] = collections.Counter()
@@ -252,6 +268,7 @@ class RemoteIO:
             timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
             signer=signer,
             backoff=backoff,
+            compressor=compress.Compressor.from_config(cfg),
         )
 
     def __repr__(self) -> str:
@@ -528,6 +545,23 @@ class RemoteIO:
         with self._lock:
             return dict(self._totals)
 
+    def take_compression(self) -> dict[str, tuple[int, int, float]]:
+        """Per direction ("read", "write"), since the previous call: KV bytes moved, their
+        bytes in the object tier (compressed or not), seconds spent (de)compressing."""
+        with self._lock:
+            delta = {k: self._totals[k] - self._z_taken[k] for k in _ZCOUNTERS}
+            self._z_taken = {k: self._totals[k] for k in _ZCOUNTERS}
+        return {
+            d: (delta[f"z_raw_{d}"], delta[f"z_stored_{d}"], delta[f"z_us_{d}"] / 1e6)
+            for d in ("read", "write")
+        }
+
+    def _count_z(self, direction: str, raw: int, stored: int, seconds: float) -> None:
+        with self._lock:
+            self._totals[f"z_raw_{direction}"] += raw
+            self._totals[f"z_stored_{direction}"] += stored
+            self._totals[f"z_us_{direction}"] += round(seconds * 1e6)
+
     def take_counters(self) -> dict[str, int]:
         """Counter increments since the previous call (for per-interval stats)."""
         with self._lock:
@@ -574,15 +608,21 @@ class RemoteIO:
             return
         try:
             if not write:
-                head = self.tier.read_into(key, buf, MAX_FRAME)
+                got = self._read(key, buf)
                 self._answered(op)
-                if head is None:
+                if got is None:
                     self._finish(op, False, None)
                     return
-                self._add("bytes_read", len(head) + buf.nbytes)
-                codec.verify(head, buf, key=key, dtype=op.dtype, shape=op.shape,
-                             signer=self.signer)  # fmt: skip
-                self._finish(op, True, None, nbytes=len(head) + buf.nbytes)
+                head, payload = got
+                nread = len(head) + payload.nbytes
+                self._add("bytes_read", nread)
+                # a compressed chunk is verified as stored, in the scratch buffer, then
+                # decompressed into the slot; one read into the slot is never decompressed
+                secs = codec.verify(head, payload, key=key, dtype=op.dtype, shape=op.shape,
+                                    signer=self.signer,
+                                    out=None if payload is buf else buf)  # fmt: skip
+                self._count_z("read", buf.nbytes, payload.nbytes, secs)
+                self._finish(op, True, None, nbytes=nread)
             else:
                 with self._lock:
                     rewrite = key in self._rewrite
@@ -593,10 +633,19 @@ class RemoteIO:
                     self._add("puts_existing", 1)
                     self._finish(op, True, None)
                     return
-                parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer)
+                z: tuple[str, bytes] | None = None
+                secs = 0.0
+                if self.compressor is not None:
+                    stream, secs = self.compressor.compress(buf, compress.itemsize(op.dtype))
+                    z = (self.compressor.form, stream)
+                parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer,
+                                     compressed=z)  # fmt: skip
                 self.tier.put(key, parts)
                 self._answered(op)
                 n = codec.encoded_size(parts)
+                # only a compressed frame is shorter than the raw payload alone
+                stored = memoryview(parts[-1]).nbytes if n < buf.nbytes else buf.nbytes
+                self._count_z("write", buf.nbytes, stored, secs)
                 with self._lock:
                     self._totals["bytes_written"] += n
                     self._rewrite.pop(key, None)
@@ -615,6 +664,44 @@ class RemoteIO:
             if not write and isinstance(exc, ObjectError):
                 self._remember_rewrite(key)
             self._finish(op, False, exc.kind if exc.kind in ERROR_KINDS else "tier")
+
+    def _read(self, key: str, slot: memoryview) -> tuple[bytes, memoryview] | None:
+        """Read ``key`` for ``slot``: (head, payload), None when it is not stored.
+
+        Without a compressor the object is read straight into the slot (the payload is
+        ``slot``). With one, or when the object is too short for that (compressed by
+        another engine), it is read whole, at most the slot plus the largest header: a
+        compressed payload into this thread's scratch buffer (decompressed into the slot
+        once verified), a raw one copied into the slot.
+        """
+        if self.compressor is None:
+            try:
+                head = self.tier.read_into(key, slot, MAX_FRAME)
+            except TruncatedError:
+                pass  # shorter than a raw chunk: perhaps a compressed one; read it whole
+            else:
+                return None if head is None else (head, slot)
+        blob = self.tier.get(key, max_bytes=slot.nbytes + MAX_FRAME)
+        if blob is None:
+            return None
+        view = memoryview(blob)
+        body_at = codec.head_length(view[:8])
+        if view.nbytes < body_at:
+            raise TruncatedError(f"chunk of {view.nbytes} bytes ends inside its header")
+        head, payload = bytes(view[:body_at]), view[body_at:]
+        if not codec.is_compressed(head):
+            if payload.nbytes != slot.nbytes:
+                raise TruncatedError(f"chunk payload has {payload.nbytes} bytes, its slot "
+                                     f"{slot.nbytes}")  # fmt: skip
+            slot[:] = payload
+            return head, slot
+        buf: bytearray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < payload.nbytes:  # at most slot + MAX_FRAME
+            buf = bytearray(payload.nbytes)
+            self._scratch.buf = buf
+        scratch = memoryview(buf)[: payload.nbytes]
+        scratch[:] = payload  # writable: a sealed chunk opens in place
+        return head, scratch
 
     def _answered(self, op: _Op) -> None:
         """The tier answered ``op``'s call: up again, unless it answered too late (then

@@ -512,6 +512,18 @@ kvtier:miss_tokens_total{model_name="tiny-llama",engine="0",reason="tail"} 40
 # HELP kvtier:node_errors_total Object-tier calls that failed because one Redis Cluster node could not be reached.
 # TYPE kvtier:node_errors_total counter
 kvtier:node_errors_total{model_name="tiny-llama",engine="0",node="10.0.0.7:6379"} 5
+# HELP kvtier:compress_raw_bytes_total KV bytes of the chunks the object tier wrote or served.
+# TYPE kvtier:compress_raw_bytes_total counter
+kvtier:compress_raw_bytes_total{model_name="tiny-llama",engine="0",direction="write"} 2097152
+kvtier:compress_raw_bytes_total{model_name="tiny-llama",engine="0",direction="read"} 1048576
+# HELP kvtier:compress_stored_bytes_total The same chunks' payload bytes as stored.
+# TYPE kvtier:compress_stored_bytes_total counter
+kvtier:compress_stored_bytes_total{model_name="tiny-llama",engine="0",direction="write"} 1447034
+kvtier:compress_stored_bytes_total{model_name="tiny-llama",engine="0",direction="read"} 723517
+# HELP kvtier:compress_seconds_total Seconds the object-tier I/O threads spent compressing.
+# TYPE kvtier:compress_seconds_total counter
+kvtier:compress_seconds_total{model_name="tiny-llama",engine="0",direction="write"} 0.006
+kvtier:compress_seconds_total{model_name="tiny-llama",engine="0",direction="read"} 0.001
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")
