@@ -151,18 +151,19 @@ class RedisClusterTier(RedisTier):
             )  # fmt: skip
         self._bound = _Bound()
         parser = type("_TierParser", (_ClusterParser,), {"bound": self._bound})
-        limits = {
-            "parser_class": parser,
-            "max_connections": io_threads + 2,
-            "timeout": self._waits.pool_wait_s,
-        }
+        # at most io_threads calls at once, each holding one connection per node, plus a
+        # topology refresh: a node's pool never runs out
+        limits = {"parser_class": parser, "max_connections": io_threads + 2}
 
-        class _Pool(redis.BlockingConnectionPool):
+        class _Pool(redis.ConnectionPool):
             """Every node's pool: the tier's parser and bounds (RedisCluster passes only the
-            connection arguments it knows to a node's pool)."""
+            connection arguments it knows to a node's pool). Not redis-py's blocking pool:
+            the cluster client's topology refresh disconnects the connections such a pool
+            lists as free, and one another thread was taking at that moment had its reply
+            cut mid-read (its parser's buffer gone)."""
 
             def __init__(self, **kwargs: Any) -> None:
-                super().__init__(**{**kwargs, **limits})  # type: ignore[no-untyped-call]
+                super().__init__(**{**kwargs, **limits})
 
         try:
             options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]

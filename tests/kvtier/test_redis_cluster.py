@@ -364,3 +364,55 @@ def test_a_node_that_just_failed_is_skipped_for_a_moment(
     time.sleep(0.06)  # the first failure's backoff: 50 ms
     assert tier.get(keys[0], 10_000) == b"head1234" + bytes(payload(0))
     assert not tier._node_health[node].failures  # answered: the node is up again
+
+
+def test_a_topology_refresh_never_cuts_a_reply_being_read(
+    cluster: RedisCluster, tier: RedisClusterTier
+) -> None:
+    """redis-py's topology refresh (after any node's connection error) disconnects the
+    connections a node's pool lists as free. A connection another thread took at that
+    moment must not be among them: its reply would be cut mid-read (with redis-py's
+    blocking pool the parser's buffer vanished: AttributeError, a fetch failed as "tier")."""
+    import threading
+
+    tier.put("refresh-probe", [b"x"])
+    node = tier._cluster.get_node_from_key("refresh-probe")
+    pool = node.redis_connection.connection_pool
+    conn = pool.get_connection()
+    pool.release(conn)  # one free, connected connection
+    in_refresh, go, refreshed, sent = (threading.Event() for _ in range(4))
+    disconnect = conn.disconnect
+
+    def slow_disconnect(*args, **kwargs):  # the refresh, holding its list of free ones
+        in_refresh.set()
+        go.wait(5)
+        return disconnect(*args, **kwargs)
+
+    conn.disconnect = slow_disconnect
+    out: list[object] = []
+
+    def refresh() -> None:
+        pool.disconnect_free_connections()
+        refreshed.set()
+
+    def command() -> None:
+        try:
+            c = pool.get_connection()
+            c.send_command("GET", "refresh-probe")
+            sent.set()
+            refreshed.wait(5)
+            out.append(c.read_response())
+            pool.release(c)
+        except Exception as exc:  # noqa: BLE001 - the failure under test
+            out.append(exc)
+
+    t1 = threading.Thread(target=refresh)
+    t1.start()
+    assert in_refresh.wait(5)
+    t2 = threading.Thread(target=command)
+    t2.start()
+    sent.wait(0.5)  # a pool that hands the connection out now lets the command go ahead
+    go.set()
+    t1.join(5)
+    t2.join(5)
+    assert out == [b"x"], out
