@@ -39,6 +39,14 @@ lookup does (``RemoteIO.submit_get_run``: the first alone, the rest in
 parallel), sealed and plain alternating, latency per run (median): the part of
 a restart hit's TTFT that encryption changes.
 
+Then, compression (``compression: lossless``) on KV-like bf16 chunks (normal values,
+per-channel scales, as K and V are; or, with ``--kv-dir``, the chunks a real engine
+wrote to a ``file://`` tier): stored ÷ raw bytes and single-thread compress and
+decompress GB/s of python-blosc2 (kvtier's choice: shuffle + zstd level 1) and, when
+installed, zstandard on byte planes (the alternative evaluated); and the restart-hit
+fetch of ``--hit-chunks`` chunks, raw and compressed alternating, per backend: the
+part of a restart hit's TTFT that compression changes (compressed ÷ raw < 1: faster).
+
 Raw boto3 uses the same botocore Config as kvtier's S3 tier (pool size,
 timeouts, no extra CRC), so the ratio isolates kvtier's own overhead. Each
 figure is the best of ``--rounds`` interleaved rounds (the machine is shared);
@@ -60,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +76,7 @@ from contextlib import contextmanager
 
 from harness import free_port, int_list
 
-from kvtier import codec
+from kvtier import codec, compress
 from kvtier.backoff import ConstantBackoff
 from kvtier.remote import MAX_FRAME, RemoteIO
 from kvtier.seal import Sealer
@@ -645,6 +654,207 @@ def run_hit_latency(case: Case, args: argparse.Namespace, chunks: list[bytes]) -
             "added_ms": (med["sealed"] - med["plain"]) * 1000}  # fmt: skip
 
 
+def kv_like_chunks(size: int, n: int, seed: int = 0) -> list[bytes]:
+    """bf16 chunks shaped like K/V: normal values with per-channel scales (a few channels
+    much larger than the rest), rounded to bf16 (round to nearest even)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        scale = rng.uniform(0.1, 3.1, 128).astype(np.float32)
+        scale[rng.choice(128, 4, replace=False)] *= 20  # outlier channels
+        x = (rng.standard_normal((size // 256, 128)).astype(np.float32) * scale).reshape(-1)
+        bits = x.view(np.uint32)
+        bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        out.append(bf16.tobytes()[:size])
+    return out
+
+
+def engine_chunks(kv_dir: str) -> list[bytes]:
+    """The payloads of the raw (unsealed, uncompressed) chunks a file:// tier holds."""
+    out = []
+    for root, _, files in os.walk(kv_dir):
+        for name in sorted(files):
+            if name.startswith("."):
+                continue
+            with open(os.path.join(root, name), "rb") as f:
+                blob = f.read()
+            try:
+                out.append(bytes(codec.decode(blob, key=name)))
+            except Exception:  # noqa: BLE001  # sealed, compressed or not a chunk: skipped
+                continue
+    if not out:
+        raise SystemExit(f"--kv-dir {kv_dir}: no raw kvtier chunk found")
+    return out
+
+
+def compression_speed(chunks: list[bytes], rounds: int) -> list[dict]:
+    """Stored ÷ raw and one-thread GB/s of each candidate on ``chunks`` (best of rounds)."""
+    cands: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes, memoryview], None]]] = {}
+    comp = compress.Compressor()
+
+    def unshuffle(c: bytes, d: memoryview) -> None:
+        compress.decompress_into("blosc2", memoryview(c), d)
+
+    cands["blosc2 shuffle+zstd-1 (kvtier)"] = (lambda b: comp.compress(memoryview(b), 2)[0],
+                                               unshuffle)  # fmt: skip
+    try:
+        import numpy as np
+        import zstandard
+    except ImportError:
+        pass
+    else:
+        zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+
+        def planes(b: bytes) -> bytes:
+            return zc.compress(np.frombuffer(b, np.uint8).reshape(-1, 2).T.tobytes())
+
+        def unplanes(c: bytes, d: memoryview) -> None:
+            flat = np.frombuffer(zd.decompress(c, max_output_size=d.nbytes), np.uint8)
+            np.frombuffer(d, np.uint8).reshape(-1, 2)[:] = flat.reshape(2, -1).T
+
+        cands["zstandard-1 on byte planes"] = (planes, unplanes)
+    rows = []
+    raw = sum(len(c) for c in chunks)
+    for name, (cfn, dfn) in cands.items():
+        best_c = best_d = float("inf")
+        stored = 0
+        slot = memoryview(bytearray(len(chunks[0])))
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            blobs = [cfn(c) for c in chunks]
+            best_c = min(best_c, time.perf_counter() - t0)
+            stored = sum(len(b) for b in blobs)
+            t0 = time.perf_counter()
+            for b, c in zip(blobs, chunks, strict=True):
+                dfn(b, slot[: len(c)])
+            best_d = min(best_d, time.perf_counter() - t0)
+        assert bytes(slot[: len(chunks[-1])]) == chunks[-1], name
+        rows.append({"codec": name, "ratio": stored / raw, "compress_gbps": raw / best_c / 1e9,
+                     "decompress_gbps": raw / best_d / 1e9})  # fmt: skip
+    return rows
+
+
+class LinkTier(ObjectTier):
+    """A tier behind a link of ``gbit`` Gbit/s that every read shares (a NIC, an uplink):
+    each object read holds the link for its bytes' time on the wire."""
+
+    def __init__(self, inner: ObjectTier, gbit: float) -> None:
+        self.inner, self.name = inner, inner.name
+        self.bytes_per_s = gbit * 1e9 / 8
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def _wire(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + nbytes / self.bytes_per_s
+            wait = self._free_at - now
+        time.sleep(wait)
+
+    def exists(self, keys):  # type: ignore[no-untyped-def]
+        return self.inner.exists(keys)
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        blob = self.inner.get(key, max_bytes)
+        if blob is not None:
+            self._wire(len(blob))
+        return blob
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        head = self.inner.read_into(key, dest, max_head)
+        if head is not None:
+            self._wire(len(head) + dest.nbytes)
+        return head
+
+    def put(self, key, parts):  # type: ignore[no-untyped-def]
+        self.inner.put(key, parts)
+
+    def delete(self, keys):  # type: ignore[no-untyped-def]
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def run_compression_hit(
+    case: Case, args: argparse.Namespace, chunks: list[bytes], link_gbit: float | None = None
+) -> dict:
+    """Latency of one restart hit's fetches (a lookup run), raw and compressed objects
+    alternating, each read by an engine of that setting (RemoteIO with or without a
+    compressor); with ``link_gbit``, through a link of that bandwidth."""
+    size = len(chunks[0])
+    shape = [size // 2]
+    n = args.hit_chunks
+    comp = compress.Compressor()
+    writer = _open(case, args.putget_threads)
+    stored = {"none": 0, "lossless": 0}
+    for side in stored:
+        for i in range(n):
+            k, c = f"z-{side}-{i}", chunks[i % len(chunks)]
+            z = ("blosc2", comp.compress(memoryview(c), 2)[0]) if side == "lossless" else None
+            parts = codec.encode(k, c, dtype="bfloat16", shape=shape, compressed=z)
+            stored[side] += codec.encoded_size(parts)
+            writer.put(k, parts)
+    writer.close()
+    def reader() -> ObjectTier:
+        tier = _open(case, args.putget_threads)
+        return tier if link_gbit is None else LinkTier(tier, link_gbit)
+
+    rios = {side: RemoteIO(reader(), threads=args.putget_threads,
+                           queue_depth=n + 1, timeout_s=60.0, signer=None,
+                           backoff=ConstantBackoff(0.1),
+                           compressor=comp if side == "lossless" else None)
+            for side in stored}  # fmt: skip
+    slots = [memoryview(bytearray(size)) for _ in range(n)]
+    times: dict[str, list[float]] = {side: [] for side in stored}
+    reps = max(args.rounds, 3) * 5
+    for r in range(reps + 2):  # two warm-up runs each
+        for side in (("none", "lossless") if r % 2 == 0 else ("lossless", "none")):
+            rio = rios[side]
+            t0 = time.perf_counter()
+            rio.submit_get_run([(i, f"z-{side}-{i}", slots[i]) for i in range(n)],
+                               dtype="bfloat16", shape=shape)  # fmt: skip
+            got: list = []
+            while len(got) < n:
+                got += rio.poll()
+                if len(got) < n:
+                    time.sleep(0.0005)
+            if any(not x.ok for x in got):
+                raise RuntimeError(f"restart-hit fetch failed: {got}")
+            if r >= 2:
+                times[side].append(time.perf_counter() - t0)
+            for i in range(n):
+                assert bytes(slots[i]) == chunks[i % len(chunks)], "not bit-exact"
+    for rio in rios.values():
+        rio.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    name = case.name if link_gbit is None else f"{case.name} @ {link_gbit:g} Gbit/s"
+    return {"backend": name, "chunks": n, "chunk_mib": size / MiB, "runs": reps,
+            "stored_over_raw": stored["lossless"] / stored["none"],
+            "none_ms_median": med["none"] * 1000, "lossless_ms_median": med["lossless"] * 1000,
+            "lossless_over_none": med["lossless"] / med["none"]}  # fmt: skip
+
+
+def print_compression(speed: list[dict], hits: list[dict], source: str) -> None:
+    print(f"\nCompression on {source}, one thread, best of the rounds (GB/s = 1e9 B/s)")
+    print(f"{'codec':<32} {'stored/raw':>10} {'compress GB/s':>13} {'decompress GB/s':>15}")
+    for r in speed:
+        print(f"{r['codec']:<32} {r['ratio']:>10.3f} {r['compress_gbps']:>13.2f} "
+              f"{r['decompress_gbps']:>15.2f}")  # fmt: skip
+    if not hits:
+        return
+    r0 = hits[0]
+    print(f"Restart-hit fetch with compression: a lookup run of {r0['chunks']} chunks of "
+          f"{r0['chunk_mib']:.2f} MiB, raw and lossless alternating, median of {r0['runs']} runs")
+    print(f"{'backend':<22} {'stored/raw':>10} {'none ms':>8} {'lossless ms':>11} "
+          f"{'lossless/none':>13}")  # fmt: skip
+    for r in hits:
+        print(f"{r['backend']:<22} {r['stored_over_raw']:>10.3f} {r['none_ms_median']:>8.1f} "
+              f"{r['lossless_ms_median']:>11.1f} {r['lossless_over_none']:>13.2f}")  # fmt: skip
+
+
 def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -> float:
     """Print the encryption table; returns the lowest sealed ÷ plain ratio."""
     print(
@@ -705,6 +915,13 @@ def print_into(rows: list[dict], hmac_on: bool) -> float:
     return worst
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, got {text!r}") from None
+
+
 def _backends(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in out if x not in BACKENDS]
@@ -745,6 +962,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hit-chunks", type=int, default=8,
                         help="chunks of the restart-hit fetch (8 x 4 MiB: a 2,048-token "
                         "prompt of bench/ttft.py's model)")  # fmt: skip
+    parser.add_argument("--skip-compression", action="store_true",
+                        help="no compression table")  # fmt: skip
+    parser.add_argument("--only-compression", action="store_true",
+                        help="only the compression tables")  # fmt: skip
+    parser.add_argument("--link-gbit", type=float_list, default=[1.0, 5.0, 10.0, 25.0],
+                        help="also fetch the compression table's file tier through a link "
+                        "of these Gbit/s (shared by the read threads), comma-separated")
+    parser.add_argument("--kv-dir", help="a file:// tier directory an engine wrote (raw "
+                        "chunks): compress its chunks instead of synthetic KV-like ones")
     parser.add_argument("--hmac", action="store_true", help="sign and verify chunks (HMAC)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
@@ -754,8 +980,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.skip_redis = args.skip_redis or "redis" not in args.only
     args.skip_file = "file" not in args.only
     if args.only_encryption:
-        args.skip_putget = args.skip_into = True
+        args.skip_putget = args.skip_into = args.skip_compression = True
         args.skip_encryption = False
+    if args.only_compression:
+        args.skip_putget = args.skip_into = args.skip_encryption = True
+        args.skip_compression = False
     if args.chunks < max(args.concurrency):
         parser.error("--chunks must be at least the largest --concurrency")
     return args
@@ -771,6 +1000,15 @@ def main(argv: list[str] | None = None) -> int:
     into: list[dict] = []
     enc: list[dict] = []
     hits: list[dict] = []
+    zhits: list[dict] = []
+    zspeed: list[dict] = []
+    if not args.skip_compression:
+        if args.kv_dir:
+            kv_chunks, source = engine_chunks(args.kv_dir), f"the chunks in {args.kv_dir}"
+        else:
+            kv_chunks = kv_like_chunks(size, min(args.chunks, 8))
+            source = f"synthetic KV-like bf16 chunks of {size / MiB:.2f} MiB"
+        zspeed = compression_speed(kv_chunks, args.rounds)
     with local_services(args):
         cases = []
         if not args.skip_file:
@@ -787,6 +1025,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_encryption:
                 enc += run_encryption(case, args, chunks)
                 hits.append(run_hit_latency(case, args, chunks))
+            if not args.skip_compression:
+                zhits.append(run_compression_hit(case, args, kv_chunks))
+                if case.name == "file":
+                    for gbit in args.link_gbit:
+                        zhits.append(run_compression_hit(case, args, kv_chunks, gbit))
     worst = float("inf")
     if rows:
         print(
@@ -811,12 +1054,15 @@ def main(argv: list[str] | None = None) -> int:
         speed = aes_gcm_speed(size, args.rounds)
         print_encryption(enc, speed, args.hmac)
         print_hit_latency(hits)
+    if zspeed:
+        print_compression(zspeed, zhits, source)
     if args.json:
         keys = ("backend", "mode", "op", "kvtier_mbps_best", "raw_mbps_best", "ratio_median")
         with open(args.json, "w") as f:
             json.dump({"putget": [dict(zip(keys, r, strict=True)) for r in rows],
                        "into": into, "encryption": enc, "aes_gcm": speed,
-                       "restart_hit_fetch": hits}, f, indent=1)  # fmt: skip
+                       "restart_hit_fetch": hits, "compression": zspeed,
+                       "compression_restart_hit_fetch": zhits}, f, indent=1)  # fmt: skip
     return 0
 
 

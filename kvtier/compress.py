@@ -139,7 +139,7 @@ def decompress_into(form: str, src: memoryview, dest: memoryview) -> float:
     if cbytes != src.nbytes:
         raise CodecError(f"compressed chunk says it is {cbytes} bytes long, it is {src.nbytes}")
     try:
-        b.decompress2(src, dst=dest)
+        b.decompress2(src, dst=dest, nthreads=1)  # the I/O threads are the parallelism
     except Exception as exc:  # noqa: BLE001  # a corrupt stream: any error means the same
         raise CodecError(f"compressed chunk does not decompress ({type(exc).__name__})") from None
     return time.perf_counter() - t0

@@ -672,7 +672,8 @@ class RemoteIO:
         ``slot``). With one, or when the object is too short for that (compressed by
         another engine), it is read whole, at most the slot plus the largest header: a
         compressed payload into this thread's scratch buffer (decompressed into the slot
-        once verified), a raw one copied into the slot.
+        once verified; with an encryption key, as it opens in place), a raw one copied
+        into the slot.
         """
         if self.compressor is None:
             try:
@@ -695,6 +696,8 @@ class RemoteIO:
                                      f"{slot.nbytes}")  # fmt: skip
             slot[:] = payload
             return head, slot
+        if self.signer is None or self.signer.sealer is None:
+            return head, payload  # not opened in place: decompressed from where it was read
         buf: bytearray | None = getattr(self._scratch, "buf", None)
         if buf is None or len(buf) < payload.nbytes:  # at most slot + MAX_FRAME
             buf = bytearray(payload.nbytes)
