@@ -502,4 +502,4 @@ def verify(
     if form is None:
         return 0.0
     assert out is not None
-    return decompress_into(form, payload, out)
+    return decompress_into(form, payload, out, header["dtype"])

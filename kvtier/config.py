@@ -381,7 +381,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "trust_multimodal_ids": _bool_flag,
 }
 #: how chunks are stored in the object tier: raw, or compressed losslessly (kvtier.compress)
-COMPRESSIONS = ("none", "lossless")
+COMPRESSIONS = ("none", "lossless", "fp8")
 _PARSERS["compression"] = _choice(COMPRESSIONS)
 
 
@@ -442,8 +442,9 @@ class KVTierConfig:
     #: share chunks of multimodal requests without a cache_salt through the object tier:
     #: only when no client can name an input (multi_modal_uuids) another client sent
     trust_multimodal_ids: bool = False
-    #: object-tier chunks: "none" (raw) or "lossless" (python-blosc2: byte shuffle + zstd;
-    #: every engine reads both forms, whatever its own setting)
+    #: object-tier chunks: "none" (raw), "lossless" (python-blosc2: byte shuffle + zstd) or
+    #: "fp8" (lossy, opt-in: bf16/fp16 KV as fp8 e4m3 with per-block scales); every engine
+    #: reads every form, whatever its own setting
     compression: str = "none"
 
     def check_block_size(self, block_size: int) -> None:

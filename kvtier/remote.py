@@ -202,7 +202,7 @@ class RemoteIO:
         signer: codec.Signer | None,
         backoff: Backoff | None = None,
         write_stall_s: float | None = None,
-        compressor: compress.Compressor | None = None,
+        compressor: compress.Compressor | compress.Fp8Compressor | None = None,
     ) -> None:
         if threads < 1 or queue_depth < 1 or timeout_s <= 0:
             raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
@@ -635,9 +635,11 @@ class RemoteIO:
                     return
                 z: tuple[str, bytes] | None = None
                 secs = 0.0
+                zgot = None
                 if self.compressor is not None:
-                    stream, secs = self.compressor.compress(buf, compress.itemsize(op.dtype))
-                    z = (self.compressor.form, stream)
+                    zgot = self.compressor.compress_chunk(buf, op.dtype)
+                if zgot is not None:
+                    z, secs = (zgot[0], zgot[1]), zgot[2]
                 parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer,
                                      compressed=z)  # fmt: skip
                 self.tier.put(key, parts)

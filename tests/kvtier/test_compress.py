@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier import codec, compress
 from kvtier.codec import Signer, decode, encode
-from kvtier.compress import Compressor, FormatError
+from kvtier.compress import Compressor, FormatError, Fp8Compressor
 from kvtier.config import load_config
 from kvtier.errors import CodecError, ConfigError, SignatureError, TruncatedError
 from kvtier.ops import OpResult
@@ -313,3 +313,87 @@ def test_bad_compressed_objects_are_counted_misses(
     assert collect(rio, 1)[10].error_kind == "format"
     assert rio.counters()["errors_format"] == 1
     rio.close()
+
+
+# -- fp8 (lossy, opt-in) ---------------------------------------------------------------
+
+FP8_TOL = {"bfloat16": 2.0**-8, "float16": 2.0**-11}  # half an ulp of the output dtype
+
+
+def fp8_round_trip(raw: bytes, dtype: str) -> tuple[bytes, bytes]:
+    form, stream, _ = Fp8Compressor().compress_chunk(memoryview(raw), dtype)  # type: ignore[misc]
+    b = framed(raw, dtype=dtype, z=(form, stream))
+    out = memoryview(bytearray(len(raw)))
+    decode(b, key=KEY, dtype=dtype, out=out)
+    return b, bytes(out)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_round_trip_error_bound_per_element(dtype: str) -> None:
+    """Every element within 2^-4 of its magnitude plus 2^-10 of its block's scale (e4m3's
+    half ulp, normal and subnormal), plus the output dtype's own rounding: with zeros,
+    values far below their block's largest (subnormal in fp8), outlier channels and a
+    chunk that ends inside a block."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40_000 - 3, generator=g) * (torch.rand(40_000 - 3, generator=g) * 4)
+    x[::97] = 0.0
+    x[5::131] *= 1e-4
+    x[7::1000] *= 300
+    t = x.to(DTYPES[dtype])
+    raw = t.view(torch.uint8).numpy().tobytes()
+    b, out = fp8_round_trip(raw, dtype)
+    assert len(b) < 0.53 * len(raw)  # 1 byte per value + 4 per 128 values + the header
+    xs = t.float()
+    y = torch.frombuffer(bytearray(out), dtype=DTYPES[dtype]).float()
+    n = xs.numel()
+    pad = torch.nn.functional.pad(xs.abs(), (0, -n % compress.FP8_BLOCK))
+    scale = (pad.view(-1, compress.FP8_BLOCK).amax(1) / 448).repeat_interleave(
+        compress.FP8_BLOCK)[:n]  # fmt: skip
+    u = FP8_TOL[dtype]
+    bound = xs.abs() * (2**-4 + u * 1.07) + scale * 2**-10 * (1 + u) + 2**-24
+    assert bool(((y - xs).abs() <= bound).all()), float(((y - xs).abs() - bound).max())
+    assert bool((y[xs == 0] == 0).all())
+
+
+def test_fp8_leaves_other_dtypes_and_non_finite_kv_raw() -> None:
+    c = Fp8Compressor()
+    for dtype in ("float8_e4m3fn", "float32", "uint8", "bfloat16*1,float8_e4m3fn*3"):
+        assert c.compress_chunk(memoryview(kv(dtype if dtype in DTYPES else "uint8")),
+                                dtype) is None  # fmt: skip
+    bad = torch.tensor([1.0, float("inf")] * 64, dtype=torch.bfloat16)
+    assert c.compress_chunk(memoryview(bad.view(torch.uint8).numpy().tobytes()),
+                            "bfloat16") is None  # fmt: skip
+
+
+def test_fp8_streams_that_do_not_fit_their_slot_are_refused() -> None:
+    raw = kv(n=4096)
+    _, good, _ = Fp8Compressor().compress_chunk(memoryview(raw), "bfloat16")  # type: ignore[misc]
+    nan_scale = good[:8] + struct.pack("<f", float("nan")) + good[12:]
+    cases = {"short": good[:-1], "long": good + b"\0", "magic": b"XXXX" + good[4:],
+             "block": good[:4] + struct.pack("<I", 0) + good[8:], "nan": nan_scale}  # fmt: skip
+    for stream in cases.values():
+        with pytest.raises(CodecError):
+            decode(framed(raw, z=("fp8e4m3", stream)), key=KEY, out=memoryview(bytearray(len(raw))))
+    with pytest.raises(CodecError, match="only bf16/fp16"):  # an fp8 form on fp32 KV
+        decode(framed(raw, dtype="float32", z=("fp8e4m3", good)), key=KEY,
+               out=memoryview(bytearray(len(raw))))  # fmt: skip
+
+
+def test_fp8_tier_is_read_by_every_engine(tmp_path) -> None:
+    """An fp8 engine's chunks are read (dequantised, within the bound) by an engine of
+    any setting; the config accepts fp8."""
+    assert isinstance(Compressor.from_config(load_config({"compression": "fp8"})),
+                      Fp8Compressor)  # fmt: skip
+    w = make_rio(FileTier(str(tmp_path / "o")), Fp8Compressor())
+    raw = kv(n=16384)
+    w.submit_put(1, "k", memoryview(raw), dtype="bfloat16", shape=SHAPE)
+    assert collect(w, 1)[1].ok
+    assert w.take_compression()["write"][1] < 0.53 * len(raw)
+    expected = fp8_round_trip(raw, "bfloat16")[1]
+    for comp in (None, Compressor(), Fp8Compressor()):
+        r = make_rio(FileTier(str(tmp_path / "o")), comp)
+        slot = memoryview(bytearray(len(raw)))
+        r.submit_get_into(2, "k", slot, dtype="bfloat16", shape=SHAPE)
+        assert collect(r, 1)[2].ok and bytes(slot) == expected
+        r.close()
+    w.close()
