@@ -170,8 +170,10 @@ _ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
 
 
 class NodeAddresses(tuple[str, ...]):
-    """The values of the ``node`` label: a node's ``host:port``, known only at run time
-    (none created up front), or "other" past :data:`NODE_LABELS` addresses per process."""
+    """The values of the ``node`` label: a node's ``host:port``, known only at run time,
+    or "other" past :data:`NODE_LABELS` addresses per process. Iterating it gives "other"
+    alone, the one series created up front (at 0, so the series and its panel exist
+    before any node fails)."""
 
     def __contains__(self, value: object) -> bool:
         return isinstance(value, str) and (
@@ -181,7 +183,7 @@ class NodeAddresses(tuple[str, ...]):
 
 #: distinct node addresses one process labels on its own (the rest are "other")
 NODE_LABELS = 32
-LABEL_VALUES["node"] = NodeAddresses()
+LABEL_VALUES["node"] = NodeAddresses(("other",))
 NODE_ERRORS = MetricSpec(
     PREFIX + "node_errors", "counter",
     "Object-tier calls that failed because one Redis Cluster node could not be reached, by "
