@@ -511,8 +511,8 @@ def test_slow_object_store_never_blocks_the_scheduler(
 
 
 def test_soak_2000_shared_prefix_requests(tiny_model: str, tmp_path: Path) -> None:
-    # chunk 128 tokens = 256 KiB here: 32 host slots for 16 prefixes x 4 chunks
-    extra = {"cpu_bytes": "8MiB", "chunk_size": 128}
+    # chunk 128 tokens = 512 KiB here (float32): 32 host slots for 16 prefixes x 4 chunks
+    extra = {"cpu_bytes": "16MiB", "chunk_size": 128}
     r = run_logged(
         "soak",
         tmp_path / "logs",

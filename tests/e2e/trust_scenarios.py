@@ -475,8 +475,11 @@ def soak(
     """Shared-prefix traffic: ``n_requests`` prompts prefix_i + suffix_j drawn at random
     (fixed seed), ``batch`` per generate call, vLLM's prefix cache flushed before each
     batch so prefixes come from kvtier's host tier (smaller than the working set) or are
-    computed again. Outputs are compared with the first output of each distinct prompt."""
-    llm = _engine(model, extra, max_num_seqs=batch)
+    computed again. Outputs are compared with the first output of each distinct prompt,
+    in float32: bf16 logits are quantised to 1/32 at this model's logprobs (about -4),
+    and AMX's bf16 matmuls round a decode step of one batch composition 2-3 such steps
+    away from another's, wider than any tie tolerance that still tells wrong KV apart."""
+    llm = _engine(model, extra, max_num_seqs=batch, dtype="float32")
     side = kvtier_side(llm) if extra is not None else None
     rng = random.Random(1234)
     prefixes = [toks(100 + i, prefix_tokens) for i in range(n_prefixes)]
