@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
-from kvtier.compress import decompress_into
+from kvtier.compress import LOSSY_FORMS, FormatError, decompress_into
 from kvtier.errors import (
     ChecksumError,
     CodecError,
@@ -377,6 +377,7 @@ def decode(
     shape: Sequence[int] | None = None,
     signer: Signer | None = None,
     out: memoryview | None = None,
+    lossy: bool = False,
 ) -> memoryview:
     """Check a stored chunk and return a view of its payload (no copy of a plain chunk;
     a sealed one is decrypted in place when ``blob`` is writable, else into a copy).
@@ -398,7 +399,8 @@ def decode(
     payload = view[body_at:]
     if payload.readonly and "nonce" in _parse_header(bytes(view[_PREFIX.size : body_at])):
         payload = memoryview(bytearray(payload))  # a sealed chunk opens in place
-    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out)
+    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out,
+           lossy=lossy)
     return payload if out is None or not is_compressed(view[:body_at]) else out
 
 
@@ -439,6 +441,7 @@ def verify(
     shape: Sequence[int] | None = None,
     signer: Signer | None = None,
     out: memoryview | None = None,
+    lossy: bool = False,
 ) -> float:
     """Check a chunk read as its head (magic, length, header) and its payload, where the
     payload already is where it will be used (a host slot): nothing is copied. A sealed
@@ -447,7 +450,9 @@ def verify(
     and sealed) and then decompressed into ``out``, which it must fill exactly (a
     compressed chunk without ``out`` is a :class:`CodecError`). Raises like
     :func:`decode`; on any error the payload's and ``out``'s bytes must not be used.
-    Returns the seconds spent decompressing (0.0 for a raw chunk)."""
+    Returns the seconds spent decompressing (0.0 for a raw chunk). A chunk in a lossy
+    form (fp8) is read only with ``lossy`` (an engine that chose ``compression: fp8``);
+    any other engine counts it a miss of kind ``format``: its hits stay exact."""
     head_v = _payload_view(head)
     body_at = head_length(head_v[: _PREFIX.size])
     if head_v.nbytes < body_at:
@@ -462,6 +467,9 @@ def verify(
     if shape is not None and header["shape"] != [int(d) for d in shape]:
         raise CodecError(f"chunk shape {header['shape']}, expected {list(shape)}")
     form: str | None = header.get("z")
+    if form in LOSSY_FORMS and not lossy:
+        raise FormatError(f"chunk is stored in the lossy form {form!r}, which an engine reads "
+                          "only with compression: fp8")  # fmt: skip
     if form is not None and out is None:
         raise CodecError("chunk is compressed and was read where it cannot be decompressed")
     n = header["len"]

@@ -24,7 +24,8 @@ float32 scale per block of :data:`FP8_BLOCK` elements (``"z": "fp8e4m3"``) and
 dequantised into the slot on read, so a hit's KV differs from what was computed (each
 element within 2^-4 of its magnitude plus 2^-10 of its block's scale) and so may its
 outputs. KV of any other dtype (already fp8, fp32) is stored as it is. ``lossless``
-never changes a byte.
+never changes a byte. Only an engine that chose ``fp8`` reads fp8 chunks
+(:data:`LOSSY_FORMS`); to any other engine they are a ``format`` miss.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
 __all__ = [
-    "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError", "decompress_into",
+    "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError", "LOSSY_FORMS",
+    "decompress_into",
     "itemsize",
 ]
 
 #: the compressed forms this build knows (each needs its library to be readable)
 FORMS = ("blosc2", "fp8e4m3")
+#: forms that change the KV: read only by an engine that chose them (``lossy=``)
+LOSSY_FORMS = ("fp8e4m3",)
 #: elements per fp8 scale: one attention head's row (head_dim 128); finer than a layer's
 #: region of a chunk, and the scales add 4 / 128 = 3 % to the fp8 bytes
 FP8_BLOCK = 128

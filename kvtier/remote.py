@@ -224,6 +224,9 @@ class RemoteIO:
         self._z_taken = dict.fromkeys(_ZCOUNTERS, 0)
         #: compresses uploads (``compression: lossless``); None: stored raw
         self.compressor = compressor
+        #: fp8 chunks are read only by an engine that chose them: other engines' hits
+        #: stay exact
+        self.reads_lossy = isinstance(compressor, compress.Fp8Compressor)
         self._scratch = threading.local()  # a read thread's buffer for compressed objects
         self._pending_writes = 0
         self._puts_written = 0
@@ -620,7 +623,8 @@ class RemoteIO:
                 # decompressed into the slot; one read into the slot is never decompressed
                 secs = codec.verify(head, payload, key=key, dtype=op.dtype, shape=op.shape,
                                     signer=self.signer,
-                                    out=None if payload is buf else buf)  # fmt: skip
+                                    out=None if payload is buf else buf,
+                                    lossy=self.reads_lossy)  # fmt: skip
                 self._count_z("read", buf.nbytes, payload.nbytes, secs)
                 self._finish(op, True, None, nbytes=nread)
             else:
