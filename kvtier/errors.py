@@ -91,7 +91,9 @@ def _looks_random(token: str) -> bool:
     readable; what is caught is what a generated key looks like.
     """
     for run in _HEX.findall(token.replace("-", "")):
-        if any(c.isdigit() for c in run) and any(c.isalpha() for c in run):
+        # a hex key may be digits only (one in 2,000 of 16 digits are): no message
+        # figure is 16 digits long, so such a run is hidden too
+        if any(c.isdigit() for c in run) and (any(c.isalpha() for c in run) or run.isdigit()):
             return True
     for word in _WORD_SEP.split(token):
         n = _switches(word)
