@@ -17,11 +17,12 @@ import torch
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig
+from kvtier.copiers import make_copier
 from kvtier.keys import KeySpace, Namespace, after_weight_change
 from kvtier.layout import HostSlab, SlotLayout
 from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, by_op
 from kvtier.stats import StatsRecorder
-from kvtier.transfer import Copier, make_copier
+from kvtier.transfer import Copier
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 

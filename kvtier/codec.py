@@ -60,6 +60,7 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
+from kvtier.key_material import env_key, file_key
 from kvtier.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES, Seal, Sealer
 
 if TYPE_CHECKING:
@@ -165,18 +166,18 @@ class Signer:
         sealer = Sealer.from_config(cfg, env)
         sign_key: bytes | None = None
         if cfg.hmac_key_env:
-            sign_key = _env_key(env, "hmac_key_env", cfg.hmac_key_env)
+            sign_key = env_key(env, "hmac_key_env", cfg.hmac_key_env)
             _long_enough("hmac_key_env", cfg.hmac_key_env, [sign_key])
         elif cfg.hmac_key_file:
-            sign_key = _file_key("hmac_key_file", cfg.hmac_key_file)
+            sign_key = file_key("hmac_key_file", cfg.hmac_key_file)
             _long_enough("hmac_key_file", cfg.hmac_key_file, [sign_key])
         verify: list[bytes] = []
         if cfg.hmac_verify_keys_env:
-            raw = _env_key(env, "hmac_verify_keys_env", cfg.hmac_verify_keys_env)
+            raw = env_key(env, "hmac_verify_keys_env", cfg.hmac_verify_keys_env)
             extra = [k.strip() for k in raw.split(b",") if k.strip()]
             verify += _long_enough("hmac_verify_keys_env", cfg.hmac_verify_keys_env, extra)
         if cfg.hmac_verify_keys_file:
-            raw = _file_key("hmac_verify_keys_file", cfg.hmac_verify_keys_file)
+            raw = file_key("hmac_verify_keys_file", cfg.hmac_verify_keys_file)
             extra = [k.strip() for k in raw.splitlines() if k.strip()]
             verify += _long_enough("hmac_verify_keys_file", cfg.hmac_verify_keys_file, extra)
         if sign_key is None and not verify:
@@ -207,24 +208,6 @@ def _long_enough(cfg_key: str, where: str, keys: list[bytes]) -> list[bytes]:
             "the one there is shorter",
         )
     return keys
-
-
-def _env_key(env: Mapping[str, str], cfg_key: str, var: str) -> bytes:
-    value = env.get(var, "").strip()
-    if not value:
-        raise ConfigError(cfg_key, var, "the environment variable it names must be set, non-empty")
-    return value.encode()
-
-
-def _file_key(cfg_key: str, path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            value = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(cfg_key, path, f"a readable file ({exc.strerror})") from None
-    if not value:
-        raise ConfigError(cfg_key, path, "a file holding a non-empty key")
-    return value
 
 
 def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:

@@ -40,6 +40,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvtier.errors import ConfigError, SealedError, SignatureError
+from kvtier.key_material import env_key, file_key
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -182,20 +183,18 @@ class Sealer:
         A configured key that is missing, empty or not 256 bits stops startup with
         a ConfigError naming the config key and the variable or file, never the key.
         """
-        from kvtier.codec import _env_key, _file_key
-
         env = os.environ if environ is None else environ
         seal_key: bytes | None = None
         if cfg.encryption_key_env:
-            raw = _env_key(env, "encryption_key_env", cfg.encryption_key_env)
+            raw = env_key(env, "encryption_key_env", cfg.encryption_key_env)
             seal_key = parse_key("encryption_key_env", cfg.encryption_key_env, raw)
         elif cfg.encryption_key_file:
-            raw = _file_key("encryption_key_file", cfg.encryption_key_file)
+            raw = file_key("encryption_key_file", cfg.encryption_key_file)
             seal_key = parse_key("encryption_key_file", cfg.encryption_key_file, raw)
         extra: list[bytes] = []
         if cfg.encryption_decrypt_keys_env:
             name = cfg.encryption_decrypt_keys_env
-            raw = _env_key(env, "encryption_decrypt_keys_env", name)
+            raw = env_key(env, "encryption_decrypt_keys_env", name)
             extra += [
                 parse_key("encryption_decrypt_keys_env", name, k)
                 for k in raw.split(b",")
@@ -203,7 +202,7 @@ class Sealer:
             ]
         if cfg.encryption_decrypt_keys_file:
             path = cfg.encryption_decrypt_keys_file
-            raw = _file_key("encryption_decrypt_keys_file", path)
+            raw = file_key("encryption_decrypt_keys_file", path)
             extra += [
                 parse_key("encryption_decrypt_keys_file", path, k)
                 for k in raw.splitlines()

@@ -6,7 +6,9 @@ so the worker does not care which one runs:
 - :class:`CpuCopier` — synchronous, the CPU backend's path: loads finish in
   ``begin_loads``, stores run in ``finish_saves`` (all layers written by then).
 - :class:`kvtier.cuda_copier.CudaCopier` — asynchronous, per layer, on its own
-  streams (see there).
+  streams (see there; it builds on this module, which never imports it).
+
+:func:`kvtier.copiers.make_copier` picks one for the KV's device.
 
 The index math both use (which slot blocks an op touches, rounds that fit the
 staging buffer, contiguous pieces of a slot) is pure and unit-tested on the CPU.
@@ -17,8 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
@@ -26,10 +27,6 @@ from .layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
 from .ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
 
 logger = logging.getLogger("kvtier.transfer")
-
-if TYPE_CHECKING:
-    from .cuda_copier import StreamOps
-
 
 
 #: op id -> seconds its copy took, or None when it failed (the copiers' own tally,
@@ -243,19 +240,3 @@ class CpuCopier(Copier):
                 logger.exception("kvtier: %s slot %d failed", what, job.slot)
                 out[job.op_id] = None
         return out
-
-
-def make_copier(
-    kv: Sequence[torch.Tensor],
-    layout: SlotLayout,
-    slab: HostSlab,
-    ops_factory: Callable[[torch.device], StreamOps] | None = None,
-) -> Copier:
-    """A :class:`~kvtier.cuda_copier.CudaCopier` for KV on CUDA, else a :class:`CpuCopier`."""
-    if kv[0].device.type == "cuda":
-        from .cuda_copier import CudaCopier
-
-        ops = ops_factory(kv[0].device) if ops_factory is not None else None
-        return CudaCopier(kv, layout, slab, ops=ops)
-    return CpuCopier(kv, layout, slab)
-

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .bench_records import RequestResult, TokenScale
 from .bench_report import base_url, format_table, summarize, write_plot
 from .promtext import Snapshot, parse_metrics
 
@@ -160,14 +161,6 @@ class Session:
 LEAD_WORD = "the"
 
 
-@dataclass(frozen=True, slots=True)
-class TokenScale:
-    """Tokens of a prompt = ``lead`` (BOS + :data:`LEAD_WORD`) + ``per_word`` x other words."""
-
-    per_word: float = 1.0
-    lead: float = 1.0
-
-
 def words_text(rng: random.Random, tokens: int, per_word: float = 1.0) -> str:
     """About ``tokens`` tokens of text drawn from :data:`WORDS` (to follow a space)."""
     if tokens <= 0:
@@ -219,26 +212,6 @@ def next_prompt(prompt: str, answer: str, user_text: str) -> str:
 
 
 # ---------------------------------------------------------------------- requests
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """What one streamed completion did, as the client saw it."""
-
-    session: int
-    turn: int
-    start_s: float
-    ok: bool = False
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    prompt_tokens: int | None = None
-    output_tokens: int | None = None
-    cached_tokens: int | None = None
-    error: str | None = None
-    text: str = ""
-    prompt: str = ""
-    #: trace replay: when the trace says it was due (s since the start), None otherwise
-    due_s: float | None = None
 
 
 def stream_completion(client: Any, base: str, model: str, prompt: str | list[int],

@@ -6,8 +6,9 @@ import argparse
 import math
 from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .bench_records import RequestResult, TokenScale
 from .promtext import (
     ANY_CACHE,
     KVTIER_HIT,
@@ -28,9 +29,6 @@ from .promtext import (
     token_shares,
     token_sources,
 )
-
-if TYPE_CHECKING:
-    from .bench import RequestResult, TokenScale
 
 
 def base_url(url: str) -> str:

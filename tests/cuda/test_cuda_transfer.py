@@ -12,10 +12,10 @@ import torch
 from copyfakes import times
 
 from kvtier import cuda as kcuda
+from kvtier.copiers import make_copier
 from kvtier.cuda_copier import CudaCopier
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
 from kvtier.ops import LoadOp, StoreOp
-from kvtier.transfer import make_copier
 
 pytestmark = pytest.mark.cuda
 

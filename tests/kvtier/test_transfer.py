@@ -17,6 +17,7 @@ import torch
 from copyfakes import FakeOps, make_caches, times
 
 from kvtier import cuda as kcuda
+from kvtier.copiers import make_copier
 from kvtier.cuda_copier import CudaCopier
 from kvtier.layout import HostSlab, SlotLayout, find_block_dim
 from kvtier.ops import LoadOp, StoreOp
@@ -25,7 +26,6 @@ from kvtier.transfer import (
     check_job,
     contiguous_pieces,
     group_jobs,
-    make_copier,
     round_plan,
     staging_shape,
 )
