@@ -73,6 +73,38 @@ def _chunk_count(text: str) -> int:
     return int(v)
 
 
+def _ratio(text: str) -> float:
+    """``--compression-ratio``: stored ÷ raw, in (0, 1]."""
+    from kvtier.sizing.compression import check_ratio
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if err := check_ratio(v):
+        raise argparse.ArgumentTypeError(err.removeprefix(f"--compression-ratio {v:g}: "))
+    return v
+
+
+def _add_compression_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.sizing.compression import LOSSLESS_RATIO  # the standard library only
+
+    c = p.add_argument_group(
+        "object-tier compression (kvtier's compression setting; the host tier is never "
+        "compressed)")
+    c.add_argument("--compression", choices=("none", "lossless", "fp8"), default="none",
+                   help="size the object tier's stored bytes for this setting: none "
+                   "(default), lossless (a measured ratio, see --compression-ratio), fp8 "
+                   "(exact: 1 byte per bf16/fp16 value + 4 bytes per 128 values; fp8 or "
+                   "fp32 KV is stored as it is); --emit writes it into the config")
+    c.add_argument("--compression-ratio", type=_ratio, metavar="R",
+                   help="lossless only: stored / raw to size with, in (0, 1], instead of the "
+                   f"README's measured {LOSSLESS_RATIO:g} (bf16 KV of the test models; no "
+                   "trained model measured). Take yours from a running tier: "
+                   "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "
+                   "(direction=\"write\")")
+
+
 def _add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", required=model_required, metavar="PATH",
@@ -137,6 +169,9 @@ def _inputs(args: argparse.Namespace) -> Any:
         offload_prefetch_step=args.offload_prefetch_step,
         offload_params=_selectors(args.offload_params),
         disable_pin_memory=args.disable_pin_memory, vllm_version=args.vllm_version,
+        compression=getattr(args, "compression", "none"),
+        compression_ratio=getattr(args, "compression_ratio", None),
+        chunk_size=getattr(args, "chunk_size", 256),
     )  # fmt: skip
 
 
@@ -145,6 +180,8 @@ def _check_numbers(args: argparse.Namespace) -> str | None:
         return "--tp must be >= 1"
     if args.context < 1:
         return "--context must be >= 1"
+    if getattr(args, "chunk_size", 1) < 1:
+        return "--chunk-size must be >= 1"
     if not 0 < args.gpu_memory_utilization <= 1:
         return "--gpu-memory-utilization must be in (0, 1]"
     for name in ("gpu_memory", "host_memory", "cpu_offload_gb", "headroom", "overhead"):
@@ -175,7 +212,8 @@ def _size(args: argparse.Namespace) -> int:
         return _size_trace(args, plan)
     if args.emit:
         print(emit(args.emit, plan, inp, chunk_size=args.chunk_size, remote_url=args.remote_url,
-                   write_policy=args.write_policy, namespace=args.namespace))  # fmt: skip
+                   write_policy=args.write_policy, namespace=args.namespace,
+                   compression=args.compression))  # fmt: skip
         for w in plan["warnings"]:
             print(f"kvtier size: warning [{w['code']}]: {w['message']}", file=sys.stderr)
     elif args.json:
@@ -232,7 +270,8 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     host_slot = tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), args.chunk_size)
     rep = tr.report(
         sim, stats, path=args.trace, host_slot_bytes=host_slot,
-        object_chunk_bytes=int(plan["object_kv_bytes_per_token"]) * args.chunk_size,
+        object_chunk_bytes=int(plan["object_compression"]["stored_chunk_bytes"]),
+        object_compression=plan["object_compression"],
         target=args.target_hit_rate, host_tier_bytes=host_tier, gpu_kv_tokens=gpu_tokens,
         gpu_kv_source=source,
     )
@@ -268,7 +307,8 @@ def _emit_from_trace(args: argparse.Namespace, plan: dict[str, Any], rep: dict[s
     print(tr.format_report(rep), file=sys.stderr)
     print(emit(args.emit, {**plan, "host_tier_bytes": host}, _inputs(args),
                chunk_size=args.chunk_size, remote_url=args.remote_url,
-               write_policy=args.write_policy, namespace=args.namespace))
+               write_policy=args.write_policy, namespace=args.namespace,
+               compression=args.compression))
     return 0 if requests else 2
 
 
@@ -344,6 +384,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     out.add_argument("--write-policy", default="write_through",
                      choices=("write_through", "write_back", "none"))
     out.add_argument("--namespace", default="", help="kvtier key namespace")
+    _add_compression_args(size)
     tr = size.add_argument_group(
         "trace (hit rate against tier size for real traffic; see README, Sizing)")
     tr.add_argument("--trace", metavar="FILE.jsonl",

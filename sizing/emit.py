@@ -31,6 +31,7 @@ def extra_config(
     remote_url: str | None = None,
     write_policy: str = "write_through",
     namespace: str = "",
+    compression: str = "none",
 ) -> dict[str, Any]:
     """``kv_connector_extra_config``; every key is one :func:`kvtier.config.load_config` reads."""
     cfg: dict[str, Any] = {
@@ -43,6 +44,8 @@ def extra_config(
         cfg["remote_url"] = remote_url
     if namespace:
         cfg["namespace"] = namespace
+    if compression != "none":
+        cfg["compression"] = compression
     return cfg
 
 
@@ -115,6 +118,8 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
         f"  namespace: {q(extra.get('namespace', ''))}",
         f"  headroom: {plan['headroom_bytes']}",
     ]
+    if "compression" in extra:  # the chart has no value of its own for it
+        lines += ["  extraConfig:", f"    compression: {q(extra['compression'])}"]
     if plan["weight_offload_gpu_bytes"]:
         # the chart's memory check counts these exact bytes instead of its power-of-two bound
         lines += ["weightOffload:", f"  hostBytes: {plan['weight_offload_host_bytes']}"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.sizing import offload as off
-from kvtier.sizing.model import ModelShape, load_shape
+from kvtier.sizing.compression import resolve as resolve_compression
+from kvtier.sizing.model import ModelShape, kv_dtype_bytes, load_shape
 from kvtier.sizing.weights import Weights, load_weights
 
 GiB = 1024**3
@@ -132,10 +133,16 @@ class PlanInputs:
     offload_params: tuple[str, ...] = ()
     disable_pin_memory: bool | None = None
     vllm_version: str | None = None
+    #: kvtier's ``compression`` (object tier only) and, for ``lossless``, a measured
+    #: stored ÷ raw to use instead of the README's; ``chunk_size`` as kvtier's
+    compression: str = "none"
+    compression_ratio: float | None = None
+    chunk_size: int = 256
     environ: Mapping[str, str] | None = field(default=None, repr=False)
 
 
-def _offload(inp: PlanInputs, weights: Weights, pin: bool, warns: list) -> off.OffloadResult:
+def _offload(inp: PlanInputs, weights: Weights, pin: bool,
+             warns: list[dict[str, str]]) -> off.OffloadResult:
     """Pick the backend as vLLM does and replay it; flag every way it silently misbehaves."""
     backend = off.select_backend(inp.offload_backend, inp.cpu_offload_gb, inp.offload_group_size)
     uva_set, pf_set = inp.cpu_offload_gb > 0, inp.offload_group_size > 0
@@ -227,6 +234,13 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
 
     bpt = shape.kv_bytes_per_token(inp.kv_cache_dtype)
     bpt_rank = shape.kv_bytes_per_token(inp.kv_cache_dtype, tp)
+    # every rank writes its own object of a chunk, except MLA's latent, which every rank
+    # holds whole and rank 0 alone writes; each object is compressed on its own
+    objects = 1 if shape.is_mla else tp
+    comp = resolve_compression(inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype),
+                               inp.compression_ratio)
+    obj_comp = {"chunk_size": inp.chunk_size,
+                **comp.summary(bpt_rank * inp.chunk_size, objects)}
     session_rank = shape.session_kv_bytes(inp.context, inp.kv_cache_dtype, tp)
     weight_rank = weights.rank_bytes
     resident = weight_rank - result.gpu_bytes + result.buffer_pool_bytes
@@ -306,7 +320,10 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "kv_bytes_per_token_per_rank": bpt_rank,
         # what the object tier stores per token: every rank's share, except MLA's latent,
         # which every rank holds whole and rank 0 alone writes
-        "object_kv_bytes_per_token": bpt_rank if shape.is_mla else bpt_rank * tp,
+        "object_kv_bytes_per_token": bpt_rank * objects,
+        # what it stores per token under ``compression`` (the host tier is never compressed)
+        "object_stored_bytes_per_token": obj_comp["stored_chunk_bytes"] / inp.chunk_size,
+        "object_compression": obj_comp,
         "context": inp.context,
         "session_kv_bytes_per_rank": session_rank,
         "weights_source": weights.source,

@@ -16,6 +16,19 @@ def _b(n: int | None) -> str:
     return f"{n:,} B"
 
 
+def _compression_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
+    """The object tier's stored bytes under ``compression``, with the ratio and its source."""
+    c = p.get("object_compression")
+    if not c or c["setting"] == "none":
+        return []
+    return [
+        (f"  stored ({c['setting']})", f"{p['object_stored_bytes_per_token']:,.1f} B = "
+         f"{c['ratio']:.4g} x raw ({c['stored_chunk_bytes']:,} B per {c['chunk_size']}-token "
+         "chunk)"),
+        ("  ratio from", c["ratio_source"]),
+    ]
+
+
 def format_plan(p: dict[str, Any]) -> str:
     """Sections: model, weights and offload, GPU, host, verdict, warnings."""
     kv_heads = "MLA latent (replicated per rank)" if p["mla"] else (
@@ -38,6 +51,7 @@ def format_plan(p: dict[str, Any]) -> str:
         ("KV bytes / token / rank", f"{p['kv_bytes_per_token_per_rank']:,} B"),
         ("object tier bytes / token", f"{p['object_kv_bytes_per_token']:,} B"
          + (" (one copy for all ranks)" if p["mla"] and p["tp"] > 1 else "")),
+        *_compression_rows(p),
         (f"one {p['context']:,}-token session", _b(p["session_kv_bytes_per_rank"]) + " per rank"),
         "weights",
         ("weights (" + p["weights_source"] + ")", _b(p["weight_bytes"])),

@@ -630,8 +630,13 @@ def _smallest(served: list[int], need: float) -> int | None:
 
 def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: int,
            object_chunk_bytes: int, target: float, host_tier_bytes: int | None,
-           gpu_kv_tokens: int, gpu_kv_source: str) -> dict[str, Any]:
-    """The curves and the recommendation, as ``--json`` prints them."""
+           gpu_kv_tokens: int, gpu_kv_source: str,
+           object_compression: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The curves and the recommendation, as ``--json`` prints them.
+
+    ``object_chunk_bytes`` is what one chunk takes in the object tier as stored (after
+    ``compression``, described by ``object_compression``: the plan's block of that name);
+    host-tier bytes are always raw."""
     served = sim.served()
     total = sim.prompt_tokens
     rate = (lambda t: t / total) if total else (lambda t: 0.0)
@@ -682,6 +687,8 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "block_size": sim.block_size, "chunk_size": sim.chunk_size,
             "host_slot_bytes": host_slot_bytes, "object_chunk_bytes": object_chunk_bytes,
             "max_chunks": sim.max_chunks,
+            "object_compression": object_compression or {
+                "setting": "none", "ratio": 1.0, "ratio_source": "no compression"},
         },
         "gpu_prefix_cache": {
             "tokens": gpu_kv_tokens, "source": gpu_kv_source,
@@ -717,6 +724,14 @@ def _thin(points: list[dict[str, Any]], rows: int = 14) -> list[dict[str, Any]]:
     return out if not points or out[-1] is points[-1] else [*out, points[-1]]
 
 
+def _compression_line(c: dict[str, Any] | None) -> list[str]:
+    """The object tier's compression, when there is one: setting, ratio and its source."""
+    if not c or c["setting"] == "none":
+        return []
+    return [f"object compression {c['setting']}: stored = {c['ratio']:.4g} x raw "
+            f"({c['ratio_source']}); object-tier sizes below are stored bytes"]
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """The human-readable curves: sizes, hit rates beyond vLLM, and with vLLM's share."""
     t, g, rec = rep["trace"], rep["gpu_prefix_cache"], rep["recommended"]
@@ -742,6 +757,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"chunks             {k['chunk_size']} tokens (blocks of {k['block_size']}); "
         f"{_size(k['host_slot_bytes'])} per worker in the host tier, "
         f"{_size(k['object_chunk_bytes'])} in the object tier",
+        *_compression_line(k.get("object_compression")),
         f"vLLM prefix cache  {g['tokens']} tokens ({g['source']}): "
         f"{g['hit_rate'] * 100:.1f} % of prompt tokens",
         f"all reuse          {rep['max_hit_rate'] * 100:.1f} % of prompt tokens come from some "
