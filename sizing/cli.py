@@ -350,6 +350,12 @@ def _doctor(args: argparse.Namespace) -> int:
         args.vllm_version = args.vllm_version or facts["vllm_version"]
         if args.tp == 1 and a.get("tensor_parallel_size"):
             args.tp = int(a["tensor_parallel_size"])
+        # the object tier as the logged kvtier config stores it
+        cfg = facts.get("kvtier_config") or {}
+        if cfg.get("compression") in ("none", "lossless", "fp8"):
+            args.compression = cfg["compression"]
+        if isinstance(cfg.get("chunk_size"), int) and cfg["chunk_size"] > 0:
+            args.chunk_size = cfg["chunk_size"]
         try:
             plan = make_plan(_inputs(args))
         except (ModelConfigError, ValueError, KeyError) as e:

@@ -256,3 +256,20 @@ def test_emitted_helm_values_pass_the_chart_schema(capsys: Any) -> None:
             if isinstance(block, dict) else block
     assert values["kvtier"]["extraConfig"] == {"compression": "lossless"}
     jsonschema.validate(values, json.loads((chart / "values.schema.json").read_text()))
+
+
+def test_doctor_sizes_the_object_tier_with_the_logged_compression(capsys: Any,
+                                                                   tmp_path: Path) -> None:
+    from sizing_helpers import LOGS
+
+    text = (LOGS / "vllm-0.32-kvtier-ok.log").read_text()
+    assert '"chunk_size": 256, ' in text
+    log = tmp_path / "fp8.log"
+    log.write_text(text.replace('"chunk_size": 256, ', '"chunk_size": 64, "compression": "fp8", '))
+    main(["doctor", str(log), "--model", LLAMA, "--json"])
+    c = json.loads(capsys.readouterr().out)["plan"]["object_compression"]
+    assert c["setting"] == "fp8" and c["chunk_size"] == 64
+    assert c["stored_chunk_bytes"] == fp8_object(64 * 131_072 // 2)
+    main(["doctor", str(LOGS / "vllm-0.32-kvtier-ok.log"), "--model", LLAMA, "--json"])
+    c = json.loads(capsys.readouterr().out)["plan"]["object_compression"]
+    assert c["setting"] == "none" and c["chunk_size"] == 256
