@@ -47,6 +47,16 @@ installed, zstandard on byte planes (the alternative evaluated); and the restart
 fetch of ``--hit-chunks`` chunks, raw and compressed alternating, per backend: the
 part of a restart hit's TTFT that compression changes (compressed ÷ raw < 1: faster).
 
+Then, Redis Cluster (with ``redis`` in ``--only``; ``--only-cluster`` runs it alone): the
+put/get table on one redis-server and on a 3-primary cluster (``redis-server
+--cluster-enabled yes`` on loopback, no replicas), started here, every put round writing
+objects deleted before it (untimed: RemoteIO skips a chunk whose key exists, which the
+other put/get table's RemoteIO put row times after its first round); the raw side is
+``redis.Redis`` on the node and ``redis.cluster.RedisCluster`` on the cluster, its keys
+hash-tagged with kvtier's key (``raw/{key}``) so both sides' objects sit on the same
+primaries. And how kvtier's chunk keys spread over the primaries: ``--spread-keys``
+random chunk keys (``kvtier.keys.chunk_key``) mapped through the cluster's slot map.
+
 Raw boto3 uses the same botocore Config as kvtier's S3 tier (pool size,
 timeouts, no extra CRC), so the ratio isolates kvtier's own overhead. Each
 figure is the best of ``--rounds`` interleaved rounds (the machine is shared);
@@ -55,6 +65,7 @@ the ratios are kvtier / raw of the best and of the median round.
     python bench/tier_throughput.py                      # starts redis-server and moto
     python bench/tier_throughput.py --redis-url redis://host:6379/0 --s3-endpoint http://host:9000
     python bench/tier_throughput.py --only file,redis --threads 2,4 --concurrency 16
+    python bench/tier_throughput.py --only-cluster       # 1 node vs 3 primaries alone
 """
 
 from __future__ import annotations
@@ -307,8 +318,15 @@ def _open(case: Case, threads: int) -> ObjectTier:
     return tier
 
 
-def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[tuple]:
-    """The put/get table: sync (one thread) and RemoteIO at ``--putget-threads``."""
+def run_case(
+    case: Case, args: argparse.Namespace, chunks: list[bytes], fresh_puts: bool = False
+) -> list[tuple]:
+    """The put/get table: sync (one thread) and RemoteIO at ``--putget-threads``.
+
+    With ``fresh_puts`` both sides' objects are deleted (untimed) before each put round:
+    RemoteIO does not write a chunk whose key already exists (its ``exists`` check), so
+    without it the RemoteIO put row after the first round times that check, not a write.
+    """
     size = len(chunks[0])
     shape = [size // 2]
     keys = [f"bench-{i}" for i in range(len(chunks))]
@@ -374,12 +392,15 @@ def run_case(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
     rows = []
     raw_put_sync()  # objects exist for the first get round of both sides
     kv_put_sync()
+    raw_keys = [case.raw_key(k) for k in keys] if fresh_puts else []  # type: ignore[attr-defined]
     for mode, op, kv_fn, raw_fn in pairs:
         kv_t: list[float] = []
         raw_t: list[float] = []
         for r in range(args.rounds):  # interleaved, alternating who goes first
             order = ((raw_fn, raw_t), (kv_fn, kv_t))
             for fn, times in order if r % 2 == 0 else order[::-1]:
+                if fresh_puts and op == "put":
+                    tier.delete(raw_keys if fn is raw_fn else keys)
                 times.append(_timed(fn))
         rows.append(
             (case.name, mode, op, _mbps(total, min(kv_t)), _mbps(total, min(raw_t)),
@@ -926,6 +947,103 @@ def print_into(rows: list[dict], hmac_on: bool) -> float:
     return worst
 
 
+@contextmanager
+def local_cluster(primaries: int = 3) -> Iterator[list[int]]:
+    """A Redis Cluster of ``primaries`` primaries (no replicas) on loopback, the tests'
+    helper (tests/rediscluster.py); yields the primaries' ports."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))  # fmt: skip
+    from rediscluster import RedisCluster as LocalCluster
+
+    cluster = LocalCluster(primaries=primaries, replicas=0)
+    try:
+        cluster.start()
+        yield cluster.primary_ports()
+    finally:
+        cluster.cleanup()
+
+
+def cluster_case(ports: list[int], threads: int) -> Case:
+    """kvtier's RedisClusterTier against redis-py's RedisCluster on the same primaries; the
+    raw keys carry kvtier's key as their hash tag, so each raw object's primary is the
+    primary of the kvtier object it is compared with."""
+    import redis.cluster
+
+    from kvtier.tiers.redis_cluster import RedisClusterTier
+
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/"
+    client = redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode("127.0.0.1", p) for p in ports],
+        max_connections=threads + 2,
+    )
+
+    def raw_put(key: str, data: bytes) -> None:
+        client.set(f"raw/{{{key}}}", data)
+
+    def raw_get(key: str) -> bytes:
+        return client.get(f"raw/{{{key}}}")
+
+    def raw_read_object(tier: ObjectTier, key: str, buf: memoryview) -> None:
+        data = client.get(key)
+        assert data is not None and len(data) == buf.nbytes
+
+    case = Case(f"cluster x{len(ports)}", lambda t: RedisClusterTier(url, io_threads=t),
+                raw_put, raw_get, raw_read_object, "redis-py RedisCluster GET")  # fmt: skip
+    case.client = client  # type: ignore[attr-defined]
+    case.raw_key = lambda key: f"raw/{{{key}}}"  # type: ignore[attr-defined]
+    return case
+
+
+def key_spread(client, n: int) -> dict:
+    """Where ``n`` random chunk keys (kvtier's own key function) land: keys per primary,
+    through the cluster client's slot map."""
+    import collections
+
+    from kvtier.keys import chunk_key
+
+    ns = os.urandom(16)
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(n):
+        key = chunk_key(ns, os.urandom(32))
+        node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+        counts[node.name] += 1
+    per = sorted(counts.values())
+    return {"keys": n, "per_primary": dict(sorted(counts.items())),
+            "min_share": per[0] / n, "max_share": per[-1] / n,
+            "max_over_mean": per[-1] / (n / len(per))}  # fmt: skip
+
+
+def run_cluster(args: argparse.Namespace, chunks: list[bytes]) -> tuple[list[tuple], dict]:
+    """The put/get table on one node and on a 3-primary cluster, and the key spread."""
+    node = redis_case(args)
+    node.raw_key = lambda key: "raw/" + key  # type: ignore[attr-defined]
+    rows = [("redis x1", *r[1:]) for r in run_case(node, args, chunks, fresh_puts=True)]
+    with local_cluster(3) as ports:
+        case = cluster_case(ports, args.putget_threads)
+        rows += run_case(case, args, chunks, fresh_puts=True)
+        spread = key_spread(case.client, args.spread_keys)  # type: ignore[attr-defined]
+        case.client.close()  # type: ignore[attr-defined]
+    return rows, spread
+
+
+def print_cluster(rows: list[tuple], spread: dict, chunks: int, size: int, rounds: int) -> float:
+    """Print the cluster table; returns the lowest median kvtier ÷ raw ratio."""
+    print(f"\nRedis: 1 node and a 3-primary cluster, {chunks} chunks of {size / MiB:.1f} MiB, "
+          f"best of {rounds} rounds (ratio median: of the median rounds), {os.cpu_count()} CPUs; "
+          "raw: redis.Redis on the node, redis.cluster.RedisCluster on the cluster")  # fmt: skip
+    print(f"{'target':<11} {'mode':<22} {'op':<4} {'kvtier MB/s':>12} {'raw MB/s':>10} "
+          f"{'ratio best':>10} {'ratio median':>12}")  # fmt: skip
+    for target, mode, op, kv, raw, median_ratio in rows:
+        print(f"{target:<11} {mode:<22} {op:<4} {kv:>12.1f} {raw:>10.1f} {kv / raw:>10.2f} "
+              f"{median_ratio:>12.2f}")  # fmt: skip
+    low = min(r[5] for r in rows)
+    print(f"lowest median ratio kvtier/raw {low:.2f} (goal >= 0.9)")
+    shares = ", ".join(f"{n / spread['keys']:.3f}" for n in spread["per_primary"].values())
+    print(f"{spread['keys']} random chunk keys over {len(spread['per_primary'])} primaries: "
+          f"shares {shares}; busiest ÷ mean {spread['max_over_mean']:.3f}")  # fmt: skip
+    return low
+
+
 def float_list(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -982,6 +1100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of these Gbit/s (shared by the read threads), comma-separated")
     parser.add_argument("--kv-dir", help="a file:// tier directory an engine wrote (raw "
                         "chunks): compress its chunks instead of synthetic KV-like ones")
+    parser.add_argument("--skip-cluster", action="store_true",
+                        help="no Redis Cluster table (1 node vs 3 primaries)")  # fmt: skip
+    parser.add_argument("--only-cluster", action="store_true",
+                        help="only the Redis Cluster table (starts redis-server and a "
+                        "3-primary cluster on loopback)")  # fmt: skip
+    parser.add_argument("--spread-keys", type=int, default=100_000,
+                        help="random chunk keys mapped to primaries (key spread)")  # fmt: skip
     parser.add_argument("--hmac", action="store_true", help="sign and verify chunks (HMAC)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
@@ -996,6 +1121,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.only_compression:
         args.skip_putget = args.skip_into = args.skip_encryption = True
         args.skip_compression = False
+    # the cluster table needs a local redis-server to compare with and starts its cluster
+    args.cluster = not args.skip_cluster and not args.redis_url and "redis" in args.only
+    if args.only_cluster:
+        args.skip_putget = args.skip_into = args.skip_encryption = True
+        args.skip_compression = args.skip_s3 = args.skip_file = True
+        args.skip_redis, args.cluster, args.redis_url = False, True, None
+    if args.spread_keys < 1:
+        parser.error("--spread-keys must be at least 1")
     if args.chunks < max(args.concurrency):
         parser.error("--chunks must be at least the largest --concurrency")
     return args
@@ -1013,6 +1146,8 @@ def main(argv: list[str] | None = None) -> int:
     hits: list[dict] = []
     zhits: list[dict] = []
     zspeed: list[dict] = []
+    cluster_rows: list[tuple] = []
+    spread: dict = {}
     if not args.skip_compression:
         if args.kv_dir:
             kv_chunks, source = engine_chunks(args.kv_dir), f"the chunks in {args.kv_dir}"
@@ -1026,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(file_case(args))
         if not args.skip_s3:
             cases.append(s3_case(args))
-        if not args.skip_redis:
+        if not args.skip_redis and not args.only_cluster:
             cases.append(redis_case(args))
         for case in cases:
             if not args.skip_putget:
@@ -1041,6 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
                 if case.name == "file":
                     for gbit in args.link_gbit:
                         zhits.append(run_compression_hit(case, args, kv_chunks, gbit))
+        if args.cluster:
+            cluster_rows, spread = run_cluster(args, chunks)
     worst = float("inf")
     if rows:
         print(
@@ -1067,13 +1204,17 @@ def main(argv: list[str] | None = None) -> int:
         print_hit_latency(hits)
     if zspeed:
         print_compression(zspeed, zhits, source)
+    if args.cluster:
+        print_cluster(cluster_rows, spread, args.chunks, size, args.rounds)
     if args.json:
         keys = ("backend", "mode", "op", "kvtier_mbps_best", "raw_mbps_best", "ratio_median")
         with open(args.json, "w") as f:
             json.dump({"putget": [dict(zip(keys, r, strict=True)) for r in rows],
                        "into": into, "encryption": enc, "aes_gcm": speed,
                        "restart_hit_fetch": hits, "compression": zspeed,
-                       "compression_restart_hit_fetch": zhits}, f, indent=1)  # fmt: skip
+                       "compression_restart_hit_fetch": zhits,
+                       "cluster": [dict(zip(keys, r, strict=True)) for r in cluster_rows],
+                       "cluster_key_spread": spread}, f, indent=1)  # fmt: skip
     return 0
 
 
