@@ -63,6 +63,25 @@ def error_kind_label(kind: str) -> str:
     return kind if kind in ERROR_KINDS else "tier"
 
 
+_ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
+
+
+class NodeAddresses(tuple[str, ...]):
+    """The values of the ``node`` label: a node's ``host:port``, known only at run time,
+    or "other" past :data:`NODE_LABELS` addresses per process. Iterating it gives "other"
+    alone, the one series created up front (at 0, so the series and its panel exist
+    before any node fails)."""
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, str) and (
+            value == "other" or _ADDRESS.fullmatch(value) is not None
+        )
+
+
+#: distinct node addresses one process labels on its own (the rest are "other")
+NODE_LABELS = 32
+
+
 #: every value each label takes (children are created up front, so dashboards see zeros)
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS,
@@ -71,8 +90,9 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "direction": DIRECTIONS,
     "op": TRANSFER_OPS,
     "kind": ERROR_KINDS,
+    "reason": MISS_REASONS,
+    "node": NodeAddresses(("other",)),
 }
-LABEL_VALUES["reason"] = MISS_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +171,6 @@ SEALS = MetricSpec(
     "key; summed over every engine that shares a key, keep it far below 2**32.",
 )
 
-ALL: tuple[MetricSpec, ...] = (
-    LOOKUP_TOKENS, HIT_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
-    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
-)
-ALL += (STUCK_OPS, SEALS)
 
 MISS_TOKENS = MetricSpec(
     PREFIX + "miss_tokens", "counter",
@@ -163,34 +178,14 @@ MISS_TOKENS = MetricSpec(
     "hit_tokens they add up to lookup_tokens.",
     ("reason",),
 )
-ALL += (MISS_TOKENS,)
 
 
-_ADDRESS = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
-
-
-class NodeAddresses(tuple[str, ...]):
-    """The values of the ``node`` label: a node's ``host:port``, known only at run time,
-    or "other" past :data:`NODE_LABELS` addresses per process. Iterating it gives "other"
-    alone, the one series created up front (at 0, so the series and its panel exist
-    before any node fails)."""
-
-    def __contains__(self, value: object) -> bool:
-        return isinstance(value, str) and (
-            value == "other" or _ADDRESS.fullmatch(value) is not None
-        )
-
-
-#: distinct node addresses one process labels on its own (the rest are "other")
-NODE_LABELS = 32
-LABEL_VALUES["node"] = NodeAddresses(("other",))
 NODE_ERRORS = MetricSpec(
     PREFIX + "node_errors", "counter",
     "Object-tier calls that failed because one Redis Cluster node could not be reached, by "
     "node address (at most 32 per process, the rest 'other'); also in errors{kind=\"node\"}.",
     ("node",),
 )
-ALL += (NODE_ERRORS,)
 
 COMPRESS_RAW_BYTES = MetricSpec(
     PREFIX + "compress_raw_bytes", "counter",
@@ -209,7 +204,12 @@ COMPRESS_SECONDS = MetricSpec(
     "Seconds the object-tier I/O threads spent compressing (write) and decompressing (read).",
     ("direction",),
 )
-ALL += (COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS)
+#: every metric kvtier exports (the dashboards and rules are checked against it)
+ALL: tuple[MetricSpec, ...] = (
+    LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
+    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
+    STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
+)
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:
