@@ -406,9 +406,9 @@ def test_object_store_killed_under_16_concurrent_requests(
     server = services.redis(password=SECRETS["redis_password"])
     sig = tmp_path / "signals"
     sig.mkdir()
-    # room for all 64 chunks, but the scenario empties the host tier before every round:
-    # every hit comes from the object tier
-    extra = {"cpu_bytes": "40MiB", "lookup_timeout_ms": 1000, "hmac_key_env": HMAC_VAR}
+    # room for all 64 chunks (float32), but the scenario empties the host tier before every
+    # round: every hit comes from the object tier
+    extra = {"cpu_bytes": "80MiB", "lookup_timeout_ms": 1000, "hmac_key_env": HMAC_VAR}
     env = {"KVTIER_REMOTE_URL": server.url, HMAC_VAR: SECRETS["hmac_k1"]}
 
     t = start_outage(server, sig, deadline_s=400, poll_s=0.01)
