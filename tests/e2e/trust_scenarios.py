@@ -404,8 +404,10 @@ def slow_tier(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, 
 
     Every call of the scheduler hook is timed by kvtier itself (the ``sync`` samples of
     ``kvtier:lookup_delay_seconds``); the capture keeps all of them.
+    In float32, as the soak (bf16 decode steps of other batch compositions round apart
+    on CPUs with AMX).
     """
-    llm = _engine(model, extra)
+    llm = _engine(model, extra, dtype="float32")
     side = kvtier_side(llm)
     prompts = [toks(s, PROMPT_TOKENS) for s in seeds]
     cold, ref = [], []
