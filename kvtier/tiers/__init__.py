@@ -34,20 +34,12 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
             io_threads=cfg.io_threads,
             lookup_timeout_ms=cfg.lookup_timeout_ms,
         )
-    if scheme in ("redis", "rediss"):
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from kvtier.tiers.redis import RedisTier
-
-        return RedisTier(
-            url,
-            io_threads=cfg.io_threads,
-            lookup_timeout_ms=cfg.lookup_timeout_ms,
-            ttl_s=cfg.remote_ttl_s,
-            tls_insecure=cfg.remote_tls_insecure,
-        )
-    if scheme in ("redis+cluster", "rediss+cluster"):
         from kvtier.tiers.redis_cluster import RedisClusterTier
 
-        return RedisClusterTier(
+        tier_cls = RedisClusterTier if scheme.endswith("+cluster") else RedisTier
+        return tier_cls(
             url,
             io_threads=cfg.io_threads,
             lookup_timeout_ms=cfg.lookup_timeout_ms,
