@@ -353,15 +353,7 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
     # trust_env=False: never route loopback benchmarks through an environment proxy
     with httpx.Client(timeout=timeout, limits=limits, headers=headers, trust_env=False) as client:
 
-        def scrape() -> Snapshot | None:
-            if metrics_url == "none":
-                return None
-            try:
-                r = client.get(metrics_url, timeout=10.0)
-                r.raise_for_status()
-            except httpx.HTTPError:
-                return None
-            return Snapshot(time.perf_counter(), parse_metrics(r.text))
+        scrape = _scraper(client, metrics_url)
 
         model = args.model or _first_model(client, base)
         scale = TokenScale() if args.no_calibrate else _token_scale(client, base, model)
@@ -589,15 +581,7 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
     stats = tr.TraceStats()
     with httpx.Client(timeout=timeout, limits=limits, headers=headers, trust_env=False) as client:
 
-        def scrape() -> Snapshot | None:
-            if metrics_url == "none":
-                return None
-            try:
-                r = client.get(metrics_url, timeout=10.0)
-                r.raise_for_status()
-            except httpx.HTTPError:
-                return None
-            return Snapshot(time.perf_counter(), parse_metrics(r.text))
+        scrape = _scraper(client, metrics_url)
 
         model = args.model or _first_model(client, base)
         before = scrape()
@@ -722,6 +706,23 @@ def write_trace(results: Sequence[RequestResult], path: str) -> None:
             f.write(json.dumps({"timestamp": round(r.start_s, 6), "prompt": r.prompt,
                                 "session": r.session, "turn": r.turn}) + "\n")
 
+
+def _scraper(client: Any, metrics_url: str) -> Callable[[], Snapshot | None]:
+    """One /metrics snapshot per call through ``client`` (an ``httpx.Client``); None
+    without metrics or when the scrape fails."""
+    import httpx
+
+    def scrape() -> Snapshot | None:
+        if metrics_url == "none":
+            return None
+        try:
+            r = client.get(metrics_url, timeout=10.0)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return Snapshot(time.perf_counter(), parse_metrics(r.text))
+
+    return scrape
 
 def _first_model(client: Any, base: str) -> str:
     import httpx
