@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from kvtier import metrics
 from kvtier.index import ChunkIndex, Entry, State
+from kvtier.layout import KVGroup
 from kvtier.ops import LoadOp, OpKind, StoreOp, UploadOp
 from kvtier.stats import StatsRecorder, Totals
 
@@ -27,8 +28,8 @@ from .requests import ChunkKeys, RequestState
 #: write_back: after a failed upload, cleaning ahead of eviction waits this long (seconds)
 CLEAN_PAUSE_S = 5.0
 
-#: a request id -> the vLLM block ids of its KV (the first KV cache group's)
-BlockIds = Callable[[str], list[int]]
+#: a request id -> the vLLM block ids of its KV, one list per KV cache group
+BlockIds = Callable[[str], tuple[list[int], ...]]
 
 
 class Planner:
@@ -44,6 +45,7 @@ class Planner:
         slot_bytes: int,
         write_policy: str | None,
         clean_reserve: int,
+        groups: tuple[KVGroup, ...] = (),
     ) -> None:
         self.ledger = ledger
         self.keys = keys
@@ -61,28 +63,82 @@ class Planner:
         self._clean_paused_until = 0.0  # after a failed upload: the object tier may be down
         self.loads: list[LoadOp] = []
         self.uploads: list[UploadOp] = []
+        #: a hybrid model's KV cache groups (empty: one group, every block of a chunk)
+        self.groups = groups
+        #: vLLM's null block id (set when the KV cache manager is bound)
+        self.null_block: int | None = None
 
     @property
     def index(self) -> ChunkIndex:
         return self.ledger.index
 
     # ---- loads ------------------------------------------------------------------------
-    def plan_loads(self, st: RequestState, block_ids: list[int], start: int, end: int) -> None:
-        """Loads of tokens ``start..end`` (offered by the lookup) into ``block_ids``."""
+    def plan_loads(
+        self, st: RequestState, block_ids: tuple[list[int], ...], start: int, end: int
+    ) -> None:
+        """Loads of tokens ``start..end`` (offered by the lookup) into ``block_ids`` (one
+        list per KV cache group)."""
         bs, bpc, cs = self.block_size, self.blocks_per_chunk, self.chunk_size
         for c in range(start // cs, math.ceil(end / cs)):
-            entry = self.index.pin(self.keys.key(st, c))
             b_from = max(start, c * cs) // bs
             b_to = min(end, (c + 1) * cs) // bs
+            parts = self._load_parts(block_ids, c, b_from, b_to) if self.groups else None
+            entry = self.index.pin(self.keys.key(st, c))
             nbytes = self.slot_bytes * (b_to - b_from) // bpc
             op_id = self.ledger.add(OpKind.LOAD, entry, nbytes=nbytes)
-            self.loads.append(
-                LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[b_from:b_to]))
-            )
+            if parts is None:
+                op = LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[0][b_from:b_to]))
+            else:
+                op = LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]))
+            self.loads.append(op)
             tokens = (b_to - b_from) * bs
             tier = "remote" if entry.fetched else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
             self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))  # (and its total)
+
+    def _load_parts(
+        self, block_ids: tuple[list[int], ...], c: int, b_from: int, b_to: int
+    ) -> list[tuple[int, list[int]]]:
+        """Hybrid: each group's ``(first slot block, gpu blocks)`` for request blocks
+        ``b_from..b_to`` of chunk ``c``: every block vLLM backs (its null block stands for
+        a sliding-window group's blocks before the window; they lead the range), all of
+        them inside what the group's region holds, the chunk's last ``blocks`` blocks.
+
+        One that is not stops the engine: vLLM cannot recompute per block with several
+        groups, and a block left unloaded would be computed on (and cached) with another
+        request's KV. The lookup offers only whole chunks for this reason, and a window's
+        blocks are the chunk's last ones, so this does not happen."""
+        parts: list[tuple[int, list[int]]] = []
+        for g, group in enumerate(self.groups):
+            blocks = list(block_ids[g][b_from:b_to])
+            k = 0
+            while k < len(blocks) and blocks[k] == self.null_block:
+                k += 1
+            if k == len(blocks):
+                parts.append((0, []))
+                continue
+            stored_from = (c + 1) * self.blocks_per_chunk - group.blocks
+            if b_from + k < stored_from or len(blocks) < b_to - b_from:
+                raise RuntimeError(
+                    f"kvtier: a load of chunk {c} needs blocks {b_from + k}..{b_to - 1} of KV "
+                    f"cache group {g} ({group.kind}, window {group.window}); its slot holds "
+                    f"blocks {stored_from}..{(c + 1) * self.blocks_per_chunk - 1} only"
+                )
+            parts.append((b_from + k - stored_from, blocks[k:]))
+        return parts
+
+    def _store_parts(self, blocks: tuple[list[int], ...], c: int) -> list[list[int]] | None:
+        """Hybrid: each group's blocks of chunk ``c`` its region stores (a sliding-window
+        group's last ones), or None when vLLM already dropped one of them (null block):
+        the chunk is not stored rather than stored with a hole."""
+        bpc = self.blocks_per_chunk
+        parts: list[list[int]] = []
+        for g, group in enumerate(self.groups):
+            part = list(blocks[g][(c + 1) * bpc - group.blocks : (c + 1) * bpc])
+            if len(part) != group.blocks or self.null_block in part:
+                return None
+            parts.append(part)
+        return parts
 
     # ---- stores -----------------------------------------------------------------------
     def plan_stores(
@@ -106,6 +162,10 @@ class Planner:
             if held is not None and held.state is not State.FETCHING:
                 self.index.touch(key)
                 continue
+            parts = self._store_parts(blocks, c) if self.groups else None
+            if self.groups and parts is None:
+                self.totals["stores_window_gone"] += 1
+                continue
             if held is not None:
                 # a fetch not reported yet (behind a lookup's miss, or past its timeout):
                 # this request computed the chunk, so it is stored now, into a new slot;
@@ -125,10 +185,13 @@ class Planner:
             elif self.write_through:
                 self.index.hold(entry)  # until the upload is reported
                 upload_id = self.ledger.add(OpKind.UPLOAD, entry)
-            out.append(
-                StoreOp(op_id, entry.slot, list(blocks[c * bpc : (c + 1) * bpc]),
-                        st.chunk_hashes[c], upload_id)
-            )  # fmt: skip
+            if parts is None:
+                op = StoreOp(op_id, entry.slot, list(blocks[0][c * bpc : (c + 1) * bpc]),
+                             st.chunk_hashes[c], upload_id)
+            else:
+                op = StoreOp(op_id, entry.slot, parts[0], st.chunk_hashes[c], upload_id,
+                             more=tuple(parts[1:]))
+            out.append(op)
             self.ledger.add(OpKind.STORE, entry, nbytes=self.slot_bytes, op_id=op_id)
         st.next_store = n_complete
 

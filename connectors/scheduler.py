@@ -26,10 +26,11 @@ from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
 from kvtier.index import ChunkIndex, State
 from kvtier.keys import Namespace
-from kvtier.layout import slot_bytes_for
+from kvtier.layout import align_slot, slot_bytes_for
 from kvtier.stats import StatsRecorder, Totals, total_name
 from kvtier.tiers.policy import Timeouts
 
+from .groups import kv_groups
 from .ledger import SETTLED_TOTALS, OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta
@@ -63,6 +64,9 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
     total_name(metrics.EVICTIONS),
     total_name(metrics.STORES_SKIPPED),
+    # hybrid models: chunks not stored because vLLM had already dropped blocks of a
+    # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)
+    "stores_window_gone",
     *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
     "write_back",
     "weights_changes",  # weights replaced while the engine ran (weights_changed)
@@ -106,8 +110,21 @@ class SchedulerSide:
         par = vllm_config.parallel_config
         self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
 
-        per_block = layer_page_bytes(kv_cache_config)
-        self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
+        #: a hybrid model's KV cache groups as kvtier stores them (() for one group)
+        self.groups = kv_groups(kv_cache_config, self.block_size, self.chunk_size)
+        if self.groups:
+            # each group's layers, for the blocks of a chunk it stores
+            self.slot_bytes = align_slot(sum(
+                sum(layer_page_bytes(kv_cache_config, g)) * group.blocks
+                for g, group in enumerate(self.groups)
+            ))
+        else:
+            per_block = layer_page_bytes(kv_cache_config)
+            self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
+        #: a sliding-window group stores only the last blocks of a chunk, the window before
+        #: the chunk's end: loads then end on a chunk boundary (a hit ending inside a chunk
+        #: would need window blocks the slot does not hold)
+        self.whole_chunks = any(g.blocks < self.blocks_per_chunk for g in self.groups)
         self.host_bytes = resolve_host_bytes(cfg, vllm_config, self.world_size)
         num_slots = self.host_bytes // self.slot_bytes
         if num_slots < 1:
@@ -153,7 +170,7 @@ class SchedulerSide:
             self.ledger, self.keys, self.stats, self.totals,
             block_size=self.block_size, chunk_size=self.chunk_size, slot_bytes=self.slot_bytes,
             write_policy=cfg.write_policy if self.remote else None,
-            clean_reserve=max(1, min(num_slots // 2, step_chunks)),
+            clean_reserve=max(1, min(num_slots // 2, step_chunks)), groups=self.groups,
         )  # fmt: skip
         self.lookups = RemoteLookups(
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
@@ -200,6 +217,7 @@ class SchedulerSide:
         self._kv_cache_manager = manager
         null = getattr(getattr(manager, "block_pool", None), "null_block", None)
         self.null_block = getattr(null, "block_id", None)
+        self.planner.null_block = self.null_block
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -427,13 +445,16 @@ class SchedulerSide:
             self._reqs[request.request_id] = st
         return st
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group."""
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return tuple(self._kv_cache_manager.get_block_ids(req_id))
 
     def _max_loadable(self, request: Request) -> int:
-        """vLLM must compute at least the last prompt token itself."""
-        return (request.num_tokens - 1) // self.block_size * self.block_size
+        """vLLM must compute at least the last prompt token itself (with a sliding-window
+        group stored in part, loads end on a chunk boundary: ``whole_chunks``)."""
+        step = self.chunk_size if self.whole_chunks else self.block_size
+        return (request.num_tokens - 1) // step * step
 
     def _wait_for_store(self, st: RequestState, c: int, cap: int) -> bool:
         """True when the request should ask again because chunk ``c``, the first one its
@@ -477,15 +498,17 @@ class SchedulerSide:
         return self.index.ready_run(st.chunk_hashes, first, stop)
 
 
-def layer_page_bytes(kv_cache_config: KVCacheConfig) -> list[int]:
+def layer_page_bytes(kv_cache_config: KVCacheConfig, group_index: int = 0) -> list[int]:
     """Bytes per block of each KV layer the workers store, as vLLM placed them.
 
     vLLM gives the scheduler one layer's spec per group (of a ``UniformTypeKVCacheSpecs``,
     attention layers of different sizes, the first layer's), so each layer's page is read
     from its ``kv_cache_tensors`` entry: the smaller of its layer and block strides (a
     layer-outermost tensor steps blocks by the page, a block-outermost one steps layers by
-    it). The group spec's page for every layer where vLLM says nothing usable."""
-    group = kv_cache_config.kv_cache_groups[0]
+    it). The group spec's page for every layer where vLLM says nothing usable. A hybrid
+    model's groups overlay one allocation: ``group_index`` picks the group."""
+    group = kv_cache_config.kv_cache_groups[group_index]
+    every = {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
     fallback = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
     pages: dict[str, int] = {}
     for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
@@ -494,7 +517,7 @@ def layer_page_bytes(kv_cache_config: KVCacheConfig) -> list[int]:
         if not layers or min(strides) <= 0:
             return fallback
         pages.update(dict.fromkeys(layers, min(strides)))
-    if set(pages) != set(group.layer_names):
+    if set(pages) != every:
         return fallback
     return [pages[name] for name in group.layer_names]
 

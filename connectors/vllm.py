@@ -25,12 +25,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import load_config, redact_url
+from kvtier.layout import KVGroup
 
 from .events import ChunkEvents, events_enabled
+from .groups import Refused, describe, kv_groups, specs_of
 from .identity import check_parallel, follow_weight_changes, namespace_for
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .scheduler import SchedulerSide
@@ -76,49 +79,37 @@ def worker_position() -> tuple[int, int]:
     return rank, stage
 
 
-def check_kv_cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Refuse at startup a KV cache kvtier cannot store and restore whole.
+def check_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int | None = None
+) -> tuple[KVGroup, ...]:
+    """Refuse at startup a KV cache kvtier cannot store and restore whole; return its
+    groups as kvtier stores them (``()``: one group, stored whole).
 
-    kvtier does not subclass vLLM's ``SupportsHMA``, so vLLM runs its hybrid KV cache
-    manager off: a model with full and sliding-window attention gets one group (its
-    sliding-window layers allocated as full attention), which kvtier stores whole. What
-    can still reach kvtier is refused here, naming the model and why, rather than served
-    with a wrong load: several KV cache groups (layers vLLM keeps apart even with the
-    hybrid manager off, e.g. hidden-state caches; kvtier would move only the first group's
-    blocks, and vLLM's scheduler fails on the first finished request), a group that is
-    not attention KV (Mamba/SSM state: one state per request, not per token, so a chunk
-    of tokens cannot be stored or restored), or no KV cache at all. Hybrid SSM models
-    (Jamba, Bamba...) never get here: vLLM refuses them without the hybrid manager.
+    kvtier subclasses vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager:
+    a model with full and sliding-window attention gets a group of each, and kvtier
+    stores every group of a chunk in one slot (:mod:`.groups`). Refused here, naming the
+    model and why, rather than served with a wrong load: Mamba/SSM state (one state per
+    request, not per token, so a chunk of tokens cannot be stored or restored; hybrid SSM
+    models such as Jamba or Bamba included), any group that is neither full nor
+    sliding-window attention, groups of different block sizes, or no KV cache at all.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-
-    def specs_of(group: Any) -> list[Any]:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            return list(spec.kv_cache_specs.values())
-        return [spec]
-
-    def describe(group: Any) -> str:
-        kinds = "/".join(sorted({type(s).__name__ for s in specs_of(group)}))
-        return f"{kinds} x {len(group.layer_names)} layers"
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
+    block_size = vllm_config.cache_config.block_size
     if not groups:
         reason = "it has no KV cache (an attention-free model): there is nothing to store"
-    elif len(groups) > 1:
-        reason = (
-            f"its KV cache has {len(groups)} groups ({'; '.join(map(describe, groups))}); "
-            "kvtier stores one group of attention layers and does not support vLLM's hybrid "
-            "KV cache manager (SupportsHMA), so it would load one group's KV without the rest"
-        )
-    elif not all(isinstance(s, AttentionSpec) for s in specs_of(groups[0])):
+    elif len(groups) == 1 and not all(isinstance(s, AttentionSpec) for s in specs_of(groups[0])):
         reason = (
             f"its KV cache is {describe(groups[0])}, recurrent state (Mamba/SSM) held once "
             "per request rather than per token, which kvtier's chunks of tokens cannot "
             "store or restore"
         )
     else:
-        return
+        try:
+            return kv_groups(kv_cache_config, block_size, chunk_size or block_size)
+        except Refused as why:
+            reason = str(why)
     from kvtier.errors import ConfigError
 
     raise ConfigError(
@@ -127,8 +118,11 @@ def check_kv_cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """Host-RAM and object-store KV tiers for vLLM (``kv_role: kv_both``)."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Host-RAM and object-store KV tiers for vLLM (``kv_role: kv_both``).
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with kvtier, and kvtier
+    stores and loads every KV cache group (:mod:`.groups`)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -144,7 +138,7 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         self.cfg.check_block_size(vllm_config.cache_config.block_size)
         check_parallel(vllm_config)
-        check_kv_cache_groups(vllm_config, kv_cache_config)
+        groups = check_kv_cache_groups(vllm_config, kv_cache_config, self.cfg.chunk_size)
         if self.cfg.remote_url:
             from kvtier.codec import Signer
 
@@ -178,7 +172,7 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.remote import RemoteIO
 
             self._worker = WorkerSide(
-                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config
+                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config, groups=groups
             )
             # with micro-batches a layer's attention runs once per ubatch: its KV is only
             # complete after the forward, so stores then start in wait_for_save
@@ -386,6 +380,16 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: vLLM calls this instead of :meth:`request_finished`, once, for
+        every model (one group too). Stores are copied inside the step that computed their
+        chunk, every group's blocks of it, so nothing is pending here and vLLM frees the
+        blocks at once."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def _kvtier_weights_changed(self, method: str) -> None:
         """The engine core ran ``method`` (``reload_weights``, ``update_weights``...) on

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,8 +20,8 @@ from kvtier import metrics
 from kvtier.config import KVTierConfig
 from kvtier.copiers import make_copier
 from kvtier.keys import KeySpace, Namespace, after_weight_change
-from kvtier.layout import HostSlab, SlotLayout
-from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, by_op
+from kvtier.layout import HostSlab, KVGroup, SlotLayout
+from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, all_blocks, by_op
 from kvtier.stats import StatsRecorder
 from kvtier.transfer import Copier
 
@@ -39,8 +40,11 @@ class WorkerSide:
         namespace: Namespace,
         num_blocks: int,
         remote_factory: Any = None,
+        groups: Sequence[KVGroup] = (),
     ) -> None:
         self.cfg = cfg
+        #: a hybrid model's KV cache groups as kvtier stores them (empty: one group)
+        self.groups = tuple(groups)
         self.namespace = namespace
         self.num_blocks = num_blocks
         self.blocks_per_chunk = cfg.chunk_size // namespace.block_size
@@ -80,7 +84,9 @@ class WorkerSide:
         KV that every rank holds whole, MLA's, is stored once, by rank 0)."""
         self.rank = rank
         self.stage = stage
-        self.layout = SlotLayout.from_kv_caches(kv_caches, self.num_blocks, self.blocks_per_chunk)
+        self.layout = SlotLayout.from_kv_caches(
+            kv_caches, self.num_blocks, self.blocks_per_chunk, self.groups
+        )
         # the keys name this worker's layers and their KV dtypes (another pipeline
         # partition, or other layers kept out of an fp8 KV cache, is another namespace)
         self.namespace = dataclasses.replace(self.namespace, layers=self.layout.identity())
@@ -88,12 +94,15 @@ class WorkerSide:
         self.uploads = KeySpace.writes(self.namespace, rank)
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
-        by_ptr = {kv.data_ptr(): i for i, kv in enumerate(self._kv)}
-        self._layer_index = {name: by_ptr[kv.data_ptr()] for name, kv in kv_caches.items()}
+        self._layer_index = dict(self.layout.names)
         logger.info(
             "kvtier worker rank %d stage %d: %d KV layers, chunk slot %d bytes, block dim %d",
             rank, stage, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
         )
+        for g in self.groups:
+            logger.info("kvtier worker rank %d: KV cache group %s (window %d): %d layers, "
+                        "%d of %d blocks per chunk stored", rank, g.kind, g.window,
+                        len(g.layers), g.blocks, self.blocks_per_chunk)
         if self._remote_factory is not None and self.cfg.remote_url:
             from kvtier.threads import faster_thread_switches
 
@@ -170,6 +179,9 @@ class WorkerSide:
             return meta.loads
         out: list[LoadOp] = []
         for op in meta.loads:
+            if op.more:  # hybrid: the scheduler planned each group's backed blocks only
+                out.append(op)
+                continue
             blocks = op.gpu_blocks
             k = 0
             while k < len(blocks) and blocks[k] == null:
@@ -186,11 +198,20 @@ class WorkerSide:
         """Record load results; a failed load's blocks go to vLLM as load errors."""
         if not results:
             return
-        blocks = {op.op_id: op.gpu_blocks for op in meta.loads}
+        blocks = {op.op_id: op for op in meta.loads}
         for res in results:
             self._record(res)
             if not res.ok:
-                self._failed_blocks.update(blocks.get(res.op_id, ()))
+                op = blocks.get(res.op_id)
+                if op is None:
+                    continue
+                if op.more:
+                    # vLLM cannot map block ids of several groups back to requests: it
+                    # stops the engine on this report (never computes on a wrong load)
+                    logger.error("kvtier: load of slot %d into a hybrid model's KV failed; "
+                                 "vLLM cannot recompute per block with several KV cache "
+                                 "groups", op.slot)
+                self._failed_blocks.update(all_blocks(op))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Compute waits for this layer's loads only (no-op on the synchronous path)."""

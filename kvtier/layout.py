@@ -67,6 +67,47 @@ class LayerLayout:
     slot_shape: tuple[int, ...]
     offset: int
     nbytes: int
+    #: the KV cache group whose blocks this region holds (hybrid models; 0 otherwise)
+    group: int = 0
+
+
+#: KVGroup.kind
+FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV cache group of a hybrid model (vLLM's hybrid KV cache manager gives each
+    its own block table) and what a chunk's slot holds of it.
+
+    A full-attention group: every block of the chunk. A sliding-window group: only the
+    chunk's last ``blocks`` blocks, the ones a hit ending at the chunk's end reads (vLLM
+    backs the blocks before the window with its null block): :func:`sliding_blocks`."""
+
+    kind: str
+    #: vLLM's layer names, in vLLM's group order
+    layers: tuple[str, ...]
+    #: blocks of each chunk stored, the chunk's last ones (a full group: all)
+    blocks: int
+    #: a sliding-window group: the tokens vLLM keeps before the next one (its window plus
+    #: the trailing tokens it retains); 0 for full attention
+    window: int = 0
+
+    def describe(self) -> list[Any]:
+        return [self.kind, self.window, self.blocks, list(self.layers)]
+
+
+def sliding_blocks(window: int, block_size: int, blocks_per_chunk: int) -> int:
+    """Blocks of a chunk a sliding-window group stores: the last ``ceil(window / bs)``.
+
+    vLLM frees a sliding-window block (null block in its table) once every token in it is
+    ``window`` or more tokens behind the computed end (``get_num_skipped_tokens``). A hit
+    ending at a chunk boundary ``N`` keeps the blocks from token ``N - window + 1`` on: at
+    most ``ceil((window - 1) / bs)`` blocks, all inside the last ``ceil(window / bs)`` of the
+    chunk, which the step completing the chunk still holds (vLLM drops the blocks the
+    window left only when it next allocates, after that step's stores were copied). A
+    window longer than a chunk keeps whole chunks."""
+    return max(1, min(blocks_per_chunk, -(-window // block_size)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +120,17 @@ class SlotLayout:
     #: every registered layer name -> index in ``layers`` of the region holding its KV
     #: (layers that share one KV tensor name the same region)
     names: tuple[tuple[str, int], ...] = ()
+    #: a hybrid model's KV cache groups, the slot's regions in group order (a layer's
+    #: ``group``); empty for a model of one group
+    groups: tuple[KVGroup, ...] = ()
 
     @classmethod
     def from_kv_caches(
-        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int
+        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
+        groups: Sequence[KVGroup] = (),
     ) -> SlotLayout:
+        if len(groups) > 1:
+            return cls._of_groups(kv_caches, num_blocks, blocks_per_chunk, tuple(groups))
         layers: list[LayerLayout] = []
         offset = 0
         seen: dict[int, int] = {}
@@ -104,6 +151,50 @@ class SlotLayout:
             raise ValueError("no KV cache tensors were registered")
         return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names))
 
+    @classmethod
+    def _of_groups(
+        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
+        groups: tuple[KVGroup, ...],
+    ) -> SlotLayout:
+        """Regions group after group, each group's layers in its order, each holding that
+        group's ``blocks`` blocks. vLLM's hybrid manager lays groups over the same memory
+        (a tensor serves one layer of each group, block ids never overlap at one time), so
+        a tensor appears once per group that uses it, never merged across groups."""
+        layers: list[LayerLayout] = []
+        names: list[tuple[str, int]] = []
+        offset = 0
+        for gi, group in enumerate(groups):
+            seen: dict[int, int] = {}
+            for name in group.layers:
+                kv = kv_caches.get(name)
+                if kv is None:
+                    raise ValueError(f"KV cache group {gi} names layer {name!r}, not registered")
+                if kv.data_ptr() in seen:
+                    names.append((name, seen[kv.data_ptr()]))
+                    continue
+                seen[kv.data_ptr()] = len(layers)
+                names.append((name, len(layers)))
+                dim = find_block_dim(kv.shape, num_blocks)
+                shape = list(kv.shape)
+                shape[dim] = group.blocks
+                nbytes = math.prod(shape) * kv.element_size()
+                layers.append(
+                    LayerLayout(name, kv.dtype, dim, tuple(shape), offset, nbytes, gi)
+                )
+                offset += nbytes
+        if not layers:
+            raise ValueError("no KV cache tensors were registered")
+        return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names), groups)
+
+    def group_layout(self, group: int) -> SlotLayout:
+        """One group's regions as a layout of their own (offsets into the same slot,
+        ``blocks_per_chunk`` = the blocks the group stores): what its copier moves."""
+        idx = [i for i, ll in enumerate(self.layers) if ll.group == group]
+        local = {g: i for i, g in enumerate(idx)}
+        names = tuple((n, local[i]) for n, i in self.names if i in local)
+        return SlotLayout(tuple(self.layers[i] for i in idx), self.groups[group].blocks,
+                          self.slot_bytes, names)
+
     def identity(self) -> str:
         """Digest of which layers a slot holds and how: every layer's name (vLLM's,
         ``model.layers.12.self_attn.attn``), the region it lands in, and each region's KV
@@ -115,7 +206,12 @@ class SlotLayout:
             [str(ll.dtype).removeprefix("torch."), ll.block_dim, list(ll.slot_shape)]
             for ll in self.layers
         ]
-        blob = json.dumps([sorted(self.names), regions, self.blocks_per_chunk]).encode()
+        parts: list[Any] = [sorted(self.names), regions, self.blocks_per_chunk]
+        if self.groups:
+            # hybrid: which group each region holds, and each group's kind, window, layers
+            # and blocks stored (one model of one group keeps the digest it always had)
+            parts.append([[g.describe() for g in self.groups], [ll.group for ll in self.layers]])
+        blob = json.dumps(parts).encode()
         return hashlib.blake2b(blob, digest_size=16, person=b"kvtier-layers").hexdigest()
 
     def describe(self) -> tuple[str, list[int]]:
@@ -151,6 +247,11 @@ class SlotLayout:
 def slot_bytes_for(per_block_bytes: Sequence[int], blocks_per_chunk: int) -> int:
     """Slot size from per-layer bytes per block (the scheduler has no tensors)."""
     return _align(sum(per_block_bytes) * blocks_per_chunk)
+
+
+def align_slot(nbytes: int) -> int:
+    """A slot's size for ``nbytes`` of regions (slots start on aligned addresses)."""
+    return _align(nbytes)
 
 
 def _align(n: int) -> int:
@@ -192,6 +293,19 @@ class HostSlab:
                 daemon=True,
             )
             self._populating.start()
+
+    def with_layout(self, layout: SlotLayout) -> HostSlab:
+        """This slab's memory through another layout of the same slot size (one KV cache
+        group's regions: :meth:`SlotLayout.group_layout`). A view: nothing is allocated."""
+        if layout.slot_bytes != self.layout.slot_bytes:
+            raise ValueError(f"slot of {layout.slot_bytes} bytes, not {self.layout.slot_bytes}")
+        view = object.__new__(HostSlab)
+        view.layout = layout
+        view.num_slots = self.num_slots
+        view.pinned = self.pinned
+        view._pinned_buffer = None  # the owner unregisters it
+        view.buffer = self.buffer  # (keeps the mapping alive)
+        return view
 
     def close(self) -> None:
         """Unregister pinned memory now (it is also unregistered when collected)."""

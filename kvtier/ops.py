@@ -38,6 +38,10 @@ class LoadOp:
     slot: int
     first: int
     gpu_blocks: list[int]
+    #: a hybrid model's further KV cache groups (1, 2, ...), each ``(first, gpu_blocks)``
+    #: into that group's region of the slot; ``first``/``gpu_blocks`` are group 0's (an
+    #: empty list: nothing of that group to copy). Empty for one group.
+    more: tuple[tuple[int, list[int]], ...] = ()
 
 
 @dataclass(slots=True)
@@ -51,6 +55,9 @@ class StoreOp:
     gpu_blocks: list[int]
     block_hash: bytes = b""
     upload_op_id: int | None = None
+    #: a hybrid model's further KV cache groups (1, 2, ...): the blocks stored into each
+    #: group's region of the slot (``gpu_blocks`` are group 0's). Empty for one group.
+    more: tuple[list[int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -74,6 +81,19 @@ class UploadOp:
 
 
 CopyOp = LoadOp | StoreOp
+
+
+def group_parts(op: CopyOp) -> list[tuple[int, list[int]]]:
+    """``(first slot block, gpu blocks)`` of each KV cache group an op copies, in group
+    order (one entry for a model of one group)."""
+    if isinstance(op, LoadOp):
+        return [(op.first, op.gpu_blocks), *op.more]
+    return [(0, op.gpu_blocks), *((0, blocks) for blocks in op.more)]
+
+
+def all_blocks(op: CopyOp) -> list[int]:
+    """Every GPU block an op touches, all groups."""
+    return [b for _, blocks in group_parts(op) for b in blocks]
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,10 @@ def test_every_hook_kvtier_defines_exists_and_is_called_compatibly(
 ) -> None:
     version, src = release
     base = src.class_methods(BASE, "KVConnectorBase_V1")
+    # SupportsHMA's hook (request_finished_all_groups), called instead of request_finished
+    hma = src.class_methods(BASE, "SupportsHMA")
+    assert "request_finished_all_groups" in hma, f"vLLM {version}: SupportsHMA changed"
+    base = {**hma, **base}
     problems = []
     for name, ours in sorted(kvtier_methods().items()):
         if name.startswith("_") and name != "__init__":
