@@ -1,11 +1,11 @@
 """Hybrid models: what kvtier serves and what it refuses at startup, with vLLM's own objects.
 
-kvtier does not subclass ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
-when kvtier is the connector. The KV cache groups kvtier is then handed come from vLLM's
-own ``get_kv_cache_groups`` over a model's per-layer ``KVCacheSpec``s (as the engine core
-builds them), and the connector is built by vLLM's real ``Scheduler`` (scheduler role) or
-directly (worker role), as vLLM builds it. No model runs: vLLM's CPU build cannot run a
-hybrid model with the hybrid manager, and the grouping is what decides.
+kvtier subclasses ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager with kvtier:
+the KV cache groups kvtier is handed come from vLLM's own ``get_kv_cache_groups`` over a
+model's per-layer ``KVCacheSpec``s (as the engine core builds them), and the connector is
+built by vLLM's real ``Scheduler`` (scheduler role) or directly (worker role), as vLLM
+builds it. No model runs here; tests/connectors/test_hma.py moves real KV of a hybrid
+model through vLLM's scheduler and kvtier's sides.
 """
 
 from __future__ import annotations
@@ -96,23 +96,29 @@ def attn(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def test_vllm_runs_without_its_hybrid_manager_for_kvtier(model_dir: str) -> None:
-    assert not issubclass(KVTierConnector, SupportsHMA)
-    assert engine_config(model_dir).scheduler_config.disable_hybrid_kv_cache_manager
+def test_vllm_keeps_its_hybrid_manager_for_kvtier(model_dir: str) -> None:
+    assert issubclass(KVTierConnector, SupportsHMA)
+    assert engine_config(model_dir).scheduler_config.disable_hybrid_kv_cache_manager is False
 
 
-def test_full_and_sliding_window_layers_are_one_group_stored_whole(model_dir: str) -> None:
+def test_full_and_sliding_window_layers_are_two_groups_each_stored(model_dir: str) -> None:
     """Gemma 2/3, gpt-oss style (alternating full and sliding-window layers): vLLM gives
-    kvtier one full-attention group of every layer, so kvtier stores every layer's KV for
-    the whole prefix, and its slot is what the workers lay out over the real tensors."""
+    kvtier a full-attention group and a sliding-window group; a chunk's slot holds every
+    block of the full layers and the last ceil(32 / 16) = 2 of the sliding ones, as the
+    workers lay it out over the tensors."""
     vc = engine_config(model_dir)
+    vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves first
     kcc = vllm_groups(vc, {attn(0): FULL, attn(1): SWA, attn(2): FULL, attn(3): SWA})
-    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [FullAttentionSpec]
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [FullAttentionSpec,
+                                                                    SlidingWindowSpec]
     sched = scheduler(vc, kcc)
     side = sched.connector._scheduler
-    assert side.slot_bytes == slot_bytes_for([FULL.page_size_bytes] * 4, CHUNK // BS)
+    bpc = CHUNK // BS
+    assert side.slot_bytes == slot_bytes_for([FULL.page_size_bytes] * 2, bpc) + 2 * (
+        2 * SWA.page_size_bytes)
     kv = {attn(i): torch.zeros(2, NUM_BLOCKS, BS, 2, 8, dtype=torch.bfloat16) for i in range(4)}
-    assert SlotLayout.from_kv_caches(kv, NUM_BLOCKS, CHUNK // BS).slot_bytes == side.slot_bytes
+    layout = SlotLayout.from_kv_caches(kv, NUM_BLOCKS, bpc, side.groups)
+    assert layout.slot_bytes == side.slot_bytes
     sched.shutdown()
 
 
@@ -136,25 +142,27 @@ def test_a_mamba_model_is_refused_at_startup_naming_the_model_and_why(
     assert "without kvtier" in msg
 
 
-def test_a_hybrid_ssm_model_is_refused_by_vllm_before_kvtier(model_dir: str) -> None:
-    """Jamba, Bamba, ... (attention and Mamba layers): without the hybrid manager vLLM
-    cannot put them in one group and stops before any connector is built."""
-    vc = engine_config(model_dir)
-    with pytest.raises(ValueError, match="unified type"):
-        vllm_groups(vc, {attn(0): FULL, "model.layers.1.mixer": MAMBA})
+def test_groups_kvtier_cannot_store_are_refused_not_half_loaded(model_dir: str) -> None:
+    """A group that is neither full nor sliding-window attention (chunked-local here) is
+    refused at startup, naming it; as are sliding-window groups of another block size."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-
-def test_several_groups_are_refused_not_half_loaded(model_dir: str) -> None:
-    """Groups as vLLM's hybrid manager makes them (full and sliding-window apart, block
-    tables of their own): kvtier would move the first group's blocks only."""
     vc = engine_config(model_dir)
+    local = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                                      dtype=torch.bfloat16, attention_chunk_size=64)
     kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([attn(0), attn(2)], FULL), KVCacheGroupSpec([attn(1), attn(3)], SWA)])
+        KVCacheGroupSpec([attn(0), attn(2)], FULL), KVCacheGroupSpec([attn(1), attn(3)], local)])
     with pytest.raises(ConfigError) as err:
         scheduler(vc, kcc)
     msg = str(err.value)
-    assert "2 groups (FullAttentionSpec x 2 layers; SlidingWindowSpec x 2 layers)" in msg, msg
-    assert model_dir in msg and "SupportsHMA" in msg
+    assert "group 1 (ChunkedLocalAttentionSpec x 2 layers)" in msg, msg
+    assert model_dir in msg and "neither full nor sliding-window" in msg
+    wide = SlidingWindowSpec(block_size=2 * BS, num_kv_heads=2, head_size=8,
+                             dtype=torch.bfloat16, sliding_window=32)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], wide)])
+    with pytest.raises(ConfigError, match="one block size across groups"):
+        KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
 
 
 def test_a_model_without_kv_cache_is_refused(model_dir: str) -> None:
