@@ -255,9 +255,12 @@ def replica(model: str, extra: dict[str, Any], role: str, marker: str) -> dict[s
 
 def prompts_run(
     model: str, extra: dict[str, Any], seeds: list[int], repeats: int = 2,
-    pause_file: str | None = None,
+    pause_file: str | None = None, settle_between: bool = False,
 ) -> dict[str, Any]:
     """Run each prompt ``repeats`` times with vLLM's prefix cache flushed in between.
+
+    With ``settle_between``, the worker's reports (uploads above all) arrive before each
+    next prompt, so what a prompt finds does not depend on how fast the tiers were.
 
     With ``pause_file``, after the first round the scenario writes ``pause_file``
     and waits for ``pause_file + ".go"`` (the test kills or restarts a service).
@@ -267,7 +270,9 @@ def prompts_run(
     rounds = []
     for r in range(repeats):
         outs = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            if settle_between and (i or r):  # (an engine whose first request was
+                settle(llm)  # settle's 3-token prompt died of SIGILL on a CPU with AMX)
             llm.reset_prefix_cache()
             outs.append(generate(llm, [p])[0])
         rounds.append(outs)

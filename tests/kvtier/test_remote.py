@@ -473,6 +473,26 @@ def test_a_run_whose_first_chunk_is_missing_asks_once(any_tier, monkeypatch) -> 
     rio.close()
 
 
+def test_a_runs_misses_are_published_before_the_miss_that_ends_it(tmp_path) -> None:
+    """A poll that sees the first chunk's miss sees the rest of the run settled with it:
+    the lookup ends at that miss, and the request then stores those chunks itself,
+    which finds their claimed slots free (not still fetching and needing new slots)."""
+    rio = make_rio(FileTier(str(tmp_path / "objects")))
+    published: list[int] = []
+    real = rio._report
+
+    def report(op, *args, **kw):
+        real(op, *args, **kw)
+        published.append(op.op_id)
+
+    rio._report = report  # type: ignore[method-assign]
+    _run(rio, 100, [f"absent{i}" for i in range(6)])
+    collect(rio, 6)
+    assert sorted(published) == list(range(100, 106))
+    assert published[-1] == 100, f"the run's first miss was published before its rest: {published}"
+    rio.close()
+
+
 def test_a_run_reads_its_chunks_into_their_slots_and_stops_at_a_gap(any_tier) -> None:
     """Chunks 0-5 stored but 3: 0-2 land verified in their slots, 3 is a miss, and each of
     4-5 is either not asked (reported a miss) or read whole (never a half-written hit)."""
