@@ -229,7 +229,9 @@ def test_primary_killed_mid_run() -> None:
     """kill -9 one primary: fetches and uploads of its slots fail as kind ``node`` (misses,
     dropped uploads), the other slots keep serving, the tier is never marked down, and once
     a replica is promoted the same tier serves every slot again without being reopened."""
-    c = RedisCluster(node_timeout_ms=1000)
+    # the reads and writes right after the kill must run before the cluster promotes the
+    # replica: 3 s of node timeout leaves room for a loaded 2-core machine (1 s once did not)
+    c = RedisCluster(node_timeout_ms=3000)
     try:
         c.start()
         tier = RedisClusterTier(c.url, lookup_timeout_ms=1000)
