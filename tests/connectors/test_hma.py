@@ -334,13 +334,13 @@ def test_a_chunk_whose_window_vllm_already_dropped_is_not_stored(model_dir: str)
 
 def test_a_hit_ending_inside_a_chunk_is_not_offered(model_dir: str) -> None:
     """The slot holds a sliding-window group's last blocks of a chunk only, so a hit ends
-    on a chunk boundary: a prompt of 3 chunks + 40 tokens is served 3 chunks, not the
-    40 tokens of the 4th (stored by a longer prompt) that a one-group model would load."""
+    on a chunk boundary: a prompt of exactly 4 chunks is served 3 chunks, not the first
+    48 tokens of the 4th that a one-group model loads (vLLM computes the last token)."""
     eng = HybridEngine(model_dir)
     tokens = prompt(5 * CHUNK, seed=4)
     eng.run(eng.request(tokens))
     assert eng.sched.reset_prefix_cache()
-    b = eng.request(tokens[: 3 * CHUNK + 40])
+    b = eng.request(tokens[: 4 * CHUNK])
     so = eng.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 3 * CHUNK
     eng.run(b)
