@@ -43,6 +43,7 @@ import harness  # noqa: E402
 import report  # noqa: E402
 from harness import Unavailable, VLLMServer  # noqa: E402
 
+from kvtier.sizing.autosize import mem_available_bytes  # noqa: E402
 from kvtier.tools import bench  # noqa: E402
 
 SHAPES = {
@@ -53,6 +54,18 @@ DEVICE_CACHE_TOKENS = 4096  # device KV cache of every server: 128 blocks of 32
 MAX_MODEL_LEN = 2560
 PROMPT_TOKENS = 2048
 CHUNK = 256
+GiB = 2**30
+#: the host tier of every kvtier row: at most this (more than the workloads fill) ...
+HOST_TIER_MAX = 1 * GiB
+#: ... and what kvtier leaves free besides it (its cpu_headroom_bytes; 4 GiB by default,
+#: sized for GPU servers), lowered to HEADROOM_MIN when the machine has little free
+HEADROOM = 1 * GiB
+HEADROOM_MIN = 256 * 2**20
+#: what the vLLM server of a row takes before kvtier checks the host memory it needs
+#: (torch, the engine and its worker, the weights, the device KV cache); an in-process
+#: engine of the bench model held about 1.2 GiB resident there, a server adds its API
+#: process
+ENGINE_BYTES = 5 * GiB // 2
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,38 @@ CONFIGS = (  # the goals' configurations first, so a cut-short run still answers
 )
 
 
+def working_set_bytes(plan: Plan, shape: dict[str, int]) -> int:
+    """Host-tier bytes the workloads can fill: every chunk they send, none evicted (the
+    repeated prompt, the 75 %-shared prompts, every multi-turn session's history)."""
+    tokens = PROMPT_TOKENS  # workload 1: one prompt, repeated
+    tokens += 1536 + plan.shared * 512  # workload 2: one shared prefix, distinct tails
+    tokens += plan.mt_sessions * (256 + plan.mt_turns * (256 + 8))  # workload 3
+    chunks = -(-tokens // CHUNK) + 3 * plan.mt_sessions  # partial chunks of each session
+    return chunks * CHUNK * kv_bytes_per_token(shape)
+
+
+def host_tier_plan(need: int, floor: int, available: int) -> tuple[int, int]:
+    """(cpu_bytes, cpu_headroom_bytes) for a kvtier row when ``available`` bytes of host
+    memory are free before its server starts: the host tier as large as HOST_TIER_MAX,
+    at least ``need`` (what the workloads fill), with the vLLM server's own memory
+    (ENGINE_BYTES) and HEADROOM (at least HEADROOM_MIN) left over. Short of that, down to
+    ``floor`` (the repeated prompt's chunks: its hit and restart rows stay measurable, the
+    multi-turn sessions evict). :class:`Unavailable` below that, before any server
+    starts, with the numbers (kvtier itself would refuse it at startup)."""
+    for headroom in (HEADROOM, HEADROOM_MIN):
+        spare = available - ENGINE_BYTES - headroom
+        if spare >= need:
+            return min(HOST_TIER_MAX, spare), headroom
+    if spare >= floor:
+        return spare, HEADROOM_MIN
+    raise Unavailable(
+        f"{available / GiB:.2f} GiB of host memory available; a kvtier row needs at least "
+        f"{(floor + ENGINE_BYTES + HEADROOM_MIN) / GiB:.2f} GiB (host tier "
+        f"{floor / 2**20:.0f} MiB + vLLM {ENGINE_BYTES / GiB:.1f} GiB + headroom "
+        f"{HEADROOM_MIN / 2**20:.0f} MiB)"
+    )
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -114,8 +159,9 @@ def kv_bytes_per_token(shape: dict[str, int]) -> int:
 class Setup:
     """Servers and settings a configuration needs besides vLLM itself."""
 
-    def __init__(self, cfg: Config, workdir: Path, args: argparse.Namespace) -> None:
-        self.cfg, self.workdir, self.args = cfg, workdir / cfg.name, args
+    def __init__(self, cfg: Config, workdir: Path, args: argparse.Namespace,
+                 plan: Plan = PLANS["full"]) -> None:
+        self.cfg, self.workdir, self.args, self.plan = cfg, workdir / cfg.name, args, plan
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = sys.executable
         self.kv_transfer: dict[str, Any] | None = None
@@ -164,10 +210,7 @@ class Setup:
 
         if importlib.util.find_spec("kvtier.connectors.vllm") is None:
             raise Unavailable("kvtier.connectors.vllm is not there yet")
-        # 1 GiB headroom: the default 4 GiB is sized for GPU servers, not a 2-core box
-        extra: dict[str, Any] = {
-            "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": CHUNK,
-        }
+        extra: dict[str, Any] = {"chunk_size": CHUNK}
         if self.cfg.remote == "file":
             store = self.workdir / "store"
             store.mkdir(exist_ok=True)
@@ -185,6 +228,14 @@ class Setup:
             extra["remote_url"] = url
         if self.cfg.remote:
             _check_kvtier_config(extra, self.env)
+        # sized now, with this row's store running: what the machine has free decides
+        shape = SHAPES[self.args.model_shape]
+        need = working_set_bytes(self.plan, shape)
+        floor = 4 * PROMPT_TOKENS * kv_bytes_per_token(shape)
+        cpu, headroom = host_tier_plan(need, floor, mem_available_bytes())
+        extra |= {"cpu_bytes": cpu, "cpu_headroom_bytes": headroom}
+        log(f"{self.cfg.name}: host tier {cpu / 2**20:.0f} MiB (the workloads fill "
+            f"{need / 2**20:.0f} MiB), headroom {headroom / 2**20:.0f} MiB")
         self.kv_transfer = {
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
@@ -238,7 +289,7 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
     phases: dict[str, Any] = {}
     record: dict[str, Any] = {"label": cfg.label, "phases": phases}
     try:
-        with Setup(cfg, workdir, args) as st:
+        with Setup(cfg, workdir, args, plan) as st:
             server = VLLMServer(python=st.python, model=model, kv_transfer=st.kv_transfer,
                                 kv_cache_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
                                 env=st.env, log=st.workdir / "vllm.log")
@@ -257,6 +308,8 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
                     _say(cfg, "restart", phases["restart"])
             finally:
                 server.stop()
+            if st.kv_transfer and "cpu_bytes" in st.kv_transfer["kv_connector_extra_config"]:
+                record["cpu_bytes"] = st.kv_transfer["kv_connector_extra_config"]["cpu_bytes"]
     except Unavailable as exc:
         record["unavailable"] = str(exc)
         log(f"{cfg.name}: unavailable: {exc}")
