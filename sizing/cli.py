@@ -172,6 +172,7 @@ def _inputs(args: argparse.Namespace) -> Any:
         compression=getattr(args, "compression", "none"),
         compression_ratio=getattr(args, "compression_ratio", None),
         chunk_size=getattr(args, "chunk_size", 256),
+        block_size=getattr(args, "block_size", 16),
     )  # fmt: skip
 
 
@@ -267,7 +268,7 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     except tr.TraceError as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
         return 2
-    host_slot = tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), args.chunk_size)
+    host_slot = int(plan["host_slot_bytes"])  # every KV cache group's stored blocks
     rep = tr.report(
         sim, stats, path=args.trace, host_slot_bytes=host_slot,
         object_chunk_bytes=int(plan["object_compression"]["stored_chunk_bytes"]),

@@ -119,6 +119,45 @@ class ModelShape:
         return total
 
 
+    def kv_groups(
+        self, kv_cache_dtype: str = "auto", tp: int = 1, *, chunk_size: int = 256,
+        block_size: int = 16,
+    ) -> list[dict[str, Any]]:
+        """The KV cache groups of the model as kvtier stores them, per rank.
+
+        With full and sliding-window layers, vLLM's hybrid KV cache manager (which kvtier
+        keeps on) keeps them apart: a sliding layer holds ``sliding_window`` tokens of a
+        sequence, not its whole context, and kvtier stores of each chunk only its last
+        blocks the window before the chunk's end needs (:func:`sliding_blocks`). A model
+        of one kind is one group, every block of a chunk stored. Per group: its kind,
+        layers and window, KV bytes per token and per block (vLLM's page over the group's
+        layers) and the bytes kvtier stores of one chunk."""
+        per = self.kv_bytes_per_layer_token(kv_cache_dtype, tp)
+        bpc = max(1, chunk_size // block_size)
+        counts = {kind: sum(1 for k in self.layer_kinds if k == kind) for kind in (FULL, SLIDING)}
+        hybrid = all(counts.values())
+        out: list[dict[str, Any]] = []
+        for kind, layers in counts.items():
+            if not layers:
+                continue
+            window = (self.sliding_window or 0) if kind == SLIDING else 0
+            blocks = sliding_blocks(window, block_size, bpc) if hybrid and window else bpc
+            out.append({
+                "kind": kind, "layers": layers, "window": window or None,
+                "bytes_per_token": per * layers,
+                "page_bytes": per * layers * block_size,
+                "stored_blocks_per_chunk": blocks, "blocks_per_chunk": bpc,
+                "chunk_bytes": per * layers * block_size * blocks,
+            })
+        return out
+
+
+def sliding_blocks(window: int, block_size: int, blocks_per_chunk: int) -> int:
+    """Blocks of each chunk kvtier stores of a sliding-window group: the last
+    ``ceil(window / block_size)`` (``kvtier.layout.sliding_blocks``, which needs torch)."""
+    return max(1, min(blocks_per_chunk, -(-window // block_size)))
+
+
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     """Bytes per KV element: ``auto`` follows the model dtype, ``fp8*`` is one byte."""
     name = model_dtype if kv_cache_dtype in ("auto", None) else kv_cache_dtype

@@ -138,6 +138,8 @@ class PlanInputs:
     compression: str = "none"
     compression_ratio: float | None = None
     chunk_size: int = 256
+    #: vLLM's --block-size (a sliding-window group's stored blocks are counted in it)
+    block_size: int = 16
     environ: Mapping[str, str] | None = field(default=None, repr=False)
 
 
@@ -237,10 +239,14 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     # every rank writes its own object of a chunk, except MLA's latent, which every rank
     # holds whole and rank 0 alone writes; each object is compressed on its own
     objects = 1 if shape.is_mla else tp
+    # what kvtier stores of one chunk per rank, group by group (a sliding-window group of a
+    # hybrid model: only the window before the chunk's end)
+    groups = shape.kv_groups(inp.kv_cache_dtype, tp, chunk_size=inp.chunk_size,
+                             block_size=inp.block_size)
+    chunk_rank = sum(g["chunk_bytes"] for g in groups)
     comp = resolve_compression(inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype),
                                inp.compression_ratio)
-    obj_comp = {"chunk_size": inp.chunk_size,
-                **comp.summary(bpt_rank * inp.chunk_size, objects)}
+    obj_comp = {"chunk_size": inp.chunk_size, **comp.summary(chunk_rank, objects)}
     session_rank = shape.session_kv_bytes(inp.context, inp.kv_cache_dtype, tp)
     weight_rank = weights.rank_bytes
     resident = weight_rank - result.gpu_bytes + result.buffer_pool_bytes
@@ -320,7 +326,12 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "kv_bytes_per_token_per_rank": bpt_rank,
         # what the object tier stores per token: every rank's share, except MLA's latent,
         # which every rank holds whole and rank 0 alone writes
-        "object_kv_bytes_per_token": bpt_rank * objects,
+        "object_kv_bytes_per_token": chunk_rank * objects // inp.chunk_size,
+        # per KV cache group (vLLM's hybrid manager keeps full and sliding layers apart):
+        # bytes per token and per block per rank, and what kvtier stores of a chunk
+        "kv_groups": groups,
+        "host_chunk_bytes_per_rank": chunk_rank,
+        "host_slot_bytes": (chunk_rank + 4095) // 4096 * 4096,
         # what it stores per token under ``compression`` (the host tier is never compressed)
         "object_stored_bytes_per_token": obj_comp["stored_chunk_bytes"] / inp.chunk_size,
         "object_compression": obj_comp,

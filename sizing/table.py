@@ -7,6 +7,17 @@ from typing import Any
 GiB = 1024**3
 
 
+def _group_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per KV cache group (full and sliding-window layers apart): its bytes per
+    token per rank and what kvtier stores of one chunk."""
+    rows = []
+    for g in p.get("kv_groups") or ():
+        name = f"  {g['kind']} group" + (f" ({g['window']:,} tokens)" if g["window"] else "")
+        rows.append((name, f"{g['layers']} layers, {g['bytes_per_token']:,} B/token/rank; "
+                           f"kvtier stores {g['stored_blocks_per_chunk']} of "
+                           f"{g['blocks_per_chunk']} blocks a chunk: {g['chunk_bytes']:,} B"))
+    return rows
+
 def _b(n: int | None) -> str:
     """Bytes with GiB alongside, or "unknown"."""
     if n is None:
@@ -49,6 +60,7 @@ def format_plan(p: dict[str, Any]) -> str:
         ("KV heads", kv_heads),
         ("KV bytes / token", f"{p['kv_bytes_per_token']:,} B ({p['kv_cache_dtype']} KV cache)"),
         ("KV bytes / token / rank", f"{p['kv_bytes_per_token_per_rank']:,} B"),
+        *_group_rows(p),
         ("object tier bytes / token", f"{p['object_kv_bytes_per_token']:,} B"
          + (" (one copy for all ranks)" if p["mla"] and p["tp"] > 1 else "")),
         *_compression_rows(p),
