@@ -203,6 +203,10 @@ class SchedulerSide:
         self._last_evictions = 0
         #: KV events for routers (.events), set by the connector when vLLM publishes them
         self.events: ChunkEvents | None = None
+        for g in self.groups:
+            logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
+                        "of a chunk stored", g.kind, g.window, len(g.layers), g.blocks,
+                        self.blocks_per_chunk)
         logger.info(
             "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
             num_slots,
