@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: run kvtier's CUDA tests, then bench/gpu_transfer.py,
 # each under a timeout, and print the figures. Needs only torch (CUDA build), pytest,
-# msgpack and xxhash: no vLLM, and no install (PYTHONPATH points at this checkout).
+# msgpack and xxhash: no vLLM, and no install (PYTHONPATH points at this checkout). The
+# hybrid end-to-end case at the end runs only where vLLM's CUDA build is installed.
 # Figures also land in $OUT/gpu_transfer.json ($OUT defaults to a temporary directory).
 # PYTHON picks the interpreter (default: python3).
 set -uo pipefail
@@ -21,13 +22,27 @@ tests_rc=$?
 
 echo "== CPU-side copy-path tests"
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/kvtier/test_transfer.py \
-    tests/kvtier/test_layout.py
+    tests/kvtier/test_layout.py tests/kvtier/test_groups_copier.py
 cpu_rc=$?
 
 echo "== bench/gpu_transfer.py"
 timeout 300 $PY bench/gpu_transfer.py --json "$OUT/gpu_transfer.json"
 bench_rc=$?
 
+# A hybrid model end to end (needs vLLM's CUDA build; skipped without it): a tiny random-
+# weight Llama whose odd layers slide over 128 tokens, built locally. vLLM keeps its hybrid
+# KV cache manager with kvtier (two KV cache groups, no "Turning off hybrid kv cache
+# manager" in the log), and a prefix kvtier's host tier serves gives the tokens and
+# logprobs of the same prefix served by vLLM's own cache (per-group copies on CUDA).
+echo "== hybrid e2e (tests/e2e/test_hma_hybrid.py)"
+if $PY -c "import vllm, transformers, tokenizers" 2>/dev/null; then
+    timeout 600 $PY -m pytest -q -p no:cacheprovider -m e2e tests/e2e/test_hma_hybrid.py -rs
+    hybrid_rc=$?
+else
+    echo "vLLM (with transformers and tokenizers) is not installed: skipped"
+    hybrid_rc=0
+fi
+
 echo "== summary: cuda tests rc=$tests_rc, cpu tests rc=$cpu_rc, bench rc=$bench_rc," \
-     "figures in $OUT/gpu_transfer.json"
-[ "$tests_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+     "hybrid e2e rc=$hybrid_rc, figures in $OUT/gpu_transfer.json"
+[ "$tests_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$hybrid_rc" -eq 0 ]
