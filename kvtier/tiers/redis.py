@@ -88,6 +88,11 @@ class _Bound(threading.local):
     the whole command, so a thread-local bound is the command's bound."""
 
     limit: int | None = _REPLY_CAP
+    #: a slot the command's bulk reply ends in (``RedisTier.read_into``): a reply at least
+    #: its size is read with its last ``into.nbytes`` bytes straight into it, and only
+    #: the bytes before them (the chunk's head) are returned; ``landed`` says it was
+    into: memoryview | None = None
+    landed = False
 
 
 class _BoundedBuffer(SocketBuffer):
@@ -147,27 +152,46 @@ class _BoundedParser(_RESP2Parser):
     def _read_bulk(self, n: int, timeout: object) -> bytearray:
         """A chunk-sized bulk reply read straight from the socket into one buffer of its
         size: no growing buffer and two copies (the pure-Python parser's way), as fast
-        as hiredis."""
+        as hiredis. With a slot to read into (:attr:`_Bound.into`) no larger than the
+        reply, the reply's end goes straight into the slot: no buffer of the chunk's
+        size, no copy of it."""
+        into = self.bound.into
+        if into is not None and into.nbytes <= n:
+            self.bound.landed = False
+            head, crlf = bytearray(n - into.nbytes), bytearray(2)
+            self._fill([memoryview(head), into, memoryview(crlf)], timeout)
+            if crlf != b"\r\n":
+                raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
+            self.bound.landed = True
+            return head
         out = bytearray(n + 2)
         view = memoryview(out)
-        got = self._buffer._buffer.readinto(view)  # what the socket buffer holds already
-        sock = self._sock
-        if timeout is not SENTINEL:
-            sock.settimeout(timeout)
         try:
-            while got < n + 2:
-                k = sock.recv_into(view[got:])
-                if not k:
-                    raise redis.ConnectionError("Connection closed by server.")
-                got += k
+            self._fill([view], timeout)
         finally:
             view.release()
-            if timeout is not SENTINEL:
-                sock.settimeout(self._buffer.socket_timeout)
         if out[n:] != b"\r\n":
             raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
         del out[n:]  # shrinks in place
         return out
+
+    def _fill(self, views: list[memoryview], timeout: object) -> None:
+        """Fill ``views`` in order: first from what the socket buffer holds, then from
+        the socket."""
+        sock = self._sock
+        if timeout is not SENTINEL:
+            sock.settimeout(timeout)
+        try:
+            for view in views:
+                got = self._buffer._buffer.readinto(view)  # what the buffer holds already
+                while got < view.nbytes:
+                    k = sock.recv_into(view[got:])
+                    if not k:
+                        raise redis.ConnectionError("Connection closed by server.")
+                    got += k
+        finally:
+            if timeout is not SENTINEL:
+                sock.settimeout(self._buffer.socket_timeout)
 
 
 def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
@@ -355,10 +379,21 @@ class RedisTier(ObjectTier):
         return data if data is None or type(data) is bytes else bytes(data)
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        """:meth:`ObjectTier.read_into` without the copy ``get`` makes of a large reply."""
-        blob = self._get(key, dest.nbytes + max_head)
+        """:meth:`ObjectTier.read_into`: the reply's last ``dest.nbytes`` bytes are read
+        from the socket straight into ``dest`` (no buffer of the chunk's size, no copy);
+        a reply shorter than that (a compressed chunk, a truncated one) is read whole."""
+        bound = self._bound
+        bound.into, bound.landed = dest, False
+        try:
+            blob = self._get(key, dest.nbytes + max_head)
+            landed = bound.landed
+        finally:
+            bound.into, bound.landed = None, False
         if blob is None:
             return None
+        if landed:  # ``blob`` is the head: the payload is in ``dest`` already
+            head_length_for(len(blob) + dest.nbytes, dest.nbytes, max_head, self.name)
+            return bytes(blob)
         head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
         view = memoryview(blob)
         dest[:] = view[head_len:]
