@@ -44,13 +44,14 @@ import hashlib
 import hmac
 import os
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import xxhash
 
-from kvtier.compress import LOSSY_FORMS, FormatError, decompress_into
+from kvtier.compress import LOSSY_FORMS, FormatError, ThreadScratch, decompress_into
 from kvtier.errors import (
     ChecksumError,
     CodecError,
@@ -84,6 +85,22 @@ _SIG_LEN = hashlib.sha256().digest_size
 #: the longest compressed-form name a header may carry
 _FORM_MAX = 32
 _XXH_LEN = 16
+#: where :func:`decode` opens a sealed compressed payload it was handed read-only
+_OPEN_SCRATCH = ThreadScratch()
+
+
+_PACKERS = threading.local()
+
+
+def _packb(obj: object) -> bytes:
+    """``msgpack.packb(obj, use_bin_type=True)`` through this thread's Packer: packb makes
+    a 256 KiB buffer per call (one or more per chunk read or written); a Packer keeps a
+    small one, grown to the largest header it packed."""
+    packer: msgpack.Packer | None = getattr(_PACKERS, "p", None)
+    if packer is None:
+        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True, buf_size=1024)
+    packed: bytes = packer.pack(obj)
+    return packed
 
 
 def _payload_view(payload: bytes | bytearray | memoryview) -> memoryview:
@@ -213,14 +230,14 @@ def _long_enough(cfg_key: str, where: str, keys: list[bytes]) -> list[bytes]:
 def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:
     """The bytes the signature covers: the header fields in a fixed order, no ``sig``
     (``rest``: the checksum, or a sealed chunk's key id, nonce and tag)."""
-    packed: bytes = msgpack.packb([version, key, dtype, shape, n, *rest], use_bin_type=True)
+    packed: bytes = _packb([version, key, dtype, shape, n, *rest])
     return packed
 
 
 def _aad(version: int, key: str, dtype: str, shape: list[int], n: int, *form: bytes) -> bytes:
     """A sealed chunk's associated data: what it is and where it belongs (and, compressed,
     its form)."""
-    packed: bytes = msgpack.packb([version, key, dtype, shape, n, *form], use_bin_type=True)
+    packed: bytes = _packb([version, key, dtype, shape, n, *form])
     return packed
 
 
@@ -255,7 +272,7 @@ def encode(
             raise ValueError(f"compressed form name {form!r} is empty or too long")
         # fixed-length fields: the header's size is known before sealing or signing
         probe = _header(key, dtype, shape_l, stream.nbytes, form, sealer is not None, signs)
-        if _PREFIX.size + len(msgpack.packb(probe, use_bin_type=True)) + stream.nbytes < (
+        if _PREFIX.size + len(_packb(probe)) + stream.nbytes < (
             view.nbytes + _PREFIX.size
         ):
             view = stream
@@ -281,7 +298,7 @@ def encode(
         assert signer is not None
         canon = _canonical(FORMAT_VERSION, key, dtype, shape_l, n, *rest, *extra)
         header["sig"] = signer.sign(canon, body)
-    packed = msgpack.packb(header, use_bin_type=True)
+    packed = _packb(header)
     return [_PREFIX.pack(MAGIC, len(packed)) + packed, body]
 
 
@@ -363,9 +380,13 @@ def decode(
     lossy: bool = False,
 ) -> memoryview:
     """Check a stored chunk and return a view of its payload (no copy of a plain chunk;
-    a sealed one is decrypted in place when ``blob`` is writable, else into a copy).
+    a sealed one is decrypted in place when ``blob`` is writable, else in a copy: in
+    ``out`` when it is the payload's size, else a new buffer).
     A compressed chunk is decompressed into ``out`` (its size is the only bound on the
-    output) and ``out`` is returned; without ``out`` it is a :class:`CodecError`.
+    output) and ``out`` is returned; without ``out`` it is a :class:`CodecError`. A
+    sealed compressed chunk of a read-only ``blob`` opens in this thread's scratch
+    buffer (:class:`kvtier.compress.ThreadScratch`, reused by every such read, never
+    longer than the largest ``out``): reading into ``out`` allocates no buffer per read.
 
     Raises a :class:`~kvtier.errors.CodecError` subclass for anything that is
     not exactly a chunk for ``key`` (and ``dtype``/``shape`` when given),
@@ -380,11 +401,24 @@ def decode(
     if total < body_at:
         raise TruncatedError(f"chunk of {total} bytes ends inside its {body_at}-byte header")
     payload = view[body_at:]
-    if payload.readonly and "nonce" in _parse_header(bytes(view[_PREFIX.size : body_at])):
-        payload = memoryview(bytearray(payload))  # a sealed chunk opens in place
+    header = _parse_header(bytes(view[_PREFIX.size : body_at]))
+    compressed = "z" in header
+    if payload.readonly and "nonce" in header:  # a sealed chunk opens in place: where?
+        if out is not None and compressed:  # only decompressed from: a reused buffer
+            if payload.nbytes > out.nbytes:  # never stored: a compressed form is shorter
+                raise CodecError(f"compressed chunk of {payload.nbytes} bytes is longer than "
+                                 f"its {out.nbytes}-byte slot")  # fmt: skip
+            scratch = _OPEN_SCRATCH.view(payload.nbytes)
+            scratch[:] = payload
+            payload = scratch
+        elif out is not None and out.nbytes == payload.nbytes:  # in the caller's slot
+            out[:] = payload
+            payload = out
+        else:  # the caller keeps the plaintext
+            payload = memoryview(bytearray(payload))
     verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out,
            lossy=lossy)
-    return payload if out is None or not is_compressed(view[:body_at]) else out
+    return payload if out is None or not compressed else out
 
 
 def is_compressed(head: bytes | bytearray | memoryview) -> bool:

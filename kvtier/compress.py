@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import time
 import warnings
 from types import ModuleType
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError", "LOSSY_FORMS",
-    "decompress_into",
+    "ThreadScratch", "decompress_into", "fp8_work_allocations",
     "itemsize",
 ]
 
@@ -79,6 +80,44 @@ class FormatError(CodecError):
     """A chunk stored in a compressed form this engine cannot read: a miss."""
 
     kind = "format"
+
+
+class ThreadScratch:
+    """A reusable buffer per thread for the bytes a read goes through before its slot
+    (a compressed payload to open in place, then decompress): no buffer per read.
+
+    :meth:`view` gives the calling thread's buffer, grown only when a longer view is
+    asked for (at most ``limit`` bytes: a longer one is a :class:`CodecError`, never an
+    allocation). Each thread has its own, so two concurrent reads never share bytes; a
+    view stays valid until the same thread asks again. :attr:`allocations` counts the
+    buffers made, all threads together.
+    """
+
+    __slots__ = ("_local", "_lock", "allocations", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.allocations = 0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ThreadScratch(limit={self.limit}, allocations={self.allocations})"
+
+    def view(self, nbytes: int) -> memoryview:
+        """A writable view of ``nbytes`` bytes of this thread's buffer (contents undefined)."""
+        if nbytes < 0 or self.limit is not None and nbytes > self.limit:
+            raise CodecError(f"a read of {nbytes} bytes does not fit the {self.limit}-byte "
+                             "scratch buffer")  # fmt: skip
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            # grow by half again at least, so payloads of varying sizes settle at once
+            want = nbytes if buf is None else max(nbytes, len(buf) * 3 // 2)
+            buf = bytearray(want if self.limit is None else min(want, self.limit))
+            self._local.buf = buf
+            with self._lock:
+                self.allocations += 1
+        return memoryview(buf)[:nbytes]
 
 
 def itemsize(dtype: str) -> int:
@@ -198,15 +237,58 @@ class Fp8Compressor:
                 return None
             s = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
             scale[b0:b1] = s
-            qb = (blocks / s[:, None]).to(torch.float8_e4m3fn).view(-1)
+            # within +-448 already (|x| <= amax); the clamp keeps a float32 rounding past
+            # it from becoming NaN where a torch build does not saturate
+            qb = (blocks / s[:, None]).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+            qb = qb.view(-1)
             q[b0 * FP8_BLOCK : b1 * FP8_BLOCK] = qb[: min(n, b1 * FP8_BLOCK) - b0 * FP8_BLOCK]
         out = b"".join((_FP8_HEAD.pack(_FP8_MAGIC, FP8_BLOCK), scale.numpy().tobytes(),
                         q.view(torch.uint8).numpy().tobytes()))  # fmt: skip
         return self.form, out, time.perf_counter() - t0
 
 
+#: the float32 slice each I/O thread dequantises through (one per thread, reused)
+_FP8_WORK = threading.local()
+_fp8_work_made = [0]
+_fp8_work_lock = threading.Lock()
+
+
+def fp8_work_allocations() -> int:
+    """How many dequantisation work buffers were made, all threads together (one per
+    thread that read an fp8 chunk)."""
+    return _fp8_work_made[0]
+
+
+def _fp8_work() -> torch.Tensor:
+    """This thread's float32 work slice of :data:`_FP8_SLICE` elements."""
+    import torch
+
+    work: torch.Tensor | None = getattr(_FP8_WORK, "t", None)
+    if work is None:
+        work = torch.empty(_FP8_SLICE, dtype=torch.float32)
+        _FP8_WORK.t = work
+        with _fp8_work_lock:
+            _fp8_work_made[0] += 1
+    return work
+
+
+def _fp8_scale_limit(tdt: torch.dtype) -> float:
+    """The largest scale a compressor writes for KV of ``tdt``: the dtype's largest
+    finite value over 448 (and a float32 rounding of it); 448 x a larger scale would
+    dequantise past the dtype's range."""
+    import torch
+
+    return float(torch.finfo(tdt).max) / _FP8_MAX * (1 + 2.0**-20)
+
+
 def _fp8_into(src: memoryview, dest: memoryview, dtype: str) -> None:
-    """Dequantise an fp8e4m3 stream into ``dest`` (bf16/fp16), checking every size first."""
+    """Dequantise an fp8e4m3 stream into ``dest`` (bf16/fp16), checking every size first.
+
+    Runs through this thread's work slice (:func:`_fp8_work`): no buffer per read. A
+    stream a compressor did not write (a scale that is not positive, or that would carry
+    a value past the dtype's range; an fp8 NaN code) is a :class:`CodecError`, so every
+    value a read puts in the slot is finite.
+    """
     import torch
 
     tdt = _torch_dtype(dtype)
@@ -223,19 +305,31 @@ def _fp8_into(src: memoryview, dest: memoryview, dtype: str) -> None:
         raise CodecError(f"fp8 chunk of {src.nbytes} bytes does not hold its slot's {n} values")
     at = _FP8_HEAD.size
     scale = _tensor(src[at : at + 4 * nb], torch.float32)
-    if not bool(torch.isfinite(scale).all()):
-        raise CodecError("fp8 chunk has a non-finite scale")
+    if nb and not 0.0 < float(scale.min()) <= float(scale.max()) <= _fp8_scale_limit(tdt):
+        raise CodecError("fp8 chunk has a scale that is not positive, finite and in range")
     q = _tensor(src[at + 4 * nb :], torch.float8_e4m3fn)
     out = _tensor(dest, tdt)
-    step = max(1, _FP8_SLICE // block)
-    for b0 in range(0, nb, step):
-        b1 = min(nb, b0 + step)
-        lo, hi = b0 * block, min(n, b1 * block)
-        part = q[lo:hi].float()
-        if hi - lo < (b1 - b0) * block:  # the last block, short
-            part = torch.nn.functional.pad(part, (0, (b1 - b0) * block - (hi - lo)))
-        y = part.view(b1 - b0, block) * scale[b0:b1, None]
-        out[lo:hi] = y.view(-1)[: hi - lo]
+    work = _fp8_work()
+    lo = 0
+    while lo < n:
+        b0 = lo // block
+        if block <= _FP8_SLICE:  # whole blocks, as many as fit the work slice
+            hi = min(n, (b0 + _FP8_SLICE // block) * block)
+        else:  # part of one block
+            hi = min(n, lo + _FP8_SLICE, (b0 + 1) * block)
+        w = work[: hi - lo]
+        w.copy_(q[lo:hi])
+        if not math.isfinite(float(w.sum())):  # |sum| <= 448 x 16384: only a NaN code
+            raise CodecError("fp8 chunk holds a NaN code, which no compressor writes")
+        if block > _FP8_SLICE:
+            w.mul_(scale[b0])
+        else:
+            full = (hi - lo) // block
+            w[: full * block].view(full, block).mul_(scale[b0 : b0 + full, None])
+            if full * block < hi - lo:  # the chunk ends inside its last block
+                w[full * block :].mul_(scale[b0 + full])
+        out[lo:hi].copy_(w)
+        lo = hi
 
 
 def decompress_into(form: str, src: memoryview, dest: memoryview, dtype: str = "") -> float:

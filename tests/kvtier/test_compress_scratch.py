@@ -1,0 +1,163 @@
+"""The read path's reusable buffers: no buffer per read, never one shared by two threads.
+
+A sealed compressed chunk opens in a per-thread scratch buffer before it is decompressed
+into its slot, and an fp8 chunk is dequantised through a per-thread float32 slice; both
+are made once per thread and reused by every later read on it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import tracemalloc
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
+
+from kvtier import codec, compress
+from kvtier.codec import Signer, decode, encode
+from kvtier.compress import Compressor, Fp8Compressor, ThreadScratch
+from kvtier.errors import CodecError
+from kvtier.seal import Sealer
+
+KEY = "model-x/tp1r0/00ab"
+
+
+def kv_bytes(n: int, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n // 64, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.1)
+    return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+def chunk(raw: bytes, signer: Signer | None, form: str = "blosc2", key: str = KEY) -> bytes:
+    """A stored chunk of ``raw`` in ``form`` (blosc2 or fp8e4m3), as a tier returns it."""
+    got = (Compressor() if form == "blosc2" else Fp8Compressor()).compress_chunk(
+        memoryview(raw), "bfloat16")  # fmt: skip
+    assert got is not None
+    parts = encode(key, raw, dtype="bfloat16", shape=[len(raw)], signer=signer,
+                   compressed=(got[0], got[1]))  # fmt: skip
+    blob = b"".join(bytes(p) for p in parts)
+    assert codec.is_compressed(blob[: codec.head_length(blob[:8])])
+    return blob
+
+
+def address(view: memoryview) -> int:
+    return int(torch.frombuffer(view, dtype=torch.uint8).data_ptr()) if view.nbytes else 0
+
+
+def test_thread_scratch_is_one_bounded_buffer_per_thread() -> None:
+    s = ThreadScratch(limit=1 << 20)
+    first = s.view(1000)
+    for n in (10, 999, 1000, 1, 0, 500):  # no longer than what it holds: the same buffer
+        assert address(s.view(n)) in (0, address(first))
+    assert s.allocations == 1
+    s.view(1400)  # longer: grown once, by half again, so the next few fit too
+    s.view(1500)
+    assert s.allocations == 2
+    with pytest.raises(CodecError):
+        s.view((1 << 20) + 1)  # past the bound: refused, never allocated
+    assert s.view(1 << 20).nbytes == 1 << 20 and s.allocations == 3
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(address(s.view(1000))))
+    t.start()
+    t.join()
+    assert seen[0] != address(s.view(1000)) and s.allocations == 4  # its own buffer
+
+
+@pytest.mark.parametrize("raw_form", [False, True])
+def test_sealed_read_only_chunk_opens_without_a_buffer_per_read(raw_form: bool) -> None:
+    """A sealed chunk handed over read-only (as a tier's ``get`` returns it) opens in the
+    thread's scratch buffer (compressed) or in the slot itself (raw): after the first
+    read, reading it again allocates nothing near its size."""
+    raw = kv_bytes(1 << 18, seed=1)
+    signer = Signer(sealer=Sealer(b"s" * 32))
+    if raw_form:
+        parts = encode(KEY, raw, dtype="bfloat16", shape=[len(raw)], signer=signer)
+        blob = b"".join(bytes(p) for p in parts)
+    else:
+        blob = chunk(raw, signer)
+    slot = memoryview(bytearray(len(raw)))
+    decode(blob, key=KEY, signer=signer, out=slot)  # the first read makes the buffer
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(5):
+            got = decode(blob, key=KEY, signer=signer, out=slot)
+            assert got == raw  # compared in place, no copy
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < len(raw) // 8, peak
+
+
+def test_fp8_dequantise_allocates_no_buffer_per_read() -> None:
+    """Dequantising goes through this thread's float32 slice: no torch allocation of a
+    slice's size (64 KiB) while a 600 KiB chunk is read, and one slice per thread."""
+    raw = kv_bytes(300_000 * 2, seed=2)
+    form, stream, _ = Fp8Compressor().compress_chunk(memoryview(raw), "bfloat16")  # type: ignore[misc]
+    out = memoryview(bytearray(len(raw)))
+    compress.decompress_into(form, memoryview(stream), out, "bfloat16")
+    made = compress.fp8_work_allocations()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(3):
+            compress.decompress_into(form, memoryview(stream), out, "bfloat16")
+    big = [e.name for e in prof.events() if e.cpu_memory_usage >= 16384]
+    assert not big, big
+    assert compress.fp8_work_allocations() == made
+    args = (form, memoryview(stream), out, "bfloat16")
+    t = threading.Thread(target=compress.decompress_into, args=args)
+    t.start()
+    t.join()
+    assert compress.fp8_work_allocations() == made + 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(1, 48).map(lambda k: k * 1024), min_size=4, max_size=4),
+    seeds=st.lists(st.integers(0, 2**16), min_size=4, max_size=4),
+    forms=st.lists(st.sampled_from(["blosc2", "fp8e4m3"]), min_size=4, max_size=4),
+)
+def test_concurrent_reads_never_mix_bytes(sizes: list[int], seeds: list[int],
+                                          forms: list[str]) -> None:  # fmt: skip
+    """Four threads read their own sealed compressed chunks (blosc2 and fp8, of other
+    sizes, so the buffers grow under each other) at once, switching threads every
+    microsecond: every read is exactly its own chunk's bytes."""
+    signer = Signer(b"h" * 32, sealer=Sealer(b"s" * 32))
+    work = []
+    for i, (n, seed, form) in enumerate(zip(sizes, seeds, forms, strict=True)):
+        raw = kv_bytes(n, seed)
+        blobs = [chunk(raw, signer, form, key=f"{KEY}/{i}")]
+        want = bytearray(len(raw))
+        decode(blobs[0], key=f"{KEY}/{i}", signer=signer, out=memoryview(want), lossy=True)
+        small = kv_bytes(n // 2, seed + 1)  # a shorter chunk too: reads of two sizes
+        blobs.append(chunk(small, signer, form, key=f"{KEY}/{i}s"))
+        want_small = bytearray(len(small))
+        decode(blobs[1], key=f"{KEY}/{i}s", signer=signer, out=memoryview(want_small), lossy=True)
+        work.append((i, blobs, [bytes(want), bytes(want_small)]))
+    start = threading.Barrier(len(work))
+    bad: list[str] = []
+
+    def reader(i: int, blobs: list[bytes], wants: list[bytes]) -> None:
+        slots = [memoryview(bytearray(len(w))) for w in wants]
+        start.wait()
+        for r in range(6):
+            j = r % 2
+            key = f"{KEY}/{i}" + ("s" if j else "")
+            got = decode(blobs[j], key=key, signer=signer, out=slots[j], lossy=True)
+            if bytes(got) != wants[j]:
+                bad.append(f"thread {i} read {r}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=reader, args=w) for w in work]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not bad, bad
