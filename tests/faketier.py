@@ -7,6 +7,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import kit
+from kit import payload
+
 from kvtier import codec
 from kvtier.backoff import NoBackoff
 from kvtier.errors import ObjectError
@@ -15,13 +18,9 @@ from kvtier.remote import RemoteIO
 from kvtier.tiers.base import ObjectTier, Parts
 
 SHAPE = [2, 8, 64]
-SIZE = 2 * 8 * 64 * 2
+SIZE = kit.PAYLOAD_SIZE  # what payload() makes
 DT = "bfloat16"
 WAIT = 5.0  # bound on every wait for another thread; never reached when things work
-
-
-def payload(seed: int) -> memoryview:
-    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(SIZE)))
 
 
 def frame(key: str, seed: int, signer: codec.Signer | None = None) -> bytes:
@@ -118,7 +117,4 @@ def until(cond: Callable[[], bool], what: str) -> None:
 
 
 def collect(rio: RemoteIO, n: int) -> dict[int, OpResult]:
-    out: list[OpResult] = []
-    until(lambda: bool(out.extend(rio.poll())) or len(out) >= n, f"{n} results")
-    assert len({r.op_id for r in out}) == len(out) == n, out
-    return {r.op_id: r for r in out}
+    return kit.collect(rio, n, timeout=WAIT)

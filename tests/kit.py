@@ -1,11 +1,23 @@
 """What many tests need, in one place: loopback ports, the chunks a directory tier
-holds. (The connector config every test and bench builds comes from the product
-itself: kvtier.sizing.emit.connector_config.)"""
+holds, a chunk's worth of patterned bytes and the results of a RemoteIO's ops. (The
+connector config every test and bench builds comes from the product itself:
+kvtier.sizing.emit.connector_config.)"""
 
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
+from typing import Protocol
+
+from kvtier.ops import OpResult
+
+#: the bytes of one [2, 8, 64] bfloat16 chunk, what the RemoteIO tests move
+PAYLOAD_SIZE = 2 * 8 * 64 * 2
+
+
+class Polled(Protocol):
+    def poll(self) -> list[OpResult]: ...
 
 
 def free_port() -> int:
@@ -19,3 +31,21 @@ def chunk_files(root: Path) -> list[Path]:
     """The chunk objects a file:// tier holds: its own bookkeeping (the sweep lock, temp
     files of writes in flight) is dot-named."""
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def payload(seed: int = 1, size: int = PAYLOAD_SIZE) -> memoryview:
+    """``size`` bytes that differ from ``seed`` to seed (a chunk's stand-in)."""
+    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(size)))
+
+
+def collect(rio: Polled, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
+    """Poll until ``n`` results came (at most ``timeout`` s): op id -> result, each op
+    reported once."""
+    out: list[OpResult] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += rio.poll()
+        time.sleep(0.002)
+    assert len(out) == n, f"expected {n} results, got {out}"
+    assert len({r.op_id for r in out}) == n, f"an op reported twice: {out}"
+    return {r.op_id: r for r in out}

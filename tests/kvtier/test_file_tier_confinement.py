@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import payload
 
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff
@@ -27,10 +28,6 @@ from kvtier.tiers.file import FileTier
 SHAPE = [2, 8, 64]
 SIZE = 2 * 8 * 64 * 2
 DT = "bfloat16"
-
-
-def payload(seed: int = 1) -> memoryview:
-    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(SIZE)))
 
 
 def chunk(key: str, seed: int = 1) -> list[bytes | memoryview]:

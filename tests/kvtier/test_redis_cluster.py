@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 import redis.cluster
+from kit import payload
 from rediscluster import RedisCluster
 
 from kvtier import codec
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.integration
 SHAPE = [2, 8, 64]
 DT = "bfloat16"
 SIZE = 2 * 8 * 64 * 2
-
-
-def payload(seed: int) -> memoryview:
-    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(SIZE)))
 
 
 @pytest.fixture(scope="module")

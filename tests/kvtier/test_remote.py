@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
+from kit import PAYLOAD_SIZE, collect, payload
 
 from kvtier import codec
 from kvtier.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
@@ -24,23 +25,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 SHAPE = [2, 8, 64]
-SIZE = 2 * 8 * 64 * 2  # bfloat16
+SIZE = PAYLOAD_SIZE  # bfloat16
 DT = "bfloat16"
-
-
-def payload(seed: int = 1, size: int = SIZE) -> memoryview:
-    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(size)))
-
-
-def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
-    out: list[OpResult] = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        out += rio.poll()
-        time.sleep(0.002)
-    assert len(out) == n, f"expected {n} results, got {out}"
-    assert len({r.op_id for r in out}) == n
-    return {r.op_id: r for r in out}
 
 
 def probe(rio: RemoteIO, op_id: int, key: str) -> None:

@@ -3,6 +3,9 @@ increment, and a total that does not exist cannot be read as 0."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from kvtier import metrics
@@ -47,18 +50,52 @@ def test_total_names_follow_the_metric_and_its_labels() -> None:
     assert total_name(metrics.STORES_SKIPPED) == "stores_skipped"
 
 
+def _totals_written(source: str) -> tuple[set[str], set[str]]:
+    """The names a module writes with ``….totals[name]``: literal names, and the literal
+    prefix of names built by an f-string."""
+    names: set[str] = set()
+    prefixes: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "totals"):
+            continue
+        key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            names.add(key.value)
+        elif isinstance(key, ast.JoinedStr) and isinstance(key.values[0], ast.Constant):
+            prefixes.add(str(key.values[0].value))
+    return names, prefixes
+
+
 def test_the_scheduler_declares_every_total_it_writes() -> None:
     """Every name the scheduler side's parts write is declared (a typo is a KeyError the
-    unit tests would hit): the counters' own names resolve to metrics that exist."""
+    unit tests would hit only on that path): the literal names in their source, each
+    family an f-string builds over every value it can take, the settled ops, and the
+    counters' own names resolve to metrics that exist."""
+    from kvtier.connectors import ledger, lookup, plans, requests, scheduler
     from kvtier.connectors.scheduler import SCHEDULER_TOTALS
 
-    assert len(SCHEDULER_TOTALS) == len(set(SCHEDULER_TOTALS))
+    declared = set(SCHEDULER_TOTALS)
+    names: set[str] = set()
+    prefixes: set[str] = set()
+    for module in (scheduler, plans, ledger, lookup, requests):
+        found = _totals_written(Path(str(module.__file__)).read_text())
+        names |= found[0]
+        prefixes |= found[1]
+    assert {"write_back", "weights_changes"} <= names  # the walk sees the writes
+    assert names <= declared, sorted(names - declared)
+    families = {
+        "error_": {metrics.error_kind_label(k) for k in metrics.ERROR_KINDS},
+        "host_only_": set(requests.HOST_ONLY_REASONS),
+    }
+    assert prefixes == set(families), prefixes
+    for prefix, values in families.items():
+        assert {prefix + v for v in values} <= declared, prefix
+    assert set(ledger.SETTLED_TOTALS.values()) <= declared
     counter_names = {total_name(spec, ()) for spec in metrics.ALL if spec.kind == "counter"}
     for name in ("lookup_tokens", "evictions", "stores_skipped"):
-        assert name in SCHEDULER_TOTALS and name in counter_names
-    assert {"hit_tokens_host", "hit_tokens_remote", "fetch_failed", "error_sealed"} <= set(
-        SCHEDULER_TOTALS
-    )
+        assert name in declared and name in counter_names
+    assert {"hit_tokens_host", "hit_tokens_remote", "fetch_failed", "error_sealed"} <= declared
 
 
 def test_observe_many_records_every_sample_of_its_series() -> None:

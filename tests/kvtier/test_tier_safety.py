@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from botocore.exceptions import EndpointConnectionError
+from kit import PAYLOAD_SIZE, collect, payload
 
 from kvtier import codec
 from kvtier.backoff import BackoffState, ConstantBackoff
@@ -36,23 +37,9 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 SHAPE = [2, 8, 64]
-SIZE = 2 * 8 * 64 * 2  # bfloat16
+SIZE = PAYLOAD_SIZE  # bfloat16
 DT = "bfloat16"
 LIMIT = SIZE + MAX_FRAME  # the most RemoteIO reads for one of these slots
-
-
-def payload(seed: int = 1, size: int = SIZE) -> memoryview:
-    return memoryview(bytearray((seed * 31 + i) % 251 for i in range(size)))
-
-
-def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
-    out: list[OpResult] = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        out += rio.poll()
-        time.sleep(0.002)
-    assert len(out) == n, f"expected {n} results, got {out}"
-    return {r.op_id: r for r in out}
 
 
 def make_rio(tier: ObjectTier, **kw) -> RemoteIO:
