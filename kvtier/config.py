@@ -17,14 +17,9 @@ from fractions import Fraction
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlparse
 
-from kvtier.errors import (
-    ConfigError,
-    Redacted,
-    is_secret_name,
-    redact_credentials,
-    redact_text,
-    redacted_placeholder,
-)
+from kvtier.errors import ConfigError
+from kvtier.redact import redact_setting, redacted_placeholder
+from kvtier.redact import redact_url as redact_url  # the tiers and the facade read it here
 
 ENV_PREFIX = "KVTIER_"
 WRITE_POLICIES = ("write_through", "write_back", "none")
@@ -317,30 +312,10 @@ def _endpoint_url(key: str, value: object) -> str | None:
     return url
 
 
-def redact_url(url: str) -> str:
-    """Hide a password in a URL so it never lands in an error or a log line.
-
-    Covers ``user:password@`` and a ``password=`` query argument (redis-py
-    accepts both), and never raises, even on a malformed URL.
-    """
-    return redact_credentials(url)
-
-
 def redact_value(key: object, value: object) -> object:
-    """A config value as a log line or report may show it.
-
-    Unknown and secret-named keys (``hmac_key_env``: a key pasted there is a
-    key) show only a placeholder; text loses URL credentials and random-looking
-    tokens; containers, which may hold anything, show only their size.
-    """
-    if value is None or value == "" or isinstance(value, bool | int | float):
-        return value
-    if key not in _PARSERS or is_secret_name(key):
-        return redacted_placeholder(value)
-    if isinstance(value, str):
-        return redact_text(value)
-    size = f" of {len(value)} items" if isinstance(value, list | tuple | dict | set) else ""
-    return Redacted(f"<{type(value).__name__}{size}>")
+    """A config value as a log line or report may show it (:func:`kvtier.redact.redact_setting`
+    over the keys this config reads)."""
+    return redact_setting(key, value, _PARSERS)
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:

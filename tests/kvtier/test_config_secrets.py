@@ -20,9 +20,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvtier import config, errors, redact
 from kvtier.codec import Signer
-from kvtier.config import ENV_PREFIX, KEYS, load_config, redact_url
-from kvtier.errors import ConfigError, redact_text
+from kvtier.config import ENV_PREFIX, KEYS, load_config
+from kvtier.errors import ConfigError
+from kvtier.redact import redact_setting, redact_text, redact_url
 
 log = logging.getLogger("kvtier.test_secrets")
 
@@ -248,6 +250,24 @@ def test_a_key_pasted_into_hmac_key_env_is_hidden_by_the_signer_and_the_log() ->
         Signer.from_config(cfg, environ={})
     assert err.value.key == "hmac_key_env"
     assert all(pasted not in text for text in exception_texts(err.value))
+
+
+def test_redaction_has_one_home() -> None:
+    """kvtier.redact holds the rules; the config and the errors read them from there (the
+    names they still offer are the same functions), and settings are shown by one rule."""
+    assert config.redact_url is redact.redact_url
+    assert errors.redact_text is redact.redact_text
+    assert errors.is_secret_name is redact.is_secret_name
+    known = {"remote_url", "hmac_key_env"}
+    url = "redis://:hunter2@h:6379/0"
+    assert redact_setting("remote_url", url, known) == "redis://:***@h:6379/0"
+    assert config.redact_value("remote_url", url) == "redis://:***@h:6379/0"
+    # a secret-named key and a key the config does not read show only a placeholder
+    for key, keys in (("hmac_key_env", known), ("remote_url", set())):
+        assert redact_setting(key, "KV_KEY", keys) == "<redacted 6 chars>"
+    assert config.redact_value("remote_urll", "x" * 9) == "<redacted 9 chars>"
+    assert redact_setting("remote_url", ["a", "b"], known) == "<list of 2 items>"
+    assert redact_setting("remote_url", 7, set()) == 7  # numbers are never secrets
 
 
 def test_config_error_survives_pickle_and_huge_values() -> None:
