@@ -113,7 +113,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     assert {"kvtier.connectors.worker", "kvtier.sizing.cli", "kvtier.tools.bench"} <= set(graph)
     assert "kvtier.seal" in graph["kvtier.codec"]  # module level, absolute
     assert "kvtier.layout" in graph["kvtier.transfer"]  # relative
-    assert "kvtier.sizing.trace" in graph["kvtier.tools.bench"]  # inside a function
+    assert "kvtier.sizing.trace" in graph["kvtier.tools.bench_trace"]  # inside a function
     assert "kvtier.config" in graph["kvtier.codec"]  # under TYPE_CHECKING
 
 

@@ -18,19 +18,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .bench_client import (
+    BenchError,
+    MetricsPoller,
+    Pacer,
+    first_model,
+    http_client,
+    reset_prefix_cache,
+    scraper,
+    stream_completion,
+)
 from .bench_records import RequestResult, TokenScale
 from .bench_report import base_url, format_table, summarize, write_plot
-from .promtext import Snapshot, parse_metrics
+from .bench_trace import execute_trace
 
 #: Everyday words that are one token each in common BPE vocabularies (and in the
 #: tiny test tokenizer), so that word counts track token counts.
@@ -41,7 +50,6 @@ WORDS: tuple[str, ...] = (
     "over", "plans", "prompts", "quick", "retrieved", "reused", "scheduler",
     "shared", "the", "values", "when", "while",
 )
-
 
 
 # --------------------------------------------------------------------------- CLI
@@ -140,10 +148,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["requests"] > result["failed"] else 1
 
 
-class BenchError(Exception):
-    """The bench cannot start (bad flags, server unreachable)."""
-
-
 # ---------------------------------------------------------------------- workload
 
 
@@ -211,117 +215,6 @@ def next_prompt(prompt: str, answer: str, user_text: str) -> str:
     return "\n".join(part for part in (prompt, answer, user_text) if part)
 
 
-# ---------------------------------------------------------------------- requests
-
-
-def stream_completion(client: Any, base: str, model: str, prompt: str | list[int],
-                      max_tokens: int, result: RequestResult, *,
-                      messages: list[dict[str, Any]] | None = None,
-                      cache_salt: str | None = None) -> None:
-    """POST one streamed completion (a chat completion with ``messages``), filling
-    ``result``; never raises for server errors. ``prompt`` may be token ids."""
-    import httpx
-
-    body: dict[str, Any] = {
-        "model": model, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True},
-    }
-    if messages is not None:
-        body["messages"], path = messages, "/v1/chat/completions"
-    else:
-        body["prompt"], path = prompt, "/v1/completions"
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    t0 = time.perf_counter()
-    chunks = 0
-    parts: list[str] = []
-    try:
-        with client.stream("POST", base + path, json=body) as resp:
-            if resp.status_code != 200:
-                detail = resp.read().decode("utf-8", "replace")[:200]
-                result.error = f"HTTP {resp.status_code}: {detail}"
-                return
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                obj = json.loads(payload)
-                if "error" in obj:
-                    result.error = f"stream error: {str(obj['error'])[:200]}"
-                    return
-                if obj.get("choices"):
-                    if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - t0
-                    chunks += 1
-                    choice = obj["choices"][0]
-                    parts.append(choice.get("text") or (choice.get("delta") or {}).get(
-                        "content") or "")
-                usage = obj.get("usage")
-                if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                    result.output_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:240]
-        return
-    result.latency_s = time.perf_counter() - t0
-    if result.ttft_s is None:
-        result.error = "stream ended without a token"
-        return
-    if result.output_tokens is None:
-        result.output_tokens = chunks
-    result.text = "".join(parts)
-    result.ok = True
-
-
-class Pacer:
-    """Poisson arrivals at ``rate``/s from a seeded generator, shared by all workers."""
-
-    def __init__(self, rate: float, seed: int) -> None:
-        self.rate = rate
-        self._rng = random.Random(f"kvtier-bench:{seed}:arrivals")
-        self._lock = threading.Lock()
-        self._next = time.perf_counter()
-
-    def wait(self) -> None:
-        """Sleep until this caller's arrival slot."""
-        if self.rate <= 0:
-            return
-        with self._lock:
-            self._next += self._rng.expovariate(self.rate)
-            due = self._next
-        delay = due - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-
-
-class MetricsPoller:
-    """Scrapes /metrics every few seconds in a thread, for hit rate over time."""
-
-    def __init__(self, scrape: Callable[[], Snapshot | None], interval: float) -> None:
-        self.snapshots: list[Snapshot] = []
-        self._scrape = scrape
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            snap = self._scrape()
-            if snap is not None:
-                self.snapshots.append(snap)
-
-
 # ---------------------------------------------------------------------- the run
 
 
@@ -340,22 +233,16 @@ def _validate(args: argparse.Namespace) -> None:
 
 def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[str, Any]:
     """Run the workload against the server and return the summary (what --json prints)."""
-    import httpx
-
     if getattr(args, "trace", None):
         return execute_trace(args, progress=progress)
     _validate(args)
     base = base_url(args.url)
     metrics_url = args.metrics_url or base + "/metrics"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
-    timeout = httpx.Timeout(args.timeout, connect=10.0)
-    # trust_env=False: never route loopback benchmarks through an environment proxy
-    with httpx.Client(timeout=timeout, limits=limits, headers=headers, trust_env=False) as client:
+    with http_client(args, args.concurrency) as client:
 
-        scrape = _scraper(client, metrics_url)
+        scrape = scraper(client, metrics_url)
 
-        model = args.model or _first_model(client, base)
+        model = args.model or first_model(client, base)
         scale = TokenScale() if args.no_calibrate else _token_scale(client, base, model)
         sessions = make_workload(
             seed=args.seed, sessions=args.sessions, turns=args.turns,
@@ -407,7 +294,7 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
             sess, turn, prompt = item
             pacer.wait()
             if args.reset_prefix_cache:
-                _reset_prefix_cache(client, base)
+                reset_prefix_cache(client, base)
             res = RequestResult(sess.index, turn, time.perf_counter() - t_start, prompt=prompt)
             try:
                 stream_completion(client, base, model, prompt, args.output_tokens, res)
@@ -439,264 +326,6 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
     return results, duration
 
 
-# ------------------------------------------------------------------- trace replay
-
-
-def _token_range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise BenchError(f"--token-range {text!r}: want LO:HI, e.g. 100:30000") from None
-    if not 0 <= lo < hi <= 2**31:
-        raise BenchError(f"--token-range {text}: want 0 <= LO < HI <= 2**31")
-    return lo, hi
-
-
-def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
-    import math
-
-    if not (math.isfinite(args.speedup) and 1e-3 <= args.speedup <= 1e6):
-        raise BenchError("--speedup must be a number from 0.001 to 1000000")
-    for name in ("max_requests", "max_input_tokens", "max_output_tokens"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_concurrency", "plan_chunk_size", "plan_tp", "output_tokens"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.trace_block_size is not None and not 1 <= args.trace_block_size <= 2**20:
-        raise BenchError("--trace-block-size must be from 1 to 1048576")
-    if args.trace_out:
-        raise BenchError("--trace-out writes generated sessions; with --trace the trace is "
-                         "already the record")
-    if not os.path.isfile(args.trace):
-        raise BenchError(f"cannot read the trace {args.trace}")
-    return _token_range(args.token_range)
-
-
-class Prediction:
-    """``kvtier size --trace`` on the requests as they are sent (cut, counted), one at a
-    time in trace order: the host tier's share of prompt tokens at the server's size."""
-
-    def __init__(self, args: argparse.Namespace, before: Snapshot | None) -> None:
-        from kvtier.sizing import trace as tr
-
-        self.tr = tr
-        self.reason: str | None = None
-        info = _cache_config(before)
-        self.block_size = int(info.get("block_size") or 16)
-        if args.reset_prefix_cache:
-            gpu_tokens, self.gpu_source = 0, "none: --reset-prefix-cache empties it each time"
-        elif args.gpu_kv_tokens is not None:
-            gpu_tokens, self.gpu_source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
-        elif info.get("num_gpu_blocks"):
-            gpu_tokens = int(info["num_gpu_blocks"]) * self.block_size
-            self.gpu_source = "vllm:cache_config_info"
-        else:
-            gpu_tokens, self.gpu_source = 0, "unknown, taken as 0"
-        self.gpu_tokens = gpu_tokens
-        self.chunk_size = args.plan_chunk_size
-        self.sim: Any = None
-        if self.chunk_size % self.block_size:
-            self.reason = (f"--plan-chunk-size {self.chunk_size} is not a multiple of the "
-                           f"server's block size {self.block_size}")
-        else:
-            self.sim = tr.Simulation(self.block_size, self.chunk_size,
-                                     gpu_tokens // self.block_size)
-        self.skipped = 0
-        self.checked: set[int] = set()
-
-    def add(self, req: Any) -> None:
-        if self.sim is None:
-            return
-        if req.hash_ids is None and not req.token_ids:
-            self.skipped += 1  # text and chat lines: their tokens are the server's
-            return
-        if req.hash_ids is not None and req.block_size not in self.checked:
-            if err := self.tr.block_size_error(self.chunk_size, req.block_size):
-                self.reason, self.sim = err, None
-                return
-            self.checked.add(req.block_size)
-        self.sim.add(req)
-
-    def result(self, args: argparse.Namespace, after: Snapshot | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"host_hit_rate": None, "gpu_hit_rate": None,
-                               "chunk_size": self.chunk_size, "block_size": self.block_size,
-                               "gpu_kv_tokens": self.gpu_tokens,
-                               "gpu_kv_source": self.gpu_source,
-                               "requests_not_modelled": self.skipped}
-        sim = self.sim
-        if sim is None or not sim.prompt_tokens:
-            out["why_none"] = self.reason or "no token-id or hash-id request to model"
-            return out
-        total = sim.prompt_tokens
-        out["gpu_hit_rate"] = sim.gpu_hit_tokens / total
-        served = sim.served()
-        capacity = after.total("kvtier:host_bytes_capacity") if after is not None else None
-        if capacity is None:
-            out["why_none"] = "the server's /metrics has no kvtier:host_bytes_capacity"
-            return out
-        if not args.plan_model:
-            out["why_none"] = "pass --plan-model (the served model) for the slot size"
-            return out
-        from kvtier.sizing.model import ModelConfigError
-        from kvtier.sizing.plan import PlanInputs, make_plan
-
-        try:
-            plan = make_plan(PlanInputs(model=args.plan_model, tp=args.plan_tp))
-        except (ModelConfigError, ValueError, KeyError) as e:
-            out["why_none"] = f"--plan-model: {e}"
-            return out
-        slot = self.tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), self.chunk_size)
-        chunks = int(capacity) // (slot * args.plan_tp)
-        out.update(host_tier_bytes=int(capacity), host_tier_chunks=chunks,
-                   host_hit_rate=served[min(chunks, len(served) - 1)] / total,
-                   max_hit_rate=(sim.gpu_hit_tokens + served[-1]) / total)
-        return out
-
-
-def _cache_config(snap: Snapshot | None) -> dict[str, str]:
-    """The labels of vLLM's ``vllm:cache_config_info`` (block_size, num_gpu_blocks)."""
-    for name, labels, _ in (snap.samples if snap is not None else []):
-        if name == "vllm:cache_config_info":
-            return labels
-    return {}
-
-
-def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
-                  ) -> dict[str, Any]:
-    """Replay ``args.trace`` against the server, open loop at the trace's timestamps
-    (divided by ``--speedup``), at most ``--max-concurrency`` in flight; the summary."""
-    import httpx
-
-    from kvtier.sizing import trace as tr
-
-    lo, hi = _validate_trace(args)
-    base = base_url(args.url)
-    metrics_url = args.metrics_url or base + "/metrics"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency + 4)
-    timeout = httpx.Timeout(args.timeout, connect=10.0)
-    form = tr.TraceFormat(args.trace_format, args.trace_block_size)
-    stats = tr.TraceStats()
-    with httpx.Client(timeout=timeout, limits=limits, headers=headers, trust_env=False) as client:
-
-        scrape = _scraper(client, metrics_url)
-
-        model = args.model or _first_model(client, base)
-        before = scrape()
-        prediction = Prediction(args, before)
-        poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
-        if poller:
-            poller.start()
-        try:
-            reqs = tr.read_trace(args.trace, None, stats, False, form)
-            run_ = _drive_trace(client, base, model, reqs, args, (lo, hi), prediction,
-                                progress)
-        finally:
-            if poller:
-                poller.stop()
-        after = scrape()
-    trace_info = {
-        "path": os.path.basename(args.trace), "format": stats.format,
-        "formats": stats.formats,
-        "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
-                       else sorted(stats.block_sizes) or None),
-        "bad_lines": stats.bad_lines, "bad_examples": stats.bad_examples,
-        "prediction": prediction.result(args, after),
-    }
-    return summarize(args, model, TokenScale(), run_, before, after,
-                     poller.snapshots if poller else [], trace_info)
-
-
-def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.Namespace,
-                 token_range: tuple[int, int], prediction: Prediction,
-                 progress: bool | None) -> tuple[list[RequestResult], float]:
-    """Open loop: each request starts at its due time, or as soon as fewer than
-    ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``)."""
-    from concurrent.futures import ThreadPoolExecutor
-    from functools import lru_cache
-
-    from tqdm import tqdm
-
-    from kvtier.sizing import trace as tr
-
-    lo, hi = token_range
-
-    @lru_cache(maxsize=1 << 16)
-    def block(h: int, size: int) -> tuple[int, ...]:
-        return tuple(tr.block_tokens(h, size, lo, hi))
-
-    def tokens(req: Any) -> list[int]:
-        if req.hash_ids is None:
-            return list(req.token_ids)
-        out: list[int] = []
-        for h in req.hash_ids:
-            out += block(h, req.block_size)
-        del out[req.length:]
-        return out
-
-    if progress is None:
-        progress = not args.json and sys.stderr.isatty()
-    bar = tqdm(total=args.max_requests, desc="kvtier bench --trace", unit="req",
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    slots = threading.BoundedSemaphore(args.max_concurrency)
-    lock = threading.Lock()
-    results: list[RequestResult] = []
-    t_start = time.perf_counter()
-
-    def send(i: int, req: Any, prompt: str | list[int], max_tokens: int, due: float) -> None:
-        try:
-            if args.reset_prefix_cache:
-                _reset_prefix_cache(client, base)
-            res = RequestResult(i, 0, time.perf_counter() - t_start, due_s=due)
-            try:
-                stream_completion(client, base, model, prompt, max_tokens, res,
-                                  messages=req.messages, cache_salt=req.cache_salt)
-            except Exception as exc:  # noqa: BLE001 - a bad response must not stop the replay
-                res.ok, res.error = False, f"{type(exc).__name__}: {exc}"[:240]
-            with lock:
-                results.append(res)
-                bar.update(1)
-                if not res.ok:
-                    bar.set_postfix(failed=sum(not r.ok for r in results))
-        finally:
-            slots.release()
-
-    first_ts: float | None = None
-    due = 0.0
-    with ThreadPoolExecutor(max_workers=args.max_concurrency) as pool:
-        try:
-            for i, req in enumerate(reqs):
-                if args.max_requests is not None and i >= args.max_requests:
-                    break
-                if args.max_input_tokens is not None:
-                    tr.truncate(req, args.max_input_tokens)
-                prediction.add(req)
-                if req.timestamp is not None:
-                    if first_ts is None:
-                        first_ts = req.timestamp
-                    due = max(0.0, (req.timestamp - first_ts) / args.speedup)
-                out_tokens = req.output_length or args.output_tokens
-                if args.max_output_tokens is not None:
-                    out_tokens = min(out_tokens, args.max_output_tokens)
-                prompt: str | list[int] = (req.text if req.text is not None
-                                           else tokens(req))
-                delay = due - (time.perf_counter() - t_start)
-                if delay > 0:  # bounded: a timestamp of 1e300 must not overflow sleep()
-                    time.sleep(min(delay, 1e7))
-                slots.acquire()
-                pool.submit(send, i, req, prompt, max(1, out_tokens), due)
-        except tr.TraceError as e:
-            raise BenchError(str(e)) from e
-        finally:
-            pool.shutdown(wait=True)
-            bar.close()
-    duration = time.perf_counter() - t_start
-    results.sort(key=lambda r: r.start_s)
-    return results, duration
-
-
 def write_trace(results: Sequence[RequestResult], path: str) -> None:
     """The requests as sent, in start order, in the trace format of ``kvtier size --trace``
     (``prompt`` text, tokenized there with the model's tokenizer as the server did), so a
@@ -705,34 +334,6 @@ def write_trace(results: Sequence[RequestResult], path: str) -> None:
         for r in sorted(results, key=lambda r: r.start_s):
             f.write(json.dumps({"timestamp": round(r.start_s, 6), "prompt": r.prompt,
                                 "session": r.session, "turn": r.turn}) + "\n")
-
-
-def _scraper(client: Any, metrics_url: str) -> Callable[[], Snapshot | None]:
-    """One /metrics snapshot per call through ``client`` (an ``httpx.Client``); None
-    without metrics or when the scrape fails."""
-    import httpx
-
-    def scrape() -> Snapshot | None:
-        if metrics_url == "none":
-            return None
-        try:
-            r = client.get(metrics_url, timeout=10.0)
-            r.raise_for_status()
-        except httpx.HTTPError:
-            return None
-        return Snapshot(time.perf_counter(), parse_metrics(r.text))
-
-    return scrape
-
-def _first_model(client: Any, base: str) -> str:
-    import httpx
-
-    try:
-        r = client.get(base + "/v1/models", timeout=30.0)
-        r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise BenchError(f"cannot list models at {base}/v1/models ({exc}); pass --model") from exc
 
 
 def _token_scale(client: Any, base: str, model: str) -> TokenScale:
@@ -759,25 +360,6 @@ def _token_scale(client: Any, base: str, model: str) -> TokenScale:
     if per_word <= 0:
         return TokenScale()
     return TokenScale(per_word=per_word, lead=max(counts[0] - 200 * per_word, 0.0))
-
-
-def _reset_prefix_cache(client: Any, base: str) -> None:
-    """Empty vLLM's own prefix cache; retried because in-flight saves make it refuse."""
-    import httpx
-
-    for _ in range(50):
-        try:
-            r = client.post(base + "/reset_prefix_cache", timeout=30.0)
-        except httpx.HTTPError:
-            return
-        if r.status_code != 200:
-            return
-        try:
-            if r.json().get("success", True):
-                return
-        except ValueError:
-            return
-        time.sleep(0.1)
 
 
 def build_parser() -> argparse.ArgumentParser:

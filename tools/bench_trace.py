@@ -1,0 +1,276 @@
+"""``kvtier bench --trace``: replay a trace file against the server, open loop at its
+timestamps, and predict the host tier's hit rate as ``kvtier size --trace`` would
+(:class:`Prediction`). The generated workload is bench.py's; both share the client
+(bench_client.py) and the report (bench_report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from .bench_client import (
+    BenchError,
+    MetricsPoller,
+    first_model,
+    http_client,
+    reset_prefix_cache,
+    scraper,
+    stream_completion,
+)
+from .bench_records import RequestResult, TokenScale
+from .bench_report import base_url, summarize
+from .promtext import Snapshot
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise BenchError(f"--token-range {text!r}: want LO:HI, e.g. 100:30000") from None
+    if not 0 <= lo < hi <= 2**31:
+        raise BenchError(f"--token-range {text}: want 0 <= LO < HI <= 2**31")
+    return lo, hi
+
+
+def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
+    import math
+
+    if not (math.isfinite(args.speedup) and 1e-3 <= args.speedup <= 1e6):
+        raise BenchError("--speedup must be a number from 0.001 to 1000000")
+    for name in ("max_requests", "max_input_tokens", "max_output_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_concurrency", "plan_chunk_size", "plan_tp", "output_tokens"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.trace_block_size is not None and not 1 <= args.trace_block_size <= 2**20:
+        raise BenchError("--trace-block-size must be from 1 to 1048576")
+    if args.trace_out:
+        raise BenchError("--trace-out writes generated sessions; with --trace the trace is "
+                         "already the record")
+    if not os.path.isfile(args.trace):
+        raise BenchError(f"cannot read the trace {args.trace}")
+    return _token_range(args.token_range)
+
+
+class Prediction:
+    """``kvtier size --trace`` on the requests as they are sent (cut, counted), one at a
+    time in trace order: the host tier's share of prompt tokens at the server's size."""
+
+    def __init__(self, args: argparse.Namespace, before: Snapshot | None) -> None:
+        from kvtier.sizing import trace as tr
+
+        self.tr = tr
+        self.reason: str | None = None
+        info = _cache_config(before)
+        self.block_size = int(info.get("block_size") or 16)
+        if args.reset_prefix_cache:
+            gpu_tokens, self.gpu_source = 0, "none: --reset-prefix-cache empties it each time"
+        elif args.gpu_kv_tokens is not None:
+            gpu_tokens, self.gpu_source = max(0, args.gpu_kv_tokens), "--gpu-kv-tokens"
+        elif info.get("num_gpu_blocks"):
+            gpu_tokens = int(info["num_gpu_blocks"]) * self.block_size
+            self.gpu_source = "vllm:cache_config_info"
+        else:
+            gpu_tokens, self.gpu_source = 0, "unknown, taken as 0"
+        self.gpu_tokens = gpu_tokens
+        self.chunk_size = args.plan_chunk_size
+        self.sim: Any = None
+        if self.chunk_size % self.block_size:
+            self.reason = (f"--plan-chunk-size {self.chunk_size} is not a multiple of the "
+                           f"server's block size {self.block_size}")
+        else:
+            self.sim = tr.Simulation(self.block_size, self.chunk_size,
+                                     gpu_tokens // self.block_size)
+        self.skipped = 0
+        self.checked: set[int] = set()
+
+    def add(self, req: Any) -> None:
+        if self.sim is None:
+            return
+        if req.hash_ids is None and not req.token_ids:
+            self.skipped += 1  # text and chat lines: their tokens are the server's
+            return
+        if req.hash_ids is not None and req.block_size not in self.checked:
+            if err := self.tr.block_size_error(self.chunk_size, req.block_size):
+                self.reason, self.sim = err, None
+                return
+            self.checked.add(req.block_size)
+        self.sim.add(req)
+
+    def result(self, args: argparse.Namespace, after: Snapshot | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"host_hit_rate": None, "gpu_hit_rate": None,
+                               "chunk_size": self.chunk_size, "block_size": self.block_size,
+                               "gpu_kv_tokens": self.gpu_tokens,
+                               "gpu_kv_source": self.gpu_source,
+                               "requests_not_modelled": self.skipped}
+        sim = self.sim
+        if sim is None or not sim.prompt_tokens:
+            out["why_none"] = self.reason or "no token-id or hash-id request to model"
+            return out
+        total = sim.prompt_tokens
+        out["gpu_hit_rate"] = sim.gpu_hit_tokens / total
+        served = sim.served()
+        capacity = after.total("kvtier:host_bytes_capacity") if after is not None else None
+        if capacity is None:
+            out["why_none"] = "the server's /metrics has no kvtier:host_bytes_capacity"
+            return out
+        if not args.plan_model:
+            out["why_none"] = "pass --plan-model (the served model) for the slot size"
+            return out
+        from kvtier.sizing.model import ModelConfigError
+        from kvtier.sizing.plan import PlanInputs, make_plan
+
+        try:
+            plan = make_plan(PlanInputs(model=args.plan_model, tp=args.plan_tp))
+        except (ModelConfigError, ValueError, KeyError) as e:
+            out["why_none"] = f"--plan-model: {e}"
+            return out
+        slot = self.tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), self.chunk_size)
+        chunks = int(capacity) // (slot * args.plan_tp)
+        out.update(host_tier_bytes=int(capacity), host_tier_chunks=chunks,
+                   host_hit_rate=served[min(chunks, len(served) - 1)] / total,
+                   max_hit_rate=(sim.gpu_hit_tokens + served[-1]) / total)
+        return out
+
+
+def _cache_config(snap: Snapshot | None) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` (block_size, num_gpu_blocks)."""
+    for name, labels, _ in (snap.samples if snap is not None else []):
+        if name == "vllm:cache_config_info":
+            return labels
+    return {}
+
+
+def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
+                  ) -> dict[str, Any]:
+    """Replay ``args.trace`` against the server, open loop at the trace's timestamps
+    (divided by ``--speedup``), at most ``--max-concurrency`` in flight; the summary."""
+    from kvtier.sizing import trace as tr
+
+    lo, hi = _validate_trace(args)
+    base = base_url(args.url)
+    metrics_url = args.metrics_url or base + "/metrics"
+    form = tr.TraceFormat(args.trace_format, args.trace_block_size)
+    stats = tr.TraceStats()
+    with http_client(args, args.max_concurrency) as client:
+
+        scrape = scraper(client, metrics_url)
+
+        model = args.model or first_model(client, base)
+        before = scrape()
+        prediction = Prediction(args, before)
+        poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
+        if poller:
+            poller.start()
+        try:
+            reqs = tr.read_trace(args.trace, None, stats, False, form)
+            run_ = _drive_trace(client, base, model, reqs, args, (lo, hi), prediction,
+                                progress)
+        finally:
+            if poller:
+                poller.stop()
+        after = scrape()
+    trace_info = {
+        "path": os.path.basename(args.trace), "format": stats.format,
+        "formats": stats.formats,
+        "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
+                       else sorted(stats.block_sizes) or None),
+        "bad_lines": stats.bad_lines, "bad_examples": stats.bad_examples,
+        "prediction": prediction.result(args, after),
+    }
+    return summarize(args, model, TokenScale(), run_, before, after,
+                     poller.snapshots if poller else [], trace_info)
+
+
+def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.Namespace,
+                 token_range: tuple[int, int], prediction: Prediction,
+                 progress: bool | None) -> tuple[list[RequestResult], float]:
+    """Open loop: each request starts at its due time, or as soon as fewer than
+    ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import lru_cache
+
+    from tqdm import tqdm
+
+    from kvtier.sizing import trace as tr
+
+    lo, hi = token_range
+
+    @lru_cache(maxsize=1 << 16)
+    def block(h: int, size: int) -> tuple[int, ...]:
+        return tuple(tr.block_tokens(h, size, lo, hi))
+
+    def tokens(req: Any) -> list[int]:
+        if req.hash_ids is None:
+            return list(req.token_ids)
+        out: list[int] = []
+        for h in req.hash_ids:
+            out += block(h, req.block_size)
+        del out[req.length:]
+        return out
+
+    if progress is None:
+        progress = not args.json and sys.stderr.isatty()
+    bar = tqdm(total=args.max_requests, desc="kvtier bench --trace", unit="req",
+               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    slots = threading.BoundedSemaphore(args.max_concurrency)
+    lock = threading.Lock()
+    results: list[RequestResult] = []
+    t_start = time.perf_counter()
+
+    def send(i: int, req: Any, prompt: str | list[int], max_tokens: int, due: float) -> None:
+        try:
+            if args.reset_prefix_cache:
+                reset_prefix_cache(client, base)
+            res = RequestResult(i, 0, time.perf_counter() - t_start, due_s=due)
+            try:
+                stream_completion(client, base, model, prompt, max_tokens, res,
+                                  messages=req.messages, cache_salt=req.cache_salt)
+            except Exception as exc:  # noqa: BLE001 - a bad response must not stop the replay
+                res.ok, res.error = False, f"{type(exc).__name__}: {exc}"[:240]
+            with lock:
+                results.append(res)
+                bar.update(1)
+                if not res.ok:
+                    bar.set_postfix(failed=sum(not r.ok for r in results))
+        finally:
+            slots.release()
+
+    first_ts: float | None = None
+    due = 0.0
+    with ThreadPoolExecutor(max_workers=args.max_concurrency) as pool:
+        try:
+            for i, req in enumerate(reqs):
+                if args.max_requests is not None and i >= args.max_requests:
+                    break
+                if args.max_input_tokens is not None:
+                    tr.truncate(req, args.max_input_tokens)
+                prediction.add(req)
+                if req.timestamp is not None:
+                    if first_ts is None:
+                        first_ts = req.timestamp
+                    due = max(0.0, (req.timestamp - first_ts) / args.speedup)
+                out_tokens = req.output_length or args.output_tokens
+                if args.max_output_tokens is not None:
+                    out_tokens = min(out_tokens, args.max_output_tokens)
+                prompt: str | list[int] = (req.text if req.text is not None
+                                           else tokens(req))
+                delay = due - (time.perf_counter() - t_start)
+                if delay > 0:  # bounded: a timestamp of 1e300 must not overflow sleep()
+                    time.sleep(min(delay, 1e7))
+                slots.acquire()
+                pool.submit(send, i, req, prompt, max(1, out_tokens), due)
+        except tr.TraceError as e:
+            raise BenchError(str(e)) from e
+        finally:
+            pool.shutdown(wait=True)
+            bar.close()
+    duration = time.perf_counter() - t_start
+    results.sort(key=lambda r: r.start_s)
+    return results, duration
