@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from kvtier.connectors.worker import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.layout import FULL, SLIDING, KVGroup, SlotLayout
+from kvtier.remote import RemoteIO
 
 BS, CHUNK = 16, 64
 BPC = CHUNK // BS
@@ -87,12 +89,14 @@ def model_dir(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
-def engine_config(model_dir: str, cpu_bytes: int = 1 << 22) -> VllmConfig:
+def kvtier_extra(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK, **(extra or {})}
+
+
+def engine_config(model_dir: str, extra: dict[str, Any] | None = None) -> VllmConfig:
     ktc = KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0,
-                                   "chunk_size": CHUNK},
+        kv_role="kv_both", kv_connector_extra_config=kvtier_extra(extra),
     )
     vc = VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
@@ -120,8 +124,8 @@ class HybridEngine:
     """vLLM's scheduler and one worker side over real tensors, stepped as vLLM steps them."""
 
     def __init__(self, model_dir: str, specs: dict[str, KVCacheSpec] = SPECS,
-                 num_blocks: int = 80) -> None:
-        self.vc = engine_config(model_dir)
+                 num_blocks: int = 80, extra: dict[str, Any] | None = None) -> None:
+        self.vc = engine_config(model_dir, extra)
         groups = get_kv_cache_groups(self.vc, dict(specs))
         # the worker's KV cache config, with room for num_blocks blocks
         per_block = sum(s.page_size_bytes for s in specs.values()) // len(groups)
@@ -136,10 +140,10 @@ class HybridEngine:
         self.null = self.sched.kv_cache_manager.block_pool.null_block.block_id
         self.kv = allocate_kv_cache(self.wc, torch.device("cpu"),
                                     self.vc.cache_config.get_resolved_kv_cache_layout())
-        cfg = load_config({"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK},
-                          environ={})
+        cfg = load_config(kvtier_extra(extra), environ={})
         self.worker = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
-                                 self.wc.num_blocks, groups=kv_groups(self.wc, BS, CHUNK))
+                                 self.wc.num_blocks, RemoteIO.from_config,
+                                 groups=kv_groups(self.wc, BS, CHUNK))
         self.worker.register_kv_caches(self.kv, rank=0)
         self.group_of = {name: g for g, grp in enumerate(self.wc.kv_cache_groups)
                          for name in grp.layer_names}
@@ -374,3 +378,45 @@ def test_slot_layout_keeps_each_groups_regions_apart_and_names_them(model_dir: s
         eng.kv, eng.wc.num_blocks, BPC,
         (KVGroup(FULL, (attn(0), attn(2)), BPC), KVGroup(SLIDING, (attn(1), attn(3)), 3, 48)))
     assert len({layout.identity(), one.identity(), other.identity()}) == 3
+
+
+def test_a_restarted_engine_fetches_every_group_from_the_object_tier(
+    model_dir: str, tmp_path: Path,
+) -> None:
+    """The object tier holds a chunk as its slot: every group's regions, under keys whose
+    layout digest names the groups. A fresh engine (empty host tier, other KV in its
+    blocks) fetches the prompt's chunks and loads each group's part bit for bit."""
+    extra = {"remote_url": f"file://{tmp_path / 'kv'}", "model_fingerprint": "hybrid-test"}
+    eng = HybridEngine(model_dir, extra=extra)
+    tokens = prompt(4 * CHUNK + 10, seed=6)
+    eng.run(eng.request(tokens))
+    for _ in range(300):  # idle steps until the uploads are reported
+        if not eng.side.pending_ops():
+            break
+        eng.step()
+        time.sleep(0.01)
+    assert eng.side.totals["upload_ok"] == 4
+    eng.worker.shutdown()
+
+    eng2 = HybridEngine(model_dir, extra=extra)
+    g = torch.Generator().manual_seed(8)
+    for kv in eng2.kv.values():
+        kv.view(torch.int16).copy_(torch.randint(-30000, 30000, kv.shape, generator=g,
+                                                 dtype=torch.int16))
+    b = eng2.request(tokens)
+    seen: list[int] = []
+
+    def check(so: SchedulerOutput) -> None:
+        if so.scheduled_new_reqs:  # the step vLLM admits it: the fetched chunks load
+            seen.append(so.scheduled_new_reqs[0].num_computed_tokens)
+            eng2.expect(b, 0, range(4 * CHUNK))
+            eng2.expect(b, 1, range(4 * CHUNK - WINDOW, 4 * CHUNK))
+
+    for _ in range(300):  # vLLM asks again while the lookup's fetches run
+        if b.is_finished():
+            break
+        eng2.step(after_loads=check)
+        time.sleep(0.01)
+    assert seen == [4 * CHUNK]
+    assert eng2.side.totals["fetch_ok"] == 4 and eng2.side.totals["hit_tokens_remote"] == 4 * CHUNK
+    eng2.worker.shutdown()
