@@ -291,3 +291,25 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
     assert sorted(reported) == sorted(op.op_id for op in meta.loads)
     assert all(oks == [True] for oks in reported.values())
     sched.shutdown()
+
+
+def test_a_sliding_group_stores_the_tokens_vllm_retains_before_its_window(
+    model_dir: str,
+) -> None:
+    """vLLM keeps ``extra_retained_tokens`` behind a sliding window (multi-module MTP) and
+    backs their blocks in a hit: kvtier's slot holds them too (window 32 + 16 retained =
+    48 tokens: the chunk's last 3 blocks of 16), and a window longer than a chunk keeps
+    whole chunks."""
+    from kvtier.connectors.groups import kv_groups
+
+    retained = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                                 dtype=torch.bfloat16, sliding_window=32,
+                                 extra_retained_tokens=16)
+    long = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                             dtype=torch.bfloat16, sliding_window=4 * CHUNK)
+    for spec, blocks, window in ((retained, 3, 48), (long, CHUNK // BS, 4 * CHUNK)):
+        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], spec)])
+        full, sliding = kv_groups(kcc, BS, CHUNK)
+        assert (full.kind, full.blocks) == ("full", CHUNK // BS)
+        assert (sliding.kind, sliding.blocks, sliding.window) == ("sliding", blocks, window)
