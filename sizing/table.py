@@ -12,8 +12,9 @@ def _group_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
     token per rank and what kvtier stores of one chunk."""
     rows = []
     for g in p.get("kv_groups") or ():
-        name = f"  {g['kind']} group" + (f" ({g['window']:,} tokens)" if g["window"] else "")
-        rows.append((name, f"{g['layers']} layers, {g['bytes_per_token']:,} B/token/rank; "
+        window = f", window {g['window']:,}" if g["window"] else ""
+        rows.append((f"  {g['kind']} group", f"{g['layers']} layers{window}, "
+                     f"{g['bytes_per_token']:,} B/token/rank; "
                            f"kvtier stores {g['stored_blocks_per_chunk']} of "
                            f"{g['blocks_per_chunk']} blocks a chunk: {g['chunk_bytes']:,} B"))
     return rows

@@ -72,7 +72,8 @@ def test_each_group_costs_what_vllms_spec_pages_say_and_kvtier_stores(
         full["bytes_per_token"] * p["context"] + sliding["bytes_per_token"] * WINDOW)
     assert p["object_kv_bytes_per_token"] * CHUNK == p["host_chunk_bytes_per_rank"]
     text = format_plan(p)
-    assert "sliding group (32 tokens)" in text and "kvtier stores 2 of 4 blocks" in text
+    assert "sliding group" in text and "2 layers, window 32," in text
+    assert "kvtier stores 2 of 4 blocks" in text
 
 
 def test_one_kind_of_layer_is_one_group_stored_whole() -> None:
