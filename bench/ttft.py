@@ -135,7 +135,8 @@ def _phase(
     if baseline:
         cmd += ["--baseline"]
     if profile:
-        cmd += ["--profile-out", profile]
+        cmd += ["--profile-out", profile] + (["--timeline-only"] if args.timeline_only else [])
+        cmd += ["--load-copy-threads", str(args.load_copy_threads)]
         env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     for line in proc.stdout.splitlines():
@@ -159,6 +160,9 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
         gets = sorted((o for o in ops if o["kind"] == "fetch"), key=lambda o: o["queued"])
         if not gets:
             continue
+        last = max(g["end"] for g in gets)
+        answers = [o for o in ops if o["kind"] == "answer" and o["end"] >= last]
+        loads = [o for o in ops if o["kind"] == "load"]
         g0, rest = gets[0], gets[1:] or gets[:1]
         ph = {
             "until first get submitted": g0["queued"],
@@ -169,7 +173,14 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
             "gets: sum of backend calls (read_into + verify)": sum(
                 g["end"] - g["start"] for g in gets),
             "gets: mean queue wait": statistics.mean(g["start"] - g["queued"] for g in gets),
-            "last get done -> first token": r["ttft_s"] - max(g["end"] for g in gets),
+            "last get done -> first token": r["ttft_s"] - last,
+            "  last get done -> lookup answered (scheduler)": (
+                answers[0]["end"] - last if answers else float("nan")),
+            "  lookup answered -> load copies begin": (
+                loads[0]["start"] - answers[0]["end"] if answers and loads else float("nan")),
+            "  load copies (slot -> vLLM's KV cache)": sum(o["end"] - o["start"] for o in loads),
+            "  load copies done -> first token": (
+                r["ttft_s"] - loads[-1]["end"] if loads else float("nan")),
             "TTFT": r["ttft_s"],
             "gets": len(gets),
         }  # fmt: skip
@@ -304,6 +315,8 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
     """--phase write: store the prompts and exit. --phase read: (d) then (b) per prompt,
     for every length of --lengths; the result is keyed by length."""
     extra = json.loads(args.extra)
+    if args.load_copy_threads:
+        _copies_on_threads(args.load_copy_threads)
     llm = llm_factory(extra)
     _ttft(llm, _prompt(999, min(args.lengths)))
     seeds = _seeds(500, args.samples * len(args.lengths))
@@ -336,7 +349,7 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
                          "cached_tokens_engine": b["cached_engine"][0],
                          "cached_tokens_kvtier": b["cached_host"][0]}
                 for n, b in base.items()}  # fmt: skip
-    prof = _Profiler() if args.profile_out else None
+    prof = _Profiler(cprofile=not args.timeline_only) if args.profile_out else None
     restart_hit: dict[int, list] = {n: [] for n in args.lengths}
     engine_hit: dict[int, list] = {n: [] for n in args.lengths}
     cached: dict[int, list] = {n: [] for n in args.lengths}
@@ -359,18 +372,44 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
                      "cached": cached[n]} for n in args.lengths}  # fmt: skip
 
 
+def _copies_on_threads(n: int) -> None:
+    """--load-copy-threads: the host-tier loads' copies into vLLM's KV cache on ``n``
+    OpenMP threads (the engine's other work keeps all of them). An experiment on the
+    copier from the benchmark's process: in-process engines only (--profile)."""
+    import torch
+
+    from kvtier.transfer import CpuCopier
+
+    orig = CpuCopier.begin_loads
+
+    def begin_loads(copier, jobs):
+        if not jobs:
+            return orig(copier, jobs)
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return orig(copier, jobs)
+        finally:
+            torch.set_num_threads(before)
+
+    CpuCopier.begin_loads = begin_loads
+
+
 class _Profiler:
     """--profile-out: cProfile of the engine thread and of RemoteIO's worker threads
     during the restart hits, and a timeline of every object-tier op (engine in-process).
 
     RemoteIO is wrapped here, in the benchmark's process, not changed."""
 
-    def __init__(self) -> None:
+    def __init__(self, cprofile: bool = True) -> None:
         import cProfile
         import threading
 
+        from kvtier.connectors.scheduler import SchedulerSide
         from kvtier.remote import RemoteIO
+        from kvtier.transfer import CpuCopier
 
+        self.cprofile = cprofile
         self.main = cProfile.Profile()
         self.io: list = []
         self.events: list[dict] = []
@@ -384,6 +423,8 @@ class _Profiler:
             p = cProfile.Profile()
             with prof._lock:
                 prof.io.append(p)
+            if not prof.cprofile:
+                return orig_worker(rio, q)
             p.enable()
             try:
                 return orig_worker(rio, q)
@@ -403,6 +444,26 @@ class _Profiler:
                                         "queued": queued, "start": t1, "end": t2})  # fmt: skip
 
         RemoteIO._worker, RemoteIO._execute = worker, execute
+        orig_loads, orig_ask = CpuCopier.begin_loads, SchedulerSide.get_num_new_matched_tokens
+
+        def begin_loads(copier, jobs):  # the loads' copies into vLLM's KV cache
+            t1 = time.perf_counter()
+            try:
+                return orig_loads(copier, jobs)
+            finally:
+                if prof.active and jobs:
+                    prof.events.append({"kind": "load", "queued": t1, "start": t1,
+                                        "end": time.perf_counter()})  # fmt: skip
+
+        def ask(side, request, computed):  # the scheduler's lookup: "ask again" or a number
+            t1 = time.perf_counter()
+            out = orig_ask(side, request, computed)
+            if prof.active and out[0] is not None:
+                prof.events.append({"kind": "answer", "queued": t1, "start": t1,
+                                    "end": time.perf_counter(), "tokens": out[0]})  # fmt: skip
+            return out
+
+        CpuCopier.begin_loads, SchedulerSide.get_num_new_matched_tokens = begin_loads, ask
         self._t0 = 0.0
 
     def start(self, tokens: int) -> None:
@@ -410,10 +471,12 @@ class _Profiler:
         self._tokens = tokens
         self.active = True
         self._t0 = time.perf_counter()
-        self.main.enable()
+        if self.cprofile:
+            self.main.enable()
 
     def stop(self, ttft: float) -> None:
-        self.main.disable()
+        if self.cprofile:
+            self.main.disable()
         self.active = False
         t0 = self._t0
         ev = [{**e, "queued": e["queued"] - t0, "start": e["start"] - t0, "end": e["end"] - t0}
@@ -424,9 +487,10 @@ class _Profiler:
         import pstats
 
         os.makedirs(out_dir, exist_ok=True)
-        self.main.dump_stats(os.path.join(out_dir, "engine_thread.prof"))
+        if self.cprofile:
+            self.main.dump_stats(os.path.join(out_dir, "engine_thread.prof"))
         io_stats = None
-        for p in self.io:
+        for p in self.io if self.cprofile else ():
             p.create_stats()
             if not p.stats:
                 continue
@@ -473,6 +537,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=_lengths, help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--load-copy-threads", type=int, default=0,
+                        help="with --profile: the loads' copies on this many OpenMP threads "
+                        "(an experiment on the copier; 0: as the engine runs them)")
+    parser.add_argument("--timeline-only", action="store_true",
+                        help="with --profile: the timeline alone, without cProfile's overhead")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plot and not args.sweep:
@@ -551,7 +620,13 @@ def main(argv: list[str] | None = None) -> int:
                     restarts[kind][n]["raw"] = v
                 if args.profile:
                     where = os.path.join(args.profile, kind)
-                    _phase(args, "read", extra, env, profile=where)
+                    inproc = _phase(args, "read", extra, env, profile=where)
+                    for n, v in inproc.items():  # the same hits, engine in this process
+                        restarts[kind][n]["inprocess"] = {
+                            k: v[k] for k in ("restart_hit_ttft_s", "engine_hit_ttft_s")}
+                        print(f"[{kind} {n} tokens, in-process engine: restart hit "
+                              f"{v['restart_hit_ttft_s'] * 1000:.1f} ms, in-engine hit "
+                              f"{v['engine_hit_ttft_s'] * 1000:.1f} ms]", file=sys.stderr)
                     print(f"\n[profile of the {kind} tier: {where}]\n" + profile_summary(where),
                           file=sys.stderr, flush=True)  # fmt: skip
             print(f"[{kind}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
@@ -599,7 +674,9 @@ def _report(args: argparse.Namespace, base: dict[int, dict], restarts: dict[str,
             "kvtier_over_cold": c / a,
             "restart": {k: _breakdown(v[str(n)]) for k, v in restarts.items()},
         }
-    machine = {"cpus": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+    machine = {"cpus": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+               # other work on the CPUs slows every OpenMP step (the load's copies most)
+               "loadavg_1m_at_end": os.getloadavg()[0]}  # fmt: skip
     if args.sweep:
         result = {"samples": args.samples, "model": f"{args.layers} layers x {args.hidden}",
                   "machine": machine, "sweep": [by_len[n] for n in args.lengths],
