@@ -17,13 +17,18 @@ before it is sealed and signed. Nothing of the codec is written here.
   slot's bytes (a decompression bomb, a truncated stream) is refused before it is
   decompressed, as a :class:`~kvtier.errors.CodecError`; memory stays bounded by the
   slot plus the compressed object.
-- Compression and decompression run on RemoteIO's I/O threads only.
+- Compression and decompression run on RemoteIO's I/O threads only, and what a read
+  goes through before its slot is made once per thread and reused (:class:`ThreadScratch`
+  for a sealed compressed payload, a float32 work slice for fp8): no buffer per read.
 
 ``compression: fp8`` is lossy and opt-in: bf16/fp16 KV is stored as fp8 e4m3 with one
 float32 scale per block of :data:`FP8_BLOCK` elements (``"z": "fp8e4m3"``) and
 dequantised into the slot on read, so a hit's KV differs from what was computed (each
 element within 2^-4 of its magnitude plus 2^-10 of its block's scale) and so may its
-outputs. KV of any other dtype (already fp8, fp32) is stored as it is. ``lossless``
+outputs. KV of any other dtype (already fp8, fp32), and a chunk holding inf or NaN, is
+stored as it is. A stream no compressor writes (an fp8 NaN code; a scale that is not
+positive, or would carry a value past the dtype's range) is a :class:`CodecError`, so an
+fp8 read never puts a non-finite value in a slot. ``lossless``
 never changes a byte. Only an engine that chose ``fp8`` reads fp8 chunks
 (:data:`LOSSY_FORMS`); to any other engine they are a ``format`` miss.
 """

