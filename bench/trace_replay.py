@@ -46,191 +46,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import int_list, omp_cpus  # noqa: E402
+from plots import trace_replay_plot  # noqa: E402
+from tables import print_trace_replay  # noqa: E402
+from traces import (  # noqa: E402
+    HASH_QUICK,
+    HASH_REPLAY,
+    QUICK,
+    TOKEN_HI,
+    TOKEN_LO,
+    HashTraceShape,
+    TraceShape,
+    corpus,
+    expand_trace,
+    generate_hash_trace,
+    generate_trace,
+)
+
+#: what tests and the e2e replay read from here
+__all__ = ["HASH_QUICK", "QUICK", "TOKEN_HI", "TOKEN_LO", "HashTraceShape", "corpus",
+           "expand_trace", "generate_hash_trace", "generate_trace", "lru_hits_per_request",
+           "max_request_chunks", "pick_slots", "planner_served", "rate_at"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32
-#: token ids the tiny model's tokenizer knows (vLLM refuses ids past its vocabulary)
-TOKEN_LO, TOKEN_HI = 5, 480
 FRACTIONS = (0.2, 0.5, 0.9)
-
-
-# ------------------------------------------------------------------------ the trace
-
-
-@dataclass(frozen=True, slots=True)
-class TraceShape:
-    """What the generated trace looks like (token counts are prompt tokens)."""
-
-    sessions: int = 120
-    max_turns: int = 3
-    #: sessions in progress at once: their turns interleave in the trace
-    concurrent: int = 20
-    system_prompts: int = 4
-    system_tokens: tuple[int, int] = (100, 250)
-    documents: int = 80
-    doc_tokens: tuple[int, int] = (100, 300)
-    #: Zipf exponent of document popularity (rank r drawn with weight r ** -zipf)
-    zipf: float = 1.1
-    #: share of sessions that ask about a document
-    doc_share: float = 0.8
-    user_tokens: tuple[int, int] = (20, 120)
-    answer_tokens: tuple[int, int] = (20, 80)
-    #: share of sessions under a tenant's cache_salt (its system prompt is not shared
-    #: with the unsalted sessions)
-    salted_share: float = 0.25
-    seed: int = 0
-
-
-#: what tests/e2e/test_trace_replay.py replays: about 85 requests, 46k prompt tokens
-QUICK = TraceShape(sessions=40, concurrent=12, system_prompts=3, documents=30)
-
-
-def _tokens(rng: random.Random, lo_hi: tuple[int, int]) -> list[int]:
-    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(rng.randint(*lo_hi))]
-
-
-def corpus(shape: TraceShape) -> tuple[random.Random, list[list[int]], list[list[int]]]:
-    """The seeded generator, the system prompts and the documents (by popularity rank)."""
-    rng = random.Random(shape.seed)
-    systems = [_tokens(rng, shape.system_tokens) for _ in range(shape.system_prompts)]
-    docs = [_tokens(rng, shape.doc_tokens) for _ in range(shape.documents)]
-    return rng, systems, docs
-
-
-def generate_trace(path: Path, shape: TraceShape) -> int:
-    """Write the trace as JSONL; returns the number of requests."""
-    rng, systems, docs = corpus(shape)
-    weights = [(r + 1) ** -shape.zipf for r in range(shape.documents)]
-    started, ts, lines = 0, 0.0, []
-    active: list[dict[str, Any]] = []
-    while started < shape.sessions or active:
-        while started < shape.sessions and len(active) < shape.concurrent:
-            doc = (rng.choices(docs, weights)[0] if rng.random() < shape.doc_share else [])
-            active.append({
-                "history": systems[rng.randrange(len(systems))] + doc,
-                "turns": rng.randint(1, shape.max_turns),
-                "salt": "tenant-b" if rng.random() < shape.salted_share else None,
-            })
-            started += 1
-        s = active[rng.randrange(len(active))]
-        prompt = s["history"] + _tokens(rng, shape.user_tokens)
-        ts += rng.expovariate(2.0)
-        line: dict[str, Any] = {"timestamp": round(ts, 3), "prompt_token_ids": prompt}
-        if s["salt"]:
-            line["cache_salt"] = s["salt"]
-        lines.append(json.dumps(line))
-        # the next turn's prompt: this one, the answer, then the next user message
-        s["history"] = prompt + _tokens(rng, shape.answer_tokens)
-        s["turns"] -= 1
-        if not s["turns"]:
-            active.remove(s)
-    path.write_text("\n".join(lines) + "\n")
-    return len(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class HashTraceShape:
-    """A Mooncake-format trace (``timestamp`` in ms, ``input_length``, ``output_length``,
-    ``hash_ids`` of ``block_size``-token blocks): multi-turn sessions that extend their
-    earlier prompts, behind a few shared system prompts. The default has the size of
-    Mooncake's conversation trace: 12,000 requests, about 145M prompt tokens."""
-
-    requests: int = 12_000
-    block_size: int = 512
-    #: sessions in progress at once: their turns interleave in the trace
-    concurrent: int = 60
-    system_prompts: int = 8
-    system_tokens: tuple[int, int] = (1_000, 6_000)
-    first_user_tokens: tuple[int, int] = (1_500, 9_500)
-    #: tokens added per turn (the answer and the next user message)
-    turn_tokens: tuple[int, int] = (300, 3_000)
-    max_turns: int = 8
-    output_tokens: tuple[int, int] = (50, 600)
-    #: mean gap between requests, ms
-    gap_ms: float = 300.0
-    seed: int = 0
-
-
-#: the hash-id replay of `make bench-trace` (``--hash-ids``): Mooncake-format lines with
-#: 32-token blocks (the engine's block size), prompts the tiny model takes
-HASH_REPLAY = HashTraceShape(requests=240, block_size=32, concurrent=16, system_prompts=4,
-                             system_tokens=(64, 320), first_user_tokens=(40, 240),
-                             turn_tokens=(20, 120), max_turns=5, output_tokens=(1, 8),
-                             gap_ms=400.0)
-#: what tests/e2e/test_trace_replay.py replays with ``--quick --hash-ids``
-HASH_QUICK = HashTraceShape(requests=60, block_size=32, concurrent=8, system_prompts=3,
-                            system_tokens=(64, 256), first_user_tokens=(40, 200),
-                            turn_tokens=(20, 100), max_turns=4, output_tokens=(1, 4),
-                            gap_ms=200.0)
-
-
-def expand_trace(hash_trace: Path, path: Path, block_size: int) -> int:
-    """The hash-id trace as the engine sees it: each id as the tokens ``kvtier bench
-    --trace`` sends for it (:func:`kvtier.sizing.trace.block_tokens`, in the tiny model's
-    vocabulary), timestamps in seconds; returns the number of requests."""
-    from kvtier.sizing.trace import TraceFormat, expand_tokens, parse_line
-
-    lines = []
-    for ln in hash_trace.read_text().splitlines():
-        req = parse_line(ln, None, TraceFormat(block_size=block_size))
-        lines.append(json.dumps({"timestamp": req.timestamp,
-                                 "prompt_token_ids": expand_tokens(req, TOKEN_LO, TOKEN_HI)}))
-    path.write_text("\n".join(lines) + "\n")
-    return len(lines)
-
-
-def generate_hash_trace(path: Path, shape: HashTraceShape) -> int:
-    """Write the trace as JSONL; returns the number of prompt tokens. A session's next
-    prompt is its last one plus new tokens: its full blocks keep their ids, the partial
-    last block and everything after get new ones (Mooncake's ids are prefix-chained)."""
-    rng = random.Random(f"kvtier-hash-trace:{shape.seed}")
-    bs = shape.block_size
-    next_id = 0
-
-    def new_ids(k: int) -> list[int]:
-        nonlocal next_id
-        next_id += k
-        return list(range(next_id - k, next_id))
-
-    systems = []
-    for _ in range(shape.system_prompts):
-        n = rng.randint(*shape.system_tokens) // bs * bs  # whole blocks: shared as such
-        systems.append((n, new_ids(n // bs)))
-    active: list[dict[str, Any]] = []
-    ts, total = 0.0, 0
-    with path.open("w") as f:
-        for _ in range(shape.requests):
-            while len(active) < shape.concurrent:
-                n_sys, ids_sys = systems[rng.randrange(len(systems))]
-                active.append({"full": list(ids_sys), "n": n_sys + rng.randint(
-                    *shape.first_user_tokens), "turns": rng.randint(1, shape.max_turns)})
-            s = active[rng.randrange(len(active))]
-            n, full = s["n"], s["full"]
-            need = -(-n // bs)
-            full += new_ids(n // bs - len(full))  # new whole blocks
-            ids = full + new_ids(need - len(full))  # and the partial last one
-            ts += rng.expovariate(1.0 / shape.gap_ms)
-            f.write(json.dumps({"timestamp": int(ts), "input_length": n,
-                                "output_length": rng.randint(*shape.output_tokens),
-                                "hash_ids": ids}, separators=(",", ":")) + "\n")
-            total += n
-            s["n"] = n + rng.randint(*shape.turn_tokens)
-            s["turns"] -= 1
-            if not s["turns"]:
-                active.remove(s)
-    return total
 
 
 # ----------------------------------------------------------------------- prediction
@@ -479,82 +329,6 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
     }
 
 
-def print_result(res: dict[str, Any]) -> None:
-    t = res["trace"]
-    print(f"\ntrace ({res.get('format', 'tokens')}): {t['requests']} requests, "
-          f"{t['prompt_tokens']} prompt tokens, "
-          f"{t['distinct_chunks']} distinct chunks of {res['chunk_size']} tokens; "
-          f"slot {res['planner_slot_bytes']} B (engine: "
-          f"{sorted({p['slot_bytes'] for p in res['points']})}); longest prompt "
-          f"{t['max_request_chunks']} chunks; all reuse {res['max_hit_rate'] * 100:.1f} %")
-    print(f"{'cpu_bytes':>12} {'slots':>6} {'predicted':>10} {'measured':>9} {'diff':>8} "
-          f"{'vLLM own':>9} {'requests differing':>19}")
-    for p in res["points"]:
-        note = "  (below the longest prompt)" if p["below_longest_prompt"] else ""
-        if p["batch"] > 1:
-            note = f"  ({p['batch']} requests at a time)"
-        differ = f"{p['requests_differing']:>10} of {p['requests']}" if p["batch"] == 1 else ""
-        own = (p["cached_tokens_vllm"] - p["hit_tokens_host"]) / p["prompt_tokens"]
-        print(f"{p['cpu_bytes']:>12} {p['slots']:>6} {p['predicted_hit_rate'] * 100:>9.1f}% "
-              f"{p['measured_hit_rate'] * 100:>8.1f}% {p['difference_pp']:>+6.1f}pp "
-              f"{own * 100:>8.1f}% {differ:>19}{note}")
-
-
-def write_plot(res: dict[str, Any], path: str) -> None:
-    """The planner's curve with the engine's measured points on it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    mib = 1024**2
-    xs = [p["bytes"] / mib for p in res["curve"] if p["bytes"]]
-    ys = [p["hit_rate"] * 100 for p in res["curve"] if p["bytes"]]
-    ax.plot(xs, ys, marker=".", label="kvtier size --trace (predicted)")
-    pts = [p for p in res["points"] if not p["below_longest_prompt"] and p["batch"] == 1]
-    low = [p for p in res["points"] if p["below_longest_prompt"]]
-    batched = [p for p in res["points"] if p["batch"] > 1]
-    ax.plot([p["cpu_bytes"] / mib for p in pts], [p["measured_hit_rate"] * 100 for p in pts],
-            "o", ms=9, mfc="none", mew=2, color="tab:red", label="vLLM + kvtier (measured)")
-    if low:
-        ax.plot([p["cpu_bytes"] / mib for p in low],
-                [p["measured_hit_rate"] * 100 for p in low], "s", ms=8, mfc="none", mew=2,
-                color="tab:orange", label="measured, tier smaller than the longest prompt")
-    if batched:
-        ax.plot([p["cpu_bytes"] / mib for p in batched],
-                [p["measured_hit_rate"] * 100 for p in batched], "^", ms=8, mfc="none", mew=2,
-                color="tab:purple",
-                label=f"measured, {batched[0]['batch']} requests at a time")
-    ax.axvline(res["trace"]["max_request_chunks"] * res["planner_slot_bytes"] / mib,
-               color="grey", ls=":", lw=1, label="longest prompt's chunks")
-    for p in res["points"]:
-        text = (f"{p['measured_hit_rate'] * 100:.1f} % (pred. "
-                f"{p['predicted_hit_rate'] * 100:.1f} %)")
-        offset = (8, -12)
-        if p["batch"] > 1:
-            own = (p["cached_tokens_vllm"] - p["hit_tokens_host"]) / p["prompt_tokens"]
-            text = f"{p['measured_hit_rate'] * 100:.1f} % + vLLM's own {own * 100:.1f} %"
-            offset = (10, -4)
-        elif p["below_longest_prompt"]:
-            offset = (-50, 14)
-        ax.annotate(text, (p["cpu_bytes"] / mib, p["measured_hit_rate"] * 100),
-                    textcoords="offset points", xytext=offset, fontsize=8)
-    ax.set_xscale("log")
-    ax.set_ylim(-2, 102)
-    ax.set_xlabel("host tier per worker, cpu_bytes (MiB)")
-    ax.set_ylabel("prompt tokens served by kvtier's host tier (%)")
-    t = res["trace"]
-    kind = "hash-id (Mooncake-format) " if res.get("format") == "mooncake" else ""
-    ax.set_title(f"Generated {kind}trace: {t['requests']} requests, {t['prompt_tokens']} "
-                 f"prompt tokens, chunk {res['chunk_size']}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the small trace the e2e test runs")
@@ -598,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
               below=not args.quick and not args.no_below,
               batch=args.batched if args.batched is not None else (1 if args.quick else 4),
               parallel=args.parallel, hash_shape=hash_shape)
-    print_result(res)
+    print_trace_replay(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
     if args.plot:
-        write_plot(res, args.plot)
+        trace_replay_plot(res, args.plot)
     return 0
 
 

@@ -1,0 +1,190 @@
+"""The benchmarks' printed tables: each script's rows as text, the figures as measured."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+MiB = 2**20
+
+
+def print_trace_replay(res: dict[str, Any]) -> None:
+    """bench/trace_replay.py: the trace, then predicted and measured hit rates per size."""
+    t = res["trace"]
+    print(f"\ntrace ({res.get('format', 'tokens')}): {t['requests']} requests, "
+          f"{t['prompt_tokens']} prompt tokens, "
+          f"{t['distinct_chunks']} distinct chunks of {res['chunk_size']} tokens; "
+          f"slot {res['planner_slot_bytes']} B (engine: "
+          f"{sorted({p['slot_bytes'] for p in res['points']})}); longest prompt "
+          f"{t['max_request_chunks']} chunks; all reuse {res['max_hit_rate'] * 100:.1f} %")
+    print(f"{'cpu_bytes':>12} {'slots':>6} {'predicted':>10} {'measured':>9} {'diff':>8} "
+          f"{'vLLM own':>9} {'requests differing':>19}")
+    for p in res["points"]:
+        note = "  (below the longest prompt)" if p["below_longest_prompt"] else ""
+        if p["batch"] > 1:
+            note = f"  ({p['batch']} requests at a time)"
+        differ = f"{p['requests_differing']:>10} of {p['requests']}" if p["batch"] == 1 else ""
+        own = (p["cached_tokens_vllm"] - p["hit_tokens_host"]) / p["prompt_tokens"]
+        print(f"{p['cpu_bytes']:>12} {p['slots']:>6} {p['predicted_hit_rate'] * 100:>9.1f}% "
+              f"{p['measured_hit_rate'] * 100:>8.1f}% {p['difference_pp']:>+6.1f}pp "
+              f"{own * 100:>8.1f}% {differ:>19}{note}")
+
+
+def scheduler_table(result: dict[str, Any]) -> str:
+    """bench/scheduler_cost.py: Markdown tables of the step and lookup figures."""
+    variants = [v for v in result["variants"] if v != "vllm"]
+    head = "| running | index chunks | phase | vLLM µs |"
+    sep = "|---|---|---|---|"
+    for v in variants:
+        head += f" {v} µs | {v} ÷ vLLM | {v} meta B |"
+        sep += "---|---|---|"
+    lines = [head, sep]
+    for r in result["steps"]:
+        row = (f"| {r['running_requests']} | {r['index_chunks']:,} | {r['phase']} | "
+               f"{r['vllm_step_us']:.0f} |")
+        for v in variants:
+            row += (f" {r[f'{v}_step_us']:.0f} | {r[f'{v}_ratio']:.2f} | "
+                    f"{r[f'{v}_meta_bytes_median']:,} |")
+        lines.append(row)
+    lines += ["", "| connector | index chunks | outcome | matched | p50 µs | p99 µs |",
+              "|---|---|---|---|---|---|"]
+    for r in result["lookups"]:
+        lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['outcome']} | "
+                     f"{r['matched_tokens']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |")
+    lines += ["", scheduler_may_load_async_table(result.get("may_load_async", []))]
+    lines += ["", "| worker side, step with no chunk moving: layers | median µs | p99 µs "
+              "| metadata B |", "|---|---|---|---|"]
+    for r in result.get("worker", []):
+        lines.append(f"| {r['layers']} | {r['worker_step_us']:.0f} | {r['worker_step_p99_us']:.0f} "
+                     f"| {r['meta_bytes']} |")
+    lines += ["", "| connector | chunks | bytes per chunk (RSS) | (tracemalloc) "
+              "| GC-tracked objects per chunk | full collection ms |", "|---|---|---|---|---|---|"]
+    for r in result["memory"]:
+        lines.append(f"| {r['connector']} | {r['index_chunks']:,} | {r['bytes_per_chunk']:.0f} | "
+                     f"{r['heap_bytes_per_chunk']:.0f} | {r['gc_tracked_per_chunk']:.2f} | "
+                     f"{r['full_gc_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def scheduler_may_load_async_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| may_load_async: index chunks | prompt held | answer | p50 µs | p99 µs |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['index_chunks']:,} | {r['outcome']} | {r['answer']} | "
+                     f"{r['p50_us']:.2f} | {r['p99_us']:.2f} |")
+    return "\n".join(lines)
+
+
+def print_compression(speed: list[dict], hits: list[dict], source: str) -> None:
+    print(f"\nCompression on {source}, one thread, best of the rounds (GB/s = 1e9 B/s)")
+    print(f"{'codec':<32} {'stored/raw':>10} {'compress GB/s':>13} {'decompress GB/s':>15}")
+    for r in speed:
+        print(f"{r['codec']:<32} {r['ratio']:>10.3f} {r['compress_gbps']:>13.2f} "
+              f"{r['decompress_gbps']:>15.2f}")  # fmt: skip
+    if not hits:
+        return
+    r0 = hits[0]
+    print(f"Restart-hit fetch with compression: a lookup run of {r0['chunks']} chunks of "
+          f"{r0['chunk_mib']:.2f} MiB, raw and lossless alternating, median of {r0['runs']} runs")
+    print(f"{'backend':<22} {'stored/raw':>10} {'none ms':>8} {'lossless ms':>11} "
+          f"{'lossless/none':>13}")  # fmt: skip
+    for r in hits:
+        print(f"{r['backend']:<22} {r['stored_over_raw']:>10.3f} {r['none_ms_median']:>8.1f} "
+              f"{r['lossless_ms_median']:>11.1f} {r['lossless_over_none']:>13.2f}")  # fmt: skip
+
+
+def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -> float:
+    """Print the encryption table; returns the lowest sealed ÷ plain ratio."""
+    print(
+        f"\nEncryption: AES-256-GCM on one core {speed['seal_gbps']:.2f} GB/s seal, "
+        f"{speed['open_gbps']:.2f} GB/s open in place; {rows[0]['chunk_mib']:.0f} MiB chunks, "
+        f"median of the rounds, hmac={'on' if hmac_on else 'off'} on both sides, "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(f"{'backend':<11} {'mode':<22} {'op':<4} {'plain GB/s':>10} {'sealed GB/s':>11} "
+          f"{'sealed/plain':>12} {'goal':>5}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['backend']:<11} {r['mode']:<22} {r['op']:<4} {r['plain_gbps_median']:>10.2f} "
+            f"{r['sealed_gbps_median']:>11.2f} {r['sealed_over_plain']:>12.2f} {0.9:>5.1f}"
+        )
+    low = min(r["sealed_over_plain"] for r in rows)
+    print(f"lowest sealed/plain {low:.2f} (goal >= 0.9)")
+    return low
+
+
+def print_hit_latency(rows: list[dict]) -> None:
+    r0 = rows[0]
+    print(f"\nRestart-hit fetch: a lookup run of {r0['chunks']} chunks of {r0['chunk_mib']:.0f} "
+          f"MiB into host slots (io_threads {r0['io_threads']}: {r0['read_threads']} read "
+          f"threads), plain and sealed alternating, median of {r0['runs']} runs")  # fmt: skip
+    print(f"{'backend':<11} {'plain ms':>9} {'sealed ms':>10} {'added ms':>9}")
+    for r in rows:
+        print(f"{r['backend']:<11} {r['plain_ms_median']:>9.1f} {r['sealed_ms_median']:>10.1f} "
+              f"{r['added_ms']:>9.1f}")  # fmt: skip
+
+
+INTO_GOALS = {"file": 0.8, "s3 (moto)": 0.9, "redis": 0.9}
+
+
+def print_into(rows: list[dict], hmac_on: bool) -> float:
+    """Print the read-into table; returns the lowest async ratio against its goal."""
+    if not rows:
+        return float("inf")
+    r0 = rows[0]
+    print(
+        f"\nReads into host slots: {r0['chunk_mib']:.0f} MiB chunks, "
+        f"{r0['bytes_per_round'] / MiB:.0f}-MiB rounds, median of {r0['rounds']} "
+        f"(GB/s = 1e9 B/s), hmac={'on' if hmac_on else 'off'}, {os.cpu_count()} CPUs"
+    )
+    print(f"{'backend':<10} {'raw reader':<26} {'io_thr':>6} {'rd_thr':>6} {'conc':>4} "
+          f"{'async GB/s':>10} {'sync GB/s':>9} {'raw GB/s':>8} {'async/raw':>9} "
+          f"{'sync/raw':>8} {'goal':>5}")  # fmt: skip
+    worst = float("inf")
+    for r in rows:
+        goal = INTO_GOALS.get(r["backend"], 0.9)
+        worst = min(worst, r["async_over_raw"] / goal)
+        print(
+            f"{r['backend']:<10} {r['raw_reader']:<26} {r['io_threads']:>6} "
+            f"{r['read_threads']:>6} {r['concurrency']:>4} {r['async_gbps_median']:>10.2f} "
+            f"{r['sync_gbps_median']:>9.2f} {r['raw_gbps_median']:>8.2f} "
+            f"{r['async_over_raw']:>9.2f} {r['sync_over_raw']:>8.2f} {goal:>5.1f}"
+        )
+    return worst
+
+
+def print_cluster(rows: list[tuple], spread: dict, chunks: int, size: int, rounds: int) -> float:
+    """Print the cluster table; returns the lowest median kvtier ÷ raw ratio."""
+    print(f"\nRedis: 1 node and a 3-primary cluster, {chunks} chunks of {size / MiB:.1f} MiB, "
+          f"best of {rounds} rounds (ratio median: of the median rounds), {os.cpu_count()} CPUs; "
+          "raw: redis.Redis on the node, redis.cluster.RedisCluster on the cluster")  # fmt: skip
+    print(f"{'target':<11} {'mode':<22} {'op':<4} {'kvtier MB/s':>12} {'raw MB/s':>10} "
+          f"{'ratio best':>10} {'ratio median':>12}")  # fmt: skip
+    for target, mode, op, kv, raw, median_ratio in rows:
+        print(f"{target:<11} {mode:<22} {op:<4} {kv:>12.1f} {raw:>10.1f} {kv / raw:>10.2f} "
+              f"{median_ratio:>12.2f}")  # fmt: skip
+    low = min(r[5] for r in rows)
+    print(f"lowest median ratio kvtier/raw {low:.2f} (goal >= 0.9)")
+    shares = ", ".join(f"{n / spread['keys']:.3f}" for n in spread["per_primary"].values())
+    print(f"{spread['keys']} random chunk keys over {len(spread['per_primary'])} primaries: "
+          f"shares {shares}; busiest ÷ mean {spread['max_over_mean']:.3f}")  # fmt: skip
+    return low
+
+
+def print_putget(rows: list[tuple], chunks: int, size: int, rounds: int, hmac: bool) -> None:
+    """bench/tier_throughput.py's put/get table: kvtier's tier ÷ the raw client."""
+    print(
+        f"\n{chunks} chunks of {size / MiB:.1f} MiB, best of {rounds} rounds, "
+        f"hmac={'on' if hmac else 'off'}, {os.cpu_count()} CPUs"
+    )
+    print(f"{'backend':<11} {'mode':<22} {'op':<4} {'kvtier MB/s':>12} {'raw MB/s':>10} "
+          f"{'ratio best':>10} {'ratio median':>12}")  # fmt: skip
+    worst = float("inf")
+    for backend, mode, op, kv, raw, median_ratio in rows:
+        ratio = kv / raw
+        worst = min(worst, median_ratio)
+        print(
+            f"{backend:<11} {mode:<22} {op:<4} {kv:>12.1f} {raw:>10.1f} {ratio:>10.2f} "
+            f"{median_ratio:>12.2f}"
+        )
+    print(f"lowest median ratio kvtier/raw {worst:.2f} (goal >= 0.9)")
