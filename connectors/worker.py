@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -308,7 +307,7 @@ class WorkerSide:
         the scheduler's ``may_load_async`` does not expect a lookup to go out meanwhile."""
         if self.remote is None:
             return 0.0
-        return max(0.0, self.remote.health.reads.down_until - time.monotonic())
+        return self.remote.reads_down_s  # (every read thread stuck counts as down)
 
     def _poll_remote(self) -> None:
         if self.remote is None:

@@ -38,3 +38,25 @@ def test_worker_reports_stuck_reads_and_seals() -> None:
     assert series_id(metrics.SEALS) not in w.get_stats()["counters"]  # counted once
     tier.hold["s"].set()
     rio.close()
+
+
+def test_worker_reports_reads_down_while_every_read_thread_is_stuck() -> None:
+    """With its one read thread stuck in a hung call, the worker tells the scheduler that
+    reads are down for at least the lookup deadline (no new lookup goes out meanwhile),
+    though no read has failed yet, and up again once the call returns."""
+    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": 128}, environ={})
+    w = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", 32, 128, 1), 40)
+    tier = FakeTier()
+    tier.hold["s"] = threading.Event()
+    rio = make_rio(tier, timeout_s=0.05)
+    w.remote = rio
+    assert w.build_worker_meta().reads_down_s == 0.0
+    rio.submit_get_into(9, "s", memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
+    until(lambda: "s" in tier.entered, "the read to begin")
+    until(lambda: rio.stuck_reads == 1 or bool(rio.poll()), "the read to be stuck")
+    assert w.build_worker_meta().reads_down_s >= 0.05
+    tier.hold["s"].set()
+    until(lambda: rio.stuck_reads == 0 or bool(rio.poll()), "the read to return")
+    rio.poll()
+    assert w.build_worker_meta().reads_down_s == 0.0
+    rio.close()
