@@ -1,0 +1,34 @@
+"""ARCHITECTURE.md's layout names every module of the code it describes, so a newcomer
+who reads it before ``ls`` meets no file it does not mention."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kvtier", "kvtier/tiers", "connectors", "sizing", "tools", "bench")
+
+
+def layout_block() -> str:
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    m = re.search(r"## Layout\n+```\n(.*?)```", text, re.S)
+    assert m, "ARCHITECTURE.md has no ## Layout code block"
+    return m.group(1)
+
+
+def test_the_layout_names_every_module() -> None:
+    names = set(re.findall(r"[\w]+\.py", layout_block()))
+    missing = [
+        f"{pkg}/{path.name}"
+        for pkg in PACKAGES
+        for path in sorted((ROOT / pkg).glob("*.py"))
+        if path.name != "__init__.py" and path.name not in names
+    ]
+    assert not missing, f"ARCHITECTURE.md's layout does not name {missing}"
+
+
+def test_the_layout_names_no_module_that_is_gone() -> None:
+    existing = {p.name for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
+    gone = sorted(set(re.findall(r"[\w]+\.py", layout_block())) - existing)
+    assert not gone, f"ARCHITECTURE.md's layout names modules that do not exist: {gone}"
