@@ -24,7 +24,7 @@ from kvtier.errors import CodecError
 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MANTISSA = {"bfloat16": 7, "float16": 10}
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @st.composite
@@ -100,7 +100,7 @@ def test_fp8_error_bound_on_any_finite_values(chunk: tuple[str, list[int]]) -> N
     assert bool(((yf == 0) | (yf.sign() == xf.sign())).all())
 
 
-@SETTINGS
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(finite_chunks(), st.data())
 def test_fp8_chunks_holding_inf_or_nan_are_stored_raw(
     chunk: tuple[str, list[int]], data: st.DataObject
