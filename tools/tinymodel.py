@@ -10,9 +10,11 @@ torch and transformers are imported inside the function so that the
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 _CORPUS = [
     "kvtier keeps the KV cache of long shared prompts in host memory and an object store.",
@@ -45,7 +47,10 @@ def build_tiny_llama(
         return out
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # transformers' annotations disagree with what it takes (torch_dtype in a config's
+    # kwargs) and leave its constructors untyped: read it as untyped
+    tf: Any = importlib.import_module("transformers")
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -57,10 +62,10 @@ def build_tiny_llama(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
+    config = tf.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -75,7 +80,7 @@ def build_tiny_llama(
         initializer_range=0.08,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec))
     return out
