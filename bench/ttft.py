@@ -142,7 +142,10 @@ def _phase(
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{phase} engine failed:\n{proc.stderr[-4000:]}")
+    # the engine core's own traceback comes before the client's: keep its error lines too
+    cause = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "signal" in ln]
+    raise RuntimeError(f"{phase} engine failed (exit {proc.returncode}):\n"
+                       + "\n".join(cause[:20]) + "\n...\n" + proc.stderr[-4000:])
 
 
 def profile_summary(out_dir: str, top: int = 25) -> str:
