@@ -17,13 +17,20 @@ started on loopback by this script.
 
 Run it with ``make bench-ttft`` (about 3 minutes on 2 cores, plus ~1 minute a tier).
 
+Each restart hit is split: the in-engine hit, the backend's own client on the same stored
+chunks (open + readinto, redis-py GET, boto3 GetObject on kvtier's read threads: the
+bytes' share) and the rest, kvtier's own cost, side by side per tier and length.
+``--compression lossless`` stores and reads the chunks compressed (both engines).
+
 ``--sweep 512,1024,2048,4096,8192`` measures (a), (b), (c) and (d) for every
 tier of ``--restart`` (default: file, s3, redis) at each prompt length instead,
 and ``--plot out.png`` draws them (matplotlib): TTFT by prompt length, and TTFT
 divided by the cold prefill of the same length. ``--profile DIR`` runs one more
 restart engine per tier in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
 cProfile on the engine thread and on kvtier's I/O threads and a timeline of every
-object-tier op, and writes them to DIR.
+object-tier op, and writes them to DIR; ``--timeline-only`` keeps the timeline (lookup
+answered, load copies, first token) without cProfile's overhead, and
+``--load-copy-threads N`` runs the loads' copies on N OpenMP threads there.
 
 Every engine's OpenMP threads are bound to all CPUs this process may use
 (``VLLM_CPU_OMP_THREADS_BIND``), as ``make bench`` does.
