@@ -46,7 +46,9 @@ CODES: dict[str, str] = {
 
 def warning(code: str, message: str) -> dict[str, str]:
     """One warning as it appears in JSON: a stable code and a sentence with the numbers."""
-    assert code in CODES, code
+    if code not in CODES:
+        raise ValueError(f"warning code {code!r} is not one of CODES; add it there with "
+                         "its meaning")
     return {"code": code, "message": message}
 
 

@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from sizing_helpers import GiB
+from sizing_helpers import GiB, MiB
 
 from kvtier.errors import ConfigError
+from kvtier.sizing import autosize
 from kvtier.sizing.autosize import mem_available_bytes, resolve_cpu_bytes
 
 ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"
@@ -82,8 +83,19 @@ def test_explicit_size_that_does_not_fit_names_the_largest_that_does():
     assert f"largest cpu_bytes that fits is {34 * GiB}" in str(e.value)
 
 
-def test_mem_available_reads_the_host():
-    assert mem_available_bytes() > 0
+def test_mem_available_is_meminfo_capped_by_the_cgroup(monkeypatch):
+    monkeypatch.setattr(autosize, "_meminfo_available", lambda: 64 * GiB)
+    for cgroup, want in ((None, 64 * GiB), (8 * GiB, 8 * GiB), (100 * GiB, 64 * GiB)):
+        monkeypatch.setattr(autosize, "cgroup_available_bytes", lambda c=cgroup: c)
+        assert mem_available_bytes() == want
+
+
+def test_mem_available_reads_the_hosts_meminfo():
+    meminfo = dict(line.split(":") for line in open("/proc/meminfo").read().splitlines())
+    want = int(meminfo["MemAvailable"].split()[0]) * 1024
+    cgroup = autosize.cgroup_available_bytes()
+    want = want if cgroup is None else min(want, cgroup)
+    assert abs(mem_available_bytes() - want) < 512 * MiB  # other processes allocate meanwhile
 
 
 def test_autosize_imports_nothing_heavy():

@@ -10,7 +10,7 @@ import sys
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from sizing_helpers import LOGS, GiB, model
+from sizing_helpers import LOGS, GiB, MiB, model
 
 from kvtier.sizing import doctor
 from kvtier.sizing.plan import PlanInputs, make_plan
@@ -102,8 +102,19 @@ def test_empty_log_has_no_facts_and_no_warnings():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_reads_vmrss_and_rssshmem_of_a_live_process():
-    st = doctor.read_proc_status(os.getpid())
-    assert st["VmRSS"] > 0 and "RssShmem" in st
+    # a child holding 64 MiB of touched shared memory: RssShmem, in bytes
+    code = ("import mmap, sys; m = mmap.mmap(-1, 64 << 20); m.write(b'x' * (64 << 20)); "
+            "print('ready', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        status = doctor.read_proc_status(child.pid)
+    finally:
+        child.communicate("")
+    assert 64 * MiB <= status["RssShmem"] < 80 * MiB
+    assert status["VmRSS"] == status["RssAnon"] + status["RssFile"] + status["RssShmem"]
+    assert status["VmHWM"] >= status["VmRSS"]
 
 
 def test_expected_host_bytes_uses_the_logged_kvtier_slab():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 from sizing_helpers import GiB, MiB, model
@@ -15,7 +17,10 @@ from kvtier.sizing.plan import (
     k8s_quantity,
     make_plan,
     parse_k8s_quantity,
+    warning,
 )
+
+SIZING = Path(__file__).resolve().parents[2] / "sizing"
 
 # Llama 3 8B per-layer tensors in bf16 and its whole checkpoint, by hand
 QKV, O_PROJ, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192
@@ -188,8 +193,44 @@ def test_weights_exceed_gpu_and_kv_heads_replicated():
     assert "kv-heads-replicated" in codes(plan(model=model("qwen3-30b-a3b"), tp=8))
 
 
-def test_every_code_is_documented():
-    assert all(CODES.values()) and len(CODES) == len(set(CODES))
+def _emitted_codes() -> dict[str, set[str]]:
+    """Every code a ``warning(...)`` call in sizing/ can pass, by module: the string
+    constants of its first argument, or of what a name there was assigned."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(SIZING.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        assigned: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        assigned.setdefault(t.id, []).append(node.value)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "warning" and node.args):
+                continue
+            arg = node.args[0]
+            exprs = assigned.get(arg.id, []) if isinstance(arg, ast.Name) else [arg]
+            consts = {c.value for e in exprs for c in ast.walk(e)
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            assert consts, f"{path.name}:{node.lineno}: a warning code kvtier cannot read"
+            found.setdefault(path.name, set()).update(consts)
+    return found
+
+
+def test_every_code_the_planner_and_doctor_emit_is_documented():
+    emitted = _emitted_codes()
+    assert {"plan.py", "doctor.py"} <= set(emitted)
+    every = set().union(*emitted.values())
+    assert every <= set(CODES), f"undocumented: {sorted(every - set(CODES))}"
+    assert set(CODES) <= every, f"documented, never emitted: {sorted(set(CODES) - every)}"
+    assert all(len(text) > 20 for text in CODES.values())
+
+
+def test_an_undocumented_code_is_an_error_not_an_assert():
+    with pytest.raises(ValueError, match="'no-such-code' is not one of CODES"):
+        warning("no-such-code", "a sentence")
+    assert warning("host-over-limit", "m") == {"code": "host-over-limit", "message": "m"}
 
 
 def test_k8s_quantity_round_trip():
