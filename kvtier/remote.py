@@ -241,7 +241,8 @@ class RemoteIO:
         #: fp8 chunks are read only by an engine that chose them: other engines' hits
         #: stay exact
         self.reads_lossy = isinstance(compressor, compress.Fp8Compressor)
-        self._scratch = threading.local()  # a read thread's buffer for compressed objects
+        #: a read thread's buffer for compressed objects, reused (compress.ThreadScratch)
+        self._scratch = compress.ThreadScratch()
         #: moving average of the tier's answered read calls, seconds (None: none yet, or
         #: a read failed since): a run is queued whole while it is at most EAGER_READ_S
         self.read_call_s: float | None = None
@@ -739,11 +740,7 @@ class RemoteIO:
             return head, slot
         if self.signer is None or self.signer.sealer is None:
             return head, payload  # not opened in place: decompressed from where it was read
-        buf: bytearray | None = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < payload.nbytes:  # at most slot + MAX_FRAME
-            buf = bytearray(payload.nbytes)
-            self._scratch.buf = buf
-        scratch = memoryview(buf)[: payload.nbytes]
+        scratch = self._scratch.view(payload.nbytes)  # at most slot + MAX_FRAME
         scratch[:] = payload  # writable: a sealed chunk opens in place
         return head, scratch
 
