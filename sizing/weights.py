@@ -16,6 +16,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.sizing.model import DTYPE_BYTES, ModelConfigError, ModelShape
 
@@ -117,7 +118,7 @@ def _rank_numel(name: str, numel: int, ndim: int, tp: int) -> int:
 # ---------------------------------------------------------------- safetensors
 
 
-def read_safetensors_header(path: str) -> dict[str, dict]:
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
     """Tensor name -> {dtype, shape} from one file's header; the tensors are never read."""
     with open(path, "rb") as f:
         head = f.read(8)
@@ -128,7 +129,7 @@ def read_safetensors_header(path: str) -> dict[str, dict]:
             raise ModelConfigError(f"{path}: implausible safetensors header length {n}")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header: dict[str, dict[str, Any]] = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{path}: unreadable safetensors header: {e}") from None
     header.pop("__metadata__", None)
@@ -151,7 +152,8 @@ def _elt(code: str, name: str, model_dtype: str) -> int:
         raise ModelConfigError(f"unknown safetensors dtype {code!r} for {name}")
     leaf = name.rsplit(".", 1)[-1]
     if code in _FLOAT_CODES and leaf in ("weight", "bias"):
-        return DTYPE_BYTES[model_dtype]
+        cast: int = DTYPE_BYTES[model_dtype]
+        return cast
     return ST_DTYPE_BYTES[code]
 
 
@@ -254,7 +256,8 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
     h = s.hidden_size
     kv_share = s.kv_heads_per_rank(tp) / s.num_kv_heads if tp > 1 else 1.0
 
-    def t(name: str, layer: int | None, numel: int, elt: int, rank: int | None = None):
+    def t(name: str, layer: int | None, numel: int, elt: int,
+          rank: int | None = None) -> WeightTensor:
         return WeightTensor(name, layer, numel, elt, numel if rank is None else rank)
 
     def col(name: str, layer: int, numel: int, elt: int = lin) -> WeightTensor:

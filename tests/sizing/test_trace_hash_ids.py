@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from test_trace import COMMON, _run, _write, brute_served
 
 from kvtier.sizing import trace as tr
+from kvtier.sizing import trace_read
 from kvtier.sizing.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,7 +228,7 @@ def test_bad_hash_id_lines_are_counted(model_dir: Path, tmp_path: Path, capsys: 
     assert "line 2: hash_ids is not a non-empty list of integers" in out
     reasons = []
     for line in lines[1:-1]:
-        with pytest.raises(tr._BadLine) as e:
+        with pytest.raises(trace_read._BadLine) as e:
             tr.parse_line(line if isinstance(line, str) else json.dumps(line), None)
         reasons.append(str(e.value))
     assert "input_length 60 is 4 blocks of 16 tokens but the line has 3 hash_ids (is the " \
