@@ -54,7 +54,7 @@ tier's retention. A chunk fetched from the object tier emits only its ``CPU`` ev
 (it is now in this replica's RAM); its ``STORAGE`` event came from the replica that
 wrote it.
 
-**Cost.** Nothing when vLLM publishes no events (the connector then makes no
+**Cost.** Nothing when vLLM publishes no events (the scheduler side then makes no
 :class:`ChunkEvents`). Otherwise, per chunk that begins a store or fetch, a slice of
 the request's block hashes and tokens; per chunk that turns ready or leaves, one
 event. Nothing per decode token. The queue is bounded: past ``max_events`` not yet
@@ -164,10 +164,12 @@ class _Upload:
 class ChunkEvents:
     """Builds vLLM KV events from the host index (an :class:`kvtier.index.IndexListener`).
 
-    The scheduler side calls :meth:`record_stores` and :meth:`record_lookup` when
-    chunks begin a store or a fetch (the request is at hand then); the connector
-    passes each step's metadata to :meth:`watch_uploads` and the workers' reports to
-    :meth:`settle_uploads` before the scheduler side settles them; the index calls
+    The scheduler side builds it, attaches it as the index's listener
+    (``SchedulerSide.attach_events``) and calls :meth:`record_stores` and
+    :meth:`record_lookup` when chunks begin a store or a fetch (the request is at hand
+    then); it passes each step's metadata to :meth:`watch_uploads`, and the workers'
+    reports to :meth:`settle_uploads` before its ledger settles them and
+    :meth:`announce_uploads` after; the index calls
     :meth:`chunk_ready` and :meth:`chunk_dropped`; vLLM calls :meth:`take_events`
     every step. All on the scheduler's thread. Chunks are named by vLLM's hash of
     their last block (``Entry.block_hash``), as in the ops.
@@ -289,7 +291,7 @@ class ChunkEvents:
         untrack(payload)
         self._chunks[block_hash] = payload
 
-    # ---- uploads (from the connector, around the scheduler side) --------------------------
+    # ---- uploads (from the scheduler side, around its ledger) ------------------------------
     def watch_uploads(self, meta: KVTierMetadata) -> None:
         """Note the step's uploads (write-through ones ride on their stores)."""
         for op in meta.stores:

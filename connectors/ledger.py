@@ -10,8 +10,8 @@ store superseded frees the slot it was reading into.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvtier import metrics
 from kvtier.index import ChunkIndex, Entry
@@ -24,6 +24,12 @@ SETTLED_TOTALS: dict[tuple[OpKind, bool], str] = {
     for kind in OpKind
     for ok in (True, False)
 }
+
+
+class UploadObserver(Protocol):
+    """Told every settled upload's outcome (write-back pauses cleaning after a failure)."""
+
+    def upload_settled(self, ok: bool) -> None: ...
 
 
 @dataclass(slots=True)
@@ -41,14 +47,14 @@ class OpLedger:
         world_size: int,
         stats: StatsRecorder,
         totals: Totals,
-        on_upload: Callable[[bool], None] = lambda ok: None,
+        uploads: UploadObserver | None = None,
     ) -> None:
         self.index = index
         self.world_size = world_size
         self.stats = stats
         self.totals = totals
         #: told every settled upload's outcome (write_back pauses after a failure)
-        self.on_upload = on_upload
+        self.uploads = uploads
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
 
@@ -91,7 +97,8 @@ class OpLedger:
             return
         if kind is OpKind.UPLOAD:
             entry.uploading = False
-            self.on_upload(ok)
+            if self.uploads is not None:
+                self.uploads.upload_settled(ok)
         if live and entry.refs > 0:
             self.index.unpin(entry.key)
         if kind is OpKind.UPLOAD and ok and live:

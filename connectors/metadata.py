@@ -15,7 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.ops import FetchOp, LoadOp, StoreOp, UploadOp
 
-__all__ = ["FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StoreOp", "UploadOp"]
+__all__ = [
+    "FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StepPlan", "StoreOp", "UploadOp",
+]
 
 
 @dataclass
@@ -35,6 +37,41 @@ class KVTierMetadata(KVConnectorMetadata):
     #: object keys' identity since the last change (SchedulerSide.weights_changed)
     weights_epoch: int = 0
     weights_salt: bytes = b""
+
+
+class StepPlan:
+    """The ops of the step being planned: the one place the scheduler side's parts write
+    them as they decide them (loads when vLLM allocates a request, a lookup's fetch run,
+    stores in ``build_connector_meta``, a write-back upload whenever an eviction or the
+    cleaning of the oldest chunks begins one), and what the scheduler hands to vLLM as
+    the step's :class:`KVTierMetadata` (:meth:`take`), starting the next step's empty."""
+
+    __slots__ = ("fetches", "loads", "stores", "uploads")
+
+    def __init__(self) -> None:
+        self.loads: list[LoadOp] = []
+        self.stores: list[StoreOp] = []
+        #: one run per lookup, a prompt's chunks in order
+        self.fetches: list[list[FetchOp]] = []
+        self.uploads: list[UploadOp] = []
+
+    def __len__(self) -> int:
+        """Ops planned and not yet handed to vLLM (a fetch run counts its fetches)."""
+        fetches = sum(len(run) for run in self.fetches)
+        return len(self.loads) + len(self.stores) + fetches + len(self.uploads)
+
+    def take(
+        self, *, step: int, host_bytes: int, null_block: int | None, weights_epoch: int = 0,
+        weights_salt: bytes = b"",
+    ) -> KVTierMetadata:
+        """The step's metadata: every op planned since the last call, in the order planned."""
+        meta = KVTierMetadata(
+            step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
+            fetches=self.fetches, uploads=self.uploads, null_block=null_block,
+            weights_epoch=weights_epoch, weights_salt=weights_salt,
+        )
+        self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
+        return meta
 
 
 @dataclass

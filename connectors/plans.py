@@ -6,8 +6,9 @@ completed (planned in ``build_connector_meta``, copied by the workers in
 ``wait_for_save``, before vLLM may free the blocks), and the object-tier writes
 of the write policy: ``write_through`` uploads every stored chunk,
 ``write_back`` uploads a chunk only before it leaves the host tier, cleaning the
-oldest ones ahead of eviction. A chunk the request may not share
-(``RequestState.shared_chunks``) is stored and never uploaded.
+oldest ones ahead of eviction (:class:`WriteBack`). A chunk the request may not
+share (``RequestState.shared_chunks``) is stored and never uploaded. Every op goes
+into the step's :class:`~.metadata.StepPlan`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvtier.ops import LoadOp, OpKind, StoreOp, UploadOp
 from kvtier.stats import StatsRecorder, Totals
 
 from .ledger import OpLedger
+from .metadata import StepPlan
 from .requests import ChunkKeys, RequestState
 
 #: write_back: after a failed upload, cleaning ahead of eviction waits this long (seconds)
@@ -32,6 +34,67 @@ CLEAN_PAUSE_S = 5.0
 BlockIds = Callable[[str], tuple[list[int], ...]]
 
 
+class WriteBack:
+    r"""``write_back``: a chunk leaving the host tier goes to the object tier first.
+
+    The index asks :meth:`needed` of each eviction victim and :meth:`begin`\ s the
+    upload of one that needs it; :meth:`clean_oldest` uploads the oldest chunks ahead
+    of eviction each step; the ledger tells :meth:`upload_settled` (an
+    :class:`~.ledger.UploadObserver`) every upload's outcome. The index and the ledger
+    point at each other through it (an eviction begins an upload the ledger records and
+    settles into the index), so it is made before the index and given the ledger once
+    that exists (:meth:`record_in`). Without ``write_back`` (no object tier, or
+    ``write_through``) nothing needs it and it never uploads."""
+
+    def __init__(self, plan: StepPlan, totals: Totals, *, enabled: bool,
+                 clean_reserve: int) -> None:
+        self.plan = plan
+        self.totals = totals
+        self.enabled = enabled
+        #: keeps this many of the oldest chunks uploaded ahead of eviction
+        self.clean_reserve = clean_reserve
+        self._clean_paused_until = 0.0  # after a failed upload: the object tier may be down
+        self._ledger: OpLedger | None = None
+
+    def record_in(self, ledger: OpLedger) -> None:
+        """The ledger that records the uploads begun here (and the index it settles)."""
+        self._ledger = ledger
+
+    def needed(self, entry: Entry) -> bool:
+        """A chunk leaving the host tier goes to the object tier first."""
+        return self.enabled and not entry.remote and bool(entry.block_hash)
+
+    def begin(self, entry: Entry) -> None:
+        """Upload a chunk the index holds for it (evicting, or being cleaned)."""
+        assert self._ledger is not None, "WriteBack.record_in was not called"
+        entry.uploading = True
+        op_id = self._ledger.add(OpKind.UPLOAD, entry)
+        self.plan.uploads.append(UploadOp(op_id, entry.slot, entry.block_hash))
+        self.totals["write_back"] += 1
+
+    def upload_settled(self, ok: bool) -> None:
+        if not ok and self.enabled:
+            self._clean_paused_until = time.monotonic() + CLEAN_PAUSE_S
+
+    def clean_oldest(self) -> None:
+        """Keep ``clean_reserve`` slots free or holding uploaded chunks, by uploading the
+        oldest chunks before they are needed as victims. They stay hits meanwhile; once
+        uploaded they are evicted at once, so a burst of stores neither waits for uploads
+        nor is skipped (only a burst larger than the reserve is)."""
+        if not self.enabled or time.monotonic() < self._clean_paused_until:
+            return
+        assert self._ledger is not None, "WriteBack.record_in was not called"
+        index = self._ledger.index
+        ready = index.free_slots
+        for entry in index.ready_oldest_first():
+            if ready >= self.clean_reserve:
+                break
+            ready += 1
+            if self.needed(entry) and not entry.uploading:
+                index.hold(entry)  # released when the upload is reported
+                self.begin(entry)
+
+
 class Planner:
     def __init__(
         self,
@@ -39,30 +102,26 @@ class Planner:
         keys: ChunkKeys,
         stats: StatsRecorder,
         totals: Totals,
+        plan: StepPlan,
         *,
         block_size: int,
         chunk_size: int,
         slot_bytes: int,
-        write_policy: str | None,
-        clean_reserve: int,
+        write_through: bool,
         groups: tuple[KVGroup, ...] = (),
     ) -> None:
         self.ledger = ledger
         self.keys = keys
         self.stats = stats
         self.totals = totals
+        #: the step being planned: loads and stores go there
+        self.plan = plan
         self.block_size = block_size
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // block_size
         self.slot_bytes = slot_bytes
-        #: None: no object tier
-        self.write_through = write_policy == "write_through"
-        self.write_back = write_policy == "write_back"
-        #: write_back keeps this many of the oldest chunks uploaded ahead of eviction
-        self.clean_reserve = clean_reserve
-        self._clean_paused_until = 0.0  # after a failed upload: the object tier may be down
-        self.loads: list[LoadOp] = []
-        self.uploads: list[UploadOp] = []
+        #: every stored chunk is uploaded as well
+        self.write_through = write_through
         #: a hybrid model's KV cache groups (empty: one group, every block of a chunk)
         self.groups = groups
         #: vLLM's null block id (set when the KV cache manager is bound)
@@ -90,7 +149,7 @@ class Planner:
                 op = LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[0][b_from:b_to]))
             else:
                 op = LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]))
-            self.loads.append(op)
+            self.plan.loads.append(op)
             tokens = (b_to - b_from) * bs
             tier = "remote" if entry.fetched else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
@@ -142,9 +201,10 @@ class Planner:
 
     # ---- stores -----------------------------------------------------------------------
     def plan_stores(
-        self, st: RequestState, block_ids: BlockIds, computed_after: int, out: list[StoreOp]
-    ) -> None:
-        """Stores of the chunks of ``st`` complete after this step, from ``st.next_store``."""
+        self, st: RequestState, block_ids: BlockIds, computed_after: int
+    ) -> list[StoreOp]:
+        """Stores of the chunks of ``st`` complete after this step, from ``st.next_store``,
+        into the step's plan; returns them (in prompt order)."""
         self.keys.refresh(st)
         bpc = self.blocks_per_chunk
         n_complete = min(computed_after // self.chunk_size, len(st.chunk_hashes))
@@ -154,7 +214,9 @@ class Planner:
         if isinstance(publishable, int):
             n_complete = min(n_complete, publishable // bpc)
         if n_complete <= st.next_store:
-            return
+            return []
+        out = self.plan.stores
+        n_before = len(out)
         blocks = block_ids(st.request.request_id)
         for c in range(st.next_store, n_complete):
             key = self.keys.key(st, c)
@@ -194,35 +256,4 @@ class Planner:
             out.append(op)
             self.ledger.add(OpKind.STORE, entry, nbytes=self.slot_bytes, op_id=op_id)
         st.next_store = n_complete
-
-    # ---- write_back -------------------------------------------------------------------
-    def write_back_needed(self, entry: Entry) -> bool:
-        """write_back: a chunk leaving the host tier goes to the object tier first."""
-        return self.write_back and not entry.remote and bool(entry.block_hash)
-
-    def begin_write_back(self, entry: Entry) -> None:
-        """Upload a chunk the index holds for it (evicting, or being cleaned)."""
-        entry.uploading = True
-        op_id = self.ledger.add(OpKind.UPLOAD, entry)
-        self.uploads.append(UploadOp(op_id, entry.slot, entry.block_hash))
-        self.totals["write_back"] += 1
-
-    def upload_settled(self, ok: bool) -> None:
-        if not ok and self.write_back:
-            self._clean_paused_until = time.monotonic() + CLEAN_PAUSE_S
-
-    def clean_oldest(self) -> None:
-        """write_back: keep ``clean_reserve`` slots free or holding uploaded chunks, by
-        uploading the oldest chunks before they are needed as victims. They stay hits
-        meanwhile; once uploaded they are evicted at once, so a burst of stores neither
-        waits for uploads nor is skipped (only a burst larger than the reserve is)."""
-        if not self.write_back or time.monotonic() < self._clean_paused_until:
-            return
-        ready = self.index.free_slots
-        for entry in self.index.ready_oldest_first():
-            if ready >= self.clean_reserve:
-                break
-            ready += 1
-            if self.write_back_needed(entry) and not entry.uploading:
-                self.index.hold(entry)  # released when the upload is reported
-                self.begin_write_back(entry)
+        return out[n_before:]

@@ -9,8 +9,10 @@ bytes and never waits on the network.
 The work is in parts, each its own module: :mod:`.requests` (per-request state
 and chunk keys), :mod:`.lookup` (the object-tier lookup state machine),
 :mod:`.plans` (loads, stores, write-back) and :mod:`.ledger` (ops in flight and
-how their reports settle the index). This class wires them to vLLM's calls and
-keeps the step's metrics.
+how their reports settle the index), and, when vLLM publishes KV events,
+:mod:`.events` (the index's listener). This class wires them to vLLM's calls and
+keeps the step's metrics. The parts write the step's ops into one
+:class:`~.metadata.StepPlan`, handed to vLLM by :meth:`SchedulerSide.build_connector_meta`.
 """
 
 from __future__ import annotations
@@ -24,73 +26,43 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
-from kvtier.index import ChunkIndex, State
+from kvtier.index import ChunkIndex
 from kvtier.keys import Namespace
-from kvtier.layout import align_slot, slot_bytes_for
-from kvtier.stats import StatsRecorder, Totals, total_name
+from kvtier.stats import StatsRecorder, Totals
 from kvtier.tiers.policy import Timeouts
 
+from .answers import StoreWaits, count_misses
+from .events import ChunkEvents, events_enabled
 from .groups import kv_groups
-from .ledger import SETTLED_TOTALS, OpLedger
+from .ledger import OpLedger
 from .lookup import RemoteLookups
-from .metadata import KVTierMetadata, KVTierWorkerMeta
-from .plans import Planner
+from .metadata import KVTierMetadata, KVTierWorkerMeta, StepPlan
+from .plans import Planner, WriteBack
 from .requests import (
-    HOST_ONLY_REASONS,
     AdapterFingerprints,
     ChunkKeys,
     RequestIdentity,
     RequestState,
     loadable_chunks,
 )
+from .slots import host_slots, resolve_host_bytes, slot_size
+from .stats import SCHEDULER_TOTALS
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from .events import ChunkEvents
-
 logger = logging.getLogger("kvtier.scheduler")
-
-#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens, miss tokens
-#: by reason, evictions, skipped stores: fed by the increments that go to Prometheus), settled
-#: ops by kind and result, write-back uploads begun, and the errors workers reported
-SCHEDULER_TOTALS: tuple[str, ...] = (
-    total_name(metrics.LOOKUP_TOKENS),
-    *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
-    total_name(metrics.EVICTIONS),
-    total_name(metrics.STORES_SKIPPED),
-    # hybrid models: chunks not stored because vLLM had already dropped blocks of a
-    # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)
-    "stores_window_gone",
-    *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
-    "write_back",
-    "weights_changes",  # weights replaced while the engine ran (weights_changed)
-    *SETTLED_TOTALS.values(),
-    *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
-    # requests whose chunks (from some point on) stay out of the object tier, by reason
-    *(f"host_only_{reason}" for reason in HOST_ONLY_REASONS),
-)
-
 
 #: RequestState.next_store of a request none of whose chunks may be stored any more
 NEVER_STORE = 1 << 62
-
-#: SchedulerSide._store_waits: the request gave up waiting for a store
-STORE_WAIT_OVER = -1.0
-
-#: the miss reason (metrics.MISS_REASONS) of a chunk the index holds but could not serve;
-#: a ready one was not ready when the request was answered (it is counted as absent)
-MISS_BY_STATE: dict[State, str] = {
-    State.STORING: "storing",
-    State.FETCHING: "fetching",
-    State.EVICTING: "evicting",
-    State.READY: "absent",
-}
 
 
 class SchedulerSide:
@@ -112,30 +84,13 @@ class SchedulerSide:
 
         #: a hybrid model's KV cache groups as kvtier stores them (() for one group)
         self.groups = kv_groups(kv_cache_config, self.block_size, self.chunk_size)
-        if self.groups:
-            # each group's layers, for the blocks of a chunk it stores
-            self.slot_bytes = align_slot(sum(
-                sum(layer_page_bytes(kv_cache_config, g)) * group.blocks
-                for g, group in enumerate(self.groups)
-            ))
-        else:
-            per_block = layer_page_bytes(kv_cache_config)
-            self.slot_bytes = slot_bytes_for(per_block, self.blocks_per_chunk)
+        self.slot_bytes = slot_size(kv_cache_config, self.groups, self.blocks_per_chunk)
         #: a sliding-window group stores only the last blocks of a chunk, the window before
         #: the chunk's end: loads then end on a chunk boundary (a hit ending inside a chunk
         #: would need window blocks the slot does not hold)
         self.whole_chunks = any(g.blocks < self.blocks_per_chunk for g in self.groups)
         self.host_bytes = resolve_host_bytes(cfg, vllm_config, self.world_size)
-        num_slots = self.host_bytes // self.slot_bytes
-        if num_slots < 1:
-            from kvtier.errors import ConfigError
-
-            raise ConfigError(
-                "cpu_bytes",
-                cfg.cpu_bytes,
-                f"at least one chunk per worker: {format_size(self.slot_bytes * self.world_size)}"
-                f" for chunk_size={cfg.chunk_size} on this model",
-            )
+        num_slots = host_slots(cfg, self.host_bytes, self.slot_bytes, self.world_size)
         self.namespace = namespace
         #: a request's key tag (its LoRA adapter's version) and what it may share
         self.identity = RequestIdentity(
@@ -146,31 +101,36 @@ class SchedulerSide:
         #: the object tier is read and written by the workers, each under its own keys;
         #: the scheduler only plans (a lookup is a read: no existence checks from here)
         self.remote = bool(cfg.remote_url)
+        #: running totals since start, for tests and introspection (SCHEDULER_TOTALS)
+        self.totals = Totals(SCHEDULER_TOTALS)
+        self.stats = StatsRecorder(self.totals)
+        #: the step being planned: every part writes its ops here (build_connector_meta)
+        self.plan = StepPlan()
+        #: write_back keeps this many of the oldest chunks uploaded ahead of eviction, so
+        #: one step's stores find clean victims: what a step can store, up to half the tier
+        step_chunks = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.chunk_size)
+        self.write_back = WriteBack(
+            self.plan, self.totals, enabled=self.remote and cfg.write_policy == "write_back",
+            clean_reserve=max(1, min(num_slots // 2, step_chunks)),
+        )  # fmt: skip
         self.index = ChunkIndex(
-            num_slots,
-            write_back_needed=lambda e: self.planner.write_back_needed(e),
-            begin_write_back=lambda e: self.planner.begin_write_back(e),
-        )
+            num_slots, write_back_needed=self.write_back.needed,
+            begin_write_back=self.write_back.begin,
+        )  # fmt: skip
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
-        #: running totals since start, for tests and introspection (SCHEDULER_TOTALS)
-        self.totals = Totals(SCHEDULER_TOTALS)
-        self.stats = StatsRecorder(self.totals)
         self.ledger = OpLedger(
-            self.index, self.world_size, self.stats, self.totals,
-            on_upload=lambda ok: self.planner.upload_settled(ok),
-        )  # fmt: skip
-        #: write_back keeps this many of the oldest chunks uploaded ahead of eviction, so
-        #: one step's stores find clean victims: what a step can store, up to half the tier
-        step_chunks = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.chunk_size)
+            self.index, self.world_size, self.stats, self.totals, uploads=self.write_back
+        )
+        self.write_back.record_in(self.ledger)  # the index and the ledger, wired both ways
         self.planner = Planner(
-            self.ledger, self.keys, self.stats, self.totals,
+            self.ledger, self.keys, self.stats, self.totals, self.plan,
             block_size=self.block_size, chunk_size=self.chunk_size, slot_bytes=self.slot_bytes,
-            write_policy=cfg.write_policy if self.remote else None,
-            clean_reserve=max(1, min(num_slots // 2, step_chunks)), groups=self.groups,
+            write_through=self.remote and cfg.write_policy == "write_through",
+            groups=self.groups,
         )  # fmt: skip
         self.lookups = RemoteLookups(
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
@@ -179,12 +139,11 @@ class SchedulerSide:
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
-        #: a lookup that reaches a chunk still being stored waits for its store (settled
-        #: a step or two later: vLLM's async scheduling plans the next step before this
-        #: one's reports are in) at most this long; request id -> since when it waits,
-        #: STORE_WAIT_OVER once it gave up (its misses then count as "storing")
-        self.store_wait_s = Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s
-        self._store_waits: dict[str, float] = {}
+        #: a lookup that reaches a chunk still being stored waits for its store
+        self.store_waits = StoreWaits(
+            self.index, self.keys, chunk_size=self.chunk_size,
+            wait_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
+        )  # fmt: skip
         #: weights replaced while the engine ran (weights_changed): how many times, and
         #: the salt the workers' object keys carry since the last time (b"": none yet)
         self.weights_epoch = 0
@@ -201,8 +160,12 @@ class SchedulerSide:
         self._step = 0
         self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
         self._last_evictions = 0
-        #: KV events for routers (.events), set by the connector when vLLM publishes them
+        #: KV events for routers (.events), when vLLM publishes them (--kv-events-config)
         self.events: ChunkEvents | None = None
+        if events_enabled(vllm_config):
+            self.attach_events(ChunkEvents.for_engine(
+                vllm_config, kv_cache_config, chunk_size=self.chunk_size, num_slots=num_slots,
+            ))  # fmt: skip
         for g in self.groups:
             logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
                         "of a chunk stored", g.kind, g.window, len(g.layers), g.blocks,
@@ -215,6 +178,12 @@ class SchedulerSide:
             format_size(self.host_bytes),
             cfg.redacted()["remote_url"],
         )
+
+    def attach_events(self, events: ChunkEvents) -> None:
+        """Turn the host tier's changes into vLLM KV events: ``events`` listens to the
+        index, is told each chunk that begins a store or a fetch, and each upload."""
+        self.events = events
+        self.index.listener = events
 
     # ---- vLLM hooks -------------------------------------------------------------------
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
@@ -237,7 +206,7 @@ class SchedulerSide:
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
         end_chunk = self._ready_run(st, first, cap)
-        if self._wait_for_store(st, end_chunk, cap):
+        if self.store_waits.should_wait(st, end_chunk, cap):
             self._sync_lookup_s.append(time.perf_counter() - t0)
             return None, False  # "ask again": the store settles in a step or two
         if self.remote and self.lookups.wants(st, end_chunk, cap):
@@ -310,7 +279,9 @@ class SchedulerSide:
         # the last token vLLM must compute) was there; the tail is always recomputed
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
         total = local + num_external_tokens
-        self._count_misses(st, total, reusable, cap)
+        tier_down = self.remote and time.monotonic() < self.reads_down_until
+        count_misses(self.stats, self.index, self.keys, st, chunk_size=self.chunk_size,
+                     served_end=total, reusable=reusable, cap=cap, tier_down=tier_down)
         if total and total >= reusable:
             st.outcome = "hit"
         else:
@@ -331,11 +302,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
-        meta = KVTierMetadata(step=self._step, host_bytes=self.host_bytes,
-                              null_block=self.null_block)
-        meta.weights_epoch, meta.weights_salt = self.weights_epoch, self.weights_salt
-        meta.loads, self.planner.loads = self.planner.loads, []
-        meta.fetches = self.lookups.take_runs()
+        self.plan.fetches.extend(self.lookups.take_runs())
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
         ]
@@ -356,12 +323,16 @@ class SchedulerSide:
             if computed_after // self.chunk_size > st.next_store:
                 # a decode step completes a chunk once in chunk_size steps: the other
                 # steps cost this comparison, not a key refresh per running request
-                n_stores = len(meta.stores)
-                self.planner.plan_stores(st, self._block_ids, computed_after, meta.stores)
+                stores = self.planner.plan_stores(st, self._block_ids, computed_after)
                 if self.events is not None:
-                    self.events.record_stores(st, meta.stores[n_stores:])
-        self.planner.clean_oldest()
-        meta.uploads, self.planner.uploads = self.planner.uploads, []
+                    self.events.record_stores(st, stores)
+        self.write_back.clean_oldest()
+        meta = self.plan.take(
+            step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
+            weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
+        )
+        if self.events is not None:
+            self.events.watch_uploads(meta)
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
         self.stats.set(metrics.HOST_BYTES_USED, used)
         if self.index.evictions != self._last_evictions:
@@ -372,6 +343,10 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
+            # the events see the uploads' reports before the ledger settles them (a
+            # write-back eviction may drop the chunk then) and announce them after (the
+            # stores of the same reports have settled: a failed store's chunk has no event)
+            uploaded = self.events.settle_uploads(meta) if self.events is not None else []
             for op_id in sorted(meta.results):
                 self.ledger.report(op_id, meta.results[op_id])
             for kind, n in meta.errors.items():
@@ -382,10 +357,16 @@ class SchedulerSide:
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):
                     self.stats.observe(metrics.TTFT, max(0.0, now - arrival), (outcome,))
+            if self.events is not None:
+                self.events.announce_uploads(uploaded)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events of kvtier's tiers since the last call (none without ``events``)."""
+        return self.events.take_events() if self.events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         st = self._reqs.pop(request.request_id, None)
-        self._store_waits.pop(request.request_id, None)
+        self.store_waits.forget(request.request_id)
         if st is not None:
             self.lookups.finish(st)
         # Stores run inside the step that computes a chunk, before vLLM frees its blocks,
@@ -460,87 +441,8 @@ class SchedulerSide:
         step = self.chunk_size if self.whole_chunks else self.block_size
         return (request.num_tokens - 1) // step * step
 
-    def _wait_for_store(self, st: RequestState, c: int, cap: int) -> bool:
-        """True when the request should ask again because chunk ``c``, the first one its
-        run of ready chunks lacks, is being stored (by a request that finished, or one
-        in the same step: its store is reported a step or two later). Waits at most
-        ``store_wait_s`` per request; then its misses count as "storing"."""
-        if c >= loadable_chunks(st, cap, self.chunk_size):
-            return False
-        entry = self.index.get(self.keys.key(st, c))
-        if entry is None or entry.state is not State.STORING:
-            return False
-        rid = st.request.request_id
-        now = time.monotonic()
-        since = self._store_waits.setdefault(rid, now)
-        if since == STORE_WAIT_OVER:
-            return False
-        if now - since > self.store_wait_s:
-            self._store_waits[rid] = STORE_WAIT_OVER
-            logger.info("kvtier: request %s gave up waiting for a chunk being stored "
-                        "(%.2f s); it is counted as a miss", rid, now - since)
-            return False
-        return True
-
-    def _count_misses(self, st: RequestState, served_end: int, reusable: int, cap: int) -> None:
-        """Count the prompt tokens kvtier was asked about and did not serve, by reason:
-        the state of the first chunk not served decides for the full chunks after it,
-        the part past the last full chunk is the "tail"."""
-        if served_end < reusable:
-            entry = self.index.get(self.keys.key(st, served_end // self.chunk_size))
-            reason = "absent" if entry is None else MISS_BY_STATE[entry.state]
-            if reason == "absent" and self.remote and time.monotonic() < self.reads_down_until:
-                reason = "tier_down"  # (the lookup was answered at once: reads fail fast)
-            self.stats.inc(metrics.MISS_TOKENS, reusable - served_end, (reason,))
-        tail = cap - max(reusable, served_end)
-        if tail > 0:
-            self.stats.inc(metrics.MISS_TOKENS, tail, ("tail",))
-
     def _ready_run(self, st: RequestState, first: int, cap: int) -> int:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
         stop = loadable_chunks(st, cap, self.chunk_size)
         return self.index.ready_run(st.chunk_hashes, first, stop)
 
-
-def layer_page_bytes(kv_cache_config: KVCacheConfig, group_index: int = 0) -> list[int]:
-    """Bytes per block of each KV layer the workers store, as vLLM placed them.
-
-    vLLM gives the scheduler one layer's spec per group (of a ``UniformTypeKVCacheSpecs``,
-    attention layers of different sizes, the first layer's), so each layer's page is read
-    from its ``kv_cache_tensors`` entry: the smaller of its layer and block strides (a
-    layer-outermost tensor steps blocks by the page, a block-outermost one steps layers by
-    it). The group spec's page for every layer where vLLM says nothing usable. A hybrid
-    model's groups overlay one allocation: ``group_index`` picks the group."""
-    group = kv_cache_config.kv_cache_groups[group_index]
-    every = {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
-    fallback = [group.kv_cache_spec.page_size_bytes] * len(group.layer_names)
-    pages: dict[str, int] = {}
-    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
-        layers = getattr(tensor, "layers", None)
-        strides = getattr(tensor, "layer_stride", 0), getattr(tensor, "block_stride", 0)
-        if not layers or min(strides) <= 0:
-            return fallback
-        pages.update(dict.fromkeys(layers, min(strides)))
-    if set(pages) != every:
-        return fallback
-    return [pages[name] for name in group.layer_names]
-
-
-def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:
-    """Host tier bytes per worker: ``cpu_bytes`` is per worker (TP rank), like vLLM's
-    per-rank KV; "auto" splits what the planner finds free between the workers."""
-    from kvtier.sizing.autosize import resolve_cpu_bytes
-
-    offload = getattr(vllm_config, "offload_config", None)
-    cpu_offload_gb = float(getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0.0) or 0.0)
-    if not cpu_offload_gb:
-        cpu_offload_gb = float(getattr(vllm_config.cache_config, "cpu_offload_gb", 0.0) or 0.0)
-    model_dir = str(vllm_config.model_config.model)
-    requested = cfg.cpu_bytes if cfg.cpu_bytes == "auto" else cfg.cpu_bytes * world_size
-    total = resolve_cpu_bytes(
-        requested,
-        headroom_bytes=cfg.cpu_headroom_bytes,
-        cpu_offload_gb=cpu_offload_gb * world_size,
-        model_dir=model_dir if os.path.isdir(model_dir) else None,
-    )
-    return int(total) // world_size

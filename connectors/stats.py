@@ -19,6 +19,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier import metrics, stats
+from kvtier.stats import total_name
+
+from .ledger import SETTLED_TOTALS
+from .requests import HOST_ONLY_REASONS
+
+#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens, miss tokens
+#: by reason, evictions, skipped stores: fed by the increments that go to Prometheus), settled
+#: ops by kind and result, write-back uploads begun, and the errors workers reported
+SCHEDULER_TOTALS: tuple[str, ...] = (
+    total_name(metrics.LOOKUP_TOKENS),
+    *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
+    total_name(metrics.EVICTIONS),
+    total_name(metrics.STORES_SKIPPED),
+    # hybrid models: chunks not stored because vLLM had already dropped blocks of a
+    # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)
+    "stores_window_gone",
+    *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
+    "write_back",
+    "weights_changes",  # weights replaced while the engine ran (weights_changed)
+    *SETTLED_TOTALS.values(),
+    *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
+    # requests whose chunks (from some point on) stay out of the object tier, by reason
+    *(f"host_only_{reason}" for reason in HOST_ONLY_REASONS),
+)
 
 
 @dataclass

@@ -29,13 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import load_config, redact_url
+from kvtier.config import load_config, secret_in_config
 from kvtier.layout import KVGroup
 
-from .events import ChunkEvents, events_enabled
 from .groups import Refused, describe, kv_groups, specs_of
 from .identity import check_parallel, follow_weight_changes, namespace_for
-from .metadata import KVTierMetadata, KVTierWorkerMeta
+from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
 from .worker import WorkerSide
@@ -130,12 +129,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
-        url = extra.get("remote_url")
-        if role == KVConnectorRole.SCHEDULER and isinstance(url, str) and redact_url(url) != url:
-            logger.warning(
-                "kvtier: remote_url in --kv-transfer-config holds a password, and vLLM logs "
-                "that config verbatim; pass the URL through KVTIER_REMOTE_URL instead"
-            )
+        warning = secret_in_config(extra)
+        if role == KVConnectorRole.SCHEDULER and warning is not None:
+            logger.warning("kvtier: %s", warning)
         self.cfg.check_block_size(vllm_config.cache_config.block_size)
         check_parallel(vllm_config)
         groups = check_kv_cache_groups(vllm_config, kv_cache_config, self.cfg.chunk_size)
@@ -145,7 +141,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             Signer.from_config(self.cfg)  # a missing or empty key stops startup here
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._events: ChunkEvents | None = None
         #: sleep mode (vLLM >= 0.33): the KV tensors' memory is unmapped until wake-up
         self._asleep = False
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -156,14 +151,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
             # weights replaced while the engine runs reach _kvtier_weights_changed
             follow_weight_changes()
-            if events_enabled(vllm_config):
-                # vLLM publishes KV events (--kv-events-config): kvtier's tiers join them
-                self._events = ChunkEvents.for_engine(
-                    vllm_config, kv_cache_config, chunk_size=self.cfg.chunk_size,
-                    num_slots=self._scheduler.index.num_slots,
-                )
-                self._scheduler.events = self._events
-                self._scheduler.index.listener = self._events
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
         else:
             # a worker's connector comes before the weights (a hub model may not be
@@ -360,20 +347,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        meta = self._scheduler.build_connector_meta(scheduler_output)
-        if self._events is not None:
-            self._events.watch_uploads(meta)
-        return meta
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            worker_meta = connector_output.kv_connector_worker_meta
-            if self._events is None or not isinstance(worker_meta, KVTierWorkerMeta):
-                self._scheduler.update_connector_output(connector_output)
-                return
-            uploaded = self._events.settle_uploads(worker_meta)  # before a write-back evicts
             self._scheduler.update_connector_output(connector_output)
-            self._events.announce_uploads(uploaded)  # after the stores settled
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -406,7 +384,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         """KV events of kvtier's tiers since the last call (vLLM asks every step and
         publishes them with its own when started with ``--kv-events-config``)."""
-        return self._events.take_events() if self._events is not None else ()
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # ---- both ---------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -447,6 +447,19 @@ KEYS = tuple(f.name for f in fields(KVTierConfig))
 assert set(KEYS) == set(_PARSERS), "every config field needs a parser"
 
 
+def secret_in_config(extra: Mapping[str, Any] | None) -> str | None:
+    """What to warn about a secret written into ``kv_connector_extra_config`` itself, which
+    vLLM logs verbatim (a password in ``remote_url``), or None. Overrides from the
+    environment (``KVTIER_REMOTE_URL``) are not logged and not warned about."""
+    url = extra.get("remote_url") if isinstance(extra, Mapping) else None
+    if isinstance(url, str) and redact_url(url) != url:
+        return (
+            "remote_url in --kv-transfer-config holds a password, and vLLM logs that "
+            "config verbatim; pass the URL through KVTIER_REMOTE_URL instead"
+        )
+    return None
+
+
 def load_config(
     extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> KVTierConfig:

@@ -76,10 +76,9 @@ def make_connector(
     side.bind_kv_cache_manager(FakeManager())  # type: ignore[arg-type]
     events = ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=max_events,
                          world_size=world_size, kv_cache_spec_kind="full_attention")
-    side.events = events
-    side.index.listener = events
+    side.attach_events(events)
     conn = KVTierConnector.__new__(KVTierConnector)
-    conn._scheduler, conn._worker, conn._events = side, None, events
+    conn._scheduler, conn._worker = side, None
     return conn, side, events
 
 
@@ -372,7 +371,7 @@ def test_events_follow_vllms_kv_events_config() -> None:
     assert events_enabled(off) is False  # type: ignore[arg-type]
     assert events_enabled(SimpleNamespace(kv_events_config=None)) is False  # type: ignore[arg-type]
     conn = KVTierConnector.__new__(KVTierConnector)
-    conn._events = None
+    conn._scheduler = None
     assert list(conn.take_events()) == []
 
 

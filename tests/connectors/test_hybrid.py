@@ -203,7 +203,7 @@ def test_layers_of_different_sizes_in_one_group_size_the_slot_layer_by_layer(
 def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) -> None:
     """Layer-outermost (blocks step by the page) and block-outermost (layers step by it)
     placements of same-size layers give the slot the group spec gives."""
-    from kvtier.connectors.scheduler import layer_page_bytes
+    from kvtier.connectors.slots import layer_page_bytes
 
     vc = engine_config(model_dir)
     vc.cache_config.kv_cache_layout = layout

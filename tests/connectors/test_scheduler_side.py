@@ -254,7 +254,7 @@ def test_write_back_keeps_the_newest_prompt_whole_and_uploads_what_it_evicts() -
     oldest chunks were uploaded ahead of time and are evicted at once), the chunks that
     leave were all uploaded first, and nothing is left pinned."""
     side = write_back_side("768KiB")  # 12 slots of 64 KiB
-    assert side.index.num_slots == 12 and side.planner.clean_reserve == 6
+    assert side.index.num_slots == 12 and side.write_back.clean_reserve == 6
     uploaded: set[bytes] = set()
     stored: list[bytes] = []
     for i in range(10):

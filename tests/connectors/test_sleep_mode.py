@@ -56,7 +56,7 @@ def worker_connector(kv: dict[str, torch.Tensor]) -> tuple[KVTierConnector, Fake
     """The worker role's facade, past register_kv_caches (as vLLM leaves it)."""
     conn = KVTierConnector.__new__(KVTierConnector)
     worker = FakeWorker()
-    conn._worker, conn._scheduler, conn._events = worker, None, None  # type: ignore[assignment]
+    conn._worker, conn._scheduler = worker, None  # type: ignore[assignment]
     conn._connector_metadata = None
     conn._asleep = False
     conn._kv_caches = kv

@@ -146,10 +146,10 @@ def test_a_lookup_waits_for_chunks_being_stored_then_hits(remote: bool) -> None:
 
 
 def test_the_wait_for_a_store_is_bounded_and_its_miss_counted() -> None:
-    """A store that is never reported costs a request at most ``store_wait_s``; then the
+    """A store that is never reported costs a request at most ``store_waits.wait_s``; then the
     request is computed and its miss counted as "storing"."""
     side = make_side()
-    side.store_wait_s = 0.01
+    side.store_waits.wait_s = 0.01
     a = request("a", 1, 4 * CHUNK + 10)
     side.get_num_new_matched_tokens(a, 0)
     prefill(side, a, 0)  # its stores are never reported
@@ -161,7 +161,7 @@ def test_the_wait_for_a_store_is_bounded_and_its_miss_counted() -> None:
     side.update_state_after_alloc(b, None, 0)
     assert misses(side)["storing"] == 4 * CHUNK
     side.request_finished(b, [])
-    assert side._store_waits == {}
+    assert side.store_waits.since == {}
 
 
 def test_misses_by_reason_add_up_to_the_tokens_kvtier_was_asked_about() -> None:

@@ -525,9 +525,9 @@ def soak(
         "reqs": len(side._reqs),
         "pending": len(side.ledger),
         "ttft_by_step": len(side._ttft_by_step),
-        "loads": len(side.planner.loads),
+        "loads": len(side.plan.loads),
         "fetches": len(side.lookups._runs),
-        "uploads": len(side.planner.uploads),
+        "uploads": len(side.plan.uploads),
     }
     return {
         "requests": done,
