@@ -13,10 +13,8 @@ Behind that:
   whereas blocking would stall the engine.
 - A lookup is a read (:meth:`RemoteIO.submit_get_run`): a prompt's chunks are
   fetched in order, the first alone, the rest in parallel once it was found;
-  after a miss the chunks behind it are not asked for. While the tier's recent
-  reads were quick (:data:`EAGER_READ_S`), a run's reads are queued at once
-  instead: a prompt the tier lacks then costs a few quick requests, and a stored
-  one does not wait for its first chunk before reading the rest.
+  after a miss the chunks behind it are not asked for, so a prompt the tier lacks
+  costs one request, and a rejected chunk (a forgery) ends its run unread.
 - A read still queued at its deadline (``timeout_s`` from submit) is reported
   as ``"timeout"`` at the next poll. Whether a read starts (its thread begins
   writing into the destination) or times out is one decision, taken under the
@@ -112,13 +110,6 @@ _COUNTERS = (
 _ZCOUNTERS = tuple(f"z_{what}_{d}" for d in ("read", "write") for what in ("raw", "stored", "us"))
 #: keys whose last fetch was rejected, remembered so that their next upload rewrites them
 REWRITE_KEYS = 4096
-#: a run's reads are queued all at once (not the first alone) while the tier's recent
-#: reads took at most this long each (moving average of the backend calls the tier
-#: answered, hits and misses); until a read was answered, and after a failure, the
-#: first chunk goes alone, so a prompt the tier lacks costs one request
-EAGER_READ_S = 0.020
-#: weight of the newest read in that average
-_READ_EWMA = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +179,8 @@ class _Op:
         #: the run of gets (one prompt's consecutive chunks) this get is ``pos`` in
         self.run: list[_Op] | None = None
         self.pos = 0
-        #: put on the read queue already (a run queued whole: its later gets are not
-        #: queued again once the first was found)
+        #: put on the read queue already (never twice: a get read twice at once would
+        #: write its slot twice)
         self.queued = False
 
 
@@ -243,9 +234,6 @@ class RemoteIO:
         self.reads_lossy = isinstance(compressor, compress.Fp8Compressor)
         #: a read thread's buffer for compressed objects, reused (compress.ThreadScratch)
         self._scratch = compress.ThreadScratch()
-        #: moving average of the tier's answered read calls, seconds (None: none yet, or
-        #: a read failed since): a run is queued whole while it is at most EAGER_READ_S
-        self.read_call_s: float | None = None
         self._pending_writes = 0
         self._puts_written = 0
         self._put_failed_kinds: collections.Counter[str] = collections.Counter()
@@ -336,9 +324,7 @@ class RemoteIO:
         with self._lock:
             for op in run:  # every get's deadline counts from now, queued or not
                 self._inflight[op.seq] = op
-            quick = self.read_call_s is not None and self.read_call_s <= EAGER_READ_S
-        for op in run if quick else run[:1]:
-            self._queue_once(op)
+        self._queue_once(run[0])
 
     def submit_put(
         self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
@@ -419,8 +405,6 @@ class RemoteIO:
 
     def _stalled(self, op: _Op) -> None:
         """A started op past its deadline: a timeout against its direction's health."""
-        if op.kind is OpKind.FETCH:
-            self.read_call_s = None  # not quick: runs go first chunk alone again
         self.health.timed_out(
             op.kind is OpKind.UPLOAD,
             f"a {op.kind} has been in its backend call for "
@@ -643,10 +627,8 @@ class RemoteIO:
             return
         try:
             if not write:
-                t_call = time.monotonic()
                 got = self._read(key, buf)
                 self._answered(op)
-                self._read_timed(time.monotonic() - t_call)
                 if got is None:
                     self._finish(op, False, None)
                     return
@@ -697,8 +679,6 @@ class RemoteIO:
             self._finish(op, False, exc.kind)
         except TierUnavailable as exc:
             self.health.failed(write, exc)
-            if not write:
-                self.read_call_s = None  # unknown again: runs go first chunk alone
             self._finish(op, False, "unreachable")
         except TierError as exc:  # one object failed; the tier answered, so it is up
             self._answered(op)
@@ -752,12 +732,6 @@ class RemoteIO:
             self.health.succeeded(op.kind is OpKind.UPLOAD)
         elif not op.stuck:  # poll() counted it already when it saw it stuck
             self._stalled(op)
-
-    def _read_timed(self, seconds: float) -> None:
-        """A read call the tier answered in ``seconds``: into the moving average."""
-        with self._lock:
-            last = self.read_call_s
-            self.read_call_s = seconds if last is None else last + _READ_EWMA * (seconds - last)
 
     def _remember_rewrite(self, key: str) -> None:
         """A fetch of ``key`` was rejected: the next upload of it writes it again."""

@@ -93,6 +93,9 @@ class _Bound(threading.local):
     #: the bytes before them (the chunk's head) are returned; ``landed`` says it was
     into: memoryview | None = None
     landed = False
+    #: the last integer reply of the command (read_into's STRLEN, which comes before the
+    #: GETRANGE): a value it shows to be oversize is never read into the slot
+    last_int: int | None = None
 
 
 class _BoundedBuffer(SocketBuffer):
@@ -138,6 +141,8 @@ class _BoundedParser(_RESP2Parser):
             if not _INT_LINE.fullmatch(rest):
                 raise redis.exceptions.InvalidResponse(f"Protocol Error: {raw[:80]!r}")
             n = int(rest)
+            if kind == b":":
+                self.bound.last_int = n
             if kind == b"$" and self.bound.limit is not None and n > self.bound.limit:
                 raise ReplyTooLarge(f"a reply of {n} bytes, at most {self.bound.limit} expected")
             if kind == b"*" and n > _ARRAY_CAP:
@@ -155,8 +160,9 @@ class _BoundedParser(_RESP2Parser):
         as hiredis. With a slot to read into (:attr:`_Bound.into`) no larger than the
         reply, the reply's end goes straight into the slot: no buffer of the chunk's
         size, no copy of it."""
-        into = self.bound.into
-        if into is not None and into.nbytes <= n:
+        into, size, limit = self.bound.into, self.bound.last_int, self.bound.limit
+        oversize = size is not None and limit is not None and size > limit
+        if into is not None and into.nbytes <= n and not oversize:
             self.bound.landed = False
             head, crlf = bytearray(n - into.nbytes), bytearray(2)
             self._fill([memoryview(head), into, memoryview(crlf)], timeout)
@@ -383,12 +389,12 @@ class RedisTier(ObjectTier):
         from the socket straight into ``dest`` (no buffer of the chunk's size, no copy);
         a reply shorter than that (a compressed chunk, a truncated one) is read whole."""
         bound = self._bound
-        bound.into, bound.landed = dest, False
+        bound.into, bound.landed, bound.last_int = dest, False, None
         try:
             blob = self._get(key, dest.nbytes + max_head)
             landed = bound.landed
         finally:
-            bound.into, bound.landed = None, False
+            bound.into, bound.landed, bound.last_int = None, False, None
         if blob is None:
             return None
         if landed:  # ``blob`` is the head: the payload is in ``dest`` already

@@ -13,13 +13,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from faketier import FakeTier, make_rio
 
 from kvtier.backoff import ConstantBackoff
 from kvtier.config import load_config
 from kvtier.connectors.metadata import KVTierWorkerMeta
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
-from kvtier.tier_health import TierHealth
 from tests.connectors.test_scheduler_side import (
     BS,
     CHUNK,
@@ -138,8 +138,8 @@ def test_workers_report_how_long_their_reads_fail_fast_and_the_longest_counts() 
     ns = Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1)
     worker = WorkerSide(cfg, ns, 8)
     assert worker.build_worker_meta().reads_down_s == 0.0  # no tier opened yet
-    health = TierHealth("file", ConstantBackoff(5.0))
-    worker.remote = SimpleNamespace(health=health)  # type: ignore[assignment]
+    worker.remote = make_rio(FakeTier(), backoff=ConstantBackoff(5.0))
+    health = worker.remote.health
     assert worker.reads_down_s() == 0.0
     health.failed(False, OSError("unreachable"))
     down = worker.reads_down_s()
@@ -148,6 +148,7 @@ def test_workers_report_how_long_their_reads_fail_fast_and_the_longest_counts() 
     health.succeeded(False)
     assert worker.reads_down_s() == 0.0
     health.failed(False, OSError("unreachable"))
+    worker.remote.close()
     worker.remote = None  # what the step's report carries is that figure
     worker.reads_down_s = lambda: 3.0  # type: ignore[method-assign]
     assert worker.build_worker_meta().reads_down_s == 3.0
