@@ -2,7 +2,7 @@
 
 One model (random-weight Llama, 8 layers, 1024 wide), one machine, vLLM's CPU
 build, the same workloads for every configuration, driven through
-``kvtier bench`` (``kvtier.tools.bench``) over each server's OpenAI API:
+``kvtier bench`` (``kvtier.cli.bench``) over each server's OpenAI API:
 
 1. a repeated 2,048-token prompt: cold (distinct prompts), in-engine hit (the
    same prompt again), connector hit (the same prompt with vLLM's own prefix
@@ -43,8 +43,8 @@ import harness  # noqa: E402
 import report  # noqa: E402
 from harness import Unavailable, VLLMServer  # noqa: E402
 
+from kvtier.cli import bench  # noqa: E402
 from kvtier.sizing.autosize import mem_available_bytes  # noqa: E402
-from kvtier.tools import bench  # noqa: E402
 
 SHAPES = {
     "bench": {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8},
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.model_shape]
     log(f"building the {shape['layers']}-layer, {shape['hidden']}-wide model in {workdir}")
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     models = (args.workdir or Path(tempfile.gettempdir()) / "kvtier-bench") / "models"
     model = build_tiny_llama(models / args.model_shape, **shape)  # idempotent: reused

@@ -89,7 +89,7 @@ FRACTIONS = (0.2, 0.5, 0.9)
 def planner_curve(model: str, trace: Path, chunk_size: int,
                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``kvtier size --trace --json`` as a user runs it, vLLM's cache taken as empty."""
-    argv = [sys.executable, "-m", "kvtier.sizing.cli", "size", "--model", model,
+    argv = [sys.executable, "-m", "kvtier.cli.main", "size", "--model", model,
             "--trace", str(trace), "--gpu-kv-tokens", "0", "--chunk-size", str(chunk_size),
             "--block-size", str(BLOCK_SIZE), "--json", *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -266,7 +266,7 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
     many requests at a time): the whole comparison. With ``hash_shape`` the trace is a
     hash-id (Mooncake-format) one: the planner reads it as it is, the engine gets each id's
     tokens."""
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     model = str(build_tiny_llama(model_dir))
     trace = workdir / "trace.jsonl"

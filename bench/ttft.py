@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM
 
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     max_len = max(4096, max(args.lengths) + 64)
     # the model's positions must cover the prompt and its output token: 8,192 by default

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvtier.tools import bench
+from kvtier.cli import bench
 
 FIRST_TOKEN_DELAY = 0.2
 TOKEN_DELAY = 0.01

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvtier", "kvtier/tiers", "connectors", "sizing", "tools", "bench")
+PACKAGES = ("kvtier", "kvtier/tiers", "connectors", "sizing", "cli", "bench")
 
 
 def layout_block() -> str:

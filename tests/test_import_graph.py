@@ -4,24 +4,24 @@ A cycle hidden behind an import inside a function (or under ``TYPE_CHECKING``) s
 ties two modules together: neither can be read, moved or tested without the other,
 and the lazy import only postpones the failure to whichever order the first caller
 happens to use. This test parses every module of the installed packages (``kvtier``,
-and ``connectors/``, ``sizing/``, ``tools/`` installed as ``kvtier.connectors``,
-``kvtier.sizing``, ``kvtier.tools`` as pyproject's package-dir says), collects every
+and ``connectors/``, ``sizing/``, ``cli/`` installed as ``kvtier.connectors``,
+``kvtier.sizing``, ``kvtier.cli`` as pyproject's package-dir says), collects every
 import statement wherever it sits, and fails naming the cycle if one exists.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: package name -> its folder (pyproject's [tool.setuptools] package-dir)
+#: package name -> its folder, as pyproject's [tool.setuptools] package-dir installs them
 PACKAGES = {
-    "kvtier": ROOT / "kvtier",
-    "kvtier.connectors": ROOT / "connectors",
-    "kvtier.sizing": ROOT / "sizing",
-    "kvtier.tools": ROOT / "tools",
+    name: ROOT / folder
+    for name, folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+        "setuptools"]["package-dir"].items()
 }
 
 
@@ -110,10 +110,10 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     cycle cannot hide from the test below behind any of them."""
     graph = import_graph()
     assert "kvtier.codec" in graph and "kvtier.tiers.redis" in graph
-    assert {"kvtier.connectors.worker", "kvtier.sizing.cli", "kvtier.tools.bench"} <= set(graph)
+    assert {"kvtier.connectors.worker", "kvtier.cli.main", "kvtier.cli.bench"} <= set(graph)
     assert "kvtier.seal" in graph["kvtier.codec"]  # module level, absolute
     assert "kvtier.layout" in graph["kvtier.transfer"]  # relative
-    assert "kvtier.sizing.trace" in graph["kvtier.tools.bench_trace"]  # inside a function
+    assert "kvtier.sizing.trace" in graph["kvtier.cli.bench_trace"]  # inside a function
     assert "kvtier.config" in graph["kvtier.codec"]  # under TYPE_CHECKING
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvtier.cli.tinymodel import build_tiny_llama
 from kvtier.config import load_config
 from kvtier.connectors.identity import namespace_for
 from kvtier.errors import ConfigError
-from kvtier.tools.tinymodel import build_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -602,7 +602,7 @@ def test_bad_combinations_fail_with_a_message(helm, tmp_path, values, message):
 
 def kvtier_size(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.sizing.cli", "size", *args],
+        [sys.executable, "-m", "kvtier.cli.main", "size", *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

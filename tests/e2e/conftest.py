@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """4 layers, 256 wide: starts fastest. Built locally, nothing downloaded."""
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny4"))
 

@@ -72,7 +72,7 @@ def _assert_key_never_shown(result: dict[str, Any]) -> None:
         assert form not in log, f"an encryption key is in {result['_log_path']}"
         assert form not in body
     doc = subprocess.run(
-        [sys.executable, "-m", "kvtier.sizing.cli", "doctor", result["_log_path"], "--json"],
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", result["_log_path"], "--json"],
         capture_output=True, text=True, timeout=120, cwd=str(REPO),
     )  # fmt: skip
     assert doc.returncode == 0, doc.stderr
@@ -248,7 +248,7 @@ def test_a_bad_or_missing_key_stops_the_engine_at_startup(
     assert want in log, log[-4000:]
     assert K1_TEXT[:-1] not in log and K1_TEXT[:-1].upper() not in log
     doc = subprocess.run(
-        [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log_path)],
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", str(log_path)],
         capture_output=True, text=True, timeout=120, cwd=str(REPO),
     )  # fmt: skip
     assert K1_TEXT[:-1] not in doc.stdout + doc.stderr

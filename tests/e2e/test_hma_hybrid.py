@@ -39,7 +39,7 @@ def hybrid_model(base: Path, out: Path) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     base = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny4")
     return hybrid_model(base, tmp_path_factory.mktemp("tiny-hybrid"))

@@ -31,7 +31,7 @@ def run(scenario: str, **args: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     root = tmp_path_factory.mktemp("weights")
     return {

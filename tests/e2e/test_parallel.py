@@ -39,7 +39,7 @@ CPU_BYTES = 32 * 1024 * 1024
 
 def plan(model: str, tp: int) -> dict[str, Any]:
     """`kvtier size --json` for the model at this tensor-parallel size."""
-    from kvtier.sizing.cli import main
+    from kvtier.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -28,7 +28,7 @@ def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     base = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny4")
     out = tmp_path_factory.mktemp("tiny-swa")

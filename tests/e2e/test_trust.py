@@ -137,7 +137,7 @@ def assert_no_secrets(result: dict[str, Any]) -> int:
             assert value in allowed[label], sid
     for fmt in ([], ["--json"]):
         doc = subprocess.run(
-            [sys.executable, "-m", "kvtier.sizing.cli", "doctor", result["_log_path"], *fmt],
+            [sys.executable, "-m", "kvtier.cli.main", "doctor", result["_log_path"], *fmt],
             capture_output=True,
             text=True,
             timeout=120,
@@ -301,7 +301,7 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
     find the old model's chunks; the same weights mounted elsewhere must."""
     import shutil
 
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     served = tmp_path / "models" / "served"
     build_tiny_llama(served, seed=0)
@@ -330,7 +330,7 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
 def test_cache_salt_model_and_kv_dtype_separate_chunks(
     tiny_model: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     logs = tmp_path / "logs"
     root = tmp_path / "kv"
@@ -638,7 +638,7 @@ def test_errors_logs_and_doctor_never_show_secrets(
     assert pw in log.read_text()
     for fmt in ([], ["--json"]):
         doc = subprocess.run(
-            [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log), *fmt],
+            [sys.executable, "-m", "kvtier.cli.main", "doctor", str(log), *fmt],
             capture_output=True,
             text=True,
             timeout=120,

@@ -10,7 +10,7 @@ import sys
 import pytest
 from sizing_helpers import LOGS, model
 
-from kvtier.sizing.cli import main
+from kvtier.cli.main import main
 
 REQUIRED = ["kv_bytes_per_token", "kv_bytes_per_token_per_rank", "gpu_kv_bytes", "gpu_kv_tokens",
             "warm_set_bytes", "host_tier_bytes", "weight_offload_gpu_bytes",
@@ -157,7 +157,7 @@ def test_doctor_with_model_compares_against_the_plan(capsys):
 
 
 def test_size_starts_without_torch_or_vllm():
-    code = ("import sys, kvtier.sizing.cli as c; c.main(['size', '--model', sys.argv[1], "
+    code = ("import sys, kvtier.cli.main as c; c.main(['size', '--model', sys.argv[1], "
             "'--json']); print([m for m in ('torch', 'vllm', 'numpy', 'safetensors') "
             "if m in sys.modules])")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, model("llama3-8b")], capture_output=True,

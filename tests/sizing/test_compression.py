@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from sizing_helpers import model
 
+from kvtier.cli.main import main
 from kvtier.sizing import compression as cz
-from kvtier.sizing.cli import main
 
 LLAMA = model("llama3-8b")  # 32 layers, 8 KV heads x 128, bf16: 131,072 B / token
 DEEPSEEK = model("deepseek-v3")  # MLA: one object per chunk whatever the TP
@@ -236,7 +236,7 @@ def test_emitted_compression_loads_in_kvtier(capsys: Any) -> None:
 
 
 def test_help_says_where_an_operator_ratio_comes_from() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvtier.sizing.cli", "size", "--help"],
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", "--help"],
                          capture_output=True, text=True, check=True).stdout
     flat = " ".join(out.split())
     assert "--compression {none,lossless,fp8}" in flat

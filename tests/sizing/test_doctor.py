@@ -190,7 +190,7 @@ def test_doctor_command_prints_no_secret(tmp_path) -> None:
     log.write_text("\n".join(secret_log(secret)) + "\n")
     for fmt in ([], ["--json"]):
         out = subprocess.run(
-            [sys.executable, "-m", "kvtier.sizing.cli", "doctor", str(log), *fmt],
+            [sys.executable, "-m", "kvtier.cli.main", "doctor", str(log), *fmt],
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
         assert secret not in out.stdout + out.stderr and "8GiB" in out.stdout

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sizing_helpers import TINY_LLAMA, tiny_llama_tensors, write_model
 
+from kvtier.cli.main import main
 from kvtier.keys import chunk_block_hashes, token_block_hashes
 from kvtier.sizing import trace as tr
-from kvtier.sizing.cli import main
 
 # ------------------------------------------------------------------ brute force
 
@@ -378,7 +378,7 @@ def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path,
                                                 capsys: Any) -> None:
     from fake_openai import bench_args
 
-    from kvtier.tools import bench
+    from kvtier.cli import bench
 
     url = bench_url
     out = tmp_path / "bench.jsonl"

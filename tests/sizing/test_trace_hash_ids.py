@@ -22,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_trace import COMMON, _run, _write, brute_served
 
+from kvtier.cli.main import main
 from kvtier.sizing import trace as tr
 from kvtier.sizing import trace_read
-from kvtier.sizing.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 model_dir = test_trace.model_dir  # the fixture: a tiny Llama with a tokenizer
@@ -287,7 +287,7 @@ def test_mooncake_sized_trace_in_30_s_and_300_mb(tmp_path: Path) -> None:
     assert 140e6 < total < 150e6
     # the CLI in a fresh process, which reports its own peak RSS at exit (VmHWM: Linux
     # carries ru_maxrss over exec, so the forked test process's would count)
-    code = ("import re, sys; from kvtier.sizing.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import re, sys; from kvtier.cli.main import main; rc = main(sys.argv[1:]); "
             "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()); "
             "print('maxrss', hwm.group(1), file=sys.stderr); sys.exit(rc)")
     t0 = time.monotonic()

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from fake_openai import FakeServer, serving
 
+from kvtier.cli import bench
 from kvtier.sizing import trace as tr
-from kvtier.tools import bench
 
 RANGE = (5, 480)
 
@@ -237,7 +237,7 @@ def test_missing_trace_exits_2(tmp_path: Path, capsys: Any) -> None:
 
 def test_wired_as_kvtier_bench_trace(fake: tuple[FakeServer, str], tmp_path: Path,
                                      capsys: Any) -> None:
-    from kvtier.sizing import cli
+    from kvtier.cli import main as cli
 
     _, url = fake
     path = _write(tmp_path / "t.jsonl", [{"chat_id": 1, "parent_chat_id": -1, "turn": 1,

@@ -363,7 +363,7 @@ def _token_scale(client: Any, base: str, model: str) -> TokenScale:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """A standalone parser (``python -m kvtier.tools.bench``, and the bench runner)."""
+    """A standalone parser (``python -m kvtier.cli.bench``, and the bench runner)."""
     parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return parser

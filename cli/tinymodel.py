@@ -5,7 +5,8 @@ model built here: a ``LlamaConfig`` with random weights and a byte-level BPE
 tokenizer trained on a few lines of text. The weights come from a fixed seed,
 so every process that builds the same shape gets the same model.
 torch and transformers are imported inside the function so that the
-``kvtier`` CLI stays fast.
+``kvtier`` CLI stays fast. It ships in the wheel because ``kvtier demo`` builds its
+model with it; the benchmarks and tests import it from here too.
 """
 
 from __future__ import annotations

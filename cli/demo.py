@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     tier_dir = workdir / "object-tier"
     shape = dict(layers=4, hidden=256) if args.small else dict(layers=8, hidden=1024)
     _say(f"building a {shape['layers']}-layer, {shape['hidden']}-wide Llama in {model_dir} ...")
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     build_tiny_llama(model_dir, heads=16 if not args.small else 4,
                      kv_heads=8 if not args.small else 2, **shape)
@@ -86,7 +86,7 @@ def _phase(spec: dict[str, Any]) -> list[dict[str, Any]] | None:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.tools.demo", json.dumps(spec)],
+        [sys.executable, "-m", "kvtier.cli.demo", json.dumps(spec)],
         capture_output=True, text=True, env=env,
     )
     for line in proc.stdout.splitlines():

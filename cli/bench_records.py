@@ -1,5 +1,5 @@
-"""What the bench client (:mod:`kvtier.tools.bench`) hands its report
-(:mod:`kvtier.tools.bench_report`): each request's result and the prompt-token scale.
+"""What the bench client (:mod:`kvtier.cli.bench`) hands its report
+(:mod:`kvtier.cli.bench_report`): each request's result and the prompt-token scale.
 Both modules import these from here, and neither imports the other's caller."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ __all__ = ["RequestResult", "TokenScale"]
 
 @dataclass(frozen=True, slots=True)
 class TokenScale:
-    """Tokens of a prompt = ``lead`` (BOS + :data:`kvtier.tools.bench.LEAD_WORD`) +
+    """Tokens of a prompt = ``lead`` (BOS + :data:`kvtier.cli.bench.LEAD_WORD`) +
     ``per_word`` x other words."""
 
     per_word: float = 1.0

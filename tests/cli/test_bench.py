@@ -33,8 +33,8 @@ from fake_openai import (
 )
 from kit import free_port
 
+from kvtier.cli import bench, promtext
 from kvtier.sizing.emit import connector_config
-from kvtier.tools import bench, promtext
 
 
 @pytest.fixture
@@ -250,7 +250,7 @@ def test_metrics_parsing_and_quantiles() -> None:
 
 
 def test_wired_as_kvtier_bench(fake: tuple[FakeServer, str], capsys: Any) -> None:
-    from kvtier.sizing import cli
+    from kvtier.cli import main as cli
 
     _, url = fake
     rc = cli.main(["bench", "--url", url + "/v1", "--json", "--sessions", "2",
@@ -270,7 +270,7 @@ def test_module_imports_neither_torch_vllm_nor_matplotlib(
 ) -> None:
     _, url = fake
     code = (
-        "import sys\nfrom kvtier.tools import bench\n"
+        "import sys\nfrom kvtier.cli import bench\n"
         f"rc = bench.run(bench.build_parser().parse_args(['--url', '{url}', '--json', "
         "'--sessions', '2', '--shared-prefix-tokens', '20', '--turn-tokens', '5', "
         "'--output-tokens', '2']))\n"
@@ -298,7 +298,7 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
     """
     import httpx
 
-    from kvtier.tools.tinymodel import build_tiny_llama
+    from kvtier.cli.tinymodel import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
     port = free_port()

@@ -1,0 +1,72 @@
+"""The ``kvtier`` command line: ``size``, ``doctor``, ``bench``, ``demo``.
+
+``size`` and ``doctor`` (:mod:`kvtier.cli.size`, :mod:`kvtier.cli.doctor`) build their
+flags from the standard library alone and import the planner when they run; ``bench``
+and ``demo`` are imported only when used. So ``kvtier size`` starts fast and never
+loads torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvtier import __version__
+from kvtier.cli import doctor, size
+
+DESCRIPTION = """\
+Tiered KV-cache offload for vLLM: a host-RAM tier and a shared object-store tier
+behind one KV connector. These commands plan memory before a deployment, check a
+running one, and measure what offload buys."""
+
+COMMANDS = {
+    "size": "Plan GPU and host memory for a model: KV bytes/token, the GPU KV budget, the "
+    "host tier, vLLM weight offload and its pinned-memory cost; --emit prints configs to paste",
+    "doctor": "Read a vLLM server log (and optionally a PID) and report what weight offload "
+    "and kvtier really did, flagging the silent failures",
+    "bench": "Drive an OpenAI-compatible endpoint with a shared-prefix workload and report hit "
+    "rate and TTFT",
+    "demo": "Run a local vLLM engine with kvtier on a locally built model and show hits and "
+    "TTFT saved",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``bench``/``demo`` modules are imported only when that command is used."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    size.add_parser(sub, COMMANDS["size"])
+    doctor.add_parser(sub, COMMANDS["doctor"])
+
+    for name in ("bench", "demo"):
+        p = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name] + ".")
+        if command == name:
+            import importlib
+
+            mod = importlib.import_module(f"kvtier.cli.{name}")
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.run)
+    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvtier`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv))
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
