@@ -46,9 +46,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvtier import cuda as kcuda
-from kvtier.cuda_copier import CudaCopier
-from kvtier.layout import HostSlab, SlotLayout
+from kvtier.host import cuda as kcuda
+from kvtier.host.cuda_copier import CudaCopier
+from kvtier.host.layout import HostSlab, SlotLayout
 from kvtier.ops import LoadOp, StoreOp
 
 GB = 1e9

@@ -246,7 +246,7 @@ def _check_kvtier_config(extra: dict[str, Any], env: dict[str, str]) -> None:
     """Refuse early (as unavailable) an object tier this kvtier cannot build yet."""
     try:
         from kvtier.config import load_config
-        from kvtier.tiers import open_tier
+        from kvtier.objects.tiers import open_tier
     except ImportError as exc:
         raise Unavailable(f"kvtier's object tier does not import: {exc}") from exc
     saved = {k: os.environ.get(k) for k in env}

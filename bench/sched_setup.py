@@ -177,7 +177,7 @@ def kvtier_side(sched: Any) -> Any:
 
 def prefill_kvtier(sched: Any, n: int, rng: random.Random, hashes: Iterable[bytes] = ()) -> None:
     """Put ``n`` ready chunks into kvtier's host-tier index, keyed as a store keys them."""
-    from kvtier.index import State
+    from kvtier.host.index import State
 
     index = kvtier_side(sched).index
     fixed = list(hashes)

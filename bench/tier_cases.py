@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 from harness import free_port
 
-from kvtier.remote import RemoteIO
-from kvtier.tiers.base import ObjectTier
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.base import ObjectTier
 
 MiB = 2**20
 
@@ -144,7 +144,7 @@ def _readinto_all(f, buf: memoryview) -> None:
 
 
 def file_case(args: argparse.Namespace) -> Case:
-    from kvtier.tiers.file import FileTier
+    from kvtier.objects.tiers.file import FileTier
 
     root = args.file_root
     raw_dir = os.path.join(root + "-raw")
@@ -169,7 +169,7 @@ def file_case(args: argparse.Namespace) -> Case:
 def s3_case(args: argparse.Namespace) -> Case:
     import boto3
 
-    from kvtier.tiers.s3 import S3Tier, client_config
+    from kvtier.objects.tiers.s3 import S3Tier, client_config
 
     bucket = args.bucket
     clients: dict[int, object] = {}
@@ -210,7 +210,7 @@ def s3_case(args: argparse.Namespace) -> Case:
 def redis_case(args: argparse.Namespace) -> Case:
     import redis
 
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.objects.tiers.redis import RedisTier
 
     clients: dict[int, redis.Redis] = {}
 
@@ -266,7 +266,7 @@ def cluster_case(ports: list[int], threads: int) -> Case:
     primary of the kvtier object it is compared with."""
     import redis.cluster
 
-    from kvtier.tiers.redis_cluster import RedisClusterTier
+    from kvtier.objects.tiers.redis_cluster import RedisClusterTier
 
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/"
     client = redis.cluster.RedisCluster(

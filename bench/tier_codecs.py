@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 from tier_cases import Case, MiB, open_case, timed, wait_for_results
 
-from kvtier import codec, compress
-from kvtier.backoff import ConstantBackoff
-from kvtier.remote import MAX_FRAME, RemoteIO
-from kvtier.seal import Sealer
-from kvtier.tiers.base import ObjectTier
+from kvtier.objects import codec, compress
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import MAX_FRAME, RemoteIO
+from kvtier.objects.seal import Sealer
+from kvtier.objects.tiers.base import ObjectTier
 
 
 def aes_gcm_speed(size: int, rounds: int) -> dict[str, float]:

@@ -23,11 +23,11 @@ from tier_cases import (
     wait_for_results,
 )
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff
-from kvtier.remote import MAX_FRAME, RemoteIO
-from kvtier.seal import Sealer
-from kvtier.tiers.base import ObjectTier
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import MAX_FRAME, RemoteIO
+from kvtier.objects.seal import Sealer
+from kvtier.objects.tiers.base import ObjectTier
 
 
 def run_case(

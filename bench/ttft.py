@@ -288,7 +288,7 @@ def _raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int
     else:
         import boto3
 
-        from kvtier.tiers.s3 import client_config
+        from kvtier.objects.tiers.s3 import client_config
 
         client = boto3.client("s3", endpoint_url=extra["s3_endpoint_url"],
                               region_name="us-east-1", aws_access_key_id="bench",
@@ -388,7 +388,7 @@ def _copies_on_threads(n: int) -> None:
     copier from the benchmark's process: in-process engines only (--profile)."""
     import torch
 
-    from kvtier.transfer import CpuCopier
+    from kvtier.host.transfer import CpuCopier
 
     orig = CpuCopier.begin_loads
 
@@ -416,8 +416,8 @@ class _Profiler:
         import threading
 
         from kvtier.connectors.scheduler import SchedulerSide
-        from kvtier.remote import RemoteIO
-        from kvtier.transfer import CpuCopier
+        from kvtier.host.transfer import CpuCopier
+        from kvtier.objects.remote import RemoteIO
 
         self.cprofile = cprofile
         self.main = cProfile.Profile()

@@ -15,7 +15,7 @@ import logging
 import time
 
 from kvtier import metrics
-from kvtier.index import ChunkIndex, State
+from kvtier.host.index import ChunkIndex, State
 from kvtier.stats import StatsRecorder
 
 from .requests import ChunkKeys, RequestState, loadable_chunks

@@ -3,8 +3,8 @@
 vLLM's hybrid KV cache manager gives each kind of attention its own group, with its own
 block table: Gemma 2/3, gpt-oss and Mistral variants get a full-attention group and a
 sliding-window group. kvtier stores every group of a chunk in one slot under one key
-(:class:`kvtier.layout.KVGroup`): full-attention groups whole, sliding-window groups only
-the chunk's last blocks a hit reads (:func:`kvtier.layout.sliding_blocks`). What it
+(:class:`kvtier.host.layout.KVGroup`): full-attention groups whole, sliding-window groups only
+the chunk's last blocks a hit reads (:func:`kvtier.host.layout.sliding_blocks`). What it
 cannot store is refused here with the reason, before the engine serves anything:
 Mamba/SSM state (one state per request, not per token), and any other kind of group
 (chunked-local, cross- or encoder-only attention, groups vLLM keeps out of transfers),
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.layout import FULL, SLIDING, KVGroup, sliding_blocks
+from kvtier.host.layout import FULL, SLIDING, KVGroup, sliding_blocks
 
 
 class Refused(Exception):

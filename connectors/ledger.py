@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier import metrics
-from kvtier.index import ChunkIndex, Entry
+from kvtier.host.index import ChunkIndex, Entry
 from kvtier.ops import OpKind
 from kvtier.stats import StatsRecorder, Totals
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from kvtier import metrics
-from kvtier.index import ChunkIndex, State
+from kvtier.host.index import ChunkIndex, State
 from kvtier.ops import FetchOp, OpKind
 from kvtier.stats import StatsRecorder
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 from kvtier import metrics
-from kvtier.index import ChunkIndex, Entry, State
-from kvtier.layout import KVGroup
+from kvtier.host.index import ChunkIndex, Entry, State
+from kvtier.host.layout import KVGroup
 from kvtier.ops import LoadOp, OpKind, StoreOp, UploadOp
 from kvtier.stats import StatsRecorder, Totals
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.fingerprint import FingerprintError, weights_fingerprint
-from kvtier.index import Entry
+from kvtier.host.index import Entry
 from kvtier.keys import chunk_block_hashes
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
-from kvtier.index import ChunkIndex
+from kvtier.host.index import ChunkIndex
 from kvtier.keys import Namespace
+from kvtier.objects.tiers.policy import Timeouts
 from kvtier.stats import StatsRecorder, Totals
-from kvtier.tiers.policy import Timeouts
 
 from .answers import StoreWaits, count_misses
 from .events import ChunkEvents, events_enabled

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvtier.config import KVTierConfig, format_size
-from kvtier.layout import KVGroup, align_slot, slot_bytes_for
+from kvtier.host.layout import KVGroup, align_slot, slot_bytes_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import load_config, secret_in_config
-from kvtier.layout import KVGroup
+from kvtier.host.layout import KVGroup
 
 from .groups import Refused, describe, kv_groups, specs_of
 from .identity import check_parallel, follow_weight_changes, namespace_for
@@ -136,7 +136,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         check_parallel(vllm_config)
         groups = check_kv_cache_groups(vllm_config, kv_cache_config, self.cfg.chunk_size)
         if self.cfg.remote_url:
-            from kvtier.codec import Signer
+            from kvtier.objects.codec import Signer
 
             Signer.from_config(self.cfg)  # a missing or empty key stops startup here
         self._scheduler: SchedulerSide | None = None
@@ -156,7 +156,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             # a worker's connector comes before the weights (a hub model may not be
             # downloaded yet): its keys are made in register_kv_caches
             ns = namespace_for(self.cfg, vllm_config, read_weights=False)
-            from kvtier.remote import RemoteIO
+            from kvtier.objects.remote import RemoteIO
 
             self._worker = WorkerSide(
                 self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config, groups=groups

@@ -17,17 +17,17 @@ import torch
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig
-from kvtier.copiers import make_copier
+from kvtier.host.copiers import make_copier
+from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
+from kvtier.host.transfer import Copier
 from kvtier.keys import KeySpace, Namespace, after_weight_change
-from kvtier.layout import HostSlab, KVGroup, SlotLayout
 from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, all_blocks, by_op
 from kvtier.stats import StatsRecorder
-from kvtier.transfer import Copier
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 
 if TYPE_CHECKING:
-    from kvtier.remote import RemoteIO
+    from kvtier.objects.remote import RemoteIO
 
 logger = logging.getLogger("kvtier.worker")
 

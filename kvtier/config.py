@@ -355,7 +355,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_decrypt_keys_file": _path,
     "trust_multimodal_ids": _bool_flag,
 }
-#: how chunks are stored in the object tier: raw, or compressed losslessly (kvtier.compress)
+#: how chunks are stored in the object tier: raw, or compressed losslessly (kvtier.objects.compress)
 COMPRESSIONS = ("none", "lossless", "fp8")
 _PARSERS["compression"] = _choice(COMPRESSIONS)
 

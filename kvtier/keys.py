@@ -8,7 +8,7 @@ bytes incompatible: model identity (a fingerprint of the weights and config,
 see :mod:`kvtier.fingerprint`), dtypes, kvtier's layout version, the TP size
 and rank, the pipeline size and stage (stage 1 holds other layers than stage 0,
 often with the same shapes), the worker's layers by name with each layer's KV dtype
-and shape (:meth:`kvtier.layout.SlotLayout.identity`: two pipeline partitions, or two
+and shape (:meth:`kvtier.host.layout.SlotLayout.identity`: two pipeline partitions, or two
 lists of layers kept out of an fp8 KV cache, give other keys), and the operator's
 ``namespace``. Nothing here depends on ``PYTHONHASHSEED``.
 """
@@ -48,7 +48,7 @@ class Namespace:
     #: object per chunk, rank 0's. Not in the digest: the model (in it) decides it.
     replicated_kv: bool = False
     #: digest of the layers this worker's KV holds: each layer's name, KV dtype and
-    #: shape (:meth:`kvtier.layout.SlotLayout.identity`); "" until the worker registered
+    #: shape (:meth:`kvtier.host.layout.SlotLayout.identity`); "" until the worker registered
     #: its KV caches (the scheduler's namespace, which stands for all workers)
     layers: str = ""
 

@@ -6,8 +6,8 @@ kind:
 
 - :class:`LoadOp` host slot -> paged KV (the copier),
 - :class:`StoreOp` paged KV -> host slot (the copier),
-- :class:`FetchOp` object tier -> host slot (:class:`kvtier.remote.RemoteIO`),
-- :class:`UploadOp` host slot -> object tier (:class:`kvtier.remote.RemoteIO`).
+- :class:`FetchOp` object tier -> host slot (:class:`kvtier.objects.remote.RemoteIO`),
+- :class:`UploadOp` host slot -> object tier (:class:`kvtier.objects.remote.RemoteIO`).
 
 Every op the worker accepts yields exactly one :class:`OpResult`. Plain
 dataclasses of ints and bytes: vLLM pickles the ops from the scheduler process to

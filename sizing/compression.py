@@ -5,7 +5,7 @@ raw KV of a chunk times a ratio (stored ÷ raw). The host tier is never compress
 is sized raw whatever the setting.
 
 - ``none``: 1.
-- ``fp8``: exact, from the format (kvtier.compress): bf16/fp16 KV is stored as one byte
+- ``fp8``: exact, from the format (kvtier.objects.compress): bf16/fp16 KV is stored as one byte
   per value plus a float32 scale per :data:`FP8_BLOCK` values, after an
   :data:`FP8_HEADER_BYTES`-byte header, in every rank's object of a chunk. KV that is
   not 16-bit (already fp8 in vLLM, or fp32) is stored as it is.
@@ -16,7 +16,7 @@ is sized raw whatever the setting.
   width is sized raw unless a ratio is given.
 
 Only the standard library: this is imported by ``kvtier size``, which must start fast
-(kvtier.compress itself needs torch for fp8, so its format is restated here and a test
+(kvtier.objects.compress itself needs torch for fp8, so its format is restated here and a test
 checks the two agree).
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 
 #: the ``compression`` values kvtier's config accepts
 COMPRESSIONS = ("none", "lossless", "fp8")
-#: fp8: values per float32 scale (kvtier.compress.FP8_BLOCK)
+#: fp8: values per float32 scale (kvtier.objects.compress.FP8_BLOCK)
 FP8_BLOCK = 128
 #: fp8: bytes per scale
 FP8_SCALE_BYTES = 4
-#: fp8: the stream's header, magic and block size (kvtier.compress._FP8_HEAD)
+#: fp8: the stream's header, magic and block size (kvtier.objects.compress._FP8_HEAD)
 FP8_HEADER_BYTES = 8
 #: lossless: stored ÷ raw of 16-bit KV under blosc2 shuffle + zstd-1, the larger of the two
 #: measurements in the README's Compression table (0.690 on the random-weight test

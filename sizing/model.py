@@ -154,7 +154,7 @@ class ModelShape:
 
 def sliding_blocks(window: int, block_size: int, blocks_per_chunk: int) -> int:
     """Blocks of each chunk kvtier stores of a sliding-window group: the last
-    ``ceil(window / block_size)`` (``kvtier.layout.sliding_blocks``, which needs torch)."""
+    ``ceil(window / block_size)`` (``kvtier.host.layout.sliding_blocks``, which needs torch)."""
     return max(1, min(blocks_per_chunk, -(-window // block_size)))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from kvtier.sizing.trace_read import TraceStats
 from kvtier.sizing.trace_sim import Simulation
 
-#: kvtier's host slots are aligned to this many bytes (kvtier.layout.SLOT_ALIGN; that
+#: kvtier's host slots are aligned to this many bytes (kvtier.host.layout.SLOT_ALIGN; that
 #: module imports torch, which `kvtier size` must not)
 SLOT_ALIGN = 4096
 CURVE_POINTS = 40

@@ -1,4 +1,4 @@
-"""A fake of kvtier's CUDA stream interface (``kvtier.cuda_copier.StreamOps``), and paged KV.
+"""A fake of kvtier's CUDA stream interface (``kvtier.host.cuda_copier.StreamOps``), and paged KV.
 
 The fake logs every stream and event call, so the copy path's bookkeeping runs
 and is checked on the CPU: the copies themselves are real torch copies of CPU
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvtier.layout import find_block_dim
+from kvtier.host.layout import find_block_dim
 from kvtier.ops import OpKind, OpResult
 
 

@@ -10,12 +10,12 @@ from collections.abc import Callable, Sequence
 import kit
 from kit import payload
 
-from kvtier import codec
-from kvtier.backoff import NoBackoff
 from kvtier.errors import ObjectError
+from kvtier.objects import codec
+from kvtier.objects.backoff import NoBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.base import ObjectTier, Parts
 from kvtier.ops import OpResult
-from kvtier.remote import RemoteIO
-from kvtier.tiers.base import ObjectTier, Parts
 
 SHAPE = [2, 8, 64]
 SIZE = kit.PAYLOAD_SIZE  # what payload() makes

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvtier", "kvtier/tiers", "connectors", "sizing", "cli", "bench")
+PACKAGES = ("kvtier", "kvtier/host", "kvtier/objects", "kvtier/objects/tiers",
+            "connectors", "sizing", "cli", "bench")
 
 
 def layout_block() -> str:
@@ -32,3 +33,14 @@ def test_the_layout_names_no_module_that_is_gone() -> None:
     existing = {p.name for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
     gone = sorted(set(re.findall(r"[\w]+\.py", layout_block())) - existing)
     assert not gone, f"ARCHITECTURE.md's layout names modules that do not exist: {gone}"
+
+
+def test_the_layout_names_every_room() -> None:
+    """Each sub-package of kvtier/ (a room: host/, objects/, objects/tiers/) has its own
+    line in the layout, so a module is read under the room it lives in."""
+    block = layout_block()
+    rooms = sorted(p.parent.relative_to(ROOT / "kvtier").as_posix()
+                   for p in (ROOT / "kvtier").rglob("__init__.py") if p.parent != ROOT / "kvtier")
+    missing = [r for r in rooms
+               if not re.search(rf"^\s+{re.escape(r.split('/')[-1])}/ ", block, re.M)]
+    assert rooms and not missing, f"ARCHITECTURE.md's layout has no line for {missing}"

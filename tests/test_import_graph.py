@@ -109,12 +109,12 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     """The parser finds module-level, relative, lazy and TYPE_CHECKING imports, so a
     cycle cannot hide from the test below behind any of them."""
     graph = import_graph()
-    assert "kvtier.codec" in graph and "kvtier.tiers.redis" in graph
+    assert "kvtier.objects.codec" in graph and "kvtier.objects.tiers.redis" in graph
     assert {"kvtier.connectors.worker", "kvtier.cli.main", "kvtier.cli.bench"} <= set(graph)
-    assert "kvtier.seal" in graph["kvtier.codec"]  # module level, absolute
-    assert "kvtier.layout" in graph["kvtier.transfer"]  # relative
+    assert "kvtier.objects.seal" in graph["kvtier.objects.codec"]  # module level, absolute
+    assert "kvtier.host.layout" in graph["kvtier.host.transfer"]  # relative
     assert "kvtier.sizing.trace" in graph["kvtier.cli.bench_trace"]  # inside a function
-    assert "kvtier.config" in graph["kvtier.codec"]  # under TYPE_CHECKING
+    assert "kvtier.config" in graph["kvtier.objects.codec"]  # under TYPE_CHECKING
 
 
 def test_find_cycle_reports_lazy_and_long_cycles() -> None:
@@ -126,3 +126,20 @@ def test_find_cycle_reports_lazy_and_long_cycles() -> None:
 def test_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_host_and_object_rooms_do_not_import_each_other() -> None:
+    """kvtier/host/ and kvtier/objects/ share only what sits at the top of kvtier/."""
+    graph = import_graph()
+    rooms = ("kvtier.host", "kvtier.objects")
+    crossing = [
+        (mod, dep)
+        for mod, deps in graph.items()
+        for room, other in (rooms, rooms[::-1])
+        if mod == room or mod.startswith(room + ".")
+        for dep in deps
+        if dep == other or dep.startswith(other + ".")
+    ]
+    assert any(m.startswith("kvtier.host.") for m in graph)
+    assert any(m.startswith("kvtier.objects.") for m in graph)
+    assert not crossing, f"the host and object rooms import each other: {crossing}"

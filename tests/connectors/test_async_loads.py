@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 from faketier import FakeTier, make_rio
 
-from kvtier.backoff import ConstantBackoff
 from kvtier.config import load_config
 from kvtier.connectors.metadata import KVTierWorkerMeta
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
+from kvtier.objects.backoff import ConstantBackoff
 from tests.connectors.test_scheduler_side import (
     BS,
     CHUNK,

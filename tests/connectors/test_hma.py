@@ -51,9 +51,9 @@ from kvtier.connectors.groups import kv_groups
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.connectors.worker import WorkerSide
 from kvtier.errors import ConfigError
+from kvtier.host.layout import FULL, SLIDING, KVGroup, SlotLayout
 from kvtier.keys import Namespace
-from kvtier.layout import FULL, SLIDING, KVGroup, SlotLayout
-from kvtier.remote import RemoteIO
+from kvtier.objects.remote import RemoteIO
 
 BS, CHUNK = 16, 64
 BPC = CHUNK // BS

@@ -36,7 +36,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.errors import ConfigError
-from kvtier.layout import SlotLayout, slot_bytes_for
+from kvtier.host.layout import SlotLayout, slot_bytes_for
 
 BS, CHUNK = 16, 64
 NUM_BLOCKS = 32
@@ -230,7 +230,7 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
 
     from kvtier.config import load_config
     from kvtier.connectors.worker import WorkerSide
-    from kvtier.index import State
+    from kvtier.host.index import State
     from kvtier.keys import Namespace
 
     vc = engine_config(model_dir)

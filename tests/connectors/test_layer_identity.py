@@ -17,8 +17,8 @@ from kit import chunk_files
 
 from kvtier.config import load_config
 from kvtier.connectors.worker import WorkerSide
+from kvtier.host.layout import SlotLayout
 from kvtier.keys import Namespace
-from kvtier.layout import SlotLayout
 from tests.connectors.test_parallel_sides import (
     BPC,
     CHUNK,

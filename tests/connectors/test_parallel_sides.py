@@ -32,7 +32,7 @@ from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import KeySpace, Namespace
-from kvtier.remote import RemoteIO
+from kvtier.objects.remote import RemoteIO
 
 NUM_BLOCKS, BS, BPC = 40, 32, 4
 CHUNK = BS * BPC

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.connectors.metadata import KVTierMetadata
 from kvtier.connectors.vllm import KVTierConnector
-from kvtier.index import ChunkIndex, State
+from kvtier.host.index import ChunkIndex, State
 from kvtier.ops import LoadOp, StoreOp, UploadOp
 
 

@@ -7,10 +7,10 @@ import torch
 from faketier import FakeTier, collect, make_rio
 
 from kvtier import metrics
-from kvtier.compress import Compressor
 from kvtier.config import load_config
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
+from kvtier.objects.compress import Compressor
 from kvtier.stats import series_id
 
 N = 16384  # bf16 elements

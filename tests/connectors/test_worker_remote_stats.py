@@ -6,12 +6,13 @@ import threading
 
 from faketier import DT, SHAPE, SIZE, FakeTier, collect, make_rio, payload, until
 
-from kvtier import codec, metrics
-from kvtier.backoff import ConstantBackoff
+from kvtier import metrics
 from kvtier.config import load_config
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
-from kvtier.seal import Sealer
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.seal import Sealer
 from kvtier.stats import series_id
 
 

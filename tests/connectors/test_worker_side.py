@@ -20,9 +20,9 @@ from kvtier.config import load_config
 from kvtier.connectors import worker as worker_mod
 from kvtier.connectors.metadata import FetchOp, KVTierMetadata, LoadOp, StoreOp
 from kvtier.connectors.vllm import KVTierConnector
-from kvtier.cuda_copier import CudaCopier
+from kvtier.host.cuda_copier import CudaCopier
+from kvtier.host.transfer import CpuCopier
 from kvtier.keys import Namespace
-from kvtier.transfer import CpuCopier
 
 NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
 #: FlashAttention style: [2, num_blocks, block_size, H, D]
@@ -149,8 +149,8 @@ def _pp_worker(root, stage: int, seed: int, layer_offset: int):
     they are on that stage (layers 0-1 on stage 0, 2-3 on stage 1) with their own KV."""
     import time as _time
 
-    from kvtier.remote import RemoteIO
-    from kvtier.tiers import FileTier
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers import FileTier
 
     cfg = load_config(
         {"cpu_bytes": "64MiB", "chunk_size": BPC * BS, "remote_url": f"file://{root}"},

@@ -11,10 +11,10 @@ import pytest
 import torch
 from copyfakes import times
 
-from kvtier import cuda as kcuda
-from kvtier.copiers import make_copier
-from kvtier.cuda_copier import CudaCopier
-from kvtier.layout import HostSlab, SlotLayout, find_block_dim
+from kvtier.host import cuda as kcuda
+from kvtier.host.copiers import make_copier
+from kvtier.host.cuda_copier import CudaCopier
+from kvtier.host.layout import HostSlab, SlotLayout, find_block_dim
 from kvtier.ops import LoadOp, StoreOp
 
 pytestmark = pytest.mark.cuda

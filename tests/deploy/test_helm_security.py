@@ -52,7 +52,7 @@ from test_helm import (
 )
 
 from kvtier.config import load_config
-from kvtier.tiers.redis import RedisTier
+from kvtier.objects.tiers.redis import RedisTier
 
 pytestmark = pytest.mark.integration
 
@@ -1081,8 +1081,8 @@ def test_the_encryption_key_comes_from_a_secret(helm, tmp_path, enc_secret, valu
     """kvtier.encryption.existingSecret: a secretKeyRef in the vLLM container's environment,
     encryption_key_env naming it in the config, the key in no manifest; it is enough for an
     object tier on its own (AES-GCM authenticates), and kvtier builds its sealer from it."""
-    from kvtier.codec import Signer
-    from kvtier.seal import key_id
+    from kvtier.objects.codec import Signer
+    from kvtier.objects.seal import key_id
 
     values = json.loads(json.dumps(values))
     values.setdefault("kvtier", {})["encryption"] = {"existingSecret": enc_secret}

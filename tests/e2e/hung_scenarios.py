@@ -18,9 +18,9 @@ from tests.e2e.engine import build_llm, generate, register, shutdown, toks
 @register
 def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, Any]:
     from kvtier import metrics
-    from kvtier.remote import RemoteIO
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers.file import FileTier
     from kvtier.stats import StatsRecorder
-    from kvtier.tiers.file import FileTier
 
     hang = threading.Event()  # set only once the engine is shut down
     calls = {"read_into": 0, "exists": 0, "put": 0}

@@ -33,7 +33,7 @@ def stored_then_hit(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvtier.tiers.file import FileTier
+    from kvtier.objects.tiers.file import FileTier
 
     real_read = FileTier.read_into
 

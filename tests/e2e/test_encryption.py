@@ -30,9 +30,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvtier import codec
-from kvtier.seal import Sealer
-from kvtier.tiers import FileTier
+from kvtier.objects import codec
+from kvtier.objects.seal import Sealer
+from kvtier.objects.tiers import FileTier
 from tests.e2e.conftest import REPO
 from tests.e2e.test_trust import _aws_env, run_logged
 

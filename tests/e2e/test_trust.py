@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 from kit import chunk_files
 
-from kvtier import codec, metrics
+from kvtier import metrics
+from kvtier.objects import codec
 from tests.e2e.conftest import ENGINE, REPO, start_outage
 from tests.e2e.trust_scenarios import compare
 
@@ -567,9 +568,9 @@ def test_errors_logs_and_doctor_never_show_secrets(
 
     from kvtier.config import load_config
     from kvtier.errors import ConfigError, TierUnavailable
-    from kvtier.remote import RemoteIO
-    from kvtier.tiers.redis import RedisTier
-    from kvtier.tiers.s3 import S3Tier
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers.redis import RedisTier
+    from kvtier.objects.tiers.s3 import S3Tier
 
     # kvtier's loggers at DEBUG, everything else at INFO (vLLM's default level; botocore's
     # own DEBUG log prints request headers, session token included, and is not kvtier's)

@@ -10,8 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import codec
-from kvtier.codec import Signer, decode, encode
 from kvtier.config import load_config
 from kvtier.errors import (
     ChecksumError,
@@ -21,9 +19,11 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
+from kvtier.objects import codec
+from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpResult
-from kvtier.remote import RemoteIO
-from kvtier.tiers.base import ObjectTier
 
 PAYLOAD = bytes(range(256)) * 16
 KEY = "model-x/tp1r0/00ab"

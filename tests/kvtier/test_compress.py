@@ -13,17 +13,17 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import codec, compress
-from kvtier.codec import Signer, decode, encode
-from kvtier.compress import Compressor, FormatError, Fp8Compressor
 from kvtier.config import load_config
 from kvtier.errors import CodecError, ConfigError, SignatureError, TruncatedError
+from kvtier.objects import codec, compress
+from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects.compress import Compressor, FormatError, Fp8Compressor
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.seal import Sealer
+from kvtier.objects.tiers import FileTier, ObjectTier
+from kvtier.objects.tiers.redis import RedisTier
+from kvtier.objects.tiers.s3 import S3Tier
 from kvtier.ops import OpResult
-from kvtier.remote import RemoteIO
-from kvtier.seal import Sealer
-from kvtier.tiers import FileTier, ObjectTier
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.s3 import S3Tier
 
 KEY = "model-x/tp1r0/00ab"
 HMAC_KEY = b"k" * 32

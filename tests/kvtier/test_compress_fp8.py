@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvtier.compress import FP8_BLOCK, Fp8Compressor, decompress_into
 from kvtier.errors import CodecError
+from kvtier.objects.compress import FP8_BLOCK, Fp8Compressor, decompress_into
 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MANTISSA = {"bfloat16": 7, "float16": 10}

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
-from kvtier import codec, compress
-from kvtier.codec import Signer, decode, encode
-from kvtier.compress import Compressor, Fp8Compressor, ThreadScratch
 from kvtier.errors import CodecError
-from kvtier.seal import Sealer
+from kvtier.objects import codec, compress
+from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects.compress import Compressor, Fp8Compressor, ThreadScratch
+from kvtier.objects.seal import Sealer
 
 KEY = "model-x/tp1r0/00ab"
 
@@ -174,9 +174,9 @@ def test_remote_reads_on_four_threads_each_get_their_own_chunk(
 ) -> None:
     """RemoteIO with four read threads fetching 24 compressed chunks of other sizes at once
     (each thread's scratch grows under the others'): every slot holds its own chunk."""
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers import FileTier
     from kvtier.ops import OpResult
-    from kvtier.remote import RemoteIO
-    from kvtier.tiers import FileTier
 
     def rio(compressor: Compressor) -> RemoteIO:
         signer = Signer(b"h" * 32, sealer=Sealer(b"s" * 32)) if sealed else None

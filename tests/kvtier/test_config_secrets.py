@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvtier import config, errors, redact
-from kvtier.codec import Signer
 from kvtier.config import ENV_PREFIX, KEYS, load_config
 from kvtier.errors import ConfigError
+from kvtier.objects.codec import Signer
 from kvtier.redact import redact_setting, redact_text, redact_url
 
 log = logging.getLogger("kvtier.test_secrets")

@@ -12,11 +12,11 @@ import logging
 
 import pytest
 
-from kvtier import codec
 from kvtier.config import insecure_tls_args, load_config
 from kvtier.errors import ConfigError
-from kvtier.seal import Sealer
-from kvtier.tiers.redis import RedisTier
+from kvtier.objects import codec
+from kvtier.objects.seal import Sealer
+from kvtier.objects.tiers.redis import RedisTier
 
 HEX_KEY = "ab" * 32
 LONG = "k" * 32

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from kit import payload
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff
 from kvtier.errors import ObjectError
-from kvtier.remote import RemoteIO
-from kvtier.tiers.file import FileTier
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.file import FileTier
 
 SHAPE = [2, 8, 64]
 SIZE = 2 * 8 * 64 * 2

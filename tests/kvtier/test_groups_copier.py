@@ -10,11 +10,11 @@ import pytest
 import torch
 from copyfakes import FakeOps, blocks_of
 
-from kvtier.copiers import GroupsCopier, make_copier
-from kvtier.cuda_copier import CudaCopier
-from kvtier.layout import FULL, SLIDING, HostSlab, KVGroup, SlotLayout
+from kvtier.host.copiers import GroupsCopier, make_copier
+from kvtier.host.cuda_copier import CudaCopier
+from kvtier.host.layout import FULL, SLIDING, HostSlab, KVGroup, SlotLayout
+from kvtier.host.transfer import Copier, CpuCopier
 from kvtier.ops import LoadOp, StoreOp
-from kvtier.transfer import Copier, CpuCopier
 
 NB, BS, BPC = 24, 4, 4
 GROUPS = (KVGroup(FULL, ("a", "c"), BPC), KVGroup(SLIDING, ("b", "d"), 2, 8))

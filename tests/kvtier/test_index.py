@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.index import ChunkIndex, Entry, State
+from kvtier.host.index import ChunkIndex, Entry, State
 
 
 def ready(idx: ChunkIndex, key: str) -> int:

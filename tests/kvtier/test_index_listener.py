@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.index import ChunkIndex, Entry, State
+from kvtier.host.index import ChunkIndex, Entry, State
 
 
 class Log:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.layout import (
+from kvtier.host.layout import (
     HostSlab,
     SlotLayout,
     find_block_dim,
@@ -101,8 +101,8 @@ def test_block_dim_not_found_is_a_clear_error() -> None:
 def test_backends_with_equal_slot_bytes_describe_different_layouts() -> None:
     """FlashAttention keeps K/V outermost, FlashInfer blocks outermost: same bytes per
     slot, different order. A chunk stored by one is rejected by the other, not loaded."""
-    from kvtier import codec
     from kvtier.errors import CodecError
+    from kvtier.objects import codec
 
     flash_attn = SlotLayout.from_kv_caches(
         make_caches((2, NUM_BLOCKS, BS, 4, 64), torch.bfloat16), NUM_BLOCKS, BPC

@@ -13,16 +13,21 @@ import redis.cluster
 from kit import payload
 from rediscluster import RedisCluster
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierUnavailable
 from kvtier.keys import KeySpace, Namespace
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers import open_tier
+from kvtier.objects.tiers.redis import RedisTier, _BoundedParser
+from kvtier.objects.tiers.redis_cluster import (
+    NodeUnavailable,
+    RedisClusterTier,
+    _ClusterParser,
+    _SlotDown,
+)
 from kvtier.ops import OpResult
-from kvtier.remote import RemoteIO
-from kvtier.tiers import open_tier
-from kvtier.tiers.redis import RedisTier, _BoundedParser
-from kvtier.tiers.redis_cluster import NodeUnavailable, RedisClusterTier, _ClusterParser, _SlotDown
 
 pytestmark = pytest.mark.integration
 

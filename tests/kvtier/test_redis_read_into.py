@@ -8,10 +8,10 @@ import tracemalloc
 
 import pytest
 
-from kvtier import codec
 from kvtier.errors import ObjectTooLarge
-from kvtier.remote import MAX_FRAME
-from kvtier.tiers.redis import RedisTier
+from kvtier.objects import codec
+from kvtier.objects.remote import MAX_FRAME
+from kvtier.objects.tiers.redis import RedisTier
 
 pytestmark = pytest.mark.integration
 

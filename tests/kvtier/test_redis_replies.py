@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.backoff import ConstantBackoff
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
-from kvtier.remote import RemoteIO
-from kvtier.tiers.redis import RedisTier
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.redis import RedisTier
 
 Reply = Callable[[socket.socket], None]
 

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 import pytest
 from kit import PAYLOAD_SIZE, collect, payload
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
 from kvtier.config import load_config
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers import FileTier, ObjectTier
+from kvtier.objects.tiers.redis import RedisTier
+from kvtier.objects.tiers.s3 import S3Tier
 from kvtier.ops import OpKind, OpResult
-from kvtier.remote import RemoteIO
-from kvtier.tiers import FileTier, ObjectTier
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.s3 import S3Tier
 
 if TYPE_CHECKING:
     from conftest import RedisServer, S3Bucket, S3Server

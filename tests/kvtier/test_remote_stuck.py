@@ -15,11 +15,11 @@ from collections.abc import Callable
 import pytest
 from faketier import DT, SHAPE, SIZE, WAIT, FakeTier, collect, frame, make_rio, payload, until
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff, ExponentialBackoff
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff, ExponentialBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.seal import Sealer
 from kvtier.ops import OpKind, OpResult
-from kvtier.remote import RemoteIO
-from kvtier.seal import Sealer
 
 
 class HookedLock:

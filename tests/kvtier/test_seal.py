@@ -1,4 +1,5 @@
-"""Encrypted chunks (kvtier.seal + kvtier.codec): keys, sealing, rejection, and the tiers."""
+"""Encrypted chunks (kvtier.objects.seal + kvtier.objects.codec): keys, sealing, rejection,
+and the tiers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import pytest
 
-from kvtier import codec, metrics, remote
+from kvtier import metrics
 from kvtier.config import load_config
 from kvtier.errors import (
     ChecksumError,
@@ -21,11 +22,12 @@ from kvtier.errors import (
     SealedError,
     SignatureError,
 )
-from kvtier.remote import RemoteIO
-from kvtier.seal import Sealer, key_id, parse_key
-from kvtier.tiers import FileTier, ObjectTier
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.s3 import S3Tier
+from kvtier.objects import codec, remote
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.seal import Sealer, key_id, parse_key
+from kvtier.objects.tiers import FileTier, ObjectTier
+from kvtier.objects.tiers.redis import RedisTier
+from kvtier.objects.tiers.s3 import S3Tier
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

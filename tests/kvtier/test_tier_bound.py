@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier import codec
-from kvtier.tiers import FileTier, open_tier
+from kvtier.objects import codec
+from kvtier.objects.tiers import FileTier, open_tier
 
 pytestmark = pytest.mark.integration
 

@@ -16,13 +16,13 @@ import pytest
 import redis
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from kvtier import codec
-from kvtier.backoff import ConstantBackoff
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
-from kvtier.remote import RemoteIO
-from kvtier.tiers.file import FileTier
-from kvtier.tiers.redis import RedisTier, ReplyTooLarge
-from kvtier.tiers.s3 import S3Tier
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.file import FileTier
+from kvtier.objects.tiers.redis import RedisTier, ReplyTooLarge
+from kvtier.objects.tiers.s3 import S3Tier
 
 OBJ, TIER = ObjectError, TierUnavailable
 

@@ -1,12 +1,13 @@
-"""One object-tier policy: every backend's waits and retries come from kvtier.tiers.policy."""
+"""One object-tier policy: every backend's waits and retries come from
+kvtier.objects.tiers.policy."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.config import load_config
-from kvtier.remote import RemoteIO
-from kvtier.tiers.policy import RETRIES, Timeouts
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.policy import RETRIES, Timeouts
 
 
 def test_timeouts_follow_the_lookup_deadline_with_floors() -> None:
@@ -18,7 +19,7 @@ def test_timeouts_follow_the_lookup_deadline_with_floors() -> None:
 
 
 def test_s3_client_uses_the_policy() -> None:
-    from kvtier.tiers.s3 import client_config
+    from kvtier.objects.tiers.s3 import client_config
 
     cfg = client_config(io_threads=4, lookup_timeout_ms=300)
     waits = Timeouts.from_ms(300)
@@ -27,7 +28,7 @@ def test_s3_client_uses_the_policy() -> None:
 
 
 def test_redis_pool_uses_the_policy() -> None:
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.objects.tiers.redis import RedisTier
 
     tier = RedisTier("redis://127.0.0.1:1/0", io_threads=2, lookup_timeout_ms=3000)
     try:

@@ -21,15 +21,15 @@ import pytest
 from botocore.exceptions import EndpointConnectionError
 from kit import PAYLOAD_SIZE, collect, payload
 
-from kvtier import codec
-from kvtier.backoff import BackoffState, ConstantBackoff
 from kvtier.config import load_config
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
+from kvtier.objects import codec
+from kvtier.objects.backoff import BackoffState, ConstantBackoff
+from kvtier.objects.remote import MAX_FRAME, RemoteIO
+from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
+from kvtier.objects.tiers.redis import RedisTier
+from kvtier.objects.tiers.s3 import S3Tier
 from kvtier.ops import OpResult
-from kvtier.remote import MAX_FRAME, RemoteIO
-from kvtier.tiers import FileTier, ObjectTier, open_tier
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.s3 import S3Tier
 
 if TYPE_CHECKING:
     from conftest import RedisServer, S3Bucket

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvtier import codec
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectTooLarge, TierUnavailable, TruncatedError
-from kvtier.tiers import FileTier, ObjectTier, open_tier
+from kvtier.objects import codec
+from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
 
 if TYPE_CHECKING:
     from conftest import RedisServer, S3Bucket

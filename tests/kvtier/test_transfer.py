@@ -16,12 +16,11 @@ import pytest
 import torch
 from copyfakes import FakeOps, make_caches, times
 
-from kvtier import cuda as kcuda
-from kvtier.copiers import make_copier
-from kvtier.cuda_copier import CudaCopier
-from kvtier.layout import HostSlab, SlotLayout, find_block_dim
-from kvtier.ops import LoadOp, StoreOp
-from kvtier.transfer import (
+from kvtier.host import cuda as kcuda
+from kvtier.host.copiers import make_copier
+from kvtier.host.cuda_copier import CudaCopier
+from kvtier.host.layout import HostSlab, SlotLayout, find_block_dim
+from kvtier.host.transfer import (
     CpuCopier,
     check_job,
     contiguous_pieces,
@@ -29,6 +28,7 @@ from kvtier.transfer import (
     round_plan,
     staging_shape,
 )
+from kvtier.ops import LoadOp, StoreOp
 
 NUM_BLOCKS, BS, BPC, LAYERS = 40, 32, 4, 3
 
@@ -491,7 +491,7 @@ def test_staging_is_one_buffer_per_stream_reused_across_layers_and_rounds() -> N
 
 
 def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None:
-    from kvtier import transfer
+    from kvtier.host import transfer
 
     def refuse(*a, **k):
         raise RuntimeError("Tensors must be on the same device")

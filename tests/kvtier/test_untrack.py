@@ -1,11 +1,11 @@
-"""kvtier.untrack: an untracked record leaves the collector's lists and is still freed."""
+"""kvtier.host.untrack: an untracked record leaves the collector's lists and is still freed."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from kvtier.untrack import untrack
+from kvtier.host.untrack import untrack
 
 
 class Record:

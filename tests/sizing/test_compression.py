@@ -75,11 +75,11 @@ def test_fp32_kv_is_stored_as_it_is() -> None:
 
 
 def test_the_format_restated_here_is_kvtiers() -> None:
-    """sizing restates the fp8 format (kvtier.compress needs torch for it): check both
+    """sizing restates the fp8 format (kvtier.objects.compress needs torch for it): check both
     agree, down to the length of a real fp8 stream."""
     torch = pytest.importorskip("torch")
-    from kvtier import compress
     from kvtier.config import COMPRESSIONS
+    from kvtier.objects import compress
 
     assert cz.COMPRESSIONS == COMPRESSIONS
     assert cz.FP8_BLOCK == compress.FP8_BLOCK

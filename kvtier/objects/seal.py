@@ -8,7 +8,7 @@ chunk key, dtype, shape and length, and nothing about the tokens:
 - AES-256-GCM (``cryptography``, OpenSSL underneath: AES-NI/VAES), a fresh
   random 96-bit nonce per object, the 128-bit tag in the chunk's header.
 - The associated data is the chunk's format version, chunk key, dtype, shape
-  and length (:func:`kvtier.codec.encode` builds it): a sealed chunk copied to
+  and length (:func:`kvtier.objects.codec.encode` builds it): a sealed chunk copied to
   another chunk key's name, or with any header field changed, does not open.
 - Every key has an id (the first 8 bytes of HMAC-SHA256(key, a fixed label)):
   it names which of an engine's keys opened a chunk without trying them all,
@@ -40,7 +40,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvtier.errors import ConfigError, SealedError, SignatureError
-from kvtier.key_material import env_key, file_key
+from kvtier.objects.key_material import env_key, file_key
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig

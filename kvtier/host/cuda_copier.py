@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
+
 from .layout import HostSlab, SlotLayout
-from .ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
 from .transfer import (
     Copier,
     CopyTimes,

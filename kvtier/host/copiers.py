@@ -1,8 +1,8 @@
 """Which copier moves a worker's KV: :func:`make_copier`.
 
-The choice needs both copiers, so it lives above them: :mod:`kvtier.transfer`
-(the :class:`~kvtier.transfer.Copier` interface, :class:`~kvtier.transfer.CpuCopier`
-and the index math) and :mod:`kvtier.cuda_copier` (built on that module) never
+The choice needs both copiers, so it lives above them: :mod:`kvtier.host.transfer`
+(the :class:`~kvtier.host.transfer.Copier` interface, :class:`~kvtier.host.transfer.CpuCopier`
+and the index math) and :mod:`kvtier.host.cuda_copier` (built on that module) never
 import this one. A hybrid model's KV cache groups each get a copier of their own,
 behind one :class:`GroupsCopier`.
 """
@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp, group_parts
+
 from .cuda_copier import CudaCopier, StreamOps
 from .layout import HostSlab, SlotLayout
-from .ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp, group_parts
 from .transfer import Copier, CpuCopier
 
 __all__ = ["GroupsCopier", "make_copier"]
@@ -30,8 +31,8 @@ def make_copier(
     slab: HostSlab,
     ops_factory: Callable[[torch.device], StreamOps] | None = None,
 ) -> Copier:
-    """A :class:`~kvtier.cuda_copier.CudaCopier` for KV on CUDA, else a
-    :class:`~kvtier.transfer.CpuCopier`; one per KV cache group of a hybrid model."""
+    """A :class:`~kvtier.host.cuda_copier.CudaCopier` for KV on CUDA, else a
+    :class:`~kvtier.host.transfer.CpuCopier`; one per KV cache group of a hybrid model."""
 
     def single(kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> Copier:
         if kv[0].device.type == "cuda":

@@ -79,15 +79,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier import codec, compress, metrics
-from kvtier.backoff import Backoff, ExponentialBackoff
+from kvtier import metrics
 from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable, TruncatedError
+from kvtier.objects import codec, compress
+from kvtier.objects.backoff import Backoff, ExponentialBackoff
+from kvtier.objects.tier_health import RateLimitedLog, TierHealth
+from kvtier.objects.tiers.base import ObjectTier
+from kvtier.objects.tiers.policy import Timeouts
 from kvtier.ops import OpKind, OpResult
 from kvtier.stats import Totals
 from kvtier.threads import run_within, stop_within
-from kvtier.tier_health import RateLimitedLog, TierHealth
-from kvtier.tiers.base import ObjectTier
-from kvtier.tiers.policy import Timeouts
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -267,7 +268,7 @@ class RemoteIO:
         backoff: Backoff | None = None,
     ) -> RemoteIO:
         """RemoteIO for ``cfg``: its tier (opened here unless given), signer and limits."""
-        from kvtier.tiers import open_tier
+        from kvtier.objects.tiers import open_tier
 
         signer = codec.Signer.from_config(cfg, environ)
         return cls(

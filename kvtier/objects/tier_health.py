@@ -2,7 +2,7 @@
 
 RemoteIO keeps one :class:`TierHealth`: reads and writes back off separately
 (a store that refuses writes must not stop hits; a failing read path must not
-stop uploads), with the same :class:`~kvtier.backoff.Backoff` policy.
+stop uploads), with the same :class:`~kvtier.objects.backoff.Backoff` policy.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from kvtier.backoff import Backoff, BackoffState
+from kvtier.objects.backoff import Backoff, BackoffState
 
 log = logging.getLogger("kvtier.remote")
 

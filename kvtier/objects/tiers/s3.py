@@ -20,8 +20,8 @@ from kvtier.errors import (
     TierUnavailable,
     TruncatedError,
 )
-from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
-from kvtier.tiers.policy import RETRIES, Timeouts
+from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
+from kvtier.objects.tiers.policy import RETRIES, Timeouts
 
 __all__ = ["S3Tier", "client_config"]
 

@@ -17,7 +17,7 @@ covers a canonical encoding of the header without ``"sig"`` and the payload,
 so neither can be swapped. Unknown, missing or mistyped header fields are
 rejected rather than ignored: a mutated chunk never decodes.
 
-A **sealed** chunk (an encryption key is configured, see :mod:`kvtier.seal`)
+A **sealed** chunk (an encryption key is configured, see :mod:`kvtier.objects.seal`)
 has the same frame; its payload is the AES-256-GCM ciphertext of the KV bytes
 (as long as they are) and its header ``{"v", "key", "dtype", "shape", "len",
 "kid", "nonce", "tag"}`` (plus ``"sig"``) replaces the checksum with the key id,
@@ -28,7 +28,7 @@ them changed (moved to another chunk key's name) does not open; the tag also
 catches bit flips. With an HMAC key as well, the signature covers the sealed
 header and the ciphertext (encrypt-then-MAC) and is checked before decryption.
 
-A **compressed** chunk (``compression: lossless``, see :mod:`kvtier.compress`)
+A **compressed** chunk (``compression: lossless``, see :mod:`kvtier.objects.compress`)
 adds ``"z"``, the name of its form, to either header; its payload (and ``len``)
 is the compressed stream, which the checksum, the HMAC and the AEAD cover (they
 also cover the form: compress, then seal and sign). It is read by verifying first,
@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
-from kvtier.compress import LOSSY_FORMS, FormatError, ThreadScratch, decompress_into
 from kvtier.errors import (
     ChecksumError,
     CodecError,
@@ -61,8 +60,9 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
-from kvtier.key_material import env_key, file_key
-from kvtier.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES, Seal, Sealer
+from kvtier.objects.compress import LOSSY_FORMS, FormatError, ThreadScratch, decompress_into
+from kvtier.objects.key_material import env_key, file_key
+from kvtier.objects.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES, Seal, Sealer
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -116,7 +116,7 @@ class Signer:
     HMAC-SHA256 signing: one key signs, several verify (key rotation). Without
     it anyone who can write the bucket can feed KV to every replica; with it,
     only holders of a key can. ``sealer`` adds AES-256-GCM sealing
-    (:class:`kvtier.seal.Sealer`): chunks are encrypted, and authenticated by
+    (:class:`kvtier.objects.seal.Sealer`): chunks are encrypted, and authenticated by
     the GCM tag, so a Signer may hold a sealer and no HMAC key at all.
     """
 
@@ -385,7 +385,7 @@ def decode(
     A compressed chunk is decompressed into ``out`` (its size is the only bound on the
     output) and ``out`` is returned; without ``out`` it is a :class:`CodecError`. A
     sealed compressed chunk of a read-only ``blob`` opens in this thread's scratch
-    buffer (:class:`kvtier.compress.ThreadScratch`, reused by every such read, never
+    buffer (:class:`kvtier.objects.compress.ThreadScratch`, reused by every such read, never
     longer than the largest ``out``): reading into ``out`` allocates no buffer per read.
 
     Raises a :class:`~kvtier.errors.CodecError` subclass for anything that is

@@ -5,10 +5,10 @@ so the worker does not care which one runs:
 
 - :class:`CpuCopier` — synchronous, the CPU backend's path: loads finish in
   ``begin_loads``, stores run in ``finish_saves`` (all layers written by then).
-- :class:`kvtier.cuda_copier.CudaCopier` — asynchronous, per layer, on its own
+- :class:`kvtier.host.cuda_copier.CudaCopier` — asynchronous, per layer, on its own
   streams (see there; it builds on this module, which never imports it).
 
-:func:`kvtier.copiers.make_copier` picks one for the KV's device.
+:func:`kvtier.host.copiers.make_copier` picks one for the KV's device.
 
 The index math both use (which slot blocks an op touches, rounds that fit the
 staging buffer, contiguous pieces of a slot) is pure and unit-tested on the CPU.
@@ -23,8 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
+
 from .layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
-from .ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
 
 logger = logging.getLogger("kvtier.transfer")
 

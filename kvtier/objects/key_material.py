@@ -1,7 +1,7 @@
 """Reading key material the config points at: an environment variable or a file.
 
-The HMAC keys (:class:`kvtier.codec.Signer`) and the encryption keys
-(:class:`kvtier.seal.Sealer`) are both named in the config by a variable or a
+The HMAC keys (:class:`kvtier.objects.codec.Signer`) and the encryption keys
+(:class:`kvtier.objects.seal.Sealer`) are both named in the config by a variable or a
 path, never written there. A name that leads nowhere (unset, empty, unreadable)
 stops startup with a :class:`~kvtier.errors.ConfigError` naming the config key and
 the variable or file; the key itself never enters a message.

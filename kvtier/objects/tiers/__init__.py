@@ -11,8 +11,8 @@ from urllib.parse import unquote, urlparse
 
 from kvtier.config import KVTierConfig, redact_url
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import ObjectTier, Parts
-from kvtier.tiers.file import FileTier
+from kvtier.objects.tiers.base import ObjectTier, Parts
+from kvtier.objects.tiers.file import FileTier
 
 __all__ = ["FileTier", "ObjectTier", "Parts", "open_tier"]
 
@@ -26,7 +26,7 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
     if scheme == "file":
         return FileTier(unquote(urlparse(url).path), max_bytes=cfg.file_max_bytes)
     if scheme == "s3":
-        from kvtier.tiers.s3 import S3Tier
+        from kvtier.objects.tiers.s3 import S3Tier
 
         return S3Tier(
             url,
@@ -35,8 +35,8 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
             lookup_timeout_ms=cfg.lookup_timeout_ms,
         )
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        from kvtier.tiers.redis import RedisTier
-        from kvtier.tiers.redis_cluster import RedisClusterTier
+        from kvtier.objects.tiers.redis import RedisTier
+        from kvtier.objects.tiers.redis_cluster import RedisClusterTier
 
         tier_cls = RedisClusterTier if scheme.endswith("+cluster") else RedisTier
         return tier_cls(

@@ -265,7 +265,7 @@ class HostSlab:
     in the background from the start (as pinning commits them on CUDA), so no
     hit waits for page faults. With ``pin=True`` (KV on CUDA) the buffer is an
     exact-size mapping registered with ``cudaHostRegister`` (see
-    ``kvtier.cuda``), never ``Tensor.pin_memory()``, which rounds each
+    ``kvtier.host.cuda``), never ``Tensor.pin_memory()``, which rounds each
     allocation up to a power of two.
     """
 

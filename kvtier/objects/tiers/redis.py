@@ -18,8 +18,8 @@ from redis.utils import SENTINEL
 
 from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
-from kvtier.tiers.policy import RETRIES, Timeouts
+from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
+from kvtier.objects.tiers.policy import RETRIES, Timeouts
 
 __all__ = ["ClusterNodeRefused", "RedisTier", "ReplyTooLarge"]
 

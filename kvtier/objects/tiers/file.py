@@ -18,7 +18,7 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
-from kvtier.tiers.base import ObjectTier, Parts, head_length_for
+from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for
 
 __all__ = ["FileTier", "SweepStats"]
 

@@ -40,12 +40,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier import metrics
-from kvtier.backoff import BackoffState, ExponentialBackoff
 from kvtier.config import cluster_seeds, insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
-from kvtier.tiers.base import Parts
-from kvtier.tiers.policy import RETRIES, Timeouts
-from kvtier.tiers.redis import RedisTier, _Bound, _BoundedParser, _connection, _set_frame
+from kvtier.objects.backoff import BackoffState, ExponentialBackoff
+from kvtier.objects.tiers.base import Parts
+from kvtier.objects.tiers.policy import RETRIES, Timeouts
+from kvtier.objects.tiers.redis import RedisTier, _Bound, _BoundedParser, _connection, _set_frame
 
 __all__ = ["NODE_BACKOFF_CAP_S", "NodeUnavailable", "RedisClusterTier"]
 
