@@ -19,6 +19,7 @@ from harness import free_port
 
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
+from kvtier.ops import OpResult
 
 MiB = 2**20
 
@@ -34,6 +35,43 @@ def wait_for_results(rio: RemoteIO, n: int) -> None:
         got += len(results)
         if got < n:
             time.sleep(0.002)  # an engine polls once per step; spinning would steal the GIL
+
+
+def poll_results(rio: RemoteIO, n: int) -> list[OpResult]:
+    """Poll ``rio`` until ``n`` results came, every half millisecond (an engine asks again
+    every step): how the timed restart-hit reads wait, close to their real latency."""
+    got: list[OpResult] = []
+    while len(got) < n:
+        got += rio.poll()
+        if len(got) < n:
+            time.sleep(0.0005)
+    return got
+
+
+def time_restart_runs(
+    rios: dict[str, RemoteIO], key_prefix: str, slots: list[memoryview], shape: list[int],
+    reps: int, check: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Time one run of fetches of every slot, as a restart hit's lookup asks for it, per
+    side of ``rios``, ``reps`` times after two warm-up runs each; the sides alternate
+    which goes first. ``check`` runs after each run, outside the time."""
+    sides = list(rios)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    n = len(slots)
+    for r in range(reps + 2):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            rio = rios[side]
+            t0 = time.perf_counter()
+            rio.submit_get_run([(i, f"{key_prefix}-{side}-{i}", slots[i]) for i in range(n)],
+                               dtype="bfloat16", shape=shape)  # fmt: skip
+            got = poll_results(rio, n)
+            elapsed = time.perf_counter() - t0
+            if any(not x.ok for x in got):
+                raise RuntimeError(f"restart-hit fetch failed: {got}")
+            if r >= 2:
+                times[side].append(elapsed)
+            check()
+    return times
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:

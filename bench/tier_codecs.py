@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tier_cases import Case, MiB, open_case, timed, wait_for_results
+from tier_cases import Case, MiB, open_case, time_restart_runs, timed, wait_for_results
 
 from kvtier.objects import codec, compress
 from kvtier.objects.backoff import ConstantBackoff
@@ -290,25 +290,13 @@ def run_compression_hit(
                            compressor=comp if side == "lossless" else None)
             for side in stored}  # fmt: skip
     slots = [memoryview(bytearray(size)) for _ in range(n)]
-    times: dict[str, list[float]] = {side: [] for side in stored}
     reps = max(args.rounds, 3) * 5
-    for r in range(reps + 2):  # two warm-up runs each
-        for side in (("none", "lossless") if r % 2 == 0 else ("lossless", "none")):
-            rio = rios[side]
-            t0 = time.perf_counter()
-            rio.submit_get_run([(i, f"z-{side}-{i}", slots[i]) for i in range(n)],
-                               dtype="bfloat16", shape=shape)  # fmt: skip
-            got: list = []
-            while len(got) < n:
-                got += rio.poll()
-                if len(got) < n:
-                    time.sleep(0.0005)
-            if any(not x.ok for x in got):
-                raise RuntimeError(f"restart-hit fetch failed: {got}")
-            if r >= 2:
-                times[side].append(time.perf_counter() - t0)
-            for i in range(n):
-                assert bytes(slots[i]) == chunks[i % len(chunks)], "not bit-exact"
+
+    def bit_exact() -> None:
+        for i in range(n):
+            assert bytes(slots[i]) == chunks[i % len(chunks)], "not bit-exact"
+
+    times = time_restart_runs(rios, "z", slots, shape, reps, bit_exact)
     for rio in rios.values():
         rio.close()
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tier_cases import (
@@ -18,7 +17,9 @@ from tier_cases import (
     local_cluster,
     mbps,
     open_case,
+    poll_results,
     redis_case,
+    time_restart_runs,
     timed,
     wait_for_results,
 )
@@ -151,14 +152,9 @@ def _measure_into(
         for batch in plan:
             for i, c in enumerate(batch):
                 rio.submit_get_into(i, f"into-{c}", slots[i], dtype="bfloat16", shape=shape)
-            got = 0
-            while got < len(batch):
-                res = rio.poll()
-                if any(not r.ok for r in res):
-                    raise RuntimeError(f"RemoteIO get failed: {res}")
-                got += len(res)
-                if got < len(batch):
-                    time.sleep(0.0005)
+            res = poll_results(rio, len(batch))
+            if any(not r.ok for r in res):
+                raise RuntimeError(f"RemoteIO get failed: {res}")
 
     def read_verify(c: int, slot: memoryview) -> None:
         k = f"into-{c}"
@@ -253,26 +249,13 @@ def run_hit_latency(case: Case, args: argparse.Namespace, chunks: list[bytes]) -
                            backoff=ConstantBackoff(0.1))
             for side, signer in sides.items()}  # fmt: skip
     slots = [memoryview(bytearray(size)) for _ in range(n)]
-    times: dict[str, list[float]] = {"plain": [], "sealed": []}
     reps = max(args.rounds, 3) * 5
-    for r in range(reps + 2):  # two warm-up runs each
-        for side in (("plain", "sealed") if r % 2 == 0 else ("sealed", "plain")):
-            rio = rios[side]
-            t0 = time.perf_counter()
-            rio.submit_get_run([(i, f"hit-{side}-{i}", slots[i]) for i in range(n)],
-                               dtype="bfloat16", shape=shape)  # fmt: skip
-            got: list = []
-            while len(got) < n:
-                got += rio.poll()
-                if len(got) < n:
-                    time.sleep(0.0005)  # an engine asks again every step
-            elapsed = time.perf_counter() - t0
-            if any(not x.ok for x in got):
-                raise RuntimeError(f"restart-hit fetch failed: {got}")
-            if r >= 2:
-                times[side].append(elapsed)
-    for i in range(n):
-        assert bytes(slots[i]) == chunks[i % len(chunks)], "a sealed chunk did not open"
+
+    def opened() -> None:
+        for i in range(n):
+            assert bytes(slots[i]) == chunks[i % len(chunks)], "a sealed chunk did not open"
+
+    times = time_restart_runs(rios, "hit", slots, shape, reps, opened)
     for rio in rios.values():
         rio.close()
     med = {k: statistics.median(v) for k, v in times.items()}
