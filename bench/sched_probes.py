@@ -29,6 +29,18 @@ from sched_setup import (
 
 
 # ---- lookups ------------------------------------------------------------------------------
+def outcome_tokens(outcome: str, hit_toks: list[int], half: int, rng: random.Random) -> list[int]:
+    """A prompt the host tier holds ("hit"), holds the first ``half`` chunks of
+    ("partial"), or lacks ("miss"), as long as ``hit_toks``."""
+    if outcome == "hit":
+        return hit_toks
+    if outcome == "partial":
+        return hit_toks[: half * CHUNK] + [
+            rng.randrange(2, VOCAB) for _ in range(len(hit_toks) - half * CHUNK)
+        ]
+    return [rng.randrange(2, VOCAB) for _ in range(len(hit_toks))]
+
+
 def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[dict[str, Any]]:
     """get_num_new_matched_tokens for a fresh 32k-token request: hit, partial, miss."""
     rng = random.Random(f"lookup-{plan.seed}-{n_index}")
@@ -48,14 +60,7 @@ def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[di
             lat: list[float] = []
             matched = []
             for i in range(plan.lookup_samples):
-                if outcome == "hit":
-                    toks = hit_toks
-                elif outcome == "partial":
-                    toks = hit_toks[: half * CHUNK] + [
-                        rng.randrange(2, VOCAB) for _ in range(prompt_len - half * CHUNK)
-                    ]
-                else:
-                    toks = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+                toks = outcome_tokens(outcome, hit_toks, half, rng)
                 req = make_request(f"l-{outcome}-{i}", toks)
                 if hasattr(conn, "on_new_request") and variant == "offloading":
                     conn.on_new_request(req)
@@ -104,14 +109,7 @@ def run_may_load_async(plan: Plan, n_index: int) -> list[dict[str, Any]]:
         for outcome in ("hit", "partial", "miss"):
             reqs = []
             for i in range(plan.lookup_samples):
-                if outcome == "hit":
-                    toks = hit_toks
-                elif outcome == "partial":
-                    toks = hit_toks[: half * CHUNK] + [
-                        rng.randrange(2, VOCAB) for _ in range(prompt_len - half * CHUNK)
-                    ]
-                else:
-                    toks = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+                toks = outcome_tokens(outcome, hit_toks, half, rng)
                 reqs.append(make_request(f"m-{outcome}-{i}", toks))
             lat: list[float] = []
             answers = set()
