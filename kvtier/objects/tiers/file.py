@@ -251,17 +251,31 @@ class FileTier(ObjectTier):
         finally:
             os.close(dir_fd)
 
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+    def _open_regular(self, key: str) -> tuple[int, os.stat_result] | None:
+        """The object's fd and its stat (None: no such object); the caller closes the fd.
+        Anything but a regular file is an ObjectError (the fd is closed then)."""
         try:
             fd = self._open_object(key)
+            if fd is None:
+                return None
         except OSError as exc:
             raise self._error("get", exc) from None
-        if fd is None:
-            return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ObjectError(f"file tier get under {self.root}: not a regular file")
+        except OSError as exc:
+            os.close(fd)
+            raise self._error("get", exc) from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ObjectError(f"file tier get under {self.root}: not a regular file")
+        return fd, st
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        opened = self._open_regular(key)
+        if opened is None:
+            return None
+        fd, st = opened
+        try:
             if max_bytes is not None and st.st_size > max_bytes:
                 raise ObjectTooLarge(
                     f"file tier get under {self.root}: object of {st.st_size} bytes, "
@@ -277,16 +291,11 @@ class FileTier(ObjectTier):
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
-        try:
-            fd = self._open_object(key)
-        except OSError as exc:
-            raise self._error("get", exc) from None
-        if fd is None:
+        opened = self._open_regular(key)
+        if opened is None:
             return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ObjectError(f"file tier get under {self.root}: not a regular file")
             where = f"file tier get under {self.root}"
             head = bytearray(head_length_for(st.st_size, dest.nbytes, max_head, where))
             bufs, offset = [memoryview(head), dest], 0
