@@ -14,7 +14,6 @@ the block vLLM's table gives for that layer's group.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -54,8 +52,8 @@ from kvtier.errors import ConfigError
 from kvtier.host.layout import FULL, SLIDING, KVGroup, SlotLayout
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO
+from tests.connectors.hybrid_engine import BS, CHUNK, engine_config, kvtier_extra
 
-BS, CHUNK = 16, 64
 BPC = CHUNK // BS
 WINDOW = 32
 HEADS, HEAD = 2, 8
@@ -75,40 +73,6 @@ def attn(i: int) -> str:
 #: Gemma 2/3 style: full and sliding-window layers alternate
 SPECS: dict[str, KVCacheSpec] = {attn(0): FULL_SPEC, attn(1): SWA_SPEC, attn(2): FULL_SPEC,
                                  attn(3): SWA_SPEC}
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
-
-
-def kvtier_extra(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK, **(extra or {})}
-
-
-def engine_config(model_dir: str, extra: dict[str, Any] | None = None) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both", kv_connector_extra_config=kvtier_extra(extra),
-    )
-    vc = VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=ktc,
-    )
-    vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves first
-    return vc
 
 
 def truth(layer: int, pos: int, token: int, like: torch.Tensor) -> torch.Tensor:

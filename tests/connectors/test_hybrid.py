@@ -10,13 +10,11 @@ model through vLLM's scheduler and kvtier's sides.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
@@ -37,45 +35,14 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.errors import ConfigError
 from kvtier.host.layout import SlotLayout, slot_bytes_for
+from tests.connectors.hybrid_engine import BS, CHUNK, engine_config
 
-BS, CHUNK = 16, 64
 NUM_BLOCKS = 32
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
 SWA = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
                         sliding_window=32)
 MAMBA = MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)),
                   dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=FULL.page_size_bytes)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    """A directory vLLM's ModelConfig accepts (a config.json; nothing runs the model)."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
-
-
-def engine_config(model_dir: str) -> VllmConfig:
-    ktc = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0,
-                                   "chunk_size": CHUNK},
-    )
-    return VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=ktc,
-    )
 
 
 def vllm_groups(vc: VllmConfig, specs: dict[str, KVCacheSpec]) -> KVCacheConfig:

@@ -1,0 +1,21 @@
+"""Fixtures shared by the connector tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    """A directory vLLM's ModelConfig accepts (a config.json; nothing runs the model)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
