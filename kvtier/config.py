@@ -355,8 +355,9 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_decrypt_keys_file": _path,
     "trust_multimodal_ids": _bool_flag,
 }
-#: how chunks are stored in the object tier: raw, or compressed losslessly (kvtier.objects.compress)
-COMPRESSIONS = ("none", "lossless", "fp8")
+#: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
+#: that makes reads faster (kvtier.objects.zpolicy), or as fp8 (kvtier.objects.compress)
+COMPRESSIONS = ("none", "lossless", "auto", "fp8")
 _PARSERS["compression"] = _choice(COMPRESSIONS)
 
 
