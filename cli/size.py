@@ -58,18 +58,23 @@ def _ratio(text: str) -> float:
 
 
 def add_compression_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.sizing.compression import LOSSLESS_RATIO  # the standard library only
+    from kvtier.sizing.compression import (  # the standard library only
+        COMPRESSIONS,
+        LOSSLESS_RATIO,
+    )
 
     c = p.add_argument_group(
         "object-tier compression (kvtier's compression setting; the host tier is never "
         "compressed)")
-    c.add_argument("--compression", choices=("none", "lossless", "fp8"), default="none",
+    c.add_argument("--compression", choices=COMPRESSIONS, default="none",
                    help="size the object tier's stored bytes for this setting: none "
-                   "(default), lossless (a measured ratio, see --compression-ratio), fp8 "
+                   "(default), lossless (a measured ratio, see --compression-ratio), auto "
+                   "(compressed only where reads are faster so: sized raw unless "
+                   "--compression-ratio), fp8 "
                    "(exact: 1 byte per bf16/fp16 value + 4 bytes per 128 values; fp8 or "
                    "fp32 KV is stored as it is); --emit writes it into the config")
     c.add_argument("--compression-ratio", type=_ratio, metavar="R",
-                   help="lossless only: stored / raw to size with, in (0, 1], instead of the "
+                   help="lossless or auto: stored / raw to size with, in (0, 1], instead of the "
                    f"README's measured {LOSSLESS_RATIO:g} (bf16 KV of the test models; no "
                    "trained model measured). Take yours from a running tier: "
                    "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "

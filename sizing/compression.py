@@ -14,6 +14,9 @@ is sized raw whatever the setting.
   ``--compression-ratio`` (a running tier's ``kvtier:compress_stored_bytes_total`` ÷
   ``kvtier:compress_raw_bytes_total``). The measurement is of 16-bit KV; KV of another
   width is sized raw unless a ratio is given.
+- ``auto``: stored compressed only where the engine measured that reads are faster so
+  (kvtier.objects.zpolicy), which no plan can know: sized raw, the most it can take,
+  unless ``--compression-ratio`` gives a running tier's measured ratio.
 
 Only the standard library: this is imported by ``kvtier size``, which must start fast
 (kvtier.objects.compress itself needs torch for fp8, so its format is restated here and a test
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: the ``compression`` values kvtier's config accepts
-COMPRESSIONS = ("none", "lossless", "fp8")
+COMPRESSIONS = ("none", "lossless", "auto", "fp8")
 #: fp8: values per float32 scale (kvtier.objects.compress.FP8_BLOCK)
 FP8_BLOCK = 128
 #: fp8: bytes per scale
@@ -67,14 +70,14 @@ class ObjectCompression:
         if self.fp8_applies:
             n = raw // 2
             return FP8_HEADER_BYTES + FP8_SCALE_BYTES * math.ceil(n / FP8_BLOCK) + n
-        if self.setting == "lossless":
+        if self.setting in ("lossless", "auto"):
             return min(raw, math.ceil(raw * self.lossless_ratio))  # never above raw: stored raw
         return raw
 
     def ratio(self, raw: int) -> float:
         """Stored ÷ raw for objects of ``raw`` bytes: lossless's ratio as given, fp8's
         exact for that object size (headers and scales included)."""
-        if self.setting == "lossless":
+        if self.setting in ("lossless", "auto"):
             return self.lossless_ratio
         return self.stored_bytes(raw) / raw if raw else 1.0
 
@@ -103,9 +106,9 @@ def resolve(setting: str, itemsize: int, ratio: float | None = None) -> ObjectCo
     if setting not in COMPRESSIONS:
         raise ValueError(f"--compression {setting!r}: one of {', '.join(COMPRESSIONS)}")
     if ratio is not None:
-        if setting != "lossless":
+        if setting not in ("lossless", "auto"):
             raise ValueError(
-                f"--compression-ratio applies to --compression lossless only; {setting}'s "
+                f"--compression-ratio applies to --compression lossless or auto only; {setting}'s "
                 "size " + ("follows from its format" if setting == "fp8" else "is the raw KV"))
         if err := check_ratio(ratio):
             raise ValueError(err)
@@ -120,7 +123,13 @@ def resolve(setting: str, itemsize: int, ratio: float | None = None) -> ObjectCo
                    "bf16/fp16 KV only)")
         return ObjectCompression("fp8", itemsize, source=src)
     if ratio is not None:
-        return ObjectCompression("lossless", itemsize, ratio, "--compression-ratio")
+        return ObjectCompression(setting, itemsize, ratio, "--compression-ratio")
+    if setting == "auto":
+        return ObjectCompression("auto", itemsize, 1.0, (
+            "auto stores a chunk compressed only where the engine measured its reads faster "
+            "so: sized raw, the most it can take; pass --compression-ratio with a running "
+            "tier's kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "
+            "(direction=\"write\")"))
     if itemsize == 2:
         return ObjectCompression("lossless", itemsize, LOSSLESS_RATIO, LOSSLESS_SOURCE)
     return ObjectCompression("lossless", itemsize, 1.0, (

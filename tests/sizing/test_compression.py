@@ -165,7 +165,7 @@ def test_a_ratio_is_for_lossless_only(capsys: Any, setting: str) -> None:
     assert main(["size", "--model", LLAMA, "--compression", setting,
                  "--compression-ratio", "0.7"]) == 2
     err = capsys.readouterr().err
-    assert "--compression-ratio applies to --compression lossless only" in err
+    assert "--compression-ratio applies to --compression lossless or auto only" in err
 
 
 def test_chunk_size_zero_is_refused(capsys: Any) -> None:
@@ -239,7 +239,7 @@ def test_help_says_where_an_operator_ratio_comes_from() -> None:
     out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", "--help"],
                          capture_output=True, text=True, check=True).stdout
     flat = " ".join(out.split())
-    assert "--compression {none,lossless,fp8}" in flat
+    assert "--compression {none,lossless,auto,fp8}" in flat
     assert "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total" in flat
 
 
@@ -273,3 +273,24 @@ def test_doctor_sizes_the_object_tier_with_the_logged_compression(capsys: Any,
     main(["doctor", str(LOGS / "vllm-0.32-kvtier-ok.log"), "--model", LLAMA, "--json"])
     c = json.loads(capsys.readouterr().out)["plan"]["object_compression"]
     assert c["setting"] == "none" and c["chunk_size"] == 256
+
+
+def test_auto_is_sized_raw_unless_a_measured_ratio_is_given(capsys: Any) -> None:
+    """``auto`` stores compressed only where reads are faster so, which a plan cannot know:
+    the object tier is sized raw (its most), or with the operator's measured ratio."""
+    p = size_json(capsys, "--model", LLAMA, "--compression", "auto", "--chunk-size", "256")
+    c = p["object_compression"]
+    assert c["setting"] == "auto" and c["ratio"] == 1.0
+    assert c["stored_chunk_bytes"] == c["raw_chunk_bytes"] == 256 * 131_072
+    assert "sized raw" in c["ratio_source"]
+    p = size_json(capsys, "--model", LLAMA, "--compression", "auto", "--compression-ratio",
+                  "0.8", "--chunk-size", "256")
+    c = p["object_compression"]
+    assert c["ratio"] == 0.8 and c["stored_chunk_bytes"] == math.ceil(256 * 131_072 * 0.8)
+    assert c["ratio_source"] == "--compression-ratio"
+    assert main(["size", "--model", LLAMA, "--emit", "kv-transfer-config",
+                 "--compression", "auto"]) == 0
+    from kvtier.config import load_config
+
+    extra = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]
+    assert load_config(extra).compression == "auto"

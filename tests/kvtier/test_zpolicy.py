@@ -1,0 +1,112 @@
+"""``compression: auto``: which form uploads are stored in, from timed reads."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.objects import compress, zpolicy
+from kvtier.objects.compress import Compressor, Fp8Compressor, decompress_into
+from kvtier.objects.zpolicy import EXPLORE_EVERY, MIN_READS, AutoCompressor
+
+MIB = 2**20
+
+
+def chunk(n: int = 65536) -> memoryview:
+    """bf16-like bytes that compress (a smooth exponent byte plane)."""
+    return memoryview(bytes((i * 7 // 5) & 0x3F if i % 2 else i * 31 & 0xFF for i in range(n)))
+
+
+def forms(z: AutoCompressor, uploads: int) -> list[bool]:
+    """For each of ``uploads`` uploads: stored compressed?"""
+    data = chunk()
+    return [z.compress_chunk(data, "bfloat16") is not None for _ in range(uploads)]
+
+
+def reads(z: AutoCompressor, raw_ms_per_mib: float, z_ms_per_mib: float,
+          n: int = MIN_READS) -> None:
+    for _ in range(n):
+        z.observe_read(4 * MIB, raw_ms_per_mib * 4e-3, compressed=False)
+        z.observe_read(4 * MIB, z_ms_per_mib * 4e-3, compressed=True)
+
+
+def test_starts_raw_and_explores_one_upload_in_sixteen() -> None:
+    """Before any read is timed, uploads are raw (never slower than ``none``), except one
+    in EXPLORE_EVERY, so compressed reads can be measured at all."""
+    z = AutoCompressor()
+    got = forms(z, 4 * EXPLORE_EVERY)
+    assert sum(got) == 4
+    assert [i for i, c in enumerate(got, 1) if c] == [EXPLORE_EVERY * k for k in range(1, 5)]
+
+
+def test_compresses_once_compressed_reads_are_faster_and_back_when_not() -> None:
+    z = AutoCompressor()
+    reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)  # a thin link: fewer bytes pay
+    assert z.compressing
+    got = forms(z, 2 * EXPLORE_EVERY)
+    assert sum(got) == 2 * EXPLORE_EVERY - 2  # the exploring uploads are raw now
+    # the link got fast (or decompression slow): the averages follow, and so does the choice
+    reads(z, raw_ms_per_mib=0.5, z_ms_per_mib=0.8, n=12)
+    assert not z.compressing
+    assert sum(forms(z, 2 * EXPLORE_EVERY)) == 2
+
+
+def test_needs_reads_of_both_forms_and_a_clear_margin() -> None:
+    z = AutoCompressor()
+    for _ in range(10):  # only compressed reads: nothing to compare with
+        z.observe_read(4 * MIB, 1e-3, compressed=True)
+    assert not z.compressing
+    z2 = AutoCompressor()
+    reads(z2, raw_ms_per_mib=1.0, z_ms_per_mib=0.97)  # 3 % faster: within the margin
+    assert not z2.compressing
+    reads(z2, raw_ms_per_mib=1.0, z_ms_per_mib=0.5, n=6)
+    assert z2.compressing
+
+
+def test_costs_are_per_raw_byte_and_bad_samples_are_ignored() -> None:
+    z = AutoCompressor()
+    z.observe_read(0, 1.0, compressed=False)
+    z.observe_read(MIB, -1.0, compressed=False)
+    assert z.costs() == (None, None)
+    z.observe_read(2 * MIB, 2e-3, compressed=False)
+    raw, comp = z.costs()
+    assert raw == pytest.approx(1e-3 / MIB) and comp is None
+
+
+def test_the_choice_is_logged_when_it_changes(caplog: pytest.LogCaptureFixture) -> None:
+    z = AutoCompressor()
+    with caplog.at_level(logging.INFO, logger="kvtier.compression"):
+        reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)
+        reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)  # no change: no second line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "storing chunks compressed" in lines[0]
+    assert "10.00 ms/MiB raw" in lines[0]
+
+
+def test_a_compressed_upload_is_the_lossless_stream() -> None:
+    z = AutoCompressor()
+    reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)
+    data = chunk()
+    got = z.compress_chunk(data, "bfloat16")
+    assert got is not None
+    form, stream, secs = got
+    assert form == Compressor.form and len(stream) < data.nbytes and secs >= 0
+    out = memoryview(bytearray(data.nbytes))
+    decompress_into(form, memoryview(stream), out)
+    assert out == data
+
+
+def test_from_config_builds_each_setting() -> None:
+    assert zpolicy.from_config(load_config({})) is None
+    assert type(zpolicy.from_config(load_config({"compression": "lossless"}))) is Compressor
+    assert isinstance(zpolicy.from_config(load_config({"compression": "auto"})), AutoCompressor)
+    assert isinstance(zpolicy.from_config(load_config({"compression": "fp8"})), Fp8Compressor)
+
+
+def test_auto_without_blosc2_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compress, "_blosc2", lambda: None)
+    with pytest.raises(ConfigError, match="compression.*auto"):
+        zpolicy.from_config(load_config({"compression": "auto"}))
