@@ -172,6 +172,13 @@ class Compressor:
         out, secs = self.compress(data, itemsize(dtype))
         return self.form, out, secs
 
+    #: most objects are compressed (shorter than a raw chunk): read them whole, not first
+    #: into the slot as if raw
+    reads_raw_first = False
+
+    def observe_read(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
+        """A timed read (used by ``compression: auto`` only)."""
+
     @classmethod
     def from_config(cls, cfg: KVTierConfig) -> Compressor | Fp8Compressor | None:
         """The compressor ``cfg.compression`` asks for; None for ``none``. A ConfigError
@@ -215,6 +222,11 @@ class Fp8Compressor:
 
     def __repr__(self) -> str:
         return f"Fp8Compressor(block={FP8_BLOCK})"
+
+    reads_raw_first = False
+
+    def observe_read(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
+        """A timed read (used by ``compression: auto`` only)."""
 
     def compress_chunk(self, data: memoryview, dtype: str) -> tuple[str, bytes, float] | None:
         """``(form, stream, seconds)``; None (stored raw) for KV that is not bf16/fp16

@@ -68,6 +68,12 @@ class AutoCompressor:
         return f"AutoCompressor(compressing={self._compressing}, reads={self._reads})"
 
     @property
+    def reads_raw_first(self) -> bool:
+        """Most objects this engine stores are raw now: read a chunk straight into its
+        slot first (one read), whole only when it turns out shorter (compressed)."""
+        return not self._compressing
+
+    @property
     def compressing(self) -> bool:
         """Whether uploads are stored compressed now (apart from the exploring ones)."""
         return self._compressing

@@ -110,3 +110,13 @@ def test_auto_without_blosc2_is_a_config_error(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(compress, "_blosc2", lambda: None)
     with pytest.raises(ConfigError, match="compression.*auto"):
         zpolicy.from_config(load_config({"compression": "auto"}))
+
+
+def test_reads_go_straight_into_the_slot_while_uploads_are_raw() -> None:
+    """While auto stores raw, most objects are raw: a read goes into the slot first (one
+    read); while it compresses, or under lossless/fp8, objects are read whole."""
+    z = AutoCompressor()
+    assert z.reads_raw_first
+    reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)
+    assert not z.reads_raw_first
+    assert not Compressor().reads_raw_first and not Fp8Compressor().reads_raw_first
