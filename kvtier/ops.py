@@ -1,5 +1,6 @@
-"""The transfer contract: the ops the scheduler side plans and the one result type
-every mover (host copies, object-tier I/O) answers with.
+"""The transfer contract: the ops the scheduler side plans, the one result type
+every mover (host copies, object-tier I/O) answers with, and the one interface the
+worker drives every mover through (:class:`Mover`).
 
 Four kinds of op move a chunk's bytes, each its own type, each carrying its
 kind:
@@ -11,15 +12,16 @@ kind:
 
 Every op the worker accepts yields exactly one :class:`OpResult`. Plain
 dataclasses of ints and bytes: vLLM pickles the ops from the scheduler process to
-the workers.
+the workers. The worker turns a fetch or an upload into what RemoteIO moves
+(:class:`GetRun`, :class:`Put`: object keys and host memory, never pickled).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, Protocol, TypeVar
 
 
 class OpKind(StrEnum):
@@ -118,3 +120,61 @@ class OpResult:
 def by_op(results: Iterable[OpResult]) -> dict[int, OpResult]:
     """Results keyed by op id (a later result for the same op wins)."""
     return {r.op_id: r for r in results}
+
+
+#: the ``error_kind`` of an op a mover refused when it was submitted (a full write queue:
+#: backpressure): never attempted, counted as a drop (``kvtier:writes_dropped``), not as
+#: an error
+DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class GetRun:
+    """Object tier -> host memory: one lookup's chunks ``(op_id, object key, destination)``,
+    in order (RemoteIO reads the first alone, the rest once it was found, none after a
+    miss), each verified as ``dtype``/``shape`` and written into its destination."""
+
+    gets: Sequence[tuple[int, str, memoryview]]
+    dtype: str
+    shape: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Host memory -> object tier: ``payload`` (a chunk of ``dtype``/``shape``) under ``key``."""
+
+    op_id: int
+    key: str
+    payload: memoryview
+    dtype: str
+    shape: Sequence[int]
+
+
+#: what RemoteIO moves
+ObjectIO = GetRun | Put
+
+OpT_contra = TypeVar("OpT_contra", contravariant=True)
+
+
+class Mover(Protocol[OpT_contra]):
+    """What the worker drives every mover through: the copiers (:data:`CopyOp`) and
+    RemoteIO (:data:`ObjectIO`). Submit ops, collect their results, close.
+
+    Every op submitted yields exactly one :class:`OpResult`: returned by ``submit`` when
+    it is known at once (a synchronous copy, an op refused), else by a later ``poll``.
+    A copier's ops belong to the step: its ``poll`` waits (host side) for those
+    submitted, since a store must be in its slot before vLLM frees its blocks.
+    RemoteIO's ``poll`` never waits (its reads are bounded by their deadlines).
+    """
+
+    def submit(self, ops: Sequence[OpT_contra]) -> list[OpResult]:
+        """Start ``ops``; returns the results known now."""
+        ...
+
+    def poll(self) -> list[OpResult]:
+        """The results of ops finished since the last call (and not returned by ``submit``)."""
+        ...
+
+    def close(self) -> None:
+        """Stop: nothing submitted afterwards; what is left behind is the mover's to bound."""
+        ...

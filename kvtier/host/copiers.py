@@ -153,3 +153,7 @@ class GroupsCopier(Copier):
         for copier in self.copiers:
             out += self._saves.add(copier.finish_saves())
         return out
+
+    def close(self) -> None:
+        for copier in self.copiers:
+            copier.close()

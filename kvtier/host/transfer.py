@@ -1,7 +1,9 @@
 """Copies between vLLM's paged KV tensors and host slots, per layer.
 
 Two copiers share one small interface (ops and results from :mod:`kvtier.ops`),
-so the worker does not care which one runs:
+so the worker does not care which one runs: it drives them as a
+:class:`kvtier.ops.Mover` (``submit``, ``poll``, ``close``), plus the layer-wise
+hooks (``wait_layer``, ``save_layer``) that are the copier's own.
 
 - :class:`CpuCopier` — synchronous, the CPU backend's path: loads finish in
   ``begin_loads``, stores run in ``finish_saves`` (all layers written by then).
@@ -20,10 +22,11 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.ops import CopyOp, LoadOp, OpKind, OpResult, StoreOp
+from kvtier.ops import CopyOp, LoadOp, Mover, OpKind, OpResult, StoreOp
 
 from .layout import HostSlab, SlotLayout, gather_blocks, scatter_blocks
 
@@ -158,7 +161,11 @@ def layer_block_bytes(layout: SlotLayout) -> list[int]:
 
 # ---- copiers -------------------------------------------------------------------------------
 class Copier(ABC):
-    """Moves one step's loads and stores; every op accepted yields one OpResult."""
+    """Moves one step's loads and stores; every op accepted yields one OpResult.
+
+    The worker drives it as a :class:`~kvtier.ops.Mover` of :data:`~kvtier.ops.CopyOp`:
+    ``submit`` starts loads and declares stores, ``poll`` finishes the step's copies.
+    """
 
     #: True when wait_layer / save_layer do real work (the facade then needs
     #: PIECEWISE CUDA graphs, and the worker forwards the per-layer calls)
@@ -174,6 +181,25 @@ class Copier(ABC):
 
     def check(self, job: CopyOp) -> str | None:
         return check_job(job, self.num_blocks, self.slab.num_slots, self.layout.blocks_per_chunk)
+
+    # -- the Mover protocol --
+    def submit(self, ops: Sequence[CopyOp]) -> list[OpResult]:
+        """Declare the step's stores (``begin_saves``: copied by ``save_layer`` / ``poll``)
+        and start its loads (``begin_loads``); returns the loads' results known now."""
+        stores = [op for op in ops if isinstance(op, StoreOp)]
+        loads = [op for op in ops if isinstance(op, LoadOp)]
+        if stores:
+            self.begin_saves(stores)
+        return self.begin_loads(loads) if loads else []
+
+    def poll(self) -> list[OpResult]:
+        """Finish the step: wait (host side) for its loads, then save what is left of its
+        stores and wait for them; the results not returned yet, loads first."""
+        return self.finish_loads() + self.finish_saves()
+
+    def close(self) -> None:
+        """Nothing to release: the KV tensors are vLLM's, the slab is the worker's."""
+        return None
 
     @abstractmethod
     def begin_loads(self, jobs: Sequence[LoadOp]) -> list[OpResult]:
@@ -241,3 +267,10 @@ class CpuCopier(Copier):
                 logger.exception("kvtier: %s slot %d failed", what, job.slot)
                 out[job.op_id] = None
         return out
+
+
+if TYPE_CHECKING:
+
+    def _a_copier_is_a_mover(c: Copier) -> Mover[CopyOp]:
+        return c  # mypy checks that every copier answers the worker's protocol
+
