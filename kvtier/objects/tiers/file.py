@@ -11,7 +11,8 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -207,6 +208,15 @@ class FileTier(ObjectTier):
         if os.fstat(fd).st_gid not in self._gids:
             os.fchown(fd, -1, os.getegid())
 
+    @contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        """The one place an OSError becomes a kvtier error (:meth:`_error` says which);
+        anything else (a kvtier error raised on purpose, a bug) passes as it is."""
+        try:
+            yield
+        except OSError as exc:
+            raise self._error(op, exc) from None
+
     def _error(self, op: str, exc: OSError) -> TierError:
         msg = f"file tier {op} under {self.root}: {exc.strerror or type(exc).__name__}"
         if exc.errno in _TIER_ERRNOS:
@@ -219,19 +229,17 @@ class FileTier(ObjectTier):
         for key in keys:
             sub, name = _place(key)
             try:
-                dir_fd = self._subdir(sub, "exists")
-                if dir_fd is None:
-                    break
-                try:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                finally:
-                    os.close(dir_fd)
+                with self._errors("exists"):
+                    dir_fd = self._subdir(sub, "exists")
+                    if dir_fd is None:
+                        break
+                    try:
+                        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    finally:
+                        os.close(dir_fd)
             except ObjectError:
-                break  # a fan-out name that is not a directory: nothing there is served
-            except OSError as exc:
-                if exc.errno in _TIER_ERRNOS:
-                    raise self._error("exists", exc) from None
-                break  # missing, or a name no object can be read from
+                break  # missing, or a name no object can be read from (a fan-out name
+                # that is not a directory included): nothing there is served
             if not stat.S_ISREG(st.st_mode):
                 break
             out.append(True)
@@ -254,20 +262,17 @@ class FileTier(ObjectTier):
     def _open_regular(self, key: str) -> tuple[int, os.stat_result] | None:
         """The object's fd and its stat (None: no such object); the caller closes the fd.
         Anything but a regular file is an ObjectError (the fd is closed then)."""
-        try:
+        with self._errors("get"):
             fd = self._open_object(key)
             if fd is None:
                 return None
-        except OSError as exc:
-            raise self._error("get", exc) from None
-        try:
-            st = os.fstat(fd)
-        except OSError as exc:
-            os.close(fd)
-            raise self._error("get", exc) from None
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise ObjectError(f"file tier get under {self.root}: not a regular file")
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ObjectError(f"file tier get under {self.root}: not a regular file")
+            except BaseException:
+                os.close(fd)
+                raise
         return fd, st
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
@@ -276,16 +281,15 @@ class FileTier(ObjectTier):
             return None
         fd, st = opened
         try:
-            if max_bytes is not None and st.st_size > max_bytes:
-                raise ObjectTooLarge(
-                    f"file tier get under {self.root}: object of {st.st_size} bytes, "
-                    f"at most {max_bytes} expected"
-                )
-            data = _read(fd, st.st_size)  # the size fstat saw: a file growing meanwhile is cut
-            self._touch(fd, st)
-            return data
-        except OSError as exc:
-            raise self._error("get", exc) from None
+            with self._errors("get"):
+                if max_bytes is not None and st.st_size > max_bytes:
+                    raise ObjectTooLarge(
+                        f"file tier get under {self.root}: object of {st.st_size} bytes, "
+                        f"at most {max_bytes} expected"
+                    )
+                data = _read(fd, st.st_size)  # what fstat saw: a file growing meanwhile is cut
+                self._touch(fd, st)
+                return data
         finally:
             os.close(fd)
 
@@ -296,23 +300,22 @@ class FileTier(ObjectTier):
             return None
         fd, st = opened
         try:
-            where = f"file tier get under {self.root}"
-            head = bytearray(head_length_for(st.st_size, dest.nbytes, max_head, where))
-            bufs, offset = [memoryview(head), dest], 0
-            while bufs:
-                n = os.preadv(fd, bufs, offset)
-                if n == 0:
-                    raise TruncatedError(f"{where}: object shrank while it was read")
-                offset += n
-                while bufs and n >= bufs[0].nbytes:
-                    n -= bufs[0].nbytes
-                    bufs.pop(0)
-                if bufs and n:
-                    bufs[0] = bufs[0][n:]
-            self._touch(fd, st)
-            return bytes(head)
-        except OSError as exc:
-            raise self._error("get", exc) from None
+            with self._errors("get"):
+                where = f"file tier get under {self.root}"
+                head = bytearray(head_length_for(st.st_size, dest.nbytes, max_head, where))
+                bufs, offset = [memoryview(head), dest], 0
+                while bufs:
+                    n = os.preadv(fd, bufs, offset)
+                    if n == 0:
+                        raise TruncatedError(f"{where}: object shrank while it was read")
+                    offset += n
+                    while bufs and n >= bufs[0].nbytes:
+                        n -= bufs[0].nbytes
+                        bufs.pop(0)
+                    if bufs and n:
+                        bufs[0] = bufs[0][n:]
+                self._touch(fd, st)
+                return bytes(head)
         finally:
             os.close(fd)
 
@@ -329,20 +332,22 @@ class FileTier(ObjectTier):
         dir_fd: int | None = None
         tmp = None
         try:
-            dir_fd = self._subdir(sub, "put", create=True)
-            if dir_fd is None:  # removed again by another engine between mkdir and open
-                raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
-            fd, tmp = self._create_temp(dir_fd)
-            with open(fd, "wb") as f:
-                self._own_group(fd)
-                for part in parts:
-                    f.write(part)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            tmp = None
-        except OSError as exc:
-            if exc.errno in _DISK_FULL and self.max_bytes is not None:
-                self._wake.set()  # make room for the next writes
-            raise self._error("put", exc) from None
+            with self._errors("put"):
+                try:
+                    dir_fd = self._subdir(sub, "put", create=True)
+                    if dir_fd is None:  # removed again by another engine between mkdir and open
+                        raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
+                    fd, tmp = self._create_temp(dir_fd)
+                    with open(fd, "wb") as f:
+                        self._own_group(fd)
+                        for part in parts:
+                            f.write(part)
+                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    tmp = None
+                except OSError as exc:
+                    if exc.errno in _DISK_FULL and self.max_bytes is not None:
+                        self._wake.set()  # make room for the next writes
+                    raise
         finally:
             if tmp is not None:
                 try:
@@ -367,7 +372,7 @@ class FileTier(ObjectTier):
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             sub, name = _place(key)
-            try:
+            with self._errors("delete"):
                 dir_fd = self._subdir(sub, "delete")
                 if dir_fd is None:
                     continue
@@ -377,8 +382,6 @@ class FileTier(ObjectTier):
                     pass
                 finally:
                     os.close(dir_fd)
-            except OSError as exc:
-                raise self._error("delete", exc) from None
 
     # -- bounding the directory ------------------------------------------------------------
 

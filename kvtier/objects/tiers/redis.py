@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 from urllib.parse import urlparse
 
@@ -329,6 +330,19 @@ class RedisTier(ObjectTier):
         text = f"{type(exc).__name__}: {exc}"
         return text.replace(self._password, "***") if self._password else text
 
+    #: what the client raises; :meth:`_fail` says which kvtier error each one is
+    _FOREIGN: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+
+    @contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        """The one place the client's exceptions become kvtier errors: every one of
+        :attr:`_FOREIGN` raised in the block is raised again as :meth:`_fail` classifies
+        it; anything else (a kvtier error raised on purpose, a bug) passes as it is."""
+        try:
+            yield
+        except self._FOREIGN as exc:
+            raise self._fail(op, exc) from None
+
     def _fail(self, op: str, exc: BaseException) -> TierError:
         """ObjectError for an error reply about one key, TierUnavailable for the rest.
 
@@ -358,13 +372,10 @@ class RedisTier(ObjectTier):
         )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        try:
-            with self._client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(key)
-                replies = pipe.execute()
-        except (redis.RedisError, OSError) as exc:
-            raise self._fail("exists", exc) from None
+        with self._errors("exists"), self._client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(key)
+            replies = pipe.execute()
         found = []
         for n in replies:
             if type(n) is not int:
@@ -408,17 +419,16 @@ class RedisTier(ObjectTier):
     def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
         self._bound.limit = None if max_bytes is None else max(1, max_bytes)
         try:
-            if max_bytes is None:
-                data = self._client.get(key)  # decode_responses is off
-                if data is not None and type(data) not in (bytes, bytearray):
-                    raise self._wrong_reply("get", "GET", data)
-                return cast("bytes | bytearray | None", data)
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.strlen(key)
-                pipe.getrange(key, 0, max(1, max_bytes) - 1)
-                size, data = pipe.execute()
-        except (redis.RedisError, OSError) as exc:
-            raise self._fail("get", exc) from None
+            with self._errors("get"):
+                if max_bytes is None:
+                    data = self._client.get(key)  # decode_responses is off
+                    if data is not None and type(data) not in (bytes, bytearray):
+                        raise self._wrong_reply("get", "GET", data)
+                    return cast("bytes | bytearray | None", data)
+                with self._client.pipeline(transaction=False) as pipe:
+                    pipe.strlen(key)
+                    pipe.getrange(key, 0, max(1, max_bytes) - 1)
+                    size, data = pipe.execute()
         finally:
             self._bound.limit = _REPLY_CAP
         if type(size) is not int:
@@ -440,34 +450,28 @@ class RedisTier(ObjectTier):
         """
         frame = _set_frame(key, parts, self.ttl_s)
         pool = self._client.connection_pool
-        for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
-            try:
+        with self._errors("put"):
+            for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
                 conn = _connection(pool)
-            except (redis.RedisError, OSError) as exc:
-                raise self._fail("put", exc) from None
-            try:
-                conn.send_packed_command(frame)  # type: ignore[no-untyped-call]
-                reply = conn.read_response()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                conn.disconnect()  # type: ignore[no-untyped-call]
-                if attempt == RETRIES:
-                    raise self._fail("put", exc) from None
-                continue
-            except redis.RedisError as exc:
-                raise self._fail("put", exc) from None
-            finally:
-                pool.release(conn)
-            if reply not in (b"OK", "OK", True):
-                raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
-            return
+                try:
+                    conn.send_packed_command(frame)  # type: ignore[no-untyped-call]
+                    reply = conn.read_response()
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    conn.disconnect()  # type: ignore[no-untyped-call]
+                    if attempt == RETRIES:
+                        raise
+                    continue
+                finally:
+                    pool.release(conn)
+                if reply not in (b"OK", "OK", True):
+                    raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
+                return
 
     def delete(self, keys: Sequence[str]) -> None:
         if not keys:
             return
-        try:
+        with self._errors("delete"):
             self._client.delete(*keys)
-        except (redis.RedisError, OSError) as exc:
-            raise self._fail("delete", exc) from None
 
     def close(self) -> None:
         self._client.close()

@@ -244,6 +244,9 @@ class RedisClusterTier(RedisTier):
 
     # -- errors ----------------------------------------------------------------------
 
+    #: what redis-py's cluster client raises (:meth:`RedisTier._errors` maps it)
+    _FOREIGN = _CLIENT_ERRORS
+
     def _fail(self, op: str, exc: BaseException) -> TierError:
         """The single node's mapping, plus what only a cluster says: one node unreachable
         (``node``), a slot not served or being migrated (that chunk's miss), no node
@@ -339,20 +342,14 @@ class RedisClusterTier(RedisTier):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         for key in keys[:1]:
             self._check_node("exists", key)
-        try:
-            found = super().exists(keys)
-        except redis.exceptions.RedisClusterException as exc:
-            raise self._fail("exists", exc) from None
+        found = super().exists(keys)
         if keys:
             self._node_answered(keys[0])
         return found
 
     def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
         self._check_node("get", key)
-        try:
-            data = super()._get(key, max_bytes)
-        except redis.exceptions.RedisClusterException as exc:
-            raise self._fail("get", exc) from None
+        data = super()._get(key, max_bytes)
         self._node_answered(key)
         return data
 
@@ -365,26 +362,22 @@ class RedisClusterTier(RedisTier):
         extra: list[Any] = ["EX", self.ttl_s] if self.ttl_s else []
         reply: Any = None
         conn: Any = None
-        try:
-            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-            pool = client.get_redis_connection(node).connection_pool
-            conn = _connection(pool)
-            conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
-            reply = conn.read_response()
-        except _SLOW_PATH as exc:
-            if conn is not None and not isinstance(exc, redis.ResponseError):
-                conn.disconnect()
-            reply = None
-        except _CLIENT_ERRORS as exc:
-            raise self._fail("put", exc) from None
-        finally:
-            if conn is not None:
-                pool.release(conn)
-        if reply is None:  # the slow path: redis-py's redirections, retry and refresh
+        with self._errors("put"):
             try:
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+                pool = client.get_redis_connection(node).connection_pool
+                conn = _connection(pool)
+                conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
+                reply = conn.read_response()
+            except _SLOW_PATH as exc:
+                if conn is not None and not isinstance(exc, redis.ResponseError):
+                    conn.disconnect()
+                reply = None
+            finally:
+                if conn is not None:
+                    pool.release(conn)
+            if reply is None:  # the slow path: redis-py's redirections, retry and refresh
                 reply = client.execute_command("SET", key, b"".join(parts), *extra)
-            except _CLIENT_ERRORS as exc:
-                raise self._fail("put", exc) from None
         if reply not in (b"OK", "OK", True):
             raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
         self._node_answered(key)
@@ -394,13 +387,10 @@ class RedisClusterTier(RedisTier):
         if not keys:
             return
         self._calling.node = None
-        try:
-            with self._cluster_client().pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.delete(key)
-                pipe.execute()
-        except _CLIENT_ERRORS as exc:
-            raise self._fail("delete", exc) from None
+        with self._errors("delete"), self._cluster_client().pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.delete(key)
+            pipe.execute()
 
     def close(self) -> None:
         with self._client_lock:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -70,6 +71,18 @@ def _object_size(resp: dict[str, Any]) -> int | None:
         return int(total)
     length = resp.get("ContentLength")
     return int(length) if length is not None else None
+
+
+def _fill(body: Any, bufs: list[memoryview], where: str) -> None:
+    """Fill ``bufs`` in order from a GET's streamed ``body`` (TruncatedError when it ends
+    first)."""
+    for buf in bufs:
+        got = 0
+        while got < buf.nbytes:
+            n = body.readinto(buf[got:])
+            if not n:
+                raise TruncatedError(f"{where}: body ended early")
+            got += n
 
 
 def client_config(io_threads: int, lookup_timeout_ms: int) -> Config:
@@ -190,6 +203,16 @@ class S3Tier(ObjectTier):
         """The S3 object key that holds chunk ``key``."""
         return self.prefix + key
 
+    @contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        """The one place botocore's, urllib3's and the OS's exceptions become kvtier errors
+        (:meth:`_fail` says which); anything else (a kvtier error raised on purpose, a
+        bug) passes as it is."""
+        try:
+            yield
+        except _FAILURES as exc:
+            raise self._fail(op, exc) from exc
+
     def _fail(self, op: str, exc: Exception) -> TierError:
         """ObjectError for a 4xx about one object, TierUnavailable for everything else."""
         if isinstance(exc, ClientError):
@@ -202,18 +225,16 @@ class S3Tier(ObjectTier):
         return TierUnavailable(f"s3 {op} {self._where()}: {detail}")
 
     def _head(self, key: str) -> bool:
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
-            return True
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in _MISSING:
-                return False
-            error = self._fail("head", exc)
-            if isinstance(error, ObjectError):
-                return False  # this object cannot be served; the others may
-            raise error from exc
-        except _FAILURES as exc:
-            raise self._fail("head", exc) from exc
+        with self._errors("head"):
+            try:
+                self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
+                return True
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in _MISSING:
+                    return False
+                if _is_object_error(exc, "head"):
+                    return False  # this object cannot be served; the others may
+                raise
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """The first key alone (a missing first chunk costs one request), then the rest
@@ -231,20 +252,19 @@ class S3Tier(ObjectTier):
         """GetObject of ``key``'s first ``limit`` bytes (all without one); None when it is
         not stored, TruncatedError for a range of an empty object, else mapped errors."""
         extra = {} if limit is None else {"Range": f"bytes=0-{max(1, limit) - 1}"}
-        try:
-            resp: dict[str, Any] = self._client.get_object(
-                Bucket=self.bucket, Key=self.object_key(key), **extra
-            )
-            return resp
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in _MISSING:
-                return None
-            if code == "InvalidRange" and limit is not None:
-                raise TruncatedError(f"s3 get {self._where()}: empty object") from None
-            raise self._fail("get", exc) from exc
-        except _FAILURES as exc:
-            raise self._fail("get", exc) from exc
+        with self._errors("get"):
+            try:
+                resp: dict[str, Any] = self._client.get_object(
+                    Bucket=self.bucket, Key=self.object_key(key), **extra
+                )
+                return resp
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code in _MISSING:
+                    return None
+                if code == "InvalidRange" and limit is not None:
+                    raise TruncatedError(f"s3 get {self._where()}: empty object") from None
+                raise
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         """GET, ranged to ``max_bytes`` when given: an oversized object is never downloaded."""
@@ -256,21 +276,20 @@ class S3Tier(ObjectTier):
             return None
         body = resp["Body"]
         try:
-            if max_bytes is None:
-                return bytes(body.read())
-            # the size before the body: a server that ignores Range sends the whole object
-            size = _object_size(resp)
-            if size is None or size <= max_bytes:
-                data = body.read(max_bytes + 1)  # bounded even without a length
-                size = len(data)
-            if size > max_bytes:
-                raise ObjectTooLarge(
-                    f"s3 get {self._where()}: object of {size} bytes or more, "
-                    f"at most {max_bytes} expected"
-                )
-            return bytes(data)
-        except _FAILURES as exc:
-            raise self._fail("get", exc) from exc
+            with self._errors("get"):
+                if max_bytes is None:
+                    return bytes(body.read())
+                # the size before the body: a server that ignores Range sends the whole object
+                size = _object_size(resp)
+                if size is None or size <= max_bytes:
+                    data = body.read(max_bytes + 1)  # bounded even without a length
+                    size = len(data)
+                if size > max_bytes:
+                    raise ObjectTooLarge(
+                        f"s3 get {self._where()}: object of {size} bytes or more, "
+                        f"at most {max_bytes} expected"
+                    )
+                return bytes(data)
         finally:
             body.close()
 
@@ -281,46 +300,34 @@ class S3Tier(ObjectTier):
         if resp is None:
             return None
         body = resp["Body"]
+        where = f"s3 get {self._where()}"
         try:
-            size = _object_size(resp)
-            if size is None:  # no length: read what the range allows, then split it
-                blob = body.read(limit + 1)
-                size = len(blob)
-                head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
-                dest[:] = memoryview(blob)[head_len:]
-                return bytes(blob[:head_len])
-            head_len = head_length_for(size, dest.nbytes, max_head, f"s3 get {self._where()}")
-            head = bytearray(head_len)
-            for buf in (memoryview(head), dest):
-                got = 0
-                while got < buf.nbytes:
-                    n = body.readinto(buf[got:])
-                    if not n:
-                        raise TruncatedError(f"s3 get {self._where()}: body ended early")
-                    got += n
-            return bytes(head)
-        except _FAILURES as exc:
-            raise self._fail("get", exc) from exc
+            with self._errors("get"):
+                size = _object_size(resp)
+                if size is None:  # no length: read what the range allows, then split it
+                    blob = body.read(limit + 1)
+                    head_len = head_length_for(len(blob), dest.nbytes, max_head, where)
+                    dest[:] = memoryview(blob)[head_len:]
+                    return bytes(blob[:head_len])
+                head = bytearray(head_length_for(size, dest.nbytes, max_head, where))
+                _fill(body, [memoryview(head), dest], where)
+                return bytes(head)
         finally:
             body.close()
 
     def put(self, key: str, parts: Parts) -> None:
         body = b"".join(parts) if self._join_parts or len(parts) == 1 else _PartsReader(parts)
-        try:
+        with self._errors("put"):
             self._client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=body)
-        except _FAILURES as exc:
-            raise self._fail("put", exc) from exc
 
     def delete(self, keys: Sequence[str]) -> None:
         keys = list(keys)
-        try:
+        with self._errors("delete"):
             for i in range(0, len(keys), 1000):  # the API's batch limit
                 batch = [{"Key": self.object_key(k)} for k in keys[i : i + 1000]]
                 self._client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
-        except _FAILURES as exc:
-            raise self._fail("delete", exc) from exc
 
     def close(self) -> None:
         self._heads.shutdown(wait=False, cancel_futures=True)
