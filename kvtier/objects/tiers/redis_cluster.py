@@ -45,7 +45,8 @@ from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
 from kvtier.objects.backoff import BackoffState, ExponentialBackoff
 from kvtier.objects.tiers.base import Parts
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
-from kvtier.objects.tiers.redis import RedisTier, _Bound, _BoundedParser, _connection, _set_frame
+from kvtier.objects.tiers.redis import RedisTier
+from kvtier.objects.tiers.redis_resp import _Bound, _BoundedParser, _connection, _set_frame
 
 __all__ = ["NODE_BACKOFF_CAP_S", "NodeUnavailable", "RedisClusterTier"]
 
