@@ -40,205 +40,48 @@ unread (too short) and the reader knows to read it whole.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import struct
-import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-import msgpack
 import xxhash
 
 from kvtier.errors import (
     ChecksumError,
     CodecError,
-    ConfigError,
     KeyMismatchError,
     SealedError,
     SignatureError,
     TruncatedError,
 )
+from kvtier.objects.codec_header import (
+    _FORM_MAX,
+    _PREFIX,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER,
+    _aad,
+    _canonical,
+    _header,
+    _packb,
+    _parse_header,
+    _payload_view,
+    encoded_size,
+    head_length,
+    is_compressed,
+)
+from kvtier.objects.codec_signer import HMAC_KEY_MIN_BYTES, Signer
 from kvtier.objects.compress import LOSSY_FORMS, FormatError, ThreadScratch, decompress_into
-from kvtier.objects.key_material import env_key, file_key
-from kvtier.objects.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES, Seal, Sealer
+from kvtier.objects.seal import Seal
 
-if TYPE_CHECKING:
-    from kvtier.config import KVTierConfig
-
+# the frame (codec_header.py) and the keys (codec_signer.py): their public names are read
+# from here too
 __all__ = [
-    "FORMAT_VERSION", "MAGIC", "Signer", "decode", "encode", "encoded_size", "head_length",
-    "is_compressed",
-    "verify",
-]
+    "FORMAT_VERSION", "HMAC_KEY_MIN_BYTES", "MAGIC", "MAX_HEADER", "SignatureError", "Signer",
+    "decode", "encode", "encoded_size", "head_length", "is_compressed", "verify",
+]  # fmt: skip
 
-FORMAT_VERSION = 1
-MAGIC = b"KVTC"
-_PREFIX = struct.Struct("<4sI")
-#: headers are a few hundred bytes; anything bigger is garbage, not a header
-MAX_HEADER = 64 * 1024
-_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
-_SEALED_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "kid", "nonce", "tag"})
-_SEAL_LENS = {"kid": KID_BYTES, "nonce": NONCE_BYTES, "tag": TAG_BYTES}
-_SIG_LEN = hashlib.sha256().digest_size
-#: the longest compressed-form name a header may carry
-_FORM_MAX = 32
-_XXH_LEN = 16
 #: where :func:`decode` opens a sealed compressed payload it was handed read-only
 _OPEN_SCRATCH = ThreadScratch()
-
-
-_PACKERS = threading.local()
-
-
-def _packb(obj: object) -> bytes:
-    """``msgpack.packb(obj, use_bin_type=True)`` through this thread's Packer: packb makes
-    a 256 KiB buffer per call (one or more per chunk read or written); a Packer keeps a
-    small one, grown to the largest header it packed."""
-    packer: msgpack.Packer | None = getattr(_PACKERS, "p", None)
-    if packer is None:
-        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True, buf_size=1024)
-    packed: bytes = packer.pack(obj)
-    return packed
-
-
-def _payload_view(payload: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")  # raises TypeError for non-contiguous memory, which is a bug
-    return view
-
-
-class Signer:
-    """The keys that protect chunks in the object tier, as the codec and RemoteIO take them.
-
-    HMAC-SHA256 signing: one key signs, several verify (key rotation). Without
-    it anyone who can write the bucket can feed KV to every replica; with it,
-    only holders of a key can. ``sealer`` adds AES-256-GCM sealing
-    (:class:`kvtier.objects.seal.Sealer`): chunks are encrypted, and authenticated by
-    the GCM tag, so a Signer may hold a sealer and no HMAC key at all.
-    """
-
-    __slots__ = ("_sign_key", "_verify_keys", "sealer")
-
-    def __init__(
-        self,
-        sign_key: bytes | None = None,
-        verify_keys: Sequence[bytes] = (),
-        *,
-        sealer: Sealer | None = None,
-    ) -> None:
-        keys = ([sign_key] if sign_key else []) + [k for k in verify_keys if k]
-        if not keys and sealer is None:
-            raise ValueError("Signer needs a signing key, a verify key or a sealer")
-        self._sign_key = sign_key or None
-        # the signing key verifies too, so a fresh rotation reads its own writes
-        self._verify_keys = tuple(dict.fromkeys(keys))
-        self.sealer = sealer
-
-    def __repr__(self) -> str:  # never the keys themselves
-        return (
-            f"Signer(signs={self._sign_key is not None}, verify_keys={len(self._verify_keys)}, "
-            f"sealer={self.sealer!r})"
-        )
-
-    @property
-    def can_sign(self) -> bool:
-        return self._sign_key is not None
-
-    @property
-    def hmac(self) -> bool:
-        """True when chunks are signed and must carry a valid HMAC."""
-        return bool(self._verify_keys)
-
-    def sign(self, header: bytes, payload: memoryview) -> bytes:
-        if self._sign_key is None:
-            raise ValueError("this Signer only verifies; it has no signing key")
-        mac = hmac.new(self._sign_key, header, hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()
-
-    def verify(self, header: bytes, payload: memoryview, sig: bytes) -> bool:
-        ok = False
-        for key in self._verify_keys:
-            mac = hmac.new(key, header, hashlib.sha256)
-            mac.update(payload)
-            ok |= hmac.compare_digest(mac.digest(), sig)
-        return ok
-
-    @classmethod
-    def from_config(
-        cls, cfg: KVTierConfig, environ: Mapping[str, str] | None = None
-    ) -> Signer | None:
-        """Build the signer the config asks for; None when neither an HMAC key nor an
-        encryption key is configured.
-
-        A configured but missing or empty key (or an encryption key that is not
-        256 bits) is a startup error (ConfigError naming the config key and the
-        variable or file), never a silent switch to unsigned or plaintext
-        chunks. The secret itself never appears in a message.
-        """
-        env = os.environ if environ is None else environ
-        sealer = Sealer.from_config(cfg, env)
-        sign_key: bytes | None = None
-        if cfg.hmac_key_env:
-            sign_key = env_key(env, "hmac_key_env", cfg.hmac_key_env)
-            _long_enough("hmac_key_env", cfg.hmac_key_env, [sign_key])
-        elif cfg.hmac_key_file:
-            sign_key = file_key("hmac_key_file", cfg.hmac_key_file)
-            _long_enough("hmac_key_file", cfg.hmac_key_file, [sign_key])
-        verify: list[bytes] = []
-        if cfg.hmac_verify_keys_env:
-            raw = env_key(env, "hmac_verify_keys_env", cfg.hmac_verify_keys_env)
-            extra = [k.strip() for k in raw.split(b",") if k.strip()]
-            verify += _long_enough("hmac_verify_keys_env", cfg.hmac_verify_keys_env, extra)
-        if cfg.hmac_verify_keys_file:
-            raw = file_key("hmac_verify_keys_file", cfg.hmac_verify_keys_file)
-            extra = [k.strip() for k in raw.splitlines() if k.strip()]
-            verify += _long_enough("hmac_verify_keys_file", cfg.hmac_verify_keys_file, extra)
-        if sign_key is None and not verify:
-            return None if sealer is None else cls(sealer=sealer)
-        if sign_key is None:
-            key = "hmac_verify_keys_env" if cfg.hmac_verify_keys_env else "hmac_verify_keys_file"
-            raise ConfigError(
-                key,
-                getattr(cfg, key),
-                "extra verify keys need a signing key too (hmac_key_env or hmac_key_file)",
-            )
-        return cls(sign_key, verify, sealer=sealer)
-
-
-#: the shortest HMAC key accepted: 32 bytes, SHA-256's output size (RFC 2104: a shorter key
-#: weakens the MAC). ``openssl rand -hex 32`` gives 64.
-HMAC_KEY_MIN_BYTES = 32
-
-
-def _long_enough(cfg_key: str, where: str, keys: list[bytes]) -> list[bytes]:
-    """``keys`` when each is at least :data:`HMAC_KEY_MIN_BYTES` long; a ConfigError naming
-    the config key and the variable or file (never the key, nor its length) otherwise."""
-    if any(len(k) < HMAC_KEY_MIN_BYTES for k in keys):
-        raise ConfigError(
-            cfg_key,
-            where,
-            f"a key of at least {HMAC_KEY_MIN_BYTES} bytes (e.g. openssl rand -hex 32); "
-            "the one there is shorter",
-        )
-    return keys
-
-
-def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:
-    """The bytes the signature covers: the header fields in a fixed order, no ``sig``
-    (``rest``: the checksum, or a sealed chunk's key id, nonce and tag)."""
-    packed: bytes = _packb([version, key, dtype, shape, n, *rest])
-    return packed
-
-
-def _aad(version: int, key: str, dtype: str, shape: list[int], n: int, *form: bytes) -> bytes:
-    """A sealed chunk's associated data: what it is and where it belongs (and, compressed,
-    its form)."""
-    packed: bytes = _packb([version, key, dtype, shape, n, *form])
-    return packed
 
 
 def encode(
@@ -302,73 +145,6 @@ def encode(
     return [_PREFIX.pack(MAGIC, len(packed)) + packed, body]
 
 
-def _header(
-    key: str, dtype: str, shape: list[int], n: int, form: str, sealed: bool, signed: bool
-) -> dict[str, Any]:
-    """A header with placeholder bytes of the real lengths (its packed size is the real
-    one's: every bytes field has a fixed length)."""
-    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
-                              "len": n, "z": form}  # fmt: skip
-    if sealed:
-        header.update({f: bytes(k) for f, k in _SEAL_LENS.items()})
-    else:
-        header["xxh"] = bytes(_XXH_LEN)
-    if signed:
-        header["sig"] = bytes(_SIG_LEN)
-    return header
-
-
-def encoded_size(parts: Sequence[bytes | memoryview]) -> int:
-    """Total bytes of ``parts`` (what a tier will store)."""
-    return sum(memoryview(p).nbytes for p in parts)
-
-
-def _is_int(x: object) -> bool:
-    return type(x) is int  # not bool: msgpack's true must not pass for version 1
-
-
-def _form_ok(form: object, present: bool) -> bool:
-    """A compressed form's name, when there is one: a short non-empty string."""
-    return not present or isinstance(form, str) and 0 < len(form) <= _FORM_MAX
-
-
-def _parse_header(raw: bytes) -> dict[str, Any]:
-    try:
-        header = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many types for garbage; all mean the same
-        raise CodecError(f"garbage chunk header ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise CodecError("chunk header is not a map")
-    version = header.get("v")
-    if not _is_int(version) or version != FORMAT_VERSION:
-        raise CodecError(f"unknown chunk format version {version!r} (this build reads 1)")
-    fields = _SEALED_FIELDS if "nonce" in header else _FIELDS
-    extra = set(header) - fields - {"sig", "z"}
-    missing = fields - set(header)
-    if extra or missing:
-        raise CodecError(
-            f"chunk header fields wrong (unknown {sorted(extra)}, missing {sorted(missing)})"
-        )
-    shape = header["shape"]
-    sig = header.get("sig")
-    if not (
-        isinstance(header["key"], str)
-        and isinstance(header["dtype"], str)
-        and isinstance(shape, list)
-        and all(_is_int(d) and d >= 0 for d in shape)
-        and _is_int(header["len"])
-        and header["len"] >= 0
-        and all(
-            isinstance(header[f], bytes) and len(header[f]) == n
-            for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [("xxh", _XXH_LEN)])
-        )
-        and (sig is None and "sig" not in header or isinstance(sig, bytes) and len(sig) == _SIG_LEN)
-        and _form_ok(header.get("z", ""), "z" in header)
-    ):
-        raise CodecError("chunk header has a field of the wrong type")
-    return header
-
-
 def decode(
     blob: bytes | bytearray | memoryview,
     *,
@@ -419,34 +195,6 @@ def decode(
     verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out,
            lossy=lossy)
     return payload if out is None or not compressed else out
-
-
-def is_compressed(head: bytes | bytearray | memoryview) -> bool:
-    """Whether a chunk's head (magic, length, header) says its payload is compressed;
-    False for a head that does not parse (:func:`verify` then says why)."""
-    view = _payload_view(head)
-    try:
-        body_at = head_length(view[: _PREFIX.size])
-        if view.nbytes < body_at:
-            return False
-        return "z" in _parse_header(bytes(view[_PREFIX.size : body_at]))
-    except CodecError:
-        return False
-
-
-def head_length(prefix: bytes | bytearray | memoryview) -> int:
-    """Bytes before the payload (magic, length, header), from the chunk's first 8 bytes."""
-    view = _payload_view(prefix)
-    if view.nbytes == 0:
-        raise TruncatedError("empty chunk")
-    if bytes(view[:4]) != MAGIC[: min(4, view.nbytes)]:
-        raise CodecError("not a kvtier chunk (bad magic)")
-    if view.nbytes < _PREFIX.size:
-        raise TruncatedError(f"chunk of {view.nbytes} bytes is shorter than its prefix")
-    hlen: int = _PREFIX.unpack_from(view)[1]
-    if hlen > MAX_HEADER:
-        raise CodecError(f"chunk header length {hlen} is implausible")
-    return _PREFIX.size + hlen
 
 
 def verify(
