@@ -1,0 +1,426 @@
+"""The life of an object-tier op, from submit to its one result: :class:`OpQueue`.
+
+Queues, I/O threads, deadlines and the exactly-once report, apart from what an op does
+against the tier (:mod:`kvtier.objects.chunk_io`), so that the rules on when a slot may
+be written and when an op is reported live in one place:
+
+- Reads (fetches) and writes (uploads) have their own bounded queues and their own
+  threads (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so a backlog of
+  uploads never delays a lookup. A full read queue reports the lookup at once as
+  ``"timeout"`` (counted in ``reads_dropped``).
+- A full write queue drops the upload and counts it (``writes_dropped``); a chunk that
+  never reaches the object tier only costs a future recompute, whereas blocking would
+  stall the engine.
+- A lookup is a read (:meth:`OpQueue.submit_get_run`): a prompt's chunks are fetched in
+  order, the first alone, the rest in parallel once it was found; after a miss the
+  chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
+  a rejected chunk (a forgery) ends its run unread.
+- A read still queued at its deadline (``timeout_s`` from submit) is reported as
+  ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
+  the destination) or times out is one decision, taken under the op's lock, so a slot
+  reported free is never written afterwards.
+- A read that has begun is reported only when its backend call is over: its destination
+  is the caller's host slot, which must not be reused under a late write. Past its
+  deadline it is *stuck*: counted (``reads_stuck``, and :attr:`OpQueue.stuck_reads`
+  while it lasts) and a timeout against the tier's health, so a tier that keeps timing
+  out goes down and lookups then fail fast. The caller's own lookup deadline stops
+  waiting for it; its slot stays claimed until the read returns. Stuck reads are bounded
+  by the read threads: while every read thread is stuck, reads fail fast (nothing could
+  serve them) and queued ones are reported at once. A read that returns after its
+  deadline counts as a timeout, never as the tier's recovery.
+- Uploads have no deadline of their own (the tier's socket timeouts bound them): the
+  caller's payload must stay untouched until the put is reported, so it is never
+  reported early. One still in its backend call after ``write_stall_s`` is stuck in the
+  same way (``writes_stuck``; writes go down; while every write thread is stuck, queued
+  uploads are reported failed at once, which releases their slots).
+- Every accepted op yields exactly one :class:`~kvtier.ops.OpResult`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from kvtier.objects.backoff import Backoff
+from kvtier.objects.io_counts import IOCounts
+from kvtier.objects.tier_health import TierHealth
+from kvtier.objects.tiers.base import ObjectTier
+from kvtier.ops import OpKind, OpResult
+
+__all__ = ["OpQueue", "QueuedOp", "byte_view"]
+
+log = logging.getLogger("kvtier.remote")
+
+
+class QueuedOp:
+    """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
+
+    __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
+                 "done", "seq", "started", "stall_at", "stuck", "run", "pos",
+                 "queued")  # fmt: skip
+
+    def __init__(
+        self,
+        seq: int,
+        op_id: int,
+        kind: OpKind,
+        key: str,
+        timeout_s: float,
+        buf: memoryview | None = None,
+        dtype: str = "",
+        shape: Sequence[int] = (),
+    ) -> None:
+        self.seq = seq
+        self.op_id = op_id
+        self.kind = kind
+        self.key = key
+        self.buf = buf
+        self.dtype = dtype
+        self.shape = list(shape)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + timeout_s
+        self.lock = threading.Lock()
+        self.done = False
+        #: its backend call has begun (a get: its bytes are being read into ``buf``, the
+        #: caller's slot); set under ``lock``, only while not ``done``: from then on the
+        #: op is reported only when the call is over
+        self.started = False
+        #: when a started op counts as stuck (a get: its deadline)
+        self.stall_at = self.deadline
+        #: counted as stuck (poll() saw it started and past ``stall_at``)
+        self.stuck = False
+        #: the run of gets (one prompt's consecutive chunks) this get is ``pos`` in
+        self.run: list[QueuedOp] | None = None
+        self.pos = 0
+        #: put on the read queue already (never twice: a get read twice at once would
+        #: write its slot twice)
+        self.queued = False
+
+
+def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class OpQueue(IOCounts):
+    """Queues and I/O threads for ops that :meth:`_execute` (a subclass's) runs; see the
+    module docstring. The threads start with :meth:`_start_threads`, once the subclass
+    is ready to execute."""
+
+    def __init__(
+        self,
+        tier: ObjectTier,
+        *,
+        threads: int,
+        queue_depth: int,
+        timeout_s: float,
+        write_stall_s: float,
+        backoff: Backoff,
+    ) -> None:
+        if threads < 1 or queue_depth < 1 or timeout_s <= 0:
+            raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
+        super().__init__()
+        self.tier = tier
+        self.timeout_s = timeout_s
+        #: an upload still in its backend call after this long is stuck
+        self.write_stall_s = write_stall_s
+        self.backoff = backoff
+        self._rq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
+        self._wq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
+        self._results: collections.deque[OpResult] = collections.deque()
+        self._writes_idle = threading.Condition(self._lock)
+        self._inflight: dict[int, QueuedOp] = {}  # reads, watched by poll() for timeouts
+        self._seq = itertools.count()
+        self._pending_writes = 0
+        self._puts_written = 0
+        self._put_failed_kinds: collections.Counter[str] = collections.Counter()
+        self._writing: dict[int, QueuedOp] = {}  # uploads in their backend call
+        self._stuck = {OpKind.FETCH: 0, OpKind.UPLOAD: 0}  # started, past stall_at, not over
+        self.health = TierHealth(tier.name, self.backoff)
+        self._closed = False
+        # reads get the larger half: lookups are latency-critical, uploads are not
+        self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
+        self._threads: list[threading.Thread] = []
+
+    def _start_threads(self) -> None:
+        n_read, n_write = self.read_threads, self.write_threads
+        self._threads = [
+            threading.Thread(target=self._worker, args=(q,), name=f"kvtier-{role}-{i}", daemon=True)
+            for q, role, n in ((self._rq, "read", n_read), (self._wq, "write", n_write))
+            for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def is_down(self) -> bool:
+        """True while reads or writes fail fast after a tier failure."""
+        return self.reads_down or self.writes_down
+
+    @property
+    def reads_down(self) -> bool:
+        """True while fetches fail fast: after a read failed to reach the tier or timed
+        out, and while every read thread is stuck in a backend call."""
+        return self.health.reads.is_down or self.stuck_reads >= self.read_threads
+
+    @property
+    def writes_down(self) -> bool:
+        """True while uploads fail fast: after a write failed to reach the tier or
+        stalled, and while every write thread is stuck in a backend call."""
+        return self.health.writes.is_down or self.stuck_writes >= self.write_threads
+
+    @property
+    def reads_down_s(self) -> float:
+        """How long fetches will still fail fast: the backoff left or, while every read
+        thread is stuck, at least the lookup deadline (ask again after it)."""
+        left = max(0.0, self.health.reads.down_until - time.monotonic())
+        return max(left, self.timeout_s) if self.stuck_reads >= self.read_threads else left
+
+    @property
+    def stuck_reads(self) -> int:
+        """Reads past their deadline still in their backend call (each holds a read
+        thread and its slot until the call returns; at most ``read_threads``)."""
+        return self._stuck[OpKind.FETCH]
+
+    @property
+    def stuck_writes(self) -> int:
+        """Uploads in their backend call for longer than ``write_stall_s``."""
+        return self._stuck[OpKind.UPLOAD]
+
+    @property
+    def pending_writes(self) -> int:
+        return self._pending_writes
+
+    # -- submitting ----------------------------------------------------------------------
+
+    def submit_get_run(
+        self,
+        gets: Sequence[tuple[int, str, memoryview]],
+        *,
+        dtype: str,
+        shape: Sequence[int],
+    ) -> None:
+        """Queue fetches of one prompt's consecutive chunks ``(op_id, key, dest)``, in order.
+
+        A lookup is a read: the first chunk is fetched at once (a missing object is a
+        miss, one request for a prompt the tier does not hold); once it was found the
+        rest are queued and read in parallel. A prompt can only use its chunks up to
+        the first gap, so when one is missing or fails, those after it that have not
+        started are reported as misses without asking (counted in ``gets_skipped``).
+        Every get yields one result.
+        """
+        run = []
+        for op_id, key, dest in gets:
+            view = byte_view(dest)
+            if view.readonly:
+                raise ValueError("submit_get_run needs writable destinations")
+            run.append(QueuedOp(next(self._seq), op_id, OpKind.FETCH, key, self.timeout_s, view,
+                                dtype, shape))  # fmt: skip
+        for pos, op in enumerate(run):
+            op.run, op.pos = run, pos
+        if not run:
+            return
+        if self._closed or self.reads_down:
+            self._finish(run[0], False, "unreachable")  # and the rest as misses
+            return
+        with self._lock:
+            for op in run:  # every get's deadline counts from now, queued or not
+                self._inflight[op.seq] = op
+        self._queue_once(run[0])
+
+    def submit_put(
+        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
+    ) -> bool:
+        """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
+        op = QueuedOp(
+            next(self._seq), op_id, OpKind.UPLOAD, key, self.timeout_s, byte_view(payload), dtype,
+            shape,
+        )
+        with self._lock:
+            if self._closed:
+                self._totals["writes_dropped"] += 1
+                return False
+            self._pending_writes += 1
+        if self.writes_down:
+            self._finish(op, False, "unreachable")
+            return True
+        try:
+            self._wq.put_nowait(op)
+        except queue.Full:
+            with self._lock:
+                self._totals["writes_dropped"] += 1
+                self._pending_writes -= 1
+            return False
+        return True
+
+    def _queue_once(self, op: QueuedOp) -> None:
+        """Queue a get of a run unless it was queued already or reported (a miss before
+        it skipped it): the submitter and the thread that found the run's first chunk
+        may both try, and a get read twice at once would write its slot twice."""
+        with op.lock:
+            if op.done or op.queued:
+                return
+            op.queued = True
+        self._enqueue_read(op)
+
+    def _enqueue_read(self, op: QueuedOp) -> None:
+        try:
+            self._rq.put_nowait(op)
+        except queue.Full:
+            # more lookups queued than can finish in time: this one would time out anyway
+            with self._lock:
+                self._totals["reads_dropped"] += 1
+            self._finish(op, False, "timeout")
+
+    # -- results -------------------------------------------------------------------------
+
+    def poll(self) -> list[OpResult]:
+        """Results completed since the last poll; reads still queued past their deadline
+        as timeouts; started ops past theirs counted as stuck (reported when over)."""
+        now = time.monotonic()
+        with self._lock:
+            blocked = self._stuck[OpKind.FETCH] >= self.read_threads
+            # a read that has not started may time out; whether it has is decided below,
+            # under its own lock, where the I/O thread decides to start it
+            late = [op for op in self._inflight.values() if blocked or now > op.stall_at]
+            late += [op for op in self._writing.values() if now > op.stall_at]
+        for op in late:
+            with op.lock:
+                if op.done or op.stuck:
+                    continue
+                if not op.started:  # queued: it can never write into its slot now
+                    # (not the tier's fault by itself: a burst, or threads held by slow
+                    # reads, which count as they become stuck)
+                    self._report(op, False, "timeout" if now > op.deadline else "unreachable", 0)
+                    continue
+                op.stuck = True  # in its backend call: reported when that is over
+                with self._lock:
+                    self._stuck[op.kind] += 1
+                    self._totals["reads_stuck" if op.kind is OpKind.FETCH else "writes_stuck"] += 1
+            self._stalled(op)
+        if self.stuck_writes >= self.write_threads and not self._closed:
+            self._fail_queued_writes()
+        out: list[OpResult] = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def _stalled(self, op: QueuedOp) -> None:
+        """A started op past its deadline: a timeout against its direction's health."""
+        self.health.timed_out(
+            op.kind is OpKind.UPLOAD,
+            f"a {op.kind} has been in its backend call for "
+            f"{time.monotonic() - op.t0:.2f} s, past its {op.stall_at - op.t0:.2f} s deadline",
+        )
+
+    def _fail_queued_writes(self) -> None:
+        """Every write thread is stuck: report the queued uploads (their slots go back)."""
+        while True:
+            try:
+                op = self._wq.get_nowait()
+            except queue.Empty:
+                return
+            if op is None:  # close()'s stop request: put it back for a thread to see
+                try:
+                    self._wq.put_nowait(None)
+                except queue.Full:  # a racing submit took the place; the threads are daemons
+                    pass
+                return
+            self._finish(op, False, "unreachable")
+
+    # -- I/O threads ---------------------------------------------------------------------
+
+    def _worker(self, q: queue.Queue[QueuedOp | None]) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            try:
+                self._execute(op)
+            except BaseException:  # a bug must cost one op, not the I/O thread
+                log.exception("object-tier %s op failed unexpectedly", op.kind)
+                self._finish(op, False, "tier")
+
+    def _execute(self, op: QueuedOp) -> None:
+        """Run ``op`` against the tier and :meth:`_finish` it (on an I/O thread)."""
+        raise NotImplementedError
+
+    def _finish(
+        self,
+        op: QueuedOp,
+        ok: bool,
+        error_kind: str | None,
+        *,
+        nbytes: int = 0,
+    ) -> None:
+        """Report ``op`` unless poll() already reported it as a timeout; go on with its run.
+
+        A miss reports the run's unstarted chunks after it first, then itself: a poll
+        between the two would let the lookup end at this miss while those chunks still
+        hold claimed slots, and the request's own stores of them would need new slots."""
+        if not ok and op.run is not None and not op.done:
+            self._skip_after(op)
+        with op.lock:
+            if op.done:
+                return
+            self._report(op, ok, error_kind, nbytes)
+        if op.run is None or not ok:
+            return
+        if op.pos == 0:
+            for later in op.run[1:]:
+                self._queue_once(later)
+
+    def _skip_after(self, op: QueuedOp) -> None:
+        """The run's chunks after a miss are of no use: report those not started as misses."""
+        assert op.run is not None
+        skipped = 0
+        for later in op.run[op.pos + 1 :]:
+            with later.lock:
+                if later.done or later.started:
+                    continue
+                self._report(later, False, None, 0, counted=False)
+                skipped += 1
+        if skipped:
+            self._add("gets_skipped", skipped)
+
+    def _report(
+        self,
+        op: QueuedOp,
+        ok: bool,
+        error_kind: str | None,
+        nbytes: int,
+        *,
+        counted: bool = True,
+    ) -> None:
+        """Publish the result; the caller holds ``op.lock``. ``counted=False``: an op
+        that never reached the tier (not in ``ops_*``)."""
+        op.done = True
+        op.buf = None
+        result = OpResult(
+            op.op_id, op.kind, ok, time.monotonic() - op.t0, nbytes, error_kind
+        )
+        with self._lock:
+            if counted:
+                self._totals["ops_" + op.kind] += 1
+            if error_kind is not None:
+                self._totals["errors_" + error_kind] += 1
+            if op.stuck:
+                self._stuck[op.kind] -= 1
+            if op.kind is OpKind.UPLOAD:
+                self._pending_writes -= 1
+                self._writing.pop(op.seq, None)
+                if ok:
+                    self._puts_written += 1
+                else:
+                    self._put_failed_kinds[error_kind or "tier"] += 1
+                self._writes_idle.notify_all()
+            else:
+                self._inflight.pop(op.seq, None)
+        self._results.append(result)
