@@ -1,0 +1,185 @@
+"""The parsers of kvtier's config values that are not URLs: sizes, bounded numbers, text,
+variable names, flags and choices.
+
+Kept apart from :mod:`kvtier.config` (which maps each key to one of these, holds the
+frozen :class:`~kvtier.config.KVTierConfig` and loads it) so the rules of one value can
+be read, and tested, without the loading around them. Each parser takes the key it reads
+and raises :class:`~kvtier.errors.ConfigError` naming it, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Literal
+
+from kvtier.errors import ConfigError
+
+#: the largest size accepted (1 EiB): past it a typo, not a machine
+MAX_SIZE_BYTES = 2**60
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+# ASCII digits only: str.isdigit() and \d also take "５" and "²", which int() reads or rejects
+_SIZE_RE = re.compile(r"([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]{0,3})", re.ASCII)
+_INT_RE = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
+_FLOAT_RE = re.compile(
+    r"[+-]?(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,3})?", re.ASCII
+)
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}", re.ASCII)
+#: ASCII control characters (urlparse drops tabs and newlines silently)
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+SIZE_HELP = 'a byte count or a size string such as "512MiB", "8GiB" or "1.5GB"'
+
+
+def parse_size(key: str, value: object) -> int:
+    """Parse a byte count: an int, or a number with a unit (KiB/MiB/GiB/TiB, KB/MB/GB/TB).
+
+    Exact (no float rounding), whole bytes, at most :data:`MAX_SIZE_BYTES`: a
+    size past that, ``nan`` or ``inf`` is a typo that must not reach the planner.
+    """
+    bound = f"{SIZE_HELP}, at most {MAX_SIZE_BYTES} (1 EiB)"
+    if isinstance(value, bool):
+        raise ConfigError(key, value, SIZE_HELP)
+    if isinstance(value, int):
+        n = int(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ConfigError(key, value, SIZE_HELP + " (a whole, finite number of bytes)")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value.strip())
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ConfigError(key, value, SIZE_HELP)
+        exact = Fraction(m.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and exact.denominator != 1:
+            raise ConfigError(key, value, SIZE_HELP + " (a whole number of bytes)")
+        n = int(exact)  # a fraction of a larger unit rounds down to whole bytes
+    else:
+        raise ConfigError(key, value, SIZE_HELP)
+    if n < 0:
+        raise ConfigError(key, value, SIZE_HELP + " (not negative)")
+    if n > MAX_SIZE_BYTES:
+        raise ConfigError(key, value, bound)
+    return n
+
+
+def format_size(n: int) -> str:
+    """Human-readable binary size, for messages and tables."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_int(key: str, value: object, lo: int, hi: int) -> int:
+    """An int, or its ASCII decimal text (an env override); bounded so no timeout overflows."""
+    allowed = f"an integer >= {lo} and <= {hi}"
+    if isinstance(value, str):
+        m = _INT_RE.fullmatch(value.strip())
+        if not m:
+            raise ConfigError(key, value, allowed)
+        value = int(m.group())
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(key, value, allowed)
+    return int(value)
+
+
+def parse_float(key: str, value: object, lo: float, hi: float) -> float:
+    """A finite number in range: nan compares false with every bound and would pass them."""
+    allowed = f"a number >= {lo:g} and <= {hi:g}"
+    if isinstance(value, str):
+        m = _FLOAT_RE.fullmatch(value.strip())
+        if not m:
+            raise ConfigError(key, value, allowed)
+        value = float(m.group())
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, allowed)
+    # compare before float(): float() of a 400-digit int raises OverflowError
+    if not (lo <= value <= hi):  # also false for nan
+        raise ConfigError(key, value, allowed)
+    return float(value)
+
+
+def parse_text(key: str, value: object) -> str | None:
+    """A string that can be hashed, logged and opened: valid UTF-8, no NUL."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(key, value, "a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: undecodable bytes in an env var
+        raise ConfigError(key, value, "valid UTF-8 text") from None
+    if "\x00" in value:
+        raise ConfigError(key, value, "text without NUL characters")
+    return value
+
+
+def no_controls(key: str, value: str, what: str) -> str:
+    if CONTROL_RE.search(value):
+        raise ConfigError(key, value, f"{what} without control characters")
+    return value
+
+
+def parse_env_name(key: str, value: object) -> str | None:
+    """The name of an environment variable; a pasted key (hex, base64) is refused."""
+    name = parse_text(key, value)
+    if name is not None and not _ENV_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            key, name, "the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*), not a key"
+        )
+    return name
+
+
+def parse_path(key: str, value: object) -> str | None:
+    path = parse_text(key, value)
+    return None if path is None else no_controls(key, path, "a file path")
+
+
+def parse_cpu_bytes(key: str, value: object) -> int | Literal["auto"]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    n = parse_size(key, value)
+    if n <= 0:
+        raise ConfigError(key, value, '"auto" or ' + SIZE_HELP + " greater than zero")
+    return n
+
+
+def parse_bool(key: str, value: object) -> bool:
+    """true/false (a JSON boolean, or its text in an environment override)."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "true or false")
+    return value
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[str, object], str]:
+    """The parser of a value that is one of ``choices``, exactly."""
+
+    def parse(key: str, value: object) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(key, value, "one of " + ", ".join(choices))
+        return value
+
+    return parse
