@@ -4,13 +4,18 @@ Runs in each vLLM worker process (one per TP rank). It owns the host slab and
 this rank's object-tier I/O; it knows nothing about requests or prefixes, only
 slot numbers, block ids and block hashes. Every op's outcome goes back to the
 scheduler through the worker metadata.
+
+It drives both movers through one protocol (:class:`kvtier.ops.Mover`: submit ops,
+collect their results, close): the copier (paged KV <-> host slots; its layer-wise
+hooks ``wait_layer`` / ``save_layer`` are its own) and RemoteIO (host slots <-> the
+object tier; its health and counters are read for the stats).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +26,18 @@ from kvtier.host.copiers import make_copier
 from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
 from kvtier.host.transfer import Copier
 from kvtier.keys import KeySpace, Namespace, after_weight_change
-from kvtier.ops import FetchOp, LoadOp, OpKind, OpResult, UploadOp, all_blocks, by_op
+from kvtier.ops import (
+    DROPPED,
+    FetchOp,
+    GetRun,
+    LoadOp,
+    OpKind,
+    OpResult,
+    Put,
+    UploadOp,
+    all_blocks,
+    by_op,
+)
 from kvtier.stats import StatsRecorder
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta
@@ -31,6 +47,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.worker")
 
+#: opens this worker's object-tier I/O for a config naming a tier (RemoteIO.from_config)
+RemoteFactory = Callable[[KVTierConfig], "RemoteIO"]
+
 
 class WorkerSide:
     def __init__(
@@ -38,7 +57,7 @@ class WorkerSide:
         cfg: KVTierConfig,
         namespace: Namespace,
         num_blocks: int,
-        remote_factory: Any = None,
+        remote_factory: RemoteFactory | None = None,
         groups: Sequence[KVGroup] = (),
     ) -> None:
         self.cfg = cfg
@@ -61,6 +80,8 @@ class WorkerSide:
         #: runs in several calls per step (micro-batching), where only the end is safe
         self.layerwise_saves = True
         self._begun_step: int | None = None
+        #: copy results the copier returned at submit, settled with the step's poll
+        self._copied: list[OpResult] = []
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
@@ -139,7 +160,7 @@ class WorkerSide:
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
-        self.copier.begin_saves(meta.stores)
+        self._copied += self.copier.submit(meta.stores)  # copied by save_layer / poll
         for run in meta.fetches:
             self._fetch_run(slab, run)
         for op in meta.uploads:
@@ -164,7 +185,7 @@ class WorkerSide:
         own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
         self.begin_step(meta)
         assert self.copier is not None
-        self._record_loads(meta, self.copier.begin_loads(self._backed_loads(meta)))
+        self._record_loads(meta, self.copier.submit(self._backed_loads(meta)))
 
     def _backed_loads(self, meta: KVTierMetadata) -> list[LoadOp]:
         """The step's loads without the blocks vLLM backs with its null block.
@@ -230,9 +251,11 @@ class WorkerSide:
         self.begin_step(meta)  # a no-op: vLLM binds every step's metadata first
         copier, slab = self.copier, self.slab
         assert copier is not None and slab is not None
-        # slots read by this step's loads may be rewritten once results are reported
-        self._record_loads(meta, copier.finish_loads())
-        saved = by_op(copier.finish_saves())
+        # the step's copies, finished: slots read by its loads may be rewritten once
+        # their results are reported
+        done, self._copied = self._copied + copier.poll(), []
+        self._record_loads(meta, [r for r in done if r.kind is OpKind.LOAD])
+        saved = by_op(r for r in done if r.kind is OpKind.STORE)
         for op in meta.stores:
             res = saved.get(op.op_id) or OpResult(op.op_id, OpKind.STORE, False)
             self._record(res)
@@ -248,7 +271,9 @@ class WorkerSide:
         The one place every mover's result lands (copies here, object-tier I/O from
         :meth:`_poll_remote`)."""
         self._results[res.op_id] = [res.ok]
-        if res.ok:
+        if res.error_kind == DROPPED:  # refused at submit (backpressure): not an error
+            self.stats.inc(metrics.WRITES_DROPPED)
+        elif res.ok:
             self.stats.observe(metrics.TRANSFER_SECONDS, res.seconds, (res.kind.value,))
             if res.kind is OpKind.UPLOAD:
                 self.stats.inc(metrics.BYTES, res.nbytes, ("remote", "write"))
@@ -263,18 +288,17 @@ class WorkerSide:
 
     def _fetch_run(self, slab: HostSlab, run: list[FetchOp]) -> None:
         """Fetch one prompt's chunks into their slots: the first alone, the rest once it
-        was found, none after a miss (RemoteIO.submit_get_run)."""
+        was found, none after a miss (a :class:`~kvtier.ops.GetRun`)."""
         if self.remote is None:
             for op in run:
                 self._results[op.op_id] = [False]
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()
-        self.remote.submit_get_run(
-            [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
-             for op in run],
-            dtype=dtype, shape=shape,
-        )  # fmt: skip
+        gets = [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
+                for op in run]  # fmt: skip
+        for res in self.remote.submit([GetRun(gets, dtype, shape)]):
+            self._record(res)
 
     def _upload(self, slab: HostSlab, op: UploadOp) -> None:
         if self.remote is None:
@@ -287,13 +311,11 @@ class WorkerSide:
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()
-        queued = self.remote.submit_put(
-            op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
-            dtype=dtype, shape=shape,
-        )
-        if not queued:  # backpressure: dropped and counted; the slot is released at once
-            self.stats.inc(metrics.WRITES_DROPPED)
-            self._results[op.op_id] = [False]
+        put = Put(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot),
+                  dtype, shape)  # fmt: skip
+        # backpressure: a DROPPED result, counted; the slot is released at once
+        for res in self.remote.submit([put]):
+            self._record(res)
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
@@ -346,6 +368,8 @@ class WorkerSide:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
         if self.remote is None:
             return
         left = self.remote.flush(self.cfg.shutdown_flush_s)
