@@ -217,6 +217,30 @@ def test_every_node_reads_through_the_bounded_parser(
             pool.release(conn)
 
 
+def test_get_into_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -> None:
+    """get_into on the cluster: the key's node, its bounded parser reading the whole value
+    into the front of the buffer; missing is None; an oversize value is refused as get
+    refuses it, the buffer untouched and nothing written past it."""
+    keys = prompt_keys(12)
+    values = [os.urandom(100_000 + 1000 * i) for i in range(len(keys))]
+    for key, value in zip(keys, values, strict=True):
+        tier.put(key, [value[:10], value[10:]])
+    whole = bytearray(b"\xa5") * 200_000
+    buf = memoryview(whole)[:150_000]
+    for key, value in zip(keys, values, strict=True):
+        assert tier.get_into(key, buf) == len(value)
+        assert whole[: len(value)] == value
+        assert whole[150_000:] == bytearray(b"\xa5") * 50_000
+    assert tier.get_into("absent", buf) is None
+    small = memoryview(bytearray(b"\xa5") * 100_000)
+    with pytest.raises(ObjectTooLarge):
+        tier.get_into(keys[-1], small[:99_000])
+    with pytest.raises(ObjectTooLarge):
+        tier.get(keys[-1], max_bytes=99_000)
+    assert small == bytearray(b"\xa5") * 100_000
+    assert tier.get(keys[0]) == values[0]  # the next read is intact
+
+
 def collect(rio: RemoteIO, n: int, timeout: float = 15.0) -> list[OpResult]:
     out: list[OpResult] = []
     deadline = time.monotonic() + timeout

@@ -60,7 +60,11 @@ def _exists(tier: Any) -> object:
     return tier.exists(["k", "j"])
 
 
-READS: list[Callable[[Any], object]] = [_get, _get_bounded, _read_into]
+def _get_into(tier: Any) -> object:
+    return tier.get_into("k", memoryview(bytearray(4096)))
+
+
+READS: list[Callable[[Any], object]] = [_get, _get_bounded, _read_into, _get_into]
 OPS: list[Callable[[Any], object]] = [_exists, *READS, _put, _delete]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvtier.errors import ObjectTooLarge, TruncatedError
 
-__all__ = ["ObjectTier", "Parts", "head_length_for", "stored_prefix"]
+__all__ = ["ObjectTier", "Parts", "byte_view", "head_length_for", "stored_prefix"]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
@@ -29,6 +29,11 @@ def stored_prefix(found: Sequence[bool]) -> list[bool]:
     :meth:`ObjectTier.exists` answers (a lookup only uses the stored prefix)."""
     n = list(found).index(False) if False in found else len(found)
     return [True] * n + [False] * (len(found) - n)
+
+
+def byte_view(buf: memoryview) -> memoryview:
+    """``buf`` as flat unsigned bytes (what :meth:`ObjectTier.get_into` writes)."""
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
 
 
 def head_length_for(size: int, payload: int, max_head: int, where: str) -> int:
@@ -73,6 +78,28 @@ class ObjectTier(ABC):
         than ``max_bytes`` are ever read: a planted multi-GiB object must not
         make the engine allocate it.
         """
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Read the whole object into the front of ``buf``; its length, or None when the
+        key is not stored.
+
+        An object longer than ``buf`` raises what :meth:`get` with ``max_bytes=buf.nbytes``
+        raises (:class:`~kvtier.errors.ObjectTooLarge`), and nothing is ever written past
+        ``buf``; its bytes after the returned length, and all of them after an error,
+        may be anything. A compressed chunk (shorter than its slot) is read this way into
+        a reused buffer, so a read allocates nothing of its size. This default reads
+        through :meth:`get` (one copy); backends override it to read into ``buf``.
+        """
+        view = byte_view(buf)
+        blob = self.get(key, max_bytes=view.nbytes)
+        if blob is None:
+            return None
+        if len(blob) > view.nbytes:  # a backend's get that does not bound its read
+            raise ObjectTooLarge(
+                f"{self.name}: object of {len(blob)} bytes, at most {view.nbytes} expected"
+            )
+        view[: len(blob)] = blob
+        return len(blob)
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """Read a chunk straight into its host slot: the object's last ``dest.nbytes``

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
-from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for
+from kvtier.objects.tiers.base import ObjectTier, Parts, byte_view, head_length_for
 from kvtier.objects.tiers.file_sweep import (
     _OPEN_ROOT,
     _OPEN_SUBDIR,
@@ -263,16 +263,36 @@ class FileTier(DirectoryBound, ObjectTier):
         fd, st = opened
         try:
             with self._errors("get"):
-                if max_bytes is not None and st.st_size > max_bytes:
-                    raise ObjectTooLarge(
-                        f"file tier get under {self.root}: object of {st.st_size} bytes, "
-                        f"at most {max_bytes} expected"
-                    )
+                self._refuse_oversize(st, max_bytes)
                 data = _read(fd, st.st_size)  # what fstat saw: a file growing meanwhile is cut
                 self._touch(fd, st)
                 return data
         finally:
             os.close(fd)
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """:meth:`ObjectTier.get_into`: ``readv`` into ``buf`` (no buffer of the object's
+        size); an object larger than ``buf`` is refused from its fstat, unread."""
+        opened = self._open_regular(key)
+        if opened is None:
+            return None
+        fd, st = opened
+        view = byte_view(buf)
+        try:
+            with self._errors("get"):
+                self._refuse_oversize(st, view.nbytes)
+                n = _read_into(fd, view[: st.st_size])  # a file growing meanwhile is cut
+                self._touch(fd, st)
+                return n
+        finally:
+            os.close(fd)
+
+    def _refuse_oversize(self, st: os.stat_result, max_bytes: int | None) -> None:
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise ObjectTooLarge(
+                f"file tier get under {self.root}: object of {st.st_size} bytes, "
+                f"at most {max_bytes} expected"
+            )
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
@@ -381,6 +401,17 @@ def _read(fd: int, n: int) -> bytes:
         chunks.append(data)
         n -= len(data)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    """Fill ``view`` from ``fd``; the bytes read (fewer at end of file)."""
+    got = 0
+    while got < view.nbytes:
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _place(key: str) -> tuple[str, str]:

@@ -15,7 +15,13 @@ from redis.retry import Retry
 
 from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
+from kvtier.objects.tiers.base import (
+    ObjectTier,
+    Parts,
+    byte_view,
+    head_length_for,
+    stored_prefix,
+)
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
 from kvtier.objects.tiers.redis_resp import (
     _REPLY_CAP,
@@ -247,6 +253,26 @@ class RedisTier(ObjectTier):
         view = memoryview(blob)
         dest[:] = view[head_len:]
         return bytes(view[:head_len])
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """:meth:`ObjectTier.get_into`: STRLEN + GETRANGE as :meth:`get` with ``max_bytes``
+        of ``buf``'s size; a value STRLEN shows to be longer is refused unread into
+        ``buf``, a chunk-sized reply is read from the socket straight into ``buf``'s front
+        (no buffer of its size), a small one copied there."""
+        view = byte_view(buf)
+        bound = self._bound
+        bound.into, bound.front, bound.front_n, bound.last_int = view, True, None, None
+        try:
+            blob = self._get(key, view.nbytes)
+            n = bound.front_n
+        finally:
+            bound.into, bound.front, bound.front_n, bound.last_int = None, False, None, None
+        if blob is None:
+            return None
+        if n is None:  # a small reply, parsed by redis-py
+            n = len(blob)
+            view[:n] = blob
+        return n
 
     def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
         self._bound.limit = None if max_bytes is None else max(1, max_bytes)

@@ -54,6 +54,10 @@ class _Bound(threading.local):
     #: the bytes before them (the chunk's head) are returned; ``landed`` says it was
     into: memoryview | None = None
     landed = False
+    #: ``into`` takes the whole reply at its front instead (``RedisTier.get_into``): a
+    #: reply no longer than ``into`` lands there, and ``front_n`` says how long it was
+    front = False
+    front_n: int | None = None
     #: the last integer reply of the command (read_into's STRLEN, which comes before the
     #: GETRANGE): a value it shows to be oversize is never read into the slot
     last_int: int | None = None
@@ -120,15 +124,23 @@ class _BoundedParser(_RESP2Parser):
         size: no growing buffer and two copies (the pure-Python parser's way), as fast
         as hiredis. With a slot to read into (:attr:`_Bound.into`) no larger than the
         reply, the reply's end goes straight into the slot: no buffer of the chunk's
-        size, no copy of it."""
+        size, no copy of it; with :attr:`_Bound.front`, a whole reply that fits goes to
+        the front of ``into``."""
         into, size, limit = self.bound.into, self.bound.last_int, self.bound.limit
         oversize = size is not None and limit is not None and size > limit
+        if into is not None and self.bound.front:
+            if n <= into.nbytes and not oversize:
+                crlf = bytearray(2)
+                self._fill([into[:n], memoryview(crlf)], timeout)
+                _check_crlf(crlf)
+                self.bound.front_n = n
+                return bytearray()
+            into = None  # oversize: read into its own buffer, refused after the reply
         if into is not None and into.nbytes <= n and not oversize:
             self.bound.landed = False
             head, crlf = bytearray(n - into.nbytes), bytearray(2)
             self._fill([memoryview(head), into, memoryview(crlf)], timeout)
-            if crlf != b"\r\n":
-                raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
+            _check_crlf(crlf)
             self.bound.landed = True
             return head
         out = bytearray(n + 2)
@@ -137,8 +149,7 @@ class _BoundedParser(_RESP2Parser):
             self._fill([view], timeout)
         finally:
             view.release()
-        if out[n:] != b"\r\n":
-            raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
+        _check_crlf(out[n:])
         del out[n:]  # shrinks in place
         return out
 
@@ -159,6 +170,13 @@ class _BoundedParser(_RESP2Parser):
         finally:
             if timeout is not SENTINEL:
                 sock.settimeout(self._buffer.socket_timeout)
+
+
+def _check_crlf(end: bytes | bytearray) -> None:
+    """A bulk reply ends in CRLF; anything else is a protocol error (the connection is
+    dropped)."""
+    if end != b"\r\n":
+        raise redis.exceptions.InvalidResponse("Protocol Error: a bulk reply without CRLF")
 
 
 def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:

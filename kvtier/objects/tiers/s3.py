@@ -21,11 +21,19 @@ from kvtier.errors import (
     TierUnavailable,
     TruncatedError,
 )
-from kvtier.objects.tiers.base import ObjectTier, Parts, head_length_for, stored_prefix
+from kvtier.objects.tiers.base import (
+    ObjectTier,
+    Parts,
+    byte_view,
+    head_length_for,
+    stored_prefix,
+)
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
 
 __all__ = ["S3Tier", "client_config"]
 
+#: the most bytes asked of a GET's body at once (see :func:`_read_upto`)
+_PIECE = 128 * 1024
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _FAILURES = (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError)
 #: error codes about one object: that object is a miss, the bucket keeps being used.
@@ -73,16 +81,27 @@ def _object_size(resp: dict[str, Any]) -> int | None:
     return int(length) if length is not None else None
 
 
+def _read_upto(body: Any, buf: memoryview) -> int:
+    """Fill ``buf`` from a GET's streamed ``body``; the bytes read (fewer when it ends).
+
+    In pieces of :data:`_PIECE`: urllib3's ``readinto`` reads into a new bytes object of
+    the size asked for and copies it, so one call for the whole buffer would allocate a
+    buffer of the object's size per read."""
+    got = 0
+    while got < buf.nbytes:
+        n = body.readinto(buf[got : got + _PIECE])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def _fill(body: Any, bufs: list[memoryview], where: str) -> None:
     """Fill ``bufs`` in order from a GET's streamed ``body`` (TruncatedError when it ends
     first)."""
     for buf in bufs:
-        got = 0
-        while got < buf.nbytes:
-            n = body.readinto(buf[got:])
-            if not n:
-                raise TruncatedError(f"{where}: body ended early")
-            got += n
+        if _read_upto(body, buf) < buf.nbytes:
+            raise TruncatedError(f"{where}: body ended early")
 
 
 def client_config(io_threads: int, lookup_timeout_ms: int) -> Config:
@@ -285,13 +304,39 @@ class S3Tier(ObjectTier):
                     data = body.read(max_bytes + 1)  # bounded even without a length
                     size = len(data)
                 if size > max_bytes:
-                    raise ObjectTooLarge(
-                        f"s3 get {self._where()}: object of {size} bytes or more, "
-                        f"at most {max_bytes} expected"
-                    )
+                    raise self._too_large(size, max_bytes)
                 return bytes(data)
         finally:
             body.close()
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """:meth:`ObjectTier.get_into`: one GET ranged to ``buf``'s size, its body streamed
+        into ``buf`` (``readinto``: no buffer of the object's size); an object its length
+        shows to be larger is refused before a byte of its body is read."""
+        view = byte_view(buf)
+        try:
+            resp = self._get_object(key, view.nbytes)
+        except TruncatedError:
+            return 0  # a range of an empty object (get's b"")
+        if resp is None:
+            return None
+        body = resp["Body"]
+        try:
+            with self._errors("get"):
+                size = _object_size(resp)
+                if size is not None and size > view.nbytes:
+                    raise self._too_large(size, view.nbytes)
+                got = _read_upto(body, view if size is None else view[:size])
+                if size is None and got == view.nbytes and body.read(1):  # no length said
+                    raise self._too_large(got + 1, view.nbytes)
+                return got
+        finally:
+            body.close()
+
+    def _too_large(self, size: int, max_bytes: int) -> ObjectTooLarge:
+        return ObjectTooLarge(
+            f"s3 get {self._where()}: object of {size} bytes or more, at most {max_bytes} expected"
+        )
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ranged GET; the body streams into the slot (``readinto``, no full copy)."""
