@@ -21,11 +21,12 @@ each failure maps to an error kind and to the tier's health:
   object is refused unread, counted as ``"oversize"``.
 - With a compressor (``compression: lossless``) an upload is compressed, then framed,
   sealed and signed, all on its write thread; a fetch reads the whole object (one
-  bounded ``get``) into a per-read-thread scratch buffer, verifies it there and
-  decompresses it into the slot. Without one a fetch reads straight into the slot; an
-  object too short for that (a compressed chunk another engine wrote) is read again
-  whole and decompressed the same way, so every engine reads both. Bytes before and
-  after compression and the seconds spent are counted (``take_compression``).
+  bounded ``get_into``) into a per-read-thread scratch buffer, verifies it there and
+  decompresses it into the slot. Without one, or with ``auto`` while it stores raw, a
+  fetch reads straight into the slot; an object too short for that (a compressed chunk)
+  is read again whole and decompressed the same way, so every engine reads both. Bytes
+  before and after compression and the seconds spent are counted
+  (``take_compression``); ``auto`` also gets each read's time (``observe_read``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvtier.objects.io_counts import ERROR_KINDS
 from kvtier.objects.op_queue import OpQueue, QueuedOp
 from kvtier.objects.tier_health import RateLimitedLog
 from kvtier.objects.tiers.base import ObjectTier
+from kvtier.objects.zpolicy import AutoCompressor
 from kvtier.ops import OpKind
 
 __all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO"]
@@ -63,12 +65,13 @@ class ChunkIO(OpQueue):
         write_stall_s: float,
         backoff: Backoff,
         signer: codec.Signer | None,
-        compressor: compress.Compressor | compress.Fp8Compressor | None,
+        compressor: compress.Compressor | compress.Fp8Compressor | AutoCompressor | None,
     ) -> None:
         super().__init__(tier, threads=threads, queue_depth=queue_depth, timeout_s=timeout_s,
                          write_stall_s=write_stall_s, backoff=backoff)  # fmt: skip
         self.signer = signer
-        #: compresses uploads (``compression: lossless``); None: stored raw
+        #: compresses uploads (``compression: lossless``, ``fp8``, or ``auto``: where reads
+        #: are faster so); None: stored raw
         self.compressor = compressor
         #: fp8 chunks are read only by an engine that chose them: other engines' hits
         #: stay exact
@@ -126,6 +129,7 @@ class ChunkIO(OpQueue):
 
     def _get(self, op: QueuedOp, key: str, buf: memoryview) -> None:
         """The read path of a started fetch: read, verify into the slot, report."""
+        t0 = time.perf_counter()
         got = self._read(key, buf)
         self._answered(op)
         if got is None:
@@ -141,6 +145,9 @@ class ChunkIO(OpQueue):
                             out=None if payload is buf else buf,
                             lossy=self.reads_lossy)  # fmt: skip
         self._count_z("read", buf.nbytes, payload.nbytes, secs)
+        if self.compressor is not None:  # the whole read, timed for compression: auto
+            self.compressor.observe_read(buf.nbytes, time.perf_counter() - t0,
+                                         codec.is_compressed(head))  # fmt: skip
         self._finish(op, True, None, nbytes=nread)
 
     def _put(self, op: QueuedOp, key: str, buf: memoryview) -> None:
@@ -177,24 +184,25 @@ class ChunkIO(OpQueue):
     def _read(self, key: str, slot: memoryview) -> tuple[bytes, memoryview] | None:
         """Read ``key`` for ``slot``: (head, payload), None when it is not stored.
 
-        Without a compressor the object is read straight into the slot (the payload is
-        ``slot``). With one, or when the object is too short for that (compressed by
-        another engine), it is read whole, at most the slot plus the largest header: a
-        compressed payload into this thread's scratch buffer (decompressed into the slot
-        once verified; with an encryption key, as it opens in place), a raw one copied
-        into the slot.
+        Without a compressor, or with one that stores raw now (``auto``), the object is
+        read straight into the slot (the payload is ``slot``). Otherwise, or when the
+        object is too short for that (compressed), it is read whole into this thread's
+        scratch buffer, at most the slot plus the largest header: a compressed payload
+        stays there (verified, opened in place with an encryption key, then decompressed
+        into the slot), a raw one is copied into the slot.
         """
-        if self.compressor is None:
+        if self.compressor is None or self.compressor.reads_raw_first:
             try:
                 head = self.tier.read_into(key, slot, MAX_FRAME)
             except TruncatedError:
                 pass  # shorter than a raw chunk: perhaps a compressed one; read it whole
             else:
                 return None if head is None else (head, slot)
-        blob = self.tier.get(key, max_bytes=slot.nbytes + MAX_FRAME)
-        if blob is None:
+        whole = self._scratch.view(slot.nbytes + MAX_FRAME)
+        n = self.tier.get_into(key, whole)
+        if n is None:
             return None
-        view = memoryview(blob)
+        view = whole[:n]
         body_at = codec.head_length(view[:8])
         if view.nbytes < body_at:
             raise TruncatedError(f"chunk of {view.nbytes} bytes ends inside its header")
@@ -205,11 +213,7 @@ class ChunkIO(OpQueue):
                                      f"{slot.nbytes}")  # fmt: skip
             slot[:] = payload
             return head, slot
-        if self.signer is None or self.signer.sealer is None:
-            return head, payload  # not opened in place: decompressed from where it was read
-        scratch = self._scratch.view(payload.nbytes)  # at most slot + MAX_FRAME
-        scratch[:] = payload  # writable: a sealed chunk opens in place
-        return head, scratch
+        return head, payload  # in the scratch buffer: a sealed chunk opens in place there
 
     def _answered(self, op: QueuedOp) -> None:
         """The tier answered ``op``'s call: up again, unless it answered too late (then

@@ -43,12 +43,10 @@ import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from kvtier.errors import CodecError, ConfigError
+from kvtier.errors import CodecError
 
 if TYPE_CHECKING:
     import torch
-
-    from kvtier.config import KVTierConfig
 
 __all__ = [
     "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError", "LOSSY_FORMS",
@@ -179,22 +177,6 @@ class Compressor:
     def observe_read(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
         """A timed read (used by ``compression: auto`` only)."""
 
-    @classmethod
-    def from_config(cls, cfg: KVTierConfig) -> Compressor | Fp8Compressor | None:
-        """The compressor ``cfg.compression`` asks for; None for ``none``. A ConfigError
-        naming the key when its library is missing (never a silent switch to raw)."""
-        if cfg.compression == "none":
-            return None
-        if cfg.compression == "fp8":
-            return Fp8Compressor()
-        try:
-            return cls()
-        except ImportError:
-            raise ConfigError(
-                "compression", cfg.compression,
-                "none, fp8, or lossless with python-blosc2 installed "
-                "(pip install 'kvtier[lossless]')",
-            ) from None
 
 
 def _torch_dtype(dtype: str) -> torch.dtype | None:

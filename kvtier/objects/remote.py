@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.objects import codec, compress
+from kvtier.objects import codec, compress, zpolicy
 from kvtier.objects.backoff import Backoff, ExponentialBackoff
 from kvtier.objects.chunk_io import MAX_FRAME, REWRITE_KEYS, ChunkIO
 from kvtier.objects.io_counts import ERROR_KINDS, FlushReport
@@ -64,7 +64,8 @@ class RemoteIO(ChunkIO):
         signer: codec.Signer | None,
         backoff: Backoff | None = None,
         write_stall_s: float | None = None,
-        compressor: compress.Compressor | compress.Fp8Compressor | None = None,
+        compressor: compress.Compressor | compress.Fp8Compressor | zpolicy.AutoCompressor
+        | None = None,
     ) -> None:
         super().__init__(
             tier,
@@ -99,7 +100,7 @@ class RemoteIO(ChunkIO):
             timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
             signer=signer,
             backoff=backoff,
-            compressor=compress.Compressor.from_config(cfg),
+            compressor=zpolicy.from_config(cfg),
         )
 
     def __repr__(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,38 @@ def test_reads_go_straight_into_the_slot_while_uploads_are_raw() -> None:
     reads(z, raw_ms_per_mib=10.0, z_ms_per_mib=4.0)
     assert not z.reads_raw_first
     assert not Compressor().reads_raw_first and not Fp8Compressor().reads_raw_first
+
+
+def test_remote_io_times_its_reads_for_auto_and_reads_every_form(tmp_path: Path) -> None:
+    """Through RemoteIO on a real directory tier: auto stores 1 upload in 16 compressed,
+    every read is timed into the form it was stored in, and every chunk comes back exact
+    (raw ones straight into the slot, the compressed one read whole on its second try)."""
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers import FileTier
+
+    z = AutoCompressor()
+    rio = RemoteIO(FileTier(str(tmp_path / "o")), threads=4, queue_depth=64, timeout_s=20.0,
+                   signer=None, compressor=z)  # fmt: skip
+    n = EXPLORE_EVERY
+    chunks = [bytes(chunk(1 << 15)) for _ in range(n)]
+    chunks = [bytes([i]) + c[1:] for i, c in enumerate(chunks)]  # distinct chunks
+    try:
+        for i, c in enumerate(chunks):
+            rio.submit_put(i, f"k{i}", memoryview(c), dtype="bfloat16", shape=[len(c) // 2])
+        assert rio.flush(20.0) == 0
+        rio.poll()
+        slots = [memoryview(bytearray(1 << 15)) for _ in range(n)]
+        for i, slot in enumerate(slots):
+            rio.submit_get_into(100 + i, f"k{i}", slot, dtype="bfloat16", shape=[1 << 14])
+        got = []
+        while len(got) < n:
+            got += [r for r in rio.poll() if r.op_id >= 100]
+        assert all(r.ok for r in got)
+        assert [bytes(s) for s in slots] == chunks
+        assert z._reads == [n - 1, 1]
+        raw, comp = z.costs()
+        assert raw is not None and comp is not None and raw > 0 and comp > 0
+        stored = {d: v[1] for d, v in rio.take_compression().items()}
+        assert stored["write"] < n * (1 << 15)  # one was stored compressed
+    finally:
+        rio.close()
