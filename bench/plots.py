@@ -126,3 +126,46 @@ def _scheduler_axes(result: dict[str, Any], axes: Any) -> None:
     ax.set(xscale="log", yscale="log", xlabel="index chunks", ylabel="µs",
            title="get_num_new_matched_tokens, 32k-token prompt")
     ax.legend(fontsize=7)
+
+
+def ttft_sweep_plot(result: dict[str, Any], path: str) -> None:
+    """bench/ttft.py --sweep: TTFT by prompt length (log-log), and TTFT ÷ cold prefill."""
+    import statistics
+
+    rows = result["sweep"]
+    xs = [r["prompt_tokens"] for r in rows]
+    series = [("cold prefill", [r["cold_ttft_s"] for r in rows], "k", "-", "o"),
+              # the restarted engines' own (the writing engine's is taken while its
+              # uploads run, and reads high): what each restart hit is divided by
+              ("in-engine prefix hit (vLLM, restarted engines' median)",
+               [statistics.median(t["engine_hit_ttft_s"] for t in r["restart"].values())
+                for r in rows], "tab:gray", "--", "s"),
+              ("kvtier host-tier hit", [r["kvtier_hit_ttft_s"] for r in rows],
+               "tab:purple", ":", "^")]  # fmt: skip
+    colors = {"file": "tab:blue", "s3": "tab:orange", "redis": "tab:red"}
+    names = {"file": "file://", "s3": "S3 (moto)", "redis": "Redis"}
+    for t in rows[0]["restart"]:
+        series.append((f"{names[t]} hit after restart",
+                       [r["restart"][t]["restart_hit_ttft_s"] for r in rows],
+                       colors[t], "-", "D"))  # fmt: skip
+    cold = series[0][1]
+    with figure(path, ncols=2, figsize=(13, 5.2)) as (fig, (ax1, ax2)):
+        for label, ys, color, ls, marker in series:
+            ax1.plot(xs, [y * 1000 for y in ys], ls, color=color, marker=marker, label=label)
+            if label != "cold prefill":
+                ax2.plot(xs, [y / c for y, c in zip(ys, cold, strict=True)], ls, color=color,
+                         marker=marker, label=label)  # fmt: skip
+        for ax in (ax1, ax2):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_yscale("log")
+            ax.set_xlabel("prompt tokens")
+            ax.grid(True, which="both", alpha=0.3)
+        ax1.set_ylabel("TTFT (ms)")
+        ax1.set_title("Time to first token")
+        ax2.axhline(1.0, color="k", lw=1)
+        ax2.set_ylabel("TTFT ÷ cold prefill of the same prompt")
+        ax2.set_title("Below 1: the hit beats recomputing")
+        ax1.legend(fontsize=8)
+        fig.suptitle(f"{result['model']} Llama, vLLM CPU build, {result['machine']['cpus']} "
+                     f"cores, median of {result['samples']}")  # fmt: skip

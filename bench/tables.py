@@ -188,3 +188,63 @@ def print_putget(rows: list[tuple], chunks: int, size: int, rounds: int, hmac: b
             f"{median_ratio:>12.2f}"
         )
     print(f"lowest median ratio kvtier/raw {worst:.2f} (goal >= 0.9)")
+
+
+#: restart hit ÷ in-engine hit, the goal per tier
+TTFT_GOALS = {"file": 1.2, "redis": 1.4, "s3": 1.6}
+
+
+def print_ttft_breakdown(rows: list[dict]) -> None:
+    """bench/ttft.py: restart hit = in-engine hit + raw client + kvtier's own, per tier
+    and length."""
+    print("\nrestart hit = in-engine hit + raw client (same chunks, same threads) + kvtier's own"
+          " (ms)")
+    print(f"{'tokens':>6} {'tier':>5} {'restart':>8} {'in-eng':>7} {'raw':>7} {'raw 1st+':>8}"
+          f" {'own':>7} {'own goal':>8} {'÷in-eng':>7} {'goal':>5} {'chunks':>6} {'MiB':>5}")
+    for r in rows:
+        for kind, d in r["restart"].items():
+            raw = d.get("raw")
+            if raw is None:
+                continue
+            print(f"{r['prompt_tokens']:>6} {kind:>5} {d['restart_hit_ttft_s'] * 1000:>8.1f} "
+                  f"{d['engine_hit_ttft_s'] * 1000:>7.1f} {raw['parallel_s'] * 1000:>7.1f} "
+                  f"{raw['first_then_rest_s'] * 1000:>8.1f} {d['kvtier_own_s'] * 1000:>7.1f} "
+                  f"{d['kvtier_own_goal_s'] * 1000:>8.1f} {d['over_engine_hit']:>7.2f} "
+                  f"{TTFT_GOALS[kind]:>5} {raw['objects']:>6} {raw['bytes'] / 2**20:>5.0f}")
+
+
+def print_ttft_one(result: dict) -> None:
+    """bench/ttft.py at one prompt length: (a) to (d), the ratios and the breakdown."""
+    a, b, c = (result[k] * 1000 for k in ("cold_ttft_s", "engine_hit_ttft_s", "kvtier_hit_ttft_s"))
+    print(f"\nTTFT, median of {result['samples']}, {result['prompt_tokens']}-token prompt, "
+          f"{result['model']}")  # fmt: skip
+    print(f"  (a) cold prefill                  {a:8.1f} ms")
+    print(f"  (b) vLLM in-engine prefix hit     {b:8.1f} ms"
+          f"   ({result['cached_tokens_engine']} tokens cached)")
+    print(f"  (c) kvtier host-tier hit          {c:8.1f} ms"
+          f"   ({result['cached_tokens_kvtier']} tokens loaded)")
+    print(f"  c/b = {c / b:.3f}   (goal <= 1.10)")
+    print(f"  c/a = {c / a:.3f}   (goal <= 0.06)")
+    for kind, r in result["restart"].items():
+        d, b2 = r["restart_hit_ttft_s"] * 1000, r["engine_hit_ttft_s"] * 1000
+        print(f"  (d) {kind:5} tier hit after an engine restart {d:8.1f} ms;"
+              f" ÷ in-engine hit there ({b2:.1f} ms) = {r['over_engine_hit']:.2f}"
+              f"   (goal <= {TTFT_GOALS[kind]}; {r['cached'][0]} tokens cached)")
+    print_ttft_breakdown([result])
+
+
+def print_ttft_sweep(result: dict) -> None:
+    """bench/ttft.py --sweep: a row per prompt length, then the breakdown."""
+    tiers = list(result["sweep"][0]["restart"])
+    print(f"\nTTFT (ms), median of {result['samples']} per length, {result['model']}")
+    head = f"{'tokens':>6} {'cold':>8} {'in-engine':>9} {'host':>7}"
+    head += "".join(f" {t + ' restart':>14} {'÷ in-eng':>8}" for t in tiers)
+    print(head)
+    for r in result["sweep"]:
+        line = (f"{r['prompt_tokens']:>6} {r['cold_ttft_s'] * 1000:>8.1f} "
+                f"{r['engine_hit_ttft_s'] * 1000:>9.1f} {r['kvtier_hit_ttft_s'] * 1000:>7.1f}")
+        for t in tiers:
+            d = r["restart"][t]
+            line += f" {d['restart_hit_ttft_s'] * 1000:>14.1f} {d['over_engine_hit']:>8.2f}"
+        print(line)
+    print_ttft_breakdown(result["sweep"])
