@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
-from harness import free_port
+from harness import Proc, Unavailable, start_moto, start_redis
 
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
@@ -74,73 +73,32 @@ def time_restart_runs(
     return times
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited with code {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            time.sleep(0.2)
-            return
-        except OSError:
-            time.sleep(0.05)
-    sys.exit(f"{what} did not start on port {port}")
-
-
 @contextmanager
 def local_services(args: argparse.Namespace) -> Iterator[None]:
-    """Start redis-server and moto's S3 server on loopback unless URLs were given."""
-    procs: list[subprocess.Popen] = []
+    """Start redis-server and moto's S3 server on loopback (harness.py's) unless URLs were
+    given."""
+    procs: list[Proc] = []
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
     args.file_root = os.path.join(workdir, "tier")
     try:
         if not args.redis_url and not args.skip_redis:
-            binary = shutil.which("redis-server")
-            if binary is None:
-                sys.exit("redis-server not found; install it or pass --redis-url")
-            port = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        binary,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        workdir,
-                        "--loglevel",
-                        "warning",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                )  # fmt: skip
-            )
-            _wait_port(port, procs[-1], "redis-server")
-            args.redis_url = f"redis://127.0.0.1:{port}/0"
+            try:
+                proc, args.redis_url = start_redis(Path(workdir))
+            except Unavailable as exc:
+                sys.exit(f"{exc}; or pass --redis-url")
+            procs.append(proc)
         if not args.s3_endpoint and not args.skip_s3:
-            port = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            _wait_port(port, procs[-1], "moto server")
-            args.s3_endpoint = f"http://127.0.0.1:{port}"
-            for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                         "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+            try:
+                proc, args.s3_endpoint, aws = start_moto(Path(workdir))
+            except Unavailable as exc:
+                sys.exit(f"{exc}; or pass --s3-endpoint")
+            procs.append(proc)
+            for k, v in aws.items():
                 os.environ.setdefault(k, v)
         yield
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(10)
+            p.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
