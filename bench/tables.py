@@ -85,12 +85,16 @@ def print_compression(speed: list[dict], hits: list[dict], source: str) -> None:
         return
     r0 = hits[0]
     print(f"Restart-hit fetch with compression: a lookup run of {r0['chunks']} chunks of "
-          f"{r0['chunk_mib']:.2f} MiB, raw and lossless alternating, median of {r0['runs']} runs")
+          f"{r0['chunk_mib']:.2f} MiB, raw, lossless and auto alternating, median of "
+          f"{r0['runs']} runs (auto: a replica that read its own uploads back first, then "
+          "stored the run in the form it chose)")
     print(f"{'backend':<22} {'stored/raw':>10} {'none ms':>8} {'lossless ms':>11} "
-          f"{'lossless/none':>13}")  # fmt: skip
+          f"{'lossless/none':>13} {'auto stores':>11} {'auto ms':>8} {'auto/none':>9}")  # fmt: skip
     for r in hits:
+        form = "compressed" if r["auto_compressing"] else "raw"
         print(f"{r['backend']:<22} {r['stored_over_raw']:>10.3f} {r['none_ms_median']:>8.1f} "
-              f"{r['lossless_ms_median']:>11.1f} {r['lossless_over_none']:>13.2f}")  # fmt: skip
+              f"{r['lossless_ms_median']:>11.1f} {r['lossless_over_none']:>13.2f} "
+              f"{form:>11} {r['auto_ms_median']:>8.1f} {r['auto_over_none']:>9.2f}")  # fmt: skip
 
 
 def print_encryption(rows: list[dict], speed: dict[str, float], hmac_on: bool) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from tier_cases import Case, MiB, open_case, time_restart_runs, timed, wait_for_results
 
-from kvtier.objects import codec, compress
+from kvtier.objects import codec, compress, zpolicy
 from kvtier.objects.backoff import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.seal import Sealer
@@ -260,6 +260,45 @@ class LinkTier(ObjectTier):
         self.inner.close()
 
 
+def auto_learn_rounds(n: int) -> int:
+    """Rounds of ``n`` uploads read back the auto replica learns from before the timed runs."""
+    return -(-zpolicy.EXPLORE_EVERY * (zpolicy.MIN_READS + 1) // n)
+
+
+def auto_replica(
+    reader: Callable[[], ObjectTier], args: argparse.Namespace, chunks: list[bytes], n: int
+) -> tuple[RemoteIO, zpolicy.AutoCompressor]:
+    """A replica with ``compression: auto`` through the same link: it uploads rounds of
+    ``n`` chunks and reads each round back (its own hits time both forms), then uploads
+    the timed run's chunks (``z-auto-*``) in the form it settled on. It learns from enough
+    rounds for ``MIN_READS + 1`` exploring uploads (auto starts raw)."""
+    size = len(chunks[0])
+    rounds = auto_learn_rounds(n)
+    z = zpolicy.AutoCompressor(compress.Compressor())
+    rio = RemoteIO(reader(), threads=args.putget_threads, queue_depth=2 * n + 1, timeout_s=60.0,
+                   signer=None, backoff=ConstantBackoff(0.1), compressor=z)  # fmt: skip
+    slots = [memoryview(bytearray(size)) for _ in range(n)]
+    seq = 0
+
+    def upload(prefix: str) -> None:
+        nonlocal seq
+        for i in range(n):
+            seq += 1
+            rio.submit_put(seq, f"{prefix}-{i}", memoryview(chunks[i % len(chunks)]),
+                           dtype="bfloat16", shape=[size // 2])  # fmt: skip
+        if rio.flush(60.0):
+            raise RuntimeError("auto replica: uploads left unwritten")
+        rio.poll()
+
+    for r in range(rounds):
+        upload(f"z-learn-{r}")
+        rio.submit_get_run([(i, f"z-learn-{r}-{i}", slots[i]) for i in range(n)],
+                           dtype="bfloat16", shape=[size // 2])  # fmt: skip
+        wait_for_results(rio, n)
+    upload("z-auto")
+    return rio, z
+
+
 def run_compression_hit(
     case: Case, args: argparse.Namespace, chunks: list[bytes], link_gbit: float | None = None
 ) -> dict:
@@ -296,7 +335,9 @@ def run_compression_hit(
         for i in range(n):
             assert bytes(slots[i]) == chunks[i % len(chunks)], "not bit-exact"
 
+    rios["auto"], auto = auto_replica(reader, args, chunks, n)
     times = time_restart_runs(rios, "z", slots, shape, reps, bit_exact)
+    auto_raw, auto_stored, _ = rios["auto"].take_compression()["write"]  # all its uploads
     for rio in rios.values():
         rio.close()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -304,4 +345,7 @@ def run_compression_hit(
     return {"backend": name, "chunks": n, "chunk_mib": size / MiB, "runs": reps,
             "stored_over_raw": stored["lossless"] / stored["none"],
             "none_ms_median": med["none"] * 1000, "lossless_ms_median": med["lossless"] * 1000,
-            "lossless_over_none": med["lossless"] / med["none"]}  # fmt: skip
+            "lossless_over_none": med["lossless"] / med["none"],
+            "auto_ms_median": med["auto"] * 1000, "auto_over_none": med["auto"] / med["none"],
+            "auto_compressing": auto.compressing,
+            "auto_stored_over_raw": auto_stored / auto_raw}

@@ -20,7 +20,9 @@ Run it with ``make bench-ttft`` (about 3 minutes on 2 cores, plus ~1 minute a ti
 Each restart hit is split: the in-engine hit, the backend's own client on the same stored
 chunks (open + readinto, redis-py GET, boto3 GetObject on kvtier's read threads: the
 bytes' share) and the rest, kvtier's own cost, side by side per tier and length.
-``--compression lossless`` stores and reads the chunks compressed (both engines).
+``--compression lossless`` stores and reads the chunks compressed (both engines); ``auto``
+stores them in the form the writing engine's own timed reads favour (raw until it has read
+both forms).
 
 ``--sweep 512,1024,2048,4096,8192`` measures (a), (b), (c) and (d) for every
 tier of ``--restart`` (default: file, s3, redis) at each prompt length instead,
@@ -161,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--model-dir", help="where to build the model (default: a temp dir)")
-    parser.add_argument("--compression", choices=["none", "lossless"], default="none",
+    parser.add_argument("--compression", choices=["none", "lossless", "auto"], default="none",
                         help="kvtier's compression of object-tier chunks (both engines)")
     parser.add_argument("--io-threads", type=int, default=4,
                         help="kvtier's io_threads (half of them read; the raw client's "
