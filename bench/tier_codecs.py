@@ -262,7 +262,7 @@ class LinkTier(ObjectTier):
 
 def auto_learn_rounds(n: int) -> int:
     """Rounds of ``n`` uploads read back the auto replica learns from before the timed runs."""
-    return -(-zpolicy.EXPLORE_EVERY * (zpolicy.MIN_READS + 1) // n)
+    return max(4, -(-(zpolicy.MIN_READS + 1) // n))
 
 
 def auto_replica(
@@ -270,8 +270,8 @@ def auto_replica(
 ) -> tuple[RemoteIO, zpolicy.AutoCompressor]:
     """A replica with ``compression: auto`` through the same link: it uploads rounds of
     ``n`` chunks and reads each round back (its own hits time both forms), then uploads
-    the timed run's chunks (``z-auto-*``) in the form it settled on. It learns from enough
-    rounds for ``MIN_READS + 1`` exploring uploads (auto starts raw)."""
+    the timed run's chunks (``z-auto-*``) in the form it settled on (auto starts raw, and
+    needs ``MIN_READS`` timed reads before it chooses)."""
     size = len(chunks[0])
     rounds = auto_learn_rounds(n)
     z = zpolicy.AutoCompressor(compress.Compressor())
