@@ -9,6 +9,7 @@ import os
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from tier_cases import Case, MiB, open_case, time_restart_runs, timed, wait_for_results
@@ -266,11 +267,12 @@ def auto_learn_rounds(n: int) -> int:
 
 
 def auto_replica(
-    reader: Callable[[], ObjectTier], args: argparse.Namespace, chunks: list[bytes], n: int
+    reader: Callable[[], ObjectTier], args: argparse.Namespace, chunks: list[bytes], n: int,
+    prefix: str = "z",
 ) -> tuple[RemoteIO, zpolicy.AutoCompressor]:
     """A replica with ``compression: auto`` through the same link: it uploads rounds of
     ``n`` chunks and reads each round back (its own hits time both forms), then uploads
-    the timed run's chunks (``z-auto-*``) in the form it settled on (auto starts raw, and
+    the timed run's chunks (``{prefix}-auto-*``) in the form it settled on (auto starts raw, and
     needs ``MIN_READS`` timed reads before it chooses)."""
     size = len(chunks[0])
     rounds = auto_learn_rounds(n)
@@ -280,22 +282,22 @@ def auto_replica(
     slots = [memoryview(bytearray(size)) for _ in range(n)]
     seq = 0
 
-    def upload(prefix: str) -> None:
+    def upload(name: str) -> None:
         nonlocal seq
         for i in range(n):
             seq += 1
-            rio.submit_put(seq, f"{prefix}-{i}", memoryview(chunks[i % len(chunks)]),
+            rio.submit_put(seq, f"{name}-{i}", memoryview(chunks[i % len(chunks)]),
                            dtype="bfloat16", shape=[size // 2])  # fmt: skip
         if rio.flush(60.0):
             raise RuntimeError("auto replica: uploads left unwritten")
         rio.poll()
 
     for r in range(rounds):
-        upload(f"z-learn-{r}")
-        rio.submit_get_run([(i, f"z-learn-{r}-{i}", slots[i]) for i in range(n)],
+        upload(f"{prefix}-learn-{r}")
+        rio.submit_get_run([(i, f"{prefix}-learn-{r}-{i}", slots[i]) for i in range(n)],
                            dtype="bfloat16", shape=[size // 2])  # fmt: skip
         wait_for_results(rio, n)
-    upload("z-auto")
+    upload(f"{prefix}-auto")
     return rio, z
 
 
@@ -308,12 +310,15 @@ def run_compression_hit(
     size = len(chunks[0])
     shape = [size // 2]
     n = args.hit_chunks
+    # keys of this call alone: a tier dir or server shared with an earlier call (another
+    # link speed) already holds its objects, which an upload would not write again
+    prefix = f"z{uuid.uuid4().hex[:8]}"
     comp = compress.Compressor()
     writer = open_case(case, args.putget_threads)
     stored = {"none": 0, "lossless": 0}
     for side in stored:
         for i in range(n):
-            k, c = f"z-{side}-{i}", chunks[i % len(chunks)]
+            k, c = f"{prefix}-{side}-{i}", chunks[i % len(chunks)]
             z = ("blosc2", comp.compress(memoryview(c), 2)[0]) if side == "lossless" else None
             parts = codec.encode(k, c, dtype="bfloat16", shape=shape, compressed=z)
             stored[side] += codec.encoded_size(parts)
@@ -335,8 +340,8 @@ def run_compression_hit(
         for i in range(n):
             assert bytes(slots[i]) == chunks[i % len(chunks)], "not bit-exact"
 
-    rios["auto"], auto = auto_replica(reader, args, chunks, n)
-    times = time_restart_runs(rios, "z", slots, shape, reps, bit_exact)
+    rios["auto"], auto = auto_replica(reader, args, chunks, n, prefix)
+    times = time_restart_runs(rios, prefix, slots, shape, reps, bit_exact)
     auto_raw, auto_stored, _ = rios["auto"].take_compression()["write"]  # all its uploads
     for rio in rios.values():
         rio.close()
