@@ -51,6 +51,7 @@ from kvtier.objects.io_counts import IOCounts
 from kvtier.objects.tier_health import TierHealth
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
+from kvtier.threads import spread_over_engine_cpus
 
 __all__ = ["OpQueue", "QueuedOp", "byte_view"]
 
@@ -338,6 +339,7 @@ class OpQueue(IOCounts):
     # -- I/O threads ---------------------------------------------------------------------
 
     def _worker(self, q: queue.Queue[QueuedOp | None]) -> None:
+        spread_over_engine_cpus()
         while True:
             op = q.get()
             if op is None:
