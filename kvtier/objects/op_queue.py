@@ -51,7 +51,6 @@ from kvtier.objects.io_counts import IOCounts
 from kvtier.objects.tier_health import TierHealth
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
-from kvtier.threads import spread_over_engine_cpus
 
 __all__ = ["OpQueue", "QueuedOp", "byte_view"]
 
@@ -339,7 +338,6 @@ class OpQueue(IOCounts):
     # -- I/O threads ---------------------------------------------------------------------
 
     def _worker(self, q: queue.Queue[QueuedOp | None]) -> None:
-        spread_over_engine_cpus()
         while True:
             op = q.get()
             if op is None:
