@@ -49,6 +49,26 @@ def _populate(buf: mmap.mmap, nbytes: int) -> None:
             return
 
 
+def _place_layer(
+    layers: list[LayerLayout], names: list[tuple[str, int]], seen: dict[int, int], name: str,
+    kv: torch.Tensor, num_blocks: int, blocks: int, offset: int, group: int = 0,
+) -> int:
+    """Give layer ``name`` its region of the slot: the region of a tensor already placed
+    (``seen``: address -> region; layers sharing one KV tensor are stored once), else a
+    new one of ``blocks`` blocks at ``offset``. Returns the next free offset."""
+    if kv.data_ptr() in seen:
+        names.append((name, seen[kv.data_ptr()]))
+        return offset
+    seen[kv.data_ptr()] = len(layers)
+    names.append((name, len(layers)))
+    dim = find_block_dim(kv.shape, num_blocks)
+    shape = list(kv.shape)
+    shape[dim] = blocks
+    nbytes = math.prod(shape) * kv.element_size()
+    layers.append(LayerLayout(name, kv.dtype, dim, tuple(shape), offset, nbytes, group))
+    return offset + nbytes
+
+
 def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
     """Which dimension of a layer's KV tensor indexes blocks (0 or 1)."""
     if shape[0] == num_blocks:
@@ -136,17 +156,8 @@ class SlotLayout:
         seen: dict[int, int] = {}
         names: list[tuple[str, int]] = []
         for name, kv in kv_caches.items():
-            if kv.data_ptr() in seen:  # layers sharing one KV tensor are stored once
-                names.append((name, seen[kv.data_ptr()]))
-                continue
-            seen[kv.data_ptr()] = len(layers)
-            names.append((name, len(layers)))
-            dim = find_block_dim(kv.shape, num_blocks)
-            shape = list(kv.shape)
-            shape[dim] = blocks_per_chunk
-            nbytes = math.prod(shape) * kv.element_size()
-            layers.append(LayerLayout(name, kv.dtype, dim, tuple(shape), offset, nbytes))
-            offset += nbytes
+            offset = _place_layer(layers, names, seen, name, kv, num_blocks, blocks_per_chunk,
+                                  offset)  # fmt: skip
         if not layers:
             raise ValueError("no KV cache tensors were registered")
         return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names))
@@ -169,19 +180,8 @@ class SlotLayout:
                 kv = kv_caches.get(name)
                 if kv is None:
                     raise ValueError(f"KV cache group {gi} names layer {name!r}, not registered")
-                if kv.data_ptr() in seen:
-                    names.append((name, seen[kv.data_ptr()]))
-                    continue
-                seen[kv.data_ptr()] = len(layers)
-                names.append((name, len(layers)))
-                dim = find_block_dim(kv.shape, num_blocks)
-                shape = list(kv.shape)
-                shape[dim] = group.blocks
-                nbytes = math.prod(shape) * kv.element_size()
-                layers.append(
-                    LayerLayout(name, kv.dtype, dim, tuple(shape), offset, nbytes, gi)
-                )
-                offset += nbytes
+                offset = _place_layer(layers, names, seen, name, kv, num_blocks, group.blocks,
+                                      offset, gi)  # fmt: skip
         if not layers:
             raise ValueError("no KV cache tensors were registered")
         return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names), groups)
