@@ -41,7 +41,6 @@ from kvtier.objects.io_counts import ERROR_KINDS
 from kvtier.objects.op_queue import OpQueue, QueuedOp
 from kvtier.objects.tier_health import RateLimitedLog
 from kvtier.objects.tiers.base import ObjectTier
-from kvtier.objects.zpolicy import AutoCompressor
 from kvtier.ops import OpKind
 
 __all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO"]
@@ -65,7 +64,7 @@ class ChunkIO(OpQueue):
         write_stall_s: float,
         backoff: Backoff,
         signer: codec.Signer | None,
-        compressor: compress.Compressor | compress.Fp8Compressor | AutoCompressor | None,
+        compressor: compress.ChunkCompressor | None,
     ) -> None:
         super().__init__(tier, threads=threads, queue_depth=queue_depth, timeout_s=timeout_s,
                          write_stall_s=write_stall_s, backoff=backoff)  # fmt: skip

@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.errors import CodecError
 
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError", "LOSSY_FORMS",
-    "ThreadScratch", "decompress_into", "fp8_work_allocations",
+    "ChunkCompressor", "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError",
+    "LOSSY_FORMS", "ThreadScratch", "decompress_into", "fp8_work_allocations",
     "itemsize",
 ]
 
@@ -77,6 +77,24 @@ _ITEMSIZE = {
     "float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
     "int16": 2, "uint16": 2,
 }  # fmt: skip
+
+
+class ChunkCompressor(Protocol):
+    """What the object tier's I/O threads ask of a ``compression`` setting's compressor
+    (:class:`Compressor`, :class:`Fp8Compressor`, ``zpolicy.AutoCompressor``)."""
+
+    @property
+    def reads_raw_first(self) -> bool:
+        """Read a chunk straight into its slot first (most objects are raw)."""
+        ...
+
+    def compress_chunk(self, data: memoryview, dtype: str) -> tuple[str, bytes, float] | None:
+        """``(form, stream, seconds)`` for one upload; None: store it raw."""
+        ...
+
+    def observe_read(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
+        """One verified read, timed from the tier call to the slot filled."""
+        ...
 
 
 class FormatError(CodecError):

@@ -64,8 +64,7 @@ class RemoteIO(ChunkIO):
         signer: codec.Signer | None,
         backoff: Backoff | None = None,
         write_stall_s: float | None = None,
-        compressor: compress.Compressor | compress.Fp8Compressor | zpolicy.AutoCompressor
-        | None = None,
+        compressor: compress.ChunkCompressor | None = None,
     ) -> None:
         super().__init__(
             tier,

@@ -32,7 +32,13 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
-from kvtier.objects.compress import Compressor, Fp8Compressor, ThreadScratch, decompress_into
+from kvtier.objects.compress import (
+    ChunkCompressor,
+    Compressor,
+    Fp8Compressor,
+    ThreadScratch,
+    decompress_into,
+)
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -159,7 +165,7 @@ class AutoCompressor:
                      "measured" if self._reads[1] >= MIN_READS else "predicted")  # fmt: skip
 
 
-def from_config(cfg: KVTierConfig) -> Compressor | Fp8Compressor | AutoCompressor | None:
+def from_config(cfg: KVTierConfig) -> ChunkCompressor | None:
     """The compressor ``cfg.compression`` asks for; None for ``none``. A ConfigError
     naming the key when its library is missing (never a silent switch to raw)."""
     if cfg.compression == "none":
