@@ -49,3 +49,13 @@ def collect(rio: Polled, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
     assert len(out) == n, f"expected {n} results, got {out}"
     assert len({r.op_id for r in out}) == n, f"an op reported twice: {out}"
     return {r.op_id: r for r in out}
+
+
+def kv_like(n_values: int, seed: int = 0) -> bytes:
+    """``n_values`` bf16 values shaped like K/V (roughly normal, a few channels much larger):
+    bytes that compress as KV does (its exponent byte plane)."""
+    import torch  # only the tests that compress need it
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_values // 64, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.1)
+    return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()

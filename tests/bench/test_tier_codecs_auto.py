@@ -8,20 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import tier_codecs  # noqa: E402
+from kit import kv_like  # noqa: E402
 
 from kvtier.objects.tiers import FileTier  # noqa: E402
-
-
-def kv_like(n_values: int, seed: int) -> bytes:
-    """bf16 of normal values: its exponent byte plane compresses, as KV's does."""
-    x = np.random.default_rng(seed).normal(0, 1, n_values).astype(np.float32)
-    return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
 def test_auto_replica_compresses_behind_a_thin_link(tmp_path: Path) -> None:

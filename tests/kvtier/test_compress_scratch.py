@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import kv_like
 from torch.profiler import ProfilerActivity, profile
 
 from kvtier.errors import CodecError
@@ -25,12 +26,6 @@ from kvtier.objects.compress import Compressor, Fp8Compressor, ThreadScratch
 from kvtier.objects.seal import Sealer
 
 KEY = "model-x/tp1r0/00ab"
-
-
-def kv_bytes(n: int, seed: int) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n // 64, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.1)
-    return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
 def chunk(raw: bytes, signer: Signer | None, form: str = "blosc2", key: str = KEY) -> bytes:
@@ -73,7 +68,7 @@ def test_sealed_read_only_chunk_opens_without_a_buffer_per_read(raw_form: bool) 
     """A sealed chunk handed over read-only (as a tier's ``get`` returns it) opens in the
     thread's scratch buffer (compressed) or in the slot itself (raw): after the first
     read, reading it again allocates nothing near its size."""
-    raw = kv_bytes(1 << 18, seed=1)
+    raw = kv_like(1 << 18, seed=1)
     signer = Signer(sealer=Sealer(b"s" * 32))
     if raw_form:
         parts = encode(KEY, raw, dtype="bfloat16", shape=[len(raw)], signer=signer)
@@ -97,7 +92,7 @@ def test_sealed_read_only_chunk_opens_without_a_buffer_per_read(raw_form: bool) 
 def test_fp8_dequantise_allocates_no_buffer_per_read() -> None:
     """Dequantising goes through this thread's float32 slice: no torch allocation of a
     slice's size (64 KiB) while a 600 KiB chunk is read, and one slice per thread."""
-    raw = kv_bytes(300_000 * 2, seed=2)
+    raw = kv_like(300_000 * 2, seed=2)
     form, stream, _ = Fp8Compressor().compress_chunk(memoryview(raw), "bfloat16")  # type: ignore[misc]
     out = memoryview(bytearray(len(raw)))
     compress.decompress_into(form, memoryview(stream), out, "bfloat16")
@@ -129,11 +124,11 @@ def test_concurrent_reads_never_mix_bytes(sizes: list[int], seeds: list[int],
     signer = Signer(b"h" * 32, sealer=Sealer(b"s" * 32))
     work = []
     for i, (n, seed, form) in enumerate(zip(sizes, seeds, forms, strict=True)):
-        raw = kv_bytes(n, seed)
+        raw = kv_like(n, seed)
         blobs = [chunk(raw, signer, form, key=f"{KEY}/{i}")]
         want = bytearray(len(raw))
         decode(blobs[0], key=f"{KEY}/{i}", signer=signer, out=memoryview(want), lossy=True)
-        small = kv_bytes(n // 2, seed + 1)  # a shorter chunk too: reads of two sizes
+        small = kv_like(n // 2, seed + 1)  # a shorter chunk too: reads of two sizes
         blobs.append(chunk(small, signer, form, key=f"{KEY}/{i}s"))
         want_small = bytearray(len(small))
         decode(blobs[1], key=f"{KEY}/{i}s", signer=signer, out=memoryview(want_small), lossy=True)
@@ -192,7 +187,7 @@ def test_remote_reads_on_four_threads_each_get_their_own_chunk(
     n, size = 24, 1 << 15
     chunks = []
     for i in range(n):
-        x = bytearray(kv_bytes(size // 2, seed=i))
+        x = bytearray(kv_like(size // 2, seed=i))
         x[: (i * 1237) % size] = bytes((i * 1237) % size)  # zeros: other compressed sizes
         chunks.append(bytes(x))
     w = rio(Compressor())

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from kit import collect, kv_like
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -16,9 +17,9 @@ from kvtier.objects.zpolicy import MIN_READS, SAMPLE_EVERY, AutoCompressor
 MIB = 2**20
 
 
-def chunk(n: int = 65536) -> memoryview:
-    """bf16-like bytes that compress (a smooth exponent byte plane)."""
-    return memoryview(bytes((i * 7 // 5) & 0x3F if i % 2 else i * 31 & 0xFF for i in range(n)))
+def chunk(n: int = 65536, seed: int = 0) -> memoryview:
+    """``n`` bytes of KV-like bf16 (they compress)."""
+    return memoryview(kv_like(n // 2, seed))
 
 
 def forms(z: AutoCompressor, uploads: int) -> list[bool]:
@@ -161,8 +162,7 @@ def test_remote_io_times_its_reads_for_auto_and_reads_every_form(tmp_path: Path)
     rio = RemoteIO(FileTier(str(tmp_path / "o")), threads=4, queue_depth=64, timeout_s=20.0,
                    signer=None, compressor=z)  # fmt: skip
     n = SAMPLE_EVERY
-    chunks = [bytes(chunk(1 << 15)) for _ in range(n)]
-    chunks = [bytes([i]) + c[1:] for i, c in enumerate(chunks)]  # distinct chunks
+    chunks = [bytes(chunk(1 << 15, seed)) for seed in range(n)]
     try:
         for i, c in enumerate(chunks):
             rio.submit_put(i, f"k{i}", memoryview(c), dtype="bfloat16", shape=[len(c) // 2])
@@ -171,9 +171,7 @@ def test_remote_io_times_its_reads_for_auto_and_reads_every_form(tmp_path: Path)
         slots = [memoryview(bytearray(1 << 15)) for _ in range(n)]
         for i, slot in enumerate(slots):
             rio.submit_get_into(100 + i, f"k{i}", slot, dtype="bfloat16", shape=[1 << 14])
-        got = []
-        while len(got) < n:
-            got += [r for r in rio.poll() if r.op_id >= 100]
+        got = collect(rio, n).values()
         assert all(r.ok for r in got)
         assert [bytes(s) for s in slots] == chunks
         assert z._reads == [1, n - 1]
