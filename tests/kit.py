@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import pytest
+
+from kvtier.config import load_config
+from kvtier.objects.tiers import ObjectTier, open_tier
 from kvtier.ops import OpResult
 
 #: the bytes of one [2, 8, 64] bfloat16 chunk, what the RemoteIO tests move
@@ -49,6 +53,21 @@ def collect(rio: Polled, n: int, timeout: float = 10.0) -> dict[int, OpResult]:
     assert len(out) == n, f"expected {n} results, got {out}"
     assert len({r.op_id for r in out}) == n, f"an op reported twice: {out}"
     return {r.op_id: r for r in out}
+
+
+def open_loopback_tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> ObjectTier:
+    """The object tier of ``kind`` (``file``, ``s3``, ``redis``) on this session's loopback
+    services (conftest's ``s3_bucket``, ``redis_url``), opened from its config as an engine
+    opens it."""
+    if kind == "file":
+        url = f"file://{tmp_path}/objects"
+    elif kind == "s3":
+        url = request.getfixturevalue("s3_bucket").url  # its endpoint from the AWS_* env
+    else:
+        url = request.getfixturevalue("redis_url")
+    tier = open_tier(load_config({"remote_url": url}, environ={}))
+    assert tier.name == kind
+    return tier
 
 
 def kv_like(n_values: int, seed: int = 0) -> bytes:

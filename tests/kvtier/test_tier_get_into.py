@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from kit import open_loopback_tier
 
 from kvtier.config import load_config
 from kvtier.errors import ObjectError, ObjectTooLarge
@@ -31,15 +32,7 @@ SENTINEL = 0xA5
 
 @pytest.fixture(params=["file", "s3", "redis"])
 def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[ObjectTier]:
-    if request.param == "file":
-        cfg = load_config({"remote_url": f"file://{tmp_path}/objects"}, environ={})
-    elif request.param == "s3":
-        bucket: S3Bucket = request.getfixturevalue("s3_bucket")
-        cfg = load_config({"remote_url": bucket.url}, environ={})  # endpoint from AWS_* env
-    else:
-        cfg = load_config({"remote_url": request.getfixturevalue("redis_url")}, environ={})
-    t = open_tier(cfg)
-    assert t.name == request.param
+    t = open_loopback_tier(request.param, request, tmp_path)
     yield t
     t.close()
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from kit import open_loopback_tier
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectTooLarge, TierUnavailable, TruncatedError
@@ -27,16 +28,7 @@ def _chunk(key: str, size: int = 4096, fill: int = 7) -> list[bytes | memoryview
 
 @pytest.fixture(params=["file", "s3", "redis"])
 def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[ObjectTier]:
-    if request.param == "file":
-        cfg = load_config({"remote_url": f"file://{tmp_path}/objects"}, environ={})
-    elif request.param == "s3":
-        bucket: S3Bucket = request.getfixturevalue("s3_bucket")
-        cfg = load_config({"remote_url": bucket.url}, environ={})  # endpoint from AWS_* env
-    else:
-        url = request.getfixturevalue("redis_url")
-        cfg = load_config({"remote_url": url}, environ={})
-    t = open_tier(cfg)
-    assert t.name == request.param
+    t = open_loopback_tier(request.param, request, tmp_path)
     yield t
     t.close()
 
