@@ -11,13 +11,10 @@ one ``index_select`` / ``index_copy_`` per layer and chunk, never per token.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
 import json
 import math
 import mmap
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,41 +30,23 @@ SLOT_ALIGN = 4096
 
 #: Linux's MADV_POPULATE_WRITE (5.14+); Python's mmap module may not name it
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_POPULATE_STEP = 2 << 20
+_POPULATE_STEP = 64 << 20
 
 
-def _libc_madvise() -> Any:
-    """libc's ``madvise`` through ctypes, which lets go of the GIL for the call (Python's
-    ``mmap.madvise`` holds it: committing 64 MiB held it ~100-200 ms at a time, and the
-    engine's first steps after a restart, its restart hits among them, waited on it).
-    A step of 2 MiB holds the mapping's lock briefly (the engine's own faults wait on it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def populate(buf: mmap.mmap, addr: int, nbytes: int, step: int = _POPULATE_STEP) -> None:
+def _populate(buf: mmap.mmap, nbytes: int) -> None:
     """Commit a fresh mapping's pages without writing them (so it is safe beside
-    copies into the same pages), a step at a time, on a background thread of the
-    lowest priority, without the GIL. ``buf`` (the mapping at ``addr``) is held so
-    that it stays mapped.
+    copies into the same pages), a step at a time, on a background thread.
 
     A page's first write costs a fault and a zeroing: measured here, reading a
     4 MiB chunk into untouched memory took 4.9 ms against 0.5 ms into committed
     memory, and 16-30 ms inside a busy engine. Without this, every slot pays that
-    once, on the first hit it serves, as a fetch after a restart does. Committing
-    1 GiB inside a fresh engine took 3 s here; at normal priority it slowed the
-    engine's first requests as much as the faults it saves (a restart's first hit
-    took 3 s, the GIL held or not), at the lowest 0.1-0.5 s.
+    once, on the first hit it serves, as a fetch after a restart does.
     """
-    with contextlib.suppress(OSError):  # a thread's own priority (Linux: per thread)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    madvise = _libc_madvise()
-    for start in range(0, nbytes, step):
-        if buf.closed or madvise(addr + start, min(step, nbytes - start), _MADV_POPULATE_WRITE):
-            return  # the mapping is gone, or a kernel without MADV_POPULATE_WRITE
+    for start in range(0, nbytes, _POPULATE_STEP):
+        try:
+            buf.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, nbytes - start))
+        except (OSError, ValueError):  # a kernel without it, or the mapping is gone
+            return
 
 
 def _place_layer(
@@ -310,8 +289,7 @@ class HostSlab:
             # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
             self._populating = threading.Thread(
-                target=populate, args=(self._map, self.buffer.data_ptr(), nbytes),
-                name="kvtier-slab-populate",
+                target=_populate, args=(self._map, nbytes), name="kvtier-slab-populate",
                 daemon=True,
             )
             self._populating.start()
