@@ -215,6 +215,13 @@ def print_ttft_breakdown(rows: list[dict]) -> None:
                   f"{raw['first_then_rest_s'] * 1000:>8.1f} {d['kvtier_own_s'] * 1000:>7.1f} "
                   f"{d['kvtier_own_goal_s'] * 1000:>8.1f} {d['over_engine_hit']:>7.2f} "
                   f"{TTFT_GOALS[kind]:>5} {raw['objects']:>6} {raw['bytes'] / 2**20:>5.0f}")
+    firsts = [(kind, d["first_request"]) for kind, d in rows[0]["restart"].items()
+              if "first_request" in d] if rows else []  # fmt: skip
+    if firsts:
+        print("\nthe restarted engine's first request (a restart hit right after startup), ms:")
+        for kind, f in firsts:
+            print(f"{f['tokens']:>6} {kind:>5} {f['ttft_s'] * 1000:>8.1f}"
+                  f"   ({f['cached']} tokens cached)")
 
 
 def print_ttft_one(result: dict) -> None:

@@ -98,7 +98,8 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
     if args.load_copy_threads:
         copies_on_threads(args.load_copy_threads)
     llm = llm_factory(extra)
-    timed_request(llm, prompt(999, min(args.lengths)))
+    # the engine's first request; in --phase read a restart hit (--phase write stored it)
+    first_s, first_cached = timed_request(llm, prompt(999, min(args.lengths)))
     plan_seeds = seeds(500, args.samples * len(args.lengths))
     plan = [(n, plan_seeds[li * args.samples + i]) for i in range(args.samples)
             for li, n in enumerate(args.lengths)]  # fmt: skip
@@ -149,7 +150,9 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
     return {str(n): {"restart_hit_ttft_s": statistics.median(restart_hit[n]),
                      "engine_hit_ttft_s": statistics.median(engine_hit[n]),
                      "restart_hit_all_s": restart_hit[n], "engine_hit_all_s": engine_hit[n],
-                     "cached": cached[n]} for n in args.lengths}  # fmt: skip
+                     "cached": cached[n], "first_request": {
+                         "tokens": min(args.lengths), "ttft_s": first_s,
+                         "cached": first_cached}} for n in args.lengths}  # fmt: skip
 
 
 def _lengths(text: str) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -128,18 +129,44 @@ class WorkerSide:
 
             self.remote = self._remote_factory(self.cfg)
             faster_thread_switches()
+        if isinstance(self.cfg.cpu_bytes, int):  # the size the scheduler resolves it to
+            self._allocate_slab(self.cfg.cpu_bytes, at_startup=True)
 
     def _ensure_slab(self, meta: KVTierMetadata) -> HostSlab:
+        """The slab of the size the scheduler sent (``host_bytes``): the one allocated at
+        startup when it has that size, else one allocated now."""
+        if self.slab is not None and self.slab.nbytes != meta.host_bytes:
+            logger.warning("kvtier worker rank %d: host slab of %d bytes allocated at startup, "
+                           "the scheduler sized it %d: allocated again", self.rank,
+                           self.slab.nbytes, meta.host_bytes)  # fmt: skip
+            self._drop_slab()
         if self.slab is None:
-            assert self.layout is not None, "register_kv_caches was not called"
-            on_cuda = self._kv[0].device.type == "cuda"
-            self.slab = HostSlab(meta.host_bytes, self.layout, pin=on_cuda)
-            self.copier = make_copier(self._kv, self.layout, self.slab)
-            logger.info(
-                "kvtier worker rank %d: host slab %d bytes (pinned: %s), %s",
-                self.rank, self.slab.nbytes, self.slab.pinned, type(self.copier).__name__,
-            )
+            self._allocate_slab(meta.host_bytes)
+        assert self.slab is not None
         return self.slab
+
+    def _allocate_slab(self, nbytes: int, at_startup: bool = False) -> None:
+        """The host slab and its copier. At startup when ``cpu_bytes`` gives the size: its
+        memory is committed (CPU) or pinned (CUDA) before the engine serves, not while a
+        restarted engine's first requests wait; else on the first step, with the size the
+        scheduler resolved (committed in the background)."""
+        assert self.layout is not None, "register_kv_caches was not called"
+        on_cuda = self._kv[0].device.type == "cuda"
+        t0 = time.perf_counter()
+        self.slab = HostSlab(nbytes, self.layout, pin=on_cuda, commit=at_startup)
+        self.copier = make_copier(self._kv, self.layout, self.slab)
+        logger.info(
+            "kvtier worker rank %d: host slab %d bytes (pinned: %s, committed: %s) in %.1f s, %s",
+            self.rank, self.slab.nbytes, self.slab.pinned, self.slab.committed,
+            time.perf_counter() - t0, type(self.copier).__name__,
+        )
+
+    def _drop_slab(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+        if self.slab is not None:
+            self.slab.close()
+        self.slab, self.copier = None, None
 
     # ---- per step ---------------------------------------------------------------------------
     def begin_step(self, meta: KVTierMetadata) -> None:

@@ -34,6 +34,10 @@ def alloc_host(nbytes: int) -> torch.Tensor:
     if nbytes <= 0:
         raise ValueError(f"host allocation of {nbytes} bytes")
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # a forked child does not inherit it: a pinned page shared copy-on-write would be
+    # copied at the fork (or, on kernels before 5.8, left to the device while the parent
+    # writes a copy), and no child of vLLM's has any use for the host tier
+    buf.madvise(mmap.MADV_DONTFORK)
     # torch.frombuffer keeps a reference to ``buf`` for the tensor's lifetime
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 

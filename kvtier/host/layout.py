@@ -22,32 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import pages
+
 if TYPE_CHECKING:
     from .cuda import PinnedBuffer
 
 #: slot sizes are rounded up to this, so every slot starts on an aligned address
 SLOT_ALIGN = 4096
-
-#: Linux's MADV_POPULATE_WRITE (5.14+); Python's mmap module may not name it
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_POPULATE_STEP = 64 << 20
-
-
-def _populate(buf: mmap.mmap, nbytes: int) -> None:
-    """Commit a fresh mapping's pages without writing them (so it is safe beside
-    copies into the same pages), a step at a time, on a background thread.
-
-    A page's first write costs a fault and a zeroing: measured here, reading a
-    4 MiB chunk into untouched memory took 4.9 ms against 0.5 ms into committed
-    memory, and 16-30 ms inside a busy engine. Without this, every slot pays that
-    once, on the first hit it serves, as a fetch after a restart does.
-    """
-    for start in range(0, nbytes, _POPULATE_STEP):
-        try:
-            buf.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, nbytes - start))
-        except (OSError, ValueError):  # a kernel without it, or the mapping is gone
-            return
-
 
 def _place_layer(
     layers: list[LayerLayout], names: list[tuple[str, int]], seen: dict[int, int], name: str,
@@ -262,14 +243,17 @@ class HostSlab:
     """One host allocation of exactly ``nbytes``, cut into fixed-size slots.
 
     On the CPU backend this is an anonymous mapping whose pages are committed
-    in the background from the start (as pinning commits them on CUDA), so no
-    hit waits for page faults. With ``pin=True`` (KV on CUDA) the buffer is an
+    (as pinning commits them on CUDA), so no hit waits for page faults: before
+    returning with ``commit`` (a slab allocated at startup), else in the background
+    from the start. With ``pin=True`` (KV on CUDA) the buffer is an
     exact-size mapping registered with ``cudaHostRegister`` (see
     ``kvtier.host.cuda``), never ``Tensor.pin_memory()``, which rounds each
     allocation up to a power of two.
     """
 
-    def __init__(self, nbytes: int, layout: SlotLayout, pin: bool = False) -> None:
+    def __init__(
+        self, nbytes: int, layout: SlotLayout, pin: bool = False, commit: bool = False
+    ) -> None:
         self.layout = layout
         self.num_slots = nbytes // layout.slot_bytes
         if self.num_slots < 1:
@@ -277,6 +261,8 @@ class HostSlab:
                 f"host tier of {nbytes} bytes holds no chunk of {layout.slot_bytes} bytes"
             )
         self.pinned = False
+        #: ``commit``: every page was committed before the constructor returned
+        self.committed = False
         self._pinned_buffer: PinnedBuffer | None = None
         if pin:
             from .cuda import PinnedBuffer
@@ -286,13 +272,20 @@ class HostSlab:
             self.pinned = self._pinned_buffer.pinned
         else:
             self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # a process vLLM forks later does not inherit the slab: shared copy-on-write
+            # with it, every write into a committed slot would fault and copy its page
+            self._map.madvise(mmap.MADV_DONTFORK)
             # torch.frombuffer keeps a reference to the mapping for the tensor's lifetime
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
-            self._populating = threading.Thread(
-                target=_populate, args=(self._map, nbytes), name="kvtier-slab-populate",
-                daemon=True,
-            )
-            self._populating.start()
+            self._populating: threading.Thread | None = None
+            if commit:
+                self.committed = pages.commit_now(self.buffer.data_ptr(), nbytes)
+            else:
+                self._populating = threading.Thread(
+                    target=pages.populate_in_steps, args=(self._map, nbytes),
+                    name="kvtier-slab-populate", daemon=True,
+                )
+                self._populating.start()
 
     def with_layout(self, layout: SlotLayout) -> HostSlab:
         """This slab's memory through another layout of the same slot size (one KV cache

@@ -64,6 +64,19 @@ tokens     cold in-engine    host   file restart ÷ in-eng  redis restart ÷ in-
 """ + BREAKDOWN
 
 
+def test_the_restarted_engines_first_request_is_reported() -> None:
+    """(a restart hit arriving right after startup: what the engine's startup left to it)"""
+    first = {"tokens": 2048, "ttft_s": 0.0696, "cached": 2016}
+    restarts = {kind: {"2048": {**v["2048"], "first_request": first}}
+                for kind, v in RESTARTS.items()}  # fmt: skip
+    text = report(["--sweep", "2048", "--restart", "file,redis", "--samples", "3"], restarts)
+    assert text.endswith(BREAKDOWN + """
+the restarted engine's first request (a restart hit right after startup), ms:
+  2048  file     69.6   (2016 tokens cached)
+  2048 redis     69.6   (2016 tokens cached)
+""")
+
+
 def test_one_length_with_its_goals() -> None:
     text = report(["--restart", "file,redis", "--samples", "3"], RESTARTS)
     assert text == """

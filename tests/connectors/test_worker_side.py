@@ -38,7 +38,8 @@ def make_worker(monkeypatch, fake_cuda: bool):
         monkeypatch.setattr(
             worker_mod, "make_copier", lambda kv, layout, slab: CudaCopier(kv, layout, slab, ops)
         )
-    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS}, environ={})
+    # sized by the scheduler (each step's host_bytes): the slab comes with the first step
+    cfg = load_config({"cpu_bytes": "auto", "chunk_size": BPC * BS}, environ={})
     ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1)
     w = worker_mod.WorkerSide(cfg, ns, NUM_BLOCKS)
     caches = make_caches(KV_FIRST)
