@@ -140,12 +140,9 @@ class WorkerSide:
                            "the scheduler sized it %d: allocated again", self.rank,
                            self.slab.nbytes, meta.host_bytes)  # fmt: skip
             self._drop_slab()
-        if self.slab is None:
-            self._allocate_slab(meta.host_bytes)
-        assert self.slab is not None
-        return self.slab
+        return self.slab if self.slab is not None else self._allocate_slab(meta.host_bytes)
 
-    def _allocate_slab(self, nbytes: int, at_startup: bool = False) -> None:
+    def _allocate_slab(self, nbytes: int, at_startup: bool = False) -> HostSlab:
         """The host slab and its copier. At startup when ``cpu_bytes`` gives the size: its
         memory is committed (CPU) or pinned (CUDA) before the engine serves, not while a
         restarted engine's first requests wait; else on the first step, with the size the
@@ -160,6 +157,7 @@ class WorkerSide:
             self.rank, self.slab.nbytes, self.slab.pinned, self.slab.committed,
             time.perf_counter() - t0, type(self.copier).__name__,
         )
+        return self.slab
 
     def _drop_slab(self) -> None:
         if self.copier is not None:
