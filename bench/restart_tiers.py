@@ -78,6 +78,32 @@ def copy_objects(src_root: str, kind: str, extra: dict) -> int:
     return n
 
 
+def evict_file_tier(extra: dict) -> int:
+    """Drop a file tier's objects from the page cache (``POSIX_FADV_DONTNEED``; no root
+    needed); the files evicted. kvtier's restart hits and the raw client then both read
+    from the device, as a restarted replica does with chunks written long before: left
+    alone, each would find a different share cached (some VMs drain the page cache within
+    a minute, and the raw client would re-read what kvtier had just brought in)."""
+    from urllib.parse import unquote
+
+    url = extra.get("remote_url", "")
+    if not url.startswith("file://"):
+        return 0
+    n = 0
+    for d, _s, files in os.walk(unquote(url[len("file://"):])):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(d, f), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # a symlink, or a file swept meanwhile: nothing to evict
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            n += 1
+    return n
+
+
 def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int = 256,
                 threads: int = 2, reps: int = 5) -> dict:
     """What the backend's own client takes for one prompt's chunks, read as kvtier reads
@@ -86,7 +112,9 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
 
     ``parallel_s``: all of them queued at once; ``first_then_rest_s``: the first alone,
     then the rest (what a lookup does on a tier whose latency it does not know yet).
-    Medians of ``reps``. File: open + readinto; Redis: redis-py GET; S3: boto3 GetObject."""
+    Medians of ``reps``. File: open + readinto, every file evicted from the page cache
+    before each timed read (:func:`evict_file_tier`, as before kvtier's restart hits);
+    Redis: redis-py GET; S3: boto3 GetObject."""
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import unquote
 
@@ -126,12 +154,14 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
             chunks = keys[: -(-((n - 1) // 32 * 32) // chunk_tokens)]
             par, seq = [], []
             for _ in range(reps):
+                evict_file_tier(extra)
                 t0 = time.perf_counter()
                 nbytes = sum(pool_.map(get, chunks))
+                par.append(time.perf_counter() - t0)
+                evict_file_tier(extra)
                 t1 = time.perf_counter()
                 get(chunks[0])
                 list(pool_.map(get, chunks[1:]))
-                par.append(t1 - t0)
                 seq.append(time.perf_counter() - t1)
             out[str(n)] = {"objects": len(chunks), "bytes": nbytes, "threads": threads,
                            "parallel_s": statistics.median(par),

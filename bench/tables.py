@@ -215,6 +215,19 @@ def print_ttft_breakdown(rows: list[dict]) -> None:
                   f"{raw['first_then_rest_s'] * 1000:>8.1f} {d['kvtier_own_s'] * 1000:>7.1f} "
                   f"{d['kvtier_own_goal_s'] * 1000:>8.1f} {d['over_engine_hit']:>7.2f} "
                   f"{TTFT_GOALS[kind]:>5} {raw['objects']:>6} {raw['bytes'] / 2**20:>5.0f}")
+    inproc = [(r["prompt_tokens"], kind, d) for r in rows for kind, d in r["restart"].items()
+              if "inprocess" in d]  # fmt: skip
+    if inproc:
+        print("\nthe same hits, in-process engine (--profile) beside the multiprocess"
+              " one (vllm serve's), ms:")
+        print(f"{'tokens':>6} {'tier':>5} {'in-proc':>8} {'in-eng':>7} {'÷':>5}"
+              f" {'multi':>8} {'in-eng':>7} {'÷':>5}")
+        for n, kind, d in inproc:
+            ip = d["inprocess"]
+            a, b = ip["restart_hit_ttft_s"], ip["engine_hit_ttft_s"]
+            c, e = d["restart_hit_ttft_s"], d["engine_hit_ttft_s"]
+            print(f"{n:>6} {kind:>5} {a * 1000:>8.1f} {b * 1000:>7.1f} {a / b:>5.2f}"
+                  f" {c * 1000:>8.1f} {e * 1000:>7.1f} {c / e:>5.2f}")
     firsts = [(kind, d["first_request"]) for kind, d in rows[0]["restart"].items()
               if "first_request" in d] if rows else []  # fmt: skip
     if firsts:

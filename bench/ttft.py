@@ -57,7 +57,7 @@ from engine_profile import Profiler, copies_on_threads, profile_summary
 from harness import int_list, omp_cpus
 from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
 from plots import ttft_sweep_plot
-from restart_tiers import copy_objects, object_tier, raw_client
+from restart_tiers import copy_objects, evict_file_tier, object_tier, raw_client
 from tables import print_ttft_one, print_ttft_sweep
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -245,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                     extra = {"remote_url": f"file://{written}"}
                 else:
                     copy_objects(written, kind, extra)
-                restarts[kind] = _phase(args, "read", extra, env)
+                evict_file_tier(extra)  # the restart hits read from the device (a no-op
+                restarts[kind] = _phase(args, "read", extra, env)  # on other tiers)
                 # the backend's own client on the same chunks: the bytes' share of a hit
                 raw = raw_client(kind, extra, args.lengths, threads=(args.io_threads + 1) // 2)
                 for n, v in raw.items():
                     restarts[kind][n]["raw"] = v
                 if args.profile:
                     where = os.path.join(args.profile, kind)
+                    evict_file_tier(extra)
                     inproc = _phase(args, "read", extra, env, profile=where)
                     for n, v in inproc.items():  # the same hits, engine in this process
                         restarts[kind][n]["inprocess"] = {

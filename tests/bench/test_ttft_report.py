@@ -77,6 +77,19 @@ the restarted engine's first request (a restart hit right after startup), ms:
 """)
 
 
+def test_the_in_process_engine_beside_the_multiprocess_one() -> None:
+    """(--profile measures the same hits in an in-process engine too: both are shown)"""
+    inproc = {"restart_hit_ttft_s": 0.0455, "engine_hit_ttft_s": 0.0287}
+    restarts = {"file": {"2048": {**RESTARTS["file"]["2048"], "inprocess": inproc}},
+                "redis": RESTARTS["redis"]}  # fmt: skip
+    text = report(["--sweep", "2048", "--restart", "file,redis", "--samples", "3"], restarts)
+    assert text.endswith(BREAKDOWN + """
+the same hits, in-process engine (--profile) beside the multiprocess one (vllm serve's), ms:
+tokens  tier  in-proc  in-eng     ÷    multi  in-eng     ÷
+  2048  file     45.5    28.7  1.59     53.4    30.3  1.76
+""")
+
+
 def test_one_length_with_its_goals() -> None:
     text = report(["--restart", "file,redis", "--samples", "3"], RESTARTS)
     assert text == """
@@ -149,6 +162,58 @@ def test_objects_copied_into_redis_read_back_by_the_raw_client(tmp_path: Path) -
         raw = restart_tiers.raw_client("redis", extra, [600], threads=2, reps=1)
         assert raw["600"]["objects"] == 3 and raw["600"]["bytes"] == 3 * 4096
     assert not os.path.exists(tmp_path / "srv" / "tier")
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (libc mmap + mincore; nothing is read)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def test_a_file_tiers_objects_are_evicted_before_they_are_timed() -> None:
+    """kvtier's restart hits and the raw client both read a file tier from the device."""
+    import tempfile
+
+    # in the checkout, not in a tmpfs /tmp: a tmpfs keeps its pages whatever one advises
+    with tempfile.TemporaryDirectory(dir=ROOT) as where:
+        _evicted(Path(where) / "tier")
+
+
+def _evicted(root: Path) -> None:
+    (root / "ab").mkdir(parents=True)
+    data = os.urandom(1 << 20)
+    for i in range(3):
+        (root / "ab" / f"chunk-{i}").write_bytes(data)
+    (root / "ab" / "link").symlink_to(root / "ab" / "chunk-1")  # not followed
+    os.sync()  # (dirty pages are not dropped)
+    chunk = root / "ab" / "chunk-0"
+    chunk.read_bytes()
+    cached = _resident_pages(chunk)
+    extra = {"remote_url": f"file://{root}"}
+    assert restart_tiers.evict_file_tier(extra) == 3
+    assert _resident_pages(chunk) < cached or cached == 0
+    assert chunk.read_bytes() == data
+    assert restart_tiers.evict_file_tier({"remote_url": "redis://127.0.0.1:1"}) == 0
 
 
 def test_a_file_tier_needs_no_server(tmp_path: Path) -> None:
