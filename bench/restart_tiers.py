@@ -78,26 +78,35 @@ def copy_objects(src_root: str, kind: str, extra: dict) -> int:
     return n
 
 
-def evict_file_tier(extra: dict) -> int:
-    """Drop a file tier's objects from the page cache (``POSIX_FADV_DONTNEED``; no root
-    needed); the files evicted. kvtier's restart hits and the raw client then both read
-    from the device, as a restarted replica does with chunks written long before: left
-    alone, each would find a different share cached (some VMs drain the page cache within
-    a minute, and the raw client would re-read what kvtier had just brought in)."""
+def set_file_cache(extra: dict, state: str) -> int:
+    """Put a file tier's objects in the page cache (``warm``: each read once) or out of
+    it (``cold``: ``POSIX_FADV_DONTNEED``, no root needed); the files handled (0 for other
+    tiers). Done before kvtier's restart hits and before each raw-client read, so both
+    find the same state: ``warm`` is a vLLM restarted on the node that wrote the chunks
+    (the page cache outlives the process), ``cold`` one that never read them. Left alone,
+    each would find a different share cached (the raw client re-reading what kvtier had
+    just brought in; some VMs drain their page cache within a minute)."""
     from urllib.parse import unquote
 
     url = extra.get("remote_url", "")
     if not url.startswith("file://"):
         return 0
+    if state not in ("warm", "cold"):
+        raise ValueError(f"file cache state {state!r}: warm or cold")
     n = 0
+    buf = bytearray(1 << 20)
     for d, _s, files in os.walk(unquote(url[len("file://"):])):
         for f in files:
             try:
                 fd = os.open(os.path.join(d, f), os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
-                continue  # a symlink, or a file swept meanwhile: nothing to evict
+                continue  # a symlink, or a file swept meanwhile
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if state == "cold":
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                else:
+                    while os.readv(fd, [buf]):
+                        pass
             finally:
                 os.close(fd)
             n += 1
@@ -105,15 +114,15 @@ def evict_file_tier(extra: dict) -> int:
 
 
 def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int = 256,
-                threads: int = 2, reps: int = 5) -> dict:
+                threads: int = 2, reps: int = 5, file_cache: str = "warm") -> dict:
     """What the backend's own client takes for one prompt's chunks, read as kvtier reads
     them: stored objects of the run (as many as a prompt of each length loads), each into
     a buffer of its size, on ``threads`` threads (kvtier's read threads at io_threads=4).
 
     ``parallel_s``: all of them queued at once; ``first_then_rest_s``: the first alone,
     then the rest (what a lookup does on a tier whose latency it does not know yet).
-    Medians of ``reps``. File: open + readinto, every file evicted from the page cache
-    before each timed read (:func:`evict_file_tier`, as before kvtier's restart hits);
+    Medians of ``reps``. File: open + readinto, the page cache set to ``file_cache``
+    before each timed read (:func:`set_file_cache`, as before kvtier's restart hits);
     Redis: redis-py GET; S3: boto3 GetObject."""
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import unquote
@@ -154,11 +163,11 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
             chunks = keys[: -(-((n - 1) // 32 * 32) // chunk_tokens)]
             par, seq = [], []
             for _ in range(reps):
-                evict_file_tier(extra)
+                set_file_cache(extra, file_cache)
                 t0 = time.perf_counter()
                 nbytes = sum(pool_.map(get, chunks))
                 par.append(time.perf_counter() - t0)
-                evict_file_tier(extra)
+                set_file_cache(extra, file_cache)
                 t1 = time.perf_counter()
                 get(chunks[0])
                 list(pool_.map(get, chunks[1:]))

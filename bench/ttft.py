@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,7 @@ from engine_profile import Profiler, copies_on_threads, profile_summary
 from harness import int_list, omp_cpus
 from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
 from plots import ttft_sweep_plot
-from restart_tiers import copy_objects, evict_file_tier, object_tier, raw_client
+from restart_tiers import copy_objects, object_tier, raw_client, set_file_cache
 from tables import print_ttft_one, print_ttft_sweep
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -171,6 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--io-threads", type=int, default=4,
                         help="kvtier's io_threads (half of them read; the raw client's "
                         "baseline reads on as many threads)")  # fmt: skip
+    parser.add_argument("--file-cache", choices=["warm", "cold"], default="warm",
+                        help="the file tier's objects in the page cache before its restart "
+                        "hits and each raw-client read (warm: a vLLM restarted on the node "
+                        "that wrote them) or out of it (cold: read from the device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--restart", default="",
@@ -245,15 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                     extra = {"remote_url": f"file://{written}"}
                 else:
                     copy_objects(written, kind, extra)
-                evict_file_tier(extra)  # the restart hits read from the device (a no-op
-                restarts[kind] = _phase(args, "read", extra, env)  # on other tiers)
+                set_file_cache(extra, args.file_cache)  # (a no-op on other tiers)
+                restarts[kind] = _phase(args, "read", extra, env)
                 # the backend's own client on the same chunks: the bytes' share of a hit
-                raw = raw_client(kind, extra, args.lengths, threads=(args.io_threads + 1) // 2)
+                raw = raw_client(kind, extra, args.lengths, threads=(args.io_threads + 1) // 2,
+                                 file_cache=args.file_cache)  # fmt: skip
                 for n, v in raw.items():
                     restarts[kind][n]["raw"] = v
                 if args.profile:
                     where = os.path.join(args.profile, kind)
-                    evict_file_tier(extra)
+                    set_file_cache(extra, args.file_cache)
                     inproc = _phase(args, "read", extra, env, profile=where)
                     for n, v in inproc.items():  # the same hits, engine in this process
                         restarts[kind][n]["inprocess"] = {
@@ -264,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"\n[profile of the {kind} tier: {where}]\n" + profile_summary(where),
                           file=sys.stderr, flush=True)  # fmt: skip
             print(f"[{kind}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
+        if written:  # the one writing engine's file tier (GiB at long prompts)
+            shutil.rmtree(os.path.dirname(written), ignore_errors=True)
     if baseline:
         _report(args, {int(n): v for n, v in baseline.items()}, restarts)
         os._exit(0)
@@ -310,7 +318,7 @@ def _report(args: argparse.Namespace, base: dict[int, dict], restarts: dict[str,
         }
     machine = {"cpus": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                # other work on the CPUs slows every OpenMP step (the load's copies most)
-               "loadavg_1m_at_end": os.getloadavg()[0]}  # fmt: skip
+               "loadavg_1m_at_end": os.getloadavg()[0], "file_cache": args.file_cache}  # fmt: skip
     if args.sweep:
         result = {"samples": args.samples, "model": f"{args.layers} layers x {args.hidden}",
                   "machine": machine, "sweep": [by_len[n] for n in args.lengths],

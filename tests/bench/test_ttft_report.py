@@ -190,30 +190,32 @@ def _resident_pages(path: Path) -> int:
     return sum(v & 1 for v in vec)
 
 
-def test_a_file_tiers_objects_are_evicted_before_they_are_timed() -> None:
-    """kvtier's restart hits and the raw client both read a file tier from the device."""
+def test_a_file_tiers_page_cache_is_set_before_it_is_timed() -> None:
+    """kvtier's restart hits and the raw client find the file tier in the same state."""
     import tempfile
 
     # in the checkout, not in a tmpfs /tmp: a tmpfs keeps its pages whatever one advises
     with tempfile.TemporaryDirectory(dir=ROOT) as where:
-        _evicted(Path(where) / "tier")
-
-
-def _evicted(root: Path) -> None:
-    (root / "ab").mkdir(parents=True)
-    data = os.urandom(1 << 20)
-    for i in range(3):
-        (root / "ab" / f"chunk-{i}").write_bytes(data)
-    (root / "ab" / "link").symlink_to(root / "ab" / "chunk-1")  # not followed
-    os.sync()  # (dirty pages are not dropped)
-    chunk = root / "ab" / "chunk-0"
-    chunk.read_bytes()
-    cached = _resident_pages(chunk)
-    extra = {"remote_url": f"file://{root}"}
-    assert restart_tiers.evict_file_tier(extra) == 3
-    assert _resident_pages(chunk) < cached or cached == 0
-    assert chunk.read_bytes() == data
-    assert restart_tiers.evict_file_tier({"remote_url": "redis://127.0.0.1:1"}) == 0
+        root = Path(where) / "tier"
+        (root / "ab").mkdir(parents=True)
+        data = os.urandom(1 << 20)
+        for i in range(3):
+            (root / "ab" / f"chunk-{i}").write_bytes(data)
+        (root / "ab" / "link").symlink_to(root / "ab" / "chunk-1")  # not followed
+        os.sync()  # (dirty pages are not dropped)
+        chunk = root / "ab" / "chunk-0"
+        extra = {"remote_url": f"file://{root}"}
+        assert restart_tiers.set_file_cache(extra, "warm") == 3
+        cached = _resident_pages(chunk)
+        assert cached == (1 << 20) // 4096
+        assert restart_tiers.set_file_cache(extra, "cold") == 3
+        assert _resident_pages(chunk) < cached
+        assert chunk.read_bytes() == data
+        assert restart_tiers.set_file_cache(extra, "warm") == 3
+        assert _resident_pages(chunk) == cached
+    assert restart_tiers.set_file_cache({"remote_url": "redis://127.0.0.1:1"}, "cold") == 0
+    with pytest.raises(ValueError, match="warm or cold"):
+        restart_tiers.set_file_cache(extra, "hot")
 
 
 def test_a_file_tier_needs_no_server(tmp_path: Path) -> None:
