@@ -91,25 +91,32 @@ def set_file_cache(extra: dict, state: str) -> int:
     url = extra.get("remote_url", "")
     if not url.startswith("file://"):
         return 0
+    root = unquote(url[len("file://"):])
+    return set_page_cache([os.path.join(d, f) for d, _s, files in os.walk(root) for f in files],
+                          state)  # fmt: skip
+
+
+def set_page_cache(paths: list[str], state: str) -> int:
+    """:func:`set_file_cache` for these files only (a raw-client read's chunks, not the
+    whole tier before each of them); the files handled (symlinks are not followed)."""
     if state not in ("warm", "cold"):
         raise ValueError(f"file cache state {state!r}: warm or cold")
     n = 0
     buf = bytearray(1 << 20)
-    for d, _s, files in os.walk(unquote(url[len("file://"):])):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(d, f), os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:
-                continue  # a symlink, or a file swept meanwhile
-            try:
-                if state == "cold":
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                else:
-                    while os.readv(fd, [buf]):
-                        pass
-            finally:
-                os.close(fd)
-            n += 1
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # a symlink, or a file swept meanwhile
+        try:
+            if state == "cold":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.readv(fd, [buf]):
+                    pass
+        finally:
+            os.close(fd)
+        n += 1
     return n
 
 
@@ -121,8 +128,9 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
 
     ``parallel_s``: all of them queued at once; ``first_then_rest_s``: the first alone,
     then the rest (what a lookup does on a tier whose latency it does not know yet).
-    Medians of ``reps``. File: open + readinto, the page cache set to ``file_cache``
-    before each timed read (:func:`set_file_cache`, as before kvtier's restart hits);
+    Medians of ``reps``. File: open + readinto, the chunks' page cache set to
+    ``file_cache`` before each timed read (:func:`set_page_cache`, as the whole tier's is
+    before kvtier's restart hits);
     Redis: redis-py GET; S3: boto3 GetObject."""
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import unquote
@@ -163,11 +171,13 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
             chunks = keys[: -(-((n - 1) // 32 * 32) // chunk_tokens)]
             par, seq = [], []
             for _ in range(reps):
-                set_file_cache(extra, file_cache)
+                if kind == "file":  # (the keys are the chunks' paths)
+                    set_page_cache(chunks, file_cache)
                 t0 = time.perf_counter()
                 nbytes = sum(pool_.map(get, chunks))
                 par.append(time.perf_counter() - t0)
-                set_file_cache(extra, file_cache)
+                if kind == "file":
+                    set_page_cache(chunks, file_cache)
                 t1 = time.perf_counter()
                 get(chunks[0])
                 list(pool_.map(get, chunks[1:]))

@@ -213,6 +213,10 @@ def test_a_file_tiers_page_cache_is_set_before_it_is_timed() -> None:
         assert chunk.read_bytes() == data
         assert restart_tiers.set_file_cache(extra, "warm") == 3
         assert _resident_pages(chunk) == cached
+        # a raw-client read sets its own chunks only
+        other = root / "ab" / "chunk-1"
+        assert restart_tiers.set_page_cache([str(chunk)], "cold") == 1
+        assert _resident_pages(chunk) < cached and _resident_pages(other) == cached
     assert restart_tiers.set_file_cache({"remote_url": "redis://127.0.0.1:1"}, "cold") == 0
     with pytest.raises(ValueError, match="warm or cold"):
         restart_tiers.set_file_cache(extra, "hot")
