@@ -14,7 +14,6 @@ main script), never changed; each process appends its events to a file of its ow
 from __future__ import annotations
 
 import argparse
-import gc
 import glob
 import json
 import math
@@ -24,13 +23,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from typing import TextIO
 
 _DIR_VAR = "KVTIER_BENCH_STEPS_DIR"
+_files: dict[int, TextIO] = {}  # this process's events file, opened once (not in each step)
 
 
 def _log(event: str, detail: str = "") -> None:
-    with open(os.path.join(os.environ[_DIR_VAR], f"{os.getpid()}.log"), "a") as f:
-        f.write(f"{time.time():.6f} {event} {detail}\n")
+    f = _files.get(os.getpid())
+    if f is None:
+        path = os.path.join(os.environ[_DIR_VAR], f"{os.getpid()}.log")
+        f = _files[os.getpid()] = open(path, "a", buffering=1)  # noqa: SIM115 (one per process)
+    f.write(f"{time.time():.6f} {event} {detail}\n")
 
 
 def _wrap_connector() -> None:
@@ -38,13 +42,13 @@ def _wrap_connector() -> None:
     from kvtier.connectors.vllm import KVTierConnector as C
 
     def lookup(a: tuple, r: tuple) -> str:
-        return f"{'ask-again' if r[0] is None else r[0]}"
+        return "ask-again" if r[0] is None else str(r[0])
 
-    def sched(a: tuple, r: object) -> str:
-        return f"{len(getattr(r, 'loads', ()))} {a[0].total_num_scheduled_tokens}"
+    def nothing(a: tuple, r: object) -> str:
+        return ""
 
-    formats = {"get_num_new_matched_tokens": lookup, "build_connector_meta": sched,
-               "bind_connector_metadata": lambda a, r: "", "start_load_kv": lambda a, r: ""}
+    formats = {"get_num_new_matched_tokens": lookup, "build_connector_meta": nothing,
+               "bind_connector_metadata": nothing, "start_load_kv": nothing}
     for name, fmt in formats.items():
         orig = getattr(C, name)
 
@@ -130,7 +134,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="restart hits timed")
     ap.add_argument("--json", action="store_true", help="also print the requests as JSON")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0,1")
+    from harness import omp_cpus
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
     from restart_tiers import set_file_cache
@@ -142,9 +148,7 @@ def main() -> None:
         writer = kvtier_llm(model, max_len, extra)
         for s in ss:
             timed_request(writer, prompt(s, args.tokens))
-        del writer  # its chunks are in the file tier once the engine has shut down
-        gc.collect()
-        time.sleep(2)
+        writer.llm_engine.engine_core.shutdown()  # flushes queued uploads
         os.environ[_DIR_VAR] = os.path.join(work, "steps")
         os.makedirs(os.environ[_DIR_VAR])
         llm = kvtier_llm(model, max_len, extra)
@@ -157,8 +161,8 @@ def main() -> None:
                 _log("begin", kind)
                 timed_request(llm, prompt(s, args.tokens))
                 _log("end", kind)
+        llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
         requests = split_requests(read_events(os.environ[_DIR_VAR]))
-        del llm
     print(summary(requests))
     if args.json:
         print(json.dumps(requests))

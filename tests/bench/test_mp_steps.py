@@ -20,13 +20,13 @@ def _restart_hit(t0: float) -> list[str]:
     return [
         f"{t0:.6f} begin restart",
         f"{t0 + 0.002:.6f} get_num_new_matched_tokens 0.2 ask-again",
-        f"{t0 + 0.0021:.6f} build_connector_meta 0.03 0 0",
+        f"{t0 + 0.0021:.6f} build_connector_meta 0.03 ",
         f"{t0 + 0.0031:.6f} bind_connector_metadata 0.5 ",
         f"{t0 + 0.004:.6f} get_num_new_matched_tokens 0.1 ask-again",
-        f"{t0 + 0.0041:.6f} build_connector_meta 0.01 0 0",
+        f"{t0 + 0.0041:.6f} build_connector_meta 0.01 ",
         f"{t0 + 0.0081:.6f} bind_connector_metadata 0.0 ",
         f"{t0 + 0.015:.6f} get_num_new_matched_tokens 0.01 2016",
-        f"{t0 + 0.0152:.6f} build_connector_meta 0.02 8 32",
+        f"{t0 + 0.0152:.6f} build_connector_meta 0.02 ",
         f"{t0 + 0.0200:.6f} start_load_kv 3.2 ",
         f"{t0 + 0.050:.6f} end restart",
     ]
