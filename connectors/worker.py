@@ -91,6 +91,11 @@ class WorkerSide:
         #: the scheduler's count of weight changes this worker's keys follow (the step's
         #: metadata carries it, and the salt of the identity since: _follow_weights)
         self.weights_epoch = 0
+        #: how long a step may read its lookups' chunks on this thread before the I/O
+        #: threads take the rest (``inline_read_ms``; only where the tier's reads are local:
+        #: then the lookup answers on the next step, and no read thread competes with
+        #: vLLM's for the cores meanwhile); 0: all on the I/O threads
+        self.inline_read_s = 0.0
         #: this rank writes its chunks to the object tier (MLA: only rank 0 does)
         self.uploads = True
         self.stats = StatsRecorder()
@@ -129,6 +134,11 @@ class WorkerSide:
 
             self.remote = self._remote_factory(self.cfg)
             faster_thread_switches()
+            if self.remote.tier.reads_local and self.cfg.inline_read_ms:
+                self.inline_read_s = self.cfg.inline_read_ms / 1e3
+                logger.info("kvtier worker rank %d: %s tier on a local filesystem: a lookup's "
+                            "first chunks are read in its step, for up to %d ms", rank,
+                            self.remote.tier.name, self.cfg.inline_read_ms)  # fmt: skip
         if isinstance(self.cfg.cpu_bytes, int):  # the size the scheduler resolves it to
             self._allocate_slab(self.cfg.cpu_bytes, at_startup=True)
 
@@ -186,8 +196,10 @@ class WorkerSide:
         slab = self._ensure_slab(meta)
         assert self.copier is not None
         self._copied += self.copier.submit(meta.stores)  # copied by save_layer / poll
+        # the step's budget for reading lookups' chunks here (all of its runs together)
+        inline_until = time.monotonic() + self.inline_read_s if self.inline_read_s else 0.0
         for run in meta.fetches:
-            self._fetch_run(slab, run)
+            self._fetch_run(slab, run, inline_until)
         for op in meta.uploads:
             self._upload(slab, op)
 
@@ -311,9 +323,10 @@ class WorkerSide:
         assert self._keys is not None, "register_kv_caches was not called"
         return self._keys.key(block_hash)
 
-    def _fetch_run(self, slab: HostSlab, run: list[FetchOp]) -> None:
+    def _fetch_run(self, slab: HostSlab, run: list[FetchOp], inline_until: float) -> None:
         """Fetch one prompt's chunks into their slots: the first alone, the rest once it
-        was found, none after a miss (a :class:`~kvtier.ops.GetRun`)."""
+        was found, none after a miss (a :class:`~kvtier.ops.GetRun`); until
+        ``inline_until``, on this thread (:attr:`inline_read_s`)."""
         if self.remote is None:
             for op in run:
                 self._results[op.op_id] = [False]
@@ -322,7 +335,7 @@ class WorkerSide:
         dtype, shape = self.layout.describe()
         gets = [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
                 for op in run]  # fmt: skip
-        for res in self.remote.submit([GetRun(gets, dtype, shape)]):
+        for res in self.remote.submit([GetRun(gets, dtype, shape, inline_until)]):
             self._record(res)
 
     def _upload(self, slab: HostSlab, op: UploadOp) -> None:

@@ -75,6 +75,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "lookup_timeout_ms": lambda k, v: parse_int(k, v, 1, 3_600_000),
     "shutdown_flush_s": lambda k, v: parse_float(k, v, 0.0, 86_400.0),
     "io_threads": lambda k, v: parse_int(k, v, 1, 64),
+    "inline_read_ms": lambda k, v: parse_int(k, v, 0, 10_000),
     "io_queue_depth": lambda k, v: parse_int(k, v, 1, 2**20),
     "hmac_key_env": parse_env_name,
     "hmac_key_file": parse_path,
@@ -127,6 +128,10 @@ class KVTierConfig:
     shutdown_flush_s: float = 10.0
     #: object-tier I/O threads (and the size of the connection pool)
     io_threads: int = 4
+    #: a file:// tier on a local filesystem: how long the worker may read a lookup's first
+    #: chunks itself in the step that starts it, before the I/O threads take the rest
+    #: (that step is held up to this plus one chunk's read); 0 = always on the threads
+    inline_read_ms: int = 20
     #: queued object-tier writes before new ones are dropped (and counted)
     io_queue_depth: int = 256
     #: name of the environment variable holding the HMAC signing key

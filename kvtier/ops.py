@@ -137,6 +137,9 @@ class GetRun:
     gets: Sequence[tuple[int, str, memoryview]]
     dtype: str
     shape: Sequence[int]
+    #: read the first chunks on the submitting thread until this ``time.monotonic()``
+    #: (then the rest on the I/O threads); 0: all on the I/O threads
+    inline_until: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ be written and when an op is reported live in one place:
 - A lookup is a read (:meth:`OpQueue.submit_get_run`): a prompt's chunks are fetched in
   order, the first alone, the rest in parallel once it was found; after a miss the
   chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
-  a rejected chunk (a forgery) ends its run unread.
+  a rejected chunk (a forgery) ends its run unread. Where the tier's reads are local
+  (a directory on a local filesystem), the submitting thread may read a run's first
+  chunks itself, within a time budget, and queue only the rest (``inline_until``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
   ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
   the destination) or times out is one decision, taken under the op's lock, so a slot
@@ -48,63 +50,14 @@ from collections.abc import Sequence
 
 from kvtier.objects.backoff import Backoff
 from kvtier.objects.io_counts import IOCounts
+from kvtier.objects.queued_op import QueuedOp, byte_view
 from kvtier.objects.tier_health import TierHealth
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
 
-__all__ = ["OpQueue", "QueuedOp", "byte_view"]
+__all__ = ["OpQueue", "QueuedOp", "byte_view"]  # (the last two: kvtier.objects.queued_op)
 
 log = logging.getLogger("kvtier.remote")
-
-
-class QueuedOp:
-    """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
-
-    __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
-                 "done", "seq", "started", "stall_at", "stuck", "run", "pos",
-                 "queued")  # fmt: skip
-
-    def __init__(
-        self,
-        seq: int,
-        op_id: int,
-        kind: OpKind,
-        key: str,
-        timeout_s: float,
-        buf: memoryview | None = None,
-        dtype: str = "",
-        shape: Sequence[int] = (),
-    ) -> None:
-        self.seq = seq
-        self.op_id = op_id
-        self.kind = kind
-        self.key = key
-        self.buf = buf
-        self.dtype = dtype
-        self.shape = list(shape)
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + timeout_s
-        self.lock = threading.Lock()
-        self.done = False
-        #: its backend call has begun (a get: its bytes are being read into ``buf``, the
-        #: caller's slot); set under ``lock``, only while not ``done``: from then on the
-        #: op is reported only when the call is over
-        self.started = False
-        #: when a started op counts as stuck (a get: its deadline)
-        self.stall_at = self.deadline
-        #: counted as stuck (poll() saw it started and past ``stall_at``)
-        self.stuck = False
-        #: the run of gets (one prompt's consecutive chunks) this get is ``pos`` in
-        self.run: list[QueuedOp] | None = None
-        self.pos = 0
-        #: put on the read queue already (never twice: a get read twice at once would
-        #: write its slot twice)
-        self.queued = False
-
-
-def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class OpQueue(IOCounts):
@@ -206,6 +159,7 @@ class OpQueue(IOCounts):
         *,
         dtype: str,
         shape: Sequence[int],
+        inline_until: float = 0.0,
     ) -> None:
         """Queue fetches of one prompt's consecutive chunks ``(op_id, key, dest)``, in order.
 
@@ -215,6 +169,10 @@ class OpQueue(IOCounts):
         the first gap, so when one is missing or fails, those after it that have not
         started are reported as misses without asking (counted in ``gets_skipped``).
         Every get yields one result.
+
+        With ``inline_until`` (a ``time.monotonic()``), the caller's thread reads the run's
+        chunks itself, in order, until that time (:meth:`_read_inline`): only for a tier
+        whose reads are local and fast (``ObjectTier.reads_local``).
         """
         run = []
         for op_id, key, dest in gets:
@@ -233,7 +191,32 @@ class OpQueue(IOCounts):
         with self._lock:
             for op in run:  # every get's deadline counts from now, queued or not
                 self._inflight[op.seq] = op
-        self._queue_once(run[0])
+        if inline_until > time.monotonic():
+            self._read_inline(run, inline_until)
+        else:
+            self._queue_once(run[0])
+
+    def _read_inline(self, run: list[QueuedOp], until: float) -> None:
+        """Read ``run``'s chunks on this thread, in order, until ``until``; queue the rest.
+
+        The step that submits a lookup then reports its chunks itself, with no engine
+        step spent waiting for the I/O threads and no thread competing with vLLM's for
+        the cores meanwhile (its cost: that step is held up to ``until`` plus one chunk's
+        read). The run's gets are claimed first (``queued``), so finding the first chunk
+        does not hand the others to the I/O threads; a miss ends the run as on a thread.
+        """
+        for op in run:  # no I/O thread has seen these gets yet
+            op.queued = True
+        for i, op in enumerate(run):
+            if op.done:  # a miss before it (or a close) ended the run
+                return
+            if i and time.monotonic() >= until:  # out of time: the rest in parallel
+                for later in run[i:]:
+                    with later.lock:
+                        later.queued = False
+                    self._queue_once(later)
+                return
+            self._run_op(op)
 
     def submit_put(
         self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
@@ -347,6 +330,14 @@ class OpQueue(IOCounts):
             except BaseException:  # a bug must cost one op, not the I/O thread
                 log.exception("object-tier %s op failed unexpectedly", op.kind)
                 self._finish(op, False, "tier")
+
+    def _run_op(self, op: QueuedOp) -> None:
+        """:meth:`_execute` on the caller's thread: a bug costs one op, not the step."""
+        try:
+            self._execute(op)
+        except Exception:
+            log.exception("object-tier %s op failed unexpectedly", op.kind)
+            self._finish(op, False, "tier")
 
     def _execute(self, op: QueuedOp) -> None:
         """Run ``op`` against the tier and :meth:`_finish` it (on an I/O thread)."""

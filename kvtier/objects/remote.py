@@ -115,7 +115,8 @@ class RemoteIO(ChunkIO):
         refused: list[OpResult] = []
         for op in ops:
             if isinstance(op, GetRun):
-                self.submit_get_run(op.gets, dtype=op.dtype, shape=op.shape)
+                self.submit_get_run(op.gets, dtype=op.dtype, shape=op.shape,
+                                    inline_until=op.inline_until)  # fmt: skip
             elif not self.submit_put(op.op_id, op.key, op.payload, dtype=op.dtype,
                                      shape=op.shape):  # fmt: skip
                 refused.append(OpResult(op.op_id, OpKind.UPLOAD, False, error_kind=DROPPED))

@@ -24,6 +24,9 @@ def test_a_hung_tier_costs_one_lookup_deadline_per_read_thread_then_nothing(
         "lookup_timeout_ms": TIMEOUT_MS,
         "io_threads": 4,  # two read threads, two write threads
         "shutdown_flush_s": 0.5,
+        # a hung NFS mount: not a local filesystem, so every read is on the I/O threads
+        # (inline reads would hold the engine's step on the hung call)
+        "inline_read_ms": 0,
     }
     n = 10
     r = run_engine(

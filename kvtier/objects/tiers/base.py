@@ -61,6 +61,9 @@ class ObjectTier(ABC):
 
     #: "file", "s3" or "redis"
     name: str
+    #: its reads are served by this machine's own disks or memory (a directory on a local
+    #: filesystem): the worker may read a lookup's first chunks itself (``inline_read_ms``)
+    reads_local: bool = False
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:

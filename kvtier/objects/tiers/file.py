@@ -25,6 +25,7 @@ from kvtier.objects.tiers.file_sweep import (
     DirectoryBound,
     SweepStats,
 )
+from kvtier.objects.tiers.local_fs import is_local
 
 __all__ = ["FileTier", "SweepStats"]
 
@@ -127,6 +128,7 @@ class FileTier(DirectoryBound, ObjectTier):
                 root_st.st_gid,
                 os.getegid(),
             )
+        self.reads_local = is_local(self.root)
         self._lock = threading.Lock()
         self._written_since_sweep = 0
         self._stop = threading.Event()

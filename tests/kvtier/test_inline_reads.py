@@ -1,0 +1,174 @@
+"""A lookup's chunks read on the submitting thread (``inline_until``) from a real directory
+tier: the same results as the I/O threads' (verified, in order, none after a miss, a forged
+chunk a counted miss), all reported by the time the submit returns, within the budget;
+and which directories count as local (``reads_local``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kit import PAYLOAD_SIZE, collect, payload
+
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.objects import codec
+from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers import FileTier
+from kvtier.objects.tiers.local_fs import filesystem_type, is_local
+
+SHAPE = [2, 8, 64]
+DT = "bfloat16"
+LONG = 60.0  # a budget no test reaches
+
+
+def make_rio(tier: FileTier, signer: bytes = b"k") -> RemoteIO:
+    return RemoteIO(tier, threads=4, queue_depth=16, timeout_s=5.0,
+                    signer=codec.Signer(signer), backoff=ConstantBackoff(60))  # fmt: skip
+
+
+def store(rio: RemoteIO, keys: list[str]) -> None:
+    for i, k in enumerate(keys):
+        assert rio.submit_put(i, k, payload(int(k[-1])), dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    collect(rio, len(keys))
+
+
+def read_run(rio: RemoteIO, keys: list[str], budget_s: float) -> list[memoryview]:
+    dests = [memoryview(bytearray(PAYLOAD_SIZE)) for _ in keys]
+    rio.submit_get_run([(100 + i, k, d) for i, (k, d) in enumerate(zip(keys, dests, strict=True))],
+                       dtype=DT, shape=SHAPE,
+                       inline_until=time.monotonic() + budget_s)  # fmt: skip
+    return dests
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[tuple[str, str]]:
+    """Every read of the tier: (key, the thread that made it)."""
+    seen: list[tuple[str, str]] = []
+    real = FileTier.read_into
+
+    def read_into(self: FileTier, key: str, dest: memoryview, max_head: int):  # type: ignore[no-untyped-def]
+        seen.append((key, threading.current_thread().name))
+        return real(self, key, dest, max_head)
+
+    monkeypatch.setattr(FileTier, "read_into", read_into)
+    return seen
+
+
+def test_a_run_read_inline_is_reported_when_the_submit_returns(tmp_path, reads) -> None:
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    keys = [f"c{i}" for i in range(6)]
+    store(rio, keys)
+    dests = read_run(rio, keys, LONG)
+    res = {r.op_id: r for r in rio.poll()}  # no waiting: the submit read them
+    assert sorted(res) == list(range(100, 106)) and all(r.ok for r in res.values()), res
+    assert [bytes(d) for d in dests] == [bytes(payload(i)) for i in range(6)]
+    me = threading.current_thread().name
+    assert reads == [(k, me) for k in keys], "read in order, on the submitting thread"
+    rio.close()
+
+
+def test_an_inline_run_stops_at_its_first_gap(tmp_path, reads) -> None:
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    store(rio, ["g0", "g1", "g3", "g4"])
+    dests = read_run(rio, ["g0", "g1", "g2", "g3", "g4"], LONG)
+    res = {r.op_id: r for r in rio.poll()}
+    assert [res[100 + i].ok for i in range(5)] == [True, True, False, False, False]
+    assert all(res[100 + i].error_kind is None for i in (2, 3, 4))  # misses, not errors
+    assert [k for k, _ in reads] == ["g0", "g1", "g2"], "nothing read after the gap"
+    assert bytes(dests[3]) == bytes(PAYLOAD_SIZE), "a skipped chunk's slot is never written"
+    assert rio.take_counters()["gets_skipped"] == 2
+    rio.close()
+
+
+def test_a_forged_first_chunk_is_a_counted_miss_and_ends_the_run(tmp_path, reads) -> None:
+    tier = FileTier(str(tmp_path / "t"))
+    store(make_rio(tier, signer=b"someone else"), ["f0", "f1", "f2"])
+    rio = make_rio(tier)
+    read_run(rio, ["f0", "f1", "f2"], LONG)
+    res = {r.op_id: r for r in rio.poll()}
+    assert res[100].error_kind == "signature" and not any(r.ok for r in res.values()), res
+    assert [k for k, _ in reads] == ["f0"]
+    rio.close()
+
+
+def test_past_its_budget_the_run_goes_on_on_the_io_threads(tmp_path, monkeypatch) -> None:
+    """With a budget shorter than one read, the first chunk is read here and the rest,
+    all found, by the read threads."""
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    keys = [f"s{i}" for i in range(5)]
+    store(rio, keys)
+    real = FileTier.read_into
+    by: dict[str, str] = {}
+
+    def slow(self: FileTier, key: str, dest: memoryview, max_head: int):  # type: ignore[no-untyped-def]
+        by[key] = threading.current_thread().name
+        time.sleep(0.05)
+        return real(self, key, dest, max_head)
+
+    monkeypatch.setattr(FileTier, "read_into", slow)
+    dests = read_run(rio, keys, 0.01)
+    res = collect(rio, 5)
+    assert all(r.ok for r in res.values()), res
+    assert [bytes(d) for d in dests] == [bytes(payload(i)) for i in range(5)]
+    assert by["s0"] == threading.current_thread().name, by
+    assert all(by[k].startswith("kvtier-read") for k in keys[1:]), by
+    rio.close()
+
+
+def test_a_run_while_reads_are_down_is_not_read_inline(tmp_path, reads) -> None:
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    rio.health.reads.failed()
+    read_run(rio, ["d0", "d1"], LONG)
+    res = {r.op_id: r for r in rio.poll()}
+    assert [res[100].error_kind, res[101].error_kind] == ["unreachable", None]
+    assert reads == []
+    rio.close()
+
+
+MOUNTS = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw
+40 27 0:50 / /mnt/shared rw,relatime - nfs4 server:/export rw
+41 40 0:51 / /mnt/shared/scratch rw,relatime - tmpfs tmpfs rw
+42 27 0:52 / /mnt/my\\040disk rw,relatime - xfs /dev/sdb rw
+43 27 0:53 / /mnt/s3 rw,relatime - fuse.s3fs s3fs rw
+"""
+
+
+@pytest.mark.parametrize(("path", "fstype", "local"), [
+    ("/var/kvtier", "ext4", True),
+    ("/mnt/shared/kvtier", "nfs4", False),
+    ("/mnt/shared", "nfs4", False),
+    ("/mnt/sharedx/kvtier", "ext4", True),  # a name that only starts like a mount point
+    ("/mnt/shared/scratch/kv", "tmpfs", True),  # the longest mount point wins
+    ("/mnt/my disk/kv", "xfs", True),  # the kernel's escapes
+    ("/mnt/s3/kv", "fuse.s3fs", False),
+])  # fmt: skip
+def test_which_directories_are_local(path: str, fstype: str, local: bool) -> None:
+    assert filesystem_type(path, MOUNTS) == fstype
+    assert is_local(path, MOUNTS) is local
+
+
+def test_an_unreadable_mount_table_is_not_local(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr("kvtier.objects.tiers.local_fs._MOUNTINFO", str(tmp_path / "absent"))
+    assert filesystem_type(str(tmp_path)) is None and not is_local(str(tmp_path))
+    assert FileTier(str(tmp_path / "t")).reads_local is False
+
+
+def test_this_machines_tmp_directory_tier_reads_locally(tmp_path) -> None:
+    assert filesystem_type(str(tmp_path)) is not None
+    assert FileTier(str(tmp_path / "t")).reads_local is is_local(str(tmp_path))
+
+
+def test_inline_read_ms_is_checked() -> None:
+    assert load_config({}).inline_read_ms == 20
+    assert load_config({"inline_read_ms": 0}).inline_read_ms == 0
+    with pytest.raises(ConfigError, match="inline_read_ms"):
+        load_config({"inline_read_ms": -1})
+    with pytest.raises(ConfigError, match="inline_read_ms"):
+        load_config({}, environ={"KVTIER_INLINE_READ_MS": "soon"})
