@@ -10,6 +10,7 @@ and counters); a worker that moved bytes any other way (``begin_loads``,
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -165,6 +166,37 @@ def test_the_worker_moves_every_chunk_through_the_protocol(tmp_path, monkeypatch
     assert copier.calls.count(("poll",)) == 3 and copier.calls[-1] == ("close",)
     assert ("submit", "Put") in remote.calls and ("submit", "GetRun") in remote.calls
     assert ("poll",) in remote.calls and remote.calls[-1] == ("close",)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_local_directorys_run_is_read_in_its_own_step(tmp_path, monkeypatch, local) -> None:
+    """On a local filesystem the worker reads a lookup's chunks while binding the step
+    that carries it, so that step reports them; elsewhere (NFS, FUSE) the read threads
+    do, and no read is made on the engine's thread."""
+    monkeypatch.setattr("kvtier.objects.tiers.file.is_local", lambda path: local)
+    w, _, guards = build(tmp_path, monkeypatch, "cpu")
+    assert w.inline_read_s == (0.02 if local else 0.0)
+    got = settle(w, step(w, 1, stores=[StoreOp(1, 0, [5, 6, 7, 8], b"h" * 32, upload_op_id=2)]),
+                 {1, 2})  # fmt: skip
+    assert got == {1: [True], 2: [True]}
+    readers: list[str] = []
+    real = FileTier.read_into
+
+    def read_into(self, key, dest, max_head):  # type: ignore[no-untyped-def]
+        readers.append(threading.current_thread().name)
+        return real(self, key, dest, max_head)
+
+    monkeypatch.setattr(FileTier, "read_into", read_into)
+    got = step(w, 2, fetches=[[FetchOp(3, 1, b"h" * 32), FetchOp(4, 2, b"x" * 32)]])
+    if local:
+        assert got == {3: [True], 4: [False]}, "the step that carried the run reported it"
+        assert readers == [threading.current_thread().name] * 2  # the hit, then the miss
+    else:
+        assert settle(w, got, {3, 4}) == {3: [True], 4: [False]}
+        assert readers and all(r.startswith("kvtier-read") for r in readers), readers
+    assert bytes(w.slab.slot_memoryview(1)) == bytes(w.slab.slot_memoryview(0))
+    w.shutdown()
+    assert guards["remote"].bypassed == []
 
 
 class DroppingMover:
