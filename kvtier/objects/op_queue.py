@@ -340,7 +340,7 @@ class OpQueue(IOCounts):
             self._finish(op, False, "tier")
 
     def _execute(self, op: QueuedOp) -> None:
-        """Run ``op`` against the tier and :meth:`_finish` it (on an I/O thread)."""
+        """Run ``op`` against the tier and :meth:`_finish` it (on an I/O thread, or inline)."""
         raise NotImplementedError
 
     def _finish(
