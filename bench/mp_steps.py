@@ -133,6 +133,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length")
     ap.add_argument("--samples", type=int, default=8, help="restart hits timed")
     ap.add_argument("--json", action="store_true", help="also print the requests as JSON")
+    ap.add_argument("--file-cache", choices=("warm", "cold"), default="warm",
+                    help="the tier's files in the page cache before each restart hit (warm: "
+                         "a restart on the node that wrote them) or dropped from it (cold)")
     args = ap.parse_args()
     from harness import omp_cpus
 
@@ -156,7 +159,7 @@ def main() -> None:
         timed_request(llm, prompt(ss[1], 300))
         for kind in ("restart", "engine"):  # the same prompts: a restart hit, then vLLM's
             for s in ss[2:]:
-                set_file_cache(extra, "warm")
+                set_file_cache(extra, args.file_cache if kind == "restart" else "warm")
                 time.sleep(0.3)
                 _log("begin", kind)
                 timed_request(llm, prompt(s, args.tokens))

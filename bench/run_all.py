@@ -82,7 +82,7 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan(cold=3, repeat=8, connector=8, shared=6, mt_sessions=8, mt_turns=6,
+    "full": Plan(cold=8, repeat=8, connector=8, shared=6, mt_sessions=8, mt_turns=6,
                  restart_all=True),
     "quick": Plan(cold=2, repeat=4, connector=4, shared=4, mt_sessions=8, mt_turns=4,
                   restart_all=False),
@@ -114,7 +114,7 @@ CONFIGS = (  # the goals' configurations first, so a cut-short run still answers
 def working_set_bytes(plan: Plan, shape: dict[str, int]) -> int:
     """Host-tier bytes the workloads can fill: every chunk they send, none evicted (the
     repeated prompt, the 75 %-shared prompts, every multi-turn session's history)."""
-    tokens = PROMPT_TOKENS  # workload 1: one prompt, repeated
+    tokens = PROMPT_TOKENS * (1 + plan.cold)  # workload 1: the cold prompts, one repeated
     tokens += 1536 + plan.shared * 512  # workload 2: one shared prefix, distinct tails
     tokens += plan.mt_sessions * (256 + plan.mt_turns * (256 + 8))  # workload 3
     chunks = -(-tokens // CHUNK) + 3 * plan.mt_sessions  # partial chunks of each session

@@ -207,6 +207,7 @@ class OpQueue(IOCounts):
         """
         for op in run:  # no I/O thread has seen these gets yet
             op.queued = True
+        self.tier.will_read([op.key for op in run])  # a cold disk reads them all at once
         for i, op in enumerate(run):
             if op.done:  # a miss before it (or a close) ended the run
                 return

@@ -5,6 +5,7 @@ and which directories count as local (``reads_local``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -172,3 +173,38 @@ def test_inline_read_ms_is_checked() -> None:
         load_config({"inline_read_ms": -1})
     with pytest.raises(ConfigError, match="inline_read_ms"):
         load_config({}, environ={"KVTIER_INLINE_READ_MS": "soon"})
+
+
+def test_an_inline_run_asks_the_kernel_for_its_files_up_to_its_first_gap(
+    tmp_path, monkeypatch
+) -> None:
+    """Before an inline run's first read, every stored file up to the run's first gap is
+    handed to the kernel's readahead (a cold disk then reads them at once, not one by
+    one); a planted symlink is not followed, and the hint never fails the run."""
+    tier = FileTier(str(tmp_path / "t"))
+    rio = make_rio(tier)
+    store(rio, ["w0", "w1", "w3"])
+    hinted: list[int] = []
+    real = FileTier._open_regular
+
+    def opened(self: FileTier, key: str):  # type: ignore[no-untyped-def]
+        got = real(self, key)
+        if got is not None:
+            hinted.append(got[1].st_size)
+        return got
+
+    monkeypatch.setattr(FileTier, "_open_regular", opened)
+    advised: list[tuple[int, int]] = []
+    monkeypatch.setattr("os.posix_fadvise",
+                        lambda fd, off, n, advice: advised.append((n, advice)))  # fmt: skip
+    read_run(rio, ["w0", "w1", "w2", "w3"], LONG)
+    res = {r.op_id: r for r in rio.poll()}
+    assert [res[100 + i].ok for i in range(4)] == [True, True, False, False]
+    assert advised[:2] == [(hinted[0], os.POSIX_FADV_WILLNEED)] * 2 and len(advised) == 2
+    link = Path(tier.path("w9"))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(tier.path("w0"))
+    advised.clear()
+    tier.will_read(["w9", "w0"])  # refused like a read: no hint, no exception
+    assert advised == []
+    rio.close()

@@ -82,6 +82,12 @@ class ObjectTier(ABC):
         make the engine allocate it.
         """
 
+    def will_read(self, keys: Sequence[str]) -> None:
+        """A hint that ``keys`` (a run's chunks, in order) are about to be read one after
+        another (a local tier's inline reads): a backend may start fetching them. No-op
+        by default; never raises."""
+        del keys  # nothing to start for a backend that reads on request
+
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """Read the whole object into the front of ``buf``; its length, or None when the
         key is not stored.

@@ -296,6 +296,23 @@ class FileTier(DirectoryBound, ObjectTier):
                 f"at most {max_bytes} expected"
             )
 
+    def will_read(self, keys: Sequence[str]) -> None:
+        """:meth:`ObjectTier.will_read`: the kernel starts reading each stored file into
+        the page cache (``POSIX_FADV_WILLNEED``), all at once, while the first is read."""
+        for key in keys:
+            try:
+                opened = self._open_regular(key)
+            except TierError:
+                return  # a hint: the read itself meets (and counts) the failure
+            if opened is None:
+                return  # a run is useful up to its first gap
+            try:
+                os.posix_fadvise(opened[0], 0, opened[1].st_size, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(opened[0])
+
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
         opened = self._open_regular(key)
