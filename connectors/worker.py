@@ -134,7 +134,7 @@ class WorkerSide:
 
             self.remote = self._remote_factory(self.cfg)
             faster_thread_switches()
-            if getattr(self.remote.tier, "reads_local", False) and self.cfg.inline_read_ms:
+            if self.remote.tier.reads_local and self.cfg.inline_read_ms:
                 self.inline_read_s = self.cfg.inline_read_ms / 1e3
                 logger.info("kvtier worker rank %d: %s tier on a local filesystem: a lookup's "
                             "first chunks are read in its step, for up to %d ms", rank,

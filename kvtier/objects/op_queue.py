@@ -212,10 +212,8 @@ class OpQueue(IOCounts):
             if op.done:  # a miss before it (or a close) ended the run
                 return
             if i and time.monotonic() >= until:  # out of time: the rest in parallel
-                for later in run[i:]:
-                    with later.lock:
-                        later.queued = False
-                    self._queue_once(later)
+                for later in run[i:]:  # claimed above, seen by no I/O thread yet
+                    self._enqueue_read(later)
                 return
             self._run_op(op)
 
@@ -326,17 +324,14 @@ class OpQueue(IOCounts):
             op = q.get()
             if op is None:
                 return
-            try:
-                self._execute(op)
-            except BaseException:  # a bug must cost one op, not the I/O thread
-                log.exception("object-tier %s op failed unexpectedly", op.kind)
-                self._finish(op, False, "tier")
+            self._run_op(op, BaseException)  # a bug must cost one op, not the I/O thread
 
-    def _run_op(self, op: QueuedOp) -> None:
-        """:meth:`_execute` on the caller's thread: a bug costs one op, not the step."""
+    def _run_op(self, op: QueuedOp, catch: type[BaseException] = Exception) -> None:
+        """:meth:`_execute`, a bug costing one op: on an I/O thread anything it raises; on
+        the caller's thread (inline reads) not an interrupt or exit meant for the engine."""
         try:
             self._execute(op)
-        except Exception:
+        except catch:
             log.exception("object-tier %s op failed unexpectedly", op.kind)
             self._finish(op, False, "tier")
 

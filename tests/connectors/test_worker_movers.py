@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from copyfakes import FakeOps, blocks_of, make_caches
+from faketier import FakeTier
 
 from kvtier import metrics
 from kvtier.config import load_config
@@ -204,7 +205,7 @@ class DroppingMover:
 
     reads_down_s = 0.0
     stuck_reads = stuck_writes = seals = 0
-    tier = None
+    tier = FakeTier()  # an in-memory tier: its reads are not local
 
     def submit(self, ops: list[Any]) -> list[OpResult]:
         return [OpResult(op.op_id, OpKind.UPLOAD, False, error_kind=DROPPED)
