@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: run kvtier's CUDA tests, then bench/gpu_transfer.py,
-# each under a timeout, and print the figures. Needs only torch (CUDA build), pytest,
-# msgpack and xxhash: no vLLM, and no install (PYTHONPATH points at this checkout). The
-# hybrid end-to-end case at the end runs only where vLLM's CUDA build is installed.
-# Figures also land in $OUT/gpu_transfer.json ($OUT defaults to a temporary directory).
+# On a machine with an NVIDIA GPU: run kvtier's CUDA tests, then bench/gpu_transfer.py and
+# bench/gpu_restart.py, each under a timeout, and print the figures. Needs only torch (CUDA
+# build), pytest, msgpack, xxhash and cryptography: no vLLM, and no install (PYTHONPATH
+# points at this checkout). The hybrid end-to-end case at the end runs only where vLLM's
+# CUDA build is installed. Figures also land in $OUT/gpu_*.json ($OUT defaults to a
+# temporary directory).
 # PYTHON picks the interpreter (default: python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,17 @@ echo "== bench/gpu_transfer.py"
 timeout 300 $PY bench/gpu_transfer.py --json "$OUT/gpu_transfer.json"
 bench_rc=$?
 
+# A restart hit's worker side (directory tier -> checked slots -> paged KV) against the raw
+# reads and copies: Llama-3-8B-shaped KV at 2k, 8k and 32k tokens; then a cold page cache,
+# then 8 read threads (io_threads 16).
+echo "== bench/gpu_restart.py"
+timeout 240 $PY bench/gpu_restart.py --json "$OUT/gpu_restart.json" \
+    && timeout 120 $PY bench/gpu_restart.py --tokens 2048 8192 --file-cache cold \
+        --json "$OUT/gpu_restart_cold.json" \
+    && timeout 120 $PY bench/gpu_restart.py --tokens 8192 32768 --threads 16 --repeats 3 \
+        --json "$OUT/gpu_restart_threads16.json"
+restart_rc=$?
+
 # A hybrid model end to end (needs vLLM's CUDA build; skipped without it): a tiny random-
 # weight Llama whose odd layers slide over 128 tokens, built locally. vLLM keeps its hybrid
 # KV cache manager with kvtier (two KV cache groups, no "Turning off hybrid kv cache
@@ -44,5 +56,6 @@ else
 fi
 
 echo "== summary: cuda tests rc=$tests_rc, cpu tests rc=$cpu_rc, bench rc=$bench_rc," \
-     "hybrid e2e rc=$hybrid_rc, figures in $OUT/gpu_transfer.json"
-[ "$tests_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$hybrid_rc" -eq 0 ]
+     "restart rc=$restart_rc, hybrid e2e rc=$hybrid_rc, figures in $OUT/gpu_*.json"
+[ "$tests_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$restart_rc" -eq 0 ] \
+    && [ "$hybrid_rc" -eq 0 ]
