@@ -52,9 +52,9 @@ from kvtier.host.cuda import PinnedBuffer
 from kvtier.host.layout import HostSlab, SlotLayout
 from kvtier.objects import codec
 from kvtier.objects.backoff import ConstantBackoff
-from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.file import FileTier
+from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.ops import LoadOp, StoreOp
 
 MiB = 1 << 20
@@ -208,7 +208,6 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
     for s in ("kvtier_inline", "kvtier_threads"):
         row[f"{s}_own_ms"] = row[f"{s}_ms"] - raw
     row["goal_ms"] = max(10.0, 0.2 * raw)
-    del kv, want, raw_host, raw_dev, flat
     return row
 
 
