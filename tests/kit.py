@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 
@@ -78,3 +79,31 @@ def kv_like(n_values: int, seed: int = 0) -> bytes:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_values // 64, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.1)
     return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+def before_reads(
+    monkeypatch: pytest.MonkeyPatch,
+    target: type[ObjectTier] | ObjectTier,
+    before: Callable[[str], None],
+) -> None:
+    """Call ``before(key)`` ahead of every object read of ``target`` (a tier class or one
+    tier): ``read_into``, and ``read_into_hashed`` where the backend reads that way itself
+    (the base one reads through ``read_into``, so it is not wrapped twice)."""
+    cls = target if isinstance(target, type) else type(target)
+    names = ["read_into"]
+    if cls.read_into_hashed is not ObjectTier.read_into_hashed:
+        names.append("read_into_hashed")
+    for name in names:
+        real = getattr(target, name)
+        if isinstance(target, type):
+
+            def wrapped(self: ObjectTier, key: str, *a: Any, _real: Any = real) -> Any:
+                before(key)
+                return _real(self, key, *a)
+        else:
+
+            def wrapped(key: str, *a: Any, _real: Any = real) -> Any:  # type: ignore[misc]
+                before(key)
+                return _real(key, *a)
+
+        monkeypatch.setattr(target, name, wrapped)

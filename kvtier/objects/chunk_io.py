@@ -134,7 +134,7 @@ class ChunkIO(OpQueue):
         if got is None:
             self._finish(op, False, None)
             return
-        head, payload = got
+        head, payload, digest = got
         nread = len(head) + payload.nbytes
         self._add("bytes_read", nread)
         # a compressed chunk is verified as stored, in the scratch buffer, then
@@ -142,7 +142,7 @@ class ChunkIO(OpQueue):
         secs = codec.verify(head, payload, key=key, dtype=op.dtype, shape=op.shape,
                             signer=self.signer,
                             out=None if payload is buf else buf,
-                            lossy=self.reads_lossy)  # fmt: skip
+                            lossy=self.reads_lossy, payload_xxh=digest)  # fmt: skip
         self._count_z("read", buf.nbytes, payload.nbytes, secs)
         if self.compressor is not None:  # the whole read, timed for compression: auto
             self.compressor.observe_read(buf.nbytes, time.perf_counter() - t0,
@@ -180,11 +180,15 @@ class ChunkIO(OpQueue):
             self._rewrite.pop(key, None)
         self._finish(op, True, None, nbytes=n)
 
-    def _read(self, key: str, slot: memoryview) -> tuple[bytes, memoryview] | None:
-        """Read ``key`` for ``slot``: (head, payload), None when it is not stored.
+    def _read(
+        self, key: str, slot: memoryview
+    ) -> tuple[bytes, memoryview, bytes | None] | None:
+        """Read ``key`` for ``slot``: (head, payload, the payload's xxh3-128 digest if it
+        was hashed while read), None when it is not stored.
 
         Without a compressor, or with one that stores raw now (``auto``), the object is
-        read straight into the slot (the payload is ``slot``). Otherwise, or when the
+        read straight into the slot (the payload is ``slot``), hashed as it lands unless
+        an encryption key is configured (sealed chunks carry no checksum). Otherwise, or when the
         object is too short for that (compressed), it is read whole into this thread's
         scratch buffer, at most the slot plus the largest header: a compressed payload
         stays there (verified, opened in place with an encryption key, then decompressed
@@ -192,11 +196,14 @@ class ChunkIO(OpQueue):
         """
         if self.compressor is None or self.compressor.reads_raw_first:
             try:
-                head = self.tier.read_into(key, slot, MAX_FRAME)
+                if self.signer is not None and self.signer.sealer is not None:
+                    head = self.tier.read_into(key, slot, MAX_FRAME)
+                    return None if head is None else (head, slot, None)
+                hashed = self.tier.read_into_hashed(key, slot, MAX_FRAME)
             except TruncatedError:
                 pass  # shorter than a raw chunk: perhaps a compressed one; read it whole
             else:
-                return None if head is None else (head, slot)
+                return None if hashed is None else (hashed[0], slot, hashed[1])
         whole = self._scratch.view(slot.nbytes + MAX_FRAME)
         n = self.tier.get_into(key, whole)
         if n is None:
@@ -211,8 +218,8 @@ class ChunkIO(OpQueue):
                 raise TruncatedError(f"chunk payload has {payload.nbytes} bytes, its slot "
                                      f"{slot.nbytes}")  # fmt: skip
             slot[:] = payload
-            return head, slot
-        return head, payload  # in the scratch buffer: a sealed chunk opens in place there
+            return head, slot, None
+        return head, payload, None  # in the scratch buffer: a sealed chunk opens in place there
 
     def _answered(self, op: QueuedOp) -> None:
         """The tier answered ``op``'s call: up again, unless it answered too late (then

@@ -207,6 +207,7 @@ def verify(
     signer: Signer | None = None,
     out: memoryview | None = None,
     lossy: bool = False,
+    payload_xxh: bytes | None = None,
 ) -> float:
     """Check a chunk read as its head (magic, length, header) and its payload, where the
     payload already is where it will be used (a host slot): nothing is copied. A sealed
@@ -217,7 +218,9 @@ def verify(
     :func:`decode`; on any error the payload's and ``out``'s bytes must not be used.
     Returns the seconds spent decompressing (0.0 for a raw chunk). A chunk in a lossy
     form (fp8) is read only with ``lossy`` (an engine that chose ``compression: fp8``);
-    any other engine counts it a miss of kind ``format``: its hits stay exact."""
+    any other engine counts it a miss of kind ``format``: its hits stay exact.
+    ``payload_xxh``: the payload's xxh3-128 digest, computed while it was read
+    (:meth:`ObjectTier.read_into_hashed`), so that it is not hashed again."""
     head_v = _payload_view(head)
     body_at = head_length(head_v[: _PREFIX.size])
     if head_v.nbytes < body_at:
@@ -256,7 +259,8 @@ def verify(
     else:
         if sealer is not None:
             raise SignatureError("chunk is not sealed but an encryption key is configured")
-        if xxhash.xxh3_128_digest(payload) != header["xxh"]:
+        digest = payload_xxh if payload_xxh is not None else xxhash.xxh3_128_digest(payload)
+        if digest != header["xxh"]:
             raise ChecksumError("chunk payload does not match its checksum")
         rest = (header["xxh"],)
     extra = () if form is None else (form.encode(),)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from copyfakes import FakeOps, blocks_of, make_caches
 from faketier import FakeTier
+from kit import before_reads
 
 from kvtier import metrics
 from kvtier.config import load_config
@@ -181,13 +182,8 @@ def test_a_local_directorys_run_is_read_in_its_own_step(tmp_path, monkeypatch, l
                  {1, 2})  # fmt: skip
     assert got == {1: [True], 2: [True]}
     readers: list[str] = []
-    real = FileTier.read_into
-
-    def read_into(self, key, dest, max_head):  # type: ignore[no-untyped-def]
-        readers.append(threading.current_thread().name)
-        return real(self, key, dest, max_head)
-
-    monkeypatch.setattr(FileTier, "read_into", read_into)
+    before_reads(monkeypatch, FileTier,
+                 lambda _key: readers.append(threading.current_thread().name))  # fmt: skip
     got = step(w, 2, fetches=[[FetchOp(3, 1, b"h" * 32), FetchOp(4, 2, b"x" * 32)]])
     if local:
         assert got == {3: [True], 4: [False]}, "the step that carried the run reported it"

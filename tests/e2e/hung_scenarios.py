@@ -23,7 +23,7 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
     from kvtier.stats import StatsRecorder
 
     hang = threading.Event()  # set only once the engine is shut down
-    calls = {"read_into": 0, "exists": 0, "put": 0}
+    calls = {"read_into": 0, "read_into_hashed": 0, "exists": 0, "put": 0}
 
     def hanging(name: str) -> Any:
         real = getattr(FileTier, name)

@@ -35,13 +35,15 @@ def stored_then_hit(
 
     from kvtier.objects.tiers.file import FileTier
 
-    real_read = FileTier.read_into
+    def slowed(real: Any) -> Any:
+        def slow_read(self: FileTier, *a: Any) -> Any:
+            time.sleep(read_delay_s)  # a slow mount or a loaded machine: the read is going
+            return real(self, *a)
 
-    def slow_read(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        time.sleep(read_delay_s)  # a slow mount or a loaded machine: the read is going
-        return real_read(self, key, dest, max_head)
+        return slow_read
 
-    FileTier.read_into = slow_read  # type: ignore[method-assign]
+    FileTier.read_into = slowed(FileTier.read_into)  # type: ignore[method-assign]
+    FileTier.read_into_hashed = slowed(FileTier.read_into_hashed)  # type: ignore[method-assign]
     llm = build_llm(model, extra)
     side = kvtier_side(llm)
     sp = SamplingParams(max_tokens=1, temperature=0)

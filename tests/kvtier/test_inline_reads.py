@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import PAYLOAD_SIZE, collect, payload
+from kit import PAYLOAD_SIZE, before_reads, collect, payload
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -50,13 +50,8 @@ def read_run(rio: RemoteIO, keys: list[str], budget_s: float) -> list[memoryview
 def reads(monkeypatch) -> list[tuple[str, str]]:
     """Every read of the tier: (key, the thread that made it)."""
     seen: list[tuple[str, str]] = []
-    real = FileTier.read_into
-
-    def read_into(self: FileTier, key: str, dest: memoryview, max_head: int):  # type: ignore[no-untyped-def]
-        seen.append((key, threading.current_thread().name))
-        return real(self, key, dest, max_head)
-
-    monkeypatch.setattr(FileTier, "read_into", read_into)
+    before_reads(monkeypatch, FileTier,
+                 lambda key: seen.append((key, threading.current_thread().name)))  # fmt: skip
     return seen
 
 
@@ -103,15 +98,13 @@ def test_past_its_budget_the_run_goes_on_on_the_io_threads(tmp_path, monkeypatch
     rio = make_rio(FileTier(str(tmp_path / "t")))
     keys = [f"s{i}" for i in range(5)]
     store(rio, keys)
-    real = FileTier.read_into
     by: dict[str, str] = {}
 
-    def slow(self: FileTier, key: str, dest: memoryview, max_head: int):  # type: ignore[no-untyped-def]
+    def slow(key: str) -> None:
         by[key] = threading.current_thread().name
         time.sleep(0.05)
-        return real(self, key, dest, max_head)
 
-    monkeypatch.setattr(FileTier, "read_into", slow)
+    before_reads(monkeypatch, FileTier, slow)
     dests = read_run(rio, keys, 0.01)
     res = collect(rio, 5)
     assert all(r.ok for r in res.values()), res

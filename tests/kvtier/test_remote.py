@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
-from kit import PAYLOAD_SIZE, collect, payload
+from kit import PAYLOAD_SIZE, before_reads, collect, payload
 
 from kvtier.config import load_config
 from kvtier.objects import codec
@@ -421,15 +421,9 @@ def test_backoff_values() -> None:
 
 
 def _counting_reads(tier: ObjectTier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys ``tier.read_into`` was called for (one backend read each), in call order."""
+    """The keys ``tier`` was read for (one backend read each), in call order."""
     asked: list[str] = []
-    real = tier.read_into
-
-    def read_into(key: str, dest: memoryview, max_head: int):
-        asked.append(key)
-        return real(key, dest, max_head)
-
-    monkeypatch.setattr(tier, "read_into", read_into)
+    before_reads(monkeypatch, tier, asked.append)
     return asked
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -171,10 +172,11 @@ SIZE = 2 * 8 * 64 * 2
 class _StaleFileTier(FileTier):
     """Reads of one key fail as NFS fails them when another node replaced the file."""
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+    def _read_slot(self, key: str, dest: memoryview, *a: Any) -> bytes | None:
+        # both read paths (read_into, read_into_hashed) go through it
         if key == "stale":
             raise self._error("get", OSError(errno.ESTALE, "Stale file handle"))
-        return super().read_into(key, dest, max_head)
+        return super()._read_slot(key, dest, *a)
 
 
 def test_a_stale_nfs_file_is_one_miss_not_an_outage(tmp_path) -> None:

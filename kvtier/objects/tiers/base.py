@@ -13,6 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import xxhash
+
 from kvtier.errors import ObjectTooLarge, TruncatedError
 
 __all__ = ["ObjectTier", "Parts", "byte_view", "head_length_for", "stored_prefix"]
@@ -129,6 +131,16 @@ class ObjectTier(ABC):
         view = memoryview(blob)
         dest[:] = view[head_len:]
         return bytes(view[:head_len])
+
+    def read_into_hashed(
+        self, key: str, dest: memoryview, max_head: int
+    ) -> tuple[bytes, bytes] | None:
+        """:meth:`read_into`, and the xxh3-128 digest of the bytes in ``dest``: (head,
+        digest), None when the key is not stored. A backend that can hash the payload
+        as it arrives overrides it (one pass over memory instead of two); this default
+        hashes ``dest`` after the read."""
+        head = self.read_into(key, dest, max_head)
+        return None if head is None else (head, xxhash.xxh3_128_digest(dest))
 
     @abstractmethod
     def put(self, key: str, parts: Parts) -> None:
