@@ -30,6 +30,10 @@ def _binary(name: str) -> str:
     return path
 
 
+class _NodeExited(Exception):
+    """A node's redis-server exited while it was being started."""
+
+
 def _free_pair() -> int:
     """A loopback port p with p + 10000 (its cluster bus) also free a moment ago."""
     for _ in range(200):
@@ -143,8 +147,8 @@ class RedisCluster:
     def start(self, timeout: float = 30.0) -> None:
         for port in self.ports:
             self._start_node(port)
-        for port in self.ports:
-            _wait(lambda p=port: "PONG" in _command(p, *self._auth(), "PING"), 10, f"node {port}")
+        for i in range(len(self.ports)):
+            self._wait_node(i)
         subprocess.run(
             [self.cli, *self._auth(), "--cluster", "create",
              *(f"127.0.0.1:{p}" for p in self.ports),
@@ -152,6 +156,30 @@ class RedisCluster:
             check=True, capture_output=True, timeout=timeout,
         )  # fmt: skip
         _wait(self._ready, timeout, "cluster state ok on every node")
+
+    def _wait_node(self, i: int, tries: int = 3) -> None:
+        """Wait for node ``i`` to answer PING (30 s: a TLS node on a loaded machine is
+        slow); one that exited at start (its port pair was taken since it was picked)
+        is started again on another pair."""
+        for attempt in range(tries):
+            port = self.ports[i]
+            try:
+                _wait(lambda p=port: self._pong(p), 30, f"node {port}")
+                return
+            except _NodeExited:
+                if attempt == tries - 1:
+                    log = os.path.join(self.workdir, str(port), "server.log")
+                    with open(log, "rb") as f:
+                        tail = f.read()[-2000:].decode(errors="replace")
+                    raise RuntimeError(f"node {port} exited at start: {tail}") from None
+                del self.procs[port]
+                self.ports[i] = _free_pair()
+                self._start_node(self.ports[i])
+
+    def _pong(self, port: int) -> bool:
+        if self.procs[port].poll() is not None:
+            raise _NodeExited(port)
+        return "PONG" in _command(port, *self._auth(), "PING")
 
     def _ready(self) -> bool:
         if not all(
