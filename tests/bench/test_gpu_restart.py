@@ -1,0 +1,41 @@
+"""``bench/gpu_restart.py`` on the CPU (KV on the CPU, CpuCopier): a tiny run reads every
+chunk back through kvtier bit-exact (the script checks it after every kvtier run) and
+reports each side's time, with kvtier's own cost as kvtier minus raw."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_restart  # noqa: E402
+
+
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_a_tiny_cpu_run_reports_every_side(tmp_path, capsys, cache: str) -> None:
+    out = tmp_path / "r.json"
+    rc = gpu_restart.main([
+        "--tokens", "512", "1024", "--layers", "2", "--heads", "2", "--head-dim", "16",
+        "--repeats", "2", "--file-cache", cache, "--dir", str(tmp_path), "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "CPU (no CUDA)" and result["filesystem"]
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == [512, 1024]
+    assert [r["chunks"] for r in rows] == [2, 4]  # 256-token chunks
+    for r in rows:
+        assert r["file_cache"] == cache and r["read_threads"] == 2
+        for side in ("raw", "kvtier_inline", "kvtier_threads"):
+            assert 0 < r[f"{side}_read_ms"] <= r[f"{side}_ms"]
+        for side in ("kvtier_inline", "kvtier_threads"):
+            assert r[f"{side}_own_ms"] == pytest.approx(r[f"{side}_ms"] - r["raw_ms"])
+        assert r["goal_ms"] == max(10.0, 0.2 * r["raw_ms"])
+    printed = capsys.readouterr().out
+    assert "  1024 tokens, 4 x" in printed and "RESULT " in printed
+    assert not list(tmp_path.glob("kvtier-gpu-restart-*")), "the tier's directory is removed"
