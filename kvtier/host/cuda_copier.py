@@ -165,6 +165,10 @@ class CudaCopier(Copier):
         return ok
 
     def _rounds(self, jobs: Sequence[CopyOp]) -> list[_Round]:
+        """The jobs in rounds, each with its block ids on the device. Called on the copy
+        stream before that stream waits for the compute stream: a copy from pageable host
+        memory may synchronize with its stream (CUDA's documented behaviour), and after the
+        wait that would hold the host until the compute stream's queued work is done."""
         rounds = []
         for group in group_jobs(jobs, self.max_round_blocks):
             index, places = round_plan(group)
@@ -282,11 +286,11 @@ class CudaCopier(Copier):
         compute = self.ops.current_stream()
         try:
             with self.ops.use_stream(self.load_stream):
+                batch.rounds = self._rounds(ok)  # before the wait (see _rounds)
                 # blocks being loaded may still be read by the previous step's kernels
                 ready = self.ops.new_event()
                 self.ops.record(ready, compute)
                 self.ops.wait_event(self.load_stream, ready)
-                batch.rounds = self._rounds(ok)
                 for li in range(len(self.kv)):
                     self._copy_layer(batch, li, to_host=False)
         except Exception:
@@ -340,11 +344,11 @@ class CudaCopier(Copier):
         try:
             compute = self.ops.current_stream()
             with self.ops.use_stream(self.save_stream):
+                if not batch.rounds:  # before the wait (see _rounds)
+                    batch.rounds = self._rounds(self._save_jobs)
                 written = self.ops.new_event()
                 self.ops.record(written, compute)  # layer's KV for this step is written
                 self.ops.wait_event(self.save_stream, written)
-                if not batch.rounds:
-                    batch.rounds = self._rounds(self._save_jobs)
                 self._copy_layer(batch, layer, to_host=True)
         except Exception:
             logger.exception("kvtier: enqueueing saves of layer %d failed", layer)

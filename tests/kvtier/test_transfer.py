@@ -502,3 +502,28 @@ def test_copy_all_falls_back_to_a_loop_when_foreach_refuses(monkeypatch) -> None
     transfer.copy_all(dsts, srcs)
     assert dsts[0].tolist() == [1, 1, 1] and dsts[1].tolist() == [2, 2]
     assert transfer._FOREACH_OK is False
+
+
+def test_block_ids_go_to_the_device_before_the_copy_stream_waits(monkeypatch) -> None:
+    """The block ids are copied from pageable host memory, a copy CUDA may synchronize
+    with its stream; made after the stream waits for compute, it would hold the host until
+    the compute stream's queued work (the previous forward, this layer's attention) ends."""
+    src, kv, layout, slab, ops, c = setup(LAYOUTS["blocks_first"])
+    real = CudaCopier._rounds
+
+    def rounds(self: CudaCopier, jobs):  # type: ignore[no-untyped-def]
+        ops.log.append(("rounds",))
+        return real(self, jobs)
+
+    monkeypatch.setattr(CudaCopier, "_rounds", rounds)
+    c.begin_loads([LoadOp(1, 2, 0, (9,))])
+    assert [e[0] for e in ops.log[:3]] == ["rounds", "record", "wait"] and ops.log[2][1] == "load"
+    c.finish_loads()
+    c.begin_saves([StoreOp(5, 0, (1, 2, 3, 4))])
+    ops.log.clear()
+    c.save_layer(0)
+    assert [e[0] for e in ops.log[:3]] == ["rounds", "record", "wait"] and ops.log[2][1] == "save"
+    ops.log.clear()
+    c.save_layer(1)  # later layers reuse the rounds
+    assert ("rounds",) not in ops.log and ops.log[1][:2] == ("wait", "save")
+    c.finish_saves()
