@@ -47,6 +47,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from restart_tiers import set_page_cache
+from tier_cases import MiB, poll_results, readinto_all
+
 from kvtier.host.copiers import make_copier
 from kvtier.host.cuda import PinnedBuffer
 from kvtier.host.layout import HostSlab, SlotLayout
@@ -56,36 +59,6 @@ from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.file import FileTier
 from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.ops import LoadOp, StoreOp
-
-MiB = 1 << 20
-
-
-def poll_all(rio: RemoteIO, n: int) -> list[Any]:
-    """Results of ``n`` gets, asked for every 0.5 ms as an engine asks each step."""
-    got: list[Any] = []
-    while len(got) < n:
-        got += rio.poll()
-        if len(got) < n:
-            time.sleep(0.0005)
-    return got
-
-
-def drop_pages(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def readinto_all(path: str, buf: memoryview) -> None:
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < len(buf):
-            n = f.readinto(buf[got:])
-            if not n:
-                raise OSError(f"{path}: short read")
-            got += n
 
 
 def sync(dev: torch.device) -> None:
@@ -139,8 +112,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
 
     def cold() -> None:
         if args.file_cache == "cold":
-            for p in paths:
-                drop_pages(p)
+            set_page_cache(paths, "cold")
 
     def kvtier_hit(inline_ms: float) -> tuple[float, float]:
         for t in kv:
@@ -151,7 +123,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         until = time.monotonic() + inline_ms / 1000 if inline_ms else 0.0
         rio.submit_get_run([(i, keys[i], views[i]) for i in range(n)], dtype="bfloat16",
                            shape=elem, inline_until=until)  # fmt: skip
-        got = poll_all(rio, n)
+        got = poll_results(rio, n)
         t_read = time.perf_counter() - t0
         if not all(r.ok for r in got):
             raise RuntimeError(f"a restart-hit read failed: {[r for r in got if not r.ok][:2]}")
@@ -172,8 +144,11 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         cold()
         sync(dev)
         t0 = time.perf_counter()
-        list(pool.map(lambda i: readinto_all(paths[i], memoryview(raw_host[i].numpy())),
-                      range(n)))  # fmt: skip
+        def read(i: int) -> None:
+            with open(paths[i], "rb", buffering=0) as f:
+                readinto_all(f, memoryview(raw_host[i].numpy()))
+
+        list(pool.map(read, range(n)))
         t_read = time.perf_counter() - t0
         for i in range(n):
             raw_dev[offsets[i] : offsets[i] + obj_bytes[i]].copy_(raw_host[i], non_blocking=pin)

@@ -130,7 +130,8 @@ class Case:
         self.raw_read_object, self.raw_reader = raw_read_object, raw_reader
 
 
-def _readinto_all(f, buf: memoryview) -> None:
+def readinto_all(f, buf: memoryview) -> None:
+    """Fill ``buf`` from the open file ``f`` (``readinto`` until full)."""
     got = 0
     while got < buf.nbytes:
         n = f.readinto(buf[got:])
@@ -156,7 +157,7 @@ def file_case(args: argparse.Namespace) -> Case:
 
     def raw_read_object(tier: ObjectTier, key: str, buf: memoryview) -> None:
         with open(tier.path(key), "rb", buffering=0) as f:  # type: ignore[attr-defined]
-            _readinto_all(f, buf)
+            readinto_all(f, buf)
 
     return Case("file", lambda _threads: FileTier(root), raw_put, raw_get, raw_read_object,
                 "readinto (page cache)")  # fmt: skip
