@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gpu_transfer import hidden_share
 
 try:
     import kvtier  # noqa: F401
@@ -222,10 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         loads.check(way)
         t_lw = timed(loads, layerwise, args.repeats)
         loads.check(way)
-        hidden = (t_comp + t_copy - t_lw) / min(t_comp, t_copy)
         rows[way] = {"gbps": loads.nbytes / t_copy / GB, "over_raw": raw / t_copy,
                      "copy_ms": t_copy * 1e3, "layerwise_ms": t_lw * 1e3,
-                     "hidden": max(0.0, min(1.0, hidden))}  # fmt: skip
+                     "hidden": hidden_share(t_comp, t_copy, t_lw)}  # fmt: skip
         r = rows[way]
         print(f"{way:>10}: {r['gbps']:.1f} GB/s ({r['over_raw']:.2f}x one raw copy), "
               f"alone {r['copy_ms']:.1f} ms, with compute {r['layerwise_ms']:.1f} ms, "

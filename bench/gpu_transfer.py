@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def hidden_share(compute_s: float, copy_s: float, layerwise_s: float) -> float:
+    """The share (0..1) of the shorter of copy and compute that a layer-wise run hid."""
+    return max(0.0, min(1.0, (compute_s + copy_s - layerwise_s) / min(compute_s, copy_s)))
+
+
 def overlap(
     copier: CudaCopier,
     loads: list[LoadOp],
@@ -306,14 +311,13 @@ def overlap(
         t_comp = timed(compute_loop)
         t_serial = timed(serial)
         t_lw = timed(layerwise_h2d if direction == "h2d" else layerwise_d2h)
-        hidden = (t_comp + t_copy - t_lw) / min(t_comp, t_copy)
         out[direction] = {
             "matmuls_per_layer": k,
             "compute_ms": t_comp * 1e3,
             "copy_ms": t_copy * 1e3,
             "serial_ms": t_serial * 1e3,
             "layerwise_ms": t_lw * 1e3,
-            "hidden": max(0.0, min(1.0, hidden)),
+            "hidden": hidden_share(t_comp, t_copy, t_lw),
         }
     return out
 
