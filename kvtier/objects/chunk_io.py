@@ -93,7 +93,9 @@ class ChunkIO(OpQueue):
         # once started, a get reads straight into its slot and reports only when the read
         # is over, so the slot cannot be reused under a late write
         with op.lock:
-            if op.done or op.buf is None:  # reported, or closed while being picked up
+            # reported, closed while being picked up, or (were it ever queued twice) started
+            # by another thread: a get read twice at once would write its slot twice
+            if op.done or op.buf is None or op.started:
                 return
             key, buf, now = op.key, op.buf, time.monotonic()
             late = not write and now > op.deadline

@@ -15,8 +15,9 @@ be written and when an op is reported live in one place:
   order, the first alone, the rest in parallel once it was found; after a miss the
   chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
   a rejected chunk (a forgery) ends its run unread. Where the tier's reads are local
-  (a directory on a local filesystem), the submitting thread may read a run's first
-  chunks itself, within a time budget, and queue only the rest (``inline_until``).
+  (a directory on a local filesystem) a ``stat`` finds the first chunk and the whole run
+  is queued at once; or the submitting thread reads the first chunk itself and then
+  shares the rest with the I/O threads, within a time budget (``inline_until``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
   ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
   the destination) or times out is one decision, taken under the op's lock, so a slot
@@ -48,6 +49,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtier.errors import TierError
 from kvtier.objects.backoff import Backoff
 from kvtier.objects.io_counts import IOCounts
 from kvtier.objects.queued_op import QueuedOp, byte_view
@@ -87,6 +89,7 @@ class OpQueue(IOCounts):
         self._wq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
         self._results: collections.deque[OpResult] = collections.deque()
         self._writes_idle = threading.Condition(self._lock)
+        self._read_done = threading.Condition(self._lock)  # a fetch was reported
         self._inflight: dict[int, QueuedOp] = {}  # reads, watched by poll() for timeouts
         self._seq = itertools.count()
         self._pending_writes = 0
@@ -165,14 +168,18 @@ class OpQueue(IOCounts):
 
         A lookup is a read: the first chunk is fetched at once (a missing object is a
         miss, one request for a prompt the tier does not hold); once it was found the
-        rest are queued and read in parallel. A prompt can only use its chunks up to
+        rest are queued and read in parallel. On a tier whose reads are local
+        (``ObjectTier.reads_local``) a ``stat`` of the first chunk takes its place: when
+        it is there the whole run is queued at once (waiting for the first read would
+        cost a chunk's read time), and a forged first chunk then costs at most one read
+        per read thread. A prompt can only use its chunks up to
         the first gap, so when one is missing or fails, those after it that have not
         started are reported as misses without asking (counted in ``gets_skipped``).
         Every get yields one result.
 
         With ``inline_until`` (a ``time.monotonic()``), the caller's thread reads the run's
-        chunks itself, in order, until that time (:meth:`_read_inline`): only for a tier
-        whose reads are local and fast (``ObjectTier.reads_local``).
+        chunks itself, beside the I/O threads, until that time (:meth:`_read_inline`):
+        only for a tier whose reads are local and fast.
         """
         run = []
         for op_id, key, dest in gets:
@@ -193,29 +200,56 @@ class OpQueue(IOCounts):
                 self._inflight[op.seq] = op
         if inline_until > time.monotonic():
             self._read_inline(run, inline_until)
+        elif self.tier.reads_local and self._stored_here(run[0].key):
+            for op in run:  # (a local stat said the first is there: no need to read it alone)
+                self._queue_once(op)
         else:
             self._queue_once(run[0])
 
+    def _stored_here(self, key: str) -> bool:
+        """Whether a local tier holds ``key`` (one ``stat``, on the submitting thread)."""
+        try:
+            return self.tier.exists([key])[0]
+        except TierError:
+            return False  # the read itself meets (and counts) the failure
+
     def _read_inline(self, run: list[QueuedOp], until: float) -> None:
-        """Read ``run``'s chunks on this thread, in order, until ``until``; queue the rest.
+        """Read ``run``'s first chunk on this thread; once it was found, queue the rest
+        and serve the read queue here too, beside the I/O threads, until ``until``.
 
         The step that submits a lookup then reports its chunks itself, with no engine
-        step spent waiting for the I/O threads and no thread competing with vLLM's for
-        the cores meanwhile (its cost: that step is held up to ``until`` plus one chunk's
-        read). The run's gets are claimed first (``queued``), so finding the first chunk
-        does not hand the others to the I/O threads; a miss ends the run as on a thread.
+        step spent waiting for the I/O threads (its cost: that step is held up to
+        ``until`` plus one chunk's read; the engine computes nothing meanwhile, so the
+        I/O threads take no cores from it). The run's gets are claimed first
+        (``queued``), so finding the first chunk does not queue the others twice. A miss
+        ends the run as on a thread.
         """
         for op in run:  # no I/O thread has seen these gets yet
             op.queued = True
         self.tier.will_read([op.key for op in run])  # a cold disk reads them all at once
-        for i, op in enumerate(run):
-            if op.done:  # a miss before it (or a close) ended the run
-                return
-            if i and time.monotonic() >= until:  # out of time: the rest in parallel
-                for later in run[i:]:  # claimed above, seen by no I/O thread yet
-                    self._enqueue_read(later)
-                return
+        self._run_op(run[0])
+        rest = [op for op in run[1:] if not op.done]  # none after a miss
+        for op in rest:
+            self._enqueue_read(op)
+        # this thread serves the read queue too, in its order (taking what it reads off
+        # the queue, so that no entry it read is left there holding the queue's room)
+        while time.monotonic() < until and not all(op.done or op.started for op in rest):
+            try:
+                op = self._rq.get_nowait()
+            except queue.Empty:
+                break
+            if op is None:  # close()'s stop request: it is for an I/O thread
+                try:
+                    self._rq.put_nowait(None)
+                except queue.Full:  # a racing submit took the place; the threads are daemons
+                    pass
+                break
             self._run_op(op)
+        # what the I/O threads started meanwhile is over within one chunk's read: report
+        # it in this step too (a stuck read is bounded by its deadline)
+        with self._lock:
+            self._read_done.wait_for(lambda: all(op.done or not op.started for op in rest),
+                                     timeout=max(0.0, run[-1].deadline - time.monotonic()))
 
     def submit_put(
         self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
@@ -410,4 +444,6 @@ class OpQueue(IOCounts):
                 self._writes_idle.notify_all()
             else:
                 self._inflight.pop(op.seq, None)
-        self._results.append(result)
+            self._results.append(result)  # before a waiter for this fetch wakes up
+            if op.kind is OpKind.FETCH:
+                self._read_done.notify_all()

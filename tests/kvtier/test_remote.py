@@ -496,22 +496,64 @@ def test_a_run_reads_its_chunks_into_their_slots_and_stops_at_a_gap(any_tier) ->
 
 def test_a_rejected_first_chunk_ends_the_run(any_tier, monkeypatch) -> None:
     """A first chunk that fails verification is a counted miss, and nothing behind it is
-    fetched: a forger cannot make a replica download a whole planted prompt."""
+    fetched: a forger cannot make a replica download a whole planted prompt. (On a local
+    tier the run is read in parallel from the start: at most one read per read thread.)"""
+    n = 8
     rio = make_rio(any_tier, signer=codec.Signer(b"k"))
-    for i in range(4):
+    for i in range(n):
         assert rio.submit_put(i, f"bad{i}", payload(i), dtype=DT, shape=SHAPE)
     assert rio.flush(10) == 0
-    collect(rio, 4)
+    collect(rio, n)
     other = make_rio(any_tier, signer=codec.Signer(b"other key"))
     asked = _counting_reads(any_tier, monkeypatch)
-    dests = _run(other, 300, [f"bad{i}" for i in range(4)])
-    res = collect(other, 4)
-    assert asked == ["bad0"]
+    dests = _run(other, 300, [f"bad{i}" for i in range(n)])
+    res = collect(other, n)
+    if any_tier.reads_local:
+        assert "bad0" in asked and len(asked) <= other.read_threads, asked
+    else:
+        assert asked == ["bad0"]
     assert res[300].error_kind == "signature"
     assert all(not r.ok for r in res.values())
-    assert all(r.error_kind is None for i, r in res.items() if i != 300)
-    assert bytes(dests[1]) == bytes(SIZE), "a skipped chunk's slot was never written"
+    for i in range(1, n):
+        if f"bad{i}" in asked:  # read before the first was rejected: rejected too
+            assert res[300 + i].error_kind == "signature"
+        else:
+            assert res[300 + i].error_kind is None
+            assert bytes(dests[i]) == bytes(SIZE), "a skipped chunk's slot was never written"
     other.close()
+    rio.close()
+
+
+def test_a_local_tier_reads_a_found_run_in_parallel_from_its_first_chunk(
+    tmp_path, monkeypatch
+) -> None:
+    """On a local directory tier, a run whose first chunk a ``stat`` finds is queued
+    whole: the second chunk's read starts before the first one's ends (elsewhere the first
+    is read alone, one chunk's read time before the rest start)."""
+    tier = FileTier(str(tmp_path / "objects"))
+    tier.reads_local = True  # (what a local filesystem gives; tmp_path's may be another)
+    rio = make_rio(tier)
+    keys = [f"par{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        assert rio.submit_put(i, k, payload(i), dtype=DT, shape=SHAPE)
+    assert rio.flush(10) == 0
+    collect(rio, 4)
+    spans: dict[str, list[float]] = {}
+    real = FileTier.read_into_hashed
+
+    def slow(self, key, dest, max_head):  # type: ignore[no-untyped-def]
+        spans[key] = [time.monotonic()]
+        time.sleep(0.05)
+        out = real(self, key, dest, max_head)
+        spans[key].append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(FileTier, "read_into_hashed", slow)
+    dests = _run(rio, 400, keys)
+    res = collect(rio, 4)
+    assert all(r.ok for r in res.values()), res
+    assert [bytes(d) for d in dests] == [bytes(payload(i)) for i in range(4)]
+    assert spans["par1"][0] < spans["par0"][1], spans
     rio.close()
 
 
