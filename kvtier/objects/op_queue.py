@@ -235,16 +235,16 @@ class OpQueue(IOCounts):
         # the queue, so that no entry it read is left there holding the queue's room)
         while time.monotonic() < until and not all(op.done or op.started for op in rest):
             try:
-                op = self._rq.get_nowait()
+                taken = self._rq.get_nowait()
             except queue.Empty:
                 break
-            if op is None:  # close()'s stop request: it is for an I/O thread
+            if taken is None:  # close()'s stop request: it is for an I/O thread
                 try:
                     self._rq.put_nowait(None)
                 except queue.Full:  # a racing submit took the place; the threads are daemons
                     pass
                 break
-            self._run_op(op)
+            self._run_op(taken)
         # what the I/O threads started meanwhile is over within one chunk's read: report
         # it in this step too (a stuck read is bounded by its deadline)
         with self._lock:
