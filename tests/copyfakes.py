@@ -63,7 +63,8 @@ class FakeOps:
         self.fail_sync = False
 
     def new_stream(self) -> FakeStream:
-        s = FakeStream(["load", "save"][len(self.streams)] if len(self.streams) < 2 else "x")
+        names = ["load", "save", "scatter"]
+        s = FakeStream(names[len(self.streams)] if len(self.streams) < len(names) else "x")
         self.streams.append(s)
         return s
 
@@ -99,7 +100,9 @@ class FakeOps:
         self.log.append(("sync", event))
 
     def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
-        assert start.timing and end.timing and start.recorded_on is end.recorded_on
+        # (CUDA times events of any two streams of a device: a load's copies start on the
+        # load stream, its scatters end on the scatter stream)
+        assert start.timing and end.timing and start.recorded_on and end.recorded_on
         return 0.001  # each layer's copies "took" 1 ms
 
 

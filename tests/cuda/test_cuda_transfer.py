@@ -101,6 +101,34 @@ def test_round_trip_on_gpu_is_bit_exact(name, dtype) -> None:
             assert torch.equal(blocks(d, t), blocks(s, ids[3:]))
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_whole_chunk_loads_on_gpu_are_bit_exact(name, dtype) -> None:
+    """Whole chunks load with one copy per chunk and layer and a scatter of the chunk as
+    its slot holds it, on the scatter stream; a ring of two staging buffers (a round of
+    two chunks each) is reused across rounds and layers."""
+    src, kv, layout, slab = setup(LAYOUTS[name], dtype)
+    per_chunk = max(ll.nbytes for ll in layout.layers)
+    c = CudaCopier(kv, layout, slab)
+    ids = [tuple(range(250 - 11 * i, 250 - 11 * i - 3 * BPC, -3)) for i in range(5)]
+    c.begin_saves([StoreOp(i, i, t) for i, t in enumerate(ids)])
+    for li in range(LAYERS):
+        c.save_layer(li)
+    assert None not in times(c.finish_saves()).values()
+    dst = [torch.zeros_like(t) for t in kv]
+    c2 = CudaCopier(dst, layout, slab, staging_bytes=4 * per_chunk)
+    targets = [tuple(range(20 * i, 20 * i + BPC)) for i in range(5)]
+    out = times(c2.begin_loads([LoadOp(10 + i, i, 0, t) for i, t in enumerate(targets)]))
+    for li in range(LAYERS):
+        c2.wait_layer(li)
+    out.update(times(c2.finish_loads()))
+    assert None not in out.values() and len(out) == 5
+    torch.cuda.synchronize()
+    for s, d in zip(kv, dst, strict=True):
+        for t, i in zip(targets, ids, strict=True):
+            assert torch.equal(blocks(d, list(t)), blocks(s, list(i)))
+
+
 def test_flashinfer_hnd_strided_kv_round_trips_on_gpu() -> None:
     """FlashInfer HND: connectors get a permuted, non-contiguous view of the KV."""
     g = torch.Generator(device="cuda").manual_seed(1)

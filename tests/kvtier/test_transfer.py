@@ -329,22 +329,30 @@ def test_loads_one_event_per_layer_recorded_after_that_layer_only() -> None:
     dst = [torch.zeros_like(t) for t in kv]
     ops = FakeOps()
     c = CudaCopier(dst, layout, slab, ops=ops)
-    seen: list[list[bool]] = []
-    ops.on_record = lambda ev, stream: seen.append(
+    seen: dict[str, list[list[bool]]] = {"load": [], "scatter": []}
+    ops.on_record = lambda ev, stream: seen[stream.name].append(
         [bool(blocks_of(d, [9]).any()) for d in dst]
-    ) if stream.name == "load" else None
+    ) if stream.name in seen else None
     out = times(c.begin_loads([LoadOp(1, 2, 0, (9,)), LoadOp(2, 3, 1, (10, 11))]))
     assert out == {}  # nothing known yet: results come from finish_loads
-    # the load stream first waits for compute (blocks may still be in use), then
-    # each layer's event is recorded once that layer -- and no later one -- is copied
+    # the load stream first waits for compute (blocks may still be in use)
     assert ops.log[0] == ("record", ops.log[1][2], "compute")
     assert ops.log[1][:2] == ("wait", "load")
-    # per layer: a start event before its copies, its layer event right after them
-    assert seen[0::2] == [[False, False, False], [True, False, False], [True, True, False]]
-    assert seen[1::2] == [[True, False, False], [True, True, False], [True, True, True]]
-    layer_events = [e for kind, e, s in ops.log[2:] if kind == "record"][1::2]
+    # per layer on the load stream: a start event, then the copies and their event, all
+    # before that layer is scattered; the layer's event follows its scatter, on the
+    # scatter stream, which waited for the copies' event
+    assert seen["load"][0::2] == [[False, False, False], [True, False, False], [True, True, False]]
+    assert seen["load"][1::2] == seen["load"][0::2]
+    assert seen["scatter"] == [[True, False, False], [True, True, False], [True, True, True]]
+    records = [(e, s) for kind, e, s in ops.log[2:] if kind == "record"]
+    copied = [e for e, s in records if s == "load"][1::2]
+    layer_events = [e for e, s in records if s == "scatter"]
     assert len(layer_events) == LAYERS
-
+    waits = [(s, e) for kind, s, e in ops.log[2:] if kind == "wait"]
+    assert [("scatter", e) for e in copied] == [w for w in waits if w[0] == "scatter"]
+    # a staging buffer is copied into again only after the scatter that read it (a ring
+    # of two: layer 2's copy waits for layer 0's scatter)
+    assert [w for w in waits if w[0] == "load"] == [("load", layer_events[0])]
     ops.log.clear()
     c.wait_layer(1)  # compute waits for layer 1's event only
     assert ops.log == [("wait", "compute", layer_events[1])]
@@ -527,3 +535,33 @@ def test_block_ids_go_to_the_device_before_the_copy_stream_waits(monkeypatch) ->
     c.save_layer(1)  # later layers reuse the rounds
     assert ("rounds",) not in ops.log and ops.log[1][:2] == ("wait", "save")
     c.finish_saves()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_whole_chunk_loads_copy_once_per_chunk_and_layer_bit_exact(
+    name, dtype, monkeypatch
+) -> None:
+    """Loads of whole chunks copy each chunk's layer region (K and V together) in one
+    copy and scatter it as its slot holds it: the blocks get exactly the slot's bytes."""
+    from kvtier.host import cuda_copier
+
+    src, kv, layout, slab, ops, c = setup(LAYOUTS[name], dtype)
+    slab.buffer.copy_(torch.randint(0, 256, (slab.nbytes,), dtype=torch.uint8))
+    copies: list[int] = []
+    real = cuda_copier.copy_all
+    monkeypatch.setattr(cuda_copier, "copy_all",
+                        lambda d, s: (copies.append(len(d)), real(d, s)))  # fmt: skip
+    ids = {1: (13, 2, 27, 8), 3: (0, 39, 14, 15), 5: (30, 31, 32, 33)}
+    loads = [LoadOp(40 + slot, slot, 0, blocks) for slot, blocks in ids.items()]
+    c.begin_loads(loads)
+    for li in range(LAYERS):
+        c.wait_layer(li)
+    assert None not in times(c.finish_loads()).values()
+    assert copies == [len(loads)] * LAYERS  # one round per layer, one copy per chunk
+    for li, d in enumerate(kv):
+        dim = layout.layers[li].block_dim
+        for slot, blocks in ids.items():
+            want = slab.layer_view(slot, li).contiguous().view(torch.uint8)
+            got = d.view(torch.uint8).index_select(dim, torch.tensor(blocks)).contiguous()
+            assert torch.equal(got, want), (li, slot)
