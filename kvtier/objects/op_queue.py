@@ -16,8 +16,8 @@ be written and when an op is reported live in one place:
   chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
   a rejected chunk (a forgery) ends its run unread. Where the tier's reads are local
   (a directory on a local filesystem) a ``stat`` finds the first chunk and the whole run
-  is queued at once; or the submitting thread reads the first chunk itself and then
-  shares the rest with the I/O threads, within a time budget (``inline_until``).
+  is queued at once, and the submitting thread may read the first chunk itself and
+  serve the read queue beside the I/O threads, within a time budget (``inline_until``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
   ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
   the destination) or times out is one decision, taken under the op's lock, so a slot
@@ -168,14 +168,12 @@ class OpQueue(IOCounts):
 
         A lookup is a read: the first chunk is fetched at once (a missing object is a
         miss, one request for a prompt the tier does not hold); once it was found the
-        rest are queued and read in parallel. On a tier whose reads are local
-        (``ObjectTier.reads_local``) a ``stat`` of the first chunk takes its place: when
-        it is there the whole run is queued at once (waiting for the first read would
-        cost a chunk's read time), and a forged first chunk then costs at most one read
-        per read thread. A prompt can only use its chunks up to
-        the first gap, so when one is missing or fails, those after it that have not
-        started are reported as misses without asking (counted in ``gets_skipped``).
-        Every get yields one result.
+        rest are queued and read in parallel. Where reads are local
+        (``ObjectTier.reads_local``) a ``stat`` finds the first, and the whole run is
+        queued at once (a forged first chunk then costs one read per read thread). A
+        prompt can only use its chunks up to the first gap, so when one is missing or
+        fails, those after it that have not started are reported as misses without
+        asking (counted in ``gets_skipped``). Every get yields one result.
 
         With ``inline_until`` (a ``time.monotonic()``), the caller's thread reads the run's
         chunks itself, beside the I/O threads, until that time (:meth:`_read_inline`):
@@ -214,23 +212,26 @@ class OpQueue(IOCounts):
             return False  # the read itself meets (and counts) the failure
 
     def _read_inline(self, run: list[QueuedOp], until: float) -> None:
-        """Read ``run``'s first chunk on this thread; once it was found, queue the rest
-        and serve the read queue here too, beside the I/O threads, until ``until``.
+        """Read ``run``'s first chunk on this thread, the rest queued once a ``stat``
+        found it (or, where that failed, once it was read), and serve the read queue here
+        too, beside the I/O threads, until ``until``.
 
         The step that submits a lookup then reports its chunks itself, with no engine
         step spent waiting for the I/O threads (its cost: that step is held up to
-        ``until`` plus one chunk's read; the engine computes nothing meanwhile, so the
-        I/O threads take no cores from it). The run's gets are claimed first
-        (``queued``), so finding the first chunk does not queue the others twice. A miss
-        ends the run as on a thread.
+        ``until`` plus one chunk's read, while the engine computes nothing). The gets are
+        claimed first (``queued``): finding the first does not queue the others twice.
         """
         for op in run:  # no I/O thread has seen these gets yet
             op.queued = True
         self.tier.will_read([op.key for op in run])  # a cold disk reads them all at once
-        self._run_op(run[0])
+        found = self._stored_here(run[0].key)  # then the rest need not wait for its read
+        if not found:
+            self._run_op(run[0])
         rest = [op for op in run[1:] if not op.done]  # none after a miss
         for op in rest:
             self._enqueue_read(op)
+        if found:
+            self._run_op(run[0])
         # this thread serves the read queue too, in its order (taking what it reads off
         # the queue, so that no entry it read is left there holding the queue's room)
         while time.monotonic() < until and not all(op.done or op.started for op in rest):
