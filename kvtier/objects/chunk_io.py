@@ -131,6 +131,8 @@ class ChunkIO(OpQueue):
     def _get(self, op: QueuedOp, key: str, buf: memoryview) -> None:
         """The read path of a started fetch: read, verify into the slot, report."""
         t0 = time.perf_counter()
+        if op.pos == 0 and op.run is not None:
+            self._queue_rest_if_stored(op)
         got = self._read(key, buf)
         self._answered(op)
         if got is None:

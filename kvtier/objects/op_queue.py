@@ -15,9 +15,9 @@ be written and when an op is reported live in one place:
   order, the first alone, the rest in parallel once it was found; after a miss the
   chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
   a rejected chunk (a forgery) ends its run unread. Where the tier's reads are local
-  (a directory on a local filesystem) a ``stat`` finds the first chunk and the whole run
-  is queued at once, and the submitting thread may read the first chunk itself and
-  serve the read queue beside the I/O threads, within a time budget (``inline_until``).
+  (a directory on a local filesystem) a ``stat`` finds the first chunk and the rest are
+  queued before it is read; and the submitting thread may read the first chunk itself
+  and serve the read queue beside the I/O threads, within a budget (``inline_until``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
   ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
   the destination) or times out is one decision, taken under the op's lock, so a slot
@@ -169,8 +169,9 @@ class OpQueue(IOCounts):
         A lookup is a read: the first chunk is fetched at once (a missing object is a
         miss, one request for a prompt the tier does not hold); once it was found the
         rest are queued and read in parallel. Where reads are local
-        (``ObjectTier.reads_local``) a ``stat`` finds the first, and the whole run is
-        queued at once (a forged first chunk then costs one read per read thread). A
+        (``ObjectTier.reads_local``) the thread that takes the first chunk ``stat``s it
+        and, when it is there, queues the rest before reading it (a forged first chunk
+        then costs the reads the threads got to meanwhile); the submitter never does. A
         prompt can only use its chunks up to the first gap, so when one is missing or
         fails, those after it that have not started are reported as misses without
         asking (counted in ``gets_skipped``). Every get yields one result.
@@ -198,40 +199,39 @@ class OpQueue(IOCounts):
                 self._inflight[op.seq] = op
         if inline_until > time.monotonic():
             self._read_inline(run, inline_until)
-        elif self.tier.reads_local and self._stored_here(run[0].key):
-            for op in run:  # (a local stat said the first is there: no need to read it alone)
-                self._queue_once(op)
         else:
             self._queue_once(run[0])
 
-    def _stored_here(self, key: str) -> bool:
-        """Whether a local tier holds ``key`` (one ``stat``, on the submitting thread)."""
+    def _queue_rest_if_stored(self, first: QueuedOp) -> bool:
+        """On a local tier, before the first chunk of a run is read: when a ``stat``
+        finds it, queue the rest now (its read need not hold them back). Whether it did."""
+        assert first.run is not None
+        if not self.tier.reads_local or all(op.queued for op in first.run[1:]):
+            return False
         try:
-            return self.tier.exists([key])[0]
+            if not self.tier.exists([first.key])[0]:
+                return False
         except TierError:
             return False  # the read itself meets (and counts) the failure
+        for op in first.run[1:]:
+            self._queue_once(op)
+        return True
 
     def _read_inline(self, run: list[QueuedOp], until: float) -> None:
-        """Read ``run``'s first chunk on this thread, the rest queued once a ``stat``
-        found it (or, where that failed, once it was read), and serve the read queue here
-        too, beside the I/O threads, until ``until``.
+        """Read ``run``'s first chunk on this thread (the rest queued once a ``stat`` or
+        its read found it) and serve the read queue beside the I/O threads until ``until``.
 
         The step that submits a lookup then reports its chunks itself, with no engine
         step spent waiting for the I/O threads (its cost: that step is held up to
-        ``until`` plus one chunk's read, while the engine computes nothing). The gets are
-        claimed first (``queued``): finding the first does not queue the others twice.
-        """
-        for op in run:  # no I/O thread has seen these gets yet
-            op.queued = True
+        ``until`` plus one chunk's read, while the engine computes nothing)."""
         self.tier.will_read([op.key for op in run])  # a cold disk reads them all at once
-        found = self._stored_here(run[0].key)  # then the rest need not wait for its read
-        if not found:
-            self._run_op(run[0])
+        early = self._queue_rest_if_stored(run[0])
+        for op in run:  # claimed: finding the first does not queue the rest (again)
+            op.queued = True
+        self._run_op(run[0])
         rest = [op for op in run[1:] if not op.done]  # none after a miss
-        for op in rest:
+        for op in rest if not early else ():
             self._enqueue_read(op)
-        if found:
-            self._run_op(run[0])
         # this thread serves the read queue too, in its order (taking what it reads off
         # the queue, so that no entry it read is left there holding the queue's room)
         while time.monotonic() < until and not all(op.done or op.started for op in rest):

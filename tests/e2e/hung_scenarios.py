@@ -24,18 +24,20 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
 
     hang = threading.Event()  # set only once the engine is shut down
     calls = {"read_into": 0, "read_into_hashed": 0, "exists": 0, "put": 0}
+    on_read_threads = [0]  # backend calls a read thread made (a read, or the stat before it)
 
     def hanging(name: str) -> Any:
         real = getattr(FileTier, name)
 
         def call(self: FileTier, *a: Any, **kw: Any) -> Any:
             calls[name] += 1
+            on_read_threads[0] += threading.current_thread().name.startswith("kvtier-read")
             hang.wait()
             return real(self, *a, **kw)
 
         return call
 
-    for name in calls:
+    for name in list(calls):
         setattr(FileTier, name, hanging(name))
     delays: list[float] = []  # every object-tier lookup's wait, as kvtier measures it
     observe = StatsRecorder.observe
@@ -70,7 +72,7 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
         "threads_grew": threading.active_count() - threads_before,
         "counters": rio.counters(),
     }
-    calls_before_shutdown = dict(calls)
+    calls_before_shutdown = {**calls, "on_read_threads": on_read_threads[0]}
     shutdown(llm)  # the flush meets uploads that never finish
     report = getattr(rio, "last_flush", None)
     hang.set()

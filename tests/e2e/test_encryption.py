@@ -186,7 +186,9 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
     read_extra = {**extra, "write_policy": "none"}
 
     # another key (given as base64), and no key at all: each prompt's first chunk is
-    # fetched, refused unopened, counted as "sealed"; nothing behind it is asked for
+    # fetched, refused unopened, counted as "sealed"; behind it, the chunks the read
+    # threads reached meanwhile (on a local directory the rest are queued once a stat
+    # found the first) are read and refused too, the rest never asked for
     for env, no_key in (({KEY_VAR: K2_TEXT}, False), ({}, True)):
         ex = {k: v for k, v in read_extra.items() if not (no_key and k == "encryption_key_env")}
         r = run_logged("trust_read", logs, env=env, model=tiny_model, extra=ex, seeds=SEEDS)
@@ -195,9 +197,11 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
             assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
         totals = r["index"]["totals"]
         assert totals["hit_tokens_remote"] == 0 and totals["fetch_ok"] == 0, totals
-        assert totals.get("error_sealed", 0) == 4, totals
-        assert r["stats"]["counters"].get("kvtier:errors|sealed") == 4, r["stats"]["counters"]
-        assert r["remote"]["errors_sealed"] == 4 and r["remote"]["gets_skipped"] == 12
+        sealed = totals.get("error_sealed", 0)
+        assert 4 <= sealed, totals  # at least each prompt's first
+        assert r["stats"]["counters"].get("kvtier:errors|sealed") == sealed, r["stats"]["counters"]
+        assert r["remote"]["errors_sealed"] == sealed
+        assert sealed + r["remote"]["gets_skipped"] == 16  # each chunk refused or not asked
         _assert_key_never_shown(r)
 
     # P2: one byte of its first chunk's ciphertext flipped. P3: P1's first chunk copied
@@ -220,7 +224,9 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
         assert out["cached"] == 0, "a tampered or moved chunk was loaded"
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
     totals = r["index"]["totals"]
-    assert totals["hit_tokens_remote"] == 1024 and totals["fetch_ok"] == 4, totals
+    # P1's four chunks, and of P2-P4's genuine later chunks those the read threads reached
+    # while their first was read and refused (never loaded: behind a miss)
+    assert totals["hit_tokens_remote"] == 1024 and 4 <= totals["fetch_ok"] <= 4 + 3 * 3, totals
     assert totals.get("error_signature", 0) == 2, totals  # the flipped byte, the rewritten header
     assert totals.get("error_wrong_key", 0) == 1, totals  # the copy as is names P1's key
     assert totals.get("error_sealed", 0) == 0, totals

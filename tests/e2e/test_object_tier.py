@@ -154,8 +154,11 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
         assert r["b"]["tokens"] == w["b_ref"]["tokens"], kind
         assert r["b"]["logprobs"] == w["b_ref"]["logprobs"], kind
         errors = {k: v for k, v in totals.items() if k.startswith("error_") and v}
-        # A's first chunk is rejected and counted; nothing behind it is read
-        assert errors == {f"error_{kind}": 1}, (kind, totals)
+        # A's first chunk is rejected and counted; the chunks behind it that the read
+        # threads reached meanwhile (on a local directory the rest are queued once a
+        # stat found the first) are read, rejected and counted too; none is loaded
+        assert set(errors) == {f"error_{kind}"} and 1 <= errors[f"error_{kind}"] <= 5, (
+            kind, totals)  # fmt: skip
         assert totals["hit_tokens_remote"] == 0
         assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
 
