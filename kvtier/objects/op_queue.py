@@ -222,8 +222,9 @@ class OpQueue(IOCounts):
         its read found it) and serve the read queue beside the I/O threads until ``until``.
 
         The step that submits a lookup then reports its chunks itself, with no engine
-        step spent waiting for the I/O threads (its cost: that step is held up to
-        ``until`` plus one chunk's read, while the engine computes nothing)."""
+        step spent waiting for the I/O threads (its cost: that step is held up to twice
+        the budget plus one chunk's read, while the engine computes nothing)."""
+        hold_until = 2 * until - time.monotonic()  # the budget, and as long again to wait
         self.tier.will_read([op.key for op in run])  # a cold disk reads them all at once
         early = self._queue_rest_if_stored(run[0])
         for op in run:  # claimed: finding the first does not queue the rest (again)
@@ -232,8 +233,7 @@ class OpQueue(IOCounts):
         rest = [op for op in run[1:] if not op.done]  # none after a miss
         for op in rest if not early else ():
             self._enqueue_read(op)
-        # this thread serves the read queue too, in its order (taking what it reads off
-        # the queue, so that no entry it read is left there holding the queue's room)
+        # serve the queue too, taking what it reads off it (no entry left holding its room)
         while time.monotonic() < until and not all(op.done or op.started for op in rest):
             try:
                 taken = self._rq.get_nowait()
@@ -246,11 +246,11 @@ class OpQueue(IOCounts):
                     pass
                 break
             self._run_op(taken)
-        # what the I/O threads started meanwhile is over within one chunk's read: report
-        # it in this step too (a stuck read is bounded by its deadline)
+        # what the I/O threads started meanwhile is over within a chunk's read: report it
+        # in this step too, unless the disk is that slow (then in a later step)
         with self._lock:
             self._read_done.wait_for(lambda: all(op.done or not op.started for op in rest),
-                                     timeout=max(0.0, run[-1].deadline - time.monotonic()))
+                                     timeout=max(0.0, hold_until - time.monotonic()))
 
     def submit_put(
         self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]

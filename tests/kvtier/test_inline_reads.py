@@ -158,6 +158,30 @@ def test_past_its_budget_the_run_goes_on_on_the_io_threads(tmp_path, monkeypatch
     rio.close()
 
 
+def test_an_inline_submit_waits_for_the_threads_reads_at_most_its_budget_again(
+    tmp_path, monkeypatch
+) -> None:
+    """The submitting thread waits for the reads the I/O threads started, so they are
+    reported in its step, but not past twice its budget: a slow disk's reads are then
+    reported in a later step, never holding the engine for them."""
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    keys = [f"b{i}" for i in range(3)]
+    store(rio, keys)
+
+    def slow_on_threads(key: str) -> None:
+        if threading.current_thread().name.startswith("kvtier-read"):
+            time.sleep(2.0)
+
+    before_reads(monkeypatch, FileTier, slow_on_threads)
+    t0 = time.monotonic()
+    read_run(rio, keys, 0.1)
+    took = time.monotonic() - t0
+    assert took < 1.0, f"the submit waited {took:.2f} s for the threads' 2 s reads"
+    res = collect(rio, 3)
+    assert all(r.ok for r in res.values()), res
+    rio.close()
+
+
 def test_a_run_while_reads_are_down_is_not_read_inline(tmp_path, reads) -> None:
     rio = make_rio(FileTier(str(tmp_path / "t")))
     rio.health.reads.failed()
