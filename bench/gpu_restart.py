@@ -56,6 +56,7 @@ from kvtier.host.layout import HostSlab, SlotLayout
 from kvtier.objects import codec
 from kvtier.objects.backoff import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers import file as file_tier
 from kvtier.objects.tiers.file import FileTier
 from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.ops import LoadOp, StoreOp
@@ -199,14 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--file-cache", choices=["warm", "cold"], default="warm")
     ap.add_argument("--dir", default=None, help="where the directory tier lives (a temp dir)")
+    ap.add_argument("--hash-piece-kib", type=int, default=file_tier.HASH_PIECE >> 10,
+                    help="the directory tier's read-and-hash piece (KiB; kvtier's default "
+                         "%(default)s): a larger piece, fewer Python calls per chunk")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    if args.hash_piece_kib < 4:
+        ap.error("--hash-piece-kib: at least 4")
+    file_tier.HASH_PIECE = args.hash_piece_kib << 10
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = args.dir or tempfile.gettempdir()
     fs = filesystem_type(where)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no CUDA)"
     print(f"device {name}; directory tier on {fs}; io_threads {args.threads}; "
-          f"file cache {args.file_cache}")  # fmt: skip
+          f"file cache {args.file_cache}; hash piece {args.hash_piece_kib} KiB")  # fmt: skip
     rows = []
     for tokens in args.tokens:
         row = run_length(args, dev, tokens)

@@ -39,3 +39,18 @@ def test_a_tiny_cpu_run_reports_every_side(tmp_path, capsys, cache: str) -> None
     printed = capsys.readouterr().out
     assert "  1024 tokens, 4 x" in printed and "RESULT " in printed
     assert not list(tmp_path.glob("kvtier-gpu-restart-*")), "the tier's directory is removed"
+
+
+def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monkeypatch) -> None:
+    from kvtier.objects.tiers import file as file_tier
+
+    monkeypatch.setattr(file_tier, "HASH_PIECE", file_tier.HASH_PIECE)  # restored after
+    out = tmp_path / "r.json"
+    assert gpu_restart.main([
+        "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+        "--hash-piece-kib", "8", "--dir", str(tmp_path), "--json", str(out),
+    ]) == 0  # fmt: skip
+    assert file_tier.HASH_PIECE == 8 << 10
+    assert json.loads(out.read_text())["args"]["hash_piece_kib"] == 8
+    with pytest.raises(SystemExit):
+        gpu_restart.main(["--hash-piece-kib", "0"])
