@@ -32,8 +32,11 @@ __all__ = ["FileTier", "SweepStats"]
 log = logging.getLogger("kvtier.tiers.file")
 
 #: bytes read and hashed at a time by :meth:`FileTier.read_into_hashed`: a piece is still
-#: in the CPU's cache when it is hashed (4 MiB pieces measured no better than one pass)
-HASH_PIECE = 256 << 10
+#: in the CPU's cache when it is hashed, and each costs a few Python calls under the GIL.
+#: With 8 read threads on a 16-core GPU host, 1 MiB pieces read a Llama-3-8B restart hit
+#: (32 MiB chunks) 20 % faster than 256 KiB ones (4 MiB: no better); with 2 on a 2-core VM,
+#: 8 % slower (bench/gpu_restart.py --hash-piece-kib)
+HASH_PIECE = 1 << 20
 _MAX_NAME = 200  # below every common filesystem's 255-byte name limit
 #: errors of the file system or its mount rather than of one file: RemoteIO backs off on
 #: these; every other OSError (ENOSPC, EACCES, ELOOP from a symlink, ESTALE: NFS says the
