@@ -8,10 +8,10 @@ first waits for the compute stream, and ``finish_saves`` waits (host side) for
 the last one.
 
 Every layer moves all of a step's blocks in one batched kernel: loads copy each
-slot region host->device into a staging buffer and scatter it with one kernel;
-saves gather into staging with one kernel and copy it device->host. Whole chunks
-move in one ``cudaMemcpyAsync`` per chunk and layer (K and V together, staged as
-the slot holds them), partial ones per contiguous piece; never per block.
+slot region host->device into a staging buffer (one ``cudaMemcpyAsync`` per
+chunk and layer when whole chunks load, else per contiguous piece, never per
+block) and scatter it with one kernel; saves gather with a single
+``index_select`` into staging and copy each chunk's piece device->host.
 
 A load's scatter runs on a scatter stream of its own, after its copy's event:
 kept on the copy stream it would hold the copy engine while it waits for the SMs
@@ -258,35 +258,18 @@ class CudaCopier(Copier):
         self.ops.record(start, stream)
         ev = None
         for rnd in batch.rounds:
-            if not to_host:
-                ev = self._load_round(rnd, li, kv)
-            elif self._whole(rnd):  # gathered as the slots hold them: one copy per chunk
-                staging = self._staging_for("save", li, rnd.blocks, chunks=len(rnd.places))
-                staging.copy_(kv[self._whole_index(rnd, li)].movedim(dim, 0))
-                copy_all([indexable(self.slab.layer_view(job.slot, li)) for job, _ in rnd.places],
-                         list(staging.unbind(0)))  # fmt: skip
-            else:
+            if to_host:
                 staging = self._staging_for("save", li, rnd.blocks)
                 torch.index_select(kv, dim, rnd.index, out=staging)
                 copy_all(*self._pairs(rnd, li, staging, to_host=True))
+            else:
+                ev = self._load_round(rnd, li, kv)
         if ev is None:
             ev = self.ops.new_event(timing=True)
             self.ops.record(ev, stream)
         batch.events[li] = ev
         batch.last_event = ev
         batch.spans.append((start, ev))
-
-    def _whole(self, rnd: _Round) -> bool:
-        """Whether every job of ``rnd`` moves a whole chunk (then one copy per chunk and
-        layer: its slot region, K and V together, staged as the slot holds it)."""
-        bpc = self.layout.blocks_per_chunk
-        return all(job_range(job) == (0, bpc) for job, _ in rnd.places)
-
-    def _whole_index(self, rnd: _Round, li: int) -> tuple[Any, ...]:
-        """Layer ``li``'s index of a whole-chunk round's blocks, ``[chunks, bpc]`` at the
-        block dim: ``kv[at]`` is ``[..., chunks, bpc, ...]``."""
-        chunks = rnd.index.view(len(rnd.places), self.layout.blocks_per_chunk)
-        return (slice(None),) * self.layout.layers[li].block_dim + (chunks,)
 
     def _load_round(self, rnd: _Round, li: int, kv: torch.Tensor) -> Any:
         """One round of one layer's loads: copies into the next staging buffer of the
@@ -296,7 +279,8 @@ class CudaCopier(Copier):
         if self._ring_read[ring] is not None:  # the scatter that last read this buffer
             self.ops.wait_event(self.load_stream, self._ring_read[ring])
         ll = self.layout.layers[li]
-        whole = self._whole(rnd)
+        bpc = self.layout.blocks_per_chunk
+        whole = all(job_range(job) == (0, bpc) for job, _ in rnd.places)
         staging = self._staging_for(f"load{ring}", li, rnd.blocks,
                                     chunks=len(rnd.places) if whole else 0)  # fmt: skip
         if whole:  # one copy per chunk: its layer region, K and V together
@@ -309,7 +293,8 @@ class CudaCopier(Copier):
         with self.ops.use_stream(self.scatter_stream):
             self.ops.wait_event(self.scatter_stream, copied)
             if whole:  # [chunks, *slot_shape] -> the blocks of [..., chunks, bpc, ...]
-                kv[self._whole_index(rnd, li)] = staging.movedim(0, ll.block_dim)
+                at = (slice(None),) * ll.block_dim + (rnd.index.view(len(rnd.places), bpc),)
+                kv[at] = staging.movedim(0, ll.block_dim)
             else:
                 kv.index_copy_(ll.block_dim, rnd.index, staging)
             scattered = self.ops.new_event(timing=True)

@@ -565,35 +565,3 @@ def test_whole_chunk_loads_copy_once_per_chunk_and_layer_bit_exact(
             want = slab.layer_view(slot, li).contiguous().view(torch.uint8)
             got = d.view(torch.uint8).index_select(dim, torch.tensor(blocks)).contiguous()
             assert torch.equal(got, want), (li, slot)
-
-
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_whole_chunk_saves_copy_once_per_chunk_and_layer_bit_exact(
-    name, dtype, monkeypatch
-) -> None:
-    """Saves of whole chunks gather each chunk's blocks as its slot holds them and copy its
-    layer region in one copy: the slot gets exactly the blocks' bytes; a partial chunk in
-    the same step keeps the piecewise path."""
-    from kvtier.host import cuda_copier
-
-    src, kv, layout, slab, ops, c = setup(LAYOUTS[name], dtype, staging_bytes=1)
-    copies: list[int] = []
-    real = cuda_copier.copy_all
-    monkeypatch.setattr(cuda_copier, "copy_all",
-                        lambda d, s: (copies.append(len(d)), real(d, s)))  # fmt: skip
-    ids = {0: (13, 2, 27, 8), 2: (39, 0, 14, 15)}
-    c.begin_saves([StoreOp(50 + slot, slot, blocks) for slot, blocks in ids.items()]
-                  + [StoreOp(60, 5, (21, 22))])  # fmt: skip
-    for li in range(LAYERS):
-        c.save_layer(li)
-    assert None not in times(c.finish_saves()).values()
-    pieces = len(contiguous_pieces(slab.layer_view(5, 0), layout.layers[0].block_dim, 0, 2))
-    assert copies == [1, 1, pieces] * LAYERS  # a round per job (staging cap): 1, 1, pieces
-    for li, s in enumerate(kv):
-        dim = layout.layers[li].block_dim
-        for slot, blocks in ids.items():
-            want = s.view(torch.uint8).index_select(dim, torch.tensor(blocks)).contiguous()
-            assert torch.equal(slab.layer_view(slot, li).contiguous().view(torch.uint8), want)
-        part = slab.layer_view(5, li).view(torch.uint8).narrow(dim, 0, 2).contiguous()
-        assert torch.equal(part, s.view(torch.uint8).index_select(dim, torch.tensor([21, 22])))
