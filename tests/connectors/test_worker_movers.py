@@ -187,7 +187,9 @@ def test_a_local_directorys_run_is_read_in_its_own_step(tmp_path, monkeypatch, l
     got = step(w, 2, fetches=[[FetchOp(3, 1, b"h" * 32), FetchOp(4, 2, b"x" * 32)]])
     if local:
         assert got == {3: [True], 4: [False]}, "the step that carried the run reported it"
-        assert readers == [threading.current_thread().name] * 2  # the hit, then the miss
+        # the hit on the engine's thread; the miss behind it there or on an I/O thread
+        # (the run's rest is queued once a stat found the hit, and the two share it)
+        assert readers[0] == threading.current_thread().name and len(readers) == 2, readers
     else:
         assert settle(w, got, {3, 4}) == {3: [True], 4: [False]}
         assert readers and all(r.startswith("kvtier-read") for r in readers), readers
