@@ -114,3 +114,22 @@ def times(results: list[OpResult]) -> dict[int, float | None]:
         assert r.kind in (OpKind.LOAD, OpKind.STORE) and r.op_id not in out, r
         out[r.op_id] = r.seconds if r.ok else None
     return out
+
+
+def save_every_layer(copier: Any, stores: list[Any]) -> dict[int, float | None]:
+    """Stores through ``copier`` as a forward pass drives them (begin, each layer, finish):
+    their :func:`times`."""
+    copier.begin_saves(stores)
+    for li in range(len(copier.kv)):
+        copier.save_layer(li)
+    return times(copier.finish_saves())
+
+
+def load_every_layer(copier: Any, loads: list[Any]) -> dict[int, float | None]:
+    """Loads through ``copier`` as a forward pass drives them (begin, wait for each layer,
+    finish): their :func:`times`, from begin and finish together."""
+    out = times(copier.begin_loads(loads))
+    for li in range(len(copier.kv)):
+        copier.wait_layer(li)
+    out.update(times(copier.finish_loads()))
+    return out

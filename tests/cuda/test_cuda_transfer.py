@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from copyfakes import times
+from copyfakes import load_every_layer, save_every_layer, times
 
 from kvtier.host import cuda as kcuda
 from kvtier.host.copiers import make_copier
@@ -81,19 +81,13 @@ def test_round_trip_on_gpu_is_bit_exact(name, dtype) -> None:
     c = CudaCopier(kv, layout, slab, staging_bytes=3 * (layout.layers[0].nbytes // BPC) * BPC)
     store_ids = [list(range(i * 20, i * 20 + BPC)) for i in range(5)]
     store_ids[2] = [255 - b for b in store_ids[2]]  # not sorted, not contiguous
-    c.begin_saves([StoreOp(i, i, tuple(ids)) for i, ids in enumerate(store_ids)])
-    for li in range(LAYERS):
-        c.save_layer(li)
-    out = times(c.finish_saves())
+    out = save_every_layer(c, [StoreOp(i, i, tuple(ids)) for i, ids in enumerate(store_ids)])
     assert sorted(out) == list(range(5)) and None not in out.values()
 
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab)
     targets = [list(range(100 + 16 * i, 100 + 16 * i + BPC - 3)) for i in range(5)]
-    out = times(c2.begin_loads([LoadOp(10 + i, i, 3, tuple(t)) for i, t in enumerate(targets)]))
-    for li in range(LAYERS):
-        c2.wait_layer(li)
-    out.update(times(c2.finish_loads()))
+    out = load_every_layer(c2, [LoadOp(10 + i, i, 3, tuple(t)) for i, t in enumerate(targets)])
     assert None not in out.values() and len(out) == 5
     torch.cuda.synchronize()
     for s, d in zip(kv, dst, strict=True):
@@ -111,17 +105,11 @@ def test_whole_chunk_loads_on_gpu_are_bit_exact(name, dtype) -> None:
     per_chunk = max(ll.nbytes for ll in layout.layers)
     c = CudaCopier(kv, layout, slab)
     ids = [tuple(range(250 - 11 * i, 250 - 11 * i - 3 * BPC, -3)) for i in range(5)]
-    c.begin_saves([StoreOp(i, i, t) for i, t in enumerate(ids)])
-    for li in range(LAYERS):
-        c.save_layer(li)
-    assert None not in times(c.finish_saves()).values()
+    assert None not in save_every_layer(c, [StoreOp(i, i, t) for i, t in enumerate(ids)]).values()
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab, staging_bytes=4 * per_chunk)
     targets = [tuple(range(20 * i, 20 * i + BPC)) for i in range(5)]
-    out = times(c2.begin_loads([LoadOp(10 + i, i, 0, t) for i, t in enumerate(targets)]))
-    for li in range(LAYERS):
-        c2.wait_layer(li)
-    out.update(times(c2.finish_loads()))
+    out = load_every_layer(c2, [LoadOp(10 + i, i, 0, t) for i, t in enumerate(targets)])
     assert None not in out.values() and len(out) == 5
     torch.cuda.synchronize()
     for s, d in zip(kv, dst, strict=True):
@@ -142,18 +130,11 @@ def test_flashinfer_hnd_strided_kv_round_trips_on_gpu() -> None:
     slab = HostSlab(layout.slot_bytes * 2, layout, pin=True)
     ids = tuple(range(200, 200 - 3 * BPC, -3))
     c = CudaCopier(kv, layout, slab)
-    c.begin_saves([StoreOp(1, 1, ids)])
-    for li in range(LAYERS):
-        c.save_layer(li)
-    assert None not in times(c.finish_saves()).values()
+    assert None not in save_every_layer(c, [StoreOp(1, 1, ids)]).values()
     dst = [torch.zeros_like(t) for t in kv]
     c2 = CudaCopier(dst, layout, slab)
     targets = tuple(range(10, 10 + BPC))
-    out = times(c2.begin_loads([LoadOp(2, 1, 0, targets)]))
-    for li in range(LAYERS):
-        c2.wait_layer(li)
-    out.update(times(c2.finish_loads()))
-    assert None not in out.values()
+    assert None not in load_every_layer(c2, [LoadOp(2, 1, 0, targets)]).values()
     torch.cuda.synchronize()
     for s, d in zip(kv, dst, strict=True):
         assert torch.equal(blocks(d, list(targets)), blocks(s, list(ids)))

@@ -14,7 +14,7 @@ from functools import partial
 import copyfakes
 import pytest
 import torch
-from copyfakes import FakeOps, make_caches, times
+from copyfakes import FakeOps, load_every_layer, make_caches, times
 
 from kvtier.host import cuda as kcuda
 from kvtier.host.copiers import make_copier
@@ -554,10 +554,7 @@ def test_whole_chunk_loads_copy_once_per_chunk_and_layer_bit_exact(
                         lambda d, s: (copies.append(len(d)), real(d, s)))  # fmt: skip
     ids = {1: (13, 2, 27, 8), 3: (0, 39, 14, 15), 5: (30, 31, 32, 33)}
     loads = [LoadOp(40 + slot, slot, 0, blocks) for slot, blocks in ids.items()]
-    c.begin_loads(loads)
-    for li in range(LAYERS):
-        c.wait_layer(li)
-    assert None not in times(c.finish_loads()).values()
+    assert None not in load_every_layer(c, loads).values()
     assert copies == [len(loads)] * LAYERS  # one round per layer, one copy per chunk
     for li, d in enumerate(kv):
         dim = layout.layers[li].block_dim
