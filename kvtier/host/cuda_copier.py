@@ -113,6 +113,7 @@ class _Round:
     index: torch.Tensor  # GPU block ids, on the KV device
     places: list[tuple[CopyOp, int]]
     blocks: int
+    whole: bool  # every job moves a whole chunk (loads: one copy per chunk and layer)
 
 
 class _Batch:
@@ -191,7 +192,9 @@ class CudaCopier(Copier):
             # pageable host -> device: the runtime stages it before returning, so the
             # list may go; allocated on the copy stream that alone uses it
             idx = torch.tensor(index, dtype=torch.long).to(self.device, non_blocking=True)
-            rounds.append(_Round(idx, places, len(index)))
+            bpc = self.layout.blocks_per_chunk
+            whole = all(job_range(job) == (0, bpc) for job in group)
+            rounds.append(_Round(idx, places, len(index), whole))
         return rounds
 
     def _staging_for(
@@ -279,8 +282,7 @@ class CudaCopier(Copier):
         if self._ring_read[ring] is not None:  # the scatter that last read this buffer
             self.ops.wait_event(self.load_stream, self._ring_read[ring])
         ll = self.layout.layers[li]
-        bpc = self.layout.blocks_per_chunk
-        whole = all(job_range(job) == (0, bpc) for job, _ in rnd.places)
+        whole, bpc = rnd.whole, self.layout.blocks_per_chunk
         staging = self._staging_for(f"load{ring}", li, rnd.blocks,
                                     chunks=len(rnd.places) if whole else 0)  # fmt: skip
         if whole:  # one copy per chunk: its layer region, K and V together
