@@ -16,6 +16,10 @@ directory tier:
 - ``raw``: the same files read with ``readinto`` by as many threads as kvtier reads with,
   into pinned memory, then one host-to-device copy per chunk into a contiguous GPU buffer.
 
+With ``--engine-thread busy`` the thread that waits for the reads runs Python meanwhile,
+as vLLM's engine loop does while a lookup waits (it holds the GIL the read threads need
+back after each system call); ``--split`` also times the parts of kvtier's read.
+
 ``own`` is kvtier minus raw: what kvtier adds to a restart hit beyond the bytes' transfer
 (the goal: at most 10 ms or 20 % of raw). The loaded blocks are compared with the stored
 ones after every kvtier run. ``--file-cache cold`` drops each chunk's pages first
@@ -41,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import xxhash
 
 try:
     import kvtier  # noqa: F401
@@ -55,16 +60,44 @@ from kvtier.host.cuda import PinnedBuffer
 from kvtier.host.layout import HostSlab, SlotLayout
 from kvtier.objects import codec
 from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.chunk_io import MAX_FRAME
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import file as file_tier
 from kvtier.objects.tiers.file import FileTier
 from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.ops import LoadOp, StoreOp
+from kvtier.threads import faster_thread_switches
 
 
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
+
+
+def engine_step() -> int:
+    """About a tenth of a millisecond of Python bytecode, as a busy engine loop runs
+    between two looks at a waiting lookup (the eval loop, where Python switches threads)."""
+    x = 0
+    for i in range(2000):
+        x += i
+    return x
+
+
+def poll_busy(rio: RemoteIO, n: int) -> list[Any]:
+    """:func:`poll_results` without the sleep: the waiting thread keeps running Python."""
+    got: list[Any] = []
+    while len(got) < n:
+        got += rio.poll()
+        engine_step()
+    return got
+
+
+def wait_busy(futures: list[Any]) -> None:
+    """Wait for ``futures`` as :func:`poll_busy` waits for kvtier's reads."""
+    while not all(f.done() for f in futures):
+        engine_step()
+    for f in futures:
+        f.result()
 
 
 def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict[str, Any]:
@@ -99,6 +132,8 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
 
     rio = RemoteIO(FileTier(root), threads=args.threads, queue_depth=n + 1, timeout_s=120.0,
                    signer=None, backoff=ConstantBackoff(0.1))  # fmt: skip
+    rio.switches.interval_s = args.fetch_switch_us / 1e6
+    busy = args.engine_thread == "busy"
     read_threads = rio.read_threads
     pool = ThreadPoolExecutor(max_workers=read_threads)
     obj_bytes = [os.path.getsize(p) for p in paths]
@@ -124,7 +159,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         until = time.monotonic() + inline_ms / 1000 if inline_ms else 0.0
         rio.submit_get_run([(i, keys[i], views[i]) for i in range(n)], dtype="bfloat16",
                            shape=elem, inline_until=until)  # fmt: skip
-        got = poll_results(rio, n)
+        got = poll_busy(rio, n) if busy else poll_results(rio, n)
         t_read = time.perf_counter() - t0
         if not all(r.ok for r in got):
             raise RuntimeError(f"a restart-hit read failed: {[r for r in got if not r.ok][:2]}")
@@ -149,19 +184,43 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
             with open(paths[i], "rb", buffering=0) as f:
                 readinto_all(f, memoryview(raw_host[i].numpy()))
 
-        list(pool.map(read, range(n)))
+        futs = [pool.submit(read, i) for i in range(n)]
+        wait_busy(futs) if busy else [f.result() for f in futs]
         t_read = time.perf_counter() - t0
         for i in range(n):
             raw_dev[offsets[i] : offsets[i] + obj_bytes[i]].copy_(raw_host[i], non_blocking=pin)
         sync(dev)
         return t_read, time.perf_counter() - t0
 
+    def pooled(read_one: Any) -> Any:
+        """A read-only side for ``--split``: ``read_one(i)`` for every chunk on the pool."""
+        def side() -> tuple[float, float]:
+            cold()
+            t0 = time.perf_counter()
+            futs = [pool.submit(read_one, i) for i in range(n)]
+            wait_busy(futs) if busy else [f.result() for f in futs]
+            t = time.perf_counter() - t0
+            return t, t
+        return side
+
+    def tier_read(i: int) -> None:
+        assert tier.read_into(keys[i], views[i], MAX_FRAME) is not None
+
+    def tier_hashed(i: int) -> None:
+        assert tier.read_into_hashed(keys[i], views[i], MAX_FRAME) is not None
+
+    def hash_slot(i: int) -> None:
+        xxhash.xxh3_128(views[i]).digest()
+
     sides = {"raw": raw_hit, "kvtier_inline": lambda: kvtier_hit(args.inline_ms),
              "kvtier_threads": lambda: kvtier_hit(0)}  # fmt: skip
+    if args.split:
+        sides |= {"tier_read": pooled(tier_read), "tier_read_hashed": pooled(tier_hashed),
+                  "hash_only": pooled(hash_slot)}  # fmt: skip
     times: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
     order = list(sides)
     for r in range(args.repeats + 1):  # the first round warms up, sides rotate
-        for s in order[r % 3 :] + order[: r % 3]:
+        for s in order[r % len(order) :] + order[: r % len(order)]:
             got = sides[s]()
             if r:
                 times[s].append(got)
@@ -203,17 +262,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hash-piece-kib", type=int, default=file_tier.HASH_PIECE >> 10,
                     help="the directory tier's read-and-hash piece (KiB; kvtier's default "
                          "%(default)s): a larger piece, fewer Python calls per chunk")
+    ap.add_argument("--engine-thread", choices=["idle", "busy"], default="idle",
+                    help="what the thread waiting for the reads does: idle (sleeps between "
+                         "polls) or busy (runs Python between them, as an engine's loop "
+                         "does while a lookup waits), on both sides")
+    ap.add_argument("--fetch-switch-us", type=int, default=50,
+                    help="kvtier's fetch_switch_us (0: Python's switch interval as it is)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time the parts of kvtier's read on the same read threads, "
+                         "without its queue: the directory tier's one-preadv read into the "
+                         "slot (tier_read), its read hashed piece by piece as kvtier reads "
+                         "(tier_read_hashed) and xxh3-128 over the slots alone (hash_only)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     if args.hash_piece_kib < 4:
         ap.error("--hash-piece-kib: at least 4")
     file_tier.HASH_PIECE = args.hash_piece_kib << 10
+    faster_thread_switches()  # as kvtier's worker does when it has an object tier
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = args.dir or tempfile.gettempdir()
     fs = filesystem_type(where)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no CUDA)"
     print(f"device {name}; directory tier on {fs}; io_threads {args.threads}; "
-          f"file cache {args.file_cache}; hash piece {args.hash_piece_kib} KiB")  # fmt: skip
+          f"file cache {args.file_cache}; hash piece {args.hash_piece_kib} KiB; engine "
+          f"thread {args.engine_thread}; fetch_switch_us {args.fetch_switch_us}; switch "
+          f"interval {sys.getswitchinterval() * 1e3:g} ms")  # fmt: skip
     rows = []
     for tokens in args.tokens:
         row = run_length(args, dev, tokens)
@@ -227,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
             f", own {row['kvtier_threads_own_ms']:+.1f} | goal own <= {row['goal_ms']:.1f} ms",
             flush=True,
         )
+        if args.split:
+            print(f"{'':>6}  split on {row['read_threads']} threads: preadv into the slots "
+                  f"{row['tier_read_ms']:.1f} | read and hashed in pieces "
+                  f"{row['tier_read_hashed_ms']:.1f} | xxh3-128 alone {row['hash_only_ms']:.1f}"
+                  f" | kvtier's queue and checks {row['kvtier_threads_read_ms']:.1f}", flush=True)
     result = {"device": name, "filesystem": fs, "args": vars(args), "rows": rows}
     print("RESULT " + json.dumps(result))
     if args.json:

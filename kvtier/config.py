@@ -76,6 +76,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "shutdown_flush_s": lambda k, v: parse_float(k, v, 0.0, 86_400.0),
     "io_threads": lambda k, v: parse_int(k, v, 1, 64),
     "inline_read_ms": lambda k, v: parse_int(k, v, 0, 10_000),
+    "fetch_switch_us": lambda k, v: parse_int(k, v, 0, 1_000_000),
     "io_queue_depth": lambda k, v: parse_int(k, v, 1, 2**20),
     "hmac_key_env": parse_env_name,
     "hmac_key_file": parse_path,
@@ -132,6 +133,9 @@ class KVTierConfig:
     #: chunks itself in the step that starts it, before the I/O threads take the rest
     #: (that step is held up to this plus one chunk's read); 0 = always on the threads
     inline_read_ms: int = 20
+    #: Python's thread switch interval while object-tier reads are in flight, so that
+    #: the read threads get the GIL back quickly from a busy engine thread; 0 = leave it
+    fetch_switch_us: int = 50
     #: queued object-tier writes before new ones are dropped (and counted)
     io_queue_depth: int = 256
     #: name of the environment variable holding the HMAC signing key

@@ -4,13 +4,12 @@ Queues, I/O threads, deadlines and the exactly-once report, apart from what an o
 against the tier (:mod:`kvtier.objects.chunk_io`), so that the rules on when a slot may
 be written and when an op is reported live in one place:
 
-- Reads (fetches) and writes (uploads) have their own bounded queues and their own
-  threads (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so a backlog of
-  uploads never delays a lookup. A full read queue reports the lookup at once as
-  ``"timeout"`` (counted in ``reads_dropped``).
-- A full write queue drops the upload and counts it (``writes_dropped``); a chunk that
-  never reaches the object tier only costs a future recompute, whereas blocking would
-  stall the engine.
+- Reads (fetches) and writes (uploads) have their own bounded queues and threads
+  (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so a backlog of uploads
+  never delays a lookup. A full read queue reports the lookup at once as ``"timeout"``
+  (``reads_dropped``); a full write queue drops the upload and counts it
+  (``writes_dropped``): a chunk that never reaches the tier costs a future recompute,
+  whereas blocking would stall the engine.
 - A lookup is a read (:meth:`OpQueue.submit_get_run`): a prompt's chunks are fetched in
   order, the first alone, the rest in parallel once it was found; after a miss the
   chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
@@ -18,30 +17,31 @@ be written and when an op is reported live in one place:
   (a directory on a local filesystem) a ``stat`` finds the first chunk and the rest are
   queued before it is read; and the submitting thread may read the first chunk itself
   and serve the read queue beside the I/O threads, within a budget (``inline_until``).
+  While any read is in flight, Python's switch interval is short (``FetchSwitches``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
   ``"timeout"`` at the next poll. Whether a read starts (its thread begins writing into
   the destination) or times out is one decision, taken under the op's lock, so a slot
   reported free is never written afterwards.
-- A read that has begun is reported only when its backend call is over: its destination
-  is the caller's host slot, which must not be reused under a late write. Past its
-  deadline it is *stuck*: counted (``reads_stuck``, and :attr:`OpQueue.stuck_reads`
-  while it lasts) and a timeout against the tier's health, so a tier that keeps timing
-  out goes down and lookups then fail fast. The caller's own lookup deadline stops
-  waiting for it; its slot stays claimed until the read returns. Stuck reads are bounded
-  by the read threads: while every read thread is stuck, reads fail fast (nothing could
-  serve them) and queued ones are reported at once. A read that returns after its
-  deadline counts as a timeout, never as the tier's recovery.
+- A read that has begun is reported only when its backend call is over (its slot must
+  not be reused under a late write). Past its deadline it is *stuck*: counted
+  (``reads_stuck``, :attr:`OpQueue.stuck_reads` while it lasts) and a timeout against
+  the tier's health, so a tier that keeps timing out goes down and lookups fail fast.
+  The caller's lookup deadline stops waiting for it; its slot stays claimed until the
+  read returns. While every read thread is stuck, reads fail fast and queued ones are
+  reported at once. A read that returns after its deadline counts as a timeout, never
+  as the tier's recovery.
 - Uploads have no deadline of their own (the tier's socket timeouts bound them): the
-  caller's payload must stay untouched until the put is reported, so it is never
-  reported early. One still in its backend call after ``write_stall_s`` is stuck in the
-  same way (``writes_stuck``; writes go down; while every write thread is stuck, queued
-  uploads are reported failed at once, which releases their slots).
+  caller's payload must stay untouched until the put is reported. One still in its
+  backend call after ``write_stall_s`` is stuck the same way (``writes_stuck``; writes
+  go down; while every write thread is stuck, queued uploads are reported failed at
+  once, which releases their slots).
 - Every accepted op yields exactly one :class:`~kvtier.ops.OpResult`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -56,6 +56,7 @@ from kvtier.objects.queued_op import QueuedOp, byte_view
 from kvtier.objects.tier_health import TierHealth
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
+from kvtier.threads import FetchSwitches
 
 __all__ = ["OpQueue", "QueuedOp", "byte_view"]  # (the last two: kvtier.objects.queued_op)
 
@@ -91,6 +92,7 @@ class OpQueue(IOCounts):
         self._writes_idle = threading.Condition(self._lock)
         self._read_done = threading.Condition(self._lock)  # a fetch was reported
         self._inflight: dict[int, QueuedOp] = {}  # reads, watched by poll() for timeouts
+        self.switches = FetchSwitches()  # held while a read is in flight
         self._seq = itertools.count()
         self._pending_writes = 0
         self._puts_written = 0
@@ -197,6 +199,7 @@ class OpQueue(IOCounts):
         with self._lock:
             for op in run:  # every get's deadline counts from now, queued or not
                 self._inflight[op.seq] = op
+            self.switches.hold(True)
         if inline_until > time.monotonic():
             self._read_inline(run, inline_until)
         else:
@@ -240,10 +243,8 @@ class OpQueue(IOCounts):
             except queue.Empty:
                 break
             if taken is None:  # close()'s stop request: it is for an I/O thread
-                try:
+                with contextlib.suppress(queue.Full):  # else a racing submit took it
                     self._rq.put_nowait(None)
-                except queue.Full:  # a racing submit took the place; the threads are daemons
-                    pass
                 break
             self._run_op(taken)
         # what the I/O threads started meanwhile is over within a chunk's read: report it
@@ -345,10 +346,8 @@ class OpQueue(IOCounts):
             except queue.Empty:
                 return
             if op is None:  # close()'s stop request: put it back for a thread to see
-                try:
+                with contextlib.suppress(queue.Full):  # else a racing submit took it
                     self._wq.put_nowait(None)
-                except queue.Full:  # a racing submit took the place; the threads are daemons
-                    pass
                 return
             self._finish(op, False, "unreachable")
 
@@ -445,6 +444,7 @@ class OpQueue(IOCounts):
                 self._writes_idle.notify_all()
             else:
                 self._inflight.pop(op.seq, None)
+                self.switches.hold(bool(self._inflight))
             self._results.append(result)  # before a waiter for this fetch wakes up
             if op.kind is OpKind.FETCH:
                 self._read_done.notify_all()

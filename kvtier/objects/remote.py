@@ -92,7 +92,7 @@ class RemoteIO(ChunkIO):
         from kvtier.objects.tiers import open_tier
 
         signer = codec.Signer.from_config(cfg, environ)
-        return cls(
+        rio = cls(
             tier if tier is not None else open_tier(cfg),
             threads=cfg.io_threads,
             queue_depth=cfg.io_queue_depth,
@@ -101,6 +101,8 @@ class RemoteIO(ChunkIO):
             backoff=backoff,
             compressor=zpolicy.from_config(cfg),
         )
+        rio.switches.interval_s = cfg.fetch_switch_us / 1e6
+        return rio
 
     def __repr__(self) -> str:
         return f"RemoteIO({self.tier!r}, down={self.is_down})"
@@ -200,6 +202,7 @@ class RemoteIO(ChunkIO):
             self._writes_idle.notify_all()
             inflight = list(self._inflight.values())
             self._inflight.clear()
+            self.switches.hold(False)
             writing = len(self._writing)
         for op in inflight:  # a fetch not yet started never will
             with op.lock:

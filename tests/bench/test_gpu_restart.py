@@ -54,3 +54,32 @@ def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monk
     assert json.loads(out.read_text())["args"]["hash_piece_kib"] == 8
     with pytest.raises(SystemExit):
         gpu_restart.main(["--hash-piece-kib", "0"])
+
+
+def test_split_times_each_part_of_the_read_on_the_same_threads(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert gpu_restart.main([
+        "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+        "--split", "--dir", str(tmp_path), "--json", str(out),
+    ]) == 0  # fmt: skip
+    row = json.loads(out.read_text())["rows"][0]
+    for side in ("tier_read", "tier_read_hashed", "hash_only"):
+        assert row[f"{side}_ms"] > 0
+    assert "split on 2 threads: preadv into the slots" in capsys.readouterr().out
+
+
+def test_a_busy_engine_thread_with_the_short_interval_or_without_reads_the_same(
+    tmp_path, capsys
+) -> None:
+    for us in ("50", "0"):
+        out = tmp_path / f"r{us}.json"
+        assert gpu_restart.main([
+            "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16",
+            "--repeats", "1", "--engine-thread", "busy", "--fetch-switch-us", us,
+            "--dir", str(tmp_path), "--json", str(out),
+        ]) == 0  # fmt: skip
+        args = json.loads(out.read_text())["args"]
+        assert args["engine_thread"] == "busy" and args["fetch_switch_us"] == int(us)
+    assert "engine thread busy; fetch_switch_us 0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_restart.main(["--engine-thread", "spinning"])
