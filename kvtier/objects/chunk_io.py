@@ -138,7 +138,7 @@ class ChunkIO(OpQueue):
         if got is None:
             self._finish(op, False, None)
             return
-        head, payload, digest = got
+        head, payload, crc = got
         nread = len(head) + payload.nbytes
         self._add("bytes_read", nread)
         # a compressed chunk is verified as stored, in the scratch buffer, then
@@ -146,7 +146,7 @@ class ChunkIO(OpQueue):
         secs = codec.verify(head, payload, key=key, dtype=op.dtype, shape=op.shape,
                             signer=self.signer,
                             out=None if payload is buf else buf,
-                            lossy=self.reads_lossy, payload_xxh=digest)  # fmt: skip
+                            lossy=self.reads_lossy, payload_crc=crc)  # fmt: skip
         self._count_z("read", buf.nbytes, payload.nbytes, secs)
         if self.compressor is not None:  # the whole read, timed for compression: auto
             self.compressor.observe_read(buf.nbytes, time.perf_counter() - t0,
@@ -186,12 +186,12 @@ class ChunkIO(OpQueue):
 
     def _read(
         self, key: str, slot: memoryview
-    ) -> tuple[bytes, memoryview, bytes | None] | None:
-        """Read ``key`` for ``slot``: (head, payload, the payload's xxh3-128 digest if it
-        was hashed while read), None when it is not stored.
+    ) -> tuple[bytes, memoryview, int | None] | None:
+        """Read ``key`` for ``slot``: (head, payload, the payload's CRC-32 if it was
+        computed while read), None when it is not stored.
 
         Without a compressor, or with one that stores raw now (``auto``), the object is
-        read straight into the slot (the payload is ``slot``), hashed as it lands unless
+        read straight into the slot (the payload is ``slot``), checksummed as it lands unless
         an encryption key is configured (sealed chunks carry no checksum). Otherwise, or when the
         object is too short for that (compressed), it is read whole into this thread's
         scratch buffer, at most the slot plus the largest header: a compressed payload

@@ -9,10 +9,14 @@ therefore checked before a single byte reaches a KV cache:
     | 4 B   | uint32 LE  | (header len bytes)   | (len bytes)     |
     +-------+------------+----------------------+-----------------+
 
-The header is a msgpack map ``{"v", "key", "dtype", "shape", "len", "xxh"}``
+The header is a msgpack map ``{"v", "key", "dtype", "shape", "len", "crc"}``
 plus an optional ``"sig"``: the format version, the chunk key (an object
 stored under the wrong name is caught), the payload's dtype and shape, its
-length, its xxh3-128 checksum and an HMAC-SHA256 signature. The signature
+length, its CRC-32 (4 bytes, big-endian) and an HMAC-SHA256 signature. A chunk
+written before kvtier checked CRC-32 carries ``"xxh"``, its xxh3-128, instead; it
+is still read (and checked with xxh3-128). The checksum is against accidents (a
+bit flip, a torn or mixed-up object: a corrupt chunk passes with odds of 2^-32);
+forgery is the signature's job. The signature
 covers a canonical encoding of the header without ``"sig"`` and the payload,
 so neither can be swapped. Unknown, missing or mistyped header fields are
 rejected rather than ignored: a mutated chunk never decodes.
@@ -43,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
+import xxhash  # the checksum of chunks written before CRC-32
 
 from kvtier.errors import (
     ChecksumError,
@@ -53,6 +57,7 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
+from kvtier.objects.checksum import crc32_bytes, payload_crc32
 from kvtier.objects.codec_header import (
     _FORM_MAX,
     _PREFIX,
@@ -135,8 +140,8 @@ def encode(
         rest: tuple[bytes, ...] = (seal.kid, seal.nonce, seal.tag)
     else:
         body = view
-        header["xxh"] = xxhash.xxh3_128_digest(view)
-        rest = (header["xxh"],)
+        header["crc"] = crc32_bytes(payload_crc32(view))
+        rest = (header["crc"],)
     if signs:
         assert signer is not None
         canon = _canonical(FORMAT_VERSION, key, dtype, shape_l, n, *rest, *extra)
@@ -207,7 +212,7 @@ def verify(
     signer: Signer | None = None,
     out: memoryview | None = None,
     lossy: bool = False,
-    payload_xxh: bytes | None = None,
+    payload_crc: int | None = None,
 ) -> float:
     """Check a chunk read as its head (magic, length, header) and its payload, where the
     payload already is where it will be used (a host slot): nothing is copied. A sealed
@@ -219,8 +224,8 @@ def verify(
     Returns the seconds spent decompressing (0.0 for a raw chunk). A chunk in a lossy
     form (fp8) is read only with ``lossy`` (an engine that chose ``compression: fp8``);
     any other engine counts it a miss of kind ``format``: its hits stay exact.
-    ``payload_xxh``: the payload's xxh3-128 digest, computed while it was read
-    (:meth:`ObjectTier.read_into_hashed`), so that it is not hashed again."""
+    ``payload_crc``: the payload's CRC-32, computed while it was read
+    (:meth:`ObjectTier.read_into_hashed`), so that it is not computed again."""
     head_v = _payload_view(head)
     body_at = head_length(head_v[: _PREFIX.size])
     if head_v.nbytes < body_at:
@@ -259,10 +264,14 @@ def verify(
     else:
         if sealer is not None:
             raise SignatureError("chunk is not sealed but an encryption key is configured")
-        digest = payload_xxh if payload_xxh is not None else xxhash.xxh3_128_digest(payload)
-        if digest != header["xxh"]:
+        if "xxh" in header:  # written before CRC-32
+            ok = xxhash.xxh3_128_digest(payload) == header["xxh"]
+        else:
+            crc = payload_crc if payload_crc is not None else payload_crc32(payload)
+            ok = crc32_bytes(crc) == header["crc"]
+        if not ok:
             raise ChecksumError("chunk payload does not match its checksum")
-        rest = (header["xxh"],)
+        rest = (header["xxh" if "xxh" in header else "crc"],)
     extra = () if form is None else (form.encode(),)
     if signer is not None and signer.hmac:
         sig = header.get("sig")

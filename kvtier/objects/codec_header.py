@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 
 from kvtier.errors import CodecError, TruncatedError
+from kvtier.objects.checksum import CRC_LEN
 from kvtier.objects.seal import KID_BYTES, NONCE_BYTES, TAG_BYTES
 
 __all__ = [
@@ -29,13 +30,17 @@ MAGIC = b"KVTC"
 _PREFIX = struct.Struct("<4sI")
 #: headers are a few hundred bytes; anything bigger is garbage, not a header
 MAX_HEADER = 64 * 1024
-_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
+_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "crc"})
+#: a chunk written before kvtier checked CRC-32: its xxh3-128 instead (still read)
+_XXH_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
 _SEALED_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "kid", "nonce", "tag"})
 _SEAL_LENS = {"kid": KID_BYTES, "nonce": NONCE_BYTES, "tag": TAG_BYTES}
 _SIG_LEN = hashlib.sha256().digest_size
 #: the longest compressed-form name a header may carry
 _FORM_MAX = 32
 _XXH_LEN = 16
+#: the checksum field of a plain chunk's header and its length in bytes
+_SUMS = {_FIELDS: ("crc", CRC_LEN), _XXH_FIELDS: ("xxh", _XXH_LEN)}
 
 
 _PACKERS = threading.local()
@@ -83,7 +88,7 @@ def _header(
     if sealed:
         header.update({f: bytes(k) for f, k in _SEAL_LENS.items()})
     else:
-        header["xxh"] = bytes(_XXH_LEN)
+        header["crc"] = bytes(CRC_LEN)
     if signed:
         header["sig"] = bytes(_SIG_LEN)
     return header
@@ -113,7 +118,7 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     version = header.get("v")
     if not _is_int(version) or version != FORMAT_VERSION:
         raise CodecError(f"unknown chunk format version {version!r} (this build reads 1)")
-    fields = _SEALED_FIELDS if "nonce" in header else _FIELDS
+    fields = _SEALED_FIELDS if "nonce" in header else _XXH_FIELDS if "xxh" in header else _FIELDS
     extra = set(header) - fields - {"sig", "z"}
     missing = fields - set(header)
     if extra or missing:
@@ -131,7 +136,7 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         and header["len"] >= 0
         and all(
             isinstance(header[f], bytes) and len(header[f]) == n
-            for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [("xxh", _XXH_LEN)])
+            for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [_SUMS[fields]])
         )
         and (sig is None and "sig" not in header or isinstance(sig, bytes) and len(sig) == _SIG_LEN)
         and _form_ok(header.get("z", ""), "z" in header)

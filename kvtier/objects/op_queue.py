@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from kvtier.errors import TierError
 from kvtier.objects.backoff import Backoff
 from kvtier.objects.io_counts import IOCounts
-from kvtier.objects.queued_op import QueuedOp, byte_view
+from kvtier.objects.queued_op import QueuedOp, ReadQueue, byte_view
 from kvtier.objects.tier_health import TierHealth
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
@@ -86,7 +86,7 @@ class OpQueue(IOCounts):
         #: an upload still in its backend call after this long is stuck
         self.write_stall_s = write_stall_s
         self.backoff = backoff
-        self._rq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
+        self._rq: queue.Queue[QueuedOp | None] = ReadQueue(maxsize=queue_depth)
         self._wq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
         self._results: collections.deque[OpResult] = collections.deque()
         self._writes_idle = threading.Condition(self._lock)
@@ -237,7 +237,7 @@ class OpQueue(IOCounts):
         for op in rest if not early else ():
             self._enqueue_read(op)
         # serve the queue too, taking what it reads off it (no entry left holding its room)
-        while time.monotonic() < until and not all(op.done or op.started for op in rest):
+        while time.monotonic() < until and not all(op.done or op.taken for op in rest):
             try:
                 taken = self._rq.get_nowait()
             except queue.Empty:
@@ -247,10 +247,10 @@ class OpQueue(IOCounts):
                     self._rq.put_nowait(None)
                 break
             self._run_op(taken)
-        # what the I/O threads started meanwhile is over within a chunk's read: report it
+        # what the I/O threads took meanwhile is over within a chunk's read: report it
         # in this step too, unless the disk is that slow (then in a later step)
         with self._lock:
-            self._read_done.wait_for(lambda: all(op.done or not op.started for op in rest),
+            self._read_done.wait_for(lambda: all(op.done or not op.taken for op in rest),
                                      timeout=max(0.0, hold_until - time.monotonic()))
 
     def submit_put(

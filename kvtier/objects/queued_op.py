@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Sequence
 
 from kvtier.ops import OpKind
 
-__all__ = ["QueuedOp", "byte_view"]
+__all__ = ["QueuedOp", "ReadQueue", "byte_view"]
 
 
 class QueuedOp:
@@ -16,7 +17,7 @@ class QueuedOp:
 
     __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
                  "done", "seq", "started", "stall_at", "stuck", "run", "pos",
-                 "queued")  # fmt: skip
+                 "queued", "taken")  # fmt: skip
 
     def __init__(
         self,
@@ -54,6 +55,20 @@ class QueuedOp:
         #: put on the read queue already (never twice: a get read twice at once would
         #: write its slot twice)
         self.queued = False
+        #: taken off the read queue (by an I/O thread, or the submitter reading inline):
+        #: set as it leaves the queue, under the queue's lock (:class:`ReadQueue`)
+        self.taken = False
+
+
+class ReadQueue(queue.Queue["QueuedOp | None"]):
+    """The read queue: an op is marked ``taken`` in the same step that removes it, so
+    whoever sees it not taken knows it is still queued (no thread holds it unstarted)."""
+
+    def _get(self) -> QueuedOp | None:
+        op: QueuedOp | None = super()._get()
+        if op is not None:
+            op.taken = True
+        return op
 
 
 def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:

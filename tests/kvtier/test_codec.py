@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import struct
 import time
+import zlib
 
 import msgpack
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +22,9 @@ from kvtier.errors import (
     TruncatedError,
 )
 from kvtier.objects import codec
+from kvtier.objects.checksum import crc32_bytes, payload_crc32
 from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects.codec_header import _canonical
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpResult
@@ -101,7 +105,9 @@ def test_unknown_version() -> None:
         {"extra": 1},
         {"len": "4096"},
         {"shape": [2, -1]},
-        {"xxh": b"short"},
+        {"crc": b"short"},
+        {"crc": 12345},
+        {"xxh": bytes(16)},  # both checksums: neither format
         {"sig": b"x" * 5},
         {"key": b"model-x/tp1r0/00ab"},
     ],
@@ -124,9 +130,77 @@ def test_dtype_and_shape_mismatch() -> None:
 
 def test_checksum_lie_in_header() -> None:
     header, _ = header_of(blob())
-    header["xxh"] = bytes(16)
+    header["crc"] = bytes(4)
     with pytest.raises(ChecksumError):
         decode(rebuild(header, PAYLOAD), key=KEY)
+
+
+def test_the_checksum_is_zlibs_crc32_of_the_payload_and_catches_a_flipped_bit() -> None:
+    header, _ = header_of(blob())
+    assert set(header) == {"v", "key", "dtype", "shape", "len", "crc"}
+    assert header["crc"] == zlib.crc32(PAYLOAD).to_bytes(4, "big")
+    # computed piece by piece as a tier reads a payload: the same value
+    crc = 0
+    for at in range(0, len(PAYLOAD), 1000):
+        crc = payload_crc32(PAYLOAD[at : at + 1000], crc)
+    assert crc32_bytes(crc) == header["crc"]
+    for bit in (0, 7, 8 * len(PAYLOAD) - 1):
+        bad = bytearray(PAYLOAD)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ChecksumError):
+            decode(rebuild(header, bytes(bad)), key=KEY)
+        assert codec.verify(blob()[: len(blob()) - len(PAYLOAD)], memoryview(PAYLOAD),
+                            key=KEY, payload_crc=zlib.crc32(PAYLOAD)) == 0.0  # fmt: skip
+        with pytest.raises(ChecksumError):  # a checksum computed while reading the bad bytes
+            codec.verify(blob()[: len(blob()) - len(PAYLOAD)], memoryview(bytes(bad)),
+                         key=KEY, payload_crc=zlib.crc32(bad))  # fmt: skip
+
+
+def _xxh3_chunk(payload: bytes, signer: Signer | None = None) -> bytes:
+    """A chunk as kvtier framed it before CRC-32: an ``xxh`` field, its xxh3-128."""
+    digest = xxhash.xxh3_128_digest(payload)
+    shape = [2, len(payload) // 4]
+    header = {"v": codec.FORMAT_VERSION, "key": KEY, "dtype": "bfloat16", "shape": shape,
+              "len": len(payload), "xxh": digest}  # fmt: skip
+    if signer is not None:
+        canon = _canonical(codec.FORMAT_VERSION, KEY, "bfloat16", shape, len(payload), digest)
+        header["sig"] = signer.sign(canon, memoryview(payload))
+    return rebuild(header, payload)
+
+
+def test_chunks_written_with_an_xxh3_checksum_are_still_read_and_checked() -> None:
+    assert bytes(decode(_xxh3_chunk(PAYLOAD), key=KEY)) == PAYLOAD
+    signed = _xxh3_chunk(PAYLOAD, Signer(K1))
+    assert bytes(decode(signed, key=KEY, signer=Signer(K1))) == PAYLOAD
+    with pytest.raises(SignatureError):
+        decode(signed, key=KEY, signer=Signer(K2))
+    header, _ = header_of(_xxh3_chunk(PAYLOAD))
+    bad = bytearray(PAYLOAD)
+    bad[100] ^= 4
+    with pytest.raises(ChecksumError):
+        decode(rebuild(header, bytes(bad)), key=KEY)
+    # a CRC-32 handed in by the reader does not stand in for the xxh3 this chunk carries
+    head = _xxh3_chunk(PAYLOAD)[: -len(PAYLOAD)]
+    with pytest.raises(ChecksumError):
+        codec.verify(head, memoryview(bytes(bad)), key=KEY, payload_crc=zlib.crc32(PAYLOAD))
+    # the field's length is the algorithm's: a 4-byte xxh or a 16-byte crc is no chunk
+    for field, n in (("xxh", 4), ("crc", 16)):
+        h = {k: v for k, v in header.items() if k != "xxh"}
+        h[field] = bytes(n)
+        with pytest.raises(CodecError, match="wrong type"):
+            decode(rebuild(h, PAYLOAD), key=KEY)
+
+
+def test_a_signature_over_a_crc_chunk_does_not_carry_over_to_an_xxh3_header() -> None:
+    """The signed canonical bytes hold the checksum: swapping the checksum kind (with a
+    checksum valid for the payload) breaks the signature."""
+    signed = blob(signer=Signer(K1))
+    header, _ = header_of(signed)
+    swapped = {k: v for k, v in header.items() if k != "crc"}
+    swapped["xxh"] = xxhash.xxh3_128_digest(PAYLOAD)
+    assert bytes(decode(rebuild(swapped, PAYLOAD), key=KEY)) == PAYLOAD  # unsigned reader
+    with pytest.raises(SignatureError):
+        decode(rebuild(swapped, PAYLOAD), key=KEY, signer=Signer(K1))
 
 
 K1, K2, K3 = b"key-one-secret", b"key-two-secret", b"key-three-secret"
@@ -337,7 +411,7 @@ _ANY_VALUE = st.one_of(
 
 @FUZZ
 @given(
-    st.sampled_from(["v", "key", "dtype", "shape", "len", "xxh", "sig", "extra"]),
+    st.sampled_from(["v", "key", "dtype", "shape", "len", "crc", "xxh", "sig", "extra"]),
     st.one_of(st.just("delete"), _ANY_VALUE),
     st.sampled_from(["signed", "unsigned"]),
 )

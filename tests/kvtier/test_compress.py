@@ -9,13 +9,13 @@ import time
 import msgpack
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.config import load_config
 from kvtier.errors import CodecError, ConfigError, SignatureError, TruncatedError
 from kvtier.objects import codec, compress, zpolicy
+from kvtier.objects.checksum import crc32_bytes, payload_crc32
 from kvtier.objects.codec import Signer, decode, encode
 from kvtier.objects.compress import Compressor, FormatError, Fp8Compressor
 from kvtier.objects.remote import RemoteIO
@@ -154,8 +154,8 @@ def test_keys_cover_the_compressed_bytes_and_the_form(how: str) -> None:
     stream = bytearray(b[body_at:])
     stream[len(stream) // 2] ^= 1
     h = dict(header)
-    if "xxh" in h:
-        h["xxh"] = xxhash.xxh3_128_digest(bytes(stream))
+    if "crc" in h:
+        h["crc"] = crc32_bytes(payload_crc32(bytes(stream)))
     with pytest.raises(SignatureError):
         decode(rebuild(h, bytes(stream)), key=KEY, signer=signer, out=slot)
     # another form name: the HMAC and the AEAD's associated data both cover it

@@ -100,6 +100,33 @@ def test_the_submitting_thread_and_the_io_threads_share_a_run_each_chunk_read_on
     rio.close()
 
 
+def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
+    tmp_path, monkeypatch
+) -> None:
+    """An I/O thread that took a chunk off the read queue may lose the CPU before it
+    marks the read started; the submitter must still wait for that chunk (within its
+    hold), not take the chunk for unstarted work of nobody's: every chunk is reported by
+    the time the submit returns. Forced: each I/O thread pauses after taking a chunk."""
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    keys = [f"p{i}" for i in range(8)]
+    store(rio, keys)
+    real = rio._execute
+    paused: list[str] = []
+
+    def late_start(op) -> None:
+        if threading.current_thread().name.startswith("kvtier-read"):
+            paused.append(op.key)
+            time.sleep(0.2)  # taken, not yet started, while the submitter reads the rest
+        real(op)
+
+    monkeypatch.setattr(rio, "_execute", late_start)
+    read_run(rio, keys, LONG)
+    res = {r.op_id: r for r in rio.poll()}  # no waiting
+    assert paused, "no I/O thread took a chunk: nothing was tested"
+    assert sorted(res) == list(range(100, 108)) and all(r.ok for r in res.values()), res
+    rio.close()
+
+
 def test_an_inline_run_stops_at_its_first_gap(tmp_path, reads) -> None:
     rio = make_rio(FileTier(str(tmp_path / "t")))
     store(rio, ["g0", "g1", "g3", "g4"])

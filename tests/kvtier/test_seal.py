@@ -295,7 +295,7 @@ def test_encryption_and_hmac_combine() -> None:
     both = sealed_signer(KEY, hmac=b"h1")
     blob = blob_of("k", plaintext(), both)
     header, payload = split(blob)
-    assert "sig" in header and "xxh" not in header
+    assert "sig" in header and "crc" not in header and "xxh" not in header
     assert bytes(codec.decode(blob, key="k", signer=both)) == plaintext()
     assert bytes(codec.decode(blob, key="k", signer=sealed_signer(KEY))) == plaintext()
     with pytest.raises(SignatureError, match="signature"):
@@ -308,7 +308,7 @@ def test_plain_chunks_are_unchanged() -> None:
     """No key: the format is what it was (a checksum, no seal)."""
     blob = blob_of("k", plaintext(), None)
     header, _ = split(blob)
-    assert set(header) == {"v", "key", "dtype", "shape", "len", "xxh"}
+    assert set(header) == {"v", "key", "dtype", "shape", "len", "crc"}
     bad = bytearray(blob)
     bad[-1] ^= 1
     with pytest.raises(ChecksumError):

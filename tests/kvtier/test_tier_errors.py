@@ -172,11 +172,11 @@ SIZE = 2 * 8 * 64 * 2
 class _StaleFileTier(FileTier):
     """Reads of one key fail as NFS fails them when another node replaced the file."""
 
-    def _read_slot(self, key: str, dest: memoryview, *a: Any) -> bytes | None:
+    def _read_slot(self, key: str, dest: memoryview, *a: Any, **kw: Any) -> Any:
         # both read paths (read_into, read_into_hashed) go through it
         if key == "stale":
             raise self._error("get", OSError(errno.ESTALE, "Stale file handle"))
-        return super()._read_slot(key, dest, *a)
+        return super()._read_slot(key, dest, *a, **kw)
 
 
 def test_a_stale_nfs_file_is_one_miss_not_an_outage(tmp_path) -> None:

@@ -1,16 +1,16 @@
-"""``ObjectTier.read_into_hashed``: the slot read and its xxh3-128 digest, computed while
-the bytes land (the directory tier) or after (the others), against every backend's real
-service on loopback. The digest is what ``codec.verify`` trusts instead of hashing the
-slot again, so it must be the digest of exactly the bytes in the slot, at every size and
-after every failure; and a chunk whose bytes changed on disk is still a counted miss."""
+"""``ObjectTier.read_into_hashed``: the slot read and its CRC-32, computed while the bytes
+land (the directory tier) or after (the others), against every backend's real service on
+loopback. The CRC is what ``codec.verify`` trusts instead of checksumming the slot again,
+so it must be the CRC of exactly the bytes in the slot, at every size and after every
+failure; and a chunk whose bytes changed on disk is still a counted miss."""
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 
 import pytest
-import xxhash
 from kit import collect, open_loopback_tier
 
 from kvtier.errors import ChecksumError, ObjectTooLarge, TruncatedError
@@ -41,12 +41,12 @@ def test_the_digest_is_of_the_bytes_in_the_slot(tier: ObjectTier, n: int) -> Non
     slot = memoryview(bytearray(n))
     got = tier.read_into_hashed("k", slot, MAX_FRAME)
     assert got is not None
-    head, digest = got
-    assert bytes(slot) == data and digest == xxhash.xxh3_128_digest(data)
+    head, crc = got
+    assert bytes(slot) == data and crc == zlib.crc32(data)
     assert head == bytes(memoryview(parts[0]))  # the same head read_into returns
     again = memoryview(bytearray(n))
     assert tier.read_into("k", again, MAX_FRAME) == head and bytes(again) == data
-    codec.verify(head, slot, key="k", dtype="uint8", shape=[n], payload_xxh=digest)
+    codec.verify(head, slot, key="k", dtype="uint8", shape=[n], payload_crc=crc)
 
 
 def test_a_missing_key_is_none(tier: ObjectTier) -> None:
@@ -62,13 +62,13 @@ def test_wrong_sizes_fail_as_read_into_fails(tier: ObjectTier) -> None:
         tier.read_into_hashed("k", memoryview(bytearray(n - MAX_FRAME - 1)), MAX_FRAME)
 
 
-def test_a_wrong_digest_is_a_checksum_error() -> None:
+def test_a_wrong_crc_is_a_checksum_error() -> None:
     data = os.urandom(1000)
     parts = codec.encode("k", data, dtype="uint8", shape=[1000])
     head = bytes(memoryview(parts[0]))
     with pytest.raises(ChecksumError):
         codec.verify(head, memoryview(bytearray(data)), key="k", dtype="uint8", shape=[1000],
-                     payload_xxh=xxhash.xxh3_128_digest(b"other"))  # fmt: skip
+                     payload_crc=zlib.crc32(b"other"))  # fmt: skip
 
 
 @pytest.mark.parametrize("where", [0, HASH_PIECE - 1, HASH_PIECE, 2 * HASH_PIECE + 5])

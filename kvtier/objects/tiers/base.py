@@ -13,9 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import xxhash
-
 from kvtier.errors import ObjectTooLarge, TruncatedError
+from kvtier.objects.checksum import payload_crc32
 
 __all__ = ["ObjectTier", "Parts", "byte_view", "head_length_for", "stored_prefix"]
 
@@ -134,13 +133,13 @@ class ObjectTier(ABC):
 
     def read_into_hashed(
         self, key: str, dest: memoryview, max_head: int
-    ) -> tuple[bytes, bytes] | None:
-        """:meth:`read_into`, and the xxh3-128 digest of the bytes in ``dest``: (head,
-        digest), None when the key is not stored. A backend that can hash the payload
-        as it arrives overrides it (one pass over memory instead of two); this default
-        hashes ``dest`` after the read."""
+    ) -> tuple[bytes, int] | None:
+        """:meth:`read_into`, and the CRC-32 of the bytes in ``dest`` (the codec's
+        checksum): (head, crc), None when the key is not stored. A backend that can
+        checksum the payload as it arrives overrides it (one pass over memory instead
+        of two); this default checksums ``dest`` after the read."""
         head = self.read_into(key, dest, max_head)
-        return None if head is None else (head, xxhash.xxh3_128_digest(dest))
+        return None if head is None else (head, payload_crc32(dest))
 
     @abstractmethod
     def put(self, key: str, parts: Parts) -> None:

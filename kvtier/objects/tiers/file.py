@@ -17,6 +17,7 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
+from kvtier.objects.checksum import payload_crc32
 from kvtier.objects.tiers.base import ObjectTier, Parts, byte_view, head_length_for
 from kvtier.objects.tiers.file_sweep import (
     _OPEN_ROOT,
@@ -321,30 +322,31 @@ class FileTier(DirectoryBound, ObjectTier):
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
-        return self._read_slot(key, dest, max_head, None)
+        got = self._read_slot(key, dest, max_head, hashed=False)
+        return None if got is None else got[0]
 
     def read_into_hashed(
         self, key: str, dest: memoryview, max_head: int
-    ) -> tuple[bytes, bytes] | None:
+    ) -> tuple[bytes, int] | None:
         """:meth:`ObjectTier.read_into_hashed`: the slot is read in pieces of
-        ``HASH_PIECE`` bytes, each hashed right after it lands, while it is still in the
-        CPU's cache: one pass over memory instead of a read and then a checksum pass."""
-        hasher = xxhash.xxh3_128()
-        head = self._read_slot(key, dest, max_head, hasher)
-        return None if head is None else (head, hasher.digest())
+        ``HASH_PIECE`` bytes, each checksummed right after it lands, while it is still in
+        the CPU's cache: one pass over memory instead of a read and then a checksum pass."""
+        return self._read_slot(key, dest, max_head, hashed=True)
 
     def _read_slot(
-        self, key: str, dest: memoryview, max_head: int, hasher: xxhash.xxh3_128 | None
-    ) -> bytes | None:
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+    ) -> tuple[bytes, int] | None:
+        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
         opened = self._open_regular(key)
         if opened is None:
             return None
         fd, st = opened
+        crc = 0
         try:
             with self._errors("get"):
                 where = f"file tier get under {self.root}"
                 head = bytearray(head_length_for(st.st_size, dest.nbytes, max_head, where))
-                if hasher is None:
+                if not hashed:
                     _preadv_all(fd, [memoryview(head), dest], 0, where)
                 else:
                     at = len(head)
@@ -352,11 +354,11 @@ class FileTier(DirectoryBound, ObjectTier):
                         piece = dest[start : start + HASH_PIECE]
                         bufs = [memoryview(head), piece] if start == 0 else [piece]
                         _preadv_all(fd, bufs, 0 if start == 0 else at + start, where)
-                        hasher.update(piece)
+                        crc = payload_crc32(piece, crc)
                     if not dest.nbytes:
                         _preadv_all(fd, [memoryview(head)], 0, where)
                 self._touch(fd, st)
-                return bytes(head)
+                return bytes(head), crc
         finally:
             os.close(fd)
 
