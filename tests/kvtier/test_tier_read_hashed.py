@@ -7,10 +7,13 @@ failure; and a chunk whose bytes changed on disk is still a counted miss."""
 from __future__ import annotations
 
 import os
+import struct
 import zlib
 from collections.abc import Iterator
 
+import msgpack
 import pytest
+import xxhash
 from kit import collect, open_loopback_tier
 
 from kvtier.errors import ChecksumError, ObjectTooLarge, TruncatedError
@@ -94,3 +97,37 @@ def test_a_byte_flipped_on_disk_in_any_piece_is_a_counted_miss(tmp_path, where: 
         assert rio.counters()["errors_checksum"] == 1
     finally:
         rio.close()
+
+
+def _xxh3_frame(key: str, payload: bytes) -> list[bytes]:
+    """A chunk as kvtier framed it before CRC-32 (an ``xxh`` field: its xxh3-128)."""
+    header = {"v": codec.FORMAT_VERSION, "key": key, "dtype": "uint8", "shape": [len(payload)],
+              "len": len(payload), "xxh": xxhash.xxh3_128_digest(payload)}  # fmt: skip
+    packed = msgpack.packb(header, use_bin_type=True)
+    return [codec.MAGIC + struct.pack("<I", len(packed)) + packed, payload]
+
+
+def test_a_chunk_stored_with_the_older_xxh3_checksum_is_read_and_checked(
+    tier: ObjectTier,
+) -> None:
+    """A replica upgraded over a tier older kvtier filled: its chunks are still hits, read
+    the way a hit reads (into the slot, with the CRC computed as they land), and checked
+    with the xxh3-128 they carry; one whose bytes changed is a counted checksum miss."""
+    n = HASH_PIECE + 4321
+    data = os.urandom(n)
+    tier.put("old", _xxh3_frame("old", data))
+    bad = bytearray(data)
+    bad[n // 2] ^= 0x10
+    header, _ = _xxh3_frame("old-bad", data)
+    tier.put("old-bad", [header, bytes(bad)])  # the checksum of other bytes than stored
+    rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None,
+                   backoff=ConstantBackoff(0.1))  # fmt: skip
+    try:
+        slot = memoryview(bytearray(n))
+        rio.submit_get_into(1, "old", slot, dtype="uint8", shape=[n])
+        assert collect(rio, 1)[1].ok and bytes(slot) == data
+        rio.submit_get_into(2, "old-bad", memoryview(bytearray(n)), dtype="uint8", shape=[n])
+        r = collect(rio, 1)[2]
+        assert not r.ok and r.error_kind == "checksum", r
+    finally:
+        rio.close()  # closes the tier too (the fixture's close again is harmless)
