@@ -265,13 +265,14 @@ def verify(
         if sealer is not None:
             raise SignatureError("chunk is not sealed but an encryption key is configured")
         if "xxh" in header:  # written before CRC-32
-            ok = xxhash.xxh3_128_digest(payload) == header["xxh"]
+            rest = (header["xxh"],)
+            ok = xxhash.xxh3_128_digest(payload) == rest[0]
         else:
+            rest = (header["crc"],)
             crc = payload_crc if payload_crc is not None else payload_crc32(payload)
-            ok = crc32_bytes(crc) == header["crc"]
+            ok = crc32_bytes(crc) == rest[0]
         if not ok:
             raise ChecksumError("chunk payload does not match its checksum")
-        rest = (header["xxh" if "xxh" in header else "crc"],)
     extra = () if form is None else (form.encode(),)
     if signer is not None and signer.hmac:
         sig = header.get("sig")
