@@ -66,7 +66,7 @@ from kvtier.objects.tiers import file as file_tier
 from kvtier.objects.tiers.file import FileTier
 from kvtier.objects.tiers.local_fs import filesystem_type
 from kvtier.ops import LoadOp, StoreOp
-from kvtier.threads import faster_thread_switches
+from kvtier.threads import FETCH_SWITCH_S, faster_thread_switches
 
 
 def sync(dev: torch.device) -> None:
@@ -92,9 +92,10 @@ def poll_busy(rio: RemoteIO, n: int) -> list[Any]:
     return got
 
 
-def wait_busy(futures: list[Any]) -> None:
-    """Wait for ``futures`` as :func:`poll_busy` waits for kvtier's reads."""
-    while not all(f.done() for f in futures):
+def wait_all(futures: list[Any], busy: bool) -> None:
+    """Wait for ``futures`` (their errors raised); ``busy``: as :func:`poll_busy` waits
+    for kvtier's reads, running Python meanwhile."""
+    while busy and not all(f.done() for f in futures):
         engine_step()
     for f in futures:
         f.result()
@@ -184,8 +185,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
             with open(paths[i], "rb", buffering=0) as f:
                 readinto_all(f, memoryview(raw_host[i].numpy()))
 
-        futs = [pool.submit(read, i) for i in range(n)]
-        wait_busy(futs) if busy else [f.result() for f in futs]
+        wait_all([pool.submit(read, i) for i in range(n)], busy)
         t_read = time.perf_counter() - t0
         for i in range(n):
             raw_dev[offsets[i] : offsets[i] + obj_bytes[i]].copy_(raw_host[i], non_blocking=pin)
@@ -197,8 +197,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         def side() -> tuple[float, float]:
             cold()
             t0 = time.perf_counter()
-            futs = [pool.submit(read_one, i) for i in range(n)]
-            wait_busy(futs) if busy else [f.result() for f in futs]
+            wait_all([pool.submit(read_one, i) for i in range(n)], busy)
             t = time.perf_counter() - t0
             return t, t
         return side
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="what the thread waiting for the reads does: idle (sleeps between "
                          "polls) or busy (runs Python between them, as an engine's loop "
                          "does while a lookup waits), on both sides")
-    ap.add_argument("--fetch-switch-us", type=int, default=50,
+    ap.add_argument("--fetch-switch-us", type=int, default=round(FETCH_SWITCH_S * 1e6),
                     help="kvtier's fetch_switch_us (0: Python's switch interval as it is)")
     ap.add_argument("--split", action="store_true",
                     help="also time the parts of kvtier's read on the same read threads, "
