@@ -107,6 +107,8 @@ def test_closing_with_a_read_stuck_in_its_call_gives_the_interval_back() -> None
 
 def test_fetch_switch_us_sets_the_interval_and_is_checked(tmp_path) -> None:
     assert load_config({}).fetch_switch_us == 50
+    # the config's default and the one a RemoteIO built without a config gets are one
+    assert load_config({}).fetch_switch_us / 1e6 == pytest.approx(FETCH_SWITCH_S)
     cfg = load_config({"fetch_switch_us": 0, "remote_url": f"file://{tmp_path}"})
     rio = RemoteIO.from_config(cfg)
     try:
