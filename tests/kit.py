@@ -6,14 +6,20 @@ kvtier.sizing.emit.connector_config.)"""
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgpack
 import pytest
+import xxhash
 
 from kvtier.config import load_config
+from kvtier.objects import codec
+from kvtier.objects.codec_header import _canonical
+from kvtier.objects.codec_signer import Signer
 from kvtier.objects.tiers import ObjectTier, open_tier
 from kvtier.ops import OpResult
 
@@ -36,6 +42,21 @@ def chunk_files(root: Path) -> list[Path]:
     """The chunk objects a file:// tier holds: its own bookkeeping (the sweep lock, temp
     files of writes in flight) is dot-named."""
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def xxh3_framed(
+    key: str, payload: bytes, *, dtype: str, shape: list[int], signer: Signer | None = None
+) -> list[bytes]:
+    """A chunk as kvtier framed it before CRC-32 (an ``xxh`` field: its xxh3-128), signed
+    with ``signer``'s HMAC key when given: its head and its payload."""
+    digest = xxhash.xxh3_128_digest(payload)
+    header = {"v": codec.FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
+              "len": len(payload), "xxh": digest}  # fmt: skip
+    if signer is not None:
+        canon = _canonical(codec.FORMAT_VERSION, key, dtype, shape, len(payload), digest)
+        header["sig"] = signer.sign(canon, memoryview(payload))
+    packed = msgpack.packb(header, use_bin_type=True)
+    return [codec.MAGIC + struct.pack("<I", len(packed)) + packed, payload]
 
 
 def payload(seed: int = 1, size: int = PAYLOAD_SIZE) -> memoryview:

@@ -11,6 +11,7 @@ import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import xxh3_framed
 
 from kvtier.config import load_config
 from kvtier.errors import (
@@ -24,7 +25,6 @@ from kvtier.errors import (
 from kvtier.objects import codec
 from kvtier.objects.checksum import crc32_bytes, payload_crc32
 from kvtier.objects.codec import Signer, decode, encode
-from kvtier.objects.codec_header import _canonical
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpResult
@@ -158,14 +158,8 @@ def test_the_checksum_is_zlibs_crc32_of_the_payload_and_catches_a_flipped_bit() 
 
 def _xxh3_chunk(payload: bytes, signer: Signer | None = None) -> bytes:
     """A chunk as kvtier framed it before CRC-32: an ``xxh`` field, its xxh3-128."""
-    digest = xxhash.xxh3_128_digest(payload)
-    shape = [2, len(payload) // 4]
-    header = {"v": codec.FORMAT_VERSION, "key": KEY, "dtype": "bfloat16", "shape": shape,
-              "len": len(payload), "xxh": digest}  # fmt: skip
-    if signer is not None:
-        canon = _canonical(codec.FORMAT_VERSION, KEY, "bfloat16", shape, len(payload), digest)
-        header["sig"] = signer.sign(canon, memoryview(payload))
-    return rebuild(header, payload)
+    return b"".join(xxh3_framed(KEY, payload, dtype="bfloat16", shape=[2, len(payload) // 4],
+                                signer=signer))  # fmt: skip
 
 
 def test_chunks_written_with_an_xxh3_checksum_are_still_read_and_checked() -> None:

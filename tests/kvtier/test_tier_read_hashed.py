@@ -7,14 +7,11 @@ failure; and a chunk whose bytes changed on disk is still a counted miss."""
 from __future__ import annotations
 
 import os
-import struct
 import zlib
 from collections.abc import Iterator
 
-import msgpack
 import pytest
-import xxhash
-from kit import collect, open_loopback_tier
+from kit import collect, open_loopback_tier, xxh3_framed
 
 from kvtier.errors import ChecksumError, ObjectTooLarge, TruncatedError
 from kvtier.objects import codec
@@ -99,14 +96,6 @@ def test_a_byte_flipped_on_disk_in_any_piece_is_a_counted_miss(tmp_path, where: 
         rio.close()
 
 
-def _xxh3_frame(key: str, payload: bytes) -> list[bytes]:
-    """A chunk as kvtier framed it before CRC-32 (an ``xxh`` field: its xxh3-128)."""
-    header = {"v": codec.FORMAT_VERSION, "key": key, "dtype": "uint8", "shape": [len(payload)],
-              "len": len(payload), "xxh": xxhash.xxh3_128_digest(payload)}  # fmt: skip
-    packed = msgpack.packb(header, use_bin_type=True)
-    return [codec.MAGIC + struct.pack("<I", len(packed)) + packed, payload]
-
-
 def test_a_chunk_stored_with_the_older_xxh3_checksum_is_read_and_checked(
     tier: ObjectTier,
 ) -> None:
@@ -115,10 +104,10 @@ def test_a_chunk_stored_with_the_older_xxh3_checksum_is_read_and_checked(
     with the xxh3-128 they carry; one whose bytes changed is a counted checksum miss."""
     n = HASH_PIECE + 4321
     data = os.urandom(n)
-    tier.put("old", _xxh3_frame("old", data))
+    tier.put("old", xxh3_framed("old", data, dtype="uint8", shape=[n]))
     bad = bytearray(data)
     bad[n // 2] ^= 0x10
-    header, _ = _xxh3_frame("old-bad", data)
+    header, _ = xxh3_framed("old-bad", data, dtype="uint8", shape=[n])
     tier.put("old-bad", [header, bytes(bad)])  # the checksum of other bytes than stored
     rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None,
                    backoff=ConstantBackoff(0.1))  # fmt: skip
