@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,8 @@ from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierUnavaila
 from kvtier.keys import KeySpace, Namespace
 from kvtier.objects import codec
 from kvtier.objects.backoff import ConstantBackoff
-from kvtier.objects.remote import RemoteIO
+from kvtier.objects.checksum import HASH_PIECE
+from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.tiers import open_tier
 from kvtier.objects.tiers.redis import RedisTier, _BoundedParser
 from kvtier.objects.tiers.redis_cluster import (
@@ -239,6 +241,26 @@ def test_get_into_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -
         tier.get(keys[-1], max_bytes=99_000)
     assert small == bytearray(b"\xa5") * 100_000
     assert tier.get(keys[0]) == values[0]  # the next read is intact
+
+
+def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -> None:
+    """The read a hit makes, on the cluster: each node's bounded parser reads the payload
+    into the slot and checksums it as it lands; the CRC is of exactly the slot's bytes."""
+    keys = prompt_keys(6)
+    n = 2 * HASH_PIECE + 4321
+    values = [os.urandom(n) for _ in keys]
+    for key, value in zip(keys, values, strict=True):
+        tier.put(key, codec.encode(key, value, dtype="uint8", shape=[n]))
+    nodes = {tier._cluster.get_node_from_key(key).name for key in keys}
+    assert len(nodes) > 1  # the keys spread over several primaries
+    for key, value in zip(keys, values, strict=True):
+        slot = memoryview(bytearray(n))
+        got = tier.read_into_hashed(key, slot, MAX_FRAME)
+        assert got is not None
+        head, crc = got
+        assert bytes(slot) == value and crc == zlib.crc32(value)
+        codec.verify(head, slot, key=key, dtype="uint8", shape=[n], payload_crc=crc)
+    assert tier.read_into_hashed("absent", memoryview(bytearray(n)), MAX_FRAME) is None
 
 
 def collect(rio: RemoteIO, n: int, timeout: float = 15.0) -> list[OpResult]:

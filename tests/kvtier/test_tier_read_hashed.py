@@ -1,8 +1,8 @@
 """``ObjectTier.read_into_hashed``: the slot read and its CRC-32, computed while the bytes
-land (the directory tier) or after (the others), against every backend's real service on
-loopback. The CRC is what ``codec.verify`` trusts instead of checksumming the slot again,
-so it must be the CRC of exactly the bytes in the slot, at every size and after every
-failure; and a chunk whose bytes changed on disk is still a counted miss."""
+land, against every backend's real service on loopback. The CRC is what ``codec.verify``
+trusts instead of checksumming the slot again, so it must be the CRC of exactly the bytes
+in the slot, at every size and after every failure; and a chunk whose bytes changed on
+disk is still a counted miss."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from kit import collect, open_loopback_tier, xxh3_framed
 
 from kvtier.errors import ChecksumError, ObjectTooLarge, TruncatedError
-from kvtier.objects import codec
+from kvtier.objects import checksum, codec
 from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.checksum import HASH_PIECE
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.tiers import FileTier, ObjectTier
-from kvtier.objects.tiers.file import HASH_PIECE
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +47,29 @@ def test_the_digest_is_of_the_bytes_in_the_slot(tier: ObjectTier, n: int) -> Non
     again = memoryview(bytearray(n))
     assert tier.read_into("k", again, MAX_FRAME) == head and bytes(again) == data
     codec.verify(head, slot, key="k", dtype="uint8", shape=[n], payload_crc=crc)
+
+
+def test_the_slot_is_checksummed_as_it_lands_not_after(
+    tier: ObjectTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend checksums a chunk piece by piece while it is read (each piece still in
+    the CPU's cache), never in a second pass over the whole slot once it is in: no one
+    checksum call covers more than a piece and what the last read brought with it."""
+    sizes: list[int] = []
+    real = checksum.payload_crc32
+
+    def counted(data: memoryview, value: int = 0) -> int:
+        sizes.append(memoryview(data).nbytes)
+        return real(data, value)
+
+    monkeypatch.setattr(checksum, "payload_crc32", counted)
+    n = 4 * HASH_PIECE + 777
+    data = os.urandom(n)
+    tier.put("k", codec.encode("k", data, dtype="uint8", shape=[n]))
+    got = tier.read_into_hashed("k", memoryview(bytearray(n)), MAX_FRAME)
+    assert got is not None and got[1] == zlib.crc32(data)
+    assert sum(sizes) == n and len(sizes) >= 4, sizes
+    assert max(sizes) < 2 * HASH_PIECE, sizes
 
 
 def test_a_missing_key_is_none(tier: ObjectTier) -> None:

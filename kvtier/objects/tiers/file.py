@@ -17,7 +17,7 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
-from kvtier.objects.checksum import payload_crc32
+from kvtier.objects import checksum
 from kvtier.objects.tiers.base import ObjectTier, Parts, byte_view, head_length_for
 from kvtier.objects.tiers.file_sweep import (
     _OPEN_ROOT,
@@ -32,12 +32,6 @@ __all__ = ["FileTier", "SweepStats"]
 
 log = logging.getLogger("kvtier.tiers.file")
 
-#: bytes read and hashed at a time by :meth:`FileTier.read_into_hashed`: a piece is still
-#: in the CPU's cache when it is hashed, and each costs a few Python calls under the GIL.
-#: With 8 read threads on a 16-core GPU host, 1 MiB pieces read a Llama-3-8B restart hit
-#: (32 MiB chunks) 20 % faster than 256 KiB ones (4 MiB: no better); with 2 on a 2-core VM,
-#: 8 % slower (bench/gpu_restart.py --hash-piece-kib)
-HASH_PIECE = 1 << 20
 _MAX_NAME = 200  # below every common filesystem's 255-byte name limit
 #: errors of the file system or its mount rather than of one file: RemoteIO backs off on
 #: these; every other OSError (ENOSPC, EACCES, ELOOP from a symlink, ESTALE: NFS says the
@@ -329,8 +323,8 @@ class FileTier(DirectoryBound, ObjectTier):
         self, key: str, dest: memoryview, max_head: int
     ) -> tuple[bytes, int] | None:
         """:meth:`ObjectTier.read_into_hashed`: the slot is read in pieces of
-        ``HASH_PIECE`` bytes, each checksummed right after it lands, while it is still in
-        the CPU's cache: one pass over memory instead of a read and then a checksum pass."""
+        ``checksum.HASH_PIECE`` bytes, each checksummed right after it lands, while it is
+        still in the CPU's cache: one pass over memory instead of a read, then a checksum."""
         return self._read_slot(key, dest, max_head, hashed=True)
 
     def _read_slot(
@@ -349,14 +343,15 @@ class FileTier(DirectoryBound, ObjectTier):
                 if not hashed:
                     _preadv_all(fd, [memoryview(head), dest], 0, where)
                 else:
-                    at = len(head)
-                    for start in range(0, dest.nbytes, HASH_PIECE):
-                        piece = dest[start : start + HASH_PIECE]
+                    at, step, landing = len(head), checksum.HASH_PIECE, checksum.LandingCrc(dest)
+                    for start in range(0, dest.nbytes, step):
+                        piece = dest[start : start + step]
                         bufs = [memoryview(head), piece] if start == 0 else [piece]
                         _preadv_all(fd, bufs, 0 if start == 0 else at + start, where)
-                        crc = payload_crc32(piece, crc)
+                        landing.landed(start + piece.nbytes)
                     if not dest.nbytes:
                         _preadv_all(fd, [memoryview(head)], 0, where)
+                    crc = landing.result()
                 self._touch(fd, st)
                 return bytes(head), crc
         finally:

@@ -15,6 +15,7 @@ from redis.retry import Retry
 
 from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
+from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
     ObjectTier,
     Parts,
@@ -237,22 +238,37 @@ class RedisTier(ObjectTier):
         """:meth:`ObjectTier.read_into`: the reply's last ``dest.nbytes`` bytes are read
         from the socket straight into ``dest`` (no buffer of the chunk's size, no copy);
         a reply shorter than that (a compressed chunk, a truncated one) is read whole."""
+        got = self._read_slot(key, dest, max_head, hashed=False)
+        return None if got is None else got[0]
+
+    def read_into_hashed(
+        self, key: str, dest: memoryview, max_head: int
+    ) -> tuple[bytes, int] | None:
+        """:meth:`ObjectTier.read_into_hashed`: the reply is checksummed piece by piece as
+        it lands in the slot (one pass over memory, not a read and then a checksum)."""
+        return self._read_slot(key, dest, max_head, hashed=True)
+
+    def _read_slot(
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+    ) -> tuple[bytes, int] | None:
+        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
         bound = self._bound
-        bound.into, bound.landed, bound.last_int = dest, False, None
+        landing = LandingCrc(dest) if hashed else None
+        bound.into, bound.landed, bound.last_int, bound.landing = dest, False, None, landing
         try:
             blob = self._get(key, dest.nbytes + max_head)
             landed = bound.landed
         finally:
-            bound.into, bound.landed, bound.last_int = None, False, None
+            bound.into, bound.landed, bound.last_int, bound.landing = None, False, None, None
         if blob is None:
             return None
         if landed:  # ``blob`` is the head: the payload is in ``dest`` already
             head_length_for(len(blob) + dest.nbytes, dest.nbytes, max_head, self.name)
-            return bytes(blob)
+            return bytes(blob), landing.result() if landing is not None else 0
         head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
         view = memoryview(blob)
         dest[:] = view[head_len:]
-        return bytes(view[:head_len])
+        return bytes(view[:head_len]), payload_crc32(dest) if hashed else 0
 
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """:meth:`ObjectTier.get_into`: STRLEN + GETRANGE as :meth:`get` with ``max_bytes``

@@ -19,6 +19,7 @@ from redis._parsers import _RESP2Parser
 from redis._parsers.socket import SocketBuffer
 from redis.utils import SENTINEL
 
+from kvtier.objects.checksum import LandingCrc
 from kvtier.objects.tiers.base import Parts
 
 __all__ = ["ReplyTooLarge"]
@@ -54,6 +55,8 @@ class _Bound(threading.local):
     #: the bytes before them (the chunk's head) are returned; ``landed`` says it was
     into: memoryview | None = None
     landed = False
+    #: ``into``'s checksum, computed as the reply lands there (``read_into_hashed``)
+    landing: LandingCrc | None = None
     #: ``into`` takes the whole reply at its front instead (``RedisTier.get_into``): a
     #: reply no longer than ``into`` lands there, and ``front_n`` says how long it was
     front = False
@@ -139,7 +142,10 @@ class _BoundedParser(_RESP2Parser):
         if into is not None and into.nbytes <= n and not oversize:
             self.bound.landed = False
             head, crlf = bytearray(n - into.nbytes), bytearray(2)
-            self._fill([memoryview(head), into, memoryview(crlf)], timeout)
+            landing = self.bound.landing
+            if landing is not None:
+                landing.restart()  # (a command redis-py retried reads its reply again)
+            self._fill([memoryview(head), into, memoryview(crlf)], timeout, landing)
             _check_crlf(crlf)
             self.bound.landed = True
             return head
@@ -153,20 +159,27 @@ class _BoundedParser(_RESP2Parser):
         del out[n:]  # shrinks in place
         return out
 
-    def _fill(self, views: list[memoryview], timeout: object) -> None:
+    def _fill(
+        self, views: list[memoryview], timeout: object, landing: LandingCrc | None = None
+    ) -> None:
         """Fill ``views`` in order: first from what the socket buffer holds, then from
-        the socket."""
+        the socket; ``landing`` checksums the view it was made for as it fills."""
         sock = self._sock
         if timeout is not SENTINEL:
             sock.settimeout(timeout)
         try:
             for view in views:
+                track = landing if landing is not None and view is landing.view else None
                 got = self._buffer._buffer.readinto(view)  # what the buffer holds already
                 while got < view.nbytes:
+                    if track is not None:
+                        track.landed(got)
                     k = sock.recv_into(view[got:])
                     if not k:
                         raise redis.ConnectionError("Connection closed by server.")
                     got += k
+                if track is not None:
+                    track.landed(got)
         finally:
             if timeout is not SENTINEL:
                 sock.settimeout(self._buffer.socket_timeout)

@@ -21,6 +21,7 @@ from kvtier.errors import (
     TierUnavailable,
     TruncatedError,
 )
+from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
     ObjectTier,
     Parts,
@@ -81,8 +82,9 @@ def _object_size(resp: dict[str, Any]) -> int | None:
     return int(length) if length is not None else None
 
 
-def _read_upto(body: Any, buf: memoryview) -> int:
+def _read_upto(body: Any, buf: memoryview, landing: LandingCrc | None = None) -> int:
     """Fill ``buf`` from a GET's streamed ``body``; the bytes read (fewer when it ends).
+    ``landing``: ``buf``'s checksum, computed as its pieces land.
 
     In pieces of :data:`_PIECE`: urllib3's ``readinto`` reads into a new bytes object of
     the size asked for and copies it, so one call for the whole buffer would allocate a
@@ -93,14 +95,19 @@ def _read_upto(body: Any, buf: memoryview) -> int:
         if not n:
             break
         got += n
+        if landing is not None:
+            landing.landed(got)
     return got
 
 
-def _fill(body: Any, bufs: list[memoryview], where: str) -> None:
+def _fill(
+    body: Any, bufs: list[memoryview], where: str, landing: LandingCrc | None = None
+) -> None:
     """Fill ``bufs`` in order from a GET's streamed ``body`` (TruncatedError when it ends
-    first)."""
+    first); ``landing`` checksums the one of them it was made for as it fills."""
     for buf in bufs:
-        if _read_upto(body, buf) < buf.nbytes:
+        track = landing if landing is not None and buf is landing.view else None
+        if _read_upto(body, buf, track) < buf.nbytes:
             raise TruncatedError(f"{where}: body ended early")
 
 
@@ -109,7 +116,7 @@ def client_config(io_threads: int, lookup_timeout_ms: int) -> Config:
 
     RemoteIO has its own deadline and backoff, so botocore's default of
     several retries with sleeps would only hide an outage for longer. The
-    codec's end-to-end xxh3 checksum makes botocore's extra CRC pass redundant.
+    codec's end-to-end CRC-32 checksum makes botocore's extra CRC pass redundant.
     """
     waits = Timeouts.from_ms(lookup_timeout_ms)
     return Config(
@@ -340,6 +347,20 @@ class S3Tier(ObjectTier):
 
     def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
         """One ranged GET; the body streams into the slot (``readinto``, no full copy)."""
+        got = self._read_slot(key, dest, max_head, hashed=False)
+        return None if got is None else got[0]
+
+    def read_into_hashed(
+        self, key: str, dest: memoryview, max_head: int
+    ) -> tuple[bytes, int] | None:
+        """:meth:`ObjectTier.read_into_hashed`: each piece of the body is checksummed as
+        it lands in the slot (one pass over memory, not a read and then a checksum)."""
+        return self._read_slot(key, dest, max_head, hashed=True)
+
+    def _read_slot(
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+    ) -> tuple[bytes, int] | None:
+        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
         limit = dest.nbytes + max_head
         resp = self._get_object(key, limit)
         if resp is None:
@@ -353,10 +374,11 @@ class S3Tier(ObjectTier):
                     blob = body.read(limit + 1)
                     head_len = head_length_for(len(blob), dest.nbytes, max_head, where)
                     dest[:] = memoryview(blob)[head_len:]
-                    return bytes(blob[:head_len])
+                    return bytes(blob[:head_len]), payload_crc32(dest) if hashed else 0
                 head = bytearray(head_length_for(size, dest.nbytes, max_head, where))
-                _fill(body, [memoryview(head), dest], where)
-                return bytes(head)
+                landing = LandingCrc(dest) if hashed else None
+                _fill(body, [memoryview(head), dest], where, landing)
+                return bytes(head), landing.result() if landing is not None else 0
         finally:
             body.close()
 
