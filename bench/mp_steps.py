@@ -7,8 +7,12 @@ beside vLLM's own in-engine hit of the same prompt.
 ``vllm serve`` runs it. kvtier's connector class is wrapped at import, in every process
 that imports this script (vLLM spawns the engine core and the worker, which re-import the
 main script), never changed; each process appends its events to a file of its own.
+With ``--serve`` the same requests go through ``vllm serve`` itself (its OpenAI API,
+streamed): the server loads kvtier's connector from this module (``KVTierConnector``
+below), so the engine core and the worker wrap it as they import it, and "request in"
+is when the client sent the request (the API server's part included).
 
-    python bench/mp_steps.py --tokens 2048 --samples 8
+    python bench/mp_steps.py --tokens 2048 --samples 8 [--serve]
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
-from typing import TextIO
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TextIO
 
 _DIR_VAR = "KVTIER_BENCH_STEPS_DIR"
 _files: dict[int, TextIO] = {}  # this process's events file, opened once (not in each step)
@@ -74,10 +79,10 @@ def read_events(out_dir: str) -> list[tuple[float, str, list[str]]]:
 
 def split_requests(events: Iterable[tuple[float, str, list[str]]]) -> list[dict[str, float]]:
     """Per timed request (between ``begin`` and ``end``, which the bench process logs; a
-    request whose lookup never answered is left out): ms
-    from the request's submission to the lookup's answer, the engine steps and the slowest
-    hand-off (scheduler built the step -> the worker bound it) before it, the load copies,
-    and the TTFT."""
+    request whose lookup never answered is left out): ms from the request's submission to
+    kvtier's first lookup of it and to the lookup's answer, the engine steps and the
+    slowest hand-off (scheduler built the step -> the worker bound it) before it, the load
+    copies, and the TTFT."""
     out: list[dict[str, float]] = []
     cur: dict[str, float] | None = None
     built = t0 = 0.0
@@ -85,10 +90,12 @@ def split_requests(events: Iterable[tuple[float, str, list[str]]]) -> list[dict[
         if ev == "begin":
             cur, t0 = {"kind": float(f[0] == "restart"), "steps before answer": 0.0,
                        "slowest hand-off before answer": 0.0, "answer": float("nan"),
-                       "copies": 0.0}, t  # fmt: skip
+                       "first lookup": float("nan"), "copies": 0.0}, t  # fmt: skip
         elif cur is None:
             continue
-        elif not math.isnan(cur["answer"]):
+        if ev == "get_num_new_matched_tokens" and math.isnan(cur["first lookup"]):
+            cur["first lookup"] = (t - t0) * 1e3
+        if not math.isnan(cur["answer"]):
             if ev == "start_load_kv":
                 cur["copies"] += float(f[0])
             elif ev == "end":
@@ -109,8 +116,10 @@ def split_requests(events: Iterable[tuple[float, str, list[str]]]) -> list[dict[
 
 def summary(requests: list[dict[str, float]]) -> str:
     """Medians of the restart hits beside the in-engine hits, as a table."""
-    rows = ["answer", "steps before answer", "slowest hand-off before answer", "copies", "ttft"]
-    names = {"answer": "request in -> kvtier's lookup answers (ms)",
+    rows = ["first lookup", "answer", "steps before answer", "slowest hand-off before answer",
+            "copies", "ttft"]
+    names = {"first lookup": "request in -> kvtier's first lookup of it (ms)",
+             "answer": "request in -> kvtier's lookup answers (ms)",
              "steps before answer": "engine steps before the answer",
              "slowest hand-off before answer": "slowest step hand-off to the worker before it (ms)",
              "copies": "load copies, host slot -> vLLM's KV cache (ms)",
@@ -119,8 +128,8 @@ def summary(requests: list[dict[str, float]]) -> str:
     engine = [r for r in requests if not r["kind"]]
     lines = [f"{'median of ' + str(len(restart)):<52} {'restart hit':>12} {'in-engine hit':>14}"]
     for k in rows:
-        a = statistics.median(r[k] for r in restart) if restart else float("nan")
-        b = statistics.median(r[k] for r in engine) if engine else float("nan")
+        a = statistics.median(r.get(k, math.nan) for r in restart) if restart else math.nan
+        b = statistics.median(r.get(k, math.nan) for r in engine) if engine else math.nan
         if k == "answer":
             b = float("nan")  # vLLM's own hit asks kvtier once and gets 0 tokens
         cells = [f"{v:.1f}" if not math.isnan(v) else "-" for v in (a, b)]
@@ -128,11 +137,68 @@ def summary(requests: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def __getattr__(name: str) -> object:
+    """``vllm serve`` (``--serve``) loads ``KVTierConnector`` from this module: kvtier's,
+    wrapped when this module was imported."""
+    if name == "KVTierConnector":
+        from kvtier.connectors.vllm import KVTierConnector
+
+        return KVTierConnector
+    raise AttributeError(name)
+
+
+def _serve_first_token(url: str, tokens: list[int]) -> None:
+    """One greedy one-token request to ``vllm serve``, streamed; ``end`` is logged when its
+    token arrives."""
+    import httpx
+
+    body = {"model": "bench", "prompt": tokens, "max_tokens": 1, "temperature": 0,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
+                      trust_env=False) as r:  # fmt: skip
+        r.raise_for_status()
+        ended = False
+        for line in r.iter_lines():
+            if line.startswith("data:") and not ended and os.environ.get(_DIR_VAR):
+                _log("end", "")
+                ended = True
+        if not ended and os.environ.get(_DIR_VAR):
+            raise RuntimeError("vllm serve streamed no token")
+
+
+def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any], None],
+           timed: bool) -> None:
+    """Start ``vllm serve`` with kvtier (``timed``: loaded from this module, so its calls
+    are logged), call ``run(request)`` with a function that sends one prompt, stop it."""
+    from harness import VLLMServer
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = {"PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")])}
+    if timed:
+        env[_DIR_VAR] = os.environ[_DIR_VAR]
+    ktc = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+           "kv_connector_module_path": "mp_steps" if timed else "kvtier.connectors.vllm",
+           "kv_connector_extra_config": {"cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
+                                         "chunk_size": 256, **extra}}  # fmt: skip
+    server = VLLMServer(python=sys.executable, model=Path(model), kv_transfer=ktc,
+                        kv_cache_bytes=4 << 30, max_model_len=max_len, env=env,
+                        log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log")  # fmt: skip
+    server.start()
+    try:
+        run(lambda tokens: _serve_first_token(server.url, tokens))
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length")
     ap.add_argument("--samples", type=int, default=8, help="restart hits timed")
     ap.add_argument("--json", action="store_true", help="also print the requests as JSON")
+    ap.add_argument("--serve", action="store_true",
+                    help="through `vllm serve` (its OpenAI API, streamed) instead of LLM's "
+                    "multiprocess engine")  # fmt: skip
     ap.add_argument("--file-cache", choices=("warm", "cold"), default="warm",
                     help="the tier's files in the page cache before each restart hit (warm: "
                          "a restart on the node that wrote them) or dropped from it (cold)")
@@ -146,26 +212,39 @@ def main() -> None:
 
     model, max_len = tiny_model([args.tokens], 8, 1024)
     ss = seeds(10, args.samples + 2)
-    with tempfile.TemporaryDirectory() as work:
-        extra = {"remote_url": f"file://{os.path.join(work, 'tier')}"}
-        writer = kvtier_llm(model, max_len, extra)
+    def store(request: Callable[[list[int]], Any]) -> None:
         for s in ss:
-            timed_request(writer, prompt(s, args.tokens))
-        writer.llm_engine.engine_core.shutdown()  # flushes queued uploads
-        os.environ[_DIR_VAR] = os.path.join(work, "steps")
-        os.makedirs(os.environ[_DIR_VAR])
-        llm = kvtier_llm(model, max_len, extra)
-        timed_request(llm, prompt(ss[0], args.tokens))  # the first request after the restart
-        timed_request(llm, prompt(ss[1], 300))
+            request(prompt(s, args.tokens))
+
+    def restart_hits(request: Callable[[list[int]], Any]) -> None:
+        request(prompt(ss[0], args.tokens))  # the first request after the restart
+        request(prompt(ss[1], 300))
         for kind in ("restart", "engine"):  # the same prompts: a restart hit, then vLLM's
             for s in ss[2:]:
                 set_file_cache(extra, args.file_cache if kind == "restart" else "warm")
                 time.sleep(0.3)
                 _log("begin", kind)
-                timed_request(llm, prompt(s, args.tokens))
-                _log("end", kind)
-        llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
-        requests = split_requests(read_events(os.environ[_DIR_VAR]))
+                request(prompt(s, args.tokens))
+                if not args.serve:  # (the streamed request logs it at its token)
+                    _log("end", kind)
+
+    with tempfile.TemporaryDirectory() as work:
+        extra = {"remote_url": f"file://{os.path.join(work, 'tier')}"}
+        steps_dir = os.path.join(work, "steps")
+        os.makedirs(steps_dir)
+        if args.serve:
+            _serve(str(model), max_len, extra, work, store, timed=False)
+            os.environ[_DIR_VAR] = steps_dir
+            _serve(str(model), max_len, extra, work, restart_hits, timed=True)
+        else:
+            writer = kvtier_llm(model, max_len, extra)
+            store(lambda tokens: timed_request(writer, tokens))
+            writer.llm_engine.engine_core.shutdown()  # flushes queued uploads
+            os.environ[_DIR_VAR] = steps_dir
+            llm = kvtier_llm(model, max_len, extra)
+            restart_hits(lambda tokens: timed_request(llm, tokens))
+            llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
+        requests = split_requests(read_events(steps_dir))
     print(summary(requests))
     if args.json:
         print(json.dumps(requests))

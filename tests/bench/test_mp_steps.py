@@ -14,6 +14,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 import mp_steps  # noqa: E402
 
 
+def test_serve_loads_kvtiers_connector_from_the_module() -> None:
+    """``--serve`` names this module as the connector's module path: vLLM's factory gets
+    kvtier's class from it by name; any other name is an AttributeError, as for a module."""
+    from kvtier.connectors.vllm import KVTierConnector
+
+    assert mp_steps.KVTierConnector is KVTierConnector
+    with pytest.raises(AttributeError):
+        mp_steps.NoSuchConnector  # noqa: B018
+
+
 def _restart_hit(t0: float) -> list[str]:
     """A restart hit as the three processes log it: two steps answered "ask again" (the
     second handed to the worker 4 ms late), the answer, a step with 3.2 ms of copies."""
@@ -47,6 +57,8 @@ def test_a_restart_hit_is_split_at_the_lookups_answer(tmp_path: Path) -> None:
     (tmp_path / "1.log").open("a").write("\n".join(engine) + "\n")
     [hit, own] = mp_steps.split_requests(mp_steps.read_events(str(tmp_path)))
     assert hit["kind"] == 1.0 and own["kind"] == 0.0
+    assert hit["first lookup"] == pytest.approx(2.0, abs=1e-3)
+    assert own["first lookup"] == pytest.approx(2.0, abs=1e-3)
     assert hit["answer"] == pytest.approx(15.0, abs=1e-3)
     assert hit["steps before answer"] == 2
     # built at 4.1 ms, bound at 8.1 ms (its 0.0 ms call ended then)
@@ -58,6 +70,8 @@ def test_a_restart_hit_is_split_at_the_lookups_answer(tmp_path: Path) -> None:
     assert "median of 1" in table
     ttft_row = next(ln for ln in table.splitlines() if ln.startswith("time to first token"))
     assert ttft_row.split()[-2:] == ["50.0", "31.0"]
+    first_row = next(ln for ln in table.splitlines() if "first lookup" in ln)
+    assert first_row.split()[-2:] == ["2.0", "2.0"]
 
 
 def test_a_request_whose_lookup_never_answered_is_left_out(tmp_path: Path) -> None:
