@@ -128,8 +128,8 @@ def summary(requests: list[dict[str, float]]) -> str:
     engine = [r for r in requests if not r["kind"]]
     lines = [f"{'median of ' + str(len(restart)):<52} {'restart hit':>12} {'in-engine hit':>14}"]
     for k in rows:
-        a = statistics.median(r.get(k, math.nan) for r in restart) if restart else math.nan
-        b = statistics.median(r.get(k, math.nan) for r in engine) if engine else math.nan
+        a = statistics.median(r[k] for r in restart) if restart else float("nan")
+        b = statistics.median(r[k] for r in engine) if engine else float("nan")
         if k == "answer":
             b = float("nan")  # vLLM's own hit asks kvtier once and gets 0 tokens
         cells = [f"{v:.1f}" if not math.isnan(v) else "-" for v in (a, b)]

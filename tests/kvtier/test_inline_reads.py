@@ -112,11 +112,15 @@ def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
     store(rio, keys)
     real = rio._execute
     paused: list[str] = []
+    took = threading.Event()
 
     def late_start(op) -> None:
         if threading.current_thread().name.startswith("kvtier-read"):
             paused.append(op.key)
+            took.set()
             time.sleep(0.2)  # taken, not yet started, while the submitter reads the rest
+        else:  # the submitter reads on once an I/O thread holds a chunk (however loaded
+            took.wait(5.0)  # the machine, the case under test always happens)
         real(op)
 
     monkeypatch.setattr(rio, "_execute", late_start)
