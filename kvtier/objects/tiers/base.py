@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from kvtier.errors import ObjectTooLarge, TruncatedError
 from kvtier.objects.checksum import payload_crc32
 
-__all__ = ["ObjectTier", "Parts", "byte_view", "head_length_for", "stored_prefix"]
+__all__ = ["ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for", "stored_prefix"]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
@@ -120,8 +120,8 @@ class ObjectTier(ABC):
         one too short to hold a head and ``dest`` raises
         :class:`~kvtier.errors.TruncatedError`. ``dest`` may hold any bytes after
         an error: the caller verifies before it uses them. This default reads
-        through :meth:`get` (one extra copy); backends override it to read into
-        ``dest`` directly.
+        through :meth:`get` (one extra copy); kvtier's backends read into ``dest``
+        directly (:class:`SlotReader`).
         """
         blob = self.get(key, max_bytes=dest.nbytes + max_head)
         if blob is None:
@@ -135,9 +135,9 @@ class ObjectTier(ABC):
         self, key: str, dest: memoryview, max_head: int
     ) -> tuple[bytes, int] | None:
         """:meth:`read_into`, and the CRC-32 of the bytes in ``dest`` (the codec's
-        checksum): (head, crc), None when the key is not stored. A backend that can
-        checksum the payload as it arrives overrides it (one pass over memory instead
-        of two); this default checksums ``dest`` after the read."""
+        checksum): (head, crc), None when the key is not stored. This default checksums
+        ``dest`` after the read; kvtier's backends checksum the payload as it arrives
+        (:class:`SlotReader`: one pass over memory instead of two)."""
         head = self.read_into(key, dest, max_head)
         return None if head is None else (head, payload_crc32(dest))
 
@@ -158,3 +158,25 @@ class ObjectTier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SlotReader(ObjectTier):
+    """A backend that reads a chunk straight into its slot itself, checksumming each
+    piece as it lands when asked (:meth:`_read_slot`): :meth:`read_into` and
+    :meth:`read_into_hashed` are its two uses."""
+
+    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+        got = self._read_slot(key, dest, max_head, hashed=False)
+        return None if got is None else got[0]
+
+    def read_into_hashed(
+        self, key: str, dest: memoryview, max_head: int
+    ) -> tuple[bytes, int] | None:
+        return self._read_slot(key, dest, max_head, hashed=True)
+
+    @abstractmethod
+    def _read_slot(
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+    ) -> tuple[bytes, int] | None:
+        """:meth:`read_into`'s read: (head, the payload's CRC-32 computed as it landed when
+        ``hashed``, else 0); None when ``key`` is not stored."""

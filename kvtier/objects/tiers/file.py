@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
 from kvtier.objects import checksum
-from kvtier.objects.tiers.base import ObjectTier, Parts, byte_view, head_length_for
+from kvtier.objects.tiers.base import Parts, SlotReader, byte_view, head_length_for
 from kvtier.objects.tiers.file_sweep import (
     _OPEN_ROOT,
     _OPEN_SUBDIR,
@@ -50,7 +50,7 @@ _OPEN_TMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TOUCH_AFTER_S = 60.0
 
 
-class FileTier(DirectoryBound, ObjectTier):
+class FileTier(DirectoryBound, SlotReader):
     """One file per chunk under ``root/<2 hex digits>/``.
 
     Writes go to a temp file in the destination directory and are renamed into
@@ -314,23 +314,13 @@ class FileTier(DirectoryBound, ObjectTier):
             finally:
                 os.close(opened[0])
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        """One ``preadv`` fills the head buffer and the slot (no copy, GIL released)."""
-        got = self._read_slot(key, dest, max_head, hashed=False)
-        return None if got is None else got[0]
-
-    def read_into_hashed(
-        self, key: str, dest: memoryview, max_head: int
-    ) -> tuple[bytes, int] | None:
-        """:meth:`ObjectTier.read_into_hashed`: the slot is read in pieces of
-        ``checksum.HASH_PIECE`` bytes, each checksummed right after it lands, while it is
-        still in the CPU's cache: one pass over memory instead of a read, then a checksum."""
-        return self._read_slot(key, dest, max_head, hashed=True)
-
     def _read_slot(
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool
     ) -> tuple[bytes, int] | None:
-        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
+        """:meth:`SlotReader._read_slot`: one ``preadv`` fills the head buffer and the slot
+        (no copy, GIL released); ``hashed``: the slot in pieces of ``checksum.HASH_PIECE``
+        bytes, each checksummed right after it lands, while it is still in the CPU's cache
+        (one pass over memory instead of a read, then a checksum)."""
         opened = self._open_regular(key)
         if opened is None:
             return None

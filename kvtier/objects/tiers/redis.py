@@ -17,8 +17,8 @@ from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
-    ObjectTier,
     Parts,
+    SlotReader,
     byte_view,
     head_length_for,
     stored_prefix,
@@ -79,7 +79,7 @@ def _refuse_cluster_node(conn: Any) -> None:
 
 
 
-class RedisTier(ObjectTier):
+class RedisTier(SlotReader):
     """Chunks as plain string values; AUTH, TLS (``rediss://``) and db come from the URL.
 
     The pool blocks (briefly) instead of failing when all connections are in
@@ -234,24 +234,13 @@ class RedisTier(ObjectTier):
         data = self._get(key, max_bytes)
         return data if data is None or type(data) is bytes else bytes(data)
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        """:meth:`ObjectTier.read_into`: the reply's last ``dest.nbytes`` bytes are read
-        from the socket straight into ``dest`` (no buffer of the chunk's size, no copy);
-        a reply shorter than that (a compressed chunk, a truncated one) is read whole."""
-        got = self._read_slot(key, dest, max_head, hashed=False)
-        return None if got is None else got[0]
-
-    def read_into_hashed(
-        self, key: str, dest: memoryview, max_head: int
-    ) -> tuple[bytes, int] | None:
-        """:meth:`ObjectTier.read_into_hashed`: the reply is checksummed piece by piece as
-        it lands in the slot (one pass over memory, not a read and then a checksum)."""
-        return self._read_slot(key, dest, max_head, hashed=True)
-
     def _read_slot(
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool
     ) -> tuple[bytes, int] | None:
-        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
+        """:meth:`SlotReader._read_slot`: the reply's last ``dest.nbytes`` bytes are read
+        from the socket straight into ``dest`` (no buffer of the chunk's size, no copy), a
+        reply shorter than that (a compressed chunk, a truncated one) whole; ``hashed``:
+        checksummed piece by piece as it lands in the slot (one pass over memory)."""
         bound = self._bound
         landing = LandingCrc(dest) if hashed else None
         bound.into, bound.landed, bound.last_int, bound.landing = dest, False, None, landing

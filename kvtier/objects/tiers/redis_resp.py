@@ -19,6 +19,7 @@ from redis._parsers import _RESP2Parser
 from redis._parsers.socket import SocketBuffer
 from redis.utils import SENTINEL
 
+from kvtier.objects import checksum
 from kvtier.objects.checksum import LandingCrc
 from kvtier.objects.tiers.base import Parts
 
@@ -172,9 +173,13 @@ class _BoundedParser(_RESP2Parser):
                 track = landing if landing is not None and view is landing.view else None
                 got = self._buffer._buffer.readinto(view)  # what the buffer holds already
                 while got < view.nbytes:
+                    end = view.nbytes
                     if track is not None:
                         track.landed(got)
-                    k = sock.recv_into(view[got:])
+                        # a read never crosses the end of the piece being checksummed:
+                        # a slow reader's full socket buffer lands a piece at a time
+                        end = min(end, track.done + checksum.HASH_PIECE)
+                    k = sock.recv_into(view[got:end])
                     if not k:
                         raise redis.ConnectionError("Connection closed by server.")
                     got += k

@@ -23,8 +23,8 @@ from kvtier.errors import (
 )
 from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
-    ObjectTier,
     Parts,
+    SlotReader,
     byte_view,
     head_length_for,
     stored_prefix,
@@ -178,7 +178,7 @@ class _PartsReader(io.RawIOBase):
         return bytes(buf[:n])
 
 
-class S3Tier(ObjectTier):
+class S3Tier(SlotReader):
     """Chunks as objects under ``s3://bucket/prefix/``.
 
     Endpoint, region and credentials come from boto3's own discovery
@@ -345,22 +345,12 @@ class S3Tier(ObjectTier):
             f"s3 get {self._where()}: object of {size} bytes or more, at most {max_bytes} expected"
         )
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        """One ranged GET; the body streams into the slot (``readinto``, no full copy)."""
-        got = self._read_slot(key, dest, max_head, hashed=False)
-        return None if got is None else got[0]
-
-    def read_into_hashed(
-        self, key: str, dest: memoryview, max_head: int
-    ) -> tuple[bytes, int] | None:
-        """:meth:`ObjectTier.read_into_hashed`: each piece of the body is checksummed as
-        it lands in the slot (one pass over memory, not a read and then a checksum)."""
-        return self._read_slot(key, dest, max_head, hashed=True)
-
     def _read_slot(
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool
     ) -> tuple[bytes, int] | None:
-        """(head, the payload's CRC-32 when ``hashed``, else 0); None when not stored."""
+        """:meth:`SlotReader._read_slot`: one ranged GET, its body streamed into the slot
+        (``readinto``, no full copy); ``hashed``: each piece checksummed as it lands (one
+        pass over memory, not a read and then a checksum)."""
         limit = dest.nbytes + max_head
         resp = self._get_object(key, limit)
         if resp is None:
