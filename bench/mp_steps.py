@@ -12,7 +12,7 @@ streamed): the server loads kvtier's connector from this module (``KVTierConnect
 below), so the engine core and the worker wrap it as they import it, and "request in"
 is when the client sent the request (the API server's part included).
 
-    python bench/mp_steps.py --tokens 2048 --samples 8 [--serve]
+    python bench/mp_steps.py --tokens 2048 --samples 8 [--serve] [--gap-s 0]
 """
 
 from __future__ import annotations
@@ -199,6 +199,9 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true",
                     help="through `vllm serve` (its OpenAI API, streamed) instead of LLM's "
                     "multiprocess engine")  # fmt: skip
+    ap.add_argument("--gap-s", type=float, default=0.3,
+                    help="seconds between timed requests (0: back to back, as `make bench` "
+                    "sends them)")  # fmt: skip
     ap.add_argument("--file-cache", choices=("warm", "cold"), default="warm",
                     help="the tier's files in the page cache before each restart hit (warm: "
                          "a restart on the node that wrote them) or dropped from it (cold)")
@@ -222,7 +225,7 @@ def main() -> None:
         for kind in ("restart", "engine"):  # the same prompts: a restart hit, then vLLM's
             for s in ss[2:]:
                 set_file_cache(extra, args.file_cache if kind == "restart" else "warm")
-                time.sleep(0.3)
+                time.sleep(args.gap_s)
                 _log("begin", kind)
                 request(prompt(s, args.tokens))
                 if not args.serve:  # (the streamed request logs it at its token)
