@@ -114,6 +114,24 @@ def split_requests(events: Iterable[tuple[float, str, list[str]]]) -> list[dict[
     return out
 
 
+def timeline(events: Iterable[tuple[float, str, list[str]]], nth: int) -> str:
+    """The ``nth`` (from 1) timed restart hit's events, ms after it was sent: each
+    connector call with how long it took (ms) and, for a lookup, its answer."""
+    lines: list[str] = []
+    seen, t0 = 0, None
+    for t, ev, f in events:
+        if ev == "begin":
+            if t0 is not None:
+                break
+            seen += f[0] == "restart"
+            if seen == nth and f[0] == "restart":
+                t0 = t
+                lines.append(f"restart hit {nth}: ms after it was sent, call, ms it took")
+        elif t0 is not None:
+            lines.append(f"{(t - t0) * 1e3:8.2f}  {ev:<28} {' '.join(f)}")
+    return "\n".join(lines)
+
+
 def summary(requests: list[dict[str, float]]) -> str:
     """Medians of the restart hits beside the in-engine hits, as a table."""
     rows = ["first lookup", "answer", "steps before answer", "slowest hand-off before answer",
@@ -167,7 +185,7 @@ def _serve_first_token(url: str, tokens: list[int]) -> None:
 
 
 def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any], None],
-           timed: bool) -> None:
+           timed: bool, kv_mib: int) -> None:
     """Start ``vllm serve`` with kvtier (``timed``: loaded from this module, so its calls
     are logged), call ``run(request)`` with a function that sends one prompt, stop it."""
     from harness import VLLMServer
@@ -182,7 +200,7 @@ def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any]
            "kv_connector_extra_config": {"cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
                                          "chunk_size": 256, **extra}}  # fmt: skip
     server = VLLMServer(python=sys.executable, model=Path(model), kv_transfer=ktc,
-                        kv_cache_bytes=4 << 30, max_model_len=max_len, env=env,
+                        kv_cache_bytes=kv_mib << 20, max_model_len=max_len, env=env,
                         log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log")  # fmt: skip
     server.start()
     try:
@@ -199,6 +217,11 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true",
                     help="through `vllm serve` (its OpenAI API, streamed) instead of LLM's "
                     "multiprocess engine")  # fmt: skip
+    ap.add_argument("--kv-cache-mib", type=int, default=4096,
+                    help="vLLM's KV cache with --serve (68: make bench's 4,096 tokens; the "
+                    "timed prompts then evict each other)")  # fmt: skip
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="also print the N-th timed restart hit's connector calls")
     ap.add_argument("--gap-s", type=float, default=0.3,
                     help="seconds between timed requests (0: back to back, as `make bench` "
                     "sends them)")  # fmt: skip
@@ -236,9 +259,10 @@ def main() -> None:
         steps_dir = os.path.join(work, "steps")
         os.makedirs(steps_dir)
         if args.serve:
-            _serve(str(model), max_len, extra, work, store, timed=False)
+            _serve(str(model), max_len, extra, work, store, timed=False, kv_mib=args.kv_cache_mib)
             os.environ[_DIR_VAR] = steps_dir
-            _serve(str(model), max_len, extra, work, restart_hits, timed=True)
+            _serve(str(model), max_len, extra, work, restart_hits, timed=True,
+                   kv_mib=args.kv_cache_mib)
         else:
             writer = kvtier_llm(model, max_len, extra)
             store(lambda tokens: timed_request(writer, tokens))
@@ -247,8 +271,11 @@ def main() -> None:
             llm = kvtier_llm(model, max_len, extra)
             restart_hits(lambda tokens: timed_request(llm, tokens))
             llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
-        requests = split_requests(read_events(steps_dir))
+        events = read_events(steps_dir)
+        requests = split_requests(events)
     print(summary(requests))
+    if args.timeline:
+        print(timeline(events, args.timeline))
     if args.json:
         print(json.dumps(requests))
 

@@ -80,3 +80,15 @@ def test_a_request_whose_lookup_never_answered_is_left_out(tmp_path: Path) -> No
     (tmp_path / "1.log").write_text("\n".join(kept) + "\n")
     assert mp_steps.split_requests(mp_steps.read_events(str(tmp_path))) == []
     assert mp_steps.summary([]).splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+def test_the_timeline_is_the_nth_restart_hits_calls(tmp_path: Path) -> None:
+    lines = _restart_hit(100.0) + _restart_hit(200.0)
+    (tmp_path / "1.log").write_text("\n".join(lines) + "\n")
+    events = mp_steps.read_events(str(tmp_path))
+    out = mp_steps.timeline(events, 2).splitlines()
+    assert out[0].startswith("restart hit 2:")
+    rows = [ln.split() for ln in out[1:]]
+    assert rows[0] == ["2.00", "get_num_new_matched_tokens", "0.2", "ask-again"]
+    assert rows[-1][:2] == ["50.00", "end"] and len(rows) == len(lines) // 2 - 1
+    assert mp_steps.timeline(events, 3) == ""  # only two were timed
