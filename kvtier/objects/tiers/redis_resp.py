@@ -20,7 +20,6 @@ from redis._parsers.socket import SocketBuffer
 from redis.utils import SENTINEL
 
 from kvtier.objects import checksum
-from kvtier.objects.checksum import LandingCrc
 from kvtier.objects.tiers.base import Parts
 
 __all__ = ["ReplyTooLarge"]
@@ -57,7 +56,7 @@ class _Bound(threading.local):
     into: memoryview | None = None
     landed = False
     #: ``into``'s checksum, computed as the reply lands there (``read_into_hashed``)
-    landing: LandingCrc | None = None
+    landing: checksum.LandingCrc | None = None
     #: ``into`` takes the whole reply at its front instead (``RedisTier.get_into``): a
     #: reply no longer than ``into`` lands there, and ``front_n`` says how long it was
     front = False
@@ -161,7 +160,7 @@ class _BoundedParser(_RESP2Parser):
         return out
 
     def _fill(
-        self, views: list[memoryview], timeout: object, landing: LandingCrc | None = None
+        self, views: list[memoryview], timeout: object, landing: checksum.LandingCrc | None = None
     ) -> None:
         """Fill ``views`` in order: first from what the socket buffer holds, then from
         the socket; ``landing`` checksums the view it was made for as it fills."""
