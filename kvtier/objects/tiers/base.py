@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from kvtier.errors import ObjectTooLarge, TruncatedError
 from kvtier.objects.checksum import payload_crc32
 
-__all__ = ["ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for", "stored_prefix"]
+__all__ = ["ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for", "split_into",
+           "stored_prefix"]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
@@ -48,6 +49,15 @@ def head_length_for(size: int, payload: int, max_head: int, where: str) -> int:
     if head < _PREFIX_BYTES:
         raise TruncatedError(f"{where}: object of {size} bytes, too short for this chunk")
     return head
+
+
+def split_into(blob: bytes | bytearray, dest: memoryview, max_head: int, where: str) -> bytes:
+    """A chunk read whole, split as :meth:`ObjectTier.read_into` splits it: its last
+    ``dest.nbytes`` bytes copied into ``dest``, the head before them returned."""
+    head_len = head_length_for(len(blob), dest.nbytes, max_head, where)
+    view = memoryview(blob)
+    dest[:] = view[head_len:]
+    return bytes(view[:head_len])
 
 
 class ObjectTier(ABC):
@@ -124,12 +134,7 @@ class ObjectTier(ABC):
         directly (:class:`SlotReader`).
         """
         blob = self.get(key, max_bytes=dest.nbytes + max_head)
-        if blob is None:
-            return None
-        head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
-        view = memoryview(blob)
-        dest[:] = view[head_len:]
-        return bytes(view[:head_len])
+        return None if blob is None else split_into(blob, dest, max_head, self.name)
 
     def read_into_hashed(
         self, key: str, dest: memoryview, max_head: int

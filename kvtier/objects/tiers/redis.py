@@ -21,6 +21,7 @@ from kvtier.objects.tiers.base import (
     SlotReader,
     byte_view,
     head_length_for,
+    split_into,
     stored_prefix,
 )
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
@@ -254,10 +255,8 @@ class RedisTier(SlotReader):
         if landed:  # ``blob`` is the head: the payload is in ``dest`` already
             head_length_for(len(blob) + dest.nbytes, dest.nbytes, max_head, self.name)
             return bytes(blob), landing.result() if landing is not None else 0
-        head_len = head_length_for(len(blob), dest.nbytes, max_head, self.name)
-        view = memoryview(blob)
-        dest[:] = view[head_len:]
-        return bytes(view[:head_len]), payload_crc32(dest) if hashed else 0
+        head = split_into(blob, dest, max_head, self.name)  # short: read whole, copied
+        return head, payload_crc32(dest) if hashed else 0
 
     def get_into(self, key: str, buf: memoryview) -> int | None:
         """:meth:`ObjectTier.get_into`: STRLEN + GETRANGE as :meth:`get` with ``max_bytes``

@@ -27,6 +27,7 @@ from kvtier.objects.tiers.base import (
     SlotReader,
     byte_view,
     head_length_for,
+    split_into,
     stored_prefix,
 )
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
@@ -361,10 +362,8 @@ class S3Tier(SlotReader):
             with self._errors("get"):
                 size = _object_size(resp)
                 if size is None:  # no length: read what the range allows, then split it
-                    blob = body.read(limit + 1)
-                    head_len = head_length_for(len(blob), dest.nbytes, max_head, where)
-                    dest[:] = memoryview(blob)[head_len:]
-                    return bytes(blob[:head_len]), payload_crc32(dest) if hashed else 0
+                    whole_head = split_into(body.read(limit + 1), dest, max_head, where)
+                    return whole_head, payload_crc32(dest) if hashed else 0
                 head = bytearray(head_length_for(size, dest.nbytes, max_head, where))
                 landing = LandingCrc(dest) if hashed else None
                 _fill(body, [memoryview(head), dest], where, landing)
