@@ -230,6 +230,23 @@ class RedisCluster:
     def keys_on(self, port: int) -> int:
         return int(_command(port, *self._auth(), "DBSIZE").strip() or 0)
 
+    def wait_replicated(self, port: int, timeout: float = 10.0) -> None:
+        """Until every replica of primary ``port`` has acknowledged all its writes:
+        replication is asynchronous, so a replica promoted before that lacks the last
+        writes (Redis Cluster's own semantics: they are lost, misses for kvtier)."""
+
+        def caught_up() -> bool:
+            text = _command(port, *self._auth(), "INFO", "replication")
+            info = dict(ln.strip().split(":", 1) for ln in text.splitlines() if ":" in ln)
+            offsets = [
+                int(dict(kv.split("=", 1) for kv in v.split(","))["offset"])
+                for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()
+            ]  # fmt: skip
+            top = int(info.get("master_repl_offset", "-1"))
+            return bool(offsets) and min(offsets) >= top >= 0
+
+        _wait(caught_up, timeout, f"the replicas of {port} caught up")
+
     def kill(self, port: int) -> None:
         """kill -9 one node: connections die without a goodbye."""
         proc = self.procs[port]

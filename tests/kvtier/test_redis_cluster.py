@@ -293,6 +293,7 @@ def test_primary_killed_mid_run() -> None:
         victim = c.port_of_slot(slot_of[keys[0]])
         on_victim = {k for k in keys if c.port_of_slot(slot_of[k]) == victim}
         assert 0 < len(on_victim) < len(keys)
+        c.wait_replicated(victim)  # else the promoted replica may lack the last writes
         c.kill(victim)
 
         def fetch_all(base: int) -> dict[str, OpResult]:
