@@ -11,6 +11,12 @@ network and never asks the object tier anything itself.
 States: no lookup -> in flight (``Lookup``, chunks FETCHING) -> done (the request
 then loads what landed, from the host tier, like any host hit). A lookup past
 ``lookup_timeout_ms`` is done, counted as a timeout; its fetches still settle.
+
+With a :class:`~.probe.LocalProbe` (a directory tier on a local filesystem, where vLLM
+recomputes what fails to load) a lookup is done in its first step instead: the probe
+finds the stored prefix, its chunks are claimed and their fetches queued as a run the
+workers read before the step's loads (``StepPlan.fetches_now``), and the answer counts
+them at once (``RequestState.fetching_now``).
 Chunks a request may not share (``RequestState.shared_chunks``: a LoRA adapter kvtier
 could not fingerprint, client-named images) are never looked up.
 """
@@ -25,6 +31,7 @@ from kvtier.ops import FetchOp, OpKind
 from kvtier.stats import StatsRecorder
 
 from .ledger import OpLedger
+from .probe import LocalProbe
 from .requests import ChunkKeys, Lookup, RequestState, loadable_chunks
 
 
@@ -48,10 +55,19 @@ class RemoteLookups:
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self._runs: list[list[FetchOp]] = []
+        self._runs_now: list[list[FetchOp]] = []
+        #: answers lookups in their own step (:mod:`.probe`); None: lookups are reads
+        self.probe: LocalProbe | None = None
 
     def take_runs(self) -> list[list[FetchOp]]:
         """The fetch runs queued since the last call, one per lookup (for the metadata)."""
         runs, self._runs = self._runs, []
+        return runs
+
+    def take_runs_now(self) -> list[list[FetchOp]]:
+        """The runs of one-step lookups queued since the last call: the workers read them
+        before the step's loads."""
+        runs, self._runs_now = self._runs_now, []
         return runs
 
     def wants(self, st: RequestState, end_chunk: int, cap: int) -> bool:
@@ -69,6 +85,10 @@ class RemoteLookups:
         lk = st.lookup
         if lk is None:
             lk = st.lookup = Lookup(started=now, first_chunk=first)
+            if self.probe is not None:
+                self._claim_stored(st, lk, first, cap, self.probe)
+                self.finish(st)
+                return False
             self._start_fetches(st, lk, first, cap)
             if not lk.chunks:
                 self.finish(st)
@@ -100,13 +120,37 @@ class RemoteLookups:
         request may share (``RequestState.shared_chunks``: the rest stay host-only)."""
         return min(loadable_chunks(st, cap, self.chunk_size), st.shared_chunks)
 
-    def _start_fetches(self, st: RequestState, lk: Lookup, first: int, cap: int) -> None:
-        """Claim slots for chunks ``first``.. and queue their fetches as one run."""
+    def _claim_stored(
+        self, st: RequestState, lk: Lookup, first: int, cap: int, probe: LocalProbe
+    ) -> None:
+        """One-step lookup: claim slots for the chunks from ``first`` on that every worker
+        has stored, up to one the host tier is storing or fetching already (it cannot be
+        loaded in this step), and queue their fetches as a run read before the loads."""
+        self._keep_host_part(st, first)
+        stored = probe.stored_run(st.chunk_hashes[first : self._shared_end(st, cap)])
+        run: list[FetchOp] = []
+        for c in range(first, first + stored):
+            entry = self.index.begin(self.keys.key(st, c), State.FETCHING)
+            if entry is None:  # held by another op, or every slot is busy
+                break
+            op_id = self.ledger.add(OpKind.FETCH, entry, nbytes=self.slot_bytes)
+            run.append(FetchOp(op_id, entry.slot, st.chunk_hashes[c]))
+            lk.chunks.append(entry)
+            st.fetching_now[c] = op_id
+        if run:
+            self._runs_now.append(run)
+
+    def _keep_host_part(self, st: RequestState, first: int) -> None:
+        """The host tier's part of this prompt stays: claims after it must not evict it."""
         key = self.keys.key
-        # the host tier's part of this prompt stays: claims below must not evict it
         for c in range(st.local_hit // self.chunk_size, first):
             if self.index.is_ready(key(st, c)):
                 self.index.touch(key(st, c))
+
+    def _start_fetches(self, st: RequestState, lk: Lookup, first: int, cap: int) -> None:
+        """Claim slots for chunks ``first``.. and queue their fetches as one run."""
+        key = self.keys.key
+        self._keep_host_part(st, first)
         run: list[FetchOp] = []
         for c in range(first, self._shared_end(st, cap)):
             entry = self.index.get(key(st, c))

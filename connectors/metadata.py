@@ -29,6 +29,9 @@ class KVTierMetadata(KVConnectorMetadata):
     stores: list[StoreOp] = field(default_factory=list)
     #: object tier -> host slots: one list per lookup, a prompt's chunks in order
     fetches: list[list[FetchOp]] = field(default_factory=list)
+    #: one-step lookups' runs (the same shape): read before this step's loads, which
+    #: copy their slots (``LoadOp.fetch_op``)
+    fetches_now: list[list[FetchOp]] = field(default_factory=list)
     uploads: list[UploadOp] = field(default_factory=list)
     #: vLLM's null block (stands for blocks a request no longer needs: a sliding-window
     #: layer's outside its window); loads skip it. None until a KV cache manager is bound
@@ -46,18 +49,20 @@ class StepPlan:
     cleaning of the oldest chunks begins one), and what the scheduler hands to vLLM as
     the step's :class:`KVTierMetadata` (:meth:`take`), starting the next step's empty."""
 
-    __slots__ = ("fetches", "loads", "stores", "uploads")
+    __slots__ = ("fetches", "fetches_now", "loads", "stores", "uploads")
 
     def __init__(self) -> None:
         self.loads: list[LoadOp] = []
         self.stores: list[StoreOp] = []
         #: one run per lookup, a prompt's chunks in order
         self.fetches: list[list[FetchOp]] = []
+        #: one-step lookups' runs, read before the step's loads
+        self.fetches_now: list[list[FetchOp]] = []
         self.uploads: list[UploadOp] = []
 
     def __len__(self) -> int:
         """Ops planned and not yet handed to vLLM (a fetch run counts its fetches)."""
-        fetches = sum(len(run) for run in self.fetches)
+        fetches = sum(len(run) for run in self.fetches + self.fetches_now)
         return len(self.loads) + len(self.stores) + fetches + len(self.uploads)
 
     def take(
@@ -67,10 +72,11 @@ class StepPlan:
         """The step's metadata: every op planned since the last call, in the order planned."""
         meta = KVTierMetadata(
             step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
-            fetches=self.fetches, uploads=self.uploads, null_block=null_block,
-            weights_epoch=weights_epoch, weights_salt=weights_salt,
+            fetches=self.fetches, fetches_now=self.fetches_now, uploads=self.uploads,
+            null_block=null_block, weights_epoch=weights_epoch, weights_salt=weights_salt,
         )
         self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
+        self.fetches_now = []
         return meta
 
 

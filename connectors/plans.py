@@ -136,24 +136,39 @@ class Planner:
         self, st: RequestState, block_ids: tuple[list[int], ...], start: int, end: int
     ) -> None:
         """Loads of tokens ``start..end`` (offered by the lookup) into ``block_ids`` (one
-        list per KV cache group)."""
+        list per KV cache group). A chunk of a one-step lookup (``st.fetching_now``) is
+        still being fetched: its load is held to its fetch (``LoadOp.fetch_op``), and the
+        slot is held, not pinned (only a ready chunk can be)."""
         bs, bpc, cs = self.block_size, self.blocks_per_chunk, self.chunk_size
         for c in range(start // cs, math.ceil(end / cs)):
             b_from = max(start, c * cs) // bs
             b_to = min(end, (c + 1) * cs) // bs
             parts = self._load_parts(block_ids, c, b_from, b_to) if self.groups else None
-            entry = self.index.pin(self.keys.key(st, c))
+            fetch_op = st.fetching_now.get(c, 0)
+            entry = self._hold_fetching(st, c) if fetch_op else self.index.pin(self.keys.key(st, c))
             nbytes = self.slot_bytes * (b_to - b_from) // bpc
             op_id = self.ledger.add(OpKind.LOAD, entry, nbytes=nbytes)
             if parts is None:
-                op = LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[0][b_from:b_to]))
+                op = LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[0][b_from:b_to]),
+                            fetch_op=fetch_op)  # fmt: skip
             else:
-                op = LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]))
+                op = LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]),
+                            fetch_op=fetch_op)  # fmt: skip
             self.plan.loads.append(op)
+            st.step_loads.append(op_id)
             tokens = (b_to - b_from) * bs
-            tier = "remote" if entry.fetched else "host"
+            tier = "remote" if entry.fetched or fetch_op else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
             self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))  # (and its total)
+
+    def _hold_fetching(self, st: RequestState, c: int) -> Entry:
+        """The entry a one-step lookup claimed for chunk ``c`` of ``st``, held for its load."""
+        entry = self.index.get(self.keys.key(st, c))
+        if entry is None or entry.state is not State.FETCHING:
+            state = "gone" if entry is None else entry.state.value
+            raise RuntimeError(f"kvtier: chunk {c} of a one-step lookup is {state} at its load")
+        self.index.hold(entry)
+        return entry
 
     def _load_parts(
         self, block_ids: tuple[list[int], ...], c: int, b_from: int, b_to: int
@@ -221,7 +236,9 @@ class Planner:
         for c in range(st.next_store, n_complete):
             key = self.keys.key(st, c)
             held = self.index.get(key)
-            if held is not None and held.state is not State.FETCHING:
+            if held is not None and (held.state is not State.FETCHING or held.refs):
+                # ready, being stored, or fetched for a load in this step (a one-step
+                # lookup's chunk, held by its load: the fetch fills the slot)
                 self.index.touch(key)
                 continue
             parts = self._store_parts(blocks, c) if self.groups else None
@@ -247,12 +264,13 @@ class Planner:
             elif self.write_through:
                 self.index.hold(entry)  # until the upload is reported
                 upload_id = self.ledger.add(OpKind.UPLOAD, entry)
+            after = tuple(st.step_loads)
             if parts is None:
                 op = StoreOp(op_id, entry.slot, list(blocks[0][c * bpc : (c + 1) * bpc]),
-                             st.chunk_hashes[c], upload_id)
+                             st.chunk_hashes[c], upload_id, after_loads=after)
             else:
                 op = StoreOp(op_id, entry.slot, parts[0], st.chunk_hashes[c], upload_id,
-                             more=tuple(parts[1:]))
+                             more=tuple(parts[1:]), after_loads=after)
             out.append(op)
             self.ledger.add(OpKind.STORE, entry, nbytes=self.slot_bytes, op_id=op_id)
         st.next_store = n_complete

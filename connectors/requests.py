@@ -82,6 +82,12 @@ class RequestState:
     next_store: int = 0
     #: (start, end) token range get_num_new_matched_tokens offered
     plan: tuple[int, int] | None = None
+    #: a one-step lookup's chunks in that offer (:mod:`.probe`): chunk -> the id of its
+    #: fetch, which the workers read in the step that loads it; emptied with ``plan``
+    fetching_now: dict[int, int] = field(default_factory=dict)
+    #: the ids of the loads planned for this request in the step being planned: its stores
+    #: of that step wait on them (``StoreOp.after_loads``); emptied as the step is handed on
+    step_loads: list[int] = field(default_factory=list)
     #: tokens vLLM's own prefix cache had, as last passed to get_num_new_matched_tokens
     local_hit: int = 0
     lookup: Lookup | None = None

@@ -28,6 +28,7 @@ from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
 from kvtier.host.index import ChunkIndex
 from kvtier.keys import Namespace
+from kvtier.objects.tiers import FileTier, file_tier_root
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.stats import StatsRecorder, Totals
 
@@ -38,6 +39,7 @@ from .ledger import OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta, StepPlan
 from .plans import Planner, WriteBack
+from .probe import LocalProbe, WorkerKeys, one_step_refusal
 from .requests import (
     AdapterFingerprints,
     ChunkKeys,
@@ -136,6 +138,12 @@ class SchedulerSide:
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
             slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
         )  # fmt: skip
+        #: vLLM recomputes the blocks a load fails on (else it fails the request)
+        kv_transfer = vllm_config.kv_transfer_config
+        self.recompute_failed_loads = (
+            getattr(kv_transfer, "kv_load_failure_policy", "fail") == "recompute"
+        )
+        self.num_kv_groups = len(kv_cache_config.kv_cache_groups)
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
@@ -192,12 +200,39 @@ class SchedulerSide:
         self.null_block = getattr(null, "block_id", None)
         self.planner.null_block = self.null_block
 
+    def set_worker_keys(self, workers: list[WorkerKeys]) -> None:
+        """Each worker's object keys (vLLM's connector handshake, once at startup): with
+        them, a directory tier's lookups can be answered in their own step (:mod:`.probe`)
+        where that is safe. Logs which way lookups go, and why."""
+        if not self.remote:
+            return
+        refusal = one_step_refusal(self.cfg, recompute=self.recompute_failed_loads,
+                                   groups=self.num_kv_groups, reads_local=True)  # fmt: skip
+        tier = None
+        if refusal is None:
+            tier = FileTier(file_tier_root(self.cfg), background_sweep=False)
+            refusal = one_step_refusal(self.cfg, recompute=True, groups=1,
+                                       reads_local=tier.reads_local)  # fmt: skip
+        if refusal is None and len(workers) != self.world_size:
+            refusal = f"{len(workers)} of {self.world_size} workers sent their keys"
+        if refusal is None and any(w.weights_epoch != self.weights_epoch for w in workers):
+            refusal = "the workers' keys are of other weights than the scheduler's"
+        self.lookups.probe = None
+        if refusal is not None or tier is None:
+            logger.info("kvtier: object-tier lookups take a step of their own (%s)", refusal)
+            return
+        self.lookups.probe = LocalProbe(tier, workers)
+        logger.info("kvtier: object-tier lookups answer in their own step: a local directory "
+                    "tier, read before each load; a chunk that fails its check is recomputed "
+                    "(kv_load_failure_policy: recompute)")  # fmt: skip
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         t0 = time.perf_counter()
         st = self._state(request)
         st.local_hit = num_computed_tokens
+        st.fetching_now = {}  # an earlier answer's, which vLLM did not allocate
         if self.weights_epoch:
             # vLLM's own prefix cache may still hold blocks computed before a weight
             # change (it is not reset by one): after a change, what it served is not stored
@@ -220,6 +255,9 @@ class SchedulerSide:
                 time.sleep(0)
                 return None, False
             end_chunk = self._ready_run(st, first, cap)
+            if st.fetching_now:  # a one-step lookup: its run follows the ready one
+                end_chunk = max(st.fetching_now) + 1
+                self.totals["one_step_lookups"] += 1
         end = min(end_chunk * self.chunk_size, cap)
         n = max(0, end - num_computed_tokens)
         st.plan = (num_computed_tokens, num_computed_tokens + n) if n else None
@@ -273,6 +311,7 @@ class SchedulerSide:
         if num_external_tokens > 0 and plan is not None:
             start, end = plan[0], plan[0] + num_external_tokens
             self.planner.plan_loads(st, self._block_ids(request.request_id), start, end)
+        st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
@@ -303,6 +342,7 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
         self.plan.fetches.extend(self.lookups.take_runs())
+        self.plan.fetches_now.extend(self.lookups.take_runs_now())
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
         ]
@@ -320,12 +360,17 @@ class SchedulerSide:
                 self._ttft_by_step.setdefault(self._step, []).append(
                     (st.request.arrival_time, st.outcome)
                 )
+            if computed_before < st.next_store * self.chunk_size and st.next_store != NEVER_STORE:
+                # vLLM recomputes from here (a load failed and it rewound the request):
+                # the chunks it computes again in full are stored, the corrupt ones replaced
+                st.next_store = -(-computed_before // self.chunk_size)
             if computed_after // self.chunk_size > st.next_store:
                 # a decode step completes a chunk once in chunk_size steps: the other
                 # steps cost this comparison, not a key refresh per running request
                 stores = self.planner.plan_stores(st, self._block_ids, computed_after)
                 if self.events is not None:
                     self.events.record_stores(st, stores)
+            st.step_loads.clear()
         self.write_back.clean_oldest()
         meta = self.plan.take(
             step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
@@ -404,6 +449,8 @@ class SchedulerSide:
         other engine shares that identity (none can know it holds the same weights)."""
         self.weights_epoch += 1
         self.weights_salt = os.urandom(16)
+        if self.lookups.probe is not None:
+            self.lookups.probe.after_weight_change(self.weights_salt)
         dropped = self.index.clear()
         for st in self._reqs.values():
             # requests begun before the change hold KV of the old weights: none of their

@@ -38,6 +38,8 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
     "write_back",
     "weights_changes",  # weights replaced while the engine ran (weights_changed)
+    # lookups answered in their own step that found chunks to load (connectors.probe)
+    "one_step_lookups",
     *SETTLED_TOTALS.values(),
     *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
     # requests whose chunks (from some point on) stay out of the object tier, by reason

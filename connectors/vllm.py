@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -35,6 +36,7 @@ from kvtier.host.layout import KVGroup
 from .groups import Refused, describe, kv_groups, specs_of
 from .identity import check_parallel, follow_weight_changes, namespace_for
 from .metadata import KVTierMetadata
+from .probe import WorkerKeys
 from .scheduler import SchedulerSide
 from .stats import KVTierPromMetrics, KVTierStats
 from .worker import WorkerSide
@@ -301,6 +303,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.wait_for_save(self._meta())
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This worker's object keys, for the scheduler's one-step lookups (:mod:`.probe`);
+        None without an object tier. vLLM collects it once the KV caches are registered."""
+        w = self._worker
+        if w is None or not self.cfg.remote_url:
+            return None
+        return WorkerKeys(w.namespace, w.rank, w.stage, w.weights_epoch)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
@@ -317,6 +327,23 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_worker_keys(
+                [m for m in metadata.values() if isinstance(m, WorkerKeys)]
+            )
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Every worker's keys, pipeline stages included (vLLM's default refuses stage > 0)."""
+        if self._scheduler is not None:
+            self._scheduler.set_worker_keys(
+                [m for m in metadata.values() if isinstance(m, WorkerKeys)]
+            )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -26,7 +26,8 @@ from kvtier.config import KVTierConfig
 from kvtier.host.copiers import make_copier
 from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
 from kvtier.host.transfer import Copier
-from kvtier.keys import KeySpace, Namespace, after_weight_change
+from kvtier.keys import KeySpace, Namespace
+from kvtier.objects.tiers.policy import Timeouts
 from kvtier.ops import (
     DROPPED,
     FetchOp,
@@ -86,6 +87,8 @@ class WorkerSide:
         self._results: dict[int, list[bool]] = {}
         self._steps: list[int] = []
         self._failed_blocks: set[int] = set()
+        #: the ids of this step's loads that failed (stores after them are not kept)
+        self._failed_loads: set[int] = set()
         self._errors: dict[str, int] = {}
         self._keys: KeySpace | None = None  # set by register_kv_caches (rank and stage)
         #: the scheduler's count of weight changes this worker's keys follow (the step's
@@ -96,6 +99,9 @@ class WorkerSide:
         #: then the lookup answers on the next step, and no read thread competes with
         #: vLLM's for the cores meanwhile); 0: all on the I/O threads
         self.inline_read_s = 0.0
+        #: how long a step may read the runs of one-step lookups (``fetches_now``) before
+        #: its loads give up on what is still being read: the lookup's own deadline
+        self.fetch_now_s = Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s
         #: this rank writes its chunks to the object tier (MLA: only rank 0 does)
         self.uploads = True
         self.stats = StatsRecorder()
@@ -190,6 +196,7 @@ class WorkerSide:
         if self._begun_step == meta.step:
             return
         self._begun_step = meta.step
+        self._failed_loads = set()
         if meta.weights_epoch != self.weights_epoch:
             self._follow_weights(meta.weights_epoch, meta.weights_salt)
         self._steps.append(meta.step)
@@ -200,6 +207,8 @@ class WorkerSide:
         inline_until = time.monotonic() + self.inline_read_s if self.inline_read_s else 0.0
         for run in meta.fetches:
             self._fetch_run(slab, run, inline_until)
+        for run in meta.fetches_now:  # the step's loads copy these slots: read them now
+            self._fetch_run(slab, run, time.monotonic() + self.fetch_now_s)
         for op in meta.uploads:
             self._upload(slab, op)
 
@@ -210,9 +219,7 @@ class WorkerSide:
         bytes (the scheduler drops what they bring back)."""
         assert self._keys is not None, "register_kv_caches was not called"
         self.weights_epoch = epoch
-        self.namespace = dataclasses.replace(
-            self.namespace, fingerprint=after_weight_change(self.namespace.fingerprint, salt)
-        )
+        self.namespace = self.namespace.after_weight_change(salt)
         self._keys = KeySpace.worker(self.namespace, self.rank, self.stage)
         logger.info("kvtier worker rank %d: object keys follow weight change %d",
                     self.rank, epoch)
@@ -222,7 +229,26 @@ class WorkerSide:
         own layer in ``wait_for_layer_load``; on the CPU: done on return)."""
         self.begin_step(meta)
         assert self.copier is not None
-        self._record_loads(meta, self.copier.submit(self._backed_loads(meta)))
+        loads = self._backed_loads(meta)
+        if meta.fetches_now:
+            loads = self._fetched_loads(loads)
+        self._record_loads(meta, self.copier.submit(loads))
+
+    def _fetched_loads(self, loads: list[LoadOp]) -> list[LoadOp]:
+        """The loads that may copy their slots: a one-step lookup's (``LoadOp.fetch_op``)
+        only once its fetch, read in this step, succeeded. Any other (a miss, a chunk that
+        failed its check, a read still running) copies nothing: its blocks go to vLLM as
+        load errors and are recomputed. Its fetch's own result counted the miss."""
+        self._poll_remote()  # the fetches read in begin_step have reported
+        out: list[LoadOp] = []
+        for op in loads:
+            if op.fetch_op and self._results.get(op.fetch_op) != [True]:
+                self._results[op.op_id] = [False]
+                self._failed_loads.add(op.op_id)
+                self._failed_blocks.update(all_blocks(op))
+            else:
+                out.append(op)
+        return out
 
     def _backed_loads(self, meta: KVTierMetadata) -> list[LoadOp]:
         """The step's loads without the blocks vLLM backs with its null block.
@@ -259,6 +285,7 @@ class WorkerSide:
         for res in results:
             self._record(res)
             if not res.ok:
+                self._failed_loads.add(res.op_id)
                 op = blocks.get(res.op_id)
                 if op is None:
                     continue
@@ -295,6 +322,10 @@ class WorkerSide:
         saved = by_op(r for r in done if r.kind is OpKind.STORE)
         for op in meta.stores:
             res = saved.get(op.op_id) or OpResult(op.op_id, OpKind.STORE, False)
+            if res.ok and self._failed_loads.intersection(op.after_loads):
+                # computed over blocks a load left unwritten: vLLM recomputes them, and
+                # this chunk's bytes in the slot are not its KV
+                res = OpResult(op.op_id, OpKind.STORE, False)
             self._record(res)
             if op.upload_op_id is not None:
                 if res.ok:

@@ -15,6 +15,7 @@ lists of layers kept out of an fp8 KV cache, give other keys), and the operator'
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ class Namespace:
             self.namespace, self.pp_size, stage, self.fingerprint, self.layers,
         ]
         return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
+
+    def after_weight_change(self, salt: bytes) -> Namespace:
+        """This namespace once the weights changed while the engine ran (``salt``: drawn at
+        the change, :func:`after_weight_change`). Every process that follows a change (each
+        worker, and the scheduler's probe of their keys) derives the same new identity."""
+        return dataclasses.replace(self, fingerprint=after_weight_change(self.fingerprint, salt))
 
 
 def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:

@@ -44,6 +44,10 @@ class LoadOp:
     #: into that group's region of the slot; ``first``/``gpu_blocks`` are group 0's (an
     #: empty list: nothing of that group to copy). Empty for one group.
     more: tuple[tuple[int, list[int]], ...] = ()
+    #: a one-step lookup's chunk: the fetch (same step) that reads the slot first; the
+    #: load copies it only once that fetch succeeded, else its blocks are load errors.
+    #: 0: the slot already holds the chunk
+    fetch_op: int = 0
 
 
 @dataclass(slots=True)
@@ -60,6 +64,10 @@ class StoreOp:
     #: a hybrid model's further KV cache groups (1, 2, ...): the blocks stored into each
     #: group's region of the slot (``gpu_blocks`` are group 0's). Empty for one group.
     more: tuple[list[int], ...] = ()
+    #: the same request's loads in this step: the chunk was computed attending to what they
+    #: loaded, so it is stored only if every one of them succeeded (a failed load leaves
+    #: blocks vLLM recomputes; KV computed over them is wrong)
+    after_loads: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -230,6 +230,30 @@ def remote_reader(model: str, extra: dict[str, Any], a_first: bool = False) -> d
     return {"b": b, "a": a, "index": index_report(llm)}
 
 
+def one_step_reader(model: str, extra: dict[str, Any], policy: str = "recompute",
+                    spoil: list[str] | None = None) -> dict[str, Any]:
+    """Engine 2 of :func:`remote_writer` under vLLM's ``kv_load_failure_policy``: B = S+U2,
+    then A. ``spoil``: chunk files flipped after the engine started (after its lookup's
+    ``stat`` could have seen them whole, before the read)."""
+    from pathlib import Path
+
+    llm = build_llm(model, None, kv_transfer_config={
+        **ktc(extra), "kv_load_failure_policy": policy,
+    })  # fmt: skip
+    for name in spoil or ():
+        data = bytearray(Path(name).read_bytes())
+        data[-100] ^= 0xFF
+        Path(name).write_bytes(bytes(data))
+    s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
+    side = kvtier_side(llm)
+    b = generate(llm, [s + u2])[0]
+    llm.reset_prefix_cache()
+    a = generate(llm, [s + u1])[0]
+    settle(llm)
+    return {"b": b, "a": a, "index": index_report(llm),
+            "one_step": side.lookups.probe is not None}
+
+
 def replica(model: str, extra: dict[str, Any], role: str, marker: str) -> dict[str, Any]:
     """Two engines up at the same time sharing one tier: the writer computes a
     prefix, the reader (already running) then hits it."""
@@ -383,7 +407,8 @@ def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (shared_prefix, eviction, start_only, remote_writer, remote_reader, replica,
+    for f in (shared_prefix, eviction, start_only, remote_writer, remote_reader, one_step_reader,
+              replica,
               prompts_run, outage, preempt_abort)
 }
 

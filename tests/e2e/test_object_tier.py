@@ -193,3 +193,50 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     assert r["rounds"][0][0]["cached"] >= 1024, r["index"]["totals"]
     assert r["index"]["totals"]["hit_tokens_remote"] >= 1024, "evicted chunks come back"
     assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0][:3]]
+
+
+def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) -> None:
+    """Under ``kv_load_failure_policy: recompute`` a local directory's lookups are answered
+    in their own step (connectors.probe): the restart hit loads the same bits; a chunk that
+    fails its check at the read is a counted miss that vLLM recomputes, never loaded KV;
+    under vLLM's default policy lookups stay reads (a load error would fail the request)."""
+    root = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{root}"}
+    w = run_engine("remote_writer", model=tiny_model, extra=extra)
+    r = run_engine("one_step_reader", model=tiny_model, extra=extra)
+    assert r["one_step"] is True, r["_log"][-3000:]
+    totals = r["index"]["totals"]
+    assert totals["one_step_lookups"] >= 1, totals
+    assert r["b"]["cached"] >= 1024, r["_log"][-3000:]
+    assert (r["b"]["tokens"], r["b"]["logprobs"]) == (w["b_ref"]["tokens"], w["b_ref"]["logprobs"])
+    assert (r["a"]["tokens"], r["a"]["logprobs"]) == (w["a"]["tokens"], w["a"]["logprobs"])
+    assert totals["hit_tokens_remote"] >= 1024 and totals["fetch_ok"] >= 4
+    assert not any(v for k, v in totals.items() if k.startswith("error_")), totals
+    assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+    assert r["index"]["pending_ops"] == 0
+
+    # the third of S's four chunks spoiled once the reader's engine is up: the lookup's
+    # stat finds it, its read rejects it, vLLM recomputes from there. The reference
+    # computes from the same token on: a two-step reader (vLLM's default policy) that finds
+    # that chunk gone. Neither may load a byte of it.
+    third = sorted(chunk_files(root), key=lambda f: f.stat().st_mtime_ns)[2]
+    kept = third.read_bytes()
+    third.unlink()
+    ref = run_engine("one_step_reader", model=tiny_model, extra=extra, policy="fail")
+    assert ref["one_step"] is False and ref["index"]["totals"]["one_step_lookups"] == 0
+    assert 512 <= ref["b"]["cached"] < 1024, ref["b"]
+    third.write_bytes(kept)
+    bad = run_engine("one_step_reader", model=tiny_model, extra=extra, spoil=[str(third)])
+    totals = bad["index"]["totals"]
+    assert totals["one_step_lookups"] >= 1 and totals["error_checksum"] >= 1, totals
+    assert totals["load_failed"] >= 1, totals
+    for name in ("b", "a"):
+        assert (bad[name]["tokens"], bad[name]["logprobs"]) == (
+            ref[name]["tokens"], ref[name]["logprobs"]), name  # fmt: skip
+    assert bad["b"]["tokens"] == w["b_ref"]["tokens"]
+    assert bad["index"]["refs"] == 0 and bad["index"]["invariants"] is True
+    assert bad["index"]["pending_ops"] == 0
+    # the chunks vLLM computed again were stored, and the spoiled object replaced
+    spoiled = bytearray(kept)
+    spoiled[-100] ^= 0xFF
+    assert third.read_bytes() != bytes(spoiled)

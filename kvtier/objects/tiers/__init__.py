@@ -14,7 +14,12 @@ from kvtier.errors import ConfigError
 from kvtier.objects.tiers.base import ObjectTier, Parts
 from kvtier.objects.tiers.file import FileTier
 
-__all__ = ["FileTier", "ObjectTier", "Parts", "open_tier"]
+__all__ = ["FileTier", "ObjectTier", "Parts", "file_tier_root", "open_tier"]
+
+
+def file_tier_root(cfg: KVTierConfig) -> str:
+    """The directory a ``file://`` ``remote_url`` names."""
+    return unquote(urlparse(cfg.remote_url or "").path)
 
 
 def open_tier(cfg: KVTierConfig) -> ObjectTier:
@@ -24,7 +29,7 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
         raise ConfigError("remote_url", url, "an object tier URL; this config has none")
     scheme = urlparse(url).scheme
     if scheme == "file":
-        return FileTier(unquote(urlparse(url).path), max_bytes=cfg.file_max_bytes)
+        return FileTier(file_tier_root(cfg), max_bytes=cfg.file_max_bytes)
     if scheme == "s3":
         from kvtier.objects.tiers.s3 import S3Tier
 
