@@ -65,10 +65,12 @@ def tiny_model(lengths: list[int], layers: int, hidden: int,
 
 
 def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
-               in_process: bool = False) -> Any:
+               in_process: bool = False, failure_policy: str = "recompute") -> Any:
     """An ``LLM`` with kvtier (1 GiB host tier, 256-token chunks, ``extra`` on top);
     ``in_process``: the scheduler, the worker and kvtier's I/O threads all in this process
-    (what a profile of them needs)."""
+    (what a profile of them needs); ``failure_policy``: vLLM's ``kv_load_failure_policy``
+    (``recompute``, as the README advises: a local directory tier's lookups then answer
+    in their own step)."""
     from vllm import LLM
 
     ktc = {
@@ -79,6 +81,7 @@ def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
             "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": CHUNK_TOKENS,
             **extra,
         },
+        "kv_load_failure_policy": failure_policy,
     }
     inproc = {"distributed_executor_backend": "uni"} if in_process else {}
     return LLM(model=str(model), enforce_eager=True, block_size=BLOCK_SIZE,

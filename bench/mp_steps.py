@@ -185,7 +185,7 @@ def _serve_first_token(url: str, tokens: list[int]) -> None:
 
 
 def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any], None],
-           timed: bool, kv_mib: int) -> None:
+           timed: bool, kv_mib: int, policy: str = "recompute") -> None:
     """Start ``vllm serve`` with kvtier (``timed``: loaded from this module, so its calls
     are logged), call ``run(request)`` with a function that sends one prompt, stop it."""
     from harness import VLLMServer
@@ -198,7 +198,8 @@ def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any]
     ktc = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
            "kv_connector_module_path": "mp_steps" if timed else "kvtier.connectors.vllm",
            "kv_connector_extra_config": {"cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
-                                         "chunk_size": 256, **extra}}  # fmt: skip
+                                         "chunk_size": 256, **extra},
+           "kv_load_failure_policy": policy}  # fmt: skip
     server = VLLMServer(python=sys.executable, model=Path(model), kv_transfer=ktc,
                         kv_cache_bytes=kv_mib << 20, max_model_len=max_len, env=env,
                         log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log")  # fmt: skip
@@ -228,6 +229,10 @@ def main() -> None:
     ap.add_argument("--file-cache", choices=("warm", "cold"), default="warm",
                     help="the tier's files in the page cache before each restart hit (warm: "
                          "a restart on the node that wrote them) or dropped from it (cold)")
+    ap.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
+                    help="vLLM's kv_load_failure_policy (recompute: a local directory tier's "
+                         "lookups answer in their own step; fail: they take a step of their "
+                         "own)")  # fmt: skip
     args = ap.parse_args()
     from harness import omp_cpus
 
@@ -259,16 +264,17 @@ def main() -> None:
         steps_dir = os.path.join(work, "steps")
         os.makedirs(steps_dir)
         if args.serve:
-            _serve(str(model), max_len, extra, work, store, timed=False, kv_mib=args.kv_cache_mib)
+            _serve(str(model), max_len, extra, work, store, timed=False, kv_mib=args.kv_cache_mib,
+                   policy=args.policy)
             os.environ[_DIR_VAR] = steps_dir
             _serve(str(model), max_len, extra, work, restart_hits, timed=True,
-                   kv_mib=args.kv_cache_mib)
+                   kv_mib=args.kv_cache_mib, policy=args.policy)
         else:
-            writer = kvtier_llm(model, max_len, extra)
+            writer = kvtier_llm(model, max_len, extra, failure_policy=args.policy)
             store(lambda tokens: timed_request(writer, tokens))
             writer.llm_engine.engine_core.shutdown()  # flushes queued uploads
             os.environ[_DIR_VAR] = steps_dir
-            llm = kvtier_llm(model, max_len, extra)
+            llm = kvtier_llm(model, max_len, extra, failure_policy=args.policy)
             restart_hits(lambda tokens: timed_request(llm, tokens))
             llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
         events = read_events(steps_dir)

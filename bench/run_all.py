@@ -239,6 +239,9 @@ class Setup:
         self.kv_transfer = {
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
+            # a chunk that fails to load is recomputed, not the request failed: and with a
+            # local directory tier, lookups then answer in their own step (connectors.probe)
+            "kv_load_failure_policy": "recompute",
         }
 
 

@@ -139,7 +139,7 @@ class SchedulerSide:
             slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
         )  # fmt: skip
         #: vLLM recomputes the blocks a load fails on (else it fails the request)
-        kv_transfer = vllm_config.kv_transfer_config
+        kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
         self.recompute_failed_loads = (
             getattr(kv_transfer, "kv_load_failure_policy", "fail") == "recompute"
         )

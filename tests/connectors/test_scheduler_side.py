@@ -73,7 +73,7 @@ def schedule_new(side: SchedulerSide, req, computed: int, n: int, first_block: i
 
 
 def op_ids(meta) -> list[int]:
-    fetches = [op for run in meta.fetches for op in run]
+    fetches = [op for run in meta.fetches + meta.fetches_now for op in run]
     return [op.op_id for op in meta.loads + meta.stores + fetches + meta.uploads]
 
 
