@@ -241,7 +241,7 @@ class Setup:
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # a chunk that fails to load is recomputed, not the request failed: and with a
             # local directory tier, lookups then answer in their own step (connectors.probe)
-            "kv_load_failure_policy": "recompute",
+            "kv_load_failure_policy": self.args.kv_load_failure_policy,
         }
 
 
@@ -365,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None,
                     help="comma-separated configurations: " + ",".join(c.name for c in CONFIGS))
     ap.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
+    ap.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                    default="recompute",
+                    help="vLLM's kv_load_failure_policy for the kvtier rows (recompute, as "
+                         "kvtier advises: a local directory tier's lookups then answer in "
+                         "their own step; fail: they take a step of their own)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="models, logs and stores (default: a directory under the system temp)")
     ap.add_argument("--model-shape", choices=sorted(SHAPES), default="bench",

@@ -64,6 +64,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 
+def log_where_vllm_logs() -> None:
+    """kvtier's log lines go where vLLM's go. vLLM configures its own ``vllm`` logger only,
+    so without this kvtier's INFO lines (its config, which way lookups go) reach no one.
+    Idempotent; the records still propagate (a root handler, pytest's, sees them too)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+
+
 def worker_position() -> tuple[int, int]:
     """This worker's (TP rank, pipeline stage); (0, 0) where vLLM's groups are not set up
     (a single process). Both go into the worker's object keys."""
@@ -129,6 +142,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_where_vllm_logs()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
         warning = secret_in_config(extra)

@@ -61,9 +61,16 @@ def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: vLLM's ``kv_load_failure_policy`` for the configs kvtier emits: a chunk that fails to
+#: load is recomputed instead of failing its request (vLLM's default, ``fail``), and a
+#: local directory tier's lookups answer in their own step (``kvtier.connectors.probe``)
+FAILURE_POLICY = "recompute"
+
+
 def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` object for a plan."""
-    return connector_config(extra_config(plan, **kwargs))
+    return {**connector_config(extra_config(plan, **kwargs)),
+            "kv_load_failure_policy": FAILURE_POLICY}
 
 
 def vllm_flags(inp: PlanInputs) -> list[str]:

@@ -23,10 +23,12 @@ GiB = 2**30
 def _row_extra(monkeypatch, tmp_path: Path, available: int) -> dict:
     """The kvtier config a host-tier row gets while ``available`` bytes are free."""
     monkeypatch.setattr(run_all, "mem_available_bytes", lambda: available)
-    args = argparse.Namespace(model_shape="bench", no_install=True)
+    args = argparse.Namespace(model_shape="bench", no_install=True,
+                              kv_load_failure_policy="recompute")
     cfg = next(c for c in run_all.CONFIGS if c.name == "kvtier-host")
     with run_all.Setup(cfg, tmp_path, args, run_all.PLANS["full"]) as st:
         assert st.kv_transfer is not None
+        assert st.kv_transfer["kv_load_failure_policy"] == "recompute"
         return dict(st.kv_transfer["kv_connector_extra_config"])
 
 

@@ -283,6 +283,7 @@ def test_kv_transfer_config_is_accepted_by_kvtier(helm, tmp_path, name):
     assert ktc["kv_connector"] == "KVTierConnector"
     assert ktc["kv_connector_module_path"] == "kvtier.connectors.vllm"
     assert ktc["kv_role"] == "kv_both"
+    assert ktc["kv_load_failure_policy"] == "recompute"
     extra = ktc["kv_connector_extra_config"]
     cfg = load_config(extra, environ={})  # the JSON alone
     kv = values.get("kvtier", {})
@@ -696,6 +697,7 @@ def test_readme_production_stack_snippet():
     assert ktc["kv_connector"] == "KVTierConnector"
     assert ktc["kv_connector_module_path"] == "kvtier.connectors.vllm"
     assert ktc["kv_role"] == "kv_both"
+    assert ktc["kv_load_failure_policy"] == "recompute"
     cfg = load_config(ktc["kv_connector_extra_config"], environ={})
     assert spec["vllmConfig"]["enablePrefixCaching"] is True
     assert "lmcacheConfig" not in spec

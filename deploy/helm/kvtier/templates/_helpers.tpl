@@ -445,7 +445,7 @@ Sizes are rendered as byte counts so kvtier and the chart read them the same way
 {{/* The whole --kv-transfer-config JSON. */}}
 {{- define "kvtier.transferConfig" -}}
 {{- $extra := include "kvtier.extraConfig" . | fromJson }}
-{{- toJson (dict "kv_connector" "KVTierConnector" "kv_connector_module_path" "kvtier.connectors.vllm" "kv_role" "kv_both" "kv_connector_extra_config" $extra) }}
+{{- toJson (dict "kv_connector" "KVTierConnector" "kv_connector_module_path" "kvtier.connectors.vllm" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------- memory check */}}
