@@ -176,6 +176,9 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
             "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
             "remote_url": f"file://{spec['tier']}",
         },
+        # as kvtier advises: a failed load is recomputed, and the directory tier's
+        # lookups answer in their own step (kvtier.connectors.probe)
+        "kv_load_failure_policy": "recompute",
     }
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,
               seed=0, kv_transfer_config=ktc)
