@@ -15,7 +15,8 @@ That is only a miss where vLLM may recompute (``kv_load_failure_policy: recomput
 under vLLM's default, ``fail``, a load error fails the request, so lookups stay
 reads there. Nor for a model with several KV cache groups (vLLM cannot map a block
 error back to a request there), nor on any other tier (a ``stat`` over the network
-would hold the scheduler for the network's time).
+would hold the scheduler for the network's time), nor with ``inline_read_ms: 0`` (the
+worker's own thread reads a one-step lookup's chunks, as it reads a lookup's first ones).
 
 The scheduler learns each worker's object keys from vLLM's connector handshake
 (:class:`WorkerKeys`, sent once the workers registered their KV caches) and follows
@@ -62,6 +63,10 @@ def one_step_refusal(
         return "the object tier is not a directory"
     if not reads_local:
         return "the directory is not on a local filesystem"
+    if not cfg.inline_read_ms:
+        # the step that loads them reads the chunks on the engine's thread: an operator
+        # who keeps every read on the I/O threads (a local disk that may hang) opts out
+        return "inline_read_ms is 0 (no object-tier read on the engine's thread)"
     if groups > 1:
         return "the model has several KV cache groups"
     if not recompute:

@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
+from kvtier.errors import TierError
 from kvtier.host.index import ChunkIndex
 from kvtier.keys import Namespace
 from kvtier.objects.tiers import FileTier, file_tier_root
@@ -206,25 +207,33 @@ class SchedulerSide:
         where that is safe. Logs which way lookups go, and why."""
         if not self.remote:
             return
+        self.lookups.probe, refusal = self._one_step_probe(workers)
+        if self.lookups.probe is None:
+            logger.info("kvtier: object-tier lookups take a step of their own (%s)", refusal)
+        else:
+            logger.info("kvtier: object-tier lookups answer in their own step: a local "
+                        "directory tier, read before each load; a chunk that fails its check "
+                        "is recomputed (kv_load_failure_policy: recompute)")  # fmt: skip
+
+    def _one_step_probe(self, workers: list[WorkerKeys]) -> tuple[LocalProbe | None, str]:
+        """The probe of one-step lookups for these workers, or None and why not."""
         refusal = one_step_refusal(self.cfg, recompute=self.recompute_failed_loads,
                                    groups=self.num_kv_groups, reads_local=True)  # fmt: skip
-        tier = None
-        if refusal is None:
-            tier = FileTier(file_tier_root(self.cfg), background_sweep=False)
-            refusal = one_step_refusal(self.cfg, recompute=True, groups=1,
-                                       reads_local=tier.reads_local)  # fmt: skip
         if refusal is None and len(workers) != self.world_size:
             refusal = f"{len(workers)} of {self.world_size} workers sent their keys"
         if refusal is None and any(w.weights_epoch != self.weights_epoch for w in workers):
             refusal = "the workers' keys are of other weights than the scheduler's"
-        self.lookups.probe = None
-        if refusal is not None or tier is None:
-            logger.info("kvtier: object-tier lookups take a step of their own (%s)", refusal)
-            return
-        self.lookups.probe = LocalProbe(tier, workers)
-        logger.info("kvtier: object-tier lookups answer in their own step: a local directory "
-                    "tier, read before each load; a chunk that fails its check is recomputed "
-                    "(kv_load_failure_policy: recompute)")  # fmt: skip
+        if refusal is not None:
+            return None, refusal
+        try:
+            tier = FileTier(file_tier_root(self.cfg), background_sweep=False)
+        except TierError as exc:  # the workers' reads meet (and count) the same
+            return None, f"the directory cannot be opened: {exc}"
+        refusal = one_step_refusal(self.cfg, recompute=True, groups=1,
+                                   reads_local=tier.reads_local)  # fmt: skip
+        if refusal is not None:
+            return None, refusal
+        return LocalProbe(tier, workers), ""
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

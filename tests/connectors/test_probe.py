@@ -241,6 +241,9 @@ def test_refusals_name_the_reason() -> None:
     assert "kv_load_failure_policy" in one_step_refusal(cfg, recompute=False, groups=1,
                                                          reads_local=True)  # fmt: skip
     assert one_step_refusal(cfg, recompute=True, groups=1, reads_local=True) is None
+    cfg = load_config({"remote_url": "file:///kv", "inline_read_ms": 0}, environ={})
+    assert "inline_read_ms" in one_step_refusal(cfg, recompute=True, groups=1,
+                                                 reads_local=True)  # fmt: skip
 
 
 def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Path) -> None:
@@ -298,3 +301,28 @@ def test_the_worker_sends_its_keys_in_vllms_handshake() -> None:
     assert conn.get_handshake_metadata() == WorkerKeys(NS, 1, 0, 2)
     conn.cfg = load_config({}, environ={})
     assert conn.get_handshake_metadata() is None
+
+
+def test_a_directory_not_on_a_local_filesystem_keeps_lookups_reads(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """NFS, CIFS, a FUSE mount: a ``stat`` there could hold the scheduler for the network's
+    time, so the scheduler never asks."""
+    from kvtier.objects.tiers import file as file_tier
+
+    monkeypatch.setattr(file_tier, "is_local", lambda path: False)
+    side = side_on(tmp_path)
+    with caplog.at_level("INFO", logger="kvtier.scheduler"):
+        side.set_worker_keys([keys_of()])
+    assert side.lookups.probe is None and "not on a local filesystem" in caplog.text
+
+
+def test_a_directory_the_scheduler_cannot_open_keeps_lookups_reads(
+    tmp_path: Path, caplog
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    side = side_on(blocker / "kv")
+    with caplog.at_level("INFO", logger="kvtier.scheduler"):
+        side.set_worker_keys([keys_of()])  # never raises: the engine starts
+    assert side.lookups.probe is None and "cannot be opened" in caplog.text
