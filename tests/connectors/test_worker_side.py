@@ -95,6 +95,32 @@ def test_worker_saves_per_layer_and_loads_back(monkeypatch, fake_cuda) -> None:
         assert torch.equal(blocks_of(dst[name], [30, 31, 32]), blocks_of(caches[name], [6, 7, 8]))
 
 
+@pytest.mark.parametrize("fake_cuda", [True, False])
+def test_a_store_after_a_failed_load_of_its_request_is_not_kept(monkeypatch, fake_cuda) -> None:
+    """A host-tier load that fails (block 99 does not exist) leaves blocks vLLM recomputes:
+    a chunk the same request completed in that step attended to them, so its store is
+    reported failed (never ready, never uploaded); a store after loads that succeeded is
+    kept (StoreOp.after_loads)."""
+    w, caches, _ops = make_worker(monkeypatch, fake_cuda)
+    sb = w.layout.slot_bytes
+    first = step_meta(1, sb, stores=[StoreOp(1, 0, [1, 2, 3, 4], b"a")])
+    w.start_load_kv(first)
+    w.wait_for_save(first)
+    assert w.build_worker_meta().results == {1: [True]}
+    meta = step_meta(2, sb, loads=[LoadOp(2, 0, 0, [5, 6]), LoadOp(3, 0, 0, [99])],
+                     stores=[StoreOp(4, 1, [10, 11, 12, 13], b"b", after_loads=(2, 3)),
+                             StoreOp(5, 2, [14, 15, 16, 17], b"c", after_loads=(2,)),
+                             StoreOp(6, 3, [18, 19, 20, 21], b"d")])  # fmt: skip
+    w.start_load_kv(meta)
+    for name in caches:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name)
+    w.wait_for_save(meta)
+    got = w.build_worker_meta().results
+    assert got == {2: [True], 3: [False], 4: [False], 5: [True], 6: [True]}
+    assert w.take_failed_blocks() == {99}
+
+
 def test_saves_run_per_layer_when_vllm_starts_loads_after_the_forward(monkeypatch) -> None:
     """vLLM calls start_load_kv after the forward when a step has no synchronous loads;
     binding the metadata must already have declared the stores for save_kv_layer."""
