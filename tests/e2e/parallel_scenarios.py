@@ -14,6 +14,7 @@ from tests.e2e.engine import (
     build_llm,
     generate,
     index_report,
+    ktc,
     kvtier_side,
     register,
     settle,
@@ -41,15 +42,21 @@ def worker_tier(worker: Any) -> dict[str, Any]:
     }
 
 
-def _parallel_llm(model: str, extra: dict[str, Any], tp: int, pp: int) -> Any:
+def _parallel_llm(model: str, extra: dict[str, Any], tp: int, pp: int,
+                  policy: str | None = None) -> Any:
+    """``policy``: vLLM's ``kv_load_failure_policy`` (None: vLLM's default)."""
+    kw: dict[str, Any] = {}
+    if policy is not None:
+        kw["kv_transfer_config"] = {**ktc(extra), "kv_load_failure_policy": policy}
     return build_llm(model, extra, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                     distributed_executor_backend="mp")
+                     distributed_executor_backend="mp", **kw)
 
 
 def _scheduler_report(llm: Any) -> dict[str, Any]:
     side = kvtier_side(llm)
     return {"host_bytes": side.host_bytes, "slot_bytes": side.slot_bytes,
-            "num_slots": side.index.num_slots, "world_size": side.world_size}
+            "num_slots": side.index.num_slots, "world_size": side.world_size,
+            "one_step": side.lookups.probe is not None}
 
 
 @register
@@ -73,9 +80,10 @@ def parallel_writer(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
 
 
 @register
-def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict[str, Any]:
+def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int,
+                    policy: str | None = None) -> dict[str, Any]:
     """A new engine at the same parallel sizes, empty host tier: B from the object tier."""
-    llm = _parallel_llm(model, extra, tp, pp)
+    llm = _parallel_llm(model, extra, tp, pp, policy)
     s, u2 = toks(1, 1024), toks(3, 200)
     b = generate(llm, [s + u2])[0]
     settle(llm)
@@ -84,13 +92,14 @@ def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
 
 
 @register
-def parallel_mla(model: str, extra: dict[str, Any], tp: int) -> dict[str, Any]:
+def parallel_mla(model: str, extra: dict[str, Any], tp: int,
+                 policy: str | None = None) -> dict[str, Any]:
     """An MLA model at tensor-parallel size ``tp``. The reference is the prompt computed
     cold; the second run, after vLLM's own prefix cache was emptied (its reference CPU
     MLA backend keeps none, its AMX one does), is served by kvtier's host tier; with an
     object tier, a third, after the host tier was emptied, by the object tier (every rank
     fetching rank 0's one copy)."""
-    llm = _parallel_llm(model, extra, tp, 1)
+    llm = _parallel_llm(model, extra, tp, 1, policy)
     p = toks(5, 1024 + 40)
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
         # vLLM keeps a prefix cache (its AMX backend): the reference is its own hit of the

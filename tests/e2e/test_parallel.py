@@ -92,6 +92,20 @@ def test_parallel_engine_hits_host_and_object_tiers_with_exact_outputs(
     assert r["index"]["totals"]["hit_tokens_remote"] >= 1024
     assert r["index"]["totals"]["fetch_ok"] >= 4 and r["index"]["totals"]["fetch_failed"] == 0
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
+    assert r["scheduler"]["one_step"] is False  # vLLM's default policy: lookups are reads
+
+    # under kv_load_failure_policy recompute the lookup is answered in its own step: the
+    # scheduler stats every rank's objects under the keys the workers' handshake brought
+    one = run_engine("parallel_reader", env=ENV, model=tiny_model, extra=extra, tp=tp, pp=pp,
+                     policy="recompute")  # fmt: skip
+    assert one["scheduler"]["one_step"] is True, one["_log"][-3000:]
+    totals = one["index"]["totals"]
+    assert totals["one_step_lookups"] >= 1 and totals["hit_tokens_remote"] >= 1024, totals
+    assert totals["fetch_failed"] == 0 and totals["load_failed"] == 0, totals
+    assert one["b"]["cached"] >= 1024
+    assert one["b"]["tokens"] == w["b_ref"]["tokens"]
+    assert one["b"]["logprobs"] == w["b_ref"]["logprobs"]
+    assert one["index"]["refs"] == 0 and one["index"]["invariants"] is True
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +133,17 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     return str(out)
 
 
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
-    tiny_mla_model: str, tmp_path: Path
+    tiny_mla_model: str, tmp_path: Path, policy: str
 ) -> None:
+    """Under ``recompute`` the object-tier lookups are one-step (connectors.probe): the
+    scheduler stats rank 0's one copy for both ranks, and a prompt it lacks costs no read."""
     kv = tmp_path / "kv"
     r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,
-                   extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"}, tp=2)
+                   extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"}, tp=2,
+                   policy=policy)  # fmt: skip
+    assert r["scheduler"]["one_step"] is (policy == "recompute")
     # vLLM's reference CPU MLA backend forces 16-token blocks; where AMX is present it
     # picks its AMX backend, which keeps the 32 asked for
     import torch
@@ -160,10 +179,17 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     assert len(stored) == 4
     assert all(f.stat().st_size >= by_rank[0]["slot_bytes"] for f in stored)
     assert r["fetched_remote_hit_tokens"] == 1024
-    # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
-    # the four chunks
-    assert by_rank[0]["ops_fetch"] == by_rank[1]["ops_fetch"] == 5
     assert r["fetched"]["tokens"] == r["ref"]["tokens"]
     assert max_logprob_diff(r["fetched"], r["ref"]) <= 0.05
-    # the cold request's run of four: chunk 0 missed, the other three never read
-    assert idx["totals"]["fetch_ok"] == 4 and idx["totals"]["fetch_failed"] == 4
+    if policy == "fail":
+        # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
+        # the four chunks
+        assert by_rank[0]["ops_fetch"] == by_rank[1]["ops_fetch"] == 5
+        # the cold request's run of four: chunk 0 missed, the other three never read
+        assert idx["totals"]["fetch_ok"] == 4 and idx["totals"]["fetch_failed"] == 4
+    else:
+        # the scheduler's stat found nothing for the cold request: no read at all; then
+        # both ranks read the four chunks in the step that loaded them
+        assert by_rank[0]["ops_fetch"] == by_rank[1]["ops_fetch"] == 4
+        assert idx["totals"]["fetch_ok"] == 4 and idx["totals"]["fetch_failed"] == 0
+        assert idx["totals"]["one_step_lookups"] == 1
