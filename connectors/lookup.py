@@ -13,10 +13,12 @@ then loads what landed, from the host tier, like any host hit). A lookup past
 ``lookup_timeout_ms`` is done, counted as a timeout; its fetches still settle.
 
 With a :class:`~.probe.LocalProbe` (a directory tier on a local filesystem, where vLLM
-recomputes what fails to load) a lookup is done in its first step instead: the probe
-finds the stored prefix, its chunks are claimed and their fetches queued as a run the
-workers read before the step's loads (``StepPlan.fetches_now``), and the answer counts
-them at once (``RequestState.fetching_now``).
+recomputes what fails to load) a lookup is answered in its first step instead: the
+probe finds the stored prefix, its chunks are claimed, and the answer counts them at
+once (``RequestState.fetching_now``). When vLLM allocates that answer the lookup is
+done and the workers read the run before the step's loads (``StepPlan.fetches_now``);
+when it does not (no room yet), the run goes out as a plain lookup's and vLLM's next
+ask waits for it like any other.
 Chunks a request may not share (``RequestState.shared_chunks``: a LoRA adapter kvtier
 could not fingerprint, client-named images) are never looked up.
 """
@@ -64,11 +66,21 @@ class RemoteLookups:
         runs, self._runs = self._runs, []
         return runs
 
-    def take_runs_now(self) -> list[list[FetchOp]]:
-        """The runs of one-step lookups queued since the last call: the workers read them
-        before the step's loads."""
-        runs, self._runs_now = self._runs_now, []
-        return runs
+    def take_runs_now(self, loaded: set[int]) -> tuple[list[list[FetchOp]], list[list[FetchOp]]]:
+        """The runs of one-step lookups queued since the last call, split: the fetches
+        whose chunks the step loads (``loaded``: their op ids), which the workers read
+        before those loads, and the rest, answers vLLM did not allocate, read as any
+        lookup's are (they must not hold up the step)."""
+        now: list[list[FetchOp]] = []
+        later: list[list[FetchOp]] = []
+        for run in self._runs_now:
+            k = 0
+            while k < len(run) and run[k].op_id in loaded:
+                k += 1
+            now += [run[:k]] if k else []
+            later += [run[k:]] if k < len(run) else []
+        self._runs_now = []
+        return now, later
 
     def wants(self, st: RequestState, end_chunk: int, cap: int) -> bool:
         """True when chunks the host tier lacks could still come from the object tier."""
@@ -86,8 +98,11 @@ class RemoteLookups:
         if lk is None:
             lk = st.lookup = Lookup(started=now, first_chunk=first)
             if self.probe is not None:
+                # answered now; done once vLLM allocates the answer (SchedulerSide), else
+                # a lookup in flight like any other: its fetches go out as a plain run
                 self._claim_stored(st, lk, first, cap, self.probe)
-                self.finish(st)
+                if not lk.chunks:
+                    self.finish(st)
                 return False
             self._start_fetches(st, lk, first, cap)
             if not lk.chunks:

@@ -320,6 +320,8 @@ class SchedulerSide:
         if num_external_tokens > 0 and plan is not None:
             start, end = plan[0], plan[0] + num_external_tokens
             self.planner.plan_loads(st, self._block_ids(request.request_id), start, end)
+            if st.fetching_now:  # a one-step lookup's answer, allocated: it is done
+                self.lookups.finish(st)
         st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
@@ -351,7 +353,9 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
         self.plan.fetches.extend(self.lookups.take_runs())
-        self.plan.fetches_now.extend(self.lookups.take_runs_now())
+        now, later = self.lookups.take_runs_now({op.fetch_op for op in self.plan.loads})
+        self.plan.fetches_now.extend(now)
+        self.plan.fetches.extend(later)
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
         ]

@@ -97,6 +97,7 @@ def test_a_stored_prefix_is_answered_in_the_lookups_own_step(tmp_path: Path) -> 
     assert side.totals["one_step_lookups"] == 1
     assert side.totals["hit_tokens_remote"] == 3 * CHUNK
 
+    assert side._reqs["a"].lookup.done, "allocated: the lookup is over"
     report(side, meta)
     assert all(side.index.is_ready(h) for h in side._reqs["a"].chunk_hashes[:4])
     assert side.pending_ops() == 0 and side.index.total_refs() == 0
@@ -153,9 +154,11 @@ def test_a_chunk_another_op_holds_ends_the_one_step_run(tmp_path: Path) -> None:
     assert side.get_num_new_matched_tokens(a, 0) == (2 * CHUNK, False)
 
 
-def test_the_answer_vllm_did_not_allocate_is_forgotten(tmp_path: Path) -> None:
-    """vLLM asks, cannot allocate, asks again a step later: the fetches went out with the
-    first step and the second answer is a host hit, its loads plain ones."""
+def test_an_answer_vllm_did_not_allocate_becomes_a_plain_lookup(tmp_path: Path) -> None:
+    """vLLM asks and cannot allocate (no room; vLLM 0.34 asks a waiting request while the
+    batch is full): the fetches go out as a plain lookup's run, never read ahead of the
+    running batch's step; the next asks wait for them, then the answer is a host hit with
+    plain loads."""
     side = side_on(tmp_path)
     side.set_worker_keys([keys_of()])
     req = request("a", 1, 2 * CHUNK + 10)
@@ -163,7 +166,10 @@ def test_the_answer_vllm_did_not_allocate_is_forgotten(tmp_path: Path) -> None:
     side.keys.refresh(side._reqs["a"])
     store_objects(tmp_path, keys_of().space, side._reqs["a"].chunk_hashes[:2])
     assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
-    report(side, decode_step(side, {}))  # the fetches, read in that step
+    step = decode_step(side, {})  # vLLM allocated nothing
+    assert step.fetches_now == [] and len(step.fetches) == 1 and len(step.fetches[0]) == 2
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False), "its fetches are out"
+    report(side, step)  # the fetches, read in that step
     assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
     side._kv_cache_manager.blocks["a"] = list(range(100, 100 + 2 * BPC + 1))
     side.update_state_after_alloc(req, None, 2 * CHUNK)
@@ -326,3 +332,16 @@ def test_a_directory_the_scheduler_cannot_open_keeps_lookups_reads(
     with caplog.at_level("INFO", logger="kvtier.scheduler"):
         side.set_worker_keys([keys_of()])  # never raises: the engine starts
     assert side.lookups.probe is None and "cannot be opened" in caplog.text
+
+
+def test_only_the_fetches_the_step_loads_are_read_before_it(tmp_path: Path) -> None:
+    """A run whose first chunks the step loads is split: those are read before the loads,
+    the rest (and runs no load needs) as any lookup's run."""
+    side = side_on(tmp_path)
+    lookups = side.lookups
+    lookups._runs_now = [[FetchOp(1, 0, b"a"), FetchOp(2, 1, b"b"), FetchOp(3, 2, b"c")],
+                         [FetchOp(4, 3, b"d")]]  # fmt: skip
+    now, later = lookups.take_runs_now({1, 2})
+    assert [[op.op_id for op in run] for run in now] == [[1, 2]]
+    assert [[op.op_id for op in run] for run in later] == [[3], [4]]
+    assert lookups.take_runs_now(set()) == ([], [])
