@@ -96,6 +96,8 @@ def _non_default_args(text: str) -> dict[str, Any]:
             out[key] = int(raw)
     if "KVTierConnector" in text:
         out["kv_connector"] = "KVTierConnector"
+        if m := re.search(r"kv_load_failure_policy='(\w+)'", text):
+            out["kv_load_failure_policy"] = m.group(1)
         m = re.search(r"kv_connector_extra_config=(\{[^{}]*\})", text)
         extra = _literal(m.group(1)) if m else None
         if isinstance(extra, dict):  # vLLM logs it verbatim: hide passwords and keys again
@@ -257,6 +259,15 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
             w.append(warning("cpu-offload-gb-not-kv", (
                 f"--cpu-offload-gb {gb:g} but vLLM offloaded {facts['uva_offloaded_gib']} GiB: "
                 "the rest of the budget does nothing. It moves weights only, never KV cache.")))
+    if args.get("kv_connector") == "KVTierConnector" and (
+        args.get("kv_load_failure_policy") == "fail"
+    ):
+        w.append(warning("kv-load-failure-fails-requests", (
+            "kv_load_failure_policy is 'fail' (vLLM's default): a chunk that fails to load "
+            "(a host-tier copy error, a chunk spoiled after its lookup) fails its request "
+            "instead of being recomputed, and a local directory tier's lookups take an engine "
+            "step of their own. Add \"kv_load_failure_policy\": \"recompute\" to "
+            "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it).")))
     if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
         w.append(warning("offload-params-ignored", (
             f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; prefetch "

@@ -41,6 +41,8 @@ CODES: dict[str, str] = {
     "weights-exceed-gpu": "resident weights leave no GPU memory for KV cache",
     "kv-heads-replicated": "TP is larger than the KV head count; KV heads are replicated",
     "offload-not-applied": "weight offload was requested but vLLM logged none",
+    "kv-load-failure-fails-requests": "kv_load_failure_policy 'fail': a KV load that fails "
+    "fails its request, and a local directory tier's lookups take a step of their own",
 }
 
 

@@ -205,3 +205,33 @@ def test_doctor_survives_a_malformed_url_in_the_log() -> None:
     texts = doctor_texts(lines)  # redact_url raised ValueError on this URL
     assert all("hunter2" not in text for text in texts)
     assert ":***@[::1" in texts[0]
+
+
+def _args_line(policy: str | None, connector: str = "KVTierConnector") -> list[str]:
+    """vLLM 0.32's ``non-default args`` line as `vllm serve` logs it (every field of
+    KVTransferConfig, the failure policy last)."""
+    tail = f", kv_load_failure_policy='{policy}'" if policy else ""
+    return [
+        "(APIServer pid=1) INFO 12-04 23:22:17 [api_utils.py:286] non-default args: {'model': "
+        f"'/m', 'kv_transfer_config': KVTransferConfig(kv_connector='{connector}', "
+        "engine_id='e1', kv_buffer_device='cpu', kv_role='kv_both', kv_port=14579, "
+        "kv_connector_extra_config={'remote_url': 'file:///kv', 'cpu_bytes': 1073741824}, "
+        "kv_connector_module_path='kvtier.connectors.vllm', enable_permute_local_kv=False"
+        f"{tail})}}",
+    ]
+
+
+@pytest.mark.parametrize(("policy", "connector", "warned"), [
+    ("fail", "KVTierConnector", True),
+    ("recompute", "KVTierConnector", False),
+    (None, "KVTierConnector", False),  # a vLLM that does not log the field: no guess
+    ("fail", "ExampleConnector", False),
+])
+def test_vllms_default_failure_policy_is_named_with_what_to_set(
+    policy: str | None, connector: str, warned: bool
+) -> None:
+    rep = doctor.report(doctor.parse_log(_args_line(policy, connector)))
+    found = [w for w in rep["warnings"] if w["code"] == "kv-load-failure-fails-requests"]
+    assert bool(found) is warned
+    if warned:
+        assert '"kv_load_failure_policy": "recompute"' in found[0]["message"]
