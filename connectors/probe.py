@@ -79,21 +79,22 @@ class LocalProbe:
 
     def __init__(self, tier: ObjectTier, workers: Sequence[WorkerKeys]) -> None:
         self.tier = tier
-        self.workers = list(workers)
+        self._follow(list(workers))
 
-    @property
-    def spaces(self) -> list[KeySpace]:
-        """Each worker's key space, once (with replicated KV every rank reads rank 0's)."""
-        return list(dict.fromkeys(w.space for w in self.workers))
+    def _follow(self, workers: list[WorkerKeys]) -> None:
+        self.workers = workers
+        #: each worker's key space, once (with replicated KV every rank reads rank 0's);
+        #: made here, not per lookup (a digest per worker)
+        self.spaces: list[KeySpace] = list(dict.fromkeys(w.space for w in workers))
 
     def after_weight_change(self, salt: bytes) -> None:
         """The weights changed (``salt``: the scheduler's, sent to the workers with the
         step's metadata): the keys every worker makes from the next step on."""
-        self.workers = [
+        self._follow([
             WorkerKeys(w.namespace.after_weight_change(salt), w.rank, w.stage,
                        w.weights_epoch + 1)
             for w in self.workers
-        ]
+        ])  # fmt: skip
 
     def stored_run(self, block_hashes: Sequence[bytes]) -> int:
         """How many of a prompt's chunks (``block_hashes``, in order) every worker has
