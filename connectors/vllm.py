@@ -345,19 +345,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        if self._scheduler is not None:
-            self._scheduler.set_worker_keys(
-                [m for m in metadata.values() if isinstance(m, WorkerKeys)]
-            )
+        self._take_worker_keys(metadata.values())
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
         """Every worker's keys, pipeline stages included (vLLM's default refuses stage > 0)."""
+        self._take_worker_keys(metadata.values())
+
+    def _take_worker_keys(self, metadata: Iterable[KVConnectorHandshakeMetadata]) -> None:
         if self._scheduler is not None:
-            self._scheduler.set_worker_keys(
-                [m for m in metadata.values() if isinstance(m, WorkerKeys)]
-            )
+            self._scheduler.set_worker_keys([m for m in metadata if isinstance(m, WorkerKeys)])
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
