@@ -373,7 +373,7 @@ class SchedulerSide:
                 self._ttft_by_step.setdefault(self._step, []).append(
                     (st.request.arrival_time, st.outcome)
                 )
-            if computed_before < st.next_store * self.chunk_size and st.next_store != NEVER_STORE:
+            if st.next_store != NEVER_STORE and computed_before < st.next_store * self.chunk_size:
                 # vLLM recomputes from here (a load failed and it rewound the request):
                 # the chunks it computes again in full are stored, the corrupt ones replaced
                 st.next_store = -(-computed_before // self.chunk_size)
