@@ -70,6 +70,18 @@ def keys_of(rank: int = 0) -> WorkerKeys:
     return WorkerKeys(NS, rank, 0)
 
 
+def prompt_on(side: SchedulerSide, tmp_path: Path, n_tokens: int,
+              stored: dict[WorkerKeys, int]) -> tuple[SimpleNamespace, list[bytes]]:
+    """Request "a" of ``n_tokens`` and its chunk keys, with each worker's first ``stored``
+    chunks in the directory under that worker's keys."""
+    req = request("a", 1, n_tokens)
+    side.keys.refresh(side._state(req))
+    hashes = side._reqs["a"].chunk_hashes
+    for worker, n in stored.items():
+        store_objects(tmp_path, worker.space, hashes[:n])
+    return req, hashes
+
+
 def test_a_stored_prefix_is_answered_in_the_lookups_own_step(tmp_path: Path) -> None:
     """Chunks 0-2 of 4 are stored: the first ask answers 3 chunks (no "ask again"); the
     step's metadata reads them before its loads, each load held to its fetch, and the
@@ -77,10 +89,7 @@ def test_a_stored_prefix_is_answered_in_the_lookups_own_step(tmp_path: Path) -> 
     side = side_on(tmp_path)
     side.set_worker_keys([keys_of()])
     assert side.lookups.probe is not None
-    req = request("a", 1, 4 * CHUNK + 10)
-    side._state(req)
-    side.keys.refresh(side._reqs["a"])
-    store_objects(tmp_path, keys_of().space, side._reqs["a"].chunk_hashes[:3])
+    req, _ = prompt_on(side, tmp_path, 4 * CHUNK + 10, {keys_of(): 3})
 
     assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
     side._kv_cache_manager.blocks["a"] = list(range(100, 100 + 4 * BPC + 1))
@@ -111,11 +120,7 @@ def test_a_chunk_that_fails_at_the_read_is_recomputed_and_stored_again(tmp_path:
     stored."""
     side = side_on(tmp_path)
     side.set_worker_keys([keys_of()])
-    req = request("a", 1, 4 * CHUNK + 10)
-    side._state(req)
-    side.keys.refresh(side._reqs["a"])
-    hashes = side._reqs["a"].chunk_hashes
-    store_objects(tmp_path, keys_of().space, hashes[:3])
+    req, hashes = prompt_on(side, tmp_path, 4 * CHUNK + 10, {keys_of(): 3})
     assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
     side._kv_cache_manager.blocks["a"] = list(range(100, 100 + 4 * BPC + 1))
     side.update_state_after_alloc(req, None, 3 * CHUNK)
@@ -145,11 +150,7 @@ def test_a_chunk_another_op_holds_ends_the_one_step_run(tmp_path: Path) -> None:
     this step: the run stops before it (the answer counts what comes before)."""
     side = side_on(tmp_path)
     side.set_worker_keys([keys_of()])
-    a = request("a", 1, 4 * CHUNK + 10)
-    side._state(a)
-    side.keys.refresh(side._reqs["a"])
-    hashes = side._reqs["a"].chunk_hashes
-    store_objects(tmp_path, keys_of().space, hashes[:4])
+    a, hashes = prompt_on(side, tmp_path, 4 * CHUNK + 10, {keys_of(): 4})
     assert side.index.begin(hashes[2], State.FETCHING) is not None
     assert side.get_num_new_matched_tokens(a, 0) == (2 * CHUNK, False)
 
@@ -161,10 +162,7 @@ def test_an_answer_vllm_did_not_allocate_becomes_a_plain_lookup(tmp_path: Path) 
     plain loads."""
     side = side_on(tmp_path)
     side.set_worker_keys([keys_of()])
-    req = request("a", 1, 2 * CHUNK + 10)
-    side._state(req)
-    side.keys.refresh(side._reqs["a"])
-    store_objects(tmp_path, keys_of().space, side._reqs["a"].chunk_hashes[:2])
+    req, _ = prompt_on(side, tmp_path, 2 * CHUNK + 10, {keys_of(): 2})
     assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
     step = decode_step(side, {})  # vLLM allocated nothing
     assert step.fetches_now == [] and len(step.fetches) == 1 and len(step.fetches[0]) == 2
@@ -183,12 +181,7 @@ def test_every_worker_must_hold_the_chunk(tmp_path: Path) -> None:
     side = side_on(tmp_path, tp=2)
     workers = [keys_of(0), keys_of(1)]
     side.set_worker_keys(workers)
-    req = request("a", 1, 3 * CHUNK + 10)
-    side._state(req)
-    side.keys.refresh(side._reqs["a"])
-    hashes = side._reqs["a"].chunk_hashes
-    store_objects(tmp_path, workers[0].space, hashes[:3])
-    store_objects(tmp_path, workers[1].space, hashes[:1])
+    req, _ = prompt_on(side, tmp_path, 3 * CHUNK + 10, {workers[0]: 3, workers[1]: 1})
     assert side.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
 
 
