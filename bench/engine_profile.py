@@ -43,10 +43,12 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
                 g["end"] - g["start"] for g in gets),
             "gets: mean queue wait": statistics.mean(g["start"] - g["queued"] for g in gets),
             "last get done -> first token": r["ttft_s"] - last,
-            "  last get done -> lookup answered (scheduler)": (
-                answers[0]["end"] - last if answers else float("nan")),
-            "  lookup answered -> load copies begin": (
-                loads[0]["start"] - answers[0]["end"] if answers and loads else float("nan")),
+            # a one-step lookup answered before its reads, in the step that asked
+            "  last get done -> lookup answered (scheduler; 0: one step)": (
+                answers[0]["end"] - last if answers else 0.0),
+            "  then -> load copies begin": (
+                loads[0]["start"] - max(last, answers[0]["end"] if answers else last)
+                if loads else float("nan")),
             "  load copies (slot -> vLLM's KV cache)": sum(o["end"] - o["start"] for o in loads),
             "  load copies done -> first token": (
                 r["ttft_s"] - loads[-1]["end"] if loads else float("nan")),
@@ -59,8 +61,8 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
         lines.append(f"restart hit, {n}-token prompt, median of {len(ph['TTFT'])}:")
         for k, v in ph.items():
             med = statistics.median(v)
-            lines.append(f"  {k:<50} {med:.0f}" if k == "gets" else
-                         f"  {k:<50} {med * 1000:8.1f} ms")  # fmt: skip
+            lines.append(f"  {k:<60} {med:.0f}" if k == "gets" else
+                         f"  {k:<60} {med * 1000:8.1f} ms")  # fmt: skip
     for name in ("engine_thread", "io_threads"):
         path = os.path.join(out_dir, name + ".prof")
         if not os.path.exists(path):

@@ -276,6 +276,8 @@ def test_an_inline_run_asks_the_kernel_for_its_files_up_to_its_first_gap(
     tier = FileTier(str(tmp_path / "t"))
     rio = make_rio(tier)
     store(rio, ["w0", "w1", "w3"])
+    # as on a cold disk (just written, they are in the page cache: then no hint, below)
+    monkeypatch.setattr(FileTier, "_in_page_cache", lambda self, key: False)
     hinted: list[int] = []
     real = FileTier._open_regular
 
@@ -299,4 +301,46 @@ def test_an_inline_run_asks_the_kernel_for_its_files_up_to_its_first_gap(
     advised.clear()
     tier.will_read(["w9", "w0"])  # refused like a read: no hint, no exception
     assert advised == []
+    rio.close()
+
+
+def test_a_run_whose_files_are_in_the_page_cache_is_not_hinted(tmp_path, monkeypatch) -> None:
+    """A warm restart's run (its first and last files in the page cache) opens no file
+    for a hint; a run whose last file is on the device only, or missing, is hinted."""
+    tier = FileTier(str(tmp_path / "t"))
+    rio = make_rio(tier)
+    store(rio, ["w0", "w1", "w2"])
+    advised: list[int] = []
+    monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, advice: advised.append(advice))
+    tier.will_read(["w0", "w1", "w2"])
+    assert advised == []
+    tier.will_read(["w0", "w1", "w7"])  # the last one is not stored: hinted up to it
+    assert advised == [os.POSIX_FADV_WILLNEED] * 2
+    advised.clear()
+    cold = {"w2"}
+    real = FileTier._in_page_cache
+    monkeypatch.setattr(FileTier, "_in_page_cache",
+                        lambda self, key: key not in cold and real(self, key))  # fmt: skip
+    tier.will_read(["w0", "w1", "w2"])
+    assert advised == [os.POSIX_FADV_WILLNEED] * 3
+    rio.close()
+
+
+def test_the_page_cache_probe_sees_a_dropped_file(tmp_path) -> None:
+    """``_in_page_cache`` asks the kernel without waiting for the device: a file just
+    written is there, one whose pages were dropped is not (tmpfs keeps every page), a
+    missing one is not."""
+    tier = FileTier(str(tmp_path / "t"))
+    rio = make_rio(tier)
+    store(rio, ["w0"])
+    assert tier._in_page_cache("w0")
+    assert not tier._in_page_cache("w5")
+    fd = os.open(tier.path("w0"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    keeps_pages = filesystem_type(str(tmp_path)) == "tmpfs"
+    assert tier._in_page_cache("w0") is keeps_pages
     rio.close()

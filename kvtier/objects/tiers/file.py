@@ -45,6 +45,8 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 # O_NOFOLLOW: a symlink planted at a chunk's name is refused, not followed. O_NONBLOCK: a FIFO
 # planted there opens at once (and is refused by fstat) instead of blocking an I/O thread.
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: a read that fails rather than wait for the device (Linux; None elsewhere)
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 _OPEN_TMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: a hit refreshes a file's mtime at most this often: LRU needs minutes, not a write per hit
 _TOUCH_AFTER_S = 60.0
@@ -299,7 +301,13 @@ class FileTier(DirectoryBound, SlotReader):
 
     def will_read(self, keys: Sequence[str]) -> None:
         """:meth:`ObjectTier.will_read`: the kernel starts reading each stored file into
-        the page cache (``POSIX_FADV_WILLNEED``), all at once, while the first is read."""
+        the page cache (``POSIX_FADV_WILLNEED``), all at once, while the first is read.
+
+        Not when the run's first and last files are in the page cache already (a warm
+        restart, where the hint has nothing to start): opening every file for it took
+        about 60 us each, 2 ms before an 8,192-token prompt's first read."""
+        if keys and self._in_page_cache(keys[0]) and self._in_page_cache(keys[-1]):
+            return
         for key in keys:
             try:
                 opened = self._open_regular(key)
@@ -313,6 +321,27 @@ class FileTier(DirectoryBound, SlotReader):
                 pass
             finally:
                 os.close(opened[0])
+
+    def _in_page_cache(self, key: str) -> bool:
+        """Whether the last byte of ``key``'s file is in the page cache: a read that may
+        not wait for the device (``RWF_NOWAIT``) gets it. False when it cannot tell (no
+        such file, a kernel or filesystem without it): the caller then hints."""
+        if _RWF_NOWAIT is None:
+            return False
+        try:
+            opened = self._open_regular(key)
+        except TierError:
+            return False
+        if opened is None:
+            return False
+        fd, st = opened
+        try:
+            return st.st_size == 0 or os.preadv(fd, [bytearray(1)], st.st_size - 1,
+                                                _RWF_NOWAIT) == 1  # fmt: skip
+        except OSError:  # EAGAIN: on the device; EOPNOTSUPP: cannot tell
+            return False
+        finally:
+            os.close(fd)
 
     def _read_slot(
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool
