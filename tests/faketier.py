@@ -14,7 +14,7 @@ from kvtier.errors import ObjectError
 from kvtier.objects import codec
 from kvtier.objects.backoff import NoBackoff
 from kvtier.objects.remote import RemoteIO
-from kvtier.objects.tiers.base import ObjectTier, Parts
+from kvtier.objects.tiers.base import Found, ObjectTier, Parts
 from kvtier.ops import OpResult
 
 SHAPE = [2, 8, 64]
@@ -30,8 +30,9 @@ def frame(key: str, seed: int, signer: codec.Signer | None = None) -> bytes:
 
 class FakeTier(ObjectTier):
     """An in-memory tier; a key in ``hold`` blocks its reads (``read_into``) or writes
-    (``put``) until that event is set. ``entered``/``active`` say which calls began and
-    which are still running; ``calls`` counts every backend call by kind."""
+    (``put``) until that event is set, one in ``hold_payload`` its read once it was found.
+    ``entered``/``active`` say which calls began and which are still running; ``calls``
+    counts every backend call by kind."""
 
     name = "fake"
 
@@ -39,6 +40,8 @@ class FakeTier(ObjectTier):
         self.objects: dict[str, bytes] = {}
         self.hold: dict[str, threading.Event] = {}
         self.hold_all: threading.Event | None = None  # every read and write blocks on it
+        #: a key's read blocks here after it found the object (``found`` called)
+        self.hold_payload: dict[str, threading.Event] = {}
         self.entered: dict[str, threading.Event] = {}
         self.active: set[str] = set()
         self.calls = {"exists": 0, "read": 0, "put": 0}
@@ -68,12 +71,19 @@ class FakeTier(ObjectTier):
     def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         return self.objects.get(key)
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+    def read_into(
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
+    ) -> bytes | None:
         self._enter("read", key)
         try:
             blob = self.objects.get(key)
             if blob is None:
                 return None
+            if found is not None:
+                found()
+            gate = self.hold_payload.get(key)  # found, its payload still on its way
+            if gate is not None:
+                gate.wait()
             head = len(blob) - dest.nbytes
             dest[:] = blob[head:]  # lands in the caller's slot
             return blob[:head]
@@ -96,7 +106,7 @@ class FakeTier(ObjectTier):
     def close(self) -> None:
         if self.hold_all is not None:
             self.hold_all.set()
-        for ev in self.hold.values():
+        for ev in [*self.hold.values(), *self.hold_payload.values()]:
             ev.set()
 
 

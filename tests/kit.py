@@ -118,13 +118,13 @@ def before_reads(
         real = getattr(target, name)
         if isinstance(target, type):
 
-            def wrapped(self: ObjectTier, key: str, *a: Any, _real: Any = real) -> Any:
+            def wrapped(self: ObjectTier, key: str, *a: Any, _real: Any = real, **kw: Any) -> Any:
                 before(key)
-                return _real(self, key, *a)
+                return _real(self, key, *a, **kw)
         else:
 
-            def wrapped(key: str, *a: Any, _real: Any = real) -> Any:  # type: ignore[misc]
+            def wrapped(key: str, *a: Any, _real: Any = real, **kw: Any) -> Any:  # type: ignore[misc]
                 before(key)
-                return _real(key, *a)
+                return _real(key, *a, **kw)
 
         monkeypatch.setattr(target, name, wrapped)

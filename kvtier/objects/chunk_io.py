@@ -32,6 +32,7 @@ each failure maps to an error kind and to the tier's health:
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable, TruncatedError
@@ -40,7 +41,7 @@ from kvtier.objects.backoff import Backoff
 from kvtier.objects.io_counts import ERROR_KINDS
 from kvtier.objects.op_queue import OpQueue, QueuedOp
 from kvtier.objects.tier_health import RateLimitedLog
-from kvtier.objects.tiers.base import ObjectTier
+from kvtier.objects.tiers.base import Found, ObjectTier
 from kvtier.ops import OpKind
 
 __all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO"]
@@ -131,9 +132,10 @@ class ChunkIO(OpQueue):
     def _get(self, op: QueuedOp, key: str, buf: memoryview) -> None:
         """The read path of a started fetch: read, verify into the slot, report."""
         t0 = time.perf_counter()
-        if op.pos == 0 and op.run is not None:
-            self._queue_rest_if_stored(op)
-        got = self._read(key, buf)
+        found = None
+        if op.pos == 0 and op.run is not None and not self._queue_rest_if_stored(op):
+            found = functools.partial(self._queue_rest, op)  # once the tier knows it is there
+        got = self._read(key, buf, found)
         self._answered(op)
         if got is None:
             self._finish(op, False, None)
@@ -185,10 +187,11 @@ class ChunkIO(OpQueue):
         self._finish(op, True, None, nbytes=n)
 
     def _read(
-        self, key: str, slot: memoryview
+        self, key: str, slot: memoryview, found: Found = None
     ) -> tuple[bytes, memoryview, int | None] | None:
         """Read ``key`` for ``slot``: (head, payload, the payload's CRC-32 if it was
-        computed while read), None when it is not stored.
+        computed while read), None when it is not stored; ``found`` as the tier's reads
+        take it (:data:`~kvtier.objects.tiers.base.Found`).
 
         Without a compressor, or with one that stores raw now (``auto``), the object is
         read straight into the slot (the payload is ``slot``), checksummed as it lands unless
@@ -201,9 +204,9 @@ class ChunkIO(OpQueue):
         if self.compressor is None or self.compressor.reads_raw_first:
             try:
                 if self.signer is not None and self.signer.sealer is not None:
-                    head = self.tier.read_into(key, slot, MAX_FRAME)
+                    head = self.tier.read_into(key, slot, MAX_FRAME, found=found)
                     return None if head is None else (head, slot, None)
-                hashed = self.tier.read_into_hashed(key, slot, MAX_FRAME)
+                hashed = self.tier.read_into_hashed(key, slot, MAX_FRAME, found=found)
             except TruncatedError:
                 pass  # shorter than a raw chunk: perhaps a compressed one; read it whole
             else:

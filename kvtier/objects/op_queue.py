@@ -11,11 +11,13 @@ be written and when an op is reported live in one place:
   (``writes_dropped``): a chunk that never reaches the tier costs a future recompute,
   whereas blocking would stall the engine.
 - A lookup is a read (:meth:`OpQueue.submit_get_run`): a prompt's chunks are fetched in
-  order, the first alone, the rest in parallel once it was found; after a miss the
-  chunks behind it are not asked for, so a prompt the tier lacks costs one request, and
-  a rejected chunk (a forgery) ends its run unread. Where the tier's reads are local
-  (a directory on a local filesystem) a ``stat`` finds the first chunk and the rest are
-  queued before it is read; and the submitting thread may read the first chunk itself
+  order, the first alone, the rest in parallel once the tier found it: as its read
+  begins to return the payload (S3's response headers, Redis's reply length, an opened
+  file), not once the payload is in. After a miss the chunks behind it are not asked
+  for, so a prompt the tier lacks costs one request; a rejected chunk (a forgery) ends
+  its run, those its threads took meanwhile read and reported. Where the tier's reads
+  are local (a directory on a local filesystem) a ``stat`` finds the first chunk and the
+  rest are queued before it is opened; and the submitting thread may read the first chunk itself
   and serve the read queue beside the I/O threads, within a budget (``inline_until``).
   While any read is in flight, Python's switch interval is short (``FetchSwitches``).
 - A read still queued at its deadline (``timeout_s`` from submit) is reported as
@@ -169,11 +171,13 @@ class OpQueue(IOCounts):
         """Queue fetches of one prompt's consecutive chunks ``(op_id, key, dest)``, in order.
 
         A lookup is a read: the first chunk is fetched at once (a missing object is a
-        miss, one request for a prompt the tier does not hold); once it was found the
-        rest are queued and read in parallel. Where reads are local
+        miss, one request for a prompt the tier does not hold); once the tier found it
+        (``found``, before its payload is read: see ``ObjectTier.read_into``) the rest
+        are queued and read in parallel. Where reads are local
         (``ObjectTier.reads_local``) the thread that takes the first chunk ``stat``s it
-        and, when it is there, queues the rest before reading it (a forged first chunk
-        then costs the reads the threads got to meanwhile); the submitter never does. A
+        and, when it is there, queues the rest before opening it. Either way a forged
+        first chunk costs the reads the threads got to meanwhile; the submitter never
+        queues the rest itself. A
         prompt can only use its chunks up to the first gap, so when one is missing or
         fails, those after it that have not started are reported as misses without
         asking (counted in ``gets_skipped``). Every get yields one result.
@@ -216,8 +220,7 @@ class OpQueue(IOCounts):
                 return False
         except TierError:
             return False  # the read itself meets (and counts) the failure
-        for op in first.run[1:]:
-            self._queue_once(op)
+        self._queue_rest(first)
         return True
 
     def _read_inline(self, run: list[QueuedOp], until: float) -> None:
@@ -392,11 +395,14 @@ class OpQueue(IOCounts):
             if op.done:
                 return
             self._report(op, ok, error_kind, nbytes)
-        if op.run is None or not ok:
-            return
-        if op.pos == 0:
-            for later in op.run[1:]:
-                self._queue_once(later)
+        if op.run is not None and ok and op.pos == 0:
+            self._queue_rest(op)  # (done already where the tier said it found it)
+
+    def _queue_rest(self, first: QueuedOp) -> None:
+        """The run's first chunk is stored: queue the rest, to be read in parallel."""
+        assert first.run is not None
+        for later in first.run[1:]:
+            self._queue_once(later)
 
     def _skip_after(self, op: QueuedOp) -> None:
         """The run's chunks after a miss are of no use: report those not started as misses."""

@@ -3,6 +3,7 @@ here): URLs, the single node's guarantees on every node, a primary killed mid-ru
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import zlib
@@ -243,6 +244,10 @@ def test_get_into_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -
     assert tier.get(keys[0]) == values[0]  # the next read is intact
 
 
+def _snapshot(out: list[bytes], view: memoryview) -> None:
+    out.append(bytes(view))
+
+
 def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -> None:
     """The read a hit makes, on the cluster: each node's bounded parser reads the payload
     into the slot and checksums it as it lands; the CRC is of exactly the slot's bytes."""
@@ -255,12 +260,18 @@ def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisCluste
     assert len(nodes) > 1  # the keys spread over several primaries
     for key, value in zip(keys, values, strict=True):
         slot = memoryview(bytearray(n))
-        got = tier.read_into_hashed(key, slot, MAX_FRAME)
+        found: list[bytes] = []  # the slot as it was when the node's reply began
+        got = tier.read_into_hashed(key, slot, MAX_FRAME,
+                                    found=functools.partial(_snapshot, found, slot))  # fmt: skip
         assert got is not None
         head, crc = got
         assert bytes(slot) == value and crc == zlib.crc32(value)
+        assert found == [bytes(n)]  # once, before a byte of the payload landed
         codec.verify(head, slot, key=key, dtype="uint8", shape=[n], payload_crc=crc)
-    assert tier.read_into_hashed("absent", memoryview(bytearray(n)), MAX_FRAME) is None
+    missing: list[bytes] = []
+    assert tier.read_into_hashed("absent", memoryview(bytearray(n)), MAX_FRAME,
+                                 found=lambda: missing.append(b"")) is None  # fmt: skip
+    assert missing == []
 
 
 def collect(rio: RemoteIO, n: int, timeout: float = 15.0) -> list[OpResult]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import faketier
 import pytest
 from kit import PAYLOAD_SIZE, before_reads, collect, payload
 
@@ -496,9 +498,9 @@ def test_a_run_reads_its_chunks_into_their_slots_and_stops_at_a_gap(any_tier) ->
 
 def test_a_rejected_first_chunk_ends_the_run(any_tier, monkeypatch) -> None:
     """A first chunk that fails verification is a counted miss, and nothing behind it is
-    fetched: a forger cannot make a replica download a whole planted prompt. (On a local
-    tier the rest are queued once a stat found the first: those the read threads reached
-    while it was read and checked are read, and rejected, too.)"""
+    fetched once it was rejected: a forger cannot make a replica download a whole
+    planted prompt. (The rest are queued once the tier found the first: those the read
+    threads reached while it was read and checked are read, and rejected, too.)"""
     n = 8
     rio = make_rio(any_tier, signer=codec.Signer(b"k"))
     for i in range(n):
@@ -509,10 +511,7 @@ def test_a_rejected_first_chunk_ends_the_run(any_tier, monkeypatch) -> None:
     asked = _counting_reads(any_tier, monkeypatch)
     dests = _run(other, 300, [f"bad{i}" for i in range(n)])
     res = collect(other, n)
-    if any_tier.reads_local:
-        assert "bad0" in asked and len(asked) == len(set(asked)), asked
-    else:
-        assert asked == ["bad0"]
+    assert "bad0" in asked and len(asked) == len(set(asked)), asked
     assert res[300].error_kind == "signature"
     assert all(not r.ok for r in res.values())
     for i in range(1, n):
@@ -530,7 +529,7 @@ def test_a_local_tier_reads_a_found_run_in_parallel_from_its_first_chunk(
 ) -> None:
     """On a local directory tier, a run whose first chunk a ``stat`` finds is queued
     whole: the second chunk's read starts before the first one's ends (elsewhere the first
-    is read alone, one chunk's read time before the rest start)."""
+    waits until the tier found it: its response began)."""
     tier = FileTier(str(tmp_path / "objects"))
     tier.reads_local = True  # (what a local filesystem gives; tmp_path's may be another)
     rio = make_rio(tier)
@@ -542,10 +541,10 @@ def test_a_local_tier_reads_a_found_run_in_parallel_from_its_first_chunk(
     spans: dict[str, list[float]] = {}
     real = FileTier.read_into_hashed
 
-    def slow(self, key, dest, max_head):  # type: ignore[no-untyped-def]
+    def slow(self, key, dest, max_head, **kw):  # type: ignore[no-untyped-def]
         spans[key] = [time.monotonic()]
         time.sleep(0.05)
-        out = real(self, key, dest, max_head)
+        out = real(self, key, dest, max_head, **kw)
         spans[key].append(time.monotonic())
         return out
 
@@ -555,6 +554,28 @@ def test_a_local_tier_reads_a_found_run_in_parallel_from_its_first_chunk(
     assert all(r.ok for r in res.values()), res
     assert [bytes(d) for d in dests] == [bytes(payload(i)) for i in range(4)]
     assert spans["par1"][0] < spans["par0"][1], spans
+    rio.close()
+
+
+def test_a_run_is_queued_once_the_tier_found_its_first_chunk() -> None:
+    """On a remote tier the rest of a run is queued as soon as the tier says the first
+    chunk is there (S3's headers, Redis's length line), not once its payload is in: the
+    second chunk's read starts while the first one's payload is still on its way, and
+    every chunk lands in its own slot."""
+    tier = faketier.FakeTier()
+    keys = [f"f{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        tier.objects[k] = faketier.frame(k, i)
+    tier.hold_payload["f0"] = threading.Event()
+    rio = faketier.make_rio(tier, threads=4, timeout_s=faketier.WAIT)  # two read threads
+    dests = _run(rio, 500, keys)
+    second = tier.entered.setdefault("f1", threading.Event())
+    assert second.wait(faketier.WAIT), "the run's rest waited for its first payload"
+    assert "f0" in tier.active  # (still held)
+    tier.hold_payload["f0"].set()
+    res = faketier.collect(rio, 4)
+    assert all(r.ok for r in res.values()), res
+    assert [bytes(d) for d in dests] == [bytes(payload(i)) for i in range(4)]
     rio.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import time
@@ -127,6 +128,37 @@ def test_read_into_puts_the_payload_in_the_slot_and_returns_the_head(tier: Objec
     assert bytes(dest) == bytes([9]) * (256 * 1024)
     codec.verify(head, dest, key="ri")  # no error: a genuine chunk, verified in place
     assert tier.read_into("missing", dest, 100) is None
+
+
+def _snapshot(out: list[bytes], view: memoryview) -> None:
+    out.append(bytes(view))
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_read_says_it_found_the_object_before_its_payload_lands(
+    tier: ObjectTier, hashed: bool
+) -> None:
+    """``found`` (what lets a lookup queue the rest of its run) is called once per read
+    of a stored object, while the slot is still untouched: S3's response headers,
+    Redis's reply length line, the opened file; never for a missing key. A short object
+    (a compressed chunk) is found too, before its read is refused."""
+    parts = _chunk("fo", 256 * 1024, fill=5)
+    tier.put("fo", parts)
+    tier.put("short", _chunk("short", 100))
+    read = tier.read_into_hashed if hashed else tier.read_into
+    for key, fits in (("fo", True), ("short", False), ("missing", None)):
+        dest = memoryview(bytearray(256 * 1024))
+        seen: list[bytes] = []
+        found = functools.partial(_snapshot, seen, dest)
+        if fits is False:
+            with pytest.raises(TruncatedError):
+                read(key, dest, codec.MAX_HEADER + 8, found=found)
+        else:
+            got = read(key, dest, codec.MAX_HEADER + 8, found=found)
+            assert (got is not None) is bool(fits)
+        assert seen == ([] if fits is None else [bytes(256 * 1024)]), key
+        if fits:
+            assert bytes(dest) == bytes([5]) * (256 * 1024)
 
 
 def test_read_into_refuses_objects_that_cannot_fit_the_slot(tier: ObjectTier) -> None:

@@ -11,19 +11,23 @@ else stops).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.errors import ObjectTooLarge, TruncatedError
 from kvtier.objects.checksum import payload_crc32
 
-__all__ = ["ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for", "split_into",
-           "stored_prefix"]
+__all__ = ["Found", "ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for",
+           "split_into", "stored_prefix"]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
 
 #: an encoded chunk as a list of buffers (header, payload), written without joining
 Parts = Sequence[bytes | memoryview]
+#: called once during a read, as soon as the object is known to be stored (before its
+#: payload is read where the backend can tell: S3's response headers, Redis's length
+#: line, an opened file); a lookup then queues the rest of its run
+Found = Callable[[], None] | None
 
 
 def stored_prefix(found: Sequence[bool]) -> list[bool]:
@@ -121,9 +125,12 @@ class ObjectTier(ABC):
         view[: len(blob)] = blob
         return len(blob)
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
+    def read_into(
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
+    ) -> bytes | None:
         """Read a chunk straight into its host slot: the object's last ``dest.nbytes``
-        bytes land in ``dest``, the bytes before them (the chunk's head) are returned.
+        bytes land in ``dest``, the bytes before them (the chunk's head) are returned;
+        ``found`` is called once the key is known to be stored (:data:`Found`).
 
         None when the key is not stored. An object longer than ``dest.nbytes +
         max_head`` raises :class:`~kvtier.errors.ObjectTooLarge` before it is read;
@@ -134,16 +141,20 @@ class ObjectTier(ABC):
         directly (:class:`SlotReader`).
         """
         blob = self.get(key, max_bytes=dest.nbytes + max_head)
-        return None if blob is None else split_into(blob, dest, max_head, self.name)
+        if blob is None:
+            return None
+        if found is not None:
+            found()
+        return split_into(blob, dest, max_head, self.name)
 
     def read_into_hashed(
-        self, key: str, dest: memoryview, max_head: int
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`read_into`, and the CRC-32 of the bytes in ``dest`` (the codec's
         checksum): (head, crc), None when the key is not stored. This default checksums
         ``dest`` after the read; kvtier's backends checksum the payload as it arrives
         (:class:`SlotReader`: one pass over memory instead of two)."""
-        head = self.read_into(key, dest, max_head)
+        head = self.read_into(key, dest, max_head, found=found)
         return None if head is None else (head, payload_crc32(dest))
 
     @abstractmethod
@@ -170,18 +181,21 @@ class SlotReader(ObjectTier):
     piece as it lands when asked (:meth:`_read_slot`): :meth:`read_into` and
     :meth:`read_into_hashed` are its two uses."""
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        got = self._read_slot(key, dest, max_head, hashed=False)
+    def read_into(
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
+    ) -> bytes | None:
+        got = self._read_slot(key, dest, max_head, hashed=False, found=found)
         return None if got is None else got[0]
 
     def read_into_hashed(
-        self, key: str, dest: memoryview, max_head: int
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
     ) -> tuple[bytes, int] | None:
-        return self._read_slot(key, dest, max_head, hashed=True)
+        return self._read_slot(key, dest, max_head, hashed=True, found=found)
 
     @abstractmethod
     def _read_slot(
-        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`read_into`'s read: (head, the payload's CRC-32 computed as it landed when
-        ``hashed``, else 0); None when ``key`` is not stored."""
+        ``hashed``, else 0); None when ``key`` is not stored. ``found``: called before the
+        payload is read, once the key is known to be stored."""

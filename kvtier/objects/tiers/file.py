@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
 from kvtier.objects import checksum
-from kvtier.objects.tiers.base import Parts, SlotReader, byte_view, head_length_for
+from kvtier.objects.tiers.base import Found, Parts, SlotReader, byte_view, head_length_for
 from kvtier.objects.tiers.file_sweep import (
     _OPEN_ROOT,
     _OPEN_SUBDIR,
@@ -344,7 +344,7 @@ class FileTier(DirectoryBound, SlotReader):
             os.close(fd)
 
     def _read_slot(
-        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`SlotReader._read_slot`: one ``preadv`` fills the head buffer and the slot
         (no copy, GIL released); ``hashed``: the slot in pieces of ``checksum.HASH_PIECE``
@@ -354,6 +354,8 @@ class FileTier(DirectoryBound, SlotReader):
         if opened is None:
             return None
         fd, st = opened
+        if found is not None:
+            found()
         crc = 0
         try:
             with self._errors("get"):

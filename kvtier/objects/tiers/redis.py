@@ -17,6 +17,7 @@ from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
+    Found,
     Parts,
     SlotReader,
     byte_view,
@@ -236,7 +237,7 @@ class RedisTier(SlotReader):
         return data if data is None or type(data) is bytes else bytes(data)
 
     def _read_slot(
-        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`SlotReader._read_slot`: the reply's last ``dest.nbytes`` bytes are read
         from the socket straight into ``dest`` (no buffer of the chunk's size, no copy), a
@@ -245,13 +246,18 @@ class RedisTier(SlotReader):
         bound = self._bound
         landing = LandingCrc(dest) if hashed else None
         bound.into, bound.landed, bound.last_int, bound.landing = dest, False, None, landing
+        bound.found = found  # called from the reply's length line, before its bytes
         try:
             blob = self._get(key, dest.nbytes + max_head)
             landed = bound.landed
+            found, bound.found = bound.found, None  # None once it was called
         finally:
             bound.into, bound.landed, bound.last_int, bound.landing = None, False, None, None
+            bound.found = None
         if blob is None:
             return None
+        if found is not None:  # a reply too short to go into the slot (read whole)
+            found()
         if landed:  # ``blob`` is the head: the payload is in ``dest`` already
             head_length_for(len(blob) + dest.nbytes, dest.nbytes, max_head, self.name)
             return bytes(blob), landing.result() if landing is not None else 0

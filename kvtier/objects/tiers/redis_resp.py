@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -64,6 +65,9 @@ class _Bound(threading.local):
     #: the last integer reply of the command (read_into's STRLEN, which comes before the
     #: GETRANGE): a value it shows to be oversize is never read into the slot
     last_int: int | None = None
+    #: ``read_into``'s :data:`~kvtier.objects.tiers.base.Found`: called (then cleared) as
+    #: a reply that goes into ``into`` begins, before its bytes are read
+    found: Callable[[], None] | None = None
 
 
 class _BoundedBuffer(SocketBuffer):
@@ -141,6 +145,9 @@ class _BoundedParser(_RESP2Parser):
             into = None  # oversize: read into its own buffer, refused after the reply
         if into is not None and into.nbytes <= n and not oversize:
             self.bound.landed = False
+            found, self.bound.found = self.bound.found, None
+            if found is not None:  # a stored chunk: its length line is read, its bytes not
+                found()
             head, crlf = bytearray(n - into.nbytes), bytearray(2)
             landing = self.bound.landing
             if landing is not None:

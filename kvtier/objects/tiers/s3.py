@@ -23,6 +23,7 @@ from kvtier.errors import (
 )
 from kvtier.objects.checksum import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
+    Found,
     Parts,
     SlotReader,
     byte_view,
@@ -347,7 +348,7 @@ class S3Tier(SlotReader):
         )
 
     def _read_slot(
-        self, key: str, dest: memoryview, max_head: int, *, hashed: bool
+        self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`SlotReader._read_slot`: one ranged GET, its body streamed into the slot
         (``readinto``, no full copy); ``hashed``: each piece checksummed as it lands (one
@@ -357,6 +358,12 @@ class S3Tier(SlotReader):
         if resp is None:
             return None
         body = resp["Body"]
+        if found is not None:  # the response's headers are in, its body not read yet
+            try:
+                found()
+            except BaseException:
+                body.close()
+                raise
         where = f"s3 get {self._where()}"
         try:
             with self._errors("get"):
