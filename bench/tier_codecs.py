@@ -18,7 +18,7 @@ from kvtier.objects import codec, compress, zpolicy
 from kvtier.objects.backoff import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.seal import Sealer
-from kvtier.objects.tiers.base import ObjectTier
+from kvtier.objects.tiers.base import Found, ObjectTier
 
 
 def aes_gcm_speed(size: int, rounds: int) -> dict[str, float]:
@@ -245,8 +245,10 @@ class LinkTier(ObjectTier):
             self._wire(len(blob))
         return blob
 
-    def read_into(self, key: str, dest: memoryview, max_head: int) -> bytes | None:
-        head = self.inner.read_into(key, dest, max_head)
+    def read_into(
+        self, key: str, dest: memoryview, max_head: int, *, found: Found = None
+    ) -> bytes | None:
+        head = self.inner.read_into(key, dest, max_head, found=found)
         if head is not None:
             self._wire(len(head) + dest.nbytes)
         return head
