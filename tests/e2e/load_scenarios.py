@@ -36,9 +36,9 @@ def stored_then_hit(
     from kvtier.objects.tiers.file import FileTier
 
     def slowed(real: Any) -> Any:
-        def slow_read(self: FileTier, *a: Any) -> Any:
+        def slow_read(self: FileTier, *a: Any, **kw: Any) -> Any:
             time.sleep(read_delay_s)  # a slow mount or a loaded machine: the read is going
-            return real(self, *a)
+            return real(self, *a, **kw)
 
         return slow_read
 

@@ -260,10 +260,9 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     assert p2["tokens"] == w["cold"][1]["tokens"] and p2["logprobs"] == w["cold"][1]["logprobs"]
     t1 = r1["index"]["totals"]
     assert t1["hit_tokens_remote"] == 1024 and t1["fetch_ok"] == 4, t1
-    # P2's first chunk is rejected, so the three behind it are not even fetched
-    assert t1["error_signature"] == 1, t1
-    assert r1["stats"]["counters"].get("kvtier:errors|signature") == 1, r1["stats"]
-    assert r1["remote"]["ops_fetch"] == 5 and r1["remote"]["gets_skipped"] == 3, r1["remote"]
+    # P2's first chunk is rejected; behind it only what the read threads began meanwhile
+    _only_rejected_reads(t1["error_signature"], r1["remote"], runs=1, genuine=4)
+    assert r1["stats"]["counters"].get("kvtier:errors|signature") == t1["error_signature"]
 
     # K2 reader on S3: K1's genuine chunks (and the forgeries) are never loaded
     r2 = run_logged("trust_read", logs, env=k2, model=tiny_model, extra=read_extra, seeds=seeds)
@@ -271,7 +270,8 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
         assert out["cached"] == 0, "a K2 engine loaded a chunk it cannot verify"
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
     t2 = r2["index"]["totals"]
-    assert t2["hit_tokens_remote"] == 0 and t2["error_signature"] == 2, t2
+    assert t2["hit_tokens_remote"] == 0, t2
+    _only_rejected_reads(t2["error_signature"], r2["remote"], runs=2, genuine=0)
 
     # K1 reader on Redis (AUTH on): only forgeries there, none loaded, all counted
     redis_env = {**k1, "KVTIER_REMOTE_URL": redis_server.url}
@@ -283,9 +283,8 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
         assert out["cached"] == 0, "a forged chunk in Redis was loaded"
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
     t3 = r3["index"]["totals"]
-    assert t3["hit_tokens_remote"] == 0 and t3["error_signature"] == 2, t3
-    # each prompt's first chunk was fetched and rejected; nothing behind it was asked for
-    assert r3["remote"]["ops_fetch"] == 2 and r3["remote"]["gets_skipped"] == 6, r3["remote"]
+    assert t3["hit_tokens_remote"] == 0, t3
+    _only_rejected_reads(t3["error_signature"], r3["remote"], runs=2, genuine=0)
 
     lines = sum(assert_no_secrets(r) for r in (w, r1, r2, r3))
     rejected = sum(r["index"]["totals"]["error_signature"] for r in (r1, r2, r3))
@@ -293,6 +292,18 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
         f"\nsigning: 4 engines, {forged} forged objects written, {rejected} chunks rejected "
         f"(signature), 1024 tokens hit with K1, 0 failed requests, {lines} log lines clean"
     )
+
+
+def _only_rejected_reads(rejected: int, remote: dict, *, runs: int, genuine: int) -> None:
+    """``runs`` prompts (4 chunks each) whose first chunk is a forgery, and ``genuine``
+    chunks read besides: each forged run's first chunk was read and rejected; of the
+    chunks behind it, those the read threads began before it was rejected (they were
+    queued once the store found it) were read and rejected too, never loaded, and the
+    rest were not asked for."""
+    behind = rejected - runs  # rejected chunks behind a run's first
+    assert 0 <= behind <= 3 * runs, (rejected, remote)
+    assert remote["ops_fetch"] == genuine + rejected, remote
+    assert remote["gets_skipped"] == 3 * runs - behind, remote
 
 
 def _fp8_kv_supported() -> bool:

@@ -47,3 +47,48 @@ def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]
             got = dst[name].index_select(dim, torch.tensor(targets))
             assert torch.equal(got, kv.index_select(dim, torch.tensor(blocks[1:]))), name
             assert not dst[name].index_select(dim, others).any()
+
+
+def test_a_steps_runs_are_copied_in_one_call_and_a_bad_job_fails_alone(monkeypatch) -> None:
+    """A step's slice copies go to torch in one call (every layer of every op whose blocks
+    are one run); an op whose slot cannot be viewed fails alone, and when the one call
+    fails every op is copied again by itself: the same bytes land either way."""
+    import kvtier.host.transfer as transfer
+
+    src = make_caches(LAYOUTS["kv_first"])
+    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
+    slab = HostSlab(layout.slot_bytes * 4, layout)
+    saver = CpuCopier(list(src.values()), layout, slab)
+    saver.submit([StoreOp(1, 0, [4, 5, 6, 7], b"a"), StoreOp(2, 1, [20, 21, 22, 23], b"b")])
+    assert [r.ok for r in saver.poll()] == [True, True]
+    calls: list[int] = []
+    real = transfer._foreach_copy
+
+    def counted(dsts, srcs):  # type: ignore[no-untyped-def]
+        calls.append(len(dsts))
+        real(dsts, srcs)
+
+    monkeypatch.setattr(transfer, "_foreach_copy", counted)
+    loads = [LoadOp(3, 0, 0, [30, 31, 32, 33]), LoadOp(4, 1, 0, [8, 9, 10, 11]),
+             LoadOp(5, 9, 0, [0, 1, 2, 3])]  # slot 9: there is no such slot  # fmt: skip
+    dim = layout.layers[0].block_dim
+
+    def landed(dst: dict) -> bool:
+        return all(torch.equal(dst[n].index_select(dim, torch.tensor([30, 31, 32, 33])),
+                               kv.index_select(dim, torch.tensor([4, 5, 6, 7])))
+                   and torch.equal(dst[n].index_select(dim, torch.tensor([8, 9, 10, 11])),
+                                   kv.index_select(dim, torch.tensor([20, 21, 22, 23])))
+                   for n, kv in src.items())  # fmt: skip
+
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    res = CpuCopier(list(dst.values()), layout, slab).submit(loads)
+    assert {r.op_id: r.ok for r in res} == {3: True, 4: True, 5: False}
+    assert calls == [2 * len(src)] and landed(dst)
+
+    def broken(dsts, srcs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(transfer, "_foreach_copy", broken)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    res = CpuCopier(list(dst.values()), layout, slab).submit(loads[:2])
+    assert {r.op_id: r.ok for r in res} == {3: True, 4: True} and landed(dst)
