@@ -11,9 +11,7 @@ calling thread as soon as its read is done, while the read threads go on with th
 
 prints the median of each and their ratio (copy as landed ÷ read all, then copy). On a
 host whose cores are all busy reading, the copies only move the same memory traffic to
-another thread; on one with idle cores they can hide behind the reads. It also times the
-copies alone (the chunks in their slots), dispatched as kvtier's CPU copier does (one
-``torch._foreach_copy_`` for the step) and one ``copy_`` per layer and chunk.
+another thread; on one with idle cores they can hide behind the reads.
 """
 
 from __future__ import annotations
@@ -82,21 +80,12 @@ def main(argv: list[str] | None = None) -> int:
                 assert all(r.ok for r in copier.submit([loads[done.result()]]))
             return time.perf_counter() - t0
 
-        def copies_alone(batched: bool) -> float:
-            copier.batched = batched
-            t0 = time.perf_counter()
-            assert all(r.ok for r in copier.submit(loads))
-            copier.batched = True
-            return time.perf_counter() - t0
-
-        after, landed, one_call, each = [], [], [], []
+        after, landed = [], []
         with ThreadPoolExecutor(args.read_threads) as pool:
             read_all_then_copy(pool)  # page cache, slab and code paths warm
             for _ in range(args.reps):
                 after.append(read_all_then_copy(pool))
                 landed.append(copy_as_landed(pool))
-                one_call.append(copies_alone(True))
-                each.append(copies_alone(False))
         tier.close()
         # both ways moved every chunk's bytes into its blocks: copied back out, they match
         for i, op in enumerate(loads):
@@ -104,15 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             assert [r.ok for r in copier.poll()] == [True]
             assert bytes(slab.slot_memoryview(chunks)) == payloads[i], f"chunk {i}"
     a, b = statistics.median(after) * 1e3, statistics.median(landed) * 1e3
-    c1, c2 = statistics.median(one_call) * 1e3, statistics.median(each) * 1e3
     mib = chunks * layout.slot_bytes / 2**20
     print(f"{chunks} chunks, {mib:.0f} MiB, {args.read_threads} read threads, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"median of {args.reps}:")
     print(f"  read all, then copy   {a:7.1f} ms")
     print(f"  copy as landed        {b:7.1f} ms   ({b / a:.2f}x)")
-    print(f"  copies alone, one call for the step (kvtier's)   {c1:7.2f} ms")
-    print(f"  copies alone, one copy_ per layer and chunk      {c2:7.2f} ms   ({c2 / c1:.2f}x)")
     return 0
 
 

@@ -228,13 +228,7 @@ class Copier(ABC):
 
 class CpuCopier(Copier):
     """Today's synchronous path: per layer and op, one slice copy of a run of blocks, else
-    one ``index_select`` / ``index_copy_``. The slice copies of all of a step's ops go
-    to torch in one ``_foreach_copy_`` call: a chunk is one copy per layer (8-80 of a
-    few hundred KiB each), and a Python loop of them took about a third longer than the
-    copies dispatched together (``bench/copy_overlap.py`` prints both)."""
-
-    #: dispatch a step's slice copies together (False: one ``copy_`` each, as before)
-    batched = True
+    one ``index_select`` / ``index_copy_``."""
 
     def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
         super().__init__(kv, layout, slab)
@@ -254,80 +248,28 @@ class CpuCopier(Copier):
         return copy_results(OpKind.STORE, self._copy_jobs(jobs, to_host=True))
 
     def _copy_jobs(self, jobs: Sequence[CopyOp], to_host: bool) -> CopyTimes:
-        """The jobs whose blocks are one run: every layer one slice, all of them copied in
-        one call (each job's time is its share of it); each other job in turn, every layer
-        one ``index_select`` / ``index_copy_``. When the one call fails, its jobs are
-        copied again one by one, so a bad job fails alone."""
+        """Each job in turn, every layer with one slice copy (its blocks one run) or one
+        ``index_select`` / ``index_copy_``."""
         out: CopyTimes = {}
-        runs: list[CopyOp] = []
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        t0 = time.perf_counter()
-        for job in jobs if self.batched else ():
-            first = first_of_run(job.gpu_blocks)
-            if first is None:
-                continue
-            try:
-                for li, kv in enumerate(self.kv):
-                    region = self._region(job, li)
-                    dim = self.layout.layers[li].block_dim
-                    blocks = kv.narrow(dim, first, region.shape[dim])
-                    dsts.append(region if to_host else blocks)
-                    srcs.append(blocks if to_host else region)
-            except Exception:  # (a view that cannot be made: the job fails alone, below)
-                del dsts[len(runs) * len(self.kv):], srcs[len(runs) * len(self.kv):]
-                continue
-            runs.append(job)
-        if runs:
-            try:
-                _foreach_copy(dsts, srcs)
-            except Exception:
-                logger.exception("kvtier: a step's %d %s copies failed together; "
-                                 "copying each alone", len(runs), "store" if to_host else "load")
-                runs = []
-            else:
-                share = (time.perf_counter() - t0) / len(runs)
-                out.update((job.op_id, share) for job in runs)
         for job in jobs:
-            if job.op_id not in out:
-                out[job.op_id] = self._copy_one(job, to_host)
+            t0 = time.perf_counter()
+            try:
+                idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
+                first, count = job_range(job)
+                run = first_of_run(job.gpu_blocks)  # one slice, not an index copy
+                for li, kv in enumerate(self.kv):
+                    dim = self.layout.layers[li].block_dim
+                    region = self.slab.layer_view(job.slot, li).narrow(dim, first, count)
+                    if to_host:
+                        gather_blocks(kv, dim, idx, region, run)
+                    else:
+                        scatter_blocks(kv, dim, idx, region, run)
+                out[job.op_id] = time.perf_counter() - t0
+            except Exception:  # a failed copy must never crash the engine
+                what = "store into" if to_host else "load of"
+                logger.exception("kvtier: %s slot %d failed", what, job.slot)
+                out[job.op_id] = None
         return out
-
-    def _region(self, job: CopyOp, li: int) -> torch.Tensor:
-        """The slot blocks ``job`` touches in layer ``li``'s region of its slot."""
-        first, count = job_range(job)
-        dim = self.layout.layers[li].block_dim
-        return self.slab.layer_view(job.slot, li).narrow(dim, first, count)
-
-    def _copy_one(self, job: CopyOp, to_host: bool) -> float | None:
-        """One job, every layer with one slice copy (its blocks one run) or one
-        ``index_select`` / ``index_copy_``: its time, or None when it failed."""
-        t0 = time.perf_counter()
-        try:
-            idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
-            run = first_of_run(job.gpu_blocks)  # one slice, not an index copy
-            for li, kv in enumerate(self.kv):
-                dim = self.layout.layers[li].block_dim
-                region = self._region(job, li)
-                if to_host:
-                    gather_blocks(kv, dim, idx, region, run)
-                else:
-                    scatter_blocks(kv, dim, idx, region, run)
-        except Exception:  # a failed copy must never crash the engine
-            what = "store into" if to_host else "load of"
-            logger.exception("kvtier: %s slot %d failed", what, job.slot)
-            return None
-        return time.perf_counter() - t0
-
-
-def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, dispatched from C++ in one call where torch can."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is None:
-        for d, s in zip(dsts, srcs, strict=True):
-            d.copy_(s)
-        return
-    foreach(dsts, srcs)
 
 
 if TYPE_CHECKING:

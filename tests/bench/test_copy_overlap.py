@@ -1,4 +1,4 @@
-"""``bench/copy_overlap.py``: a tiny run times each way, and they all move every chunk's
+"""``bench/copy_overlap.py``: a tiny run times both ways, and both move every chunk's
 bytes into its blocks (the script checks them before it prints)."""
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ def test_a_tiny_run_times_both_ways(capsys) -> None:
     out = capsys.readouterr().out
     assert out.startswith("4 chunks, ")
     rows = {line.split("  ")[1].strip(): line for line in out.splitlines()[1:]}
-    assert set(rows) == {"read all, then copy", "copy as landed",
-                         "copies alone, one call for the step (kvtier's)",
-                         "copies alone, one copy_ per layer and chunk"}  # fmt: skip
-    for base, other in (("read all, then copy", "copy as landed"),
-                        ("copies alone, one call for the step (kvtier's)",
-                         "copies alone, one copy_ per layer and chunk")):  # fmt: skip
-        first = float(rows[base].split()[-2])
-        second = rows[other].split()
-        assert first > 0 and float(second[-3]) > 0
-        ratio = float(second[-1].strip("()x"))
-        assert ratio == pytest.approx(float(second[-3]) / first, rel=0.2)  # (rounded figures)
+    assert set(rows) == {"read all, then copy", "copy as landed"}
+    after = float(rows["read all, then copy"].split()[-2])
+    landed = rows["copy as landed"].split()
+    assert after > 0 and float(landed[-3]) > 0
+    ratio = float(landed[-1].strip("()x"))
+    assert ratio == pytest.approx(float(landed[-3]) / after, rel=0.1)
