@@ -47,7 +47,7 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
             "  last get done -> lookup answered (scheduler; 0: one step)": (
                 answers[0]["end"] - last if answers else 0.0),
             "  then -> load copies begin": (
-                loads[0]["start"] - max(last, answers[0]["end"] if answers else last)
+                loads[0]["start"] - (answers[0]["end"] if answers else last)
                 if loads else float("nan")),
             "  load copies (slot -> vLLM's KV cache)": sum(o["end"] - o["start"] for o in loads),
             "  load copies done -> first token": (

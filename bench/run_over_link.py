@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from harness import Unavailable, create_bucket, start_moto, start_redis
 from tier_cases import MiB, time_restart_runs
@@ -110,16 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         for kind in tiers:
             try:
                 if kind == "s3":
-                    proc, endpoint, aws = start_moto(Path(work))
+                    proc, server, aws = start_moto(Path(work))
                     os.environ.update(aws)
-                    create_bucket(endpoint, BUCKET)
+                    create_bucket(server, BUCKET)
                 else:
-                    proc, url = start_redis(Path(work))
+                    proc, server = start_redis(Path(work))
             except Unavailable as exc:
                 print(f"{kind}: unavailable ({exc})")
                 continue
-            host, port = (endpoint if kind == "s3" else url).split("//")[1].split("/")[0].split(":")
-            proxy = FaultProxy((host, int(port))).start()
+            where = urlsplit(server)
+            proxy = FaultProxy((where.hostname, where.port)).start()
             proxy.latency_s = args.latency_ms / 1e3
             proxy.bandwidth_bps = args.mb_per_s * 1e6 or None
             try:

@@ -102,6 +102,12 @@ def kv_like(n_values: int, seed: int = 0) -> bytes:
     return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
+def snapshot(out: list[bytes], view: memoryview) -> None:
+    """Append ``view``'s bytes as they are now (a read's ``found``: the slot before its
+    payload lands)."""
+    out.append(bytes(view))
+
+
 def before_reads(
     monkeypatch: pytest.MonkeyPatch,
     target: type[ObjectTier] | ObjectTier,

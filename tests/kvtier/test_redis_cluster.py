@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 import redis.cluster
-from kit import payload
+from kit import payload, snapshot
 from rediscluster import RedisCluster
 
 from kvtier.config import load_config
@@ -244,10 +244,6 @@ def test_get_into_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -
     assert tier.get(keys[0]) == values[0]  # the next read is intact
 
 
-def _snapshot(out: list[bytes], view: memoryview) -> None:
-    out.append(bytes(view))
-
-
 def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisClusterTier) -> None:
     """The read a hit makes, on the cluster: each node's bounded parser reads the payload
     into the slot and checksums it as it lands; the CRC is of exactly the slot's bytes."""
@@ -262,7 +258,7 @@ def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisCluste
         slot = memoryview(bytearray(n))
         found: list[bytes] = []  # the slot as it was when the node's reply began
         got = tier.read_into_hashed(key, slot, MAX_FRAME,
-                                    found=functools.partial(_snapshot, found, slot))  # fmt: skip
+                                    found=functools.partial(snapshot, found, slot))  # fmt: skip
         assert got is not None
         head, crc = got
         assert bytes(slot) == value and crc == zlib.crc32(value)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-from kit import open_loopback_tier
+from kit import open_loopback_tier, snapshot
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectTooLarge, TierUnavailable, TruncatedError
@@ -130,10 +130,6 @@ def test_read_into_puts_the_payload_in_the_slot_and_returns_the_head(tier: Objec
     assert tier.read_into("missing", dest, 100) is None
 
 
-def _snapshot(out: list[bytes], view: memoryview) -> None:
-    out.append(bytes(view))
-
-
 @pytest.mark.parametrize("hashed", [False, True])
 def test_a_read_says_it_found_the_object_before_its_payload_lands(
     tier: ObjectTier, hashed: bool
@@ -149,7 +145,7 @@ def test_a_read_says_it_found_the_object_before_its_payload_lands(
     for key, fits in (("fo", True), ("short", False), ("missing", None)):
         dest = memoryview(bytearray(256 * 1024))
         seen: list[bytes] = []
-        found = functools.partial(_snapshot, seen, dest)
+        found = functools.partial(snapshot, seen, dest)
         if fits is False:
             with pytest.raises(TruncatedError):
                 read(key, dest, codec.MAX_HEADER + 8, found=found)

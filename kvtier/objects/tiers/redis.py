@@ -250,7 +250,7 @@ class RedisTier(SlotReader):
         try:
             blob = self._get(key, dest.nbytes + max_head)
             landed = bound.landed
-            found, bound.found = bound.found, None  # None once it was called
+            found = bound.found  # None once the parser called it
         finally:
             bound.into, bound.landed, bound.last_int, bound.landing = None, False, None, None
             bound.found = None

@@ -358,14 +358,10 @@ class S3Tier(SlotReader):
         if resp is None:
             return None
         body = resp["Body"]
-        if found is not None:  # the response's headers are in, its body not read yet
-            try:
-                found()
-            except BaseException:
-                body.close()
-                raise
         where = f"s3 get {self._where()}"
         try:
+            if found is not None:  # the response's headers are in, its body not read yet
+                found()
             with self._errors("get"):
                 size = _object_size(resp)
                 if size is None:  # no length: read what the range allows, then split it
