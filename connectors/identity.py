@@ -108,6 +108,14 @@ def check_parallel(vllm_config: VllmConfig) -> None:
             )
 
 
+def workers_on_node(vllm_config: VllmConfig) -> int:
+    """This engine's workers on one host (its tensor- and pipeline-parallel ranks over
+    its nodes): they share the host's CPUs, which ``io_threads: auto`` divides."""
+    par = vllm_config.parallel_config
+    ranks = int(par.tensor_parallel_size) * int(par.pipeline_parallel_size)
+    return max(1, ranks // max(1, int(getattr(par, "nnodes", 1) or 1)))
+
+
 #: vLLM load formats that read the weights from the model's own files, the files
 #: :func:`kvtier.fingerprint.weights_fingerprint` reads (local or streamed)
 FILE_LOAD_FORMATS = frozenset({

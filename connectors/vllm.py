@@ -34,7 +34,7 @@ from kvtier.config import load_config, secret_in_config
 from kvtier.host.layout import KVGroup
 
 from .groups import Refused, describe, kv_groups, specs_of
-from .identity import check_parallel, follow_weight_changes, namespace_for
+from .identity import check_parallel, follow_weight_changes, namespace_for, workers_on_node
 from .metadata import KVTierMetadata
 from .probe import WorkerKeys
 from .scheduler import SchedulerSide
@@ -175,7 +175,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             from kvtier.objects.remote import RemoteIO
 
             self._worker = WorkerSide(
-                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config, groups=groups
+                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config, groups=groups,
+                workers_on_node=workers_on_node(vllm_config),
             )
             # with micro-batches a layer's attention runs once per ubatch: its KV is only
             # complete after the forward, so stores then start in wait_for_save

@@ -61,8 +61,11 @@ class WorkerSide:
         num_blocks: int,
         remote_factory: RemoteFactory | None = None,
         groups: Sequence[KVGroup] = (),
+        workers_on_node: int = 1,
     ) -> None:
         self.cfg = cfg
+        #: this engine's workers on this host, sharing its CPUs (``io_threads: auto``)
+        self.workers_on_node = workers_on_node
         #: a hybrid model's KV cache groups as kvtier stores them (empty: one group)
         self.groups = tuple(groups)
         self.namespace = namespace
@@ -138,7 +141,11 @@ class WorkerSide:
         if self._remote_factory is not None and self.cfg.remote_url:
             from kvtier.threads import faster_thread_switches
 
-            self.remote = self._remote_factory(self.cfg)
+            # "auto" resolved here: vLLM may have bound this process to its CPUs by now
+            threads = self.cfg.io_thread_count(self.workers_on_node)
+            self.remote = self._remote_factory(dataclasses.replace(self.cfg, io_threads=threads))
+            logger.info("kvtier worker rank %d: %d object-tier I/O threads (io_threads: %s)",
+                        rank, threads, self.cfg.io_threads)  # fmt: skip
             faster_thread_switches()
             if self.remote.tier.reads_local and self.cfg.inline_read_ms:
                 self.inline_read_s = self.cfg.inline_read_ms / 1e3

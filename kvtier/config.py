@@ -34,6 +34,7 @@ from kvtier.config_values import (
     parse_env_name,
     parse_float,
     parse_int,
+    parse_int_or_auto,
     parse_path,
     parse_text,
 )
@@ -74,7 +75,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "write_policy": one_of(WRITE_POLICIES),
     "lookup_timeout_ms": lambda k, v: parse_int(k, v, 1, 3_600_000),
     "shutdown_flush_s": lambda k, v: parse_float(k, v, 0.0, 86_400.0),
-    "io_threads": lambda k, v: parse_int(k, v, 1, 64),
+    "io_threads": parse_int_or_auto(1, 64),
     "inline_read_ms": lambda k, v: parse_int(k, v, 0, 10_000),
     "fetch_switch_us": lambda k, v: parse_int(k, v, 0, 1_000_000),
     "io_queue_depth": lambda k, v: parse_int(k, v, 1, 2**20),
@@ -127,8 +128,9 @@ class KVTierConfig:
     lookup_timeout_ms: int = 2000
     #: at shutdown, how long queued writes may still flush
     shutdown_flush_s: float = 10.0
-    #: object-tier I/O threads (and the size of the connection pool)
-    io_threads: int = 4
+    #: object-tier I/O threads (and the size of the connection pool), half of them for
+    #: reads; "auto": :func:`auto_io_threads` of the CPUs this worker may run on
+    io_threads: int | Literal["auto"] = "auto"
     #: a file:// tier on a local filesystem: how long the worker may read a lookup's first
     #: chunks itself in the step that starts it, before the I/O threads take the rest
     #: (that step is held up to this plus one chunk's read); 0 = always on the threads
@@ -163,6 +165,12 @@ class KVTierConfig:
     #: reads every form, whatever its own setting
     compression: str = "none"
 
+    def io_thread_count(self, workers_on_node: int = 1) -> int:
+        """``io_threads``, "auto" resolved for this process (:func:`auto_io_threads`)."""
+        if self.io_threads != "auto":
+            return self.io_threads
+        return auto_io_threads(usable_cpus(), workers_on_node)
+
     def check_block_size(self, block_size: int) -> None:
         """Fail startup when chunks would not line up with vLLM's blocks."""
         if self.chunk_size % block_size != 0:
@@ -182,6 +190,30 @@ class KVTierConfig:
 
     def __repr__(self) -> str:  # a config in a traceback or an f-string is logged too
         return f"KVTierConfig({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
+
+
+#: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
+#: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
+#: 16-core GPU host (README, "On one NVIDIA H200"); more only queue for the GIL
+AUTO_IO_THREADS = (4, 16)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_io_threads(cpus: int, workers_on_node: int = 1) -> int:
+    """I/O threads for one worker: its share of the node's CPUs (``cpus`` over the
+    ``workers_on_node`` that share them: the tensor-parallel ranks of one host), within
+    :data:`AUTO_IO_THREADS`. Reads are mostly waits on a socket or a copy out of the page
+    cache, so one thread per CPU; a restart hit's reads scale with them on a host with
+    spare cores, and a small host keeps the 4 it always had."""
+    low, high = AUTO_IO_THREADS
+    return max(low, min(high, cpus // max(1, workers_on_node)))
 
 
 KEYS = tuple(f.name for f in fields(KVTierConfig))

@@ -165,6 +165,20 @@ def parse_cpu_bytes(key: str, value: object) -> int | Literal["auto"]:
     return n
 
 
+def parse_int_or_auto(low: int, high: int) -> Callable[[str, object], int | Literal["auto"]]:
+    """The parser of a count that is ``"auto"`` or an integer in ``[low, high]``."""
+
+    def parse(key: str, value: object) -> int | Literal["auto"]:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse_int(key, value, low, high)
+        except ConfigError as exc:
+            raise ConfigError(key, value, f'"auto" or an integer {low}..{high}') from exc
+
+    return parse
+
+
 def parse_bool(key: str, value: object) -> bool:
     """true/false (a JSON boolean, or its text in an environment override)."""
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):

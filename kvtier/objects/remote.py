@@ -94,7 +94,7 @@ class RemoteIO(ChunkIO):
         signer = codec.Signer.from_config(cfg, environ)
         rio = cls(
             tier if tier is not None else open_tier(cfg),
-            threads=cfg.io_threads,
+            threads=cfg.io_thread_count(),
             queue_depth=cfg.io_queue_depth,
             timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
             signer=signer,

@@ -141,6 +141,19 @@ def test_context_parallel_engines_are_refused_at_startup(flag: str) -> None:
     assert e.value.key == "kv_connector"
 
 
+def test_workers_on_node_divides_the_ranks_over_the_nodes() -> None:
+    """``io_threads: auto`` shares a host's CPUs among the engine's workers on it."""
+    from kvtier.connectors.identity import workers_on_node
+
+    cfg = vllm_config("/models/m")
+    assert workers_on_node(cfg) == 1
+    cfg.parallel_config.tensor_parallel_size = 8
+    assert workers_on_node(cfg) == 8
+    cfg.parallel_config.pipeline_parallel_size = 2
+    cfg.parallel_config.nnodes = 2
+    assert workers_on_node(cfg) == 8
+
+
 # ---- where the weights come from (--load-format) -------------------------------------------
 def loaded(model, load_format: str, extra=REMOTE) -> bytes:
     cfg = vllm_config(model)

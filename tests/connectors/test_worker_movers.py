@@ -250,3 +250,29 @@ def test_the_guard_fails_a_worker_that_bypasses_the_protocol(tmp_path, monkeypat
             getattr(guard, name)
     assert guards["copier"].bypassed == ["begin_loads", "finish_saves"]
     w.shutdown()
+
+
+def test_io_threads_auto_is_resolved_by_the_worker_for_its_share_of_the_cpus(
+    tmp_path, monkeypatch
+) -> None:
+    """The worker opens its RemoteIO with a number of threads, never "auto": its CPUs (as
+    vLLM bound them by register_kv_caches) over the engine's workers on the host."""
+    import kvtier.config as config_mod
+
+    monkeypatch.setattr(config_mod, "usable_cpus", lambda: 64)
+    opened: list[object] = []
+
+    def remote(cfg):  # type: ignore[no-untyped-def]
+        opened.append(cfg.io_threads)
+        return RemoteIO.from_config(cfg)
+
+    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS,
+                       "remote_url": f"file://{tmp_path / 'kv'}"}, environ={})
+    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1)
+    w = worker_mod.WorkerSide(cfg, ns, NB, remote, workers_on_node=8)
+    try:
+        w.register_kv_caches(make_caches(ONE_GROUP, layers=2), rank=0)
+        assert opened == [8]
+        assert w.remote is not None and len(w.remote._threads) == 8
+    finally:
+        w.shutdown()

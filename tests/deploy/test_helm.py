@@ -71,7 +71,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "hmac": {"existingSecret": "kvtier-hmac-3a8f"},
             "cpuBytes": 32 * GiB,
             "writePolicy": "write_back",
-            "extraConfig": {"remote_ttl_s": 86400, "io_threads": 8},
+            "extraConfig": {"remote_ttl_s": 86400, "io_threads": "auto"},
         },
         "resources": {"limits": {"memory": "40Gi"}, "requests": {"memory": "40Gi"}},
     },
@@ -102,7 +102,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "replicas": {
         "replicaCount": 4,
-        "kvtier": {**S3, "cpuBytes": "48GiB"},
+        "kvtier": {**S3, "cpuBytes": "48GiB", "extraConfig": {"io_threads": 8}},
         "resources": {"requests": {"memory": "60Gi"}, "limits": {"memory": "60Gi"}},
     },
     "auto-tier-offload-tp2": {
@@ -590,6 +590,10 @@ def test_command_model_gpus_and_args(helm, tmp_path):
             "is not redis:// or rediss://",
         ),
         ({"kvtier": {"extraConfig": {"io_threads": 99}}}, "Must be less than or equal to 64"),
+        (
+            {"kvtier": {"extraConfig": {"io_threads": "many"}}},
+            'must be one of the following: "auto"',
+        ),
     ],
 )
 def test_bad_combinations_fail_with_a_message(helm, tmp_path, values, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvtier.config import KEYS, format_size, load_config, parse_size
@@ -35,7 +37,8 @@ def test_sizes(text: object, n: int) -> None:
         ({"write_policy": "sometimes"}, "write_policy", "write_through"),
         ({"remote_url": "ftp://x"}, "remote_url", "s3://"),
         ({"remote_url": "s3://"}, "remote_url", "bucket"),
-        ({"io_threads": 1000}, "io_threads", "<= 64"),
+        ({"io_threads": 1000}, "io_threads", '"auto" or an integer 1..64'),
+        ({"io_threads": "many"}, "io_threads", '"auto" or an integer 1..64'),
         ({"shutdown_flush_s": "soon"}, "shutdown_flush_s", "number"),
         ({"hmac_key_env": "A", "hmac_key_file": "/k"}, "hmac_key_file", "not both"),
     ],
@@ -77,3 +80,32 @@ def test_every_key_is_documented_and_sizes_print_readably() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert [k for k in KEYS if f"`{k}`" not in readme] == [], "a config key the README omits"
     assert format_size(3 * 2**30) == "3.00 GiB"
+
+
+def test_io_threads_auto_is_the_default_and_resolves_per_process(monkeypatch) -> None:
+    """"auto" (any case) stays "auto" in the config and resolves where the threads start,
+    from the CPUs that process may run on; a number is kept as given."""
+    import kvtier.config as config_mod
+
+    assert load_config({}, environ={}).io_threads == "auto"
+    cfg = load_config({"io_threads": " AUTO "}, environ={})
+    assert cfg.io_threads == "auto"
+    monkeypatch.setattr(config_mod, "usable_cpus", lambda: 16)
+    assert cfg.io_thread_count() == 16
+    assert cfg.io_thread_count(workers_on_node=8) == 4
+    monkeypatch.setattr(config_mod, "usable_cpus", lambda: 2)
+    assert cfg.io_thread_count() == 4
+    assert load_config({"io_threads": 3}, environ={}).io_thread_count(8) == 3
+    assert load_config({}, environ={"KVTIER_IO_THREADS": "6"}).io_threads == 6
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers", "threads"),
+    [(1, 1, 4), (2, 1, 4), (8, 1, 8), (16, 1, 16), (224, 1, 16), (64, 8, 8), (16, 8, 4),
+     (12, 0, 12)],
+)
+def test_auto_io_threads_is_a_share_of_the_cpus_within_bounds(cpus, workers, threads) -> None:
+    from kvtier.config import auto_io_threads, usable_cpus
+
+    assert auto_io_threads(cpus, workers) == threads
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)

@@ -36,7 +36,7 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
         return S3Tier(
             url,
             endpoint_url=cfg.s3_endpoint_url,
-            io_threads=cfg.io_threads,
+            io_threads=cfg.io_thread_count(),
             lookup_timeout_ms=cfg.lookup_timeout_ms,
         )
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
@@ -46,7 +46,7 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
         tier_cls = RedisClusterTier if scheme.endswith("+cluster") else RedisTier
         return tier_cls(
             url,
-            io_threads=cfg.io_threads,
+            io_threads=cfg.io_thread_count(),
             lookup_timeout_ms=cfg.lookup_timeout_ms,
             ttl_s=cfg.remote_ttl_s,
             tls_insecure=cfg.remote_tls_insecure,
