@@ -6,8 +6,8 @@ views (MLA: H == 1), dim 1 for layouts that keep K and V outermost
 (``[2, num_blocks, ...]``). A slot holds ``blocks_per_chunk`` blocks of every
 layer, laid out layer after layer, each layer region shaped exactly like the
 layer tensor with its block dimension cut to ``blocks_per_chunk``. Copies are
-one slice copy (the blocks one run) or one ``index_select`` / ``index_copy_`` per
-layer and chunk, never per token.
+one slice copy per run of blocks (a few at most, ascending or descending) or one
+``index_select`` / ``index_copy_`` per layer and chunk, never per token.
 """
 
 from __future__ import annotations
@@ -326,26 +326,58 @@ class HostSlab:
         return raw.view(ll.dtype).view(ll.slot_shape)
 
 
-def first_of_run(blocks: Sequence[int]) -> int | None:
-    """The first block of ``blocks`` when they are one ascending run (``b, b+1, ...``: what
-    vLLM's allocator mostly hands out), else None. Such a run is copied as one slice
-    (``narrow`` + ``copy_``), 40 % faster than ``index_copy_`` (512 KiB of a layer, CPU)."""
-    if not blocks:
-        return None
-    b0 = blocks[0]
-    if blocks[-1] - b0 != len(blocks) - 1:
-        return None
-    return b0 if all(b == b0 + i for i, b in enumerate(blocks)) else None
+#: at most this many runs in a block list are copied run by run (:func:`block_runs`);
+#: more, and one index copy of the whole list costs less than a Python call per run
+MAX_RUNS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Slot blocks ``at .. at+count-1`` live in KV blocks ``low .. low+count-1``, in that
+    order, or in the reverse order when ``descending``."""
+
+    at: int
+    low: int
+    count: int
+    descending: bool = False
+
+
+def block_runs(blocks: Sequence[int]) -> list[Run] | None:
+    """``blocks`` as at most :data:`MAX_RUNS` runs of consecutive blocks, ascending
+    (``b, b+1, ...``) or descending (``b, b-1, ...``), else None (an index copy).
+
+    vLLM's allocator hands out ascending runs from a fresh pool, and descending ones once
+    it has cycled: it frees a request's blocks in reverse order and hands the most recently
+    freed out first. Each run is copied as one slice (``narrow`` + ``copy_``, the reversed
+    ones through ``flip``), which beats ``index_copy_`` / ``index_select`` on the CPU."""
+    runs: list[Run] = []
+    i, n = 0, len(blocks)
+    while i < n:
+        j = i + 1
+        step = blocks[j] - blocks[i] if j < n and abs(blocks[j] - blocks[i]) == 1 else 1
+        while j < n and blocks[j] - blocks[j - 1] == step:
+            j += 1
+        if len(runs) == MAX_RUNS:
+            return None
+        runs.append(Run(i, min(blocks[i], blocks[j - 1]), j - i, step < 0))
+        i = j
+    return runs or None
 
 
 def gather_blocks(
-    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor, dst: torch.Tensor,
-    first: int | None = None,
+    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor | None, dst: torch.Tensor,
+    runs: Sequence[Run] | None = None,
 ) -> None:
     """Copy ``gpu_blocks`` of one layer into ``dst`` (a slot region, same block order);
-    ``first``: they are the run of blocks from ``first`` (:func:`first_of_run`)."""
-    if first is not None:
-        dst.copy_(kv.narrow(block_dim, first, dst.shape[block_dim]))
+    ``runs``: the same blocks as :func:`block_runs` gives them, each copied as a slice."""
+    if runs is not None:
+        for r in runs:
+            part = kv.narrow(block_dim, r.low, r.count)
+            dst.narrow(block_dim, r.at, r.count).copy_(
+                part.flip(block_dim) if r.descending else part
+            )
+    elif gpu_blocks is None:
+        raise ValueError("gather_blocks: neither runs nor block ids")
     elif dst.device == kv.device and dst.is_contiguous():
         torch.index_select(kv, block_dim, gpu_blocks, out=dst)
     else:
@@ -353,14 +385,20 @@ def gather_blocks(
 
 
 def scatter_blocks(
-    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor, src: torch.Tensor,
-    first: int | None = None,
+    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor | None, src: torch.Tensor,
+    runs: Sequence[Run] | None = None,
 ) -> None:
-    """Copy ``src`` (slot blocks in order) into ``gpu_blocks`` of one layer; ``first``:
-    they are the run of blocks from ``first`` (:func:`first_of_run`)."""
+    """Copy ``src`` (slot blocks in order) into ``gpu_blocks`` of one layer; ``runs``: the
+    same blocks as :func:`block_runs` gives them, each copied as a slice."""
     if src.device != kv.device:
         src = src.to(kv.device, non_blocking=True)
-    if first is not None:
-        kv.narrow(block_dim, first, src.shape[block_dim]).copy_(src)
+    if runs is not None:
+        for r in runs:
+            part = src.narrow(block_dim, r.at, r.count)
+            kv.narrow(block_dim, r.low, r.count).copy_(
+                part.flip(block_dim) if r.descending else part
+            )
+    elif gpu_blocks is None:
+        raise ValueError("scatter_blocks: neither runs nor block ids")
     else:
         kv.index_copy_(block_dim, gpu_blocks, src)

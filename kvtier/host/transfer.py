@@ -28,7 +28,7 @@ import torch
 
 from kvtier.ops import CopyOp, LoadOp, Mover, OpKind, OpResult, StoreOp
 
-from .layout import HostSlab, SlotLayout, first_of_run, gather_blocks, scatter_blocks
+from .layout import HostSlab, SlotLayout, block_runs, gather_blocks, scatter_blocks
 
 logger = logging.getLogger("kvtier.transfer")
 
@@ -227,8 +227,9 @@ class Copier(ABC):
 
 
 class CpuCopier(Copier):
-    """Today's synchronous path: per layer and op, one slice copy of a run of blocks, else
-    one ``index_select`` / ``index_copy_``."""
+    """Today's synchronous path: per layer and op, one slice copy per run of blocks
+    (:func:`block_runs`: ascending or descending, at most a few), else one
+    ``index_select`` / ``index_copy_``."""
 
     def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
         super().__init__(kv, layout, slab)
@@ -248,22 +249,23 @@ class CpuCopier(Copier):
         return copy_results(OpKind.STORE, self._copy_jobs(jobs, to_host=True))
 
     def _copy_jobs(self, jobs: Sequence[CopyOp], to_host: bool) -> CopyTimes:
-        """Each job in turn, every layer with one slice copy (its blocks one run) or one
+        """Each job in turn, every layer with one slice copy per run of its blocks or one
         ``index_select`` / ``index_copy_``."""
         out: CopyTimes = {}
         for job in jobs:
             t0 = time.perf_counter()
             try:
-                idx = torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
                 first, count = job_range(job)
-                run = first_of_run(job.gpu_blocks)  # one slice, not an index copy
+                runs = block_runs(job.gpu_blocks)  # slices, not an index copy
+                idx = None if runs else torch.tensor(job.gpu_blocks, dtype=torch.long,
+                                                     device=self.kv[0].device)  # fmt: skip
                 for li, kv in enumerate(self.kv):
                     dim = self.layout.layers[li].block_dim
                     region = self.slab.layer_view(job.slot, li).narrow(dim, first, count)
                     if to_host:
-                        gather_blocks(kv, dim, idx, region, run)
+                        gather_blocks(kv, dim, idx, region, runs)
                     else:
-                        scatter_blocks(kv, dim, idx, region, run)
+                        scatter_blocks(kv, dim, idx, region, runs)
                 out[job.op_id] = time.perf_counter() - t0
             except Exception:  # a failed copy must never crash the engine
                 what = "store into" if to_host else "load of"

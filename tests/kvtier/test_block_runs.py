@@ -1,14 +1,18 @@
-"""The CPU copier copies a run of consecutive blocks (what vLLM's allocator mostly hands
-out) as one slice instead of an index copy; every other block list as before. Both must
-move exactly the same bytes, in every KV layout, both ways."""
+"""The CPU copier copies runs of consecutive blocks, ascending (a fresh pool of vLLM's
+allocator) or descending (once it has cycled: it frees a request's blocks in reverse
+order and hands the last freed out first), as slices instead of an index copy; every
+other block list as before. Every way must move exactly the same bytes, in every KV
+layout, both ways."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from copyfakes import make_caches
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.host.layout import HostSlab, SlotLayout, first_of_run
+from kvtier.host.layout import MAX_RUNS, HostSlab, Run, SlotLayout, block_runs
 from kvtier.host.transfer import CpuCopier
 from kvtier.ops import LoadOp, StoreOp
 
@@ -20,16 +24,45 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize(("blocks", "first"), [
-    ([7], 7), ([3, 4, 5, 6], 3), ([0, 1], 0), ([], None), ([3, 5, 6, 7], None),
-    ([4, 3], None), ([2, 3, 3, 5], None), ([9, 8, 11, 12], None),
+A, D = False, True  # ascending, descending
+
+
+@pytest.mark.parametrize(("blocks", "runs"), [
+    ([7], [(0, 7, 1, A)]),
+    ([3, 4, 5, 6], [(0, 3, 4, A)]),
+    ([6, 5, 4, 3], [(0, 3, 4, D)]),
+    ([], None),
+    ([3, 5, 6, 7], [(0, 3, 1, A), (1, 5, 3, A)]),
+    ([4, 3], [(0, 3, 2, D)]),
+    ([2, 3, 3, 5], [(0, 2, 2, A), (2, 3, 1, A), (3, 5, 1, A)]),
+    ([9, 8, 11, 12], [(0, 8, 2, D), (2, 11, 2, A)]),
+    ([40, 39, 38, 1, 2, 3], [(0, 38, 3, D), (3, 1, 3, A)]),
+    ([1, 9, 3, 7, 5], None),  # five runs: one index copy
 ])  # fmt: skip
-def test_first_of_run(blocks: list[int], first: int | None) -> None:
-    assert first_of_run(blocks) == first
+def test_block_runs(blocks: list[int], runs: list[tuple[int, int, int, bool]] | None) -> None:
+    assert block_runs(blocks) == (None if runs is None else [Run(*r) for r in runs])
+
+
+@given(st.lists(st.integers(0, 30), max_size=20))
+def test_runs_name_every_block_once_in_order(blocks: list[int]) -> None:
+    """Expanded back, the runs are the block list itself."""
+    runs = block_runs(blocks)
+    if runs is None:
+        assert not blocks or len(blocks) > MAX_RUNS
+        return
+    assert len(runs) <= MAX_RUNS
+    out: list[int] = []
+    for r in runs:
+        assert r.at == len(out) and r.count >= 1
+        span = range(r.low, r.low + r.count)
+        out.extend(reversed(span) if r.descending else span)
+    assert out == blocks
 
 
 @pytest.mark.parametrize("shape", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@pytest.mark.parametrize("blocks", [[20, 21, 22, 23], [31, 5, 17, 2], [10, 11, 13, 12]])
+@pytest.mark.parametrize("blocks", [
+    [20, 21, 22, 23], [31, 5, 17, 2], [10, 11, 13, 12], [23, 22, 21, 20], [9, 8, 30, 31],
+])  # fmt: skip
 def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]) -> None:
     src = make_caches(shape)
     layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
@@ -37,7 +70,7 @@ def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]
     copier = CpuCopier(list(src.values()), layout, slab)
     copier.submit([StoreOp(1, 2, blocks, b"h")])
     assert [r.ok for r in copier.poll()] == [True]
-    for targets in ([36, 37, 38], [30, 3, 12]):  # slot blocks 1..3: a run, scattered
+    for targets in ([36, 37, 38], [38, 37, 36], [30, 3, 12]):  # slot blocks 1..3
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
         loader = CpuCopier(list(dst.values()), layout, slab)
         assert [r.ok for r in loader.submit([LoadOp(2, 2, 1, targets)])] == [True]
@@ -47,3 +80,35 @@ def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]
             got = dst[name].index_select(dim, torch.tensor(targets))
             assert torch.equal(got, kv.index_select(dim, torch.tensor(blocks[1:]))), name
             assert not dst[name].index_select(dim, others).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.sampled_from(list(LAYOUTS.values())),
+    stored=st.permutations(range(NUM_BLOCKS)).map(lambda p: p[:BPC]),
+    loaded=st.permutations(range(NUM_BLOCKS)).map(lambda p: p[:BPC]),
+    runs=st.booleans(),
+)
+def test_any_block_list_moves_the_bytes_an_index_copy_moves(shape, stored, loaded, runs) -> None:
+    """Against ``index_select`` / ``index_copy_`` themselves, for blocks anywhere (often
+    a few runs of one block, copied run by run) or one run either way; the blocks not
+    named stay as they were."""
+    if runs:  # stored from a descending run, loaded into an ascending one
+        b, c = min(stored[0], NUM_BLOCKS - BPC), min(loaded[0], NUM_BLOCKS - BPC)
+        stored, loaded = list(range(b + BPC - 1, b - 1, -1)), list(range(c, c + BPC))
+    src = make_caches(shape)
+    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
+    slab = HostSlab(layout.slot_bytes * 2, layout)
+    copier = CpuCopier(list(src.values()), layout, slab)
+    copier.submit([StoreOp(1, 0, stored, b"h")])
+    assert [r.ok for r in copier.poll()] == [True]
+    dim = layout.layers[0].block_dim
+    for li, kv in enumerate(src.values()):
+        want = kv.index_select(dim, torch.tensor(stored))
+        assert torch.equal(slab.layer_view(0, li), want)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    loader = CpuCopier(list(dst.values()), layout, slab)
+    assert [r.ok for r in loader.submit([LoadOp(2, 0, 0, loaded)])] == [True]
+    for li, (name, kv) in enumerate(dst.items()):
+        want = torch.zeros_like(kv).index_copy_(dim, torch.tensor(loaded), slab.layer_view(0, li))
+        assert torch.equal(kv, want), name

@@ -1,0 +1,103 @@
+"""The CPU copier's loads for block lists as vLLM's allocator hands them out, copied run by
+run as slices against one index copy per layer and chunk.
+
+A fresh block pool hands out ascending runs (``b, b+1, ...``). Once it has cycled, a
+request's blocks mostly come in descending runs: vLLM frees a request's blocks in reverse
+order and hands out the most recently freed first, so a chunk's 16 blocks are often
+``b+15, b+14, ..., b``, or two such runs where two freed requests meet. Per list shape,
+kvtier's ``CpuCopier`` (slices per run, :func:`kvtier.host.layout.block_runs`) against the
+same loads forced through ``index_copy_`` (what it did for any list but one ascending
+run), alternating, median of ``--reps``:
+
+    python bench/block_runs.py --tokens 8192 --reps 15
+
+prints ms per prompt's loads and the ratio (runs ÷ index copy) for each shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from kvtier.host.layout import HostSlab, SlotLayout
+from kvtier.host.transfer import CpuCopier
+from kvtier.ops import LoadOp
+
+CHUNK_TOKENS, BLOCK_TOKENS = 256, 16
+
+
+def shapes(chunks: int, bpc: int, num_blocks: int) -> dict[str, list[list[int]]]:
+    """Each shape's block list per chunk, chunks placed apart as a cycled pool leaves them."""
+    rng = random.Random(0)
+    bases = [2 * i * bpc for i in range(chunks)]
+    half = bpc // 2
+    return {
+        "ascending": [list(range(b, b + bpc)) for b in bases],
+        "descending": [list(range(b + bpc - 1, b - 1, -1)) for b in bases],
+        "two descending": [list(range(b + half - 1, b - 1, -1))
+                           + list(range(b + bpc + half - 1, b + bpc - 1, -1))  # fmt: skip
+                           for b in bases],
+        "scattered": [rng.sample(range(num_blocks), bpc) for _ in bases],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192, help="prompt length (chunks of 256)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4, help="KV heads of 128 dims, bf16")
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args(argv)
+
+    chunks = args.tokens // CHUNK_TOKENS
+    bpc = CHUNK_TOKENS // BLOCK_TOKENS
+    num_blocks = chunks * bpc * 2
+    # vLLM CPU's layout: (2, blocks, block tokens, heads, head dim) per layer
+    kv = {f"layer.{i}": torch.zeros(2, num_blocks, BLOCK_TOKENS, args.kv_heads, 128,
+                                     dtype=torch.bfloat16) for i in range(args.layers)}  # fmt: skip
+    layout = SlotLayout.from_kv_caches(kv, num_blocks, bpc)
+    slab = HostSlab(layout.slot_bytes * chunks, layout, commit=True)
+    for i in range(chunks):
+        slab.slot_bytes(i).copy_(torch.frombuffer(bytearray(os.urandom(layout.slot_bytes)),
+                                                  dtype=torch.uint8))  # fmt: skip
+    copier = CpuCopier(list(kv.values()), layout, slab)
+
+    def load(lists: list[list[int]], index_copy: bool) -> float:
+        ops = [LoadOp(i, i, 0, blocks) for i, blocks in enumerate(lists)]
+        t0 = time.perf_counter()
+        if index_copy:
+            with mock.patch("kvtier.host.transfer.block_runs", lambda blocks: None):
+                results = copier.submit(ops)
+        else:
+            results = copier.submit(ops)
+        elapsed = time.perf_counter() - t0
+        assert all(r.ok for r in results)
+        return elapsed
+
+    print(f"{chunks} chunks of {layout.slot_bytes / 2**20:.0f} MiB, {args.layers} layers, "
+          f"torch threads {torch.get_num_threads()}, median of {args.reps}, ms:")
+    print(f"  {'blocks of a chunk':<16} {'runs':>8} {'index copy':>11}   ratio")
+    for name, lists in shapes(chunks, bpc, num_blocks).items():
+        runs_t, index_t = [], []
+        load(lists, False)
+        load(lists, True)
+        for _ in range(args.reps):
+            runs_t.append(load(lists, False))
+            index_t.append(load(lists, True))
+        # both ways put the same bytes in the same blocks
+        want = {k: v.clone().view(torch.int16) for k, v in kv.items()}  # bytes: NaNs differ
+        load(lists, False)
+        assert all(torch.equal(want[k], v.view(torch.int16)) for k, v in kv.items()), name
+        a, b = statistics.median(runs_t) * 1e3, statistics.median(index_t) * 1e3
+        print(f"  {name:<16} {a:8.1f} {b:11.1f}   {a / b:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
