@@ -183,6 +183,70 @@ def eviction(model: str, extra: dict[str, Any], n_prompts: int = 5) -> dict[str,
     }
 
 
+def cycled_pool(model: str, extra: dict[str, Any], n_prompts: int = 6) -> dict[str, Any]:
+    """Host-tier hits loaded into a cycled device pool's blocks, which vLLM hands out in
+    descending runs (it frees a request's blocks in reverse order and hands out the last
+    freed first): the CPU copier copies them as slices. Outputs stay those computed with
+    nothing loaded."""
+    import kvtier.host.transfer as transfer
+
+    shapes: dict[str, int] = {}
+    real = transfer.block_runs
+
+    def counting(blocks):  # type: ignore[no-untyped-def]
+        runs = real(blocks)
+        kind = ("index copy" if runs is None else
+                "descending" if any(r.descending for r in runs) else "ascending")  # fmt: skip
+        shapes[kind] = shapes.get(kind, 0) + 1
+        return runs
+
+    transfer.block_runs = counting
+    # every copy checked where it landed: a chunk's blocks in vLLM's KV cache, read with
+    # an index copy, are its slot's bytes after a load or a store (a tiny random model's
+    # outputs barely move when a chunk's blocks are swapped: one bf16 step)
+    checked = {"copies": 0, "wrong": 0}
+    copy_jobs = transfer.CpuCopier._copy_jobs
+
+    def checking(copier, jobs, to_host):  # type: ignore[no-untyped-def]
+        import torch
+
+        times = copy_jobs(copier, jobs, to_host)
+        for job in jobs:
+            first, count = transfer.job_range(job)
+            idx = torch.tensor(job.gpu_blocks, dtype=torch.long)
+            for li, kv in enumerate(copier.kv):
+                dim = copier.layout.layers[li].block_dim
+                slot = copier.slab.layer_view(job.slot, li).narrow(dim, first, count)
+                checked["wrong"] += not torch.equal(kv.index_select(dim, idx), slot)
+            checked["copies"] += 1
+        return times
+
+    transfer.CpuCopier._copy_jobs = checking
+    # 128 blocks (4,096 tokens) of device KV cache: the prompts below need more, so the
+    # pool cycles (the CPU build sizes its cache from VLLM_CPU_KVCACHE_SPACE otherwise)
+    llm = build_llm(model, extra, num_gpu_blocks_override=128, max_model_len=2048)
+    prompts = [toks(40 + i, 1024 + 40) for i in range(n_prompts)]
+    cold = [generate(llm, [p])[0] for p in prompts]  # computed (nothing stored yet), stored
+    stores = dict(shapes)
+    shapes.clear()
+    # vLLM's own cache emptied once (a reset also puts its pool back in order): then only
+    # kvtier has them, loaded into blocks of a pool that cycles again from the fourth on
+    llm.reset_prefix_cache()
+    warm = [generate(llm, [p])[0] for p in prompts]
+    settle(llm)
+    pairs = list(zip(warm, cold, strict=True))
+    return {
+        "tokens_identical": all(w["tokens"] == c["tokens"] for w, c in pairs),
+        "max_logprob_diff": max(max_logprob_diff(w, c) for w, c in pairs),
+        "cold_cached": [c["cached"] for c in cold],
+        "warm_cached": [w["cached"] for w in warm],
+        "store_copies": stores,
+        "load_copies": shapes,
+        "copies_checked": checked,
+        "index": index_report(llm),
+    }
+
+
 def start_only(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Start an engine and report how startup ended (config errors must stop it)."""
     try:
@@ -407,8 +471,8 @@ def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (shared_prefix, eviction, start_only, remote_writer, remote_reader, one_step_reader,
-              replica,
+    for f in (shared_prefix, eviction, cycled_pool, start_only, remote_writer, remote_reader,
+              one_step_reader, replica,
               prompts_run, outage, preempt_abort)
 }
 

@@ -46,6 +46,25 @@ def test_eviction_keeps_outputs_exact_and_leaks_nothing(tiny_model: str) -> None
     assert idx["pending_ops"] == 0 and idx["open_requests"] == 0
 
 
+def test_hits_into_a_cycled_pool_load_descending_runs_exactly(tiny_model: str) -> None:
+    """Once vLLM's block pool has cycled, a chunk's blocks come in descending runs; the
+    CPU copier copies them as slices (not one index copy), to the same outputs."""
+    r = run_engine("cycled_pool", model=tiny_model, extra={"cpu_bytes": "64MiB"})
+    assert r["cold_cached"] == [0] * 6, r["cold_cached"]
+    assert all(c >= 1024 for c in r["warm_cached"]), r["warm_cached"]
+    assert r["tokens_identical"], r
+    assert r["max_logprob_diff"] <= 0.05, r["max_logprob_diff"]
+    loads = r["load_copies"]
+    assert loads.get("descending", 0) > 0 and "index copy" not in loads, loads
+    assert r["store_copies"].get("descending", 0) > 0, r["store_copies"]
+    # each load's and store's blocks, read back in the engine, hold its slot's bytes
+    copies = sum(loads.values()) + sum(r["store_copies"].values())
+    assert r["copies_checked"]["copies"] >= copies, r["copies_checked"]
+    assert r["copies_checked"]["wrong"] == 0, r["copies_checked"]
+    idx = r["index"]
+    assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
+
+
 def test_preemption_and_abort_leak_nothing(tiny_model: str) -> None:
     r = run_engine("preempt_abort", model=tiny_model, extra={"cpu_bytes": "64MiB"})
     assert r["preemptions"] > 0, "the device cache was meant to be too small for the batch"
