@@ -1,17 +1,18 @@
-"""The CPU copier's loads for block lists as vLLM's allocator hands them out, copied run by
-run as slices against one index copy per layer and chunk.
+"""The CPU copier's loads and stores for block lists as vLLM's allocator hands them out,
+copied run by run as slices against one index copy per layer and chunk.
 
 A fresh block pool hands out ascending runs (``b, b+1, ...``). Once it has cycled, a
 request's blocks mostly come in descending runs: vLLM frees a request's blocks in reverse
 order and hands out the most recently freed first, so a chunk's 16 blocks are often
 ``b+15, b+14, ..., b``, or two such runs where two freed requests meet. Per list shape,
 kvtier's ``CpuCopier`` (slices per run, :func:`kvtier.host.layout.block_runs`) against the
-same loads forced through ``index_copy_`` (what it did for any list but one ascending
-run), alternating, median of ``--reps``:
+same copies forced through ``index_copy_`` / ``index_select`` (what it did for any list but
+one ascending run), alternating, median of ``--reps``:
 
     python bench/block_runs.py --tokens 8192 --reps 15
 
-prints ms per prompt's loads and the ratio (runs ÷ index copy) for each shape.
+prints ms per prompt's loads (slots -> KV cache: a hit) and stores (KV cache -> slots: a
+prompt computed) and the ratio (runs ÷ index copy) for each shape.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from kvtier.host.layout import HostSlab, SlotLayout
 from kvtier.host.transfer import CpuCopier
-from kvtier.ops import LoadOp
+from kvtier.ops import LoadOp, StoreOp
 
 CHUNK_TOKENS, BLOCK_TOKENS = 256, 16
 
@@ -68,34 +69,44 @@ def main(argv: list[str] | None = None) -> int:
                                                   dtype=torch.uint8))  # fmt: skip
     copier = CpuCopier(list(kv.values()), layout, slab)
 
-    def load(lists: list[list[int]], index_copy: bool) -> float:
-        ops = [LoadOp(i, i, 0, blocks) for i, blocks in enumerate(lists)]
+    def copy(lists: list[list[int]], index_copy: bool, store: bool) -> float:
+        ops = [StoreOp(i, i, blocks) if store else LoadOp(i, i, 0, blocks)
+               for i, blocks in enumerate(lists)]  # fmt: skip
         t0 = time.perf_counter()
         if index_copy:
             with mock.patch("kvtier.host.transfer.block_runs", lambda blocks: None):
-                results = copier.submit(ops)
+                results = copier.submit(ops) + copier.poll()
         else:
-            results = copier.submit(ops)
+            results = copier.submit(ops) + copier.poll()
         elapsed = time.perf_counter() - t0
-        assert all(r.ok for r in results)
+        assert len(results) == len(ops) and all(r.ok for r in results)
         return elapsed
+
+    def state() -> dict[str, torch.Tensor]:
+        """The KV cache and the slab as bytes (random bf16 bits hold NaNs)."""
+        out = {k: v.clone().view(torch.int16) for k, v in kv.items()}
+        out["slab"] = slab.buffer.clone()
+        return out
 
     print(f"{chunks} chunks of {layout.slot_bytes / 2**20:.0f} MiB, {args.layers} layers, "
           f"torch threads {torch.get_num_threads()}, median of {args.reps}, ms:")
-    print(f"  {'blocks of a chunk':<16} {'runs':>8} {'index copy':>11}   ratio")
+    print(f"  {'blocks of a chunk':<16} {'':>6} {'runs':>8} {'index copy':>11}   ratio")
     for name, lists in shapes(chunks, bpc, num_blocks).items():
-        runs_t, index_t = [], []
-        load(lists, False)
-        load(lists, True)
-        for _ in range(args.reps):
-            runs_t.append(load(lists, False))
-            index_t.append(load(lists, True))
-        # both ways put the same bytes in the same blocks
-        want = {k: v.clone().view(torch.int16) for k, v in kv.items()}  # bytes: NaNs differ
-        load(lists, False)
-        assert all(torch.equal(want[k], v.view(torch.int16)) for k, v in kv.items()), name
-        a, b = statistics.median(runs_t) * 1e3, statistics.median(index_t) * 1e3
-        print(f"  {name:<16} {a:8.1f} {b:11.1f}   {a / b:.2f}x")
+        for store in (False, True):
+            runs_t, index_t = [], []
+            copy(lists, False, store)
+            copy(lists, True, store)
+            for _ in range(args.reps):
+                runs_t.append(copy(lists, False, store))
+                index_t.append(copy(lists, True, store))
+            # both ways put the same bytes in the same places
+            want = state()
+            copy(lists, False, store)
+            got = state()
+            assert all(torch.equal(want[k], got[k]) for k in want), name
+            a, b = statistics.median(runs_t) * 1e3, statistics.median(index_t) * 1e3
+            what = "stores" if store else "loads"
+            print(f"  {name:<16} {what:>6} {a:8.1f} {b:11.1f}   {a / b:.2f}x")
     return 0
 
 

@@ -228,8 +228,8 @@ class Copier(ABC):
 
 class CpuCopier(Copier):
     """Today's synchronous path: per layer and op, one slice copy per run of blocks
-    (:func:`block_runs`: ascending or descending, at most a few), else one
-    ``index_select`` / ``index_copy_``."""
+    (:func:`block_runs`: ascending or descending, at most a few for a load, one for a
+    store), else one ``index_select`` / ``index_copy_``."""
 
     def __init__(self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab) -> None:
         super().__init__(kv, layout, slab)
@@ -257,6 +257,10 @@ class CpuCopier(Copier):
             try:
                 first, count = job_range(job)
                 runs = block_runs(job.gpu_blocks)  # slices, not an index copy
+                if to_host and runs is not None and len(runs) > 1:
+                    # a store's index_select into its slot (contiguous) is as fast as the
+                    # slices of one run and beats those of several (bench/block_runs.py)
+                    runs = None
                 idx = None if runs else torch.tensor(job.gpu_blocks, dtype=torch.long,
                                                      device=self.kv[0].device)  # fmt: skip
                 for li, kv in enumerate(self.kv):
