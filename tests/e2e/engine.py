@@ -229,8 +229,8 @@ def cycled_pool(model: str, extra: dict[str, Any], n_prompts: int = 6) -> dict[s
     cold = [generate(llm, [p])[0] for p in prompts]  # computed (nothing stored yet), stored
     stores = dict(shapes)
     shapes.clear()
-    # vLLM's own cache emptied once (a reset also puts its pool back in order): then only
-    # kvtier has them, loaded into blocks of a pool that cycles again from the fourth on
+    # vLLM's own cache emptied once (without reordering its pool): then only kvtier has
+    # the prompts, loaded into blocks of a pool that has cycled
     llm.reset_prefix_cache()
     warm = [generate(llm, [p])[0] for p in prompts]
     settle(llm)
