@@ -194,7 +194,7 @@ class KVTierConfig:
 
 #: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
 #: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
-#: 16-core GPU host (README, "On one NVIDIA H200"); more only queue for the GIL
+#: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured
 AUTO_IO_THREADS = (4, 16)
 
 
