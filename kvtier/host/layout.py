@@ -364,6 +364,19 @@ def block_runs(blocks: Sequence[int]) -> list[Run] | None:
     return runs or None
 
 
+def copy_runs(
+    kv: torch.Tensor, block_dim: int, region: torch.Tensor, runs: Sequence[Run], *,
+    to_slot: bool,
+) -> None:
+    """Each run as one slice copy between one layer's KV blocks and its slot ``region``
+    (into the slot when ``to_slot``, else out of it); a descending run through ``flip``."""
+    for r in runs:
+        blocks = kv.narrow(block_dim, r.low, r.count)
+        part = region.narrow(block_dim, r.at, r.count)
+        dst, src = (part, blocks) if to_slot else (blocks, part)
+        dst.copy_(src.flip(block_dim) if r.descending else src)
+
+
 def gather_blocks(
     kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor | None, dst: torch.Tensor,
     runs: Sequence[Run] | None = None,
@@ -371,11 +384,7 @@ def gather_blocks(
     """Copy ``gpu_blocks`` of one layer into ``dst`` (a slot region, same block order);
     ``runs``: the same blocks as :func:`block_runs` gives them, each copied as a slice."""
     if runs is not None:
-        for r in runs:
-            part = kv.narrow(block_dim, r.low, r.count)
-            dst.narrow(block_dim, r.at, r.count).copy_(
-                part.flip(block_dim) if r.descending else part
-            )
+        copy_runs(kv, block_dim, dst, runs, to_slot=True)
     elif gpu_blocks is None:
         raise ValueError("gather_blocks: neither runs nor block ids")
     elif dst.device == kv.device and dst.is_contiguous():
@@ -393,11 +402,7 @@ def scatter_blocks(
     if src.device != kv.device:
         src = src.to(kv.device, non_blocking=True)
     if runs is not None:
-        for r in runs:
-            part = src.narrow(block_dim, r.at, r.count)
-            kv.narrow(block_dim, r.low, r.count).copy_(
-                part.flip(block_dim) if r.descending else part
-            )
+        copy_runs(kv, block_dim, src, runs, to_slot=False)
     elif gpu_blocks is None:
         raise ValueError("scatter_blocks: neither runs nor block ids")
     else:
