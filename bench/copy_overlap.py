@@ -34,34 +34,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
+from paged_kv import add_args, paged_kv
 
-from kvtier.host.layout import HostSlab, SlotLayout
+from kvtier.host.layout import HostSlab
 from kvtier.host.transfer import CpuCopier
 from kvtier.objects.checksum import payload_crc32
 from kvtier.objects.tiers.file import FileTier
 from kvtier.ops import LoadOp, StoreOp
 
-CHUNK_TOKENS, BLOCK_TOKENS = 256, 16
 HEAD = 64  # bytes before the payload, as a chunk's header (not decoded here)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=8192, help="prompt length (chunks of 256)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4, help="KV heads of 128 dims, bf16")
+    add_args(p)
     p.add_argument("--read-threads", type=int, default=2,
                    help="kvtier's read threads (io_threads 4)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
 
-    chunks = args.tokens // CHUNK_TOKENS
-    bpc = CHUNK_TOKENS // BLOCK_TOKENS
-    num_blocks = chunks * bpc * 2
-    # vLLM CPU's layout: (2, blocks, block tokens, heads, head dim) per layer
-    kv = {f"layer.{i}": torch.zeros(2, num_blocks, BLOCK_TOKENS, args.kv_heads, 128,
-                                     dtype=torch.bfloat16) for i in range(args.layers)}  # fmt: skip
-    layout = SlotLayout.from_kv_caches(kv, num_blocks, bpc)
+    kv, layout, chunks, bpc, _ = paged_kv(args)
     slab = HostSlab(layout.slot_bytes * (chunks + 1), layout, commit=True)  # +1: a check's
     copier = CpuCopier(list(kv.values()), layout, slab)
     with tempfile.TemporaryDirectory() as root:
