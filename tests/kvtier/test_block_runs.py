@@ -59,21 +59,33 @@ def test_runs_name_every_block_once_in_order(blocks: list[int]) -> None:
     assert out == blocks
 
 
+def stored(shape, slot: int, blocks: list[int]):  # type: ignore[no-untyped-def]
+    """KV caches of ``shape`` and a slab whose ``slot`` holds their ``blocks`` (a store)."""
+    src = make_caches(shape)
+    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
+    slab = HostSlab(layout.slot_bytes * (slot + 2), layout)
+    copier = CpuCopier(list(src.values()), layout, slab)
+    copier.submit([StoreOp(1, slot, blocks, b"h")])
+    assert [r.ok for r in copier.poll()] == [True]
+    return src, layout, slab
+
+
+def loaded_into_zeros(src, layout, slab, op: LoadOp):  # type: ignore[no-untyped-def]
+    """Zeroed caches shaped like ``src`` after ``op`` loaded a slot into them."""
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    loader = CpuCopier(list(dst.values()), layout, slab)
+    assert [r.ok for r in loader.submit([op])] == [True]
+    return dst
+
+
 @pytest.mark.parametrize("shape", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("blocks", [
     [20, 21, 22, 23], [31, 5, 17, 2], [10, 11, 13, 12], [23, 22, 21, 20], [9, 8, 30, 31],
 ])  # fmt: skip
 def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]) -> None:
-    src = make_caches(shape)
-    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
-    slab = HostSlab(layout.slot_bytes * 4, layout)
-    copier = CpuCopier(list(src.values()), layout, slab)
-    copier.submit([StoreOp(1, 2, blocks, b"h")])
-    assert [r.ok for r in copier.poll()] == [True]
+    src, layout, slab = stored(shape, 2, blocks)
     for targets in ([36, 37, 38], [38, 37, 36], [30, 3, 12]):  # slot blocks 1..3
-        dst = {k: torch.zeros_like(v) for k, v in src.items()}
-        loader = CpuCopier(list(dst.values()), layout, slab)
-        assert [r.ok for r in loader.submit([LoadOp(2, 2, 1, targets)])] == [True]
+        dst = loaded_into_zeros(src, layout, slab, LoadOp(2, 2, 1, targets))
         dim = layout.layers[0].block_dim
         others = torch.tensor([b for b in range(NUM_BLOCKS) if b not in targets])
         for name, kv in src.items():
@@ -85,30 +97,26 @@ def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.sampled_from(list(LAYOUTS.values())),
-    stored=st.permutations(range(NUM_BLOCKS)).map(lambda p: p[:BPC]),
+    blocks_stored=st.permutations(range(NUM_BLOCKS)).map(lambda p: p[:BPC]),
     loaded=st.permutations(range(NUM_BLOCKS)).map(lambda p: p[:BPC]),
     runs=st.booleans(),
 )
-def test_any_block_list_moves_the_bytes_an_index_copy_moves(shape, stored, loaded, runs) -> None:
+def test_any_block_list_moves_the_bytes_an_index_copy_moves(
+    shape, blocks_stored, loaded, runs
+) -> None:
     """Against ``index_select`` / ``index_copy_`` themselves, for blocks anywhere (often
     a few runs of one block, copied run by run) or one run either way; the blocks not
     named stay as they were."""
     if runs:  # stored from a descending run, loaded into an ascending one
-        b, c = min(stored[0], NUM_BLOCKS - BPC), min(loaded[0], NUM_BLOCKS - BPC)
-        stored, loaded = list(range(b + BPC - 1, b - 1, -1)), list(range(c, c + BPC))
-    src = make_caches(shape)
-    layout = SlotLayout.from_kv_caches(src, NUM_BLOCKS, BPC)
-    slab = HostSlab(layout.slot_bytes * 2, layout)
-    copier = CpuCopier(list(src.values()), layout, slab)
-    copier.submit([StoreOp(1, 0, stored, b"h")])
-    assert [r.ok for r in copier.poll()] == [True]
+        b, c = min(blocks_stored[0], NUM_BLOCKS - BPC), min(loaded[0], NUM_BLOCKS - BPC)
+        blocks_stored = list(range(b + BPC - 1, b - 1, -1))
+        loaded = list(range(c, c + BPC))
+    src, layout, slab = stored(shape, 0, blocks_stored)
     dim = layout.layers[0].block_dim
     for li, kv in enumerate(src.values()):
-        want = kv.index_select(dim, torch.tensor(stored))
+        want = kv.index_select(dim, torch.tensor(blocks_stored))
         assert torch.equal(slab.layer_view(0, li), want)
-    dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    loader = CpuCopier(list(dst.values()), layout, slab)
-    assert [r.ok for r in loader.submit([LoadOp(2, 0, 0, loaded)])] == [True]
+    dst = loaded_into_zeros(src, layout, slab, LoadOp(2, 0, 0, loaded))
     for li, (name, kv) in enumerate(dst.items()):
         want = torch.zeros_like(kv).index_copy_(dim, torch.tensor(loaded), slab.layer_view(0, li))
         assert torch.equal(kv, want), name
