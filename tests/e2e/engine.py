@@ -310,12 +310,32 @@ def one_step_reader(model: str, extra: dict[str, Any], policy: str = "recompute"
         Path(name).write_bytes(bytes(data))
     s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
     side = kvtier_side(llm)
+    asked = record_probe(side)
     b = generate(llm, [s + u2])[0]
     llm.reset_prefix_cache()
     a = generate(llm, [s + u1])[0]
     settle(llm)
     return {"b": b, "a": a, "index": index_report(llm),
-            "one_step": side.lookups.probe is not None}
+            "one_step": side.lookups.probe is not None,
+            "b_objects": asked[0] if asked else []}
+
+
+def record_probe(side) -> list[list[str]]:
+    """The object files each one-step lookup asks about, in the prompt's chunk order (none
+    without a probe): a test spoils S's third chunk by name, not by upload order, which
+    parallel uploads do not keep."""
+    asked: list[list[str]] = []
+    probe = side.lookups.probe
+    if probe is None:
+        return asked
+    exists = probe.tier.exists
+
+    def recording(keys):
+        asked.append([probe.tier.path(k) for k in keys])
+        return exists(keys)
+
+    probe.tier.exists = recording
+    return asked
 
 
 def replica(model: str, extra: dict[str, Any], role: str, marker: str) -> dict[str, Any]:

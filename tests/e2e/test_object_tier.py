@@ -219,7 +219,8 @@ def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) 
     # stat finds it, its read rejects it, vLLM recomputes from there. The reference
     # computes from the same token on: a two-step reader (vLLM's default policy) that finds
     # that chunk gone. Neither may load a byte of it.
-    third = sorted(chunk_files(root), key=lambda f: f.stat().st_mtime_ns)[2]
+    assert len(r["b_objects"]) == 4, r["b_objects"]  # B's lookup asked for S's chunks
+    third = Path(r["b_objects"][2])
     kept = third.read_bytes()
     third.unlink()
     ref = run_engine("one_step_reader", model=tiny_model, extra=extra, policy="fail")
