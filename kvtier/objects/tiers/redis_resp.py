@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,7 +20,7 @@ from redis._parsers.socket import SocketBuffer
 from redis.utils import SENTINEL
 
 from kvtier.objects import checksum
-from kvtier.objects.tiers.base import Parts
+from kvtier.objects.tiers.base import Found, Parts
 
 __all__ = ["ReplyTooLarge"]
 
@@ -67,7 +66,7 @@ class _Bound(threading.local):
     last_int: int | None = None
     #: ``read_into``'s :data:`~kvtier.objects.tiers.base.Found`: called (then cleared) as
     #: a reply that goes into ``into`` begins, before its bytes are read
-    found: Callable[[], None] | None = None
+    found: Found = None
 
 
 class _BoundedBuffer(SocketBuffer):
