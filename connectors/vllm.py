@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from .identity import check_parallel, follow_weight_changes, namespace_for, work
 from .metadata import KVTierMetadata
 from .probe import WorkerKeys
 from .scheduler import SchedulerSide
+from .shutdown import shutdown_window_warning
 from .stats import KVTierPromMetrics, KVTierStats
 from .worker import WorkerSide
 
@@ -168,6 +170,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             # weights replaced while the engine runs reach _kvtier_weights_changed
             follow_weight_changes()
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
+            short = shutdown_window_warning(self.cfg, vllm_config, os.environ)
+            if short is not None:
+                logger.warning("kvtier: %s", short)
         else:
             # a worker's connector comes before the weights (a hub model may not be
             # downloaded yet): its keys are made in register_kv_caches

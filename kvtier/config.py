@@ -14,6 +14,7 @@ kvtier imports it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -165,6 +166,17 @@ class KVTierConfig:
     #: reads every form, whatever its own setting
     compression: str = "none"
 
+    def vllm_shutdown_timeout_s(self) -> int | None:
+        """How long vLLM must give its engine on SIGTERM for the object-tier writes still
+        queued to be written: ``shutdown_flush_s`` plus :data:`SHUTDOWN_MARGIN_S`, as
+        vLLM's ``--shutdown-timeout`` and, where workers are processes of their own,
+        ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``. vLLM's defaults (0 and 5 s) kill the
+        engine at once, with the last requests' chunks still queued. None when nothing
+        is written to an object tier."""
+        if not self.remote_url or self.write_policy == "none":
+            return None
+        return math.ceil(self.shutdown_flush_s) + SHUTDOWN_MARGIN_S
+
     def io_thread_count(self, workers_on_node: int = 1) -> int:
         """``io_threads``, "auto" resolved for this process (:func:`auto_io_threads`)."""
         if self.io_threads != "auto":
@@ -195,6 +207,9 @@ class KVTierConfig:
 #: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
 #: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
 #: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured
+#: seconds vLLM's engine needs at shutdown besides kvtier's flush (draining, its own
+#: teardown, the worker processes' exit): see :meth:`KVTierConfig.vllm_shutdown_timeout_s`
+SHUTDOWN_MARGIN_S = 10
 AUTO_IO_THREADS = (4, 16)
 
 

@@ -12,6 +12,7 @@ import math
 import shlex
 from typing import Any
 
+from kvtier.config import KVTierConfig
 from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
 
 EMIT_FORMATS = ("kv-transfer-config", "vllm-args", "helm-values", "lmcache-env")
@@ -96,6 +97,19 @@ def vllm_flags(inp: PlanInputs) -> list[str]:
     return args
 
 
+def shutdown_flags(extra: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The environment and the ``vllm serve`` flags that let queued object-tier writes
+    flush when vLLM is stopped (:meth:`KVTierConfig.vllm_shutdown_timeout_s`); none for a
+    host tier alone. The Helm chart sets the same two."""
+    cfg = KVTierConfig(remote_url=extra.get("remote_url"),
+                       write_policy=extra.get("write_policy", "write_through"))
+    seconds = cfg.vllm_shutdown_timeout_s()
+    if seconds is None:
+        return [], []
+    return ([f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={seconds}"],
+            ["--shutdown-timeout", str(seconds)])
+
+
 def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
     """Render one ``--emit`` format."""
     ktc = kv_transfer_config(plan, **kwargs)
@@ -103,8 +117,9 @@ def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
     if fmt == "kv-transfer-config":
         return json.dumps(ktc, indent=2)
     if fmt == "vllm-args":
-        flags = vllm_flags(inp) + ["--kv-transfer-config", ktc_json]
-        return shlex.join(["vllm", "serve", inp.model, *flags])
+        env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
+        flags = vllm_flags(inp) + stop + ["--kv-transfer-config", ktc_json]
+        return shlex.join([*env, "vllm", "serve", inp.model, *flags])
     if fmt == "helm-values":
         return helm_values(plan, inp, ktc["kv_connector_extra_config"])
     if fmt == "lmcache-env":

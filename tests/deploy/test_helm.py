@@ -570,6 +570,48 @@ def test_command_model_gpus_and_args(helm, tmp_path):
     assert arg_value(c["args"], "--cpu-offload-gb") == "5"
 
 
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_vllm_is_given_the_time_kvtier_needs_to_flush_on_stop(helm, tmp_path, name):
+    """vLLM's default stop kills the engine at once, losing the object-tier writes still
+    queued (connectors/shutdown.py). With an object tier the pod runs vLLM with the window
+    kvtier's own rule asks for, and Kubernetes' grace period above it."""
+    c = vllm_container(render(helm, VALUE_SETS[name], tmp_path))
+    cfg = load_config(transfer_config(c)["kv_connector_extra_config"], environ={})
+    need = cfg.vllm_shutdown_timeout_s()
+    env = {e["name"]: e.get("value") for e in c.get("env") or []}
+    if need is None:
+        assert arg_value(c["args"], "--shutdown-timeout") is None
+        assert "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" not in env
+        return
+    assert arg_value(c["args"], "--shutdown-timeout") == str(need) == "20"
+    assert env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == str(need)
+
+
+def test_shutdown_window_follows_the_flush_and_the_operators_own_flags(helm, tmp_path):
+    base = VALUE_SETS["redis-tier"]
+    values = {**base, "kvtier": {**base["kvtier"], "extraConfig": {"shutdown_flush_s": 2.5}}}
+    c = vllm_container(render(helm, values, tmp_path))
+    assert load_config(transfer_config(c)["kv_connector_extra_config"],
+                       environ={}).vllm_shutdown_timeout_s() == 13  # fmt: skip
+    assert arg_value(c["args"], "--shutdown-timeout") == "13"
+    # the operator's own flag and variable win, once each
+    mine = {**base, "vllm": {"extraArgs": ["--shutdown-timeout=45"], "env": [
+        {"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": "40"}]}}
+    c = vllm_container(render(helm, mine, tmp_path))
+    assert [a for a in c["args"] if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=45"]
+    names = [e["name"] for e in c["env"]]
+    assert names.count("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS") == 1
+    assert cluster_env(c)["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "40"
+    # Kubernetes' grace period must outlast vLLM's stop, the chart's or the operator's
+    err = render_fails(helm, {**base, "terminationGracePeriodSeconds": 25}, tmp_path)
+    assert "terminationGracePeriodSeconds is 25" in err and "--shutdown-timeout 20" in err, err
+    assert render(helm, {**base, "terminationGracePeriodSeconds": 26}, tmp_path)
+    err = render_fails(helm, {**mine, "terminationGracePeriodSeconds": 50}, tmp_path)
+    assert "--shutdown-timeout 45" in err, err
+    # nothing written to an object tier: vLLM's own defaults stand, any grace period goes
+    assert render(helm, {"terminationGracePeriodSeconds": 5}, tmp_path)
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [

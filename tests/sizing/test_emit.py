@@ -52,6 +52,20 @@ def test_vllm_args_are_a_shell_line_with_the_offload_flags():
     assert ktc["kv_connector"] == "KVTierConnector"
 
 
+def test_vllm_args_give_queued_writes_time_to_flush_on_stop():
+    """vLLM's default stop kills the engine at once (connectors/shutdown.py): with an object
+    tier the line sets vLLM's two shutdown windows to kvtier's flush plus its margin."""
+    p, inp = _plan()
+    words = shlex.split(emit("vllm-args", p, inp, remote_url="s3://bucket/kv"))
+    assert words[:2] == ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=20", "vllm"]
+    assert words[words.index("--shutdown-timeout") + 1] == "20"
+    ktc = json.loads(words[words.index("--kv-transfer-config") + 1])
+    cfg = load_config(ktc["kv_connector_extra_config"], environ={})
+    assert cfg.vllm_shutdown_timeout_s() == 20
+    host_only = shlex.split(emit("vllm-args", p, inp))
+    assert host_only[0] == "vllm" and "--shutdown-timeout" not in host_only
+
+
 def test_helm_values_keys_and_memory():
     p, inp = _plan(gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4)
     doc = yaml.safe_load(emit("helm-values", p, inp, remote_url="redis://r:6379/0",

@@ -448,6 +448,34 @@ Sizes are rendered as byte counts so kvtier and the chart read them the same way
 {{- toJson (dict "kv_connector" "KVTierConnector" "kv_connector_module_path" "kvtier.connectors.vllm" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) }}
 {{- end }}
 
+{{/*
+How long vLLM must give its engine on SIGTERM for kvtier's queued object-tier writes to
+flush: shutdown_flush_s (10) plus 10 s, kvtier.config KVTierConfig.vllm_shutdown_timeout_s.
+"" when nothing is written to an object tier. vLLM's defaults (--shutdown-timeout 0,
+VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS 5) kill the engine with those writes still queued.
+*/}}
+{{- define "kvtier.shutdownTimeout" -}}
+{{- $extra := include "kvtier.extraConfig" . | fromJson }}
+{{- if and (get $extra "remote_url") (ne (toString (get $extra "write_policy")) "none") }}
+{{- $flush := 10.0 }}
+{{- if hasKey $extra "shutdown_flush_s" }}
+{{- $flush = float64 (get $extra "shutdown_flush_s") }}
+{{- end }}
+{{- add (int64 (ceil $flush)) 10 }}
+{{- end }}
+{{- end }}
+
+{{/*
+vLLM's --shutdown-timeout as the pod runs it (vllm.extraArgs, else the chart's), which
+Kubernetes must not cut short: terminationGracePeriodSeconds has to exceed it.
+*/}}
+{{- define "kvtier.checkShutdown" -}}
+{{- $stop := include "kvtier.argValue" (list .Values.vllm.extraArgs "--shutdown-timeout") | default (include "kvtier.shutdownTimeout" .) }}
+{{- if and $stop (le (int64 .Values.terminationGracePeriodSeconds) (add (int64 $stop) 5)) }}
+{{- fail (printf "terminationGracePeriodSeconds is %v but vLLM may take --shutdown-timeout %v s to stop (flushing kvtier's queued object-tier writes) plus its exit: set terminationGracePeriodSeconds above %v, or lower kvtier.extraConfig.shutdown_flush_s" .Values.terminationGracePeriodSeconds $stop (add (int64 $stop) 5)) }}
+{{- end }}
+{{- end }}
+
 {{/* ---------------------------------------------------------------- memory check */}}
 
 {{/*
@@ -601,6 +629,16 @@ name for a UID without a passwd entry.
 {{- if and .Values.weightOffload.disablePinMemory (gt (float64 (include "kvtier.cpuOffloadGb" .)) 0.0) }}
 - name: VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY
   value: "1"
+{{- end }}
+{{- $stop := include "kvtier.shutdownTimeout" . }}
+{{- $named := dict }}
+{{- range .Values.vllm.env }}
+{{- $_ := set $named (toString .name) true }}
+{{- end }}
+{{- if and $stop (not (hasKey $named "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")) }}
+# Worker processes get this long to flush queued object-tier writes (kvtier.shutdownTimeout).
+- name: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+  value: {{ $stop | quote }}
 {{- end }}
 {{- with .Values.vllm.env }}
 {{- toYaml . | nindent 0 }}
