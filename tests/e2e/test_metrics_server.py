@@ -96,18 +96,25 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def serve(model: str, extra_config: dict[str, object], log_dir: Path) -> Iterator[VLLMServer]:
-    """vLLM's OpenAI server with kvtier on a free loopback port; stopped on exit."""
+def serve(
+    model: str,
+    extra_config: dict[str, object],
+    log_dir: Path,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[VLLMServer]:
+    """vLLM's OpenAI server with kvtier on a free loopback port (``args``: more flags,
+    ``env``: more environment); stopped on exit."""
     port = checks.free_port()
     log_path = log_dir / f"vllm-{port}.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     ktc = {**KV_TRANSFER_CONFIG, "kv_connector_extra_config": extra_config}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
-        "--kv-transfer-config", json.dumps(ktc),
+        "--kv-transfer-config", json.dumps(ktc), *(args or []),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
