@@ -149,12 +149,13 @@ class VLLMServer:
 
     def __init__(self, *, python: str, model: Path, log: Path, kv_transfer: dict[str, Any] | None,
                  kv_cache_bytes: int, max_model_len: int, env: dict[str, str] | None = None,
-                 served_name: str = "bench") -> None:
+                 served_name: str = "bench", args: list[str] | None = None) -> None:
         self.python, self.model, self.log = python, model, log
         self.kv_transfer, self.kv_cache_bytes, self.max_model_len = (
             kv_transfer, kv_cache_bytes, max_model_len)
         self.extra_env = env or {}
         self.served_name = served_name
+        self.extra_args = args or []  # more `vllm serve` flags
         self.port = 0
         self.proc: Proc | None = None
         self.start_s = 0.0
@@ -175,6 +176,7 @@ class VLLMServer:
         ]
         if self.kv_transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        argv += self.extra_args
         env = {**os.environ, **LOOPBACK_ENV, "VLLM_SERVER_DEV_MODE": "1",
                "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": omp_cpus(),
                **self.extra_env}

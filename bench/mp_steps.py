@@ -190,6 +190,8 @@ def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any]
     are logged), call ``run(request)`` with a function that sends one prompt, stop it."""
     from harness import VLLMServer
 
+    from kvtier.sizing.emit import shutdown_flags
+
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = {"PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")])}
@@ -200,9 +202,12 @@ def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any]
            "kv_connector_extra_config": {"cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
                                          "chunk_size": 256, **extra},
            "kv_load_failure_policy": policy}  # fmt: skip
+    stop_env, stop_args = shutdown_flags(ktc["kv_connector_extra_config"])  # the writes flush
+    env |= dict(e.split("=", 1) for e in stop_env)
     server = VLLMServer(python=sys.executable, model=Path(model), kv_transfer=ktc,
                         kv_cache_bytes=kv_mib << 20, max_model_len=max_len, env=env,
-                        log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log")  # fmt: skip
+                        log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log",
+                        args=stop_args)  # fmt: skip
     server.start()
     try:
         run(lambda tokens: _serve_first_token(server.url, tokens))

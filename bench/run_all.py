@@ -45,6 +45,7 @@ from harness import Unavailable, VLLMServer  # noqa: E402
 
 from kvtier.cli import bench  # noqa: E402
 from kvtier.sizing.autosize import mem_available_bytes  # noqa: E402
+from kvtier.sizing.emit import shutdown_flags  # noqa: E402
 
 SHAPES = {
     "bench": {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8},
@@ -166,6 +167,7 @@ class Setup:
         self.python = sys.executable
         self.kv_transfer: dict[str, Any] | None = None
         self.env: dict[str, str] = {}
+        self.vllm_args: list[str] = []
         self._procs: list[harness.Proc] = []
 
     def __enter__(self) -> Setup:
@@ -236,6 +238,9 @@ class Setup:
         extra |= {"cpu_bytes": cpu, "cpu_headroom_bytes": headroom}
         log(f"{self.cfg.name}: host tier {cpu / 2**20:.0f} MiB (the workloads fill "
             f"{need / 2**20:.0f} MiB), headroom {headroom / 2**20:.0f} MiB")
+        # as kvtier advises: stopping vLLM writes the chunks still queued (connectors.shutdown)
+        env, self.vllm_args = shutdown_flags(extra)
+        self.env |= dict(e.split("=", 1) for e in env)
         self.kv_transfer = {
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
@@ -295,7 +300,7 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
         with Setup(cfg, workdir, args, plan) as st:
             server = VLLMServer(python=st.python, model=model, kv_transfer=st.kv_transfer,
                                 kv_cache_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
-                                env=st.env, log=st.workdir / "vllm.log")
+                                env=st.env, log=st.workdir / "vllm.log", args=st.vllm_args)
             try:
                 server.start()
                 record["server_start_s"] = server.start_s

@@ -70,3 +70,18 @@ def test_short_of_the_working_set_the_row_keeps_its_hit_rows(monkeypatch, tmp_pa
     assert extra["cpu_headroom_bytes"] == run_all.HEADROOM_MIN
     with pytest.raises(run_all.Unavailable, match="GiB of host memory available"):
         _row_extra(monkeypatch, tmp_path, available - 2 * 2**20)
+
+
+@pytest.mark.parametrize(("name", "stop"), [("kvtier-file", "20"), ("kvtier-host", None)])
+def test_rows_with_an_object_tier_stop_vllm_as_kvtier_advises(tmp_path, name, stop) -> None:
+    """make bench's servers are stopped between the store and the restart hit: with vLLM's
+    defaults the chunks still queued would be lost (connectors/shutdown.py)."""
+    args = argparse.Namespace(model_shape="bench", no_install=True,
+                              kv_load_failure_policy="recompute")
+    cfg = next(c for c in run_all.CONFIGS if c.name == name)
+    with run_all.Setup(cfg, tmp_path, args, run_all.PLANS["full"]) as st:
+        if stop is None:
+            assert st.vllm_args == [] and "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" not in st.env
+        else:
+            assert st.vllm_args == ["--shutdown-timeout", stop]
+            assert st.env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == stop
