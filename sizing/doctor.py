@@ -41,6 +41,8 @@ _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
 _CONNECTOR = re.compile(r"Creating v1 connector with name: (\w+)")
 _KVTIER_CONFIG = re.compile(r"kvtier config: (\{.*\})\s*$")
 _KVTIER_ERROR = re.compile(r"(kvtier config '\w+': got .*)$")
+#: kvtier's startup warning (connectors/shutdown.py) that vLLM's stop cuts its flush short
+_KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queued .*)$")
 _NUM_IN_GROUP = re.compile(
     r"offload_num_in_group \((\d+)\) must be <= offload_group_size \((\d+)\)"
 )
@@ -139,7 +141,7 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         "available_kv_cache_gib": None, "kv_cache_pool": None, "kv_cache_tokens": None,
         "max_model_len": None, "max_concurrency": None, "connector": None,
         "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
-        "offload_validation_error": None,
+        "offload_validation_error": None, "kvtier_shutdown": None,
     }  # fmt: skip
     for line in lines:
         line = line.rstrip("\n")
@@ -184,6 +186,8 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
             except json.JSONDecodeError:
                 config = _literal(text)
             facts["kvtier_config"] = safe_config(config)
+        if m := _KVTIER_SHUTDOWN.search(line):
+            facts["kvtier_shutdown"] = m.group(1)
         if m := _KVTIER_ERROR.search(line):
             facts["kvtier_errors"].append(safe_error(m.group(1)))
         for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
@@ -268,6 +272,8 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
             "instead of being recomputed, and a local directory tier's lookups take an engine "
             "step of their own. Add \"kv_load_failure_policy\": \"recompute\" to "
             "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it).")))
+    if facts["kvtier_shutdown"]:
+        w.append(warning("shutdown-loses-queued-writes", facts["kvtier_shutdown"]))
     if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
         w.append(warning("offload-params-ignored", (
             f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; prefetch "

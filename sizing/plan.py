@@ -43,6 +43,8 @@ CODES: dict[str, str] = {
     "offload-not-applied": "weight offload was requested but vLLM logged none",
     "kv-load-failure-fails-requests": "kv_load_failure_policy 'fail': a KV load that fails "
     "fails its request, and a local directory tier's lookups take a step of their own",
+    "shutdown-loses-queued-writes": "vLLM's stop kills its engine before kvtier flushes the "
+    "object-tier writes still queued (--shutdown-timeout, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)",
 }
 
 

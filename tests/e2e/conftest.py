@@ -15,6 +15,9 @@ import pytest
 
 ENGINE = Path(__file__).with_name("engine.py")
 REPO = Path(__file__).resolve().parents[2]
+#: ``kvtier doctor``'s warnings for vLLM's own defaults, which the test engines run with:
+#: kv_load_failure_policy "fail", and a stop that kills the engine before kvtier flushes
+VLLM_DEFAULTS_NAMED = {"kv-load-failure-fails-requests", "shutdown-loses-queued-writes"}
 
 
 @pytest.fixture(scope="session")

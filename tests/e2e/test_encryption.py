@@ -33,7 +33,7 @@ import pytest
 from kvtier.objects import codec
 from kvtier.objects.seal import Sealer
 from kvtier.objects.tiers import FileTier
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, VLLM_DEFAULTS_NAMED
 from tests.e2e.test_trust import _aws_env, run_logged
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -75,10 +75,10 @@ def _assert_key_never_shown(result: dict[str, Any]) -> None:
         [sys.executable, "-m", "kvtier.cli.main", "doctor", result["_log_path"], "--json"],
         capture_output=True, text=True, timeout=120, cwd=str(REPO),
     )  # fmt: skip
-    # exit 1 only for the warning that names vLLM's default kv_load_failure_policy
+    # exit 1 only for the warnings that name vLLM's defaults (failure policy, stop)
     assert doc.returncode in (0, 1), doc.stderr
     codes = {w["code"] for w in json.loads(doc.stdout)["warnings"]}
-    assert codes <= {"kv-load-failure-fails-requests"}, codes
+    assert codes <= VLLM_DEFAULTS_NAMED, codes
     assert doc.returncode == (1 if codes else 0)
     assert "KVTierConnector" in log
     for form in forms:

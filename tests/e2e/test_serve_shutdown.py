@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvtier.config import load_config
+from kvtier.sizing import doctor
 from kvtier.sizing.emit import shutdown_flags
 from tests.e2e.test_metrics_server import MODEL_NAME, serve
 
@@ -29,6 +30,7 @@ PROMPT = [(7 * i) % 400 + 10 for i in range(1100)]
 CHUNKS = 4
 #: one-way delay of every packet to and from Redis: each upload takes over a second
 LATENCY_S = 0.3
+LOSES = "shutdown-loses-queued-writes"
 
 
 def stop_like_kubernetes(proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
@@ -68,6 +70,7 @@ def test_queued_uploads_are_written_when_vllm_is_stopped(
         assert r.dbsize() == CHUNKS, log[-4000:]
     assert "--shutdown-timeout" not in _kvtier_warnings(log), log[-4000:]
     assert "were not written at shutdown" not in log
+    assert LOSES not in doctor_codes(log)
 
     # vLLM's defaults: startup names the flags, and the stop loses what was queued
     with redis.client() as r:
@@ -76,9 +79,14 @@ def test_queued_uploads_are_written_when_vllm_is_stopped(
     warned = _kvtier_warnings(log)
     assert "--shutdown-timeout is 0" in warned and "--shutdown-timeout 20" in warned, warned
     assert "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=20" in warned
+    assert LOSES in doctor_codes(log)  # `kvtier doctor` on the server's log says it too
     with redis.client() as r:
         assert r.dbsize() < CHUNKS, "vLLM no longer kills its engine at once: revisit the warning"
     assert load_config({"remote_url": url}).vllm_shutdown_timeout_s() == 20
+
+
+def doctor_codes(log: str) -> set[str]:
+    return {w["code"] for w in doctor.report(doctor.parse_log(log.splitlines()))["warnings"]}
 
 
 def _kvtier_warnings(log: str) -> str:

@@ -235,3 +235,24 @@ def test_vllms_default_failure_policy_is_named_with_what_to_set(
     assert bool(found) is warned
     if warned:
         assert '"kv_load_failure_policy": "recompute"' in found[0]["message"]
+
+
+def test_a_stop_that_loses_queued_writes_is_named_with_what_to_set() -> None:
+    """kvtier's own startup warning (connectors/shutdown.py), as the connector words it,
+    becomes the doctor's ``shutdown-loses-queued-writes``; a log without it, nothing."""
+    from types import SimpleNamespace
+
+    from kvtier.config import load_config
+    from kvtier.connectors.shutdown import shutdown_window_warning
+
+    vc = SimpleNamespace(shutdown_timeout=0,
+                         parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
+    msg = shutdown_window_warning(load_config({"remote_url": "file:///kv"}), vc, {})
+    assert msg is not None
+    line = f"(EngineCore pid=7) WARNING 12-05 07:27:13 [vllm.py:175] kvtier: {msg}"
+    rep = doctor.report(doctor.parse_log([*_args_line("recompute", "KVTierConnector"), line]))
+    found = [w for w in rep["warnings"] if w["code"] == "shutdown-loses-queued-writes"]
+    assert [w["message"] for w in found] == [msg]
+    assert "--shutdown-timeout 20" in msg and "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=20" in msg
+    rep = doctor.report(doctor.parse_log(_args_line("recompute", "KVTierConnector")))
+    assert not [w for w in rep["warnings"] if w["code"] == "shutdown-loses-queued-writes"]
