@@ -168,6 +168,8 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvtier.sizing.emit import shutdown_flags
+
     ktc = {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
@@ -180,8 +182,11 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         # lookups answer in their own step (kvtier.connectors.probe)
         "kv_load_failure_policy": "recompute",
     }
+    # as kvtier advises: the engine's stop leaves the queued uploads time to flush
+    env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
+    os.environ.update(e.split("=", 1) for e in env)
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,
-              seed=0, kv_transfer_config=ktc)
+              seed=0, kv_transfer_config=ktc, shutdown_timeout=int(stop[1]))
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler \
         if hasattr(llm.llm_engine.engine_core, "engine_core") else None
     sp = SamplingParams(max_tokens=1, temperature=0)
