@@ -204,12 +204,12 @@ class KVTierConfig:
         return f"KVTierConfig({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
 
 
-#: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
-#: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
-#: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured
 #: seconds vLLM's engine needs at shutdown besides kvtier's flush (draining, its own
 #: teardown, the worker processes' exit): see :meth:`KVTierConfig.vllm_shutdown_timeout_s`
 SHUTDOWN_MARGIN_S = 10
+#: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
+#: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
+#: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured
 AUTO_IO_THREADS = (4, 16)
 
 

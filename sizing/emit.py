@@ -12,7 +12,7 @@ import math
 import shlex
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import load_config
 from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
 
 EMIT_FORMATS = ("kv-transfer-config", "vllm-args", "helm-values", "lmcache-env")
@@ -99,11 +99,9 @@ def vllm_flags(inp: PlanInputs) -> list[str]:
 
 def shutdown_flags(extra: dict[str, Any]) -> tuple[list[str], list[str]]:
     """The environment and the ``vllm serve`` flags that let queued object-tier writes
-    flush when vLLM is stopped (:meth:`KVTierConfig.vllm_shutdown_timeout_s`); none for a
+    flush when vLLM is stopped (``KVTierConfig.vllm_shutdown_timeout_s``); none for a
     host tier alone. The Helm chart sets the same two."""
-    cfg = KVTierConfig(remote_url=extra.get("remote_url"),
-                       write_policy=extra.get("write_policy", "write_through"))
-    seconds = cfg.vllm_shutdown_timeout_s()
+    seconds = load_config(extra, environ={}).vllm_shutdown_timeout_s()
     if seconds is None:
         return [], []
     return ([f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={seconds}"],
