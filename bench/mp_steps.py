@@ -203,7 +203,7 @@ def _serve(model: str, max_len: int, extra: dict, work: str, run: Callable[[Any]
                                          "chunk_size": 256, **extra},
            "kv_load_failure_policy": policy}  # fmt: skip
     stop_env, stop_args = shutdown_flags(ktc["kv_connector_extra_config"])  # the writes flush
-    env |= dict(e.split("=", 1) for e in stop_env)
+    env |= stop_env
     server = VLLMServer(python=sys.executable, model=Path(model), kv_transfer=ktc,
                         kv_cache_bytes=kv_mib << 20, max_model_len=max_len, env=env,
                         log=Path(work) / f"vllm-{'timed' if timed else 'writer'}.log",

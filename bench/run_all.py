@@ -240,7 +240,7 @@ class Setup:
             f"{need / 2**20:.0f} MiB), headroom {headroom / 2**20:.0f} MiB")
         # as kvtier advises: stopping vLLM writes the chunks still queued (connectors.shutdown)
         env, self.vllm_args = shutdown_flags(extra)
-        self.env |= dict(e.split("=", 1) for e in env)
+        self.env |= env
         self.kv_transfer = {
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,

@@ -184,7 +184,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     }
     # as kvtier advises: the engine's stop leaves the queued uploads time to flush
     env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
-    os.environ.update(e.split("=", 1) for e in env)
+    os.environ.update(env)
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,
               seed=0, kv_transfer_config=ktc, shutdown_timeout=int(stop[1]))
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler \

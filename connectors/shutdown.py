@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, KVTierConfig
 
 #: vLLM's default for ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
 VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5.0
-WORKER_WINDOW_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
 def shutdown_window_warning(
@@ -35,17 +34,17 @@ def shutdown_window_warning(
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
     if backend == "mp":  # the workers are processes of their own
         try:
-            window = float(environ.get(WORKER_WINDOW_ENV, VLLM_WORKER_SHUTDOWN_DEFAULT_S))
+            window = float(environ.get(VLLM_WORKER_SHUTDOWN_ENV, VLLM_WORKER_SHUTDOWN_DEFAULT_S))
         except ValueError:
             window = VLLM_WORKER_SHUTDOWN_DEFAULT_S
         if window < need:
-            short.append(f"{WORKER_WINDOW_ENV} is {window:g}")
+            short.append(f"{VLLM_WORKER_SHUTDOWN_ENV} is {window:g}")
     if not short:
         return None
     return (
         f"vLLM's {' and '.join(short)}: when vLLM is stopped, object-tier writes still "
         f"queued (the last requests' chunks) are lost, not flushed (shutdown_flush_s="
         f"{cfg.shutdown_flush_s:g}). Start vLLM with --shutdown-timeout {need} and "
-        f"{WORKER_WINDOW_ENV}={need}, and give it at least that long to stop (Kubernetes: "
+        f"{VLLM_WORKER_SHUTDOWN_ENV}={need}, and give it at least that long to stop (Kubernetes: "
         f"terminationGracePeriodSeconds); the Helm chart and `kvtier size --emit` set both"
     )

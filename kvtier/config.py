@@ -207,6 +207,8 @@ class KVTierConfig:
 #: seconds vLLM's engine needs at shutdown besides kvtier's flush (draining, its own
 #: teardown, the worker processes' exit): see :meth:`KVTierConfig.vllm_shutdown_timeout_s`
 SHUTDOWN_MARGIN_S = 10
+#: vLLM's window for worker processes to exit at shutdown, which must cover kvtier's flush
+VLLM_WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 #: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
 #: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
 #: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured

@@ -12,7 +12,7 @@ import math
 import shlex
 from typing import Any
 
-from kvtier.config import load_config
+from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, load_config
 from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
 
 EMIT_FORMATS = ("kv-transfer-config", "vllm-args", "helm-values", "lmcache-env")
@@ -97,15 +97,14 @@ def vllm_flags(inp: PlanInputs) -> list[str]:
     return args
 
 
-def shutdown_flags(extra: dict[str, Any]) -> tuple[list[str], list[str]]:
+def shutdown_flags(extra: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     """The environment and the ``vllm serve`` flags that let queued object-tier writes
     flush when vLLM is stopped (``KVTierConfig.vllm_shutdown_timeout_s``); none for a
     host tier alone. The Helm chart sets the same two."""
     seconds = load_config(extra, environ={}).vllm_shutdown_timeout_s()
     if seconds is None:
-        return [], []
-    return ([f"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS={seconds}"],
-            ["--shutdown-timeout", str(seconds)])
+        return {}, []
+    return {VLLM_WORKER_SHUTDOWN_ENV: str(seconds)}, ["--shutdown-timeout", str(seconds)]
 
 
 def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
@@ -117,7 +116,8 @@ def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
     if fmt == "vllm-args":
         env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
         flags = vllm_flags(inp) + stop + ["--kv-transfer-config", ktc_json]
-        return shlex.join([*env, "vllm", "serve", inp.model, *flags])
+        return shlex.join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", inp.model,
+                           *flags])
     if fmt == "helm-values":
         return helm_values(plan, inp, ktc["kv_connector_extra_config"])
     if fmt == "lmcache-env":

@@ -11,7 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from kvtier.config import SHUTDOWN_MARGIN_S, load_config
-from kvtier.connectors.shutdown import WORKER_WINDOW_ENV, shutdown_window_warning
+from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV as WORKER_WINDOW_ENV
+from kvtier.connectors.shutdown import shutdown_window_warning
 from kvtier.connectors.vllm import KVTierConnector
 from tests.connectors.hybrid_engine import engine_config
 from tests.connectors.test_hybrid import FULL, NUM_BLOCKS, attn

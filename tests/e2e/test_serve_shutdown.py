@@ -63,9 +63,8 @@ def test_queued_uploads_are_written_when_vllm_is_stopped(
     url = f"redis://{proxy.address}/0"
     env, args = shutdown_flags({"remote_url": url})
     assert args == ["--shutdown-timeout", "20"]  # what the chart and `--emit` set
-    env_vars = dict(e.split("=", 1) for e in env)
 
-    log = serve_one_prompt(tiny_model, url, tmp_path / "advised", args, env_vars)
+    log = serve_one_prompt(tiny_model, url, tmp_path / "advised", args, env)
     with redis.client() as r:
         assert r.dbsize() == CHUNKS, log[-4000:]
     assert "--shutdown-timeout" not in _kvtier_warnings(log), log[-4000:]

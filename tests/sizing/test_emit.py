@@ -66,8 +66,8 @@ def test_vllm_args_give_queued_writes_time_to_flush_on_stop():
     assert host_only[0] == "vllm" and "--shutdown-timeout" not in host_only
     # the same rule as the connector's, from the config as given (a shorter flush here)
     assert shutdown_flags({"remote_url": "file:///kv", "shutdown_flush_s": 2.5}) == (
-        ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=13"], ["--shutdown-timeout", "13"])
-    assert shutdown_flags({"remote_url": "file:///kv", "write_policy": "none"}) == ([], [])
+        {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "13"}, ["--shutdown-timeout", "13"])
+    assert shutdown_flags({"remote_url": "file:///kv", "write_policy": "none"}) == ({}, [])
 
 
 def test_helm_values_keys_and_memory():
