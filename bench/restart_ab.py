@@ -18,6 +18,7 @@ servers load as their connector module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -123,24 +124,24 @@ def main() -> int:
     setup_args = argparse.Namespace(model_shape="bench", no_install=True,
                                     kv_load_failure_policy="recompute")
     batch = prompts(args.prompts, args.tokens)
-    servers, logs, setups = {}, {}, []
-    for name in NAMES:
-        cfg = next(c for c in run_all.CONFIGS if c.name == name)
-        st = run_all.Setup(cfg, work, setup_args, run_all.PLANS["full"]).__enter__()
-        setups.append(st)
-        assert st.kv_transfer is not None
-        st.kv_transfer["kv_connector_module_path"] = "restart_ab"  # this module, wrapped
-        logs[name] = work / f"{name}.calls"
-        st.env |= {_LOG_VAR: str(logs[name]),
-                   "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
-        servers[name] = run_all.VLLMServer(
-            python=st.python, model=model, kv_transfer=st.kv_transfer,
-            kv_cache_bytes=run_all.DEVICE_CACHE_TOKENS * run_all.kv_bytes_per_token(shape),
-            max_model_len=run_all.MAX_MODEL_LEN, env=st.env, log=st.workdir / "vllm.log",
-            args=st.vllm_args)
+    servers, logs = {}, {}
     ttfts: dict[str, list[list[float]]] = {n: [] for n in NAMES}
     worker: dict[str, list[float]] = {n: [] for n in NAMES}
-    try:
+    with contextlib.ExitStack() as stack:  # a failed round leaves no server or store behind
+        for name in NAMES:
+            cfg = next(c for c in run_all.CONFIGS if c.name == name)
+            st = stack.enter_context(run_all.Setup(cfg, work, setup_args, run_all.PLANS["full"]))
+            assert st.kv_transfer is not None
+            st.kv_transfer["kv_connector_module_path"] = "restart_ab"  # this module, wrapped
+            logs[name] = work / f"{name}.calls"
+            st.env |= {_LOG_VAR: str(logs[name]),
+                       "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+            servers[name] = run_all.VLLMServer(
+                python=st.python, model=model, kv_transfer=st.kv_transfer,
+                kv_cache_bytes=run_all.DEVICE_CACHE_TOKENS * run_all.kv_bytes_per_token(shape),
+                max_model_len=run_all.MAX_MODEL_LEN, env=st.env, log=st.workdir / "vllm.log",
+                args=st.vllm_args)
+            stack.callback(servers[name].stop)
         for name in NAMES:  # store every prompt once
             servers[name].start()
             serve(servers[name], batch)
@@ -158,9 +159,6 @@ def main() -> int:
                 worker[name] += worker_ms(logs[name])
                 print(f"round {r + 1} {name:<12} " + " ".join(f"{t:6.1f}" for t, _ in got),
                       file=sys.stderr, flush=True)
-    finally:
-        for st in setups:
-            st.close()
     return report(ttfts, worker, args)
 
 
