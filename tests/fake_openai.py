@@ -180,11 +180,14 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
                                        else _tokens(body["prompt"])),
                      "completion_tokens": body["max_tokens"],
                      "prompt_tokens_details": {"cached_tokens": 3}}
+            # the counters move before the last chunk goes out, as in vLLM, whose output
+            # handler records a step's stats before the API server streams that step's
+            # outputs; after it, a scrape right after [DONE] could miss this request
+            with state.lock:
+                state.observe(n - (n // state.fail_every if state.fail_every else 0))
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-            with state.lock:
-                state.observe(n - (n // state.fail_every if state.fail_every else 0))
             self.close_connection = True
 
     return Handler
