@@ -18,6 +18,7 @@ from kit import open_loopback_tier
 from kvtier.config import load_config
 from kvtier.errors import ObjectError, ObjectTooLarge
 from kvtier.objects import codec
+from kvtier.objects.checksum import HASH_PIECE
 from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
 from kvtier.objects.tiers.base import ObjectTier as Base
 
@@ -28,6 +29,10 @@ pytestmark = pytest.mark.integration
 
 BIG = 3 << 20  # a compressed chunk of the bench model's 4 MiB slot
 SENTINEL = 0xA5
+#: what a read may allocate beyond a few small objects, per backend: S3's body is read in
+#: the checksum's pieces, each of which urllib3 reads into a new bytes object of its size
+#: (the slot itself is never allocated); the others read straight into the buffer
+PIECE_ALLOWED = {"s3": HASH_PIECE}
 
 
 @pytest.fixture(params=["file", "s3", "redis"])
@@ -97,7 +102,8 @@ def test_get_into_allocates_no_buffer_of_the_objects_size(tier: ObjectTier) -> N
     finally:
         tracemalloc.stop()
     assert n == BIG and buf[:BIG] == data
-    assert peak < BIG // 8, f"{peak} bytes allocated to read a {BIG}-byte object"
+    allowed = BIG // 8 + PIECE_ALLOWED.get(tier.name, 0)
+    assert peak < allowed, f"{peak} bytes allocated to read a {BIG}-byte object"
 
 
 def test_get_into_a_chunk_decodes(tier: ObjectTier) -> None:
@@ -206,5 +212,6 @@ def test_s3_read_into_allocates_no_buffer_of_the_slots_size(s3_bucket: S3Bucket)
     finally:
         tracemalloc.stop()
     assert head is not None and slot == payload
-    assert peak < BIG // 8, f"{peak} bytes allocated to read a {BIG}-byte chunk"
+    allowed = BIG // 8 + PIECE_ALLOWED["s3"]
+    assert peak < allowed, f"{peak} bytes allocated to read a {BIG}-byte chunk"
     tier.close()
