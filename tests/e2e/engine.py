@@ -268,14 +268,18 @@ def shutdown(llm) -> None:
 
 
 def remote_writer(model: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Engine 1: serve A = S+U1 and B = S+U2 (vLLM's own cache serves S for B), exit."""
+    """Engine 1: serve A = S+U1 and B = S+U2 (vLLM's own cache serves S for B), exit.
+    ``a_ref``: A again, 1,280 tokens from vLLM's own cache, the split of a reader that loads
+    A's five chunks (a full prefill is other arithmetic: on some CPUs, AMX's, its last
+    token's logprobs differ in the last bits)."""
     llm = build_llm(model, extra)
     s, u1, u2 = toks(1, 1024), toks(2, 257), toks(3, 200)
     a = generate(llm, [s + u1])[0]
+    a_ref = generate(llm, [s + u1])[0]  # vLLM's own cache serves 1,280 tokens
     b_ref = generate(llm, [s + u2])[0]
     report = index_report(llm)
     shutdown(llm)  # queued uploads are flushed here, not waited for above
-    return {"a": a, "b_ref": b_ref, "index": report}
+    return {"a": a, "a_ref": a_ref, "b_ref": b_ref, "index": report}
 
 
 def remote_reader(model: str, extra: dict[str, Any], a_first: bool = False) -> dict[str, Any]:

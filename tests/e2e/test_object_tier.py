@@ -45,8 +45,9 @@ def test_restart_hits_from_object_tier(
     assert r["b"]["cached"] >= 1024, r["_log"][-3000:]
     assert r["b"]["tokens"] == w["b_ref"]["tokens"]
     assert r["b"]["logprobs"] == w["b_ref"]["logprobs"]
-    assert r["a"]["cached"] >= 1280
-    assert r["a"]["tokens"] == w["a"]["tokens"]
+    # A's five chunks loaded: the same split, the same bits as vLLM's own cache
+    assert r["a"]["cached"] == w["a_ref"]["cached"] == 1280, (r["a"], w["a_ref"])
+    assert (r["a"]["tokens"], r["a"]["logprobs"]) == (w["a_ref"]["tokens"], w["a_ref"]["logprobs"])
     assert r["index"]["totals"]["hit_tokens_remote"] >= 1024
     assert r["index"]["totals"]["fetch_ok"] >= 4
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
@@ -209,7 +210,8 @@ def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) 
     assert totals["one_step_lookups"] >= 1, totals
     assert r["b"]["cached"] >= 1024, r["_log"][-3000:]
     assert (r["b"]["tokens"], r["b"]["logprobs"]) == (w["b_ref"]["tokens"], w["b_ref"]["logprobs"])
-    assert (r["a"]["tokens"], r["a"]["logprobs"]) == (w["a"]["tokens"], w["a"]["logprobs"])
+    assert w["a_ref"]["cached"] == r["a"]["cached"] == 1280, (w["a_ref"], r["a"]["cached"])
+    assert (r["a"]["tokens"], r["a"]["logprobs"]) == (w["a_ref"]["tokens"], w["a_ref"]["logprobs"])
     assert totals["hit_tokens_remote"] >= 1024 and totals["fetch_ok"] >= 4
     assert not any(v for k, v in totals.items() if k.startswith("error_")), totals
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
