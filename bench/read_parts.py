@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(p, "rb") as f:
             while f.read(64 * MiB):
                 pass
-    head = os.path.getsize(paths[0]) - size
+    heads = [os.path.getsize(p) - size for p in paths]  # (a head holds its key: lengths vary)
     slab = mmap.mmap(-1, size * most)
     slab.write(b"\1" * (size * most))  # touched beforehand, as kvtier commits its slab
     view = memoryview(slab)
@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         fd = os.open(paths[i], os.O_RDONLY)
         try:
             if not crc:
-                os.preadv(fd, [slot], head)
+                os.preadv(fd, [slot], heads[i])
                 return 0
             value = 0
             for off in range(0, size, HASH_PIECE):
                 piece = slot[off : off + HASH_PIECE]
-                os.preadv(fd, [piece], head + off)
+                os.preadv(fd, [piece], heads[i] + off)
                 value = payload_crc32(piece, value)
             return value
         finally:

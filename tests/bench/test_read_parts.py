@@ -16,12 +16,13 @@ import read_parts  # noqa: E402
 
 
 def test_a_tiny_run_prints_a_row_per_length(capsys, tmp_path: Path) -> None:
-    rc = read_parts.main(["--tokens", "300", "1024", "--chunk-mib", "2", "--rounds", "1",
+    rc = read_parts.main(["--tokens", "300", "2816", "--chunk-mib", "1", "--rounds", "1",
                           "--dir", str(tmp_path)])  # fmt: skip
     assert rc == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.split() and line.split()[0].isdigit()]  # fmt: skip
-    assert [(r[0], r[1]) for r in rows] == [("300", "2"), ("1024", "4")]
+    # 11 chunks: keys ...-9 and ...-10, so heads of two lengths
+    assert [(r[0], r[1]) for r in rows] == [("300", "2"), ("2816", "11")]
     for r in rows:
         new, slots, crc, kvtier, crc_ratio, kvtier_ratio = map(float, r[2:])
         assert min(new, slots, crc, kvtier) > 0
