@@ -22,6 +22,7 @@ ms per run, median of ``--rounds``; the ratios are against ``into slots``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import statistics
@@ -53,12 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 1 or args.rounds < 1 or args.chunk_mib <= 0:
         ap.error("--threads and --rounds must be at least 1, --chunk-mib above 0")
+    with contextlib.ExitStack() as stack:  # on failure too: the tier closed, a temporary root gone
+        root = args.dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvtier-read-parts-"))  # fmt: skip
+        tier = FileTier(root, background_sweep=False)
+        stack.callback(tier.close)
+        return _time_reads(args, tier)
+
+
+def _time_reads(args: argparse.Namespace, tier: FileTier) -> int:
+    """Store the chunks in ``tier``, check that the reads land them, time and print them."""
     size = int(args.chunk_mib * MiB)
     most = max(-(-n // CHUNK_TOKENS) for n in args.tokens)
-    root = args.dir or tempfile.mkdtemp(prefix="kvtier-read-parts-")
-    tier = FileTier(root, background_sweep=False)
     keys = [f"read-parts-{size}-{i}" for i in range(most)]
-    print(f"storing {most} chunks of {args.chunk_mib:g} MiB in {root}", file=sys.stderr)
+    print(f"storing {most} chunks of {args.chunk_mib:g} MiB in {tier.root}", file=sys.stderr)
     crcs = []
     for key in keys:
         payload = os.urandom(size)
@@ -128,10 +137,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>7} {len(chunks):>6} " + " ".join(f"{med[w]:>11.2f}" for w in ways)
                   + f" {med['+ CRC-32'] / med['into slots']:>11.2f}"
                   f" {med['kvtier'] / med['+ CRC-32']:>12.2f}", flush=True)  # fmt: skip
-    tier.close()
-    if not args.dir:
-        for p in paths:
-            os.unlink(p)
     return 0
 
 
