@@ -28,7 +28,7 @@ demo: venv
 	$(VENV)/bin/kvtier demo
 
 lint: venv
-	$(VENV)/bin/ruff check kvtier connectors sizing cli tests bench
+	$(VENV)/bin/ruff check kvtier tests bench
 
 typecheck: venv
 	$(VENV)/bin/mypy

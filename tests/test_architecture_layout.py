@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvtier", "kvtier/host", "kvtier/objects", "kvtier/objects/tiers",
-            "connectors", "sizing", "cli", "bench")
+            "kvtier/connectors", "kvtier/sizing", "kvtier/cli", "bench")
 
 
 def layout_block() -> str:

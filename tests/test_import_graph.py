@@ -3,26 +3,20 @@
 A cycle hidden behind an import inside a function (or under ``TYPE_CHECKING``) still
 ties two modules together: neither can be read, moved or tested without the other,
 and the lazy import only postpones the failure to whichever order the first caller
-happens to use. This test parses every module of the installed packages (``kvtier``,
-and ``connectors/``, ``sizing/``, ``cli/`` installed as ``kvtier.connectors``,
-``kvtier.sizing``, ``kvtier.cli`` as pyproject's package-dir says), collects every
-import statement wherever it sits, and fails naming the cycle if one exists.
+happens to use. This test parses every module of the package (``kvtier/``, whose
+folders are its import paths), collects every import statement wherever it sits, and
+fails naming the cycle if one exists.
 """
 
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: package name -> its folder, as pyproject's [tool.setuptools] package-dir installs them
-PACKAGES = {
-    name: ROOT / folder
-    for name, folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
-        "setuptools"]["package-dir"].items()
-}
+#: package name -> its folder: one tree, the import path is the folder
+PACKAGES = {"kvtier": ROOT / "kvtier"}
 
 
 def module_files() -> dict[str, Path]:
@@ -32,8 +26,6 @@ def module_files() -> dict[str, Path]:
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            # a sub-folder of kvtier/ that is itself one of the mapped packages is not
-            # in kvtier/ (they are siblings on disk), so no name is claimed twice
             out[".".join([pkg, *parts])] = path
     return out
 

@@ -33,7 +33,7 @@ from tests.connectors.vllm_sources import (
 )
 
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-CONNECTOR = REPO / "connectors" / "vllm.py"
+CONNECTOR = REPO / "kvtier" / "connectors" / "vllm.py"
 #: newer releases than the CPU build in .venv, checked from their wheels
 RELEASES = ["0.33.0", "0.34.0"]
 _BASIC = {"take_events", "reset_cache", "request_finished", "build_connector_worker_meta",
@@ -156,7 +156,7 @@ def test_the_hooks_a_release_needs_answered_are_implemented(
 def test_every_vllm_import_of_the_connector_resolves(release: tuple[str, Sources]) -> None:
     version, src = release
     missing = []
-    for path in sorted((REPO / "connectors").glob("*.py")):
+    for path in sorted((REPO / "kvtier" / "connectors").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
                 assert node.module is not None

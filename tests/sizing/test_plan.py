@@ -20,7 +20,7 @@ from kvtier.sizing.plan import (
     warning,
 )
 
-SIZING = Path(__file__).resolve().parents[2] / "sizing"
+SIZING = Path(__file__).resolve().parents[2] / "kvtier" / "sizing"
 
 # Llama 3 8B per-layer tensors in bf16 and its whole checkpoint, by hand
 QKV, O_PROJ, GATE_UP, DOWN, NORM = 48 * MiB, 32 * MiB, 224 * MiB, 112 * MiB, 8192

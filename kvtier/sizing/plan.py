@@ -294,7 +294,7 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     )  # fmt: skip
     host_mem = int(inp.host_memory_gib * GiB) if inp.host_memory_gib is not None else None
     host_ok = None if host_total is None or host_mem is None else host_total <= host_mem
-    if host_ok is False:
+    if host_ok is False and host_total is not None:
         warns.append(warning("host-over-limit", (
             f"host needs {gib(host_total)} (offloaded weights {gib(result.host_bytes)} + host "
             f"tier {gib(tier_for_total)} per worker x TP {tp} + headroom "

@@ -170,7 +170,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     from kvtier.sizing.emit import shutdown_flags
 
-    ktc = {
+    ktc: dict[str, Any] = {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
