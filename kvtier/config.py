@@ -50,8 +50,16 @@ WRITE_POLICIES = ("write_through", "write_back", "none")
 #: settings that turn authentication or encryption on: an empty value is a mistake (an
 #: unset template variable, ``KVTIER_HMAC_KEY_ENV=""``), never a quiet way to switch it off
 SECURITY_KEYS = ("hmac_key_env", "hmac_key_file", "encryption_key_env", "encryption_key_file")
+#: every setting that names a key (the ones above and the rotation keys still accepted on
+#: read): written as JSON ``null`` (a template rendering an unset value) or as ``""`` it is
+#: refused, naming it; leaving the key out is how to run without it
+KEY_SETTINGS = (
+    *SECURITY_KEYS,
+    "hmac_verify_keys_env", "hmac_verify_keys_file",
+    "encryption_decrypt_keys_env", "encryption_decrypt_keys_file",
+)  # fmt: skip
 #: settings an empty ``KVTIER_<KEY>`` must not blank out when the JSON sets them
-_NO_EMPTY_OVERRIDE = (*SECURITY_KEYS, "namespace")
+_NO_EMPTY_OVERRIDE = (*KEY_SETTINGS, "namespace")
 
 
 def redact_value(key: object, value: object) -> object:
@@ -284,12 +292,13 @@ def load_config(
                 f"unset {ENV_PREFIX}{key.upper()}, or remove {key} from the config",
             )
         raw[key] = env_value
-    for key in SECURITY_KEYS:
-        if key in raw and isinstance(raw[key], str) and not raw[key].strip():
+    for key in KEY_SETTINGS:
+        if key in raw and (raw[key] is None or isinstance(raw[key], str) and not raw[key].strip()):
+            what = "null" if raw[key] is None else "empty"
             raise ConfigError(
                 key,
                 raw[key],
-                "a name (empty would turn it off silently); to run without it, leave it out",
+                f"a name ({what} would turn it off silently); to run without it, leave it out",
             )
     values = {key: _PARSERS[key](key, value) for key, value in raw.items()}
     weak = insecure_tls_args(values.get("remote_url") or "")
