@@ -63,6 +63,20 @@ class Namespace:
         ]
         return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
 
+    def generation(self) -> str:
+        """The generation this engine's chunks belong to (16 hex characters): the digest
+        of the namespace without rank, stage and layers, so every worker of one engine
+        (and every replica of the same model and settings) shares it, and any change that
+        makes old chunks useless (weights, dtypes, layout, ``namespace``) starts a new
+        one. Every object key names it (:func:`generation_key`): ``kvtier store`` counts
+        and deletes a generation by listing."""
+        fields = [
+            "kvtier-generation", self.layout_version, self.model, self.revision or "",
+            self.dtype, self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size,
+            self.namespace, self.pp_size, self.fingerprint,
+        ]
+        return hashlib.blake2b(msgpack.packb(fields), digest_size=8).hexdigest()
+
     def after_weight_change(self, salt: bytes) -> Namespace:
         """This namespace once the weights changed while the engine ran (``salt``: drawn at
         the change, :func:`after_weight_change`). Every process that follows a change (each
@@ -73,6 +87,15 @@ class Namespace:
 def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:
     """Key of the chunk whose last block has ``block_hash`` (hex, 40 chars)."""
     return hashlib.blake2b(block_hash, key=ns_digest, digest_size=20).hexdigest()
+
+
+#: what every object key of a generation starts with: ``gen-<16 hex>/``
+GENERATION_PREFIX = "gen-"
+
+
+def generation_key(generation: str, name: str) -> str:
+    """The object key of ``name`` (a chunk key, or ``manifest``) in ``generation``."""
+    return f"{GENERATION_PREFIX}{generation}/{name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +115,12 @@ class KeySpace:
     """
 
     digest: bytes
+    #: :meth:`Namespace.generation`, the prefix of every key ("": bare chunk keys)
+    generation: str = ""
 
     @classmethod
     def worker(cls, ns: Namespace, rank: int, stage: int) -> KeySpace:
-        return cls(ns.digest(0 if ns.replicated_kv else rank, stage))
+        return cls(ns.digest(0 if ns.replicated_kv else rank, stage), ns.generation())
 
     @staticmethod
     def writes(ns: Namespace, rank: int) -> bool:
@@ -103,7 +128,8 @@ class KeySpace:
         return rank == 0 or not ns.replicated_kv
 
     def key(self, block_hash: bytes) -> str:
-        return chunk_key(self.digest, block_hash)
+        key = chunk_key(self.digest, block_hash)
+        return generation_key(self.generation, key) if self.generation else key
 
 
 def after_weight_change(fingerprint: str, salt: bytes) -> str:

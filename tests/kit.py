@@ -40,8 +40,10 @@ def free_port() -> int:
 
 def chunk_files(root: Path) -> list[Path]:
     """The chunk objects a file:// tier holds: its own bookkeeping (the sweep lock, temp
-    files of writes in flight) is dot-named."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files of writes in flight) is dot-named, and a generation's manifest
+    (``gen-<id>/manifest``, quoted into one file name) is not a chunk."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+                  and not p.name.endswith("%2Fmanifest"))
 
 
 def xxh3_framed(

@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``size``, ``doctor``, ``bench``, ``demo``.
+"""The ``kvtier`` command line: ``size``, ``doctor``, ``bench``, ``demo``, ``store``.
 
 ``size`` and ``doctor`` (:mod:`kvtier.cli.size`, :mod:`kvtier.cli.doctor`) build their
 flags from the standard library alone and import the planner when they run; ``bench``
@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from kvtier import __version__
-from kvtier.cli import doctor, size
+from kvtier.cli import doctor, size, store
 
 DESCRIPTION = """\
 Tiered KV-cache offload for vLLM: a host-RAM tier and a shared object-store tier
@@ -28,6 +28,7 @@ COMMANDS = {
     "rate and TTFT",
     "demo": "Run a local vLLM engine with kvtier on a locally built model and show hits and "
     "TTFT saved",
+    "store": store.STORE_HELP,
 }
 
 
@@ -41,6 +42,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     size.add_parser(sub, COMMANDS["size"])
     doctor.add_parser(sub, COMMANDS["doctor"])
+    store.add_parser(sub, COMMANDS["store"])
 
     for name in ("bench", "demo"):
         p = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name] + ".")

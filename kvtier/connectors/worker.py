@@ -27,6 +27,7 @@ from kvtier.host.copiers import make_copier
 from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
 from kvtier.host.transfer import Copier
 from kvtier.keys import KeySpace, Namespace
+from kvtier.objects import manifest
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.ops import (
     DROPPED,
@@ -75,6 +76,7 @@ class WorkerSide:
         self.stage = 0
         self._remote_factory = remote_factory
         self.remote: RemoteIO | None = None
+        self.manifests: manifest.ManifestWriter | None = None  # rank 0: its generation's
         self.layout: SlotLayout | None = None
         self.slab: HostSlab | None = None
         self._kv: list[torch.Tensor] = []
@@ -147,6 +149,7 @@ class WorkerSide:
             logger.info("kvtier worker rank %d: %d object-tier I/O threads (io_threads: %s)",
                         rank, threads, self.cfg.io_threads)  # fmt: skip
             faster_thread_switches()
+            self.manifests = manifest.for_worker(self.remote, lambda: self.namespace, rank, stage)
             if self.remote.tier.reads_local and self.cfg.inline_read_ms:
                 self.inline_read_s = self.cfg.inline_read_ms / 1e3
                 logger.info("kvtier worker rank %d: %s tier on a local filesystem: a lookup's "
@@ -448,6 +451,8 @@ class WorkerSide:
             self.copier.close()
         if self.remote is None:
             return
+        if self.manifests is not None:  # last_seen once more, before the tier closes
+            self.manifests.close()
         left = self.remote.flush(self.cfg.shutdown_flush_s)
         if left:
             logger.warning(

@@ -1,0 +1,256 @@
+"""``kvtier store usage | gc | verify``: the shared tier by generation.
+
+The tier is opened as an engine opens it: the URL, and ``--config`` with the engines'
+``kv_connector_extra_config`` JSON (endpoint, keys, TLS); ``KVTIER_*`` variables apply
+as they do to an engine, except ``KVTIER_REMOTE_URL`` (the URL given here wins). Every
+bad input (a flag's value, a config, the tier's credentials, a signed tier without its
+key) is one line on stderr and exit status 2, before anything is deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+STORE_HELP = "Show, clean and check what the shared object tier holds, per generation"
+
+STORE_EPILOG = """\
+Every object key names its generation (gen-<id>/...): one per model identity and
+settings (weights, dtypes, layout, namespace, TP/PP size). Engines keep a manifest per
+generation (model, namespace, first and last seen) fresh every 60 s; chunks without a
+readable manifest are the generation "unknown".
+
+"Recently used" per backend: directory: the file's mtime (a hit refreshes it, at most
+once a minute); S3: LastModified, the last write (S3 records no reads); Redis: OBJECT
+IDLETIME (reads count)."""
+
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)", re.ASCII)
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``7d``, ``12h``, ``30m``, ``45s``, ``2w`` or a plain number of seconds."""
+    m = _DURATION_RE.fullmatch(text.strip().lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: a number with s, m, h, d or w (7d, 12h, 30m)"
+        )
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite duration")
+    return seconds
+
+
+def _size(text: str) -> int:
+    from kvtier.config_values import SIZE_HELP, parse_size
+    from kvtier.errors import ConfigError
+
+    try:
+        return parse_size("--max-bytes", text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: {SIZE_HELP}") from None
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_text: str) -> None:
+    """``kvtier store`` and its three commands under the ``kvtier`` command's subparsers."""
+    store = sub.add_parser("store", help=help_text, description=help_text + ".",
+                           epilog=STORE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    cmds = store.add_subparsers(dest="store_command", metavar="COMMAND", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("url", metavar="URL", help="the tier, as remote_url: file:///dir, "
+                       "s3://bucket/prefix, redis://host:port/db, redis+cluster://host:port/")
+        p.add_argument("--config", metavar="FILE", help="JSON file of the engines' "
+                       "kv_connector_extra_config (or a whole --kv-transfer-config): "
+                       "s3_endpoint_url, hmac/encryption key variables, TLS settings")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    u = cmds.add_parser("usage", help="bytes and chunks per generation, and the totals",
+                        description="Per generation: model, namespace, bytes as stored (what "
+                        "the backend bills), chunks, first and last seen; then the totals.")
+    common(u)
+    u.set_defaults(func=_usage)
+
+    g = cmds.add_parser("gc", help="delete dead generations, then LRU chunks over a budget",
+                        description="First delete every chunk and the manifest of generations "
+                        "not seen for --dead-after; then, with --max-bytes, the least recently "
+                        "used chunks of the rest until the total is at most SIZE. Safe beside "
+                        "running engines (a deleted chunk is a counted miss) and beside another "
+                        "gc.", epilog=STORE_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    common(g)
+    g.add_argument("--max-bytes", metavar="SIZE", type=_size,
+                   help="byte budget after gc: 500GiB, 2TB, or a byte count")
+    g.add_argument("--dead-after", metavar="DURATION", type=parse_duration,
+                   default=parse_duration("7d"),
+                   help="a generation whose manifest was last refreshed longer ago is dead "
+                   "(a chunk without one: its own last use); 7d, 12h, 30m (default 7d)")
+    g.add_argument("--dry-run", action="store_true", help="print what would be deleted; "
+                   "delete nothing")
+    g.set_defaults(func=_gc)
+
+    v = cmds.add_parser("verify", help="read chunks and check them with the configured keys",
+                        description="Read chunks (all, or --sample N at random) and check each "
+                        "as an engine would: frame, checksum, signature, decryption, its key, "
+                        "its layout; report the bad ones by kind.")
+    common(v)
+    v.add_argument("--sample", metavar="N", type=_count, help="check N chunks at random")
+    v.add_argument("--delete-bad", action="store_true", help="delete the chunks that fail")
+    v.set_defaults(func=_verify)
+
+
+class _Refused(Exception):
+    """A bad input: one line, exit status 2."""
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(tier, signer) for ``args.url`` and ``--config``, as an engine opens them."""
+    from kvtier.config import load_config
+    from kvtier.errors import KVTierError
+    from kvtier.objects import codec
+    from kvtier.objects.tiers import file_tier_root, open_tier
+    from kvtier.objects.tiers.file import FileTier
+
+    extra: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise _Refused(f"--config {args.config}: {exc}") from None
+        if isinstance(loaded, dict) and isinstance(loaded.get("kv_connector_extra_config"), dict):
+            loaded = loaded["kv_connector_extra_config"]
+        if not isinstance(loaded, dict):
+            raise _Refused(f"--config {args.config}: not a JSON object of kvtier settings")
+        extra = dict(loaded)
+    extra["remote_url"] = args.url
+    extra.pop("file_max_bytes", None)  # the engines' own bound; gc takes --max-bytes
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_REMOTE_URL"}
+    try:
+        cfg = load_config(extra, env)
+        signer = codec.Signer.from_config(cfg, env)
+        if (cfg.remote_url or "").startswith("file://"):
+            root = file_tier_root(cfg)
+            if not os.path.isdir(root):
+                raise _Refused(f"{args.url}: no such directory")
+            return FileTier(root, background_sweep=False), signer
+        return open_tier(cfg), signer
+    except KVTierError as exc:
+        raise _Refused(str(exc)) from None
+
+
+def _run(args: argparse.Namespace, what: str, body: Any) -> int:
+    from kvtier.errors import KVTierError
+
+    try:
+        tier, signer = _open(args)
+    except _Refused as exc:
+        print(f"kvtier store {what}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        body(tier, signer)
+    except KVTierError as exc:
+        print(f"kvtier store {what}: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tier.close()
+    return 0
+
+
+def _when(t: str | None) -> str:
+    return "-" if t is None else t.replace("T", " ").removesuffix(":00Z").rstrip("Z")
+
+
+def usage_table(doc: dict[str, Any]) -> str:
+    """``usage``'s JSON as the table printed on a terminal."""
+    from kvtier.config_values import format_size
+
+    rows = [["GENERATION", "MODEL", "NAMESPACE", "BYTES", "CHUNKS", "FIRST SEEN", "LAST SEEN"]]
+    for g in doc["generations"]:
+        rows.append([g["id"], g["model"] or "-", g["namespace"] or "-", format_size(g["bytes"]),
+                     str(g["chunks"]), _when(g["first_seen"]), _when(g["last_seen"])])
+    rows.append(["total", "", "", format_size(doc["total_bytes"]), str(doc["total_chunks"]),
+                 "", ""])  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i in (3, 4) else c.ljust(w) for i, (c, w) in
+                  enumerate(zip(r, widths, strict=True))).rstrip()
+        for r in rows
+    )  # fmt: skip
+
+
+def _usage(args: argparse.Namespace) -> int:
+    from kvtier.objects import store_admin
+
+    def body(tier: Any, signer: Any) -> None:
+        found = store_admin.usage(tier, signer, progress=store_admin.progress_printer())
+        doc = found.to_json()
+        if args.json:
+            print(json.dumps(doc, indent=2))
+            return
+        print(usage_table(doc))
+        for gen, kind in sorted(found.bad_manifests.items()):
+            print(f"manifest of {gen} does not verify ({kind}): its chunks are counted "
+                  "under unknown")  # fmt: skip
+
+    return _run(args, "usage", body)
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from kvtier.config_values import format_size
+    from kvtier.objects import store_admin
+
+    def body(tier: Any, signer: Any) -> None:
+        plan = store_admin.gc(tier, signer, dead_after_s=args.dead_after,
+                              max_bytes=args.max_bytes, dry_run=args.dry_run)  # fmt: skip
+        doc = plan.to_json()
+        if args.json:
+            print(json.dumps(doc, indent=2))
+            return
+        verb = "would delete" if args.dry_run else "deleted"
+        for row in doc["generations"]:
+            print(f"{verb} {row['chunks']} chunks ({format_size(row['bytes'])}) of "
+                  f"generation {row['id']} ({row['model'] or 'no manifest'}): "
+                  f"{'dead' if row['reason'] == 'dead' else 'least recently used'}")
+        print(f"{verb} {doc['deleted_chunks']} chunks, {format_size(doc['deleted_bytes'])}; "
+              f"{format_size(doc['total_bytes_after'])} left of "
+              f"{format_size(doc['total_bytes_before'])}")
+
+    return _run(args, "gc", body)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from kvtier.objects import store_admin
+
+    bad = False
+
+    def body(tier: Any, signer: Any) -> None:
+        nonlocal bad
+        report = store_admin.verify(tier, signer, sample=args.sample,
+                                    delete_bad=args.delete_bad, seed=int(time.time()))  # fmt: skip
+        doc = report.to_json()
+        bad = bool(report.bad)
+        if args.json:
+            print(json.dumps(doc, indent=2))
+            return
+        for key, kind in doc["bad_keys"].items():
+            print(f"bad ({kind}): {key}")
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(doc["by_kind"].items()))
+        print(f"checked {doc['checked']} objects: {doc['bad']} bad" + (f" ({kinds})" if kinds
+              else "") + (f"; {doc['deleted']} deleted" if args.delete_bad else ""))  # fmt: skip
+
+    rc = _run(args, "verify", body)
+    return rc if rc else (1 if bad else 0)

@@ -1,0 +1,235 @@
+"""Generation manifests: which model and settings a generation of chunks belongs to.
+
+Every object key names its generation (``gen-<id>/<chunk key>``,
+:meth:`kvtier.keys.Namespace.generation`); the generation's manifest is one more object,
+``gen-<id>/manifest``, framed and sealed like a chunk (:func:`kvtier.objects.codec.encode`:
+checksummed, signed and encrypted as the engine's keys say). It names the model,
+fingerprint, layout, namespace, kvtier version, writer host, and when the generation was
+first and last seen in use. ``kvtier store`` lists the keys, reads the manifests, and
+reports (or deletes) by generation: a generation whose ``last_seen`` is old is dead.
+
+One writer per engine: rank 0 of stage 0 (:class:`ManifestWriter`, started beside its
+object-tier I/O). It writes at start, every ``interval_s`` (60 s; ``kvtier store gc
+--dead-after`` must be much longer), when the engine's identity changes (a weight update
+starts a generation), and once at shutdown. A write keeps the earliest ``first_seen`` the
+stored manifest had, so several replicas of one model refresh one manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier import __version__
+from kvtier.errors import CodecError, TierError
+from kvtier.keys import Namespace, generation_key
+from kvtier.objects import codec
+from kvtier.objects.tiers.base import ObjectTier
+
+__all__ = ["MANIFEST", "MANIFEST_DTYPE", "Manifest", "ManifestWriter", "for_worker",
+           "manifest_key", "read_manifest", "write_manifest"]  # fmt: skip
+
+log = logging.getLogger("kvtier.manifest")
+
+#: the name of a generation's manifest object under ``gen-<id>/``
+MANIFEST = "manifest"
+#: the dtype a manifest's frame records: never a chunk's, so neither loads as the other
+MANIFEST_DTYPE = "kvtier-manifest"
+#: the most bytes a manifest may have (it holds a few hundred)
+MAX_MANIFEST = 64 * 1024
+#: how often a running engine refreshes ``last_seen``
+REFRESH_S = 60.0
+
+
+def manifest_key(generation: str) -> str:
+    return generation_key(generation, MANIFEST)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What ``kvtier store usage`` shows about a generation (times: Unix seconds)."""
+
+    id: str
+    model: str
+    revision: str
+    fingerprint: str
+    #: kvtier's chunk layout version and the digest of rank 0's layers (``Namespace.layers``)
+    layout: str
+    namespace: str
+    dtype: str
+    kv_cache_dtype: str
+    tp_size: int
+    pp_size: int
+    chunk_size: int
+    kvtier_version: str
+    first_seen: float
+    last_seen: float
+    host: str
+
+    @classmethod
+    def of(cls, ns: Namespace, now: float, first_seen: float | None = None) -> Manifest:
+        return cls(
+            id=ns.generation(), model=ns.model, revision=ns.revision or "",
+            fingerprint=ns.fingerprint, layout=f"v{ns.layout_version}:{ns.layers}",
+            namespace=ns.namespace, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
+            tp_size=ns.tp_size, pp_size=ns.pp_size, chunk_size=ns.chunk_size,
+            kvtier_version=__version__, first_seen=now if first_seen is None else first_seen,
+            last_seen=now, host=socket.gethostname(),
+        )  # fmt: skip
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> Manifest:
+        """Raises CodecError for anything but a manifest with every field of its type."""
+        try:
+            raw = json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError):
+            raise CodecError("manifest is not JSON") from None
+        if not isinstance(raw, dict):
+            raise CodecError("manifest is not a JSON object")
+        fields: dict[str, Any] = {}
+        for name, kind in _TYPES.items():
+            value = raw.get(name)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CodecError(f"manifest field {name!r} is missing or not a {kind.__name__}")
+            fields[name] = value
+        return cls(**fields)
+
+
+_TYPES: dict[str, type] = {
+    "id": str, "model": str, "revision": str, "fingerprint": str, "layout": str,
+    "namespace": str, "dtype": str, "kv_cache_dtype": str, "tp_size": int, "pp_size": int,
+    "chunk_size": int, "kvtier_version": str, "first_seen": float, "last_seen": float,
+    "host": str,
+}  # fmt: skip
+
+
+def read_manifest(
+    tier: ObjectTier, generation: str, signer: codec.Signer | None
+) -> Manifest | None:
+    """The stored manifest of ``generation``; None when there is none. Raises CodecError
+    (a subclass: checksum, signature, sealed) for one that does not verify, or names
+    another generation, and TierError when the tier fails."""
+    key = manifest_key(generation)
+    blob = tier.get(key, max_bytes=MAX_MANIFEST)
+    if blob is None:
+        return None
+    payload = codec.decode(blob, key=key, dtype=MANIFEST_DTYPE, signer=signer)
+    found = Manifest.from_bytes(payload)
+    if found.id != generation:
+        raise CodecError(f"manifest of generation {generation} names {found.id}")
+    return found
+
+
+def write_manifest(tier: ObjectTier, manifest: Manifest, signer: codec.Signer | None) -> None:
+    """Store ``manifest`` framed and sealed like a chunk (raises TierError)."""
+    key = manifest_key(manifest.id)
+    data = manifest.to_bytes()
+    tier.put(key, codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)],
+                               signer=signer))  # fmt: skip
+
+
+class ManifestWriter:
+    """Keeps this engine's generation manifest fresh from a daemon thread.
+
+    ``namespace`` is read at every refresh: after a weight update the engine's keys name
+    a new generation, whose manifest is written then (the old one keeps the last time it
+    was refreshed). Failures are logged, never raised: a manifest is bookkeeping, and
+    the next refresh tries again.
+    """
+
+    def __init__(
+        self,
+        tier: ObjectTier,
+        signer: codec.Signer | None,
+        namespace: Callable[[], Namespace],
+        *,
+        interval_s: float = REFRESH_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tier = tier
+        self.signer = signer
+        self.namespace = namespace
+        self.interval_s = interval_s
+        self.clock = clock
+        #: first_seen of each generation this writer wrote
+        self._first: dict[str, float] = {}
+        self.writes = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-manifest", daemon=True)
+
+    def start(self) -> ManifestWriter:
+        self._thread.start()
+        return self
+
+    def refresh(self) -> Manifest | None:
+        """Write the current generation's manifest now; None when it failed (logged)."""
+        with self._lock:
+            ns = self.namespace()
+            gen = ns.generation()
+            try:
+                first = self._first.get(gen)
+                if first is None:
+                    first = self._stored_first_seen(gen)
+                now = self.clock()
+                manifest = Manifest.of(ns, now, first_seen=min(first or now, now))
+                write_manifest(self.tier, manifest, self.signer)
+            except TierError as exc:
+                log.warning("kvtier: manifest of generation %s not written: %s", gen, exc)
+                return None
+            self._first[gen] = manifest.first_seen
+            self.writes += 1
+            return manifest
+
+    def _stored_first_seen(self, gen: str) -> float | None:
+        """The first_seen of the manifest another engine (or an earlier run) stored."""
+        try:
+            stored = read_manifest(self.tier, gen, self.signer)
+        except (TierError, CodecError):
+            return None  # unreadable or forged: written over with this engine's
+        return stored.first_seen if stored is not None else None
+
+    def _loop(self) -> None:
+        """Refresh every ``interval_s``, and at once when the generation changed (checked
+        every second: a digest of a few fields)."""
+        self.refresh()
+        last, gen = time.monotonic(), self.namespace().generation()
+        while not self._stop.wait(min(1.0, self.interval_s)):
+            now_gen = self.namespace().generation()
+            if now_gen != gen or time.monotonic() - last >= self.interval_s:
+                self.refresh()
+                last, gen = time.monotonic(), now_gen
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop refreshing and write ``last_seen`` once more, within ``timeout_s`` (a tier
+        that hangs must not hold the engine's shutdown)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        done = threading.Thread(target=self.refresh, name="kvtier-manifest-last", daemon=True)
+        done.start()
+        done.join(timeout_s)
+
+
+def for_worker(
+    remote: object, namespace: Callable[[], Namespace], rank: int, stage: int
+) -> ManifestWriter | None:
+    """The manifest writer of a worker's object-tier I/O: rank 0 of stage 0 writes for the
+    whole engine (every rank's keys name the same generation); None for the other
+    workers and for an I/O that is not kvtier's :class:`~kvtier.objects.remote.RemoteIO`."""
+    from kvtier.objects.remote import RemoteIO
+
+    if rank != 0 or stage != 0 or not isinstance(remote, RemoteIO):
+        return None
+    return ManifestWriter(remote.tier, remote.signer, namespace).start()
