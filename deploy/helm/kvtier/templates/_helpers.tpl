@@ -130,7 +130,7 @@ slab and its own share of the weight offload: from --tensor-parallel-size /
 --pipeline-parallel-size in vllm.extraArgs, otherwise gpu.count (at least 1).
 */}}
 {{- define "kvtier.workers" -}}
-{{- $args := .Values.vllm.extraArgs }}
+{{- $args := (concat (.Values.vllm.sizingArgs | default list) (.Values.vllm.extraArgs | default list)) }}
 {{- $tp := include "kvtier.argValue" (list $args "--tensor-parallel-size" "-tp") }}
 {{- $pp := include "kvtier.argValue" (list $args "--pipeline-parallel-size" "-pp") }}
 {{- range $flag, $v := dict "--tensor-parallel-size" $tp "--pipeline-parallel-size" $pp }}
@@ -165,7 +165,7 @@ slab and its own share of the weight offload: from --tensor-parallel-size /
 vllm.extraArgs; setting both is an error.
 */}}
 {{- define "kvtier.cpuOffloadGb" -}}
-{{- $fromArgs := include "kvtier.argValue" (list .Values.vllm.extraArgs "--cpu-offload-gb") }}
+{{- $fromArgs := include "kvtier.argValue" (list (concat (.Values.vllm.sizingArgs | default list) (.Values.vllm.extraArgs | default list)) "--cpu-offload-gb") }}
 {{- $v := .Values.weightOffload.cpuOffloadGb | default 0 }}
 {{- if and $fromArgs (gt (float64 $v) 0.0) }}
 {{- fail "--cpu-offload-gb is set twice: in weightOffload.cpuOffloadGb and in vllm.extraArgs; keep one" }}
@@ -280,9 +280,11 @@ vllm.env values.
 {{- include "kvtier.refuseCredentials" (list (printf "kvtier.extraConfig.%s" $key) $val) }}
 {{- end }}
 {{- end }}
-{{- range $i, $a := .Values.vllm.extraArgs }}
+{{- range $key := list "sizingArgs" "extraArgs" }}
+{{- range $i, $a := index $.Values.vllm $key | default list }}
 {{- if contains "://" (toString $a) }}
-{{- include "kvtier.refuseCredentials" (list (printf "vllm.extraArgs[%d]" $i) (regexReplaceAll "^--[a-zA-Z0-9-]+=" (toString $a) "")) }}
+{{- include "kvtier.refuseCredentials" (list (printf "vllm.%s[%d]" $key $i) (regexReplaceAll "^--[a-zA-Z0-9-]+=" (toString $a) "")) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- range .Values.vllm.env }}
@@ -470,7 +472,7 @@ vLLM's --shutdown-timeout as the pod runs it (vllm.extraArgs, else the chart's),
 Kubernetes must not cut short: terminationGracePeriodSeconds has to exceed it.
 */}}
 {{- define "kvtier.checkShutdown" -}}
-{{- $stop := include "kvtier.argValue" (list .Values.vllm.extraArgs "--shutdown-timeout") | default (include "kvtier.shutdownTimeout" .) }}
+{{- $stop := include "kvtier.argValue" (list (concat (.Values.vllm.sizingArgs | default list) (.Values.vllm.extraArgs | default list)) "--shutdown-timeout") | default (include "kvtier.shutdownTimeout" .) }}
 {{- if and $stop (le (int64 .Values.terminationGracePeriodSeconds) (add (int64 $stop) 5)) }}
 {{- fail (printf "terminationGracePeriodSeconds is %v but vLLM may take --shutdown-timeout %v s to stop (flushing kvtier's queued object-tier writes) plus its exit: set terminationGracePeriodSeconds above %v, or lower kvtier.extraConfig.shutdown_flush_s" .Values.terminationGracePeriodSeconds $stop (add (int64 $stop) 5)) }}
 {{- end }}
