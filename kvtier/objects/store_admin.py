@@ -12,7 +12,7 @@ this works by listing the backend, never by reading chunks (``verify`` alone rea
   none rewrites looks old), deleted with ``DeleteObjects`` in batches of 1,000;
 - Redis (one node, or every primary of a Redis Cluster): ``SCAN``; bytes are ``MEMORY
   USAGE`` (what the server spends on the key, ``STRLEN`` where MEMORY is not allowed),
-  last use ``OBJECT IDLETIME`` (reads count), deleted with ``UNLINK``.
+  last use ``OBJECT IDLETIME`` (reads count; listing does not), deleted with ``UNLINK``.
 
 Keys that are not kvtier's (another application's, in the same Redis or bucket) are never
 listed or touched. Chunks of bare keys (written before generations) and of generations
@@ -197,18 +197,25 @@ class RedisLister:
     def _measure(node: Any, keys: list[bytes]) -> list[tuple[str, int, float]]:
         if not keys:
             return []
+        # neither command touches the key (an engine's read does): listing twice keeps
+        # the order of last use
         pipe = node.pipeline(transaction=False)
         for k in keys:
-            pipe.execute_command("MEMORY", "USAGE", k, "SAMPLES", "0")
             pipe.execute_command("OBJECT", "IDLETIME", k)
-            pipe.strlen(k)
+            pipe.execute_command("MEMORY", "USAGE", k, "SAMPLES", "0")
         replies = pipe.execute(raise_on_error=False)
+        idles, sizes = replies[0::2], replies[1::2]
+        refused = [i for i, m in enumerate(sizes) if isinstance(m, Exception)]
+        if refused:  # MEMORY not allowed (an ACL): the value's length, which counts as a use
+            pipe = node.pipeline(transaction=False)
+            for i in refused:
+                pipe.strlen(keys[i])
+            for i, n in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+                sizes[i] = n
         out = []
-        for i, k in enumerate(keys):
-            mem, idle, length = replies[3 * i : 3 * i + 3]
-            if mem is None or isinstance(length, Exception):  # deleted meanwhile
-                continue
-            size = int(mem) if isinstance(mem, int) else int(length)
+        for k, idle, size in zip(keys, idles, sizes, strict=True):
+            if not isinstance(size, int) or isinstance(size, bool) or idle is None:
+                continue  # deleted meanwhile
             out.append((_text(k), size, float(idle) if isinstance(idle, int) else 0.0))
         return out
 

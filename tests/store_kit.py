@@ -1,0 +1,118 @@
+"""Shared-tier contents for the ``kvtier store`` tests: generations written by kvtier's
+own object-tier code (RemoteIO's uploads under a worker's KeySpace, the worker's
+ManifestWriter), and what each backend holds, read with its own client."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from kit import collect, payload
+
+from kvtier.config import load_config
+from kvtier.keys import KeySpace, Namespace
+from kvtier.objects.manifest import ManifestWriter
+from kvtier.objects.remote import RemoteIO
+from kvtier.ops import OpResult
+
+SHAPE = [2, 8, 64]
+DT = "bfloat16"
+CHUNKS_PER_PROMPT = 2
+
+NS = Namespace(model="org/tiny-a", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
+               block_size=16, chunk_size=64, tp_size=1, fingerprint="a" * 32,
+               layers="L0")  # fmt: skip
+#: the same model name with other weights: another generation
+NS_B = dataclasses.replace(NS, model="org/tiny-b", fingerprint="b" * 32)
+
+
+@dataclass
+class Engine:
+    """One engine's writes: its generation and each prompt's object keys."""
+
+    ns: Namespace
+    prompts: list[list[str]]
+
+    @property
+    def generation(self) -> str:
+        return self.ns.generation()
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for p in self.prompts for k in p]
+
+
+def write_engine(
+    extra: dict[str, Any],
+    ns: Namespace,
+    *,
+    prompts: int = 4,
+    seed: int = 0,
+    clock: Callable[[], float] = time.time,
+    between: Callable[[int], None] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Engine:
+    """Write ``prompts`` prompts of two chunks each as a rank-0 worker does (RemoteIO's
+    uploads under its KeySpace), with its manifest written at start and at the end by
+    ``clock``'s time; ``between(i)`` runs after prompt ``i`` was written."""
+    cfg = load_config(extra, environ={})
+    rio = RemoteIO.from_config(cfg, environ=environ or {})
+    space = KeySpace.worker(ns, 0, 0)
+    writer = ManifestWriter(rio.tier, rio.signer, lambda: ns, clock=clock)
+    assert writer.refresh() is not None
+    keys: list[list[str]] = []
+    op = 0
+    try:
+        for p in range(prompts):
+            prompt = []
+            for c in range(CHUNKS_PER_PROMPT):
+                key = space.key(os.urandom(16))
+                op += 1
+                assert rio.submit_put(op, key, payload(seed * 100 + p * 10 + c), dtype=DT,
+                                      shape=SHAPE)  # fmt: skip
+                prompt.append(key)
+            assert rio.flush(10.0) == 0
+            keys.append(prompt)
+            if between is not None:
+                between(p)
+        results = collect(rio, op)
+        assert all(r.ok for r in results.values()), results
+        writer.close()
+    finally:
+        rio.close()
+    return Engine(ns, keys)
+
+
+def hits(extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
+         ) -> list[bool]:  # fmt: skip
+    """Whether an engine's fetch of each key hits (RemoteIO: read and verified)."""
+    return [r.ok for r in fetch(extra, keys, environ)]
+
+
+def fetch(extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
+          ) -> list[OpResult]:  # fmt: skip
+    """An engine's fetch of each key (RemoteIO: read and verified): its results."""
+    rio = RemoteIO.from_config(load_config(extra, environ={}), environ=environ or {})
+    try:
+        for i, key in enumerate(keys):
+            rio.submit_get_into(i, key, memoryview(bytearray(len(payload()))), dtype=DT,
+                                shape=SHAPE)  # fmt: skip
+        got = collect(rio, len(keys))
+    finally:
+        rio.close()
+    return [got[i] for i in range(len(keys))]
+
+
+def file_objects(root: Path) -> dict[str, int]:
+    """key -> bytes of every object a directory tier holds (its files' sizes)."""
+    out = {}
+    for path in root.rglob("*"):
+        if path.is_file() and not path.name.startswith("."):
+            out[unquote(path.name)] = path.stat().st_size
+    return out
