@@ -2,7 +2,9 @@
 
 The tier is opened as an engine opens it: the URL, and ``--config`` with the engines'
 ``kv_connector_extra_config`` JSON (endpoint, keys, TLS); ``KVTIER_*`` variables apply
-as they do to an engine, except ``KVTIER_REMOTE_URL`` (the URL given here wins). Every
+as they do to an engine, except ``KVTIER_REMOTE_URL`` when a URL is given (it wins). Without
+a URL the tier is the engines' own (``KVTIER_REMOTE_URL``, else ``--config``'s
+``remote_url``): the chart's CronJob runs it so, with the engines' environment. Every
 bad input (a flag's value, a config, the tier's credentials, a signed tier without its
 key) is one line on stderr and exit status 2, before anything is deleted.
 """
@@ -71,8 +73,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     cmds = store.add_subparsers(dest="store_command", metavar="COMMAND", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("url", metavar="URL", help="the tier, as remote_url: file:///dir, "
-                       "s3://bucket/prefix, redis://host:port/db, redis+cluster://host:port/")
+        p.add_argument("url", metavar="URL", nargs="?",
+                       help="the tier, as remote_url: file:///dir, s3://bucket/prefix, "
+                       "redis://host:port/db, redis+cluster://host:port/; omitted: the "
+                       "engines' own (KVTIER_REMOTE_URL, else --config's remote_url)")
         p.add_argument("--config", metavar="FILE", help="JSON file of the engines' "
                        "kv_connector_extra_config (or a whole --kv-transfer-config): "
                        "s3_endpoint_url, hmac/encryption key variables, TLS settings")
@@ -136,16 +140,21 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
         if not isinstance(loaded, dict):
             raise _Refused(f"--config {args.config}: not a JSON object of kvtier settings")
         extra = dict(loaded)
-    extra["remote_url"] = args.url
+    env = dict(os.environ)
+    if args.url:  # the URL given here wins over the engines' override
+        extra["remote_url"] = args.url
+        env.pop("KVTIER_REMOTE_URL", None)
+    elif not (env.get("KVTIER_REMOTE_URL") or extra.get("remote_url")):
+        raise _Refused("no tier: give its URL, or --config with remote_url")
     extra.pop("file_max_bytes", None)  # the engines' own bound; gc takes --max-bytes
-    env = {k: v for k, v in os.environ.items() if k != "KVTIER_REMOTE_URL"}
+    env.pop("KVTIER_FILE_MAX_BYTES", None)
     try:
         cfg = load_config(extra, env)
         signer = codec.Signer.from_config(cfg, env)
         if (cfg.remote_url or "").startswith("file://"):
             root = file_tier_root(cfg)
             if not os.path.isdir(root):
-                raise _Refused(f"{args.url}: no such directory")
+                raise _Refused(f"{root}: no such directory")
             return FileTier(root, background_sweep=False), signer
         return open_tier(cfg), signer
     except KVTierError as exc:

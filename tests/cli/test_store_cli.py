@@ -160,3 +160,22 @@ def test_store_help_explains_every_flag() -> None:
     top = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--help"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "store" in top
+
+
+def test_without_a_url_the_tier_is_the_engines_own(two_generations, capsys, tmp_path,
+                                                    monkeypatch) -> None:  # fmt: skip
+    root, extra, a, b = two_generations
+    rc, _, err = run(capsys, "usage")
+    assert rc == 2 and "no tier" in err
+    config = tmp_path / "extra.json"
+    config.write_text(json.dumps({**extra, "file_max_bytes": "1GiB"}))
+    rc, out, _ = run(capsys, "usage", "--config", str(config), "--json")
+    assert rc == 0 and json.loads(out)["total_chunks"] == 16
+    # the engines' override wins over the config's remote_url, as in an engine
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("KVTIER_REMOTE_URL", f"file://{other}")
+    rc, out, _ = run(capsys, "usage", "--config", str(config), "--json")
+    assert rc == 0 and json.loads(out)["total_chunks"] == 0
+    rc, out, _ = run(capsys, "usage", f"file://{root}", "--json")  # a URL given wins
+    assert rc == 0 and json.loads(out)["total_chunks"] == 16
