@@ -3,11 +3,12 @@ a chunk, each KV cache group's blocks of it) and the host tier's bytes per worke
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import TYPE_CHECKING
 
 from kvtier.config import KVTierConfig, format_size
-from kvtier.host.layout import KVGroup, align_slot, slot_bytes_for
+from kvtier.host.layout import HostSlab, KVGroup, SlotLayout, align_slot, slot_bytes_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,19 +69,56 @@ def layer_page_bytes(kv_cache_config: KVCacheConfig, group_index: int = 0) -> li
 
 def resolve_host_bytes(cfg: KVTierConfig, vllm_config: VllmConfig, world_size: int) -> int:
     """Host tier bytes per worker: ``cpu_bytes`` is per worker (TP rank), like vLLM's
-    per-rank KV; "auto" splits what the planner finds free between the workers."""
-    from kvtier.sizing.autosize import resolve_cpu_bytes
+    per-rank KV; "auto" splits what the planner finds free between the workers.
 
+    An explicit size is not checked against the memory free here: the scheduler is built
+    after the workers allocated their slabs, so that memory is gone already. It was
+    checked before the workers started (:mod:`.startup`) and by each worker before it
+    allocated (:func:`allocate_slab`). "auto" is resolved here, with vLLM's KV cache
+    allocated and the slabs not yet (they are allocated on the first step, this size)."""
+    from kvtier.sizing.autosize import host_plan
+
+    if cfg.cpu_bytes != "auto":
+        return cfg.cpu_bytes
     offload = getattr(vllm_config, "offload_config", None)
     cpu_offload_gb = float(getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0.0) or 0.0)
     if not cpu_offload_gb:
         cpu_offload_gb = float(getattr(vllm_config.cache_config, "cpu_offload_gb", 0.0) or 0.0)
     model_dir = str(vllm_config.model_config.model)
-    requested = cfg.cpu_bytes if cfg.cpu_bytes == "auto" else cfg.cpu_bytes * world_size
-    total = resolve_cpu_bytes(
-        requested,
+    plan = host_plan(
         headroom_bytes=cfg.cpu_headroom_bytes,
         cpu_offload_gb=cpu_offload_gb * world_size,
         model_dir=model_dir if os.path.isdir(model_dir) else None,
+        workers=world_size,
     )
-    return int(total) // world_size
+    return plan.check("auto")
+
+
+def allocate_slab(
+    cfg: KVTierConfig, nbytes: int, layout: SlotLayout, *, pin: bool, commit: bool, rank: int
+) -> HostSlab:
+    """A worker's host slab of ``nbytes``, checked first against the memory this host has
+    left now (vLLM's KV cache and weights are in place, other workers' slabs may be): one
+    ConfigError naming ``cpu_bytes``, the plan and what would fit, never an allocation the
+    kernel refuses (a raw ``OSError: [Errno 12]`` from mmap) or an OOM kill while its pages
+    are committed. The kernel's refusal itself becomes the same ConfigError."""
+    from kvtier.errors import ConfigError
+    from kvtier.sizing.autosize import host_plan
+
+    given = cfg.cpu_bytes
+    plan = host_plan(headroom_bytes=cfg.cpu_headroom_bytes)
+    if nbytes > max(0, plan.largest_total):
+        raise ConfigError(
+            "cpu_bytes", given, f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
+            f"does not fit the memory left before it is allocated; {plan.text()}; "
+            f"{plan.fit_hint()}",
+        )  # fmt: skip
+    try:
+        return HostSlab(nbytes, layout, pin=pin, commit=commit)
+    except (OSError, MemoryError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.ENOMEM, errno.EAGAIN):
+            raise
+        raise ConfigError(
+            "cpu_bytes", given, f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
+            f"could not be allocated ({exc}); {plan.text()}; {plan.fit_hint()}",
+        ) from None  # fmt: skip

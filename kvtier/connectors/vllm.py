@@ -35,12 +35,14 @@ from kvtier.config import load_config, secret_in_config
 from kvtier.host.layout import KVGroup
 
 from .groups import Refused, describe, kv_groups, specs_of
-from .identity import check_parallel, follow_weight_changes, namespace_for, workers_on_node
+from .identity import check_parallel, namespace_for, workers_on_node
 from .metadata import KVTierMetadata
 from .probe import WorkerKeys
 from .scheduler import SchedulerSide
 from .shutdown import shutdown_window_warning
+from .startup import check_config_being_built
 from .stats import KVTierPromMetrics, KVTierStats
+from .weights import follow_weight_changes
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -161,6 +163,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         #: sleep mode (vLLM >= 0.33): the KV tensors' memory is unmapped until wake-up
         self._asleep = False
+        #: a weight change was followed and no step has been scheduled since
+        self._weights_change_open = False
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._kv_ptrs: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
@@ -392,6 +396,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        self._weights_change_open = False
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -414,12 +419,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
-    def _kvtier_weights_changed(self, method: str) -> None:
-        """The engine core ran ``method`` (``reload_weights``, ``update_weights``...) on
-        the workers: the weights changed (``identity.follow_weight_changes``). The host
-        tier is emptied and the object keys get a new identity before the next step."""
-        if self._scheduler is not None:
-            self._scheduler.weights_changed(method)
+    def _kvtier_weights_changed(self, why: str) -> None:
+        """The engine core ran ``why`` (``reload_weights``, ``apply_model(fn)``, an
+        extension's method, a function...) on the workers, which may have changed the
+        weights (:func:`kvtier.connectors.weights.follow_weight_changes`). The host tier
+        is emptied and the object keys get a new identity before the next step. Calls
+        with no step between them are one change (a trainer's sync sends one tensor per
+        call): nothing was stored or loaded in between."""
+        if self._scheduler is not None and not self._weights_change_open:
+            self._weights_change_open = True
+            self._scheduler.weights_changed(why)
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (and sleep mode, in vLLM >=
@@ -459,3 +468,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# vLLM 0.32 imports this module while it builds its config, before any engine process
+# starts: a config kvtier refuses stops startup there, once (kvtier.connectors.startup)
+check_config_being_built()

@@ -37,6 +37,7 @@ from kvtier.ops import (
     OpKind,
     OpResult,
     Put,
+    StoreOp,
     UploadOp,
     all_blocks,
     by_op,
@@ -44,6 +45,7 @@ from kvtier.ops import (
 from kvtier.stats import StatsRecorder
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta
+from .slots import allocate_slab
 
 if TYPE_CHECKING:
     from kvtier.objects.remote import RemoteIO
@@ -94,6 +96,11 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         #: the ids of this step's loads that failed (stores after them are not kept)
         self._failed_loads: set[int] = set()
+        #: this step's loads as submitted to the copier (trimmed to the blocks vLLM backs):
+        #: a failed one reports these blocks, never vLLM's null block
+        self._loads: dict[int, LoadOp] = {}
+        #: vLLM's null block id, from the step's metadata (None: not known)
+        self._null: int | None = None
         self._errors: dict[str, int] = {}
         self._keys: KeySpace | None = None  # set by register_kv_caches (rank and stage)
         #: the scheduler's count of weight changes this worker's keys follow (the step's
@@ -176,7 +183,8 @@ class WorkerSide:
         assert self.layout is not None, "register_kv_caches was not called"
         on_cuda = self._kv[0].device.type == "cuda"
         t0 = time.perf_counter()
-        self.slab = HostSlab(nbytes, self.layout, pin=on_cuda, commit=at_startup)
+        self.slab = allocate_slab(self.cfg, nbytes, self.layout, pin=on_cuda, commit=at_startup,
+                                  rank=self.rank)  # checked against the memory left first
         self.copier = make_copier(self._kv, self.layout, self.slab)
         logger.info(
             "kvtier worker rank %d: host slab %d bytes (pinned: %s, committed: %s) in %.1f s, %s",
@@ -207,12 +215,15 @@ class WorkerSide:
             return
         self._begun_step = meta.step
         self._failed_loads = set()
+        self._loads = {}
+        self._null = meta.null_block
         if meta.weights_epoch != self.weights_epoch:
             self._follow_weights(meta.weights_epoch, meta.weights_salt)
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
-        self._copied += self.copier.submit(meta.stores)  # copied by save_layer / poll
+        # copied by save_layer / poll; a store refused here is reported failed (wait_for_save)
+        self._copied += self.copier.submit(self._storable(meta))
         # the step's budget for reading lookups' chunks here (all of its runs together)
         inline_until = time.monotonic() + self.inline_read_s if self.inline_read_s else 0.0
         for run in meta.fetches:
@@ -240,25 +251,51 @@ class WorkerSide:
         self.begin_step(meta)
         assert self.copier is not None
         loads = self._backed_loads(meta)
-        if meta.fetches_now:
+        if any(op.fetch_op for op in loads):
             loads = self._fetched_loads(loads)
-        self._record_loads(meta, self.copier.submit(loads))
+        self._loads.update((op.op_id, op) for op in loads)
+        self._record_loads(self.copier.submit(loads))
+
+    def _storable(self, meta: KVTierMetadata) -> list[StoreOp]:
+        """The step's stores that may be copied: none whose blocks include vLLM's null
+        block. vLLM puts it in place of a sliding window's blocks once they leave the
+        window; a chunk stored with it holds zeros where its KV was, which a later hit
+        ending inside the chunk would load into a block it attends to. The scheduler
+        plans no such store (:meth:`.plans.Planner.plan_stores`); this is the worker's
+        own check on every store path. A refused store is reported failed."""
+        null = meta.null_block
+        if null is None:
+            return meta.stores
+        out: list[StoreOp] = []
+        for op in meta.stores:
+            if null in all_blocks(op):
+                logger.error("kvtier: a store of slot %d names vLLM's null block (blocks %s): "
+                             "not stored", op.slot, all_blocks(op))  # fmt: skip
+                continue
+            out.append(op)
+        return out
 
     def _fetched_loads(self, loads: list[LoadOp]) -> list[LoadOp]:
         """The loads that may copy their slots: a one-step lookup's (``LoadOp.fetch_op``)
         only once its fetch, read in this step, succeeded. Any other (a miss, a chunk that
-        failed its check, a read still running) copies nothing: its blocks go to vLLM as
-        load errors and are recomputed. Its fetch's own result counted the miss."""
+        failed its check, a read still running, a fetch this step did not carry) copies
+        nothing: its blocks go to vLLM as load errors and are recomputed. Its fetch's own
+        result counted the miss."""
         self._poll_remote()  # the fetches read in begin_step have reported
         out: list[LoadOp] = []
         for op in loads:
             if op.fetch_op and self._results.get(op.fetch_op) != [True]:
-                self._results[op.op_id] = [False]
-                self._failed_loads.add(op.op_id)
-                self._failed_blocks.update(all_blocks(op))
+                self._fail_load(op)
             else:
                 out.append(op)
         return out
+
+    def _fail_load(self, op: LoadOp) -> None:
+        """A load that copies nothing: reported failed, its blocks (those it was to write,
+        never vLLM's null block) to vLLM as load errors."""
+        self._results[op.op_id] = [False]
+        self._failed_loads.add(op.op_id)
+        self._failed_blocks.update(b for b in all_blocks(op) if b != self._null)
 
     def _backed_loads(self, meta: KVTierMetadata) -> list[LoadOp]:
         """The step's loads without the blocks vLLM backs with its null block.
@@ -266,7 +303,10 @@ class WorkerSide:
         With sliding-window layers (one ``SlidingWindowSpec`` group) vLLM gives a hit's
         blocks outside the window of its next token the null block: nothing reads them,
         so only the window is copied. They lead an op's blocks (the window is the end of
-        the hit); an op left with none is done without a copy."""
+        the hit); an op left with none is done without a copy. The trim keeps every other
+        field of the op (:meth:`LoadOp.without_lead`): a one-step lookup's load still
+        waits for its fetch. A load that would write the null block anywhere else (the
+        block every sliding-window table shares) copies nothing and fails."""
         null = meta.null_block
         if null is None:
             return meta.loads
@@ -281,22 +321,24 @@ class WorkerSide:
                 k += 1
             if k == len(blocks):
                 self._results[op.op_id] = [True]
-            elif k:
-                out.append(LoadOp(op.op_id, op.slot, op.first + k, blocks[k:]))
-            else:
-                out.append(op)
+                continue
+            op = op.without_lead(k)
+            if null in op.gpu_blocks:
+                logger.error("kvtier: a load of slot %d names vLLM's null block inside its "
+                             "blocks %s: not loaded", op.slot, op.gpu_blocks)  # fmt: skip
+                self._fail_load(op)
+                continue
+            out.append(op)
         return out
 
-    def _record_loads(self, meta: KVTierMetadata, results: list[OpResult]) -> None:
-        """Record load results; a failed load's blocks go to vLLM as load errors."""
-        if not results:
-            return
-        blocks = {op.op_id: op for op in meta.loads}
+    def _record_loads(self, results: list[OpResult]) -> None:
+        """Record load results; a failed load's blocks go to vLLM as load errors: the
+        blocks of the op as the copier got it (:attr:`_loads`, without vLLM's null block)."""
         for res in results:
             self._record(res)
             if not res.ok:
                 self._failed_loads.add(res.op_id)
-                op = blocks.get(res.op_id)
+                op = self._loads.get(res.op_id)
                 if op is None:
                     continue
                 if op.more:
@@ -305,7 +347,7 @@ class WorkerSide:
                     logger.error("kvtier: load of slot %d into a hybrid model's KV failed; "
                                  "vLLM cannot recompute per block with several KV cache "
                                  "groups", op.slot)
-                self._failed_blocks.update(all_blocks(op))
+                self._failed_blocks.update(b for b in all_blocks(op) if b != self._null)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Compute waits for this layer's loads only (no-op on the synchronous path)."""
@@ -328,7 +370,7 @@ class WorkerSide:
         # the step's copies, finished: slots read by its loads may be rewritten once
         # their results are reported
         done, self._copied = self._copied + copier.poll(), []
-        self._record_loads(meta, [r for r in done if r.kind is OpKind.LOAD])
+        self._record_loads([r for r in done if r.kind is OpKind.LOAD])
         saved = by_op(r for r in done if r.kind is OpKind.STORE)
         for op in meta.stores:
             res = saved.get(op.op_id) or OpResult(op.op_id, OpKind.STORE, False)

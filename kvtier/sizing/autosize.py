@@ -10,6 +10,7 @@ the engine OOM-killed later. Imports nothing heavy.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from kvtier.config import format_size, parse_size
 from kvtier.errors import ConfigError
@@ -169,6 +170,123 @@ def weight_offload_host_bytes(
     return (off.next_pow2(budget) if pin else budget), "upper bound from --cpu-offload-gb"
 
 
+@dataclass(frozen=True, slots=True)
+class HostPlan:
+    """The host-memory plan kvtier's host tier is checked against, in bytes for the whole
+    host (every worker): what is available now, less what vLLM will still take of it
+    (weight offload; on the CPU build its own KV cache and weights), less the headroom.
+    The same plan refuses a ``cpu_bytes`` before the workers start, in a worker before it
+    allocates its slab, and in ``kvtier size``."""
+
+    available: int
+    headroom: int
+    offload: int = 0
+    offload_how: str = "no weight offload"
+    pinned: bool = False
+    #: host memory vLLM itself takes after this check (the CPU build's KV cache and
+    #: weights, :func:`vllm_cpu_host_bytes`), and how it was counted
+    vllm: int = 0
+    vllm_how: str = ""
+    #: the workers (TP x PP ranks) whose host tiers share this memory
+    workers: int = 1
+
+    @property
+    def largest_total(self) -> int:
+        return self.available - self.offload - self.vllm - self.headroom
+
+    @property
+    def largest_per_worker(self) -> int:
+        """The largest ``cpu_bytes`` (per worker) that fits: 0 when nothing does."""
+        return max(0, self.largest_total) // max(1, self.workers)
+
+    def text(self) -> str:
+        vllm = (f" - vLLM's own host memory {format_size(self.vllm)} ({self.vllm_how})"
+                if self.vllm or self.vllm_how else "")
+        pinned = ", pinned" if self.pinned and self.offload else ""
+        per = f"; {format_size(self.largest_per_worker)} per worker x {self.workers}" \
+            if self.workers > 1 else ""
+        return (
+            f"plan: available host memory {format_size(self.available)} - weight offload "
+            f"host bytes {format_size(self.offload)} ({self.offload_how}{pinned}){vllm} - "
+            f"headroom {format_size(self.headroom)} = {format_size(self.largest_total)}{per}"
+        )
+
+    def fit_hint(self) -> str:
+        most = self.largest_per_worker
+        return f"the largest cpu_bytes that fits is {most} ({format_size(most)})"
+
+    def check(self, cpu_bytes: int | str, *, given: object = None) -> int:
+        """``cpu_bytes`` per worker (an int, a size string or "auto") resolved against the
+        plan; a ConfigError naming ``cpu_bytes``, the plan and what would fit otherwise."""
+        shown = cpu_bytes if given is None else given
+        if isinstance(cpu_bytes, str) and cpu_bytes.strip().lower() == "auto":
+            if self.largest_per_worker <= 0:
+                raise ConfigError(
+                    "cpu_bytes", shown, f"no host memory left for the host tier; {self.text()}. "
+                    "Lower cpu_headroom_bytes, --cpu-offload-gb or vLLM's own KV cache "
+                    "(VLLM_CPU_KVCACHE_SPACE on the CPU build), or add memory.",
+                )  # fmt: skip
+            return self.largest_per_worker
+        value = parse_size("cpu_bytes", cpu_bytes)
+        if value * self.workers > max(0, self.largest_total):
+            raise ConfigError("cpu_bytes", shown, f"does not fit; {self.text()}; {self.fit_hint()}")
+        return value
+
+
+def vllm_cpu_host_bytes(
+    kv_space_bytes: int | None, weight_bytes: int | None, *, total_memory: int,
+    memory_utilization: float,
+) -> tuple[int, str]:
+    """Host memory one worker of vLLM's CPU build takes for itself, and how it was counted.
+
+    ``kv_space_bytes``: its KV cache when sized explicitly (``VLLM_CPU_KVCACHE_SPACE``
+    GiB, or ``--kv-cache-memory-bytes``); then the worker holds that plus the weights.
+    None: vLLM 0.32's CPU worker sizes its KV cache itself, to ``--gpu-memory-utilization``
+    (0.92 by default) of the node's memory less what the worker already holds (weights
+    included): the worker grows to that share of ``total_memory``."""
+    weights = weight_bytes or 0
+    unknown = "" if weight_bytes is not None else ", weights unknown"
+    if kv_space_bytes is not None:
+        return kv_space_bytes + weights, (
+            f"CPU build: KV cache {format_size(kv_space_bytes)} (VLLM_CPU_KVCACHE_SPACE) + "
+            f"weights {format_size(weights)}{unknown}"
+        )
+    share = int(total_memory * memory_utilization)
+    return share, (
+        f"CPU build: VLLM_CPU_KVCACHE_SPACE unset, so vLLM sizes its KV cache to "
+        f"{memory_utilization:g} (--gpu-memory-utilization) of {format_size(total_memory)}; "
+        "set VLLM_CPU_KVCACHE_SPACE (GiB) to leave room for the host tier"
+    )
+
+
+def host_plan(
+    *,
+    headroom_bytes: int,
+    cpu_offload_gb: float = 0.0,
+    offload_params: set[str] | None = None,
+    disable_pin_memory: bool | None = None,
+    mem_available_bytes: int | None = None,
+    model_dir: str | None = None,
+    vllm_host_bytes: int = 0,
+    vllm_host_how: str = "",
+    workers: int = 1,
+) -> HostPlan:
+    """The :class:`HostPlan` of this host now. ``cpu_offload_gb`` is the whole host's
+    (per worker x workers); ``vllm_host_bytes`` too."""
+    available = mem_available_bytes if mem_available_bytes is not None else _available()
+    try:
+        pin = off.resolve_pin(disable_pin_memory)
+    except ValueError as e:
+        raise ConfigError(off.PIN_ENV, os.environ.get(off.PIN_ENV), str(e)) from None
+    offload, how = weight_offload_host_bytes(
+        cpu_offload_gb, offload_params, pin=pin, model_dir=model_dir
+    )
+    return HostPlan(
+        available=available, headroom=headroom_bytes, offload=offload, offload_how=how,
+        pinned=pin, vllm=vllm_host_bytes, vllm_how=vllm_host_how, workers=max(1, workers),
+    )  # fmt: skip
+
+
 def resolve_cpu_bytes(
     requested: int | str,
     *,
@@ -179,39 +297,18 @@ def resolve_cpu_bytes(
     mem_available_bytes: int | None = None,
     model_dir: str | None = None,
 ) -> int:
-    """The host-tier size in bytes for ``cpu_bytes`` (an int, a size string or ``"auto"``).
+    """The host-tier size in bytes for ``cpu_bytes`` (an int, a size string or ``"auto"``)
+    on the whole host (one worker's plan).
 
     ``offload_params`` are the UVA selectors (vLLM's ``cpu_offload_params``).
     ``disable_pin_memory`` None reads VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY as vLLM does.
     """
-    available = mem_available_bytes if mem_available_bytes is not None else _available()
-    try:
-        pin = off.resolve_pin(disable_pin_memory)
-    except ValueError as e:
-        raise ConfigError(off.PIN_ENV, os.environ.get(off.PIN_ENV), str(e)) from None
-    offload, how = weight_offload_host_bytes(
-        cpu_offload_gb, offload_params, pin=pin, model_dir=model_dir
-    )
-    largest = available - offload - headroom_bytes
-    plan = (
-        f"plan: available host memory {format_size(available)} - weight offload host bytes "
-        f"{format_size(offload)} ({how}{', pinned' if pin and offload else ''}) - headroom "
-        f"{format_size(headroom_bytes)} = {format_size(largest)}"
-    )
-    auto = isinstance(requested, str) and requested.strip().lower() == "auto"
-    if auto:
-        if largest <= 0:
-            raise ConfigError(
-                "cpu_bytes", "auto", f"no host memory left for the host tier; {plan}. "
-                "Lower cpu_headroom_bytes or --cpu-offload-gb, or add memory.",
-            )  # fmt: skip
-        return largest
-    value = parse_size("cpu_bytes", requested)
-    if value + offload + headroom_bytes > available:
-        most = max(largest, 0)
-        fit = f"the largest cpu_bytes that fits is {most} ({format_size(most)})"
-        raise ConfigError("cpu_bytes", requested, f"does not fit; {plan}; {fit}")
-    return value
+    plan = host_plan(
+        headroom_bytes=headroom_bytes, cpu_offload_gb=cpu_offload_gb,
+        offload_params=offload_params, disable_pin_memory=disable_pin_memory,
+        mem_available_bytes=mem_available_bytes, model_dir=model_dir,
+    )  # fmt: skip
+    return plan.check(requested)
 
 
 def _available() -> int:
