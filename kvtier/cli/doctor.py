@@ -11,7 +11,10 @@ from kvtier.cli.plan_flags import add_plan_args, plan_inputs
 
 DOCTOR_EPILOG = """\
 vLLM logs the UVA offload in GiB and the prefetch offload in GB; both are shown as
-printed and converted. Warning codes are the same as `kvtier size`."""
+printed and converted. Warning codes are the same as `kvtier size`, plus
+host-out-of-memory, gpu-out-of-memory, worker-killed and worker-died from the log.
+Exit status: 0 no warning, 1 warnings, 2 no log (a terminal on stdin), a log that
+cannot be read, or input with no vLLM log line."""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_text: str) -> None:
@@ -23,20 +26,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     doc.add_argument("--pid", type=int, help="vLLM process to read VmRSS/RssShmem from")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
     add_plan_args(doc, model_required=False)
-    doc.set_defaults(func=_doctor)
+    doc.set_defaults(func=_doctor, parser=doc)
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from kvtier.sizing import doctor
 
+    if args.log is None and sys.stdin.isatty():
+        # nothing piped in: say how to use it rather than wait on the terminal
+        args.parser.print_help()
+        return 2
+    name = "stdin" if args.log in (None, "-") else args.log
     try:
         if args.log in (None, "-"):
             facts = doctor.parse_log(sys.stdin)
         else:
             with open(args.log, encoding="utf-8", errors="replace") as f:
                 facts = doctor.parse_log(f)
-    except OSError as e:
-        print(f"kvtier doctor: error: {e}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"kvtier doctor: error: cannot read {name}: {e}", file=sys.stderr)
+        return 2
+    if not doctor.read_anything(facts):
+        print(f"kvtier doctor: error: {name} holds no vLLM log line (none in vLLM's "
+              "'INFO MM-DD hh:mm:ss [file.py:N]' form, no memory or process error): "
+              "pass the server's log", file=sys.stderr)  # fmt: skip
         return 2
     proc = None
     if args.pid is not None:

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvtier.config import redact_value
-from kvtier.errors import is_secret_name, redact_text
+from kvtier.config_values import parse_size
+from kvtier.errors import ConfigError, is_secret_name, redact_text
 from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 
 GB = 10**9
@@ -46,6 +47,34 @@ _KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queu
 _NUM_IN_GROUP = re.compile(
     r"offload_num_in_group \((\d+)\) must be <= offload_group_size \((\d+)\)"
 )
+#: the host ran out of memory: an allocation refused (kvtier's mmap, torch, numpy) or the
+#: kernel's OOM killer at work (its dmesg lines, when those are in the file too)
+_HOST_OOM = re.compile(
+    r"Cannot allocate memory|\bMemoryError\b|std::bad_alloc|Out of memory: Kill|oom-kill|"
+    r"invoked oom-killer|oom_reaper"
+)
+_GPU_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
+#: a vLLM process that died: vLLM 0.32's executor ("Worker proc VllmWorker-0 died
+#: unexpectedly (exit code: None)", None when the process was gone before vLLM could read
+#: its status, as after SIGKILL), its engine-core monitor ("Engine core initialization
+#: failed. ... Failed core proc(s): {'EngineCore_DP0': -9}", "Process EngineCore_DP0
+#: (PID: 7) died with exit code -9", "engine core exited unexpectedly")
+_DIED = re.compile(
+    r"died unexpectedly|died with exit code|exited unexpectedly|"
+    r"Engine core initialization failed"
+)
+_EXIT_CODE = re.compile(r"exit code:? (-?\d+|None)|'\w+': (-?\d+)")
+#: killed for certain: SIGKILL named, or a shell's "Killed", or the kernel's own line
+_SIGKILL = re.compile(
+    r"\bsignal 9\b|\bSIGKILL\b|^Killed\b|: Killed\b|\b\d+ Killed\s|Killed process \d+"
+)
+#: an error a worker logged itself (a traceback of its own): its death was not a kill
+_WORKER_ERROR = re.compile(r"\((?:Worker|VllmWorker)[^)]*\) ERROR ")
+#: a line in vLLM's log format ("INFO 11-22 09:00:00 [file.py:12] ..."), with or without
+#: the "(APIServer pid=1)" prefix: what tells a vLLM log from other input
+_VLLM_LINE = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d")
+#: the most lines of one kind a report quotes
+_QUOTED = 3
 _BOTH_SET = "Both UVA and prefetch offload fields are set"
 _UVA_IGNORED = "UVA offload fields are set but offload_backend='prefetch'"
 _PREFETCH_IGNORED = "Prefetch offload fields are set but offload_backend='uva'"
@@ -142,9 +171,24 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         "max_model_len": None, "max_concurrency": None, "connector": None,
         "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
         "offload_validation_error": None, "kvtier_shutdown": None,
+        "host_oom": [], "gpu_oom": [], "died": [], "exit_codes": [], "sigkill": False,
+        "worker_error": False, "vllm_lines": 0,
     }  # fmt: skip
     for line in lines:
         line = line.rstrip("\n")
+        if _VLLM_LINE.search(line):
+            facts["vllm_lines"] += 1
+        for key, rx in (("host_oom", _HOST_OOM), ("gpu_oom", _GPU_OOM), ("died", _DIED)):
+            if rx.search(line) and len(facts[key]) < _QUOTED:
+                facts[key].append(safe_error(line.strip())[:300])
+        if _DIED.search(line):
+            facts["exit_codes"] += [a or b for a, b in _EXIT_CODE.findall(line)]
+        if _SIGKILL.search(line.strip()):
+            facts["sigkill"] = True
+            if len(facts["died"]) < _QUOTED and not _DIED.search(line):
+                facts["died"].append(safe_error(line.strip())[:300])
+        if _WORKER_ERROR.search(line):
+            facts["worker_error"] = True
         if facts["vllm_version"] is None:
             for rx in _VERSION:
                 if m := rx.search(line):
@@ -196,6 +240,13 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         if m := _NUM_IN_GROUP.search(line):
             facts["offload_validation_error"] = (int(m.group(1)), int(m.group(2)))
     return facts
+
+
+def read_anything(facts: dict[str, Any]) -> bool:
+    """Whether the input was a log the doctor can speak about: some line in vLLM's log
+    form, or a memory or process error (a container's output without vLLM's logger)."""
+    return bool(facts["vllm_lines"] or facts["host_oom"] or facts["gpu_oom"] or facts["died"]
+                or facts["sigkill"] or facts["kvtier_errors"] or facts["vllm_version"])
 
 
 def read_proc_status(pid: int) -> dict[str, int]:
@@ -274,6 +325,7 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
             "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it).")))
     if facts["kvtier_shutdown"]:
         w.append(warning("shutdown-loses-queued-writes", facts["kvtier_shutdown"]))
+    w += _memory_warnings(facts)
     if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
         w.append(warning("offload-params-ignored", (
             f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; prefetch "
@@ -281,16 +333,67 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
     return w
 
 
+def _memory_warnings(facts: dict[str, Any]) -> list[dict[str, str]]:
+    """Out of memory and killed processes: the engine stopped, and the log's last lines
+    (a traceback of the API server) rarely say why."""
+    w: list[dict[str, str]] = []
+    host_hint = (
+        "Host RAM must hold vLLM itself, its CPU KV cache (VLLM_CPU_KVCACHE_SPACE on the CPU "
+        "build) and kvtier's host tier (cpu_bytes per worker, plus cpu_headroom_bytes): lower "
+        "cpu_bytes or VLLM_CPU_KVCACHE_SPACE, or run `kvtier size --host-memory GiB` for a "
+        "plan that fits.")
+    if facts["host_oom"]:
+        w.append(warning("host-out-of-memory", (
+            f"the host ran out of memory: {facts['host_oom'][0]!r}. " + host_hint)))
+    if facts["gpu_oom"]:
+        w.append(warning("gpu-out-of-memory", (
+            f"the GPU ran out of memory: {facts['gpu_oom'][0]!r}. Lower "
+            "--gpu-memory-utilization, --max-model-len or --max-num-seqs, or offload weights "
+            "(`kvtier size` plans them).")))
+    codes = facts["exit_codes"]
+    # -9 is SIGKILL; None: the process was gone before vLLM read its status, which is how a
+    # SIGKILLed worker shows in vLLM 0.32, unless the worker logged an error of its own
+    killed = facts["sigkill"] or "-9" in codes or (
+        facts["died"] and not facts["worker_error"]
+        and any(c == "None" or c.startswith("-") for c in codes))
+    if killed:
+        w.append(warning("worker-killed", (
+            f"a vLLM process was killed: {(facts['died'] or ['-'])[0]!r} (exit code "
+            f"{', '.join(dict.fromkeys(codes)) or 'not logged'}). Exit code -9 is SIGKILL, and "
+            "None a process gone before vLLM could read how it ended, with no error of its "
+            "own in the log: nothing in vLLM or kvtier kills its workers; the kernel's OOM "
+            "killer does when the host runs out of memory (see `dmesg`, or the container's "
+            "OOMKilled status). " + host_hint)))
+    elif facts["died"]:
+        w.append(warning("worker-died", (
+            f"a vLLM process died: {facts['died'][0]!r}; the error logged before it is the "
+            "cause.")))
+    return w
+
+
+def config_cpu_bytes(cfg: object) -> int | None:
+    """The logged ``cpu_bytes`` in bytes, read with kvtier's own size parser ("2GiB",
+    "512MiB", a byte count); None for "auto" or a value kvtier would refuse."""
+    value = cfg.get("cpu_bytes") if isinstance(cfg, dict) else None
+    if value is None or value == "auto":
+        return None
+    try:
+        return parse_size("cpu_bytes", value)
+    except ConfigError:
+        return None
+
+
 def expected_host_bytes(facts: dict[str, Any], plan: dict[str, Any] | None) -> int | None:
     """Host RAM one worker should hold for offloaded weights + the kvtier slab, per the plan.
 
-    The slab is the ``cpu_bytes`` kvtier logged when it is a number, else the plan's tier.
+    The slab is the ``cpu_bytes`` kvtier logged (a byte count or a size string such as
+    "2GiB"), else the plan's tier.
     """
     if plan is None:
         return None
-    cfg = facts.get("kvtier_config") or {}
-    slab = cfg.get("cpu_bytes") if isinstance(cfg, dict) else None
-    if not isinstance(slab, int):
+    slab = config_cpu_bytes(facts.get("kvtier_config") or facts["args"].get(
+        "kv_connector_extra_config"))
+    if slab is None:
         slab = plan["host_tier_bytes"] or 0
     return int(plan["weight_offload_host_bytes"]) + slab
 

