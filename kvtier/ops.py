@@ -19,7 +19,7 @@ the workers. The worker turns a fetch or an upload into what RemoteIO moves
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import ClassVar, Protocol, TypeVar
 
@@ -48,6 +48,17 @@ class LoadOp:
     #: load copies it only once that fetch succeeded, else its blocks are load errors.
     #: 0: the slot already holds the chunk
     fetch_op: int = 0
+
+    def without_lead(self, k: int) -> LoadOp:
+        """This load less its first ``k`` blocks (vLLM's null blocks before a sliding
+        window, which nothing reads). Every other field is kept as it is, the fetch the
+        copy waits for (``fetch_op``) first of all: a trimmed load is checked as the whole
+        one would have been. One group only (a hybrid load's groups are planned apart)."""
+        if self.more:
+            raise ValueError("a hybrid model's load is planned per group, never trimmed")
+        if not 0 <= k <= len(self.gpu_blocks):
+            raise ValueError(f"cannot trim {k} of {len(self.gpu_blocks)} blocks")
+        return replace(self, first=self.first + k, gpu_blocks=self.gpu_blocks[k:])
 
 
 @dataclass(slots=True)

@@ -202,14 +202,22 @@ class Planner:
         return parts
 
     def _store_parts(self, blocks: tuple[list[int], ...], c: int) -> list[list[int]] | None:
-        """Hybrid: each group's blocks of chunk ``c`` its region stores (a sliding-window
-        group's last ones), or None when vLLM already dropped one of them (null block):
-        the chunk is not stored rather than stored with a hole."""
+        """Each group's blocks of chunk ``c`` its region of the slot stores (one group: the
+        whole chunk; a hybrid model's sliding-window group: the chunk's last ones), or
+        None when vLLM already dropped one of them: the chunk is not stored rather than
+        stored with a hole.
+
+        vLLM puts its null block (all zeros) in place of a sliding window's blocks once
+        they leave the window: on a model whose only group is sliding-window attention as
+        on a hybrid one, and whether the chunk completes in a prefill split off a block
+        boundary, in a decode step, or after vLLM's own prefix cache served its start. A
+        chunk stored with it would load zeros into a block a later hit attends to."""
         bpc = self.blocks_per_chunk
+        sizes = [g.blocks for g in self.groups] or [bpc]
         parts: list[list[int]] = []
-        for g, group in enumerate(self.groups):
-            part = list(blocks[g][(c + 1) * bpc - group.blocks : (c + 1) * bpc])
-            if len(part) != group.blocks or self.null_block in part:
+        for g, n in enumerate(sizes):
+            part = list(blocks[g][(c + 1) * bpc - n : (c + 1) * bpc])
+            if len(part) != n or self.null_block in part:
                 return None
             parts.append(part)
         return parts
@@ -241,8 +249,8 @@ class Planner:
                 # lookup's chunk, held by its load: the fetch fills the slot)
                 self.index.touch(key)
                 continue
-            parts = self._store_parts(blocks, c) if self.groups else None
-            if self.groups and parts is None:
+            parts = self._store_parts(blocks, c)
+            if parts is None:
                 self.totals["stores_window_gone"] += 1
                 continue
             if held is not None:
@@ -264,13 +272,8 @@ class Planner:
             elif self.write_through:
                 self.index.hold(entry)  # until the upload is reported
                 upload_id = self.ledger.add(OpKind.UPLOAD, entry)
-            after = tuple(st.step_loads)
-            if parts is None:
-                op = StoreOp(op_id, entry.slot, list(blocks[0][c * bpc : (c + 1) * bpc]),
-                             st.chunk_hashes[c], upload_id, after_loads=after)
-            else:
-                op = StoreOp(op_id, entry.slot, parts[0], st.chunk_hashes[c], upload_id,
-                             more=tuple(parts[1:]), after_loads=after)
+            op = StoreOp(op_id, entry.slot, parts[0], st.chunk_hashes[c], upload_id,
+                         more=tuple(parts[1:]), after_loads=tuple(st.step_loads))
             out.append(op)
             self.ledger.add(OpKind.STORE, entry, nbytes=self.slot_bytes, op_id=op_id)
         st.next_store = n_complete
