@@ -58,7 +58,7 @@ def cluster() -> Iterator[RedisCluster]:
         c.start()
         yield c
     finally:
-        c.stop()
+        c.cleanup()
 
 
 def _redis_objects(clients: list[redis.Redis]) -> Callable[[], dict[str, int]]:
