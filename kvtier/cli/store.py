@@ -205,7 +205,10 @@ def _usage(args: argparse.Namespace) -> int:
     from kvtier.objects import store_admin
 
     def body(tier: Any, signer: Any) -> None:
-        found = store_admin.usage(tier, signer, progress=store_admin.progress_printer())
+        shown = store_admin.progress_printer()
+        found = store_admin.usage(tier, signer, progress=shown)
+        if shown is not None:
+            shown(0)
         doc = found.to_json()
         if args.json:
             print(json.dumps(doc, indent=2))
@@ -223,8 +226,12 @@ def _gc(args: argparse.Namespace) -> int:
     from kvtier.objects import store_admin
 
     def body(tier: Any, signer: Any) -> None:
+        shown = store_admin.progress_printer()
         plan = store_admin.gc(tier, signer, dead_after_s=args.dead_after,
-                              max_bytes=args.max_bytes, dry_run=args.dry_run)  # fmt: skip
+                              max_bytes=args.max_bytes, dry_run=args.dry_run,
+                              progress=shown)  # fmt: skip
+        if shown is not None:
+            shown(0)
         doc = plan.to_json()
         if args.json:
             print(json.dumps(doc, indent=2))
@@ -248,8 +255,12 @@ def _verify(args: argparse.Namespace) -> int:
 
     def body(tier: Any, signer: Any) -> None:
         nonlocal bad
+        shown = store_admin.progress_printer()
         report = store_admin.verify(tier, signer, sample=args.sample,
-                                    delete_bad=args.delete_bad, seed=int(time.time()))  # fmt: skip
+                                    delete_bad=args.delete_bad, seed=int(time.time()),
+                                    progress=shown)  # fmt: skip
+        if shown is not None:
+            shown(0)
         doc = report.to_json()
         bad = bool(report.bad)
         if args.json:

@@ -499,11 +499,13 @@ def gc(
     dry_run: bool = False,
     lister: Lister | None = None,
     now: float | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> GcPlan:
     """List, plan (:func:`plan_gc`), and delete unless ``dry_run``: dead generations'
     chunks before their manifest, so a run cut short leaves them still listed as such."""
     lister = lister if lister is not None else lister_for(tier)
-    plan = plan_gc(usage(tier, signer, lister=lister), dead_after_s=dead_after_s,
+    plan = plan_gc(usage(tier, signer, lister=lister, progress=progress),
+                   dead_after_s=dead_after_s,
                    max_bytes=max_bytes, now=now, dry_run=dry_run)  # fmt: skip
     if not dry_run:
         for d in plan.deleted:
@@ -541,6 +543,7 @@ def verify(
     delete_bad: bool = False,
     lister: Lister | None = None,
     seed: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Read ``sample`` chunks (all when None; a random sample otherwise) and check each
     as an engine would (frame, checksum, signature, decryption, its own key, its layout's
@@ -548,7 +551,12 @@ def verify(
     import random
 
     lister = lister if lister is not None else lister_for(tier)
-    objs = [o for o in lister.objects() if parse_object_key(o.key) is not None]
+    objs = []
+    for n, o in enumerate(lister.objects(), 1):
+        if progress is not None and n % 1000 == 0:
+            progress(n)
+        if parse_object_key(o.key) is not None:
+            objs.append(o)
     if sample is not None and sample < len(objs):
         objs = random.Random(seed).sample(objs, sample)
     report = VerifyReport()
@@ -591,13 +599,14 @@ def _check(tier: ObjectTier, obj: StoredObject, signer: codec.Signer | None) -> 
 
 
 def progress_printer(stream: Any = None) -> Callable[[int], None] | None:
-    """A counter of listed objects on a terminal's stderr (None elsewhere)."""
+    """A counter of listed objects on a terminal's stderr (None elsewhere); called with 0
+    when the listing is over, it clears its line."""
     out = sys.stderr if stream is None else stream
     if not out.isatty():
         return None
 
     def show(n: int) -> None:
-        out.write(f"\rlisted {n:,} objects")
+        out.write(f"\rlisted {n:,} objects" if n else "\r\x1b[K")  # 0: clear the line
         out.flush()
 
     return show

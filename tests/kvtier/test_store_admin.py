@@ -371,3 +371,28 @@ def test_verify_finds_corrupt_truncated_moved_and_foreign_chunks(one_node: Backe
     assert set(one_node.objects()) == {*k, manifest_key(eng.generation)} - {k[0], k[1], k[3],
                                                                              k[4]}  # fmt: skip
     assert hits(extra, [k[2], k[5]], environ=HMAC) == [True, True]
+
+
+def test_a_long_listing_shows_its_progress_on_a_terminal_only() -> None:
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    class Listing:
+        recency = "test"
+
+        def objects(self):
+            return (store_admin.StoredObject("ab" * 20, 10, 0.0) for _ in range(2500))
+
+        def delete(self, keys) -> None:
+            raise AssertionError("usage deletes nothing")
+
+    assert store_admin.progress_printer(io.StringIO()) is None
+    out = Tty()
+    show = store_admin.progress_printer(out)
+    assert show is not None
+    found = store_admin.usage(None, None, lister=Listing(), progress=show)  # type: ignore[arg-type]
+    assert found.total_chunks == 2500 and found.total_bytes == 25000
+    assert out.getvalue() == "\rlisted 1,000 objects\rlisted 2,000 objects"
