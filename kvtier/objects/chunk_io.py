@@ -12,9 +12,13 @@ each failure maps to an error kind and to the tier's health:
   repairs it.
 - A connection-level failure (``TierUnavailable``) marks that direction (reads:
   fetches; writes: uploads) down for ``backoff.compute(n)`` seconds; until then its ops
-  fail fast as ``"unreachable"`` without touching the network. After that the next op
-  is a real attempt, and its success clears the state. Reads and writes back off
-  separately: a store that refuses writes must not stop hits.
+  fail fast as ``"unreachable"`` without touching the network. After that one op (the
+  probe) is a real attempt while the others still fail fast; its success clears the
+  state, its failure backs off again. Reads and writes back off separately: a store
+  that refuses writes must not stop hits. A fetch runs within its deadline
+  (``policy.call_deadline``), which a tier that ``bounds_reads`` holds every wait to.
+- One node of a cluster failing (kind ``"node"``) is that chunk's miss and that node's
+  health (the tier keeps it), neither a failure nor a success of the tier.
 - A failure of one object (``ObjectError``: a full disk on write, a Redis key of the
   wrong type, a planted FIFO) is that op's miss, counted as ``"object"``; the tier stays
   up. A fetch never reads more than the codec's largest header plus the slot: a bigger
@@ -42,6 +46,7 @@ from kvtier.objects.io_counts import ERROR_KINDS
 from kvtier.objects.op_queue import OpQueue, QueuedOp
 from kvtier.objects.tier_health import RateLimitedLog
 from kvtier.objects.tiers.base import Found, ObjectTier
+from kvtier.objects.tiers.policy import call_deadline
 from kvtier.ops import OpKind
 
 __all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO"]
@@ -87,9 +92,19 @@ class ChunkIO(OpQueue):
         if op.done:  # timed out (or closed) while queued: do not touch the network
             return
         write = op.kind is OpKind.UPLOAD
-        if self.writes_down if write else self.reads_down:
+        stuck = self.stuck_writes >= self.write_threads if write else (
+            self.stuck_reads >= self.read_threads)  # fmt: skip
+        health = self.health.of(write)
+        probe = None if stuck else health.admit()  # after a backoff: one op, the probe
+        if probe is None:
             self._finish(op, False, "unreachable")
             return
+        try:
+            self._start(op, write)
+        finally:
+            health.probe_over(probe)
+
+    def _start(self, op: QueuedOp, write: bool) -> None:
         # start or time out: one decision, under the lock poll() decides timeouts under;
         # once started, a get reads straight into its slot and reports only when the read
         # is over, so the slot cannot be reused under a late write
@@ -106,6 +121,10 @@ class ChunkIO(OpQueue):
                     op.stall_at = now + self.write_stall_s
                     with self._lock:
                         self._writing[op.seq] = op
+                elif self.tier.bounds_reads:
+                    # the tier ends the read by its deadline: only a read still in its
+                    # call well after that is stuck (not one a busy machine reports late)
+                    op.stall_at = op.deadline + self.read_grace_s
         if late:
             self._finish(op, False, "timeout")
             return
@@ -113,7 +132,9 @@ class ChunkIO(OpQueue):
             if write:
                 self._put(op, key, buf)
             else:
-                self._get(op, key, buf)
+                # a tier that can hold every wait of the read to its deadline is told it
+                with call_deadline(op.deadline if self.tier.bounds_reads else None):
+                    self._get(op, key, buf)
         except CodecError as exc:
             self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
             if not write:
@@ -122,8 +143,9 @@ class ChunkIO(OpQueue):
         except TierUnavailable as exc:
             self.health.failed(write, exc)
             self._finish(op, False, "unreachable")
-        except TierError as exc:  # one object failed; the tier answered, so it is up
-            self._answered(op)
+        except TierError as exc:  # one object (or one node of a cluster) failed
+            if exc.kind != "node":  # the tier answered, so it is up; a node's failure is
+                self._answered(op)  # that node's (the tier keeps its health per node)
             self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op.kind, exc)
             if not write and isinstance(exc, ObjectError):
                 self._remember_rewrite(key)

@@ -25,7 +25,8 @@ be written and when an op is reported live in one place:
   the destination) or times out is one decision, taken under the op's lock, so a slot
   reported free is never written afterwards.
 - A read that has begun is reported only when its backend call is over (its slot must
-  not be reused under a late write). Past its deadline it is *stuck*: counted
+  not be reused under a late write). Past its deadline (for a tier that ends its reads
+  by their deadline, ``bounds_reads``: a grace after it) it is *stuck*: counted
   (``reads_stuck``, :attr:`OpQueue.stuck_reads` while it lasts) and a timeout against
   the tier's health, so a tier that keeps timing out goes down and lookups fail fast.
   The caller's lookup deadline stops waiting for it; its slot stays claimed until the
@@ -102,6 +103,9 @@ class OpQueue(IOCounts):
         self._writing: dict[int, QueuedOp] = {}  # uploads in their backend call
         self._stuck = {OpKind.FETCH: 0, OpKind.UPLOAD: 0}  # started, past stall_at, not over
         self.health = TierHealth(tier.name, self.backoff)
+        #: a read of a tier that ends its reads by their deadline (``bounds_reads``) is
+        #: stuck only this long after it (the thread may be slow to get the CPU back)
+        self.read_grace_s = max(0.25, timeout_s / 2)
         self._closed = False
         # reads get the larger half: lookups are latency-critical, uploads are not
         self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)

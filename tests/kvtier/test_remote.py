@@ -241,7 +241,9 @@ def test_slow_get_owns_its_slot_until_its_read_is_over(
     proxy = services.proxy((redis_server.host, redis_server.port))
     proxy.latency_s = 1.0  # each way: the reply comes 2 s later
     # one read thread: the second get waits in the queue behind the first
-    rio = make_rio(RedisTier(f"redis://127.0.0.1:{proxy.port}/0"), timeout_s=0.2, threads=2)
+    slow = RedisTier(f"redis://127.0.0.1:{proxy.port}/0")
+    slow.bounds_reads = False  # a read that outlives its deadline (Redis ends its reads by it)
+    rio = make_rio(slow, timeout_s=0.2, threads=2)
     assert rio.read_threads == 1
     dest = memoryview(bytearray(SIZE))
     rio.submit_get_into(1, "slow", dest, dtype=DT, shape=SHAPE)

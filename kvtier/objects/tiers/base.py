@@ -79,6 +79,10 @@ class ObjectTier(ABC):
     #: its reads are served by this machine's own disks or memory (a directory on a local
     #: filesystem): the worker may read a lookup's first chunks itself (``inline_read_ms``)
     reads_local: bool = False
+    #: its reads end by the deadline RemoteIO gives them
+    #: (:func:`kvtier.objects.tiers.policy.call_deadline`): a read still in its call well
+    #: after it is stuck (a bug, or a wait the backend cannot bound), not slow
+    bounds_reads: bool = False
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:

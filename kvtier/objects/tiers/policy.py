@@ -7,10 +7,19 @@ so it cannot outlive that deadline by much, and retries a failed request
 :data:`RETRIES` time(s), at once: that replaces a pooled connection the server
 dropped (a restart, an idle timeout) without the caller noticing. Anything longer
 is an outage and RemoteIO's business: backends never sleep.
+
+A read has a deadline of its own (its lookup's): RemoteIO runs it inside
+:func:`call_deadline`, and a backend that says so (``ObjectTier.bounds_reads``)
+waits for no socket longer than :func:`time_left` (a read of a hung server returns
+at its deadline, instead of holding its I/O thread for a socket timeout).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: immediate retries of a failed request (redis-py's Retry, botocore's attempts - 1,
@@ -56,3 +65,28 @@ class Timeouts:
         it and takes writes down): every attempt's connect and longest pause, and then
         some. A read is stuck past the lookup deadline itself."""
         return (1 + RETRIES) * (self.connect_s + self.body_s)
+
+
+class _Deadline(threading.local):
+    at: float | None = None
+
+
+_deadline = _Deadline()
+
+
+@contextmanager
+def call_deadline(at: float | None) -> Iterator[None]:
+    """The backend calls this thread makes in the block end by ``at`` (a
+    ``time.monotonic()``; None: only the backend's own timeouts)."""
+    outer, _deadline.at = _deadline.at, at
+    try:
+        yield
+    finally:
+        _deadline.at = outer
+
+
+def time_left() -> float | None:
+    """Seconds left to this thread's :func:`call_deadline` (at most 0: it has passed);
+    None outside one."""
+    at = _deadline.at
+    return None if at is None else at - time.monotonic()

@@ -33,6 +33,8 @@ from kvtier.objects.tiers.redis_resp import (
     _BoundedParser,
     _connection,
     _set_frame,
+    bounded_connection,
+    expect_reply,
 )
 
 # ReplyTooLarge and _BoundedParser (redis_resp.py, the wire) are read from here too
@@ -80,7 +82,6 @@ def _refuse_cluster_node(conn: Any) -> None:
         raise ClusterNodeRefused(CLUSTER_NODE_HELP)
 
 
-
 class RedisTier(SlotReader):
     """Chunks as plain string values; AUTH, TLS (``rediss://``) and db come from the URL.
 
@@ -91,6 +92,9 @@ class RedisTier(SlotReader):
     """
 
     name = "redis"
+    #: every socket wait of a read ends by the read's deadline (redis_resp's parser and
+    #: connections): a server that stopped answering costs a read its deadline, no more
+    bounds_reads = True
 
     def __init__(
         self,
@@ -140,6 +144,9 @@ class RedisTier(SlotReader):
                 socket_connect_timeout=waits.connect_s,
                 retry=Retry(NoBackoff(), RETRIES),
                 redis_connect_func=_refuse_cluster_node,
+                connection_class=bounded_connection(
+                    options.get("connection_class", redis.Connection)
+                ),
             )
             pool = redis.BlockingConnectionPool(**options)  # type: ignore[no-untyped-call]
         except (ValueError, TypeError, redis.RedisError) as exc:
@@ -293,10 +300,7 @@ class RedisTier(SlotReader):
                     if data is not None and type(data) not in (bytes, bytearray):
                         raise self._wrong_reply("get", "GET", data)
                     return cast("bytes | bytearray | None", data)
-                with self._client.pipeline(transaction=False) as pipe:
-                    pipe.strlen(key)
-                    pipe.getrange(key, 0, max(1, max_bytes) - 1)
-                    size, data = pipe.execute()
+                size, data = self._strlen_getrange(key, max(1, max_bytes))
         finally:
             self._bound.limit = _REPLY_CAP
         if type(size) is not int:
@@ -308,6 +312,14 @@ class RedisTier(SlotReader):
                 f"redis get {self._safe_url}: value of {size} bytes, at most {max_bytes} expected"
             )
         return cast("bytes | bytearray", data) if size else None
+
+    def _strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
+        """STRLEN and GETRANGE of the first ``n`` bytes, in one round trip."""
+        with self._client.pipeline(transaction=False) as pipe:
+            pipe.strlen(key)
+            pipe.getrange(key, 0, n - 1)
+            size, data = pipe.execute()
+        return size, data
 
     def put(self, key: str, parts: Parts) -> None:
         """SET (with EX when a TTL is configured), sending the parts without joining them.
@@ -322,6 +334,7 @@ class RedisTier(SlotReader):
             for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
                 conn = _connection(pool)
                 try:
+                    expect_reply(conn, "SET")
                     conn.send_packed_command(frame)  # type: ignore[no-untyped-call]
                     reply = conn.read_response()
                 except (redis.ConnectionError, redis.TimeoutError, OSError):

@@ -12,12 +12,18 @@ the single node's guarantees, on every node's connections:
   one SET sent from its parts without joining them (redis-py's ``execute_command``, with
   its redirection handling, only when the fast path meets a redirection or a dead
   connection);
-- a node that cannot be reached (killed, partitioned, mid-failover) is that chunk's
+- a chunk read is STRLEN + GETRANGE sent straight to its node's connection, every wait
+  within the read's deadline (a hung node costs the read its deadline, never a socket
+  timeout or a retry beyond it); redis-py's pipeline only for a redirection or a dead
+  connection;
+- a node that cannot be reached (killed, hung, partitioned, mid-failover) is that chunk's
   error, of kind ``node`` (:class:`NodeUnavailable`), never the tier's: the cluster's other
-  slots keep serving and RemoteIO does not back the whole tier off. Ops on a node that just
-  failed fail fast for a short, growing while (at most :data:`NODE_BACKOFF_CAP_S`), then one
-  op tries it again, and redis-py's topology refresh after a connection error finds the
-  promoted replica. Only when no node at all can be reached (the topology refresh fails) or
+  slots keep serving and RemoteIO does not back the whole tier off. Health is kept per
+  node: ops on a node that just failed fail fast for a short, growing while (at most
+  :data:`NODE_BACKOFF_CAP_S`), then one op (the probe) tries it again while the others
+  still fail fast, and a topology refresh (asked for by the failure, run by the probe or
+  by redis-py's next command) finds a promoted replica. Only when no node at all can be
+  reached (the topology refresh fails) or
   the cluster says it is down as a whole (``CLUSTERDOWN The cluster is down``, the server
   default ``cluster-require-full-coverage yes`` during a failover) is the tier unavailable.
 
@@ -46,7 +52,15 @@ from kvtier.objects.backoff import BackoffState, ExponentialBackoff
 from kvtier.objects.tiers.base import Parts
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
 from kvtier.objects.tiers.redis import RedisTier
-from kvtier.objects.tiers.redis_resp import _Bound, _BoundedParser, _connection, _set_frame
+from kvtier.objects.tiers.redis_resp import (
+    _Bound,
+    _BoundedParser,
+    _command_frame,
+    _connection,
+    _set_frame,
+    bounded_connection,
+    expect_reply,
+)
 
 __all__ = ["NODE_BACKOFF_CAP_S", "NodeUnavailable", "RedisClusterTier"]
 
@@ -164,7 +178,8 @@ class RedisClusterTier(RedisTier):
             cut mid-read (its parser's buffer gone)."""
 
             def __init__(self, **kwargs: Any) -> None:
-                super().__init__(**{**kwargs, **limits})
+                base = kwargs.pop("connection_class", redis.Connection)
+                super().__init__(connection_class=bounded_connection(base), **{**kwargs, **limits})
 
         try:
             options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
@@ -305,25 +320,65 @@ class RedisClusterTier(RedisTier):
             return None
         return node.name if node is not None else None
 
-    def _check_node(self, op: str, key: str) -> None:
+    def _admit(self, op: str, key: str) -> tuple[str | None, int]:
         """Fail fast on a key whose node failed a moment ago (no network): the tier's other
-        slots go on, and once the node's short backoff is over one op tries it again."""
+        slots go on; once the node's short backoff is over one op (the probe) tries it
+        again while the rest still fail fast. (the node, the probe's token or 0)."""
         node = self._calling.node = self._node_of(key)
-        if node is None:
-            return
-        state = self._node_health.get(node)
-        if state is not None and state.is_down:
+        state = self._node_health.get(node) if node is not None else None
+        if node is None or state is None:
+            return node, 0
+        token = state.admit()
+        if token is None:
             self._count_node(node)
             raise NodeUnavailable(
                 f"redis cluster {op} {self._safe_url}: node {node} failed "
                 f"{state.failures} time(s) in a row, skipped for a moment"
             )
+        if token:  # the probe: a topology refresh the failure asked for goes first
+            self._run_refresh()
+        return node, token
 
-    def _node_answered(self, key: str) -> None:
-        node = self._node_of(key)
+    def _check_node(self, op: str, key: str) -> None:
+        """:meth:`_admit` for an op that needs no probe token (tests)."""
+        node, token = self._admit(op, key)
+        self._probe_over(node, token)
+
+    def _probe_over(self, node: str | None, token: int) -> None:
+        state = self._node_health.get(node) if token and node is not None else None
+        if state is not None:
+            state.probe_over(token)
+
+    def _node_answered(self, node: str | None) -> None:
         state = self._node_health.get(node) if node is not None else None
         if state is not None and state.failures and state.succeeded():
             log.info("redis cluster %s: node %s answers again", self._safe_url, node)
+
+    def _refresh_later(self, node: str | None) -> None:
+        """Ask redis-py for a topology refresh (run by the next probe or command), not
+        now: the read that timed out has no time left for one."""
+        manager = getattr(self._cluster, "nodes_manager", None)
+        request = getattr(manager, "_request_refresh", None)
+        if request is not None:  # (redis-py 8: refreshes are requested, then run when due)
+            try:
+                request(last_failed_node_name=node)
+            except TypeError:
+                request()
+
+    def _run_refresh(self) -> None:
+        """Run a topology refresh redis-py was asked for, when it is due (the probe of a
+        node that failed: a replica may have taken its slots). Its failure is redis-py's
+        to log; the probe goes on with the slot map it has."""
+        client = self._cluster
+        manager = getattr(client, "nodes_manager", None)
+        run = getattr(manager, "_run_requested_refresh", None)
+        if run is None or not getattr(manager, "_refresh_requested", False):
+            return
+        try:
+            run(client.retry)
+        except _CLIENT_ERRORS as exc:
+            log.info("redis cluster %s: topology refresh failed: %s", self._safe_url,
+                     self._clean(exc))  # fmt: skip
 
     def node_errors(self) -> dict[str, int]:
         """Connection failures per node address since open (at most :data:`NODE_LABELS`
@@ -341,24 +396,81 @@ class RedisClusterTier(RedisTier):
     # -- the object tier -------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        for key in keys[:1]:
-            self._check_node("exists", key)
-        found = super().exists(keys)
-        if keys:
-            self._node_answered(keys[0])
+        if not keys:
+            return super().exists(keys)
+        node, token = self._admit("exists", keys[0])
+        try:
+            found = super().exists(keys)
+        finally:
+            self._probe_over(node, token)
+        self._node_answered(node)
         return found
 
     def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
-        self._check_node("get", key)
-        data = super()._get(key, max_bytes)
-        self._node_answered(key)
+        node, token = self._admit("get", key)
+        try:
+            data = super()._get(key, max_bytes)
+        finally:
+            self._probe_over(node, token)
+        self._node_answered(node)
         return data
+
+    def _strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
+        """STRLEN + GETRANGE sent straight to the key's node, both replies read there, each
+        wait within the thread's deadline. A timeout is that node's failure (no retry, no
+        topology refresh now: the read's time is spent; one is asked for later); a dead
+        connection or a redirection goes through redis-py's pipeline, which reconnects,
+        refreshes and follows MOVED / ASK."""
+        client = self._cluster_client()
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+            pool = client.get_redis_connection(node).connection_pool
+        except (*_CLIENT_ERRORS, IndexError, KeyError):
+            return super()._strlen_getrange(key, n)
+        conn: Any = None
+        replies: list[Any] = []
+        try:
+            conn = _connection(pool)
+            expect_reply(conn, "STRLEN")
+            expect_reply(conn, "GETRANGE")
+            conn.send_packed_command(
+                [_command_frame("STRLEN", key) + _command_frame("GETRANGE", key, 0, n - 1)]
+            )
+            for _ in range(2):
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # one reply's error: the other is read too
+                    replies.append(exc)
+        except redis.TimeoutError:
+            self._refresh_later(getattr(node, "name", None))
+            raise
+        except (redis.ConnectionError, OSError):
+            replies = []  # a dead pooled connection or node: redis-py's path
+        finally:
+            if conn is not None:
+                if len(replies) < 2:
+                    conn.disconnect()
+                pool.release(conn)
+        errors = [r for r in replies if isinstance(r, redis.ResponseError)]
+        redirected = (redis.exceptions.MovedError, redis.exceptions.AskError)
+        if not replies or any(isinstance(e, redirected) for e in errors):
+            return super()._strlen_getrange(key, n)
+        if errors:
+            raise errors[0]
+        return replies[0], replies[1]
 
     def put(self, key: str, parts: Parts) -> None:
         """SET from the parts on the key's primary (one round trip, no join); a
         redirection or a dead pooled connection goes through redis-py's own
         ``execute_command`` (which follows MOVED / ASK and refreshes the topology)."""
-        self._check_node("put", key)
+        node_name, token = self._admit("put", key)
+        try:
+            self._put(key, parts)
+        finally:
+            self._probe_over(node_name, token)
+        self._node_answered(node_name)
+
+    def _put(self, key: str, parts: Parts) -> None:
         client = self._cluster_client()
         extra: list[Any] = ["EX", self.ttl_s] if self.ttl_s else []
         reply: Any = None
@@ -368,6 +480,7 @@ class RedisClusterTier(RedisTier):
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
                 pool = client.get_redis_connection(node).connection_pool
                 conn = _connection(pool)
+                expect_reply(conn, "SET")
                 conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
                 reply = conn.read_response()
             except _SLOW_PATH as exc:
@@ -381,7 +494,6 @@ class RedisClusterTier(RedisTier):
                 reply = client.execute_command("SET", key, b"".join(parts), *extra)
         if reply not in (b"OK", "OK", True):
             raise ObjectError(f"redis put {self._safe_url}: unexpected reply {reply!r:.80}")
-        self._node_answered(key)
 
     def delete(self, keys: Sequence[str]) -> None:
         """DEL per key (a cluster refuses one DEL across slots), pipelined per node."""

@@ -1,0 +1,189 @@
+"""One primary of a real Redis Cluster hung (SIGSTOP: a hung host, or packets dropped),
+issue 47 item 4: reads of the healthy primaries' slots are all served, a read of the hung
+one's slots holds its read thread no longer than its deadline, the hung node's failures
+are its own (never the tier's read health), and once its backoff is over one read (the
+probe) goes to it while the others still fail fast.
+
+Counts, not durations: what reached the hung node is counted by the node itself (its
+``INFO`` once it runs again: it accepts the connections and executes what was sent to
+it meanwhile),
+stuck reads by RemoteIO. The one duration check is marked ``timing``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from kit import payload
+from rediscluster import RedisCluster, _command
+
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.redis_cluster import RedisClusterTier
+from kvtier.ops import OpResult
+
+pytestmark = pytest.mark.integration
+
+SHAPE = [2, 8, 64]
+DT = "bfloat16"
+SIZE = 2 * 8 * 64 * 2
+DEADLINE_MS = 500
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    # no replicas, and a node timeout far beyond the test: the stopped primary keeps its
+    # slots (nothing fails it over), as a hung host would until the cluster notices
+    c = RedisCluster(replicas=0, node_timeout_ms=120_000)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.cleanup()
+
+
+def prompt_keys(n: int) -> list[str]:
+    from test_redis_cluster import prompt_keys as keys
+
+    return keys(n)
+
+
+def collect(rio: RemoteIO, n: int, timeout: float = 20.0) -> dict[int, OpResult]:
+    out: list[OpResult] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += rio.poll()
+        time.sleep(0.002)
+    assert len(out) == n, f"expected {n} results, got {len(out)}"
+    return {r.op_id: r for r in out}
+
+
+def attempts(port: int) -> int:
+    """Reads that reached the node since its stats were reset, at most: a read sends
+    STRLEN on a pooled connection, or opens a new one (and then waits for its
+    handshake's reply; a stopped node's kernel accepts the connection)."""
+    stats = {}
+    for line in _command(port, "INFO", "all").splitlines():
+        name, _, value = line.partition(":")
+        stats[name] = value
+    strlen = int(stats.get("cmdstat_strlen", "calls=0,").split("calls=")[1].split(",")[0])
+    return strlen + int(stats["total_connections_received"])
+
+
+class Hung:
+    """A cluster with one primary stopped, and a RemoteIO on it (2 read threads)."""
+
+    def __init__(self, cluster: RedisCluster) -> None:
+        for port in cluster.primary_ports():
+            _command(port, "FLUSHALL")
+        self.cluster = cluster
+        self.tier = RedisClusterTier(cluster.url, lookup_timeout_ms=DEADLINE_MS)
+        self.rio = RemoteIO(self.tier, threads=4, queue_depth=256,
+                            timeout_s=DEADLINE_MS / 1000, signer=None)  # fmt: skip
+        assert self.rio.read_threads == 2
+        self.keys = prompt_keys(60)
+        for i, key in enumerate(self.keys):
+            assert self.rio.submit_put(i, key, payload(i), dtype=DT, shape=SHAPE)
+        assert all(r.ok for r in collect(self.rio, len(self.keys)).values())
+        port_of = {k: cluster.port_of_slot(self.tier._cluster.keyslot(k)) for k in self.keys}
+        self.victim = port_of[self.keys[0]]
+        self.node = f"127.0.0.1:{self.victim}"
+        self.hung = [k for k in self.keys if port_of[k] == self.victim]
+        self.healthy = [k for k in self.keys if port_of[k] != self.victim]
+        assert len(self.hung) >= 5 and len(self.healthy) >= 20
+        _command(self.victim, "CONFIG", "RESETSTAT")
+        self.base = 1000
+
+    def stop(self) -> None:
+        os.kill(self.cluster.procs[self.victim].pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.cluster.procs[self.victim].pid, signal.SIGCONT)
+
+    def fetch(self, keys: list[str]) -> dict[str, OpResult]:
+        """One lookup per key (each its own run), all submitted at once."""
+        base, self.base = self.base, self.base + len(keys)
+        for i, key in enumerate(keys):
+            self.rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
+                                     dtype=DT, shape=SHAPE)  # fmt: skip
+        got = collect(self.rio, len(keys))
+        return {key: got[base + i] for i, key in enumerate(keys)}
+
+    def wait_node_backoff(self) -> None:
+        """Until the hung node's backoff is over (its next op may probe it)."""
+        state = self.tier._node_health[self.node]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < state.down_until and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.rio.close()
+        self.tier.close()
+
+
+@pytest.fixture
+def hung(cluster: RedisCluster) -> Iterator[Hung]:
+    h = Hung(cluster)
+    try:
+        yield h
+    finally:
+        h.resume()
+        h.close()
+
+
+def test_a_hung_primary_costs_only_its_own_slots(hung: Hung) -> None:
+    """SIGSTOP one primary: every read of the other primaries' slots is served, each read
+    of the hung one's fails as ``node`` (never ``unreachable``: the tier's reads stay up),
+    none is stuck past its deadline, and after each backoff one read (the probe) reaches
+    the hung node while the rest of a burst of its keys fail fast without the network."""
+    hung.stop()
+    # the first read of the hung node: held until its deadline, on one read thread; the
+    # healthy reads submitted with it are served by the other
+    res = hung.fetch([hung.hung[0], *hung.healthy])
+    assert not res[hung.hung[0]].ok and res[hung.hung[0]].error_kind == "node"
+    assert all(res[k].ok for k in hung.healthy), {k: res[k].error_kind for k in hung.healthy}
+    rounds = 3
+    for _ in range(rounds):
+        hung.wait_node_backoff()
+        res = hung.fetch([*hung.hung, *hung.healthy])  # the hung node's keys first
+        bad = {k: r.error_kind for k, r in res.items() if k in hung.healthy and not r.ok}
+        assert not bad, f"reads of healthy primaries failed: {bad}"
+        assert all(not res[k].ok and res[k].error_kind == "node" for k in hung.hung), res
+    counts = hung.rio.counters()
+    assert counts["errors_unreachable"] == 0, "the hung node took the tier's reads down"
+    assert counts["reads_stuck"] == 0, "a read of the hung node was held past its deadline"
+    assert counts["errors_timeout"] == 0
+    assert not hung.rio.reads_down
+    assert set(hung.tier.take_node_errors()) == {hung.node}
+    # the node runs again and executes what reached it meanwhile: one read per backoff
+    hung.resume()
+    assert "PONG" in _command(hung.victim, "PING", timeout=10)  # (after its backlog)
+    reached = attempts(hung.victim) - 2  # (the connections of this PING and INFO)
+    assert 1 <= reached <= 1 + rounds, (
+        f"{reached} reads reached the hung node; at most one per backoff expected ({1 + rounds})"
+    )
+    deadline = time.monotonic() + 15
+    while True:  # its next probe finds it answering: every slot is served again
+        hung.wait_node_backoff()
+        res = hung.fetch(hung.keys)
+        if all(r.ok for r in res.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(r.ok for r in res.values()), {k: r.error_kind for k, r in res.items()}
+
+
+@pytest.mark.timing
+def test_a_read_of_a_hung_primary_ends_at_its_deadline(hung: Hung) -> None:
+    """The read that finds a primary hung is reported at its deadline (the socket wait
+    is what is left of it), not after a socket timeout of twice the deadline and a
+    retry."""
+    hung.stop()
+    res = hung.fetch([hung.hung[0]])[hung.hung[0]]
+    assert not res.ok and res.error_kind == "node"
+    assert res.seconds < DEADLINE_MS / 1000 + 0.35, f"{res.seconds:.2f} s"
+    hung.wait_node_backoff()
+    probe = hung.fetch([hung.hung[1]])[hung.hung[1]]
+    assert not probe.ok and probe.seconds < DEADLINE_MS / 1000 + 0.35, f"{probe.seconds:.2f} s"
