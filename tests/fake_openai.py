@@ -47,6 +47,8 @@ class FakeServer:
         self.kv_hit, self.kv_lookup = 1000.0, 9000.0
         self.vllm_hit, self.vllm_query = 500.0, 600.0
         self.ttft_obs: dict[str, list[float]] = {"hit": [0.05] * 7, "miss": [0.3] * 3}
+        #: the model card's max_model_len in /v1/models, as vLLM lists it (None: left out)
+        self.max_model_len: int | None = None
 
     def observe(self, n: int) -> None:
         """Counters for the n-th (1-based) successful completion."""
@@ -124,7 +126,10 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/v1/models":
-                self._send(200, json.dumps({"data": [{"id": "fake-model"}]}).encode())
+                card: dict[str, Any] = {"id": "fake-model"}
+                if state.max_model_len is not None:
+                    card["max_model_len"] = state.max_model_len
+                self._send(200, json.dumps({"data": [card]}).encode())
             elif self.path == "/metrics":
                 with state.lock:
                     text = state.metrics_text()

@@ -39,7 +39,7 @@ from .bench_client import (
 )
 from .bench_records import RequestResult, TokenScale
 from .bench_report import base_url, format_table, summarize, write_plot
-from .bench_trace import execute_trace
+from .bench_trace import DEFAULT_MAX_GAP_S, execute_trace
 
 #: Everyday words that are one token each in common BPE vocabularies (and in the
 #: tiny test tokenizer), so that word counts track token counts.
@@ -104,11 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per hash id (default 512 for Mooncake lines, 16 for Bailian)")
     t.add_argument("--speedup", type=float, default=1.0, metavar="F",
                    help="send at F times the trace's rate (its timestamps divided by F)")
+    t.add_argument("--max-gap", type=float, default=DEFAULT_MAX_GAP_S, metavar="S",
+                   help="wait at most S seconds between two requests (after --speedup; "
+                   "default 60, at most 86400): a longer gap in the trace is cut to S, and "
+                   "a line timestamped before an earlier one is sent at once; both counted "
+                   "in the report")
     t.add_argument("--max-requests", type=int, default=None, metavar="N",
                    help="replay only the first N requests")
     t.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
                    help="cut token-id and hash-id prompts to their first N tokens (shared "
-                   "prefixes stay shared); text and chat prompts are sent whole")
+                   "prefixes stay shared); text and chat prompts are sent whole. Without "
+                   "it, a prompt longer than the server's max_model_len (from /v1/models; "
+                   "1048576 tokens when it does not say) is not sent, as the server would "
+                   "refuse it, and counted; a line over 2**24 prompt tokens is a bad line")
     t.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
                    help="cap a line's output_length (lines without one ask --output-tokens)")
     t.add_argument("--max-concurrency", type=int, default=32, metavar="N",

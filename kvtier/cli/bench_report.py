@@ -74,6 +74,8 @@ def _replay(results: list[RequestResult], info: dict[str, Any], sources: dict[st
         "lag_p50_s": quantile(lags, 0.5), "lag_p99_s": quantile(lags, 0.99),
         "prompt_tokens_sent": sent,
         "predicted": pred, "delivered": delivered, "host_difference_pp": diff,
+        #: the replay's bounds and how often each acted (bench_trace.Bounds)
+        "bounds": info.get("bounds"),
     }
 
 
@@ -229,12 +231,36 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.1f} %"
 
 
+def _bounds_rows(b: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The replay's bounds that acted: what was cut, not sent, or sent sooner."""
+    if not b:
+        return []
+    acted = []
+    if b["inputs_cut"]:
+        acted.append(f"{b['inputs_cut']} prompts cut to {b['input_tokens']} tokens")
+    if b["inputs_not_sent"]:
+        acted.append(f"{b['inputs_not_sent']} prompts over {b['input_tokens']} tokens "
+                     f"({b['input_source']}) not sent")
+    if b["over_cap_lines"]:
+        acted.append(f"{b['over_cap_lines']} lines over {b['reader_input_tokens']} prompt "
+                     "tokens (or a bound on output_length or line bytes) skipped")
+    if b["outputs_capped"]:
+        acted.append(f"{b['outputs_capped']} output lengths capped")
+    if b["gaps_cut"]:
+        acted.append(f"{b['gaps_cut']} gaps cut to {b['max_gap_s']:g} s (--max-gap)")
+    if b["timestamps_backwards"]:
+        acted.append(f"{b['timestamps_backwards']} lines timestamped before an earlier one "
+                     "sent at once")
+    return [("bounds", "; ".join(acted))] if acted else []
+
+
 def _replay_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("late", f"{r['late_requests']} requests started > 0.1 s after their time "
                      f"(lag p50 {_fmt_s(r['lag_p50_s'])}, p99 {_fmt_s(r['lag_p99_s'])})")]
     if r["bad_lines"]:
         rows.append(("bad lines", f"{r['bad_lines']} skipped; "
                                   + "; ".join(r["bad_examples"][:3])))
+    rows += _bounds_rows(r.get("bounds"))
     p, d = r["predicted"], r["delivered"]
     if p.get("host_hit_rate") is not None:
         size = f"{p['host_tier_chunks']} chunks of {p['chunk_size']}"

@@ -1,16 +1,30 @@
 """``kvtier bench --trace``: replay a trace file against the server, open loop at its
 timestamps, and predict the host tier's hit rate as ``kvtier size --trace`` would
 (:class:`Prediction`). The generated workload is bench.py's; both share the client
-(bench_client.py) and the report (bench_report.py)."""
+(bench_client.py) and the report (bench_report.py).
+
+What a line can make the replay do is bounded, and every bound that acts is counted in
+the report (``trace_replay.bounds``): the reader's (:mod:`kvtier.sizing.trace_read`:
+prompts, outputs, line bytes); one prompt's tokens (``--max-input-tokens`` cuts, or else
+a prompt longer than the server's ``max_model_len``, or :data:`DEFAULT_INPUT_BOUND`
+tokens when the server does not say, is not expanded nor sent: the server would refuse
+it); the wait between two requests (``--max-gap``: one far-off timestamp must not stall
+the replay for months); and the hash-id tokens kept for reuse (:class:`BlockCache`)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvtier.sizing.trace_read import MAX_INPUT_LENGTH as MAX_INPUT_TOKENS
 
 from .bench_client import (
     BenchError,
@@ -25,6 +39,97 @@ from .bench_records import RequestResult, TokenScale
 from .bench_report import base_url, summarize
 from .promtext import Snapshot
 
+#: the longest prompt sent when neither --max-input-tokens nor the server's /v1/models
+#: (vLLM's ``max_model_len``) gives one
+DEFAULT_INPUT_BOUND = 2**20
+#: --max-gap's default and largest value, in seconds of the replay
+DEFAULT_MAX_GAP_S = 60.0
+MAX_GAP_LIMIT_S = 86_400.0
+#: hash-id block tokens kept for reuse, in tokens (about 40 bytes each)
+BLOCK_CACHE_TOKENS = 1 << 21
+
+#: the replay's sleep: a test puts a recorder here to check the waits without waiting
+sleep: Callable[[float], None] = time.sleep
+
+
+@dataclass(slots=True)
+class Bounds:
+    """The bounds a replay applies and how often each acted (``trace_replay.bounds``)."""
+
+    #: longest prompt sent, in tokens, and where that number comes from
+    input_tokens: int
+    input_source: str
+    #: prompts cut to ``input_tokens`` (--max-input-tokens), or not sent (longer than
+    #: the server's max_model_len or the default bound: the server would refuse them)
+    inputs_cut: int = 0
+    inputs_not_sent: int = 0
+    #: output_length over --max-output-tokens, sent as that
+    outputs_capped: int = 0
+    #: longest wait between two requests (--max-gap), and the gaps cut to it
+    max_gap_s: float = DEFAULT_MAX_GAP_S
+    gaps_cut: int = 0
+    #: lines whose timestamp is earlier than an earlier line's: due at once
+    timestamps_backwards: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Schedule:
+    """When each request is due, in seconds of the replay: the trace's timestamps divided
+    by ``speedup``, but no gap longer than ``max_gap`` (one timestamp of 1e15 ms must not
+    stall the replay for years) and a line earlier than the latest one due at once, so
+    one stray timestamp shifts the rest of the replay by at most ``max_gap``."""
+
+    def __init__(self, speedup: float, bounds: Bounds) -> None:
+        self.speedup = speedup
+        self.bounds = bounds
+        self.due = 0.0
+        self._latest: float | None = None
+
+    def next(self, timestamp: float | None) -> float:
+        """The due time of the next line (a line without a timestamp: with the one before)."""
+        if timestamp is None:
+            return self.due
+        if self._latest is None:
+            self._latest = timestamp
+            return self.due
+        gap = (timestamp - self._latest) / self.speedup  # finite / >= 1e-3: may be inf
+        if gap < 0:
+            self.bounds.timestamps_backwards += 1
+            return self.due
+        if gap > self.bounds.max_gap_s:
+            self.bounds.gaps_cut += 1
+            gap = self.bounds.max_gap_s
+        self.due += gap
+        self._latest = timestamp
+        return self.due
+
+
+class BlockCache:
+    """The tokens of recently expanded hash ids, LRU, at most ``budget`` tokens held (a
+    count of entries would let 2**20-token blocks fill the memory)."""
+
+    def __init__(self, lo: int, hi: int, budget: int = BLOCK_CACHE_TOKENS) -> None:
+        self.lo, self.hi, self.budget = lo, hi, budget
+        self.held = 0
+        self._blocks: OrderedDict[tuple[int, int], tuple[int, ...]] = OrderedDict()
+
+    def get(self, hash_id: int, size: int) -> tuple[int, ...]:
+        from kvtier.sizing import trace as tr
+
+        key = (hash_id, size)
+        if (block := self._blocks.get(key)) is not None:
+            self._blocks.move_to_end(key)
+            return block
+        block = tuple(tr.block_tokens(hash_id, size, self.lo, self.hi))
+        if size <= self.budget:
+            self._blocks[key] = block
+            self.held += size
+            while self.held > self.budget:
+                self.held -= len(self._blocks.popitem(last=False)[1])
+        return block
+
 
 def _token_range(text: str) -> tuple[int, int]:
     try:
@@ -37,14 +142,17 @@ def _token_range(text: str) -> tuple[int, int]:
 
 
 def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
-    import math
-
+    if not (math.isfinite(args.max_gap) and 0 <= args.max_gap <= MAX_GAP_LIMIT_S):
+        raise BenchError(f"--max-gap must be a number of seconds from 0 to {MAX_GAP_LIMIT_S:g}")
     if not (math.isfinite(args.speedup) and 1e-3 <= args.speedup <= 1e6):
         raise BenchError("--speedup must be a number from 0.001 to 1000000")
     for name in ("max_requests", "max_input_tokens", "max_output_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_input_tokens is not None and args.max_input_tokens > MAX_INPUT_TOKENS:
+        raise BenchError(f"--max-input-tokens must be at most {MAX_INPUT_TOKENS} (the trace "
+                         "reader's bound on one prompt)")
     for name in ("max_concurrency", "plan_chunk_size", "plan_tp", "output_tokens"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
@@ -147,10 +255,41 @@ def _cache_config(snap: Snapshot | None) -> dict[str, str]:
     return {}
 
 
+def server_max_model_len(client: Any, base: str, model: str) -> int | None:
+    """The served model's ``max_model_len`` from /v1/models (vLLM lists it), or None."""
+    import httpx
+
+    try:
+        r = client.get(base + "/v1/models", timeout=30.0)
+        r.raise_for_status()
+        cards = r.json()["data"]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(cards, list):
+        return None
+    dicts = [c for c in cards if isinstance(c, dict)]
+    card = next((c for c in dicts if c.get("id") == model), dicts[0] if dicts else None)
+    n = card.get("max_model_len") if card is not None else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def input_bounds(args: argparse.Namespace, max_model_len: int | None) -> Bounds:
+    """The longest prompt the replay sends: --max-input-tokens (longer ones cut), else the
+    server's max_model_len, else :data:`DEFAULT_INPUT_BOUND` (longer ones not sent)."""
+    if args.max_input_tokens is not None:
+        n, source = args.max_input_tokens, "--max-input-tokens"
+    elif max_model_len is not None:
+        n, source = min(max_model_len, MAX_INPUT_TOKENS), "the server's max_model_len"
+    else:
+        n, source = DEFAULT_INPUT_BOUND, "default: the server does not say its max_model_len"
+    return Bounds(n, source, max_gap_s=float(args.max_gap))
+
+
 def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
                   ) -> dict[str, Any]:
     """Replay ``args.trace`` against the server, open loop at the trace's timestamps
-    (divided by ``--speedup``), at most ``--max-concurrency`` in flight; the summary."""
+    (divided by ``--speedup``, gaps at most ``--max-gap``), at most ``--max-concurrency``
+    in flight; the summary."""
     from kvtier.sizing import trace as tr
 
     lo, hi = _validate_trace(args)
@@ -163,6 +302,8 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
         scrape = scraper(client, metrics_url)
 
         model = args.model or first_model(client, base)
+        bounds = input_bounds(args, None if args.max_input_tokens is not None
+                              else server_max_model_len(client, base, model))
         before = scrape()
         prediction = Prediction(args, before)
         poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
@@ -171,7 +312,7 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
         try:
             reqs = tr.read_trace(args.trace, None, stats, False, form)
             run_ = _drive_trace(client, base, model, reqs, args, (lo, hi), prediction,
-                                progress)
+                                progress, bounds)
         finally:
             if poller:
                 poller.stop()
@@ -183,6 +324,8 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
                        else sorted(stats.block_sizes) or None),
         "bad_lines": stats.bad_lines, "bad_examples": stats.bad_examples,
         "prediction": prediction.result(args, after),
+        "bounds": {**bounds.as_dict(), "over_cap_lines": stats.over_cap,
+                   "reader_input_tokens": MAX_INPUT_TOKENS},
     }
     return summarize(args, model, TokenScale(), run_, before, after,
                      poller.snapshots if poller else [], trace_info)
@@ -190,29 +333,25 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
 
 def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.Namespace,
                  token_range: tuple[int, int], prediction: Prediction,
-                 progress: bool | None) -> tuple[list[RequestResult], float]:
-    """Open loop: each request starts at its due time, or as soon as fewer than
-    ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``)."""
+                 progress: bool | None, bounds: Bounds) -> tuple[list[RequestResult], float]:
+    """Open loop: each request starts at its due time (:class:`Schedule`), or as soon as
+    fewer than ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``).
+    A prompt is checked against ``bounds`` before its tokens are made."""
     from concurrent.futures import ThreadPoolExecutor
-    from functools import lru_cache
 
     from tqdm import tqdm
 
     from kvtier.sizing import trace as tr
 
-    lo, hi = token_range
-
-    @lru_cache(maxsize=1 << 16)
-    def block(h: int, size: int) -> tuple[int, ...]:
-        return tuple(tr.block_tokens(h, size, lo, hi))
+    blocks = BlockCache(*token_range)
 
     def tokens(req: Any) -> list[int]:
         if req.hash_ids is None:
             return list(req.token_ids)
         out: list[int] = []
-        for h in req.hash_ids:
-            out += block(h, req.block_size)
-        del out[req.length:]
+        bs, last = req.block_size, len(req.hash_ids) - 1
+        for i, h in enumerate(req.hash_ids):  # of the last block only the tokens sent
+            out += blocks.get(h, bs if i < last else req.length - last * bs)
         return out
 
     if progress is None:
@@ -222,6 +361,7 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
     slots = threading.BoundedSemaphore(args.max_concurrency)
     lock = threading.Lock()
     results: list[RequestResult] = []
+    schedule = Schedule(args.speedup, bounds)
     t_start = time.perf_counter()
 
     def send(i: int, req: Any, prompt: str | list[int], max_tokens: int, due: float) -> None:
@@ -242,28 +382,29 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
         finally:
             slots.release()
 
-    first_ts: float | None = None
-    due = 0.0
     with ThreadPoolExecutor(max_workers=args.max_concurrency) as pool:
         try:
             for i, req in enumerate(reqs):
                 if args.max_requests is not None and i >= args.max_requests:
                     break
-                if args.max_input_tokens is not None:
-                    tr.truncate(req, args.max_input_tokens)
+                due = schedule.next(req.timestamp)
+                if req.prompt_tokens > bounds.input_tokens:
+                    if args.max_input_tokens is None:  # the server would refuse it
+                        bounds.inputs_not_sent += 1
+                        bar.update(1)
+                        continue
+                    tr.truncate(req, bounds.input_tokens)
+                    bounds.inputs_cut += 1
                 prediction.add(req)
-                if req.timestamp is not None:
-                    if first_ts is None:
-                        first_ts = req.timestamp
-                    due = max(0.0, (req.timestamp - first_ts) / args.speedup)
                 out_tokens = req.output_length or args.output_tokens
-                if args.max_output_tokens is not None:
-                    out_tokens = min(out_tokens, args.max_output_tokens)
+                if args.max_output_tokens is not None and out_tokens > args.max_output_tokens:
+                    out_tokens = args.max_output_tokens
+                    bounds.outputs_capped += 1
                 prompt: str | list[int] = (req.text if req.text is not None
                                            else tokens(req))
                 delay = due - (time.perf_counter() - t_start)
-                if delay > 0:  # bounded: a timestamp of 1e300 must not overflow sleep()
-                    time.sleep(min(delay, 1e7))
+                if delay > 0:  # the schedule keeps every gap within --max-gap
+                    sleep(min(delay, bounds.max_gap_s))
                 slots.acquire()
                 pool.submit(send, i, req, prompt, max(1, out_tokens), due)
         except tr.TraceError as e:

@@ -104,7 +104,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     tr.add_argument("--trace", metavar="FILE.jsonl",
                     help="request trace, one JSON object a line: prompt_token_ids, prompt or "
                     "messages, optional timestamp (seconds) and cache_salt; or a hash-id "
-                    "line (hash_ids, input_length, output_length, timestamp)")
+                    "line (hash_ids, input_length, output_length, timestamp). A line whose "
+                    "prompt is over 2**24 tokens however given (token ids, input_length, "
+                    "hash ids x block size), whose output_length is, or of over 256 MiB is "
+                    "a bad line, counted")
     tr.add_argument("--trace-format", default="auto",
                     choices=("auto", "tokens", "text", "messages", "mooncake", "bailian"),
                     help="auto (default): each line by its fields: prompt_token_ids or a "

@@ -16,9 +16,11 @@ always computed, vLLM's own hit comes first, kvtier serves the run of chunks aft
 up to the first chunk it lacks, and every full chunk of a prompt is then stored or
 touched in order.
 
-Memory is bounded: the trace is streamed line by line, the GPU model holds at most
-its own size, and the stack tracks at most ``max_chunks`` keys (deeper keys count as
-misses at every size, so the curve is exact up to that many chunks).
+Memory is bounded: the trace is streamed line by line, no line's prompt is over
+:data:`MAX_INPUT_LENGTH` tokens however it is given (hash ids without ``input_length``
+included: those lines are bad lines, counted), the GPU model holds at most its own size,
+and the stack tracks at most ``max_chunks`` keys (deeper keys count as misses at every
+size, so the curve is exact up to that many chunks).
 
 Reading is :mod:`kvtier.sizing.trace_read`, the simulation
 :mod:`kvtier.sizing.trace_sim`, the report and plot :mod:`kvtier.sizing.trace_report`;
@@ -34,6 +36,7 @@ from kvtier.sizing.trace_read import (
     HASH_BLOCK_SIZE,
     MAX_HASH_ID,
     MAX_INPUT_LENGTH,
+    MAX_LINE_BYTES,
     MAX_TOKEN_ID,
     MAX_TRACE_BLOCK_SIZE,
     TRACE_FORMATS,
@@ -74,6 +77,7 @@ __all__ = [
     "LruStack",
     "MAX_HASH_ID",
     "MAX_INPUT_LENGTH",
+    "MAX_LINE_BYTES",
     "MAX_TOKEN_ID",
     "MAX_TRACE_BLOCK_SIZE",
     "SLOT_ALIGN",

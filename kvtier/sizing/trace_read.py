@@ -1,7 +1,14 @@
 """Reading a request trace for ``kvtier size --trace``: one JSON object a line, as
 token ids, a text prompt, chat messages or Mooncake/Bailian hash ids, streamed with
 its bad lines counted (:func:`read_trace`), and hash ids expanded to the tokens
-``kvtier bench --trace`` sends for them."""
+``kvtier bench --trace`` sends for them.
+
+Every length a line gives is bounded before anything is built from it: the line itself
+(:data:`MAX_LINE_BYTES`), its prompt however it is given (token ids, the tokens of a text
+or chat prompt, ``input_length``, or ``hash_ids`` times the block size when the line has
+no ``input_length``: :data:`MAX_INPUT_LENGTH`) and its ``output_length``. A line over a
+bound is a bad line, counted in :attr:`TraceStats.over_cap` as well: a few bytes of hash
+ids must not become a hundred million tokens to key or send."""
 
 from __future__ import annotations
 
@@ -30,9 +37,14 @@ HASH_BLOCK_SIZE = {"mooncake": 512, "bailian": 16}
 BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "turn")
 #: hash ids are chained through Python's int hash, exact below this bound (2**61 - 1)
 MAX_HASH_ID = 2**61 - 2
-#: longest prompt a hash-id line may claim (its keys are made, not read from the line)
+#: longest prompt a line may have, in tokens, however it is given (token ids, a text or
+#: chat prompt, ``input_length``, or hash ids x block size): longer than any model's
+#: context; a hash-id line's keys are made from it, not read from the line
 MAX_INPUT_LENGTH = 2**24
 MAX_TRACE_BLOCK_SIZE = 2**20
+#: longest line read, in bytes: a longer one is skipped unread (a bad line), so one line
+#: without a newline cannot hold the whole file in memory
+MAX_LINE_BYTES = 2**28
 
 
 @dataclass(slots=True)
@@ -98,9 +110,15 @@ class TraceStats:
     output_tokens: int = 0
     #: good lines that gave an ``output_length``
     output_known: int = 0
+    #: bad lines dropped for a length over a bound (prompt, output or line bytes)
+    over_cap: int = 0
+    #: the earliest and latest timestamps (a trace's lines need not be in time order)
+    min_timestamp: float | None = None
+    max_timestamp: float | None = None
 
-    def bad(self, lineno: int, reason: str) -> None:
+    def bad(self, lineno: int, reason: str, over_cap: bool = False) -> None:
         self.bad_lines += 1
+        self.over_cap += over_cap
         if len(self.bad_examples) < 5:
             self.bad_examples.append(f"line {lineno}: {reason}")
 
@@ -116,6 +134,9 @@ class TraceStats:
             if self.first_timestamp is None:
                 self.first_timestamp = req.timestamp
             self.last_timestamp = req.timestamp
+            ts = req.timestamp
+            self.min_timestamp = ts if self.min_timestamp is None else min(self.min_timestamp, ts)
+            self.max_timestamp = ts if self.max_timestamp is None else max(self.max_timestamp, ts)
 
     @property
     def format(self) -> str | None:
@@ -127,6 +148,17 @@ class TraceStats:
 
 class _BadLine(ValueError):
     pass
+
+
+class _OverCap(_BadLine):
+    """A bad line whose prompt, output or bytes are over a bound (counted apart)."""
+
+
+def _prompt_cap(n: int, what: str) -> None:
+    """Refuse a prompt of ``n`` tokens over :data:`MAX_INPUT_LENGTH` before it is built."""
+    if n > MAX_INPUT_LENGTH:
+        raise _OverCap(f"{what} is {n} tokens, over the {MAX_INPUT_LENGTH}-token bound on "
+                       "one prompt")
 
 
 class Tokenizer:
@@ -191,6 +223,8 @@ def _timestamp(v: Any) -> float | None:
 
 
 def _token_ids(v: Any) -> list[int]:
+    if isinstance(v, list):
+        _prompt_cap(len(v), "prompt_token_ids")
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                           and 0 <= t <= MAX_TOKEN_ID for t in v):
         raise _BadLine("prompt_token_ids is not a list of integers in [0, 2**63)")
@@ -202,7 +236,8 @@ def _count(obj: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _BadLine(f"{name} is not an integer in [{lo}, {hi}]")
+        bad = _OverCap if isinstance(v, int) and not isinstance(v, bool) and v > hi else _BadLine
+        raise bad(f"{name} is not an integer in [{lo}, {hi}]")
     return v
 
 
@@ -223,13 +258,16 @@ def _hash_line(obj: dict[str, Any], flavour: str, form: TraceFormat,
     """A Mooncake or Bailian line: ``hash_ids`` of ``block_size``-token blocks."""
     bs = form.hash_block_size(flavour)
     ids = obj.get("hash_ids")
+    if isinstance(ids, list):  # at least one token an id, whatever input_length says
+        _prompt_cap(len(ids), "the prompt of hash_ids (a token an id at least)")
     if not isinstance(ids, list) or not ids or not all(
             isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= MAX_HASH_ID
             for h in ids):
         raise _BadLine(f"hash_ids is not a non-empty list of integers in [0, {MAX_HASH_ID}]")
     n = _count(obj, "input_length", 1, MAX_INPUT_LENGTH)
     if n is None:
-        n = len(ids) * bs  # no length: whole blocks
+        n = len(ids) * bs  # no length: whole blocks, under the same bound as input_length
+        _prompt_cap(n, f"the prompt (no input_length: {len(ids)} hash_ids x {bs} tokens)")
     if -(-n // bs) != len(ids):
         raise _BadLine(f"input_length {n} is {-(-n // bs)} blocks of {bs} tokens but the line "
                        f"has {len(ids)} hash_ids (is the trace block size {bs}? "
@@ -291,6 +329,7 @@ def parse_line(line: str, tokenizer: Tokenizer | None,
         req.messages = msgs
         if tokenizer is not None:
             req.token_ids = tokenizer.chat(msgs)
+    _prompt_cap(len(req.token_ids), "the prompt as tokenized")
     if not req.token_ids and tokenizer is not None:
         raise _BadLine("empty prompt")
     if not req.token_ids and fmt == "tokens":
@@ -311,6 +350,21 @@ def truncate(req: TraceRequest, max_tokens: int) -> TraceRequest:
     return req
 
 
+def _lines(f: Any, limit: int | None = None) -> Iterator[tuple[bytes | None, int]]:
+    """The lines of a binary file with their sizes in bytes; a line longer than ``limit``
+    (default :data:`MAX_LINE_BYTES`) is read past in pieces and given as None."""
+    limit = MAX_LINE_BYTES if limit is None else limit
+    while raw := f.readline(limit + 1):
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        del raw
+        while (piece := f.readline(1 << 20)) and not piece.endswith(b"\n"):
+            size += len(piece)
+        yield None, size + len(piece)
+
+
 def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
                progress: bool = False,
                form: TraceFormat = TraceFormat()) -> Iterator[TraceRequest]:
@@ -326,16 +380,19 @@ def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
         bar = tqdm(total=os.fstat(f.fileno()).st_size, unit="B", unit_scale=True,
                    desc="kvtier size --trace", file=sys.stderr, dynamic_ncols=True)
     try:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, (raw, size) in enumerate(_lines(f), 1):
             if bar is not None:
-                bar.update(len(raw))
+                bar.update(size)
+            if raw is None:
+                stats.bad(lineno, f"line of more than {MAX_LINE_BYTES} bytes skipped", True)
+                continue
             text = raw.decode("utf-8", "replace").strip()
             if not text:
                 continue
             try:
                 req = parse_line(text, tokenizer, form)
             except _BadLine as e:
-                stats.bad(lineno, str(e))
+                stats.bad(lineno, str(e), isinstance(e, _OverCap))
                 continue
             stats.good(req)
             yield req
@@ -348,7 +405,8 @@ def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
 def block_tokens(hash_id: int, block_size: int, lo: int = 100, hi: int = 30000) -> list[int]:
     """The tokens ``kvtier bench --trace`` sends for a hash id: ``block_size`` ids in
     [lo, hi), a pure function of the id (string-seeded, so the same in every process), so
-    two requests share a prefix exactly when their hash ids do, as the planner assumes."""
+    two requests share a prefix exactly when their hash ids do, as the planner assumes.
+    Fewer tokens are a prefix of more: a partial last block needs only its own."""
     rng = random.Random(f"kvtier-trace-block:{hash_id}:{lo}:{hi}")
     return [rng.randrange(lo, hi) for _ in range(block_size)]
 
@@ -358,7 +416,7 @@ def expand_tokens(req: TraceRequest, lo: int = 100, hi: int = 30000) -> list[int
     if req.hash_ids is None:
         return req.token_ids
     out: list[int] = []
-    for h in req.hash_ids:
-        out += block_tokens(h, req.block_size, lo, hi)
-    del out[req.length:]
+    bs, last = req.block_size, len(req.hash_ids) - 1
+    for i, h in enumerate(req.hash_ids):
+        out += block_tokens(h, bs if i < last else req.length - last * bs, lo, hi)
     return out

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from kvtier.sizing.trace_read import TraceStats
+from kvtier.sizing.trace_read import MAX_INPUT_LENGTH, MAX_LINE_BYTES, TraceStats
 from kvtier.sizing.trace_sim import Simulation
 
 #: kvtier's host slots are aligned to this many bytes (kvtier.host.layout.SLOT_ALIGN; that
@@ -77,8 +77,8 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
     if obj_need is not None and obj_need <= h_chunks:
         obj_need = 0
     dur = None
-    if stats.first_timestamp is not None and stats.last_timestamp is not None:
-        dur = stats.last_timestamp - stats.first_timestamp
+    if stats.min_timestamp is not None and stats.max_timestamp is not None:
+        dur = stats.max_timestamp - stats.min_timestamp  # lines out of time order too
     per_s = (lambda x: x / dur) if dur else (lambda x: None)
     out_tokens = stats.output_tokens if stats.output_known else None
     return {
@@ -92,6 +92,8 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "requests": stats.requests,
             "bad_lines": stats.bad_lines,
             "bad_examples": stats.bad_examples,
+            #: of the bad lines, those over a bound (prompt, output_length, line bytes)
+            "over_cap_lines": stats.over_cap,
             "prompt_tokens": total,
             "output_tokens": out_tokens,
             "duration_s": dur,
@@ -158,6 +160,10 @@ def format_report(rep: dict[str, Any]) -> str:
         f"prompt tokens, {t['distinct_chunks']} distinct chunks, {t['bad_lines']} bad lines",
     ]
     lines += [f"  bad              {e}" for e in t["bad_examples"]]
+    if t.get("over_cap_lines"):
+        lines.append(f"  over bounds      {t['over_cap_lines']} of the bad lines: a prompt over "
+                     f"{MAX_INPUT_LENGTH} tokens, an output_length over it or a line over "
+                     f"{MAX_LINE_BYTES} bytes")
     fmt = t.get("format")
     if fmt:
         kind = fmt if fmt != "mixed" else ", ".join(f"{k} {v}" for k, v in t["formats"].items())

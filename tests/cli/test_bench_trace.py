@@ -9,6 +9,7 @@ server's host tier is shown beside what the server's counters say it delivered.
 from __future__ import annotations
 
 import json
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,133 @@ def test_prediction_beside_what_the_server_delivered(fake: tuple[FakeServer, str
     assert "--plan-model" in rep["trace_replay"]["predicted"]["why_none"]
 
 
+# ------------------------------------------------------------ bounds on what a line asks
+
+
+def _peak_run(url: str, trace: Path, capsys: Any, *extra: str) -> tuple[int, dict[str, Any],
+                                                                        int]:
+    """The replay with tracemalloc on: its exit code, report and peak traced bytes."""
+    tracemalloc.start()
+    try:
+        rc, rep = _run(url, trace, capsys, *extra)
+        return rc, rep, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_hash_id_lines_without_input_length_are_bounded_not_expanded(
+        fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any) -> None:
+    """A few bytes of hash ids claim millions of tokens when a line has no input_length:
+    over the reader's 2**24 they are bad lines; over the bound on one prompt (the server
+    does not say its max_model_len here: 2**20) they are never expanded nor sent; the
+    rest of the trace is replayed, every bound that acted counted."""
+    state, url = fake
+    big = tr.MAX_TRACE_BLOCK_SIZE  # 2**20 tokens an id
+    lines = [mooncake(0, [1], 30),
+             {"timestamp": 1, "hash_ids": [7] * 17},  # 17.8M tokens: over the reader's cap
+             {"timestamp": 2, "hash_ids": [7, 8, 9]},  # 3.1M tokens: over the send bound
+             {"timestamp": 3, "hash_ids": [8] * 3, "input_length": 2 * big + 1},
+             mooncake(4, [3], 20)]
+    path = _write(tmp_path / "t.jsonl", lines)
+    rc, rep, peak = _peak_run(url, path, capsys, "--trace-block-size", str(big),
+                              "--max-concurrency", "1")
+    assert rc == 0 and rep["requests"] == 2 and len(state.bodies) == 2
+    assert [len(b["prompt"]) for _, b in state.bodies] == [30, 20]
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB traced: a line was expanded"
+    b = rep["trace_replay"]["bounds"]
+    assert b["input_tokens"] == 2**20 and b["input_source"].startswith("default")
+    assert b["inputs_not_sent"] == 2 and b["inputs_cut"] == 0 and b["over_cap_lines"] == 1
+    assert rep["trace_replay"]["bad_lines"] == 1
+    assert ("the prompt (no input_length: 17 hash_ids x 1048576 tokens) is 17825792 tokens, "
+            "over the 16777216-token bound on one prompt") in rep["trace_replay"][
+                "bad_examples"][0]
+
+
+def test_the_servers_max_model_len_bounds_prompts_and_max_input_tokens_cuts(
+        fake: tuple[FakeServer, str], tmp_path: Path, capsys: Any) -> None:
+    """vLLM lists max_model_len in /v1/models: a longer prompt would be refused, so it is
+    not sent (nor modelled); --max-input-tokens cuts instead. Both counted and shown."""
+    state, url = fake
+    state.max_model_len = 40
+    lines = [mooncake(0, [1, 2], 30), mooncake(1, [1, 2, 3], 41),
+             {"prompt_token_ids": list(range(50)), "timestamp": 0.002},
+             {"prompt": "text is sent as it is", "timestamp": 0.003}]
+    path = _write(tmp_path / "t.jsonl", lines)
+    rc, rep = _run(url, path, capsys, "--trace-block-size", "16", "--max-concurrency", "1")
+    assert rc == 0 and rep["requests"] == 2
+    assert [b["prompt"] for _, b in state.bodies][1] == "text is sent as it is"
+    b = rep["trace_replay"]["bounds"]
+    assert b["input_tokens"] == 40 and b["input_source"] == "the server's max_model_len"
+    assert b["inputs_not_sent"] == 2 and b["inputs_cut"] == 0
+    rc, rep = _run(url, path, capsys, "--trace-block-size", "16", "--max-concurrency", "1",
+                   "--max-input-tokens", "35", "--max-output-tokens", "1")
+    assert rc == 0 and rep["requests"] == 4
+    b = rep["trace_replay"]["bounds"]
+    assert b["input_source"] == "--max-input-tokens" and b["inputs_cut"] == 2
+    assert b["inputs_not_sent"] == 0 and b["outputs_capped"] == 4  # 2 tokens each, to 1
+    assert [len(b["prompt"]) for _, b in state.bodies[2:5]] == [30, 35, 35]
+    # the table says what the bounds did
+    args = bench.build_parser().parse_args(
+        ["--url", url, "--trace", str(path), "--token-range", "5:480", "--output-tokens", "2",
+         "--trace-block-size", "16"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts over 40 tokens (the server's max_model_len) not sent" in out
+
+
+def test_one_far_timestamp_does_not_stall_the_replay(fake: tuple[FakeServer, str],
+                                                     tmp_path: Path, capsys: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timestamp 30,000 years on (and one far before) must not make the replay sleep:
+    every wait is at most --max-gap; the gap cut and the line out of order are counted.
+    The sleep is recorded, not slept."""
+    from kvtier.cli import bench_trace
+
+    _, url = fake
+    waits: list[float] = []
+    monkeypatch.setattr(bench_trace, "sleep", waits.append)
+    lines = [mooncake(0, [1], 10), mooncake(1e15, [2], 10), mooncake(1e15 + 300, [3], 10),
+             mooncake(-1e300, [4], 10), mooncake(1e15 + 600, [5], 10)]
+    path = _write(tmp_path / "t.jsonl", lines)
+    rc, rep = _run(url, path, capsys, "--trace-block-size", "16", "--max-gap", "2",
+                   "--max-concurrency", "1")
+    assert rc == 0 and rep["requests"] == 5
+    assert waits and max(waits) <= 2.0, waits
+    b = rep["trace_replay"]["bounds"]
+    assert b["max_gap_s"] == 2 and b["gaps_cut"] == 1 and b["timestamps_backwards"] == 1
+    dues = sorted(s["due_s"] for s in rep["samples"])
+    assert dues == pytest.approx([0, 2, 2.3, 2.3, 2.6], abs=1e-3)  # 1e12 s: 1e-4 apart
+
+
+def test_the_schedule_bounds_every_gap() -> None:
+    """The due times themselves, without a replay: the trace's gaps over --speedup, none
+    over max_gap (an infinite one included), lines out of order due at once."""
+    from kvtier.cli.bench_trace import Bounds, Schedule
+
+    bounds = Bounds(100, "test", max_gap_s=5.0)
+    s = Schedule(2.0, bounds)
+    got = [s.next(t) for t in (10.0, 14.0, None, 1e308, -1e308, 1e308, 1e308 + 1e293)]
+    assert got == [0.0, 2.0, 2.0, 7.0, 7.0, 7.0, 12.0]
+    assert bounds.gaps_cut == 2 and bounds.timestamps_backwards == 1
+
+
+def test_hash_id_tokens_kept_for_reuse_are_bounded_in_tokens() -> None:
+    """The cache of expanded hash ids holds tokens, not entries: 2**20-token blocks must
+    not pile up (an lru_cache of 65,536 such blocks would hold 2**36 tokens)."""
+    from kvtier.cli.bench_trace import BlockCache
+
+    cache = BlockCache(5, 480, budget=4096)
+    for h in range(40):
+        assert cache.get(h, 1000) == tuple(tr.block_tokens(h, 1000, 5, 480))
+    assert cache.held <= 4096
+    assert cache.get(39, 1000) is cache.get(39, 1000)  # recent ones are kept
+    assert len(cache.get(1, 10_000)) == 10_000 and cache.held <= 4096  # too big to keep
+
+
 @pytest.mark.parametrize("flags,why", [
+    (("--max-gap", "-1"), "--max-gap"), (("--max-gap", "nan"), "--max-gap"),
+    (("--max-gap", "1e9"), "--max-gap"),
+    (("--max-input-tokens", str(2**24 + 1)), "--max-input-tokens"),
     (("--speedup", "0"), "--speedup"), (("--speedup", "nan"), "--speedup"),
     (("--speedup", "1e-300"), "--speedup"),
     (("--max-concurrency", "0"), "--max-concurrency"),

@@ -424,6 +424,66 @@ def test_hostile_lines_are_bad_lines_not_crashes(model_dir: Path, tmp_path: Path
     assert rc == 0 and rep["trace"]["bad_lines"] == 6 and rep["trace"]["requests"] == 2
 
 
+def test_every_prompt_and_line_is_bounded(model_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """However a line gives its prompt (token ids, a text or chat prompt once tokenized)
+    it is at most MAX_INPUT_LENGTH tokens, and a line at most MAX_LINE_BYTES: over either
+    it is a bad line counted as over a bound, and the lines after it are read. (The bounds
+    are lowered here; tests/sizing/test_trace_hash_ids.py runs the real ones.)"""
+    from kvtier.sizing import trace_read
+
+    monkeypatch.setattr(trace_read, "MAX_INPUT_LENGTH", 40)
+    monkeypatch.setattr(trace_read, "MAX_LINE_BYTES", 2000)
+    lines = [{"prompt_token_ids": list(range(40))},  # at the bound
+             {"prompt_token_ids": list(range(41))},
+             {"prompt": " ".join(["fox"] * 40)},  # 41 tokens with the BOS
+             {"messages": [{"role": "user", "content": " ".join(["dog"] * 40)}]},
+             {"prompt_token_ids": [1, 2, 3], "pad": "x" * 2000},  # a line too long
+             {"prompt_token_ids": list(range(30)), "output_length": 41},
+             {"prompt": " ".join(["fox"] * 39), "timestamp": 5},
+             {"prompt_token_ids": [1, 2, 3], "timestamp": 2}]  # earlier than the line before
+    path = _write(tmp_path / "t.jsonl", lines)
+    with path.open("ab") as f:
+        f.write(b'{"prompt_token_ids": [' + b"1, " * 1000 + b"1]}")  # no newline at the end
+    stats = tr.TraceStats()
+    reqs = list(tr.read_trace(str(path), tr.Tokenizer(str(model_dir)), stats))
+    assert [len(r.token_ids) for r in reqs] == [40, 40, 3]
+    assert stats.bad_lines == stats.over_cap == 6
+    assert [e.split(":")[0] for e in stats.bad_examples] == [f"line {i}" for i in (2, 3, 4, 5, 6)]
+    assert "prompt_token_ids is 41 tokens, over the 40-token bound" in stats.bad_examples[0]
+    assert "the prompt as tokenized is 41 tokens" in stats.bad_examples[1]
+    assert stats.bad_examples[3] == "line 5: line of more than 2000 bytes skipped"
+    assert "output_length is not an integer in [0, 40]" in stats.bad_examples[4]
+    assert (stats.min_timestamp, stats.max_timestamp) == (2, 5)
+    rep = tr.report(tr.Simulation(16, 16, 0), stats, path=str(path), host_slot_bytes=1,
+                    object_chunk_bytes=1, target=0.5, host_tier_bytes=None,
+                    gpu_kv_tokens=0, gpu_kv_source="test")
+    assert rep["trace"]["duration_s"] == 3 and rep["trace"]["over_cap_lines"] == 6
+
+
+def test_a_long_line_is_skipped_without_holding_it(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 24 MB line (no newline anywhere) is read past in pieces, not held: memory is the
+    bound's, not the line's."""
+    from kvtier.sizing import trace_read
+
+    monkeypatch.setattr(trace_read, "MAX_LINE_BYTES", 2**20)
+    path = tmp_path / "t.jsonl"
+    with path.open("wb") as f:
+        f.write(b'{"prompt_token_ids": [1, 2, 3]}\n{"prompt_token_ids": [')
+        for _ in range(24):
+            f.write(b"7, " * (2**20 // 3))
+    tracemalloc.start()
+    try:
+        stats = tr.TraceStats()
+        reqs = list(tr.read_trace(str(path), None, stats))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(reqs) == 1 and stats.bad_lines == stats.over_cap == 1
+    assert peak < 6 * 2**20, f"{peak / 2**20:.0f} MiB traced"
+
+
 @pytest.mark.parametrize("flags", [
     ("--trace-max-chunks", "0"), ("--trace-max-chunks", "-3"),
     ("--trace-max-chunks", "1e11"), ("--trace-max-chunks", "100000000000"),

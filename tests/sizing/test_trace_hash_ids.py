@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +327,58 @@ def test_emit_from_a_trace_puts_the_recommended_host_tier_in_the_config(
     first_top = next(p["bytes"] for p in rep["host_tier"] if p["hit_rate"] >= top)
     assert json.loads(out.out)["kv_connector_extra_config"]["cpu_bytes"] == first_top
     assert "never reaches 99 %" in out.err
+
+
+# --------------------------------------------------- bounds on what a line claims
+
+
+def _planned_peak(path: Path, form: tr.TraceFormat) -> tuple[tr.Simulation, tr.TraceStats, int]:
+    """plan_trace under tracemalloc: the simulation, the stats and the peak traced bytes."""
+    tracemalloc.start()
+    try:
+        sim, stats = tr.plan_trace(str(path), tokenizer=None, block_size=16, chunk_size=512,
+                                   gpu_kv_tokens=4096, form=form)
+        return sim, stats, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_hash_ids_without_input_length_are_bounded_as_input_length_is(
+        model_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    """A line without input_length is len(hash_ids) x block size tokens: a 120 KB line of
+    40,000 ids claims 20M Mooncake tokens (a 1.5 MB trace made 1.16 GB of keys). Such a
+    prompt is over the 2**24 bound input_length has: a bad line, counted as over a bound,
+    never keyed; memory stays that of the good lines."""
+    good = [mooncake(1000 * i, [i, 100 + i], 1000) for i in range(3)]
+    hostile = [{"timestamp": 5000 + i, "hash_ids": [i] * 40_000} for i in range(5)]
+    path = _write(tmp_path / "t.jsonl", [good[0], *hostile, *good[1:]])
+    assert path.stat().st_size < 2**20
+    sim, stats, peak = _planned_peak(path, tr.TraceFormat())
+    assert sim.prompt_tokens == 3000 and stats.requests == 3
+    assert stats.bad_lines == stats.over_cap == 5
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB traced for a {path.stat().st_size} B trace"
+    assert stats.bad_examples[0] == (
+        "line 2: the prompt (no input_length: 40000 hash_ids x 512 tokens) is 20480000 "
+        "tokens, over the 16777216-token bound on one prompt")
+    rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
+    assert rc == 0 and rep["trace"]["over_cap_lines"] == 5 and rep["trace"]["requests"] == 3
+    rc, out = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON[:-1])
+    assert "over bounds      5 of the bad lines: a prompt over 16777216 tokens" in out
+
+
+def test_every_length_a_hash_id_line_gives_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the bound a line is read; one token or id over it is a bad line over a bound."""
+    cap, big = tr.MAX_INPUT_LENGTH, tr.MAX_TRACE_BLOCK_SIZE
+    form = tr.TraceFormat(block_size=big)
+    at = tr.parse_line(json.dumps({"hash_ids": [1] * (cap // big)}), None, form)
+    assert at.length == cap
+    for line in ({"hash_ids": [1] * (cap // big + 1)},
+                 {"hash_ids": [1], "input_length": cap + 1},
+                 {"hash_ids": [1], "output_length": cap + 1}):
+        with pytest.raises(trace_read._OverCap):
+            tr.parse_line(json.dumps(line), None, form)
+    # more ids than the bound has tokens: refused before the ids are looked at
+    monkeypatch.setattr(trace_read, "MAX_INPUT_LENGTH", 100)
+    with pytest.raises(trace_read._OverCap, match="a token an id at least"):
+        tr.parse_line(json.dumps({"hash_ids": [1] * 101, "input_length": 100}), None,
+                      tr.TraceFormat(block_size=1))
