@@ -59,6 +59,23 @@ def _command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def require_extras(args: argparse.Namespace) -> None:
+    """Check the optional libraries a command will import before it starts work, so a
+    missing one stops it at once with the extra to install (MissingExtraError), not with
+    a ModuleNotFoundError halfway through a run."""
+    from kvtier.extras import require
+
+    cmd = args.command
+    if cmd == "bench":
+        require("httpx", "tqdm", what="kvtier bench")
+    elif cmd == "demo":
+        require("vllm", what="kvtier demo")
+    elif cmd == "size" and getattr(args, "trace", None) and sys.stderr.isatty():
+        require("tqdm", what="kvtier size --trace (its progress bar)")
+    if getattr(args, "plot", None):
+        require("matplotlib", what=f"kvtier {cmd} --plot")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvtier`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -67,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    from kvtier.extras import MissingExtraError
+
+    try:
+        require_extras(args)
+        return int(args.func(args) or 0)
+    except MissingExtraError as exc:  # also one a command meets later (an object tier's)
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from kvtier.errors import CodecError
+from kvtier.extras import install_hint
 
 if TYPE_CHECKING:
     import torch
@@ -364,7 +365,8 @@ def decompress_into(form: str, src: memoryview, dest: memoryview, dtype: str = "
         return time.perf_counter() - t0
     b = _blosc2() if form == "blosc2" else None
     if b is None:
-        why = "python-blosc2 is not installed" if form == "blosc2" else "unknown form"
+        why = (f"python-blosc2 is not installed: {install_hint('lossless')}" if form == "blosc2"
+               else "unknown form")
         raise FormatError(f"chunk is stored compressed as {form!r}, which this engine cannot "
                           f"read ({why})")  # fmt: skip
     t0 = time.perf_counter()

@@ -32,6 +32,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
+from kvtier.extras import install_hint
 from kvtier.objects.compress import (
     ChunkCompressor,
     Compressor,
@@ -178,6 +179,6 @@ def from_config(cfg: KVTierConfig) -> ChunkCompressor | None:
         raise ConfigError(
             "compression", cfg.compression,
             "none, fp8, or lossless/auto with python-blosc2 installed "
-            "(pip install 'kvtier[lossless]')",
+            f"({install_hint('lossless')})",
         ) from None
     return AutoCompressor(z) if cfg.compression == "auto" else z

@@ -7,10 +7,13 @@ Valkey cluster) need redis-py, imported only when chosen.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import unquote, urlparse
 
 from kvtier.config import KVTierConfig, redact_url
 from kvtier.errors import ConfigError
+from kvtier.extras import MissingExtraError, needs
 from kvtier.objects.tiers.base import ObjectTier, Parts
 from kvtier.objects.tiers.file import FileTier
 
@@ -22,6 +25,16 @@ def file_tier_root(cfg: KVTierConfig) -> str:
     return unquote(urlparse(cfg.remote_url or "").path)
 
 
+@contextmanager
+def _extra(url: str, what: str) -> Iterator[None]:
+    """A tier's client library missing: a ConfigError naming remote_url and the extra."""
+    try:
+        with needs(what):
+            yield
+    except MissingExtraError as exc:
+        raise ConfigError("remote_url", redact_url(url), str(exc)) from exc
+
+
 def open_tier(cfg: KVTierConfig) -> ObjectTier:
     """Build the object tier ``cfg.remote_url`` names (ConfigError when there is none)."""
     url = cfg.remote_url
@@ -31,7 +44,8 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
     if scheme == "file":
         return FileTier(file_tier_root(cfg), max_bytes=cfg.file_max_bytes)
     if scheme == "s3":
-        from kvtier.objects.tiers.s3 import S3Tier
+        with _extra(url, "an s3:// object tier"):
+            from kvtier.objects.tiers.s3 import S3Tier
 
         return S3Tier(
             url,
@@ -40,8 +54,9 @@ def open_tier(cfg: KVTierConfig) -> ObjectTier:
             lookup_timeout_ms=cfg.lookup_timeout_ms,
         )
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        from kvtier.objects.tiers.redis import RedisTier
-        from kvtier.objects.tiers.redis_cluster import RedisClusterTier
+        with _extra(url, f"a {scheme}:// object tier"):
+            from kvtier.objects.tiers.redis import RedisTier
+            from kvtier.objects.tiers.redis_cluster import RedisClusterTier
 
         tier_cls = RedisClusterTier if scheme.endswith("+cluster") else RedisTier
         return tier_cls(
