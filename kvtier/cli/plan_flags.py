@@ -4,7 +4,11 @@ and vLLM's weight offload, and the planner's inputs made from them."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
+
+#: vLLM's CPU build's own KV space, in GiB (kvtier.connectors.startup reads it too)
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def _selectors(values: list[str] | None) -> tuple[str, ...]:
@@ -38,6 +42,10 @@ def add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
     h.add_argument("--host-memory", type=float, metavar="GiB", help="host RAM")
     h.add_argument("--headroom", type=float, default=4.0, metavar="GiB",
                    help="host RAM left to the OS and everything else (default 4)")
+    h.add_argument("--cpu-kv-space", type=float, metavar="GiB",
+                   help="vLLM's CPU build: its own KV cache per worker, as "
+                   f"{CPU_KV_SPACE_ENV} (default: that variable when set); it and the "
+                   "weights are then planned in host memory beside kvtier's host tier")
     h.add_argument("--context", type=int, default=8192, metavar="TOKENS",
                    help="average context per session (default 8192)")
     h.add_argument("--max-model-len", type=int, metavar="TOKENS",
@@ -62,9 +70,25 @@ def add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
                    help="the vLLM version you run (older ones ignore offload silently)")
 
 
-def plan_inputs(args: argparse.Namespace) -> Any:
+def cpu_kv_space_bytes(args: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """vLLM CPU's KV space per worker in bytes: ``--cpu-kv-space``, else
+    VLLM_CPU_KVCACHE_SPACE read as vLLM 0.32 reads it (whole GiB, when set and not
+    empty); None when neither is given (a GPU deployment)."""
+    given = getattr(args, "cpu_kv_space", None)
+    if given is not None:
+        return int(given * 2**30)
+    env = environ.get(CPU_KV_SPACE_ENV, "").strip()
+    return int(env) * 2**30 if env.isdigit() else None
+
+
+def plan_inputs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Any:
+    """The planner's inputs from the flags; ``args.cpu_bytes``, where present, is the
+    ``cpu_bytes`` the config check resolved (bytes, or None for the plan's own tier)."""
+    import os
+
     from kvtier.sizing.plan import GiB, PlanInputs
 
+    cpu_bytes = getattr(args, "cpu_bytes", None)
     return PlanInputs(
         model=args.model, tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_gib=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -83,6 +107,8 @@ def plan_inputs(args: argparse.Namespace) -> Any:
         compression_ratio=getattr(args, "compression_ratio", None),
         chunk_size=getattr(args, "chunk_size", 256),
         block_size=getattr(args, "block_size", 16),
+        cpu_bytes=cpu_bytes if isinstance(cpu_bytes, int) else None,
+        cpu_kv_space_bytes=cpu_kv_space_bytes(args, os.environ if environ is None else environ),
     )  # fmt: skip
 
 
@@ -91,8 +117,8 @@ def check_numbers(args: argparse.Namespace) -> str | None:
         return "--tp must be >= 1"
     if args.context < 1:
         return "--context must be >= 1"
-    if getattr(args, "chunk_size", 1) < 1:
-        return "--chunk-size must be >= 1"
+    if getattr(args, "cpu_kv_space", None) is not None and args.cpu_kv_space < 0:
+        return "--cpu-kv-space must not be negative"
     if not 0 < args.gpu_memory_utilization <= 1:
         return "--gpu-memory-utilization must be in (0, 1]"
     for name in ("gpu_memory", "host_memory", "cpu_offload_gb", "headroom", "overhead"):

@@ -93,7 +93,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     out.add_argument("--emit", choices=EMIT_FORMATS,
                      help="print what to paste: --kv-transfer-config JSON, vllm serve flags, a "
                      "Helm values block, or the equivalent LMCache environment")
-    out.add_argument("--chunk-size", type=int, default=256, help="kvtier chunk_size (default 256)")
+    out.add_argument("--chunk-size", type=int, default=256,
+                     help="kvtier chunk_size (default 256): a multiple of --block-size")
+    out.add_argument("--cpu-bytes", metavar="SIZE",
+                     help="kvtier cpu_bytes per worker, as the config key takes it (8GiB, "
+                     "512MiB, a byte count, or auto): the plan checks this host tier instead "
+                     "of the one it derives from --warm-sessions; with --trace, the host tier "
+                     "in front of the object tier")
     out.add_argument("--remote-url", help="kvtier object tier (s3://, redis://, file://)")
     out.add_argument("--write-policy", default="write_through",
                      choices=("write_through", "write_back", "none"))
@@ -123,9 +129,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     tr.add_argument("--gpu-kv-tokens", type=int, metavar="N",
                     help="tokens vLLM's own prefix cache holds (default: the plan's GPU KV)")
     tr.add_argument("--block-size", type=int, default=16, help="vLLM block size (default 16)")
-    tr.add_argument("--cpu-bytes", type=int, metavar="BYTES",
-                    help="host tier per worker in front of the object tier (default: the "
-                    "plan's host tier)")
     tr.add_argument("--target-hit-rate", type=float, default=0.8, metavar="F",
                     help="share of prompt tokens to serve from any cache (default 0.8)")
     tr.add_argument("--plot", metavar="FILE.png", help="draw the curves to this PNG")
@@ -135,19 +138,39 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     size.set_defaults(func=_size)
 
 
+def connector_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` these flags describe (what ``--emit`` writes)."""
+    extra: dict[str, Any] = {
+        "chunk_size": args.chunk_size, "write_policy": args.write_policy,
+        "namespace": args.namespace, "compression": args.compression,
+    }  # fmt: skip
+    if args.remote_url is not None:
+        extra["remote_url"] = args.remote_url
+    if args.cpu_bytes is not None:
+        extra["cpu_bytes"] = args.cpu_bytes
+    return extra
+
+
 def _size(args: argparse.Namespace) -> int:
+    from kvtier.errors import ConfigError
     from kvtier.sizing.emit import emit
-    from kvtier.sizing.model import ModelConfigError
+    from kvtier.sizing.model import ModelConfigError, load_shape
     from kvtier.sizing.plan import make_plan
     from kvtier.sizing.table import format_plan
+    from kvtier.sizing.validate import check_deployment
 
     if err := check_numbers(args):
         print(f"kvtier size: error: {err}", file=sys.stderr)
         return 2
-    inp = plan_inputs(args)
     try:
-        plan = make_plan(inp)
-    except (ModelConfigError, ValueError, KeyError) as e:
+        shape = load_shape(args.model, dtype=args.dtype)
+        # what the connector would refuse at startup is refused here, in the same words
+        cfg = check_deployment(connector_settings(args), shape=shape, model=args.model,
+                               tp=args.tp, block_size=args.block_size)  # fmt: skip
+        args.cpu_bytes = cfg.cpu_bytes if isinstance(cfg.cpu_bytes, int) else None
+        inp = plan_inputs(args)
+        plan = make_plan(inp, shape)
+    except (ConfigError, ModelConfigError, ValueError, KeyError) as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
         return 2
     if args.trace:
@@ -162,7 +185,36 @@ def _size(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2))
     else:
         print(format_plan(plan))
-    return 1 if plan["fits"] is False else 0
+    if plan["fits"] is False:
+        print(f"kvtier size: {does_not_fit(plan)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def does_not_fit(plan: dict[str, Any]) -> str:
+    """Why the plan does not fit and, when it is the host, the largest cpu_bytes that does
+    (as a size string to pass back as --cpu-bytes or to write into the config)."""
+    from kvtier.config import format_size
+
+    largest = plan.get("largest_cpu_bytes_that_fits")
+    total, host = plan.get("host_bytes_total"), plan.get("host_memory_bytes")
+    if total is not None and host is not None and total > host and largest is not None:
+        if largest <= 0:
+            return (f"the plan does not fit: host needs {format_size(total)} but has "
+                    f"{format_size(host)}, and no host tier fits beside the rest (weights, "
+                    "vLLM's own KV cache, headroom)")
+        hint = size_string(largest)
+        return (f"the plan does not fit: host needs {format_size(total)} but has "
+                f"{format_size(host)}; the largest cpu_bytes that fits is {largest} "
+                f"({format_size(largest)}) per worker: --cpu-bytes {hint}")
+    return "the plan does not fit: " + "; ".join(
+        w["message"] for w in plan["warnings"] if w["code"] == "weights-exceed-gpu"
+    )
+
+
+def size_string(n: int) -> str:
+    """``n`` bytes rounded down to a whole GiB or MiB, as the config key takes it."""
+    return f"{n // 2**30}GiB" if n >= 2**30 else f"{max(0, n) // 2**20}MiB"
 
 
 def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
@@ -175,9 +227,6 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     if args.block_size < 1 or args.chunk_size < 1 or args.chunk_size % args.block_size:
         print("kvtier size: error: --chunk-size must be a positive multiple of --block-size",
               file=sys.stderr)
-        return 2
-    if args.cpu_bytes is not None and args.cpu_bytes < 0:
-        print("kvtier size: error: --cpu-bytes must not be negative", file=sys.stderr)
         return 2
     form = tr.TraceFormat(args.trace_format, args.trace_block_size)
     if args.trace_block_size is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig, load_config
@@ -54,7 +55,7 @@ def _vllm_config_in_frames() -> Any:
     except ImportError:  # pragma: no cover - vLLM is a dependency of the connector
         return None
     code = getattr(VllmConfig.__post_init__, "__code__", None)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             return frame.f_locals.get("self")
@@ -69,7 +70,8 @@ def check_engine_config(vllm_config: VllmConfig) -> KVTierConfig:
     ConfigError; returns the config."""
     from .identity import check_parallel
 
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    transfer = vllm_config.kv_transfer_config
+    extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
     cfg = load_config(extra)
     block_size = getattr(vllm_config.cache_config, "block_size", None)
     if isinstance(block_size, int) and block_size > 0:  # None until a GPU backend picks one

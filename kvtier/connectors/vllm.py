@@ -33,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import load_config, secret_in_config
 from kvtier.host.layout import KVGroup
+from kvtier.sizing.validate import ATTENTION_FREE_REASON, SSM_REASON, model_refused
 
 from .groups import Refused, describe, kv_groups, specs_of
 from .identity import check_parallel, namespace_for, workers_on_node
@@ -116,24 +117,16 @@ def check_kv_cache_groups(
     groups = kv_cache_config.kv_cache_groups
     block_size = vllm_config.cache_config.block_size
     if not groups:
-        reason = "it has no KV cache (an attention-free model): there is nothing to store"
+        reason = ATTENTION_FREE_REASON
     elif len(groups) == 1 and not all(isinstance(s, AttentionSpec) for s in specs_of(groups[0])):
-        reason = (
-            f"its KV cache is {describe(groups[0])}, recurrent state (Mamba/SSM) held once "
-            "per request rather than per token, which kvtier's chunks of tokens cannot "
-            "store or restore"
-        )
+        reason = f"its KV cache is {describe(groups[0])}, {SSM_REASON}"
     else:
         try:
             return kv_groups(kv_cache_config, block_size, chunk_size or block_size)
         except Refused as why:
             reason = str(why)
-    from kvtier.errors import ConfigError
-
-    raise ConfigError(
-        "model", str(vllm_config.model_config.model),
-        f"kvtier cannot serve this model: {reason}; serve it without kvtier's connector",
-    )
+    # the same error kvtier size gives for the model's config.json (kvtier.sizing.validate)
+    raise model_refused(str(vllm_config.model_config.model), reason)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):

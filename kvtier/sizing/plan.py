@@ -152,6 +152,12 @@ class PlanInputs:
     chunk_size: int = 256
     #: vLLM's --block-size (a sliding-window group's stored blocks are counted in it)
     block_size: int = 16
+    #: kvtier's ``cpu_bytes`` per worker when given (``--cpu-bytes``): the host tier the
+    #: plan checks, instead of the one it derives from the warm set
+    cpu_bytes: int | None = None
+    #: vLLM's CPU build: its own KV cache per worker (``VLLM_CPU_KVCACHE_SPACE``), which
+    #: with the weights lives in host memory beside kvtier's host tier
+    cpu_kv_space_bytes: int | None = None
     environ: Mapping[str, str] | None = field(default=None, repr=False)
 
 
@@ -265,8 +271,13 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     overhead = int(inp.overhead_gib * GiB)
 
     gpu_total = int(inp.gpu_memory_gib * GiB) if inp.gpu_memory_gib is not None else None
+    # vLLM's CPU build keeps its KV cache and the weights in host memory, beside the tier
+    cpu_build = inp.cpu_kv_space_bytes is not None
+    vllm_host = (inp.cpu_kv_space_bytes or 0) + weight_rank if cpu_build else 0
     if inp.gpu_kv_gib is not None:
         gpu_kv: int | None = int(inp.gpu_kv_gib * GiB)
+    elif cpu_build and gpu_total is None:
+        gpu_kv = inp.cpu_kv_space_bytes  # vLLM's own KV cache is that space
     elif gpu_total is not None:
         gpu_kv = int(inp.gpu_memory_utilization * gpu_total) - resident - overhead
     else:
@@ -287,24 +298,34 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     warm = bpt_rank * inp.context * inp.warm_sessions if inp.warm_sessions is not None else None
     tier: int | None
     tier_needed: bool | None
-    if warm is None or gpu_kv_pos is None:
+    if inp.cpu_bytes is not None:
+        tier, tier_needed = inp.cpu_bytes, True
+    elif warm is None or gpu_kv_pos is None:
         tier, tier_needed = None, None
     else:
         tier = host_tier_bytes(warm, gpu_kv_pos)
         tier_needed = tier is not None
     tier_for_total = tier if tier is not None else (0 if tier_needed is False else None)
+    per_worker_else = result.host_bytes + vllm_host  # host bytes per worker besides the tier
     host_total = (
-        host_total_bytes(tier_for_total, weight_offload_host_bytes=result.host_bytes,
+        host_total_bytes(tier_for_total, weight_offload_host_bytes=per_worker_else,
                          headroom_bytes=inp.headroom_bytes, tp=tp)
         if tier_for_total is not None else None
     )  # fmt: skip
     host_mem = int(inp.host_memory_gib * GiB) if inp.host_memory_gib is not None else None
+    largest = (
+        max(0, (host_mem - inp.headroom_bytes - tp * per_worker_else) // tp)
+        if host_mem is not None else None
+    )  # fmt: skip
     host_ok = None if host_total is None or host_mem is None else host_total <= host_mem
     if host_ok is False and host_total is not None:
+        vllm_text = (f" + vLLM CPU build's KV cache {gib(inp.cpu_kv_space_bytes)} and weights "
+                     f"{gib(weight_rank)}" if cpu_build else "")
         warns.append(warning("host-over-limit", (
             f"host needs {gib(host_total)} (offloaded weights {gib(result.host_bytes)} + host "
-            f"tier {gib(tier_for_total)} per worker x TP {tp} + headroom "
-            f"{gib(inp.headroom_bytes)}) but has {gib(host_mem)}.")))
+            f"tier {gib(tier_for_total)}{vllm_text} per worker x TP {tp} + headroom "
+            f"{gib(inp.headroom_bytes)}) but has {gib(host_mem)}; the largest cpu_bytes "
+            f"that fits is {largest} ({gib(largest)}) per worker.")))
         exact_total = host_total - tp * (result.host_bytes - result.gpu_bytes)
         if result.host_bytes > result.gpu_bytes and exact_total <= (host_mem or 0):
             warns.append(warning("pin-rounding-over-host", (
@@ -373,6 +394,14 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "warm_set_bytes": warm,
         "host_tier_needed": tier_needed,
         "host_tier_bytes": tier,
+        # --cpu-bytes as given (None: the tier above is derived from the warm set)
+        "cpu_bytes": inp.cpu_bytes,
+        # vLLM's CPU build, per worker: its KV cache (VLLM_CPU_KVCACHE_SPACE) and, with
+        # the weights, what it holds in host memory beside the tier; None on a GPU
+        "vllm_cpu_kv_bytes": inp.cpu_kv_space_bytes,
+        "vllm_cpu_host_bytes": vllm_host if cpu_build else None,
+        # the largest cpu_bytes (per worker) the host memory holds beside everything else
+        "largest_cpu_bytes_that_fits": largest,
         "headroom_bytes": inp.headroom_bytes,
         "host_memory_bytes": host_mem,
         "host_bytes_total": host_total,

@@ -89,10 +89,16 @@ def format_plan(p: dict[str, Any]) -> str:
         "host (per worker unless total)",
         ("warm set", _b(p["warm_set_bytes"])
          + ("" if p["warm_sessions"] is None else f" ({p['warm_sessions']} sessions)")),
-        ("kvtier host tier", tier_text + ("  = (warm - GPU KV) x 1.15" if tier else "")),
+        ("kvtier host tier", tier_text + (
+            "  = --cpu-bytes" if p.get("cpu_bytes") is not None
+            else "  = (warm - GPU KV) x 1.15" if tier else "")),  # fmt: skip
+        *([("vLLM CPU KV + weights", _b(p["vllm_cpu_host_bytes"])
+            + f"  (VLLM_CPU_KVCACHE_SPACE {_b(p['vllm_cpu_kv_bytes'])})")]
+          if p.get("vllm_cpu_host_bytes") is not None else []),  # fmt: skip
         ("headroom", _b(p["headroom_bytes"])),
         ("host total", _b(p["host_bytes_total"])),
         ("host memory", _b(p["host_memory_bytes"])),
+        ("largest cpu_bytes that fits", _b(p.get("largest_cpu_bytes_that_fits"))),
         ("fits", fits),
     ]
     lines = []
