@@ -52,6 +52,10 @@ class Namespace:
     #: shape (:meth:`kvtier.host.layout.SlotLayout.identity`); "" until the worker registered
     #: its KV caches (the scheduler's namespace, which stands for all workers)
     layers: str = ""
+    #: the model as the operator names it (vLLM's served model name), for the generation's
+    #: manifest only: never in a digest (with an object tier ``model`` is "" and the
+    #: fingerprint names the weights, wherever they were loaded from)
+    label: str = ""
 
     def digest(self, rank: int = ANY_RANK, stage: int = ANY_RANK) -> bytes:
         """16-byte digest of this namespace for one worker: its TP rank and pipeline stage

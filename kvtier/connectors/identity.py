@@ -60,6 +60,7 @@ def namespace_for(
         namespace=cfg.namespace,
         fingerprint=fingerprint,
         replicated_kv=bool(getattr(model, "use_mla", False)),
+        label=str(getattr(model, "served_model_name", None) or model.model),
     )
 
 

@@ -75,7 +75,7 @@ class Manifest:
     @classmethod
     def of(cls, ns: Namespace, now: float, first_seen: float | None = None) -> Manifest:
         return cls(
-            id=ns.generation(), model=ns.model, revision=ns.revision or "",
+            id=ns.generation(), model=ns.model or ns.label, revision=ns.revision or "",
             fingerprint=ns.fingerprint, layout=f"v{ns.layout_version}:{ns.layers}",
             namespace=ns.namespace, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
             tp_size=ns.tp_size, pp_size=ns.pp_size, chunk_size=ns.chunk_size,

@@ -70,8 +70,11 @@ def test_any_namespace_field_changes_the_key() -> None:
         "fingerprint": "weights-b", "layers": "layers-11-22",
     }
     # a field added to Namespace but left out of its digest would let two layouts share
-    # keys; replicated_kv is left out on purpose (it picks whose keys, see below)
-    assert changes.keys() | {"replicated_kv"} == {f.name for f in dataclasses.fields(Namespace)}
+    # keys; replicated_kv is left out on purpose (it picks whose keys, see below), and
+    # label (the name a generation's manifest shows: the same weights at two paths share)
+    assert changes.keys() | {"replicated_kv", "label"} == {
+        f.name for f in dataclasses.fields(Namespace)
+    }
     seen = {base}
     for field, value in changes.items():
         key = chunk_key(dataclasses.replace(NS, **{field: value}).digest(), HASHES[7])

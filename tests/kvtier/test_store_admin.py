@@ -140,6 +140,9 @@ def test_every_key_of_an_engine_names_one_generation_across_ranks_and_stages() -
                    {"tp_size": 2}, {"layout_version": NS.layout_version + 1}):  # fmt: skip
         assert dataclasses.replace(NS, **change).generation() != gen, change
     assert NS.after_weight_change(b"salt").generation() != gen
+    named = dataclasses.replace(NS, label="served-name")  # what the manifest shows, only
+    assert named.generation() == gen and named.digest(0, 0) == NS.digest(0, 0)
+    assert Manifest.of(dataclasses.replace(named, model=""), 0.0).model == "served-name"
     assert parse_object_key(manifest_key(gen)) == (gen, True)
     assert parse_object_key("ab" * 20) == (None, False)  # a bare chunk key (before)
     assert parse_object_key("session:42") is None  # another application's key
