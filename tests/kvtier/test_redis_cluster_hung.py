@@ -157,6 +157,19 @@ def test_a_hung_primary_costs_only_its_own_slots(hung: Hung) -> None:
     assert counts["reads_stuck"] == 0, "a read of the hung node was held past its deadline"
     assert counts["errors_timeout"] == 0
     assert not hung.rio.reads_down
+    # uploads too: the healthy primaries' are written, the hung one's fail as ``node``
+    fresh = prompt_keys(30)
+    doomed = {k for k in fresh if hung.tier._node_of(k) == hung.node}  # (the tier's slot map)
+    assert 0 < len(doomed) < len(fresh)
+    for i, key in enumerate(fresh):
+        assert hung.rio.submit_put(5000 + i, key, payload(i), dtype=DT, shape=SHAPE)
+    ups = collect(hung.rio, len(fresh))
+    for i, key in enumerate(fresh):
+        r = ups[5000 + i]
+        assert (r.ok, r.error_kind) == ((False, "node") if key in doomed else (True, None)), r
+    counts = hung.rio.counters()
+    assert counts["errors_unreachable"] == 0 and counts["writes_stuck"] == 0
+    assert not hung.rio.is_down
     assert set(hung.tier.take_node_errors()) == {hung.node}
     # the node runs again and executes what reached it meanwhile: one read per backoff
     hung.resume()

@@ -95,7 +95,7 @@ _CLIENT_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSEr
 #: errors of the fast write path that redis-py's own ``execute_command`` then handles: a
 #: dead connection or node (it refreshes the topology and retries once), a redirection
 _SLOW_PATH = (
-    redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.MovedError,
+    redis.ConnectionError, OSError, redis.exceptions.MovedError,
     redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError,
 )  # fmt: skip
 
@@ -395,7 +395,7 @@ class RedisClusterTier(RedisTier):
 
     # -- the object tier -------------------------------------------------------------
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def _exists_many(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return super().exists(keys)
         node, token = self._admit("exists", keys[0])
@@ -416,30 +416,56 @@ class RedisClusterTier(RedisTier):
         return data
 
     def _strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
-        """STRLEN + GETRANGE sent straight to the key's node, both replies read there, each
-        wait within the thread's deadline. A timeout is that node's failure (no retry, no
-        topology refresh now: the read's time is spent; one is asked for later); a dead
-        connection or a redirection goes through redis-py's pipeline, which reconnects,
-        refreshes and follows MOVED / ASK."""
+        """STRLEN + GETRANGE on the key's node (:meth:`_on_node`), redis-py's pipeline for
+        a dead connection or a redirection."""
+        replies = self._on_node(key, [("STRLEN", key), ("GETRANGE", key, 0, n - 1)])
+        if replies is None:
+            return super()._strlen_getrange(key, n)
+        return replies[0], replies[1]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """EXISTS of one key (an upload's check) on its node (:meth:`_on_node`); of more,
+        redis-py's pipeline (it splits them by node)."""
+        if len(keys) != 1:
+            return self._exists_many(keys)
+        node, token = self._admit("exists", keys[0])
+        try:
+            with self._errors("exists"):
+                replies = self._on_node(keys[0], [("EXISTS", keys[0])])
+            found = RedisTier.exists(self, keys) if replies is None else self._found(replies)
+        finally:
+            self._probe_over(node, token)
+        self._node_answered(node)
+        return found
+
+    def _found(self, replies: list[Any]) -> list[bool]:
+        if type(replies[0]) is not int:
+            raise self._wrong_reply("exists", "EXISTS", replies[0])
+        return [replies[0] > 0]
+
+    def _on_node(self, key: str, commands: list[tuple[str | int, ...]]) -> list[Any] | None:
+        """``commands`` sent straight to the key's node in one round trip and every reply
+        read there, each wait within the thread's deadline (None: use redis-py's path, for
+        a dead pooled connection or node, or a redirection, which it reconnects, refreshes
+        and follows). A timeout is that node's failure: no retry and no topology refresh
+        now (the call's time is spent; one is asked for, run by the node's next probe)."""
         client = self._cluster_client()
         try:
             node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
             pool = client.get_redis_connection(node).connection_pool
         except (*_CLIENT_ERRORS, IndexError, KeyError):
-            return super()._strlen_getrange(key, n)
+            return None
         conn: Any = None
         replies: list[Any] = []
         try:
             conn = _connection(pool)
-            expect_reply(conn, "STRLEN")
-            expect_reply(conn, "GETRANGE")
-            conn.send_packed_command(
-                [_command_frame("STRLEN", key) + _command_frame("GETRANGE", key, 0, n - 1)]
-            )
-            for _ in range(2):
+            for command in commands:
+                expect_reply(conn, str(command[0]))
+            conn.send_packed_command([b"".join(_command_frame(*c) for c in commands)])
+            for _ in commands:
                 try:
                     replies.append(conn.read_response())
-                except redis.ResponseError as exc:  # one reply's error: the other is read too
+                except redis.ResponseError as exc:  # one reply's error: the rest are read too
                     replies.append(exc)
         except redis.TimeoutError:
             self._refresh_later(getattr(node, "name", None))
@@ -448,21 +474,22 @@ class RedisClusterTier(RedisTier):
             replies = []  # a dead pooled connection or node: redis-py's path
         finally:
             if conn is not None:
-                if len(replies) < 2:
+                if len(replies) < len(commands):
                     conn.disconnect()
                 pool.release(conn)
         errors = [r for r in replies if isinstance(r, redis.ResponseError)]
         redirected = (redis.exceptions.MovedError, redis.exceptions.AskError)
         if not replies or any(isinstance(e, redirected) for e in errors):
-            return super()._strlen_getrange(key, n)
+            return None
         if errors:
             raise errors[0]
-        return replies[0], replies[1]
+        return replies
 
     def put(self, key: str, parts: Parts) -> None:
         """SET from the parts on the key's primary (one round trip, no join); a
         redirection or a dead pooled connection goes through redis-py's own
-        ``execute_command`` (which follows MOVED / ASK and refreshes the topology)."""
+        ``execute_command`` (which follows MOVED / ASK and refreshes the topology), a
+        timeout is the node's failure at once (a hung node is not waited for twice)."""
         node_name, token = self._admit("put", key)
         try:
             self._put(key, parts)
@@ -475,6 +502,7 @@ class RedisClusterTier(RedisTier):
         extra: list[Any] = ["EX", self.ttl_s] if self.ttl_s else []
         reply: Any = None
         conn: Any = None
+        node: Any = None
         with self._errors("put"):
             try:
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
@@ -483,6 +511,11 @@ class RedisClusterTier(RedisTier):
                 expect_reply(conn, "SET")
                 conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
                 reply = conn.read_response()
+            except redis.TimeoutError:  # a hung node: no second wait (nor a retry) on it
+                if conn is not None:
+                    conn.disconnect()
+                self._refresh_later(getattr(node, "name", None))
+                raise
             except _SLOW_PATH as exc:
                 if conn is not None and not isinstance(exc, redis.ResponseError):
                     conn.disconnect()
