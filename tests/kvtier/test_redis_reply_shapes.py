@@ -236,3 +236,14 @@ def test_wrong_reply_is_an_object_error_class() -> None:
     import redis
 
     assert issubclass(WrongReply, redis.exceptions.DataError)
+
+
+def test_a_long_error_reply_keeps_its_meaning(node: Callable[[dict[str, Reply]], FakeNode]) -> None:
+    """An error reply is bounded as a line, not by its command's (small) reply: a long
+    NOPERM to STRLEN is still the tier's outage, not a wrong reply."""
+    noperm = _send(b"-NOPERM " + b"u" * 1000 + b" has no permissions\r\n")
+    server = node({"STRLEN": noperm, "GETRANGE": noperm})
+    tier = RedisTier(f"redis://127.0.0.1:{server.port}/0")
+    with pytest.raises(TierUnavailable, match="NoPermissionError"):
+        tier.get("k", max_bytes=SLOT)
+    tier.close()

@@ -295,7 +295,8 @@ class _BoundedParser(_RESP2Parser):
         pos = self._buffer.get_pos()
         raw = self._buffer.readline(timeout=timeout)
         kind, rest = raw[:1], raw[1:]
-        reply.spend(len(raw) + 2)
+        if not (top and kind == b"-"):  # (an error reply is one line, bounded as a line)
+            reply.spend(len(raw) + 2)
         if kind in (b"$", b"*", b":"):
             if not _INT_LINE.fullmatch(rest) or (kind != b":" and int(rest) < -1):
                 raise redis.exceptions.InvalidResponse(f"Protocol Error: {raw[:80]!r}")
