@@ -241,27 +241,28 @@ _RENDERS: dict[str, subprocess.CompletedProcess] = {}
 
 
 def helm_template(
-    helm: str, values: dict[str, Any], tmp: Path, release: str = "rel", namespace: str = "llm"
+    helm: str, values: dict[str, Any], tmp: Path, release: str = "rel", namespace: str = "llm",
+    flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    key = json.dumps([release, namespace, values], sort_keys=True)
+    key = json.dumps([release, namespace, values, flags], sort_keys=True)
     if key not in _RENDERS:
         vfile = tmp / f"values-{len(_RENDERS)}.yaml"
         vfile.write_text(yaml.safe_dump(values))
         _RENDERS[key] = subprocess.run(
-            [helm, "template", release, str(CHART), "-n", namespace, "-f", str(vfile)],
+            [helm, "template", release, str(CHART), "-n", namespace, "-f", str(vfile), *flags],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     return _RENDERS[key]
 
 
-def render(helm: str, values: dict[str, Any], tmp: Path, **kw: str) -> list[dict[str, Any]]:
+def render(helm: str, values: dict[str, Any], tmp: Path, **kw: Any) -> list[dict[str, Any]]:
     out = helm_template(helm, values, tmp, **kw)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def render_fails(helm: str, values: dict[str, Any], tmp: Path) -> str:
-    out = helm_template(helm, values, tmp)
+def render_fails(helm: str, values: dict[str, Any], tmp: Path, flags: tuple[str, ...] = ()) -> str:
+    out = helm_template(helm, values, tmp, flags=flags)
     assert out.returncode != 0, f"helm template accepted {values}"
     return out.stderr
 
@@ -1153,3 +1154,159 @@ def test_notes_do_not_warn_when_chunks_are_encrypted(helm, tmp_path, fake_api, e
     values = {"image": image,
               "kvtier": {"remoteUrl": "s3://kv/prod", "encryption": {"existingSecret": enc_secret}}}
     assert "WARNING" not in install_notes(helm, values, tmp_path, fake_api)
+
+
+# ------------------------------------------- the guards take every spelling vLLM reads
+#
+# The password guard matched one spelling of each thing: a URL starting its value, and
+# --kv-transfer-config exactly. kvtier strips a URL (" redis://u:pw@h" is that tier and
+# that password), vLLM reads --kv_transfer_config as --kv-transfer-config, turns a dotted
+# --kv-transfer-config.a.b=v into a whole --kv-transfer-config (after the chart's: it
+# replaces the connector, its signing and its URL) and takes an unambiguous prefix of a
+# flag (--kv-transfer, --kv-t). Each spelling below is rendered by the real helm; the
+# spellings are checked against vLLM's own parser (test_the_spellings_are_what_vllm_reads).
+
+PW = "hunter2"
+#: --skip-schema-validation: the templates guard themselves (the schema refuses a
+#: remoteUrl with a leading space and extraConfig.remote_url; helm can be told to skip it)
+NO_SCHEMA = ("--skip-schema-validation",)
+UNSIGNED = {"allowUnsignedChunks": True}
+KTC_WITH_PW = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"remote_url": f"redis://:{PW}@h/0"}})
+#: arguments that set vLLM's --kv-transfer-config, and the chart must refuse
+KTC_SPELLINGS = {
+    "underscores": ["--kv_transfer_config", KTC_WITH_PW],
+    "underscores=": [f"--kv_transfer_config={KTC_WITH_PW}"],
+    "mixed": ["--kv-transfer_config", KTC_WITH_PW],
+    "dotted=": [f"--kv-transfer-config.kv_connector_extra_config.remote_url=redis://:{PW}@h/0"],
+    "dotted-underscores": ["--kv_transfer_config.kv_connector_extra_config.remote_url",
+                           f"redis://:{PW}@h/0"],
+    "dotted-role": ["--kv-transfer-config.kv_role", "kv_both"],
+    "prefix": ["--kv-transfer", KTC_WITH_PW],
+    "short-prefix=": [f"--kv-t={KTC_WITH_PW}"],
+    "prefix-dotted": [f"--kv_transf.kv_connector_extra_config.remote_url=redis://:{PW}@h/0"],
+}
+#: arguments near those that are other flags: the chart passes them on
+NOT_KTC = [["--kv-cache-dtype", "auto"], ["--kv_cache_dtype=auto"],
+           ["--kv-events-config", '{"enable_kv_cache_events": false}'],
+           ["--max-model-len", "2048"], ["--served-model-name", "kv-transfer-config"]]
+
+
+@pytest.mark.parametrize("where", ["extraArgs", "sizingArgs", "command"])
+@pytest.mark.parametrize("name", list(KTC_SPELLINGS))
+def test_every_spelling_of_kv_transfer_config_is_refused(helm, tmp_path, name, where):
+    args = KTC_SPELLINGS[name]
+    vllm = {"command": ["vllm", "serve", *args]} if where == "command" else {where: args}
+    err = render_fails(helm, {"kvtier": UNSIGNED, "vllm": vllm}, tmp_path)
+    assert "must not hold --kv-transfer-config" in err, err
+    assert f"vllm.{where}[" in err and PW not in err, err
+
+
+@pytest.mark.parametrize("args", NOT_KTC, ids=lambda a: a[0])
+def test_other_kv_flags_pass_through(helm, tmp_path, args):
+    (dep,) = kind(render(helm, {"vllm": {"extraArgs": args}}, tmp_path), "Deployment")
+    (c,) = pod_spec(dep)["containers"]
+    assert c["args"][-len(args):] == args
+    assert transfer_config(c)["kv_connector"] == "KVTierConnector"
+
+
+@pytest.fixture(scope="module")
+def vllm_parser():
+    """vLLM's own `vllm serve` parser (FlexibleArgumentParser), as the container runs it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_the_spellings_are_what_vllm_reads(vllm_parser):
+    """Every spelling the chart refuses replaces the chart's --kv-transfer-config in vLLM
+    (given after it, as vllm.extraArgs are); every one it passes on leaves it alone."""
+    chart = ["--model", "m", "--kv-transfer-config", json.dumps(
+        {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+         "kv_connector_module_path": "kvtier.connectors.vllm",
+         "kv_load_failure_policy": "recompute",
+         "kv_connector_extra_config": {"hmac_key_env": "KVTIER_HMAC_KEY"}})]
+
+    def seen(args: list[str]) -> tuple[Any, ...]:
+        c = vllm_parser.parse_args(chart + args).kv_transfer_config
+        return (c.kv_connector, c.kv_role, c.kv_connector_module_path,
+                c.kv_load_failure_policy, c.kv_connector_extra_config)
+
+    kept = seen([])
+    assert kept[0] == "KVTierConnector"
+    for name, args in KTC_SPELLINGS.items():
+        assert seen(args) != kept, f"{name}: vLLM kept the chart's config"
+    for args in NOT_KTC:
+        assert seen(args) == kept, args
+
+
+@pytest.mark.parametrize(
+    ("values", "flags", "message"),
+    [
+        ({"kvtier": {**UNSIGNED, "remoteUrl": f" redis://u:{PW}@h:6379/0"}}, NO_SCHEMA,
+         "kvtier.remoteUrl holds credentials"),
+        ({"kvtier": {**UNSIGNED, "remoteUrl": f"\t\nredis://u:{PW}@h:6379/0 "}}, NO_SCHEMA,
+         "kvtier.remoteUrl holds credentials"),
+        ({"kvtier": {**UNSIGNED, "extraConfig": {"remote_url": f" redis://:{PW}@h/0"}}},
+         NO_SCHEMA, "kvtier.extraConfig.remote_url holds credentials"),
+        ({"kvtier": {**UNSIGNED, "remoteUrl": "s3://b/p",
+                     "s3": {"endpointUrl": f" https://AKIA:{PW}@s3:9000"}}},
+         NO_SCHEMA, "kvtier.s3.endpointUrl holds credentials"),
+        ({"kvtier": UNSIGNED,
+          "vllm": {"env": [{"name": "KVTIER_REMOTE_URL", "value": f" redis://u:{PW}@h/0"}]}},
+         (), "vllm.env KVTIER_REMOTE_URL holds credentials"),
+        ({"kvtier": UNSIGNED,  # a JSON value with its slashes escaped
+          "vllm": {"env": [{"name": "CFG", "value": f'{{"u": "redis:\\/\\/:{PW}@h"}}'}]}},
+         (), "vllm.env CFG holds credentials"),
+        ({"vllm": {"extraArgs": ["--otlp-traces-endpoint", f" https://u:{PW}@otel:4317"]}},
+         (), "vllm.extraArgs[1] holds credentials"),
+        ({"vllm": {"extraArgs": ["--x-config", f'{{"url": "redis://u:{PW}@h"}}']}}, (),
+         "vllm.extraArgs[1] holds credentials"),
+        ({"vllm": {"command": ["env", f"OTEL=https://u:{PW}@otel", "vllm", "serve"]}}, (),
+         "vllm.command[1] holds credentials"),
+    ],
+    ids=["remoteUrl-space", "remoteUrl-tab", "extraConfig-space", "s3-endpoint-space",
+         "env-space", "env-json-escaped", "arg-space", "arg-json", "command"],
+)
+def test_a_password_is_refused_wherever_kvtier_would_find_it(helm, tmp_path, values, flags,
+                                                            message):
+    err = render_fails(helm, values, tmp_path, flags)
+    assert message in err, err
+    assert PW not in err, "the message repeats the secret"
+
+
+def test_a_url_with_spaces_is_the_tier_kvtier_uses(helm, tmp_path):
+    """kvtier strips remote_url: so does the chart, so the tier, its redis:// checks and the
+    password it adds from the Secret are the ones kvtier will use."""
+    values = {"kvtier": {"hmac": HMAC, "remoteUrl": "  redis://redis.cache:6379/0 ",
+                         "redis": {"existingSecret": "redis-auth"}}}
+    (dep,) = kind(render(helm, values, tmp_path, flags=NO_SCHEMA), "Deployment")
+    (c,) = pod_spec(dep)["containers"]
+    assert transfer_config(c)["kv_connector_extra_config"]["remote_url"] == \
+        "redis://redis.cache:6379/0"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVTIER_REMOTE_URL"] == "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"
+
+
+@pytest.mark.parametrize("key", ["remote_url", "s3_endpoint_url", "hmac_key_env",
+                                 "encryption_key_env", "namespace"])
+def test_settings_the_chart_owns_are_refused_in_extra_config(helm, tmp_path, key):
+    """Even when the chart leaves one unset: extraConfig.remote_url with kvtier.remoteUrl
+    empty was an object tier that the signing check never saw."""
+    values = {"kvtier": {"extraConfig": {key: "redis://redis.cache:6379/0"}}}
+    err = render_fails(helm, values, tmp_path, NO_SCHEMA)
+    assert f"kvtier.extraConfig.{key}: the chart sets {key}" in err, err
+
+
+def test_an_object_tier_from_the_environment_needs_a_key_too(helm, tmp_path):
+    """KVTIER_REMOTE_URL in vllm.env overrides remote_url: it is an object tier, signed
+    only if a key is set (the chart's, or a KVTIER_* key override beside it)."""
+    env = [{"name": "KVTIER_REMOTE_URL",
+            "valueFrom": {"secretKeyRef": {"name": "tier", "key": "url"}}}]
+    err = render_fails(helm, {"vllm": {"env": env}}, tmp_path)
+    assert "KVTIER_REMOTE_URL in vllm.env" in err and "no HMAC key signs its chunks" in err
+    render(helm, {"vllm": {"env": env}, "kvtier": {"hmac": HMAC}}, tmp_path)
+    render(helm, {"vllm": {"env": env}, "kvtier": UNSIGNED}, tmp_path)
+    keyed = [*env, {"name": "KVTIER_HMAC_KEY_FILE", "value": "/etc/kvtier/hmac/key"}]
+    render(helm, {"vllm": {"env": keyed}}, tmp_path)

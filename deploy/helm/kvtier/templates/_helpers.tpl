@@ -228,7 +228,8 @@ autosize uses the same bound), or the budget itself with disablePinMemory.
 
 {{/* The object tier URL kvtier uses (no credentials): kvtier.remoteUrl or the in-chart Redis. */}}
 {{- define "kvtier.remoteUrl" -}}
-{{- $url := .Values.kvtier.remoteUrl | default "" }}
+{{- /* trimmed as kvtier strips it: " redis://..." is the same tier (and the same password) */}}
+{{- $url := .Values.kvtier.remoteUrl | default "" | toString | trim }}
 {{- if and .Values.redis.enabled $url }}
 {{- fail "redis.enabled deploys a Redis that kvtier uses as its object tier; leave kvtier.remoteUrl empty, or disable redis.enabled to use your own" }}
 {{- end }}
@@ -248,13 +249,14 @@ it: user:password@ (or a user@), a query argument named like one (password=, pwd
 token=, secret=, ...key=, auth=, sig=, cred=: redis-py takes ?password=, S3 presigned URLs
 carry X-Amz-Signature= and X-Amz-Credential=), or a query argument whose name is
 percent-encoded (clients decode names, so pass%77ord= is password=). ssl_keyfile= names
-a file, not a secret. Argument: (list FIELD URL).
+a file, not a secret. The URL may be anywhere in the value: after spaces (kvtier strips
+them), inside a JSON argument, its slashes JSON-escaped (:\/\/). Argument: (list FIELD URL).
 */}}
 {{- define "kvtier.refuseCredentials" -}}
 {{- $field := index . 0 }}
 {{- $url := toString (index . 1) }}
 {{- $hint := "they would be readable in the pod spec (kubectl get -o yaml). Give a Redis password as kvtier.redis.existingSecret, S3 keys as kvtier.s3.existingSecret" }}
-{{- if regexMatch "^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*@" $url }}
+{{- if regexMatch "[a-zA-Z][a-zA-Z0-9+.-]*:(//|\\\\/\\\\/)[^/?#]*@" $url }}
 {{- fail (printf "%s holds credentials (user:password@); %s" $field $hint) }}
 {{- end }}
 {{- $query := regexReplaceAll "(?i)[?&;]ssl_keyfile=[^&;#]*" (regexReplaceAll "^[^?#]*" $url "") "" }}
@@ -273,23 +275,55 @@ vllm.env values.
 */}}
 {{- define "kvtier.checkCredentials" -}}
 {{- $k := .Values.kvtier }}
+{{- $urlish := ":(//|\\\\/\\\\/)" }}
 {{- include "kvtier.refuseCredentials" (list "kvtier.remoteUrl" ($k.remoteUrl | default "")) }}
 {{- include "kvtier.refuseCredentials" (list "kvtier.s3.endpointUrl" ($k.s3.endpointUrl | default "")) }}
 {{- range $key, $val := $k.extraConfig }}
-{{- if and (kindIs "string" $val) (contains "://" $val) }}
-{{- include "kvtier.refuseCredentials" (list (printf "kvtier.extraConfig.%s" $key) $val) }}
+{{- $text := ternary $val (toJson $val) (kindIs "string" $val) }}
+{{- if regexMatch $urlish $text }}
+{{- include "kvtier.refuseCredentials" (list (printf "kvtier.extraConfig.%s" $key) $text) }}
 {{- end }}
 {{- end }}
-{{- range $key := list "sizingArgs" "extraArgs" }}
+{{- range $key := list "command" "sizingArgs" "extraArgs" }}
 {{- range $i, $a := index $.Values.vllm $key | default list }}
-{{- if contains "://" (toString $a) }}
-{{- include "kvtier.refuseCredentials" (list (printf "vllm.%s[%d]" $key $i) (regexReplaceAll "^--[a-zA-Z0-9-]+=" (toString $a) "")) }}
+{{- if regexMatch $urlish (toString $a) }}
+{{- include "kvtier.refuseCredentials" (list (printf "vllm.%s[%d]" $key $i) (toString $a)) }}
 {{- end }}
 {{- end }}
 {{- end }}
 {{- range .Values.vllm.env }}
-{{- if and (kindIs "string" .value) (contains "://" (toString .value)) }}
+{{- if and (kindIs "string" .value) (regexMatch $urlish (toString .value)) }}
 {{- include "kvtier.refuseCredentials" (list (printf "vllm.env %s" .name) .value) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+kvtier.vllmFlag: the long option a vLLM argument sets, as vLLM's FlexibleArgumentParser
+reads it: the name before "=" and before the first "." (a dotted --a.b.c=v sets key b.c
+of --a's JSON and replaces all of --a), underscores read as dashes
+(--kv_transfer_config is --kv-transfer-config); "" when the argument is no long option.
+Argument: the argument.
+*/}}
+{{- define "kvtier.vllmFlag" -}}
+{{- replace "_" "-" (regexFind "^--[^=.]*" (toString .)) }}
+{{- end }}
+
+{{/*
+vLLM's --kv-transfer-config is the chart's (the connector, its signing, its URL): no
+argument may set it, in any spelling vLLM takes: underscores for dashes, a dotted
+--kv-transfer-config.key=value (vLLM turns it into a whole --kv-transfer-config), or an
+abbreviation (vLLM's argparse takes an unambiguous prefix such as --kv-transfer or --kv-t).
+The message names the flag, never its value (it may hold a password).
+*/}}
+{{- define "kvtier.checkVllmArgs" -}}
+{{- $full := "--kv-transfer-config" }}
+{{- range $key := list "command" "sizingArgs" "extraArgs" }}
+{{- range $i, $a := index $.Values.vllm $key | default list }}
+{{- $flag := include "kvtier.vllmFlag" $a }}
+{{- if and (hasPrefix "--kv-t" $flag) (hasPrefix $flag $full) }}
+{{- fail (printf "vllm.%s[%d] (%s) sets vLLM's --kv-transfer-config: vLLM args must not hold --kv-transfer-config in any spelling vLLM reads (_ for -, a dotted --kv-transfer-config.key=value, a prefix such as --kv-transfer); the chart renders it from the kvtier values, set those instead" $key $i (regexFind "^--[^=]*" (toString $a))) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -372,21 +406,39 @@ counts: AES-GCM authenticates every sealed chunk, and unsealed ones are refused.
 {{- $k := .Values.kvtier }}
 {{- $url := include "kvtier.remoteUrl" . }}
 {{- $signed := include "kvtier.signed" . }}
-{{- if and $url (not $signed) (not $k.allowUnsignedChunks) }}
+{{- $envUrl := hasKey (include "kvtier.vllmEnvNames" . | fromJson) "KVTIER_REMOTE_URL" }}
+{{- if and (or $url $envUrl) (not $signed) (not $k.allowUnsignedChunks) }}
 {{- $what := printf "kvtier.remoteUrl %q is an object tier" $url }}
 {{- if .Values.redis.enabled }}
 {{- $what = "the in-chart Redis (redis.enabled) is an object tier" }}
+{{- else if not $url }}
+{{- $what = "KVTIER_REMOTE_URL in vllm.env (it overrides remote_url) names an object tier" }}
 {{- end }}
 {{- fail (printf "%s that every replica loads KV from, but no HMAC key signs its chunks (and no encryption key seals them): anyone who can write it could feed KV to every replica. Set kvtier.hmac.existingSecret to a Secret holding a key (kubectl create secret generic kvtier-hmac --from-literal=hmac-key=\"$(openssl rand -hex 32)\"), or kvtier.encryption.existingSecret to one holding an encryption key (kubectl create secret generic kvtier-encryption --from-literal=encryption-key=\"$(openssl rand -hex 32)\"), or set kvtier.allowUnsignedChunks=true to accept unsigned chunks." $what) }}
 {{- end }}
 {{- end }}
 
-{{/* "true" when chunks are authenticated: an HMAC key or an encryption key (AES-GCM). */}}
+{{/* "true" when chunks are authenticated: an HMAC key or an encryption key (AES-GCM),
+from the chart's values, kvtier.extraConfig, or the KVTIER_* overrides in vllm.env. */}}
 {{- define "kvtier.signed" -}}
 {{- $k := .Values.kvtier }}
 {{- $extra := $k.extraConfig | default dict }}
 {{- $enc := $k.encryption | default dict }}
-{{- if or $k.hmac.existingSecret (get $extra "hmac_key_file") $enc.existingSecret (get $extra "encryption_key_file") }}true{{ end }}
+{{- $env := include "kvtier.vllmEnvNames" . | fromJson }}
+{{- $envKey := false }}
+{{- range list "KVTIER_HMAC_KEY_ENV" "KVTIER_HMAC_KEY_FILE" "KVTIER_ENCRYPTION_KEY_ENV" "KVTIER_ENCRYPTION_KEY_FILE" }}
+{{- if hasKey $env . }}{{ $envKey = true }}{{ end }}
+{{- end }}
+{{- if or $k.hmac.existingSecret (get $extra "hmac_key_file") $enc.existingSecret (get $extra "encryption_key_file") $envKey }}true{{ end }}
+{{- end }}
+
+{{/* The names set in vllm.env, as a JSON object (name -> true). */}}
+{{- define "kvtier.vllmEnvNames" -}}
+{{- $names := dict }}
+{{- range .Values.vllm.env }}
+{{- $_ := set $names (toString .name) true }}
+{{- end }}
+{{- toJson $names }}
 {{- end }}
 
 {{/*
@@ -435,8 +487,9 @@ Sizes are rendered as byte counts so kvtier and the chart read them the same way
 {{- if $k.encryption.existingSecret }}
 {{- $_ = set $cfg "encryption_key_env" $k.encryption.envName }}
 {{- end }}
+{{- $owned := list "remote_url" "s3_endpoint_url" "hmac_key_env" "encryption_key_env" "namespace" }}
 {{- range $key, $val := $k.extraConfig }}
-{{- if hasKey $cfg $key }}
+{{- if or (hasKey $cfg $key) (has $key $owned) }}
 {{- fail (printf "kvtier.extraConfig.%s: the chart sets %s from its own values; set it there" $key $key) }}
 {{- end }}
 {{- $_ = set $cfg $key $val }}
