@@ -116,3 +116,16 @@ def test_the_startup_plan_of_a_cpu_engine(tmp_path, monkeypatch) -> None:
     assert plan.check(4 * GiB) == 4 * GiB
     with pytest.raises(ConfigError):
         plan.check(5 * GiB)
+
+
+def test_the_scheduler_does_not_count_the_allocated_slabs_twice(tmp_path, monkeypatch) -> None:
+    """vLLM builds the scheduler after the workers allocated (and committed) their slabs:
+    an explicit cpu_bytes checked again then against the memory left was refused when it
+    was over half of what the host had. It was checked before the workers allocated; the
+    scheduler takes it as it is. "auto" is still resolved there, as the workers' share."""
+    monkeypatch.setattr(autosize, "_available", lambda: 3 * GiB)
+    engine = fake_engine(tmp_path, kv_bytes=GiB, tp=2)
+    cfg = load_config({"cpu_bytes": "8GiB", "cpu_headroom_bytes": "1GiB"}, environ={})
+    assert slots.resolve_host_bytes(cfg, engine, 2) == 8 * GiB  # type: ignore[arg-type]
+    auto = load_config({"cpu_bytes": "auto", "cpu_headroom_bytes": "1GiB"}, environ={})
+    assert slots.resolve_host_bytes(auto, engine, 2) == GiB  # type: ignore[arg-type]
