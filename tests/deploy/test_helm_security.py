@@ -1310,3 +1310,21 @@ def test_an_object_tier_from_the_environment_needs_a_key_too(helm, tmp_path):
     render(helm, {"vllm": {"env": env}, "kvtier": UNSIGNED}, tmp_path)
     keyed = [*env, {"name": "KVTIER_HMAC_KEY_FILE", "value": "/etc/kvtier/hmac/key"}]
     render(helm, {"vllm": {"env": keyed}}, tmp_path)
+
+
+def test_flags_the_chart_reads_are_read_in_vllms_spelling(helm, tmp_path):
+    """The chart reads --tensor-parallel-size, --shutdown-timeout and --cpu-offload-gb from
+    the args as vLLM does, underscores included: --tensor_parallel_size 2 is two workers."""
+    err = render_fails(helm, {"gpu": {"count": 1},
+                              "vllm": {"extraArgs": ["--tensor_parallel_size", "2"]}}, tmp_path)
+    assert "run 2 GPU workers" in err and "gpu.count is 1" in err, err
+    err = render_fails(helm, {"weightOffload": {"cpuOffloadGb": 2},
+                              "vllm": {"extraArgs": ["--cpu_offload_gb=2"]}}, tmp_path)
+    assert "--cpu-offload-gb is set twice" in err, err
+    values = {"kvtier": {**UNSIGNED, "remoteUrl": "s3://b/p"},
+              "vllm": {"extraArgs": ["--shutdown_timeout=45"]}}
+    (dep,) = kind(render(helm, values, tmp_path), "Deployment")
+    (c,) = pod_spec(dep)["containers"]
+    assert not [a for a in c["args"] if a.startswith("--shutdown-timeout")]
+    err = render_fails(helm, {**values, "terminationGracePeriodSeconds": 50}, tmp_path)
+    assert "--shutdown-timeout 45" in err, err

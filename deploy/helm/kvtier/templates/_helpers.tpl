@@ -102,6 +102,7 @@ Argument: (list FIELD VALUE MODE)
 
 {{/*
 kvtier.argValue: the value of a flag in vllm.extraArgs ("--flag N" or "--flag=N"), or "".
+A long flag is matched as vLLM reads it: --tensor_parallel_size is --tensor-parallel-size.
 Argument: (list ARGS NAME ALIAS...)
 */}}
 {{- define "kvtier.argValue" -}}
@@ -110,6 +111,10 @@ Argument: (list ARGS NAME ALIAS...)
 {{- $found := "" }}
 {{- range $i, $a := $args }}
 {{- $s := toString $a }}
+{{- $key := regexFind "^--[^=]*" $s }}
+{{- if and $key (not (contains "." $key)) }}
+{{- $s = printf "%s%s" (replace "_" "-" $key) (trimPrefix $key $s) }}
+{{- end }}
 {{- range $names }}
 {{- if hasPrefix (printf "%s=" .) $s }}
 {{- $found = trimPrefix (printf "%s=" .) $s }}
