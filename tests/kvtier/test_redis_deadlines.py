@@ -201,3 +201,23 @@ def test_a_new_connection_connects_within_the_deadline() -> None:
         tier.get("k", 100)
     assert time.monotonic() - t0 < 1.5
     tier.close()
+
+
+@pytest.mark.integration
+def test_reads_within_a_deadline_over_tls_with_auth(services) -> None:
+    """Under a call deadline a new connection (TCP, TLS handshake, AUTH, INFO) and the
+    read itself work as without one; the socket's own timeout is restored after."""
+    server = services.redis(tls=True, password="pw-47")
+    tier = RedisTier(server.url)
+    tier.put("k", [b"head1234", payload(1)])
+    tier._client.connection_pool.disconnect()  # the next read opens a new connection
+    dest = memoryview(bytearray(SIZE))
+    with call_deadline(time.monotonic() + 5):
+        assert tier.read_into("k", dest, 64) == b"head1234"
+    assert dest == payload(1)
+    conn = tier._client.connection_pool.get_connection()
+    try:
+        assert conn._sock.gettimeout() == conn.socket_timeout
+    finally:
+        tier._client.connection_pool.release(conn)
+    tier.close()
