@@ -51,7 +51,8 @@ class Timeouts:
 
     @property
     def reply_s(self) -> float:
-        """A request's reply (a socket read): a started read owns its slot until then."""
+        """A request's reply (a socket wait) outside a call deadline: an upload's; a
+        read waits at most what is left of its deadline (:func:`call_deadline`)."""
         return max(1.0, 2 * self.lookup_s)
 
     @property
@@ -63,7 +64,8 @@ class Timeouts:
     def stall_s(self) -> float:
         """An upload still in its backend call after this long is stuck (RemoteIO counts
         it and takes writes down): every attempt's connect and longest pause, and then
-        some. A read is stuck past the lookup deadline itself."""
+        some. A read is stuck past the lookup deadline itself (for a tier that ends its
+        reads by it, a grace after it)."""
         return (1 + RETRIES) * (self.connect_s + self.body_s)
 
 
