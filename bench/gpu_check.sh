@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: run kvtier's CUDA tests, then bench/gpu_transfer.py,
-# bench/gpu_restart.py and bench/gpu_copy_variants.py, each under a timeout, and print the
+# bench/gpu_restart.py, each under a timeout, and print the
 # figures. Needs only torch (CUDA build), pytest, msgpack, xxhash and cryptography: no
 # vLLM, and no install (PYTHONPATH points at this checkout). The hybrid end-to-end case at
 # the end runs only where vLLM's CUDA build is installed. Figures also land in
@@ -41,12 +41,6 @@ timeout 240 $PY bench/gpu_restart.py --json "$OUT/gpu_restart.json" \
         --json "$OUT/gpu_restart_threads16.json"
 restart_rc=$?
 
-# Three ways of loading paged KV (kvtier's copier, one copy per chunk and layer, one per
-# chunk): GB/s and overlap with a layer loop, to choose the next copier by numbers.
-echo "== bench/gpu_copy_variants.py"
-timeout 180 $PY bench/gpu_copy_variants.py --json "$OUT/gpu_copy_variants.json"
-variants_rc=$?
-
 # A hybrid model end to end (needs vLLM's CUDA build; skipped without it): a tiny random-
 # weight Llama whose odd layers slide over 128 tokens, built locally. vLLM keeps its hybrid
 # KV cache manager with kvtier (two KV cache groups, no "Turning off hybrid kv cache
@@ -62,7 +56,7 @@ else
 fi
 
 echo "== summary: cuda tests rc=$tests_rc, cpu tests rc=$cpu_rc, bench rc=$bench_rc," \
-     "restart rc=$restart_rc, variants rc=$variants_rc, hybrid e2e rc=$hybrid_rc," \
+     "restart rc=$restart_rc, hybrid e2e rc=$hybrid_rc," \
      "figures in $OUT/gpu_*.json"
 [ "$tests_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$restart_rc" -eq 0 ] \
-    && [ "$variants_rc" -eq 0 ] && [ "$hybrid_rc" -eq 0 ]
+    && [ "$hybrid_rc" -eq 0 ]
