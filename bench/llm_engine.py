@@ -69,7 +69,7 @@ def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
     """An ``LLM`` with kvtier (1 GiB host tier, 256-token chunks, ``extra`` on top);
     ``in_process``: the scheduler, the worker and kvtier's I/O threads all in this process
     (what a profile of them needs); ``failure_policy``: vLLM's ``kv_load_failure_policy``
-    (``recompute``, as the README advises: a local directory tier's lookups then answer
+    (``recompute``, as docs/configuration.md advises: a local directory tier's lookups then answer
     in their own step)."""
     from vllm import LLM
 

@@ -14,7 +14,7 @@ random-weight Llama):
    for the exact hit rate at a size), with the engine's chunk and block size;
 3. it picks three host-tier sizes at about 20 %, 50 % and 90 % of the curve's range (and
    never fewer slots than the longest prompt's full chunks: below that the model is not
-   exact, see the README), and replays the trace through one engine per size
+   exact, see docs/sizing.md), and replays the trace through one engine per size
    (``cpu_bytes`` = that many slots of the engine's own slot size), one request at a time
    in trace order, with ``LLM.reset_prefix_cache()`` before each request (it leaves
    kvtier's tier alone), so vLLM's own prefix cache serves nothing and every hit is
@@ -121,7 +121,7 @@ def pick_slots(served: list[int], floor: int,
                fractions: tuple[float, ...] = FRACTIONS) -> list[int]:
     """The smallest tier (in slots) reaching each fraction of the curve's range, at least
     ``floor`` slots (below the longest prompt's chunks the model is not exact: see
-    README, Sizing from a request trace)."""
+    docs/sizing.md, Sizing from a request trace)."""
     top = served[-1]
     out = []
     for f in fractions:

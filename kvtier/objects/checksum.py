@@ -2,7 +2,7 @@
 
 Apart from the codec because the tiers compute it too, piece by piece as a payload
 lands in its slot (:meth:`ObjectTier.read_into_hashed`). CRC-32 rather than the xxh3-128
-of older chunks: on the GPU host's CPU ISA-L's CRC-32 ran 1.6-3.2x faster (README,
+of older chunks: on the GPU host's CPU ISA-L's CRC-32 ran 1.6-3.2x faster (docs/cuda.md,
 "Object tier"; on a 2-core VM about as fast), and every byte of every hit is checked. It
 guards against accidents (a bit flip, a torn or mixed-up object: a corrupt payload passes
 with odds of 2^-32); forgery is the HMAC signature's job.

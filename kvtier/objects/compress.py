@@ -71,7 +71,7 @@ _FP8_MAGIC = b"F8E4"
 _FP8_SLICE = 16384
 #: blosc2's fixed chunk header: nothing shorter is a stream
 _BLOSC2_MIN = 32
-#: zstd level: level 1 had the best ratio x speed on bf16 KV (README, Compression)
+#: zstd level: level 1 had the best ratio x speed on bf16 KV (docs/performance.md, Compression)
 CLEVEL = 1
 
 _ITEMSIZE = {

@@ -10,7 +10,7 @@ is sized raw whatever the setting.
   :data:`FP8_HEADER_BYTES`-byte header, in every rank's object of a chunk. KV that is
   not 16-bit (already fp8 in vLLM, or fp32) is stored as it is.
 - ``lossless``: python-blosc2's byte shuffle + zstd-1 has no fixed ratio, so the planner
-  uses :data:`LOSSLESS_RATIO`, measured (README, Compression), or the operator's own
+  uses :data:`LOSSLESS_RATIO`, measured (docs/performance.md, Compression), or the operator's own
   ``--compression-ratio`` (a running tier's ``kvtier:compress_stored_bytes_total`` ÷
   ``kvtier:compress_raw_bytes_total``). The measurement is of 16-bit KV; KV of another
   width is sized raw unless a ratio is given.
@@ -38,12 +38,12 @@ FP8_SCALE_BYTES = 4
 #: fp8: the stream's header, magic and block size (kvtier.objects.compress._FP8_HEAD)
 FP8_HEADER_BYTES = 8
 #: lossless: stored ÷ raw of 16-bit KV under blosc2 shuffle + zstd-1, the larger of the two
-#: measurements in the README's Compression table (0.690 on the random-weight test
+#: measurements in docs/performance.md's Compression table (0.690 on the random-weight test
 #: model's bf16 KV from a real engine's host slab, 0.705 on synthetic KV-like bf16), so
 #: the plan does not promise more than was measured. No trained model's KV was measured.
 LOSSLESS_RATIO = 0.705
 LOSSLESS_SOURCE = (
-    "measured: blosc2 shuffle + zstd-1 on bf16 KV (README, Compression: 0.690 on the "
+    "measured: blosc2 shuffle + zstd-1 on bf16 KV (docs/performance.md, Compression: 0.690 on the "
     "random-weight test model, 0.705 on synthetic KV; the larger is used; no trained "
     "model measured); pass --compression-ratio with your own "
     "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "

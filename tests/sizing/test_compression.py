@@ -92,11 +92,11 @@ def test_the_format_restated_here_is_kvtiers() -> None:
         assert len(got[1]) == cz.resolve("fp8", 2).stored_bytes(raw.nbytes) == fp8_object(values)
 
 
-def test_lossless_default_is_the_readme_measurement(capsys: Any) -> None:
+def test_lossless_default_is_the_documented_measurement(capsys: Any) -> None:
     p = size_json(capsys, "--model", LLAMA, "--compression", "lossless")
     c = p["object_compression"]
     assert c["ratio"] == cz.LOSSLESS_RATIO == 0.705
-    assert "README" in c["ratio_source"] and "kvtier:compress_stored_bytes_total" in \
+    assert "docs/performance.md" in c["ratio_source"] and "kvtier:compress_stored_bytes_total" in \
         c["ratio_source"]
     assert c["stored_chunk_bytes"] == math.ceil(256 * 131_072 * 0.705)
     measured = (Path(__file__).resolve().parents[2] / "docs" / "performance.md").read_text()
@@ -131,7 +131,7 @@ def test_none_is_raw(capsys: Any) -> None:
 def test_text_report_shows_the_ratio_and_its_source(capsys: Any) -> None:
     assert main(["size", "--model", LLAMA, "--compression", "lossless"]) == 0
     out = capsys.readouterr().out
-    assert "stored (lossless)" in out and "0.705 x raw" in out and "README" in out
+    assert "stored (lossless)" in out and "0.705 x raw" in out and "docs/performance.md" in out
     assert main(["size", "--model", LLAMA]) == 0
     assert "stored (" not in capsys.readouterr().out
 
