@@ -106,9 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="send at F times the trace's rate (its timestamps divided by F)")
     t.add_argument("--max-gap", type=float, default=DEFAULT_MAX_GAP_S, metavar="S",
                    help="wait at most S seconds between two requests (after --speedup; "
-                   "default 60, at most 86400): a longer gap in the trace is cut to S, and "
-                   "a line timestamped before an earlier one is sent at once; both counted "
-                   "in the report")
+                   "default 60, at most 86400): a longer gap in the trace is cut to S; a "
+                   "line timestamped before an earlier one is sent at once (more than S "
+                   "before: the replay keeps time from it); both counted in the report")
     t.add_argument("--max-requests", type=int, default=None, metavar="N",
                    help="replay only the first N requests")
     t.add_argument("--max-input-tokens", type=int, default=None, metavar="N",

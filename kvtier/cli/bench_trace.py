@@ -68,7 +68,7 @@ class Bounds:
     #: longest wait between two requests (--max-gap), and the gaps cut to it
     max_gap_s: float = DEFAULT_MAX_GAP_S
     gaps_cut: int = 0
-    #: lines whose timestamp is earlier than an earlier line's: due at once
+    #: lines timestamped before an earlier line: due at once (Schedule)
     timestamps_backwards: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -78,8 +78,10 @@ class Bounds:
 class Schedule:
     """When each request is due, in seconds of the replay: the trace's timestamps divided
     by ``speedup``, but no gap longer than ``max_gap`` (one timestamp of 1e15 ms must not
-    stall the replay for years) and a line earlier than the latest one due at once, so
-    one stray timestamp shifts the rest of the replay by at most ``max_gap``."""
+    stall the replay for years). A line a little earlier than the latest (lines out of
+    order) is due at once; one more than ``max_gap`` earlier starts the clock again from
+    its own time, so after a stray timestamp, far ahead or far behind, the rest keeps its
+    pace, shifted by at most ``max_gap``."""
 
     def __init__(self, speedup: float, bounds: Bounds) -> None:
         self.speedup = speedup
@@ -97,6 +99,8 @@ class Schedule:
         gap = (timestamp - self._latest) / self.speedup  # finite / >= 1e-3: may be inf
         if gap < 0:
             self.bounds.timestamps_backwards += 1
+            if gap < -self.bounds.max_gap_s:  # after a stray line: its time is the clock
+                self._latest = timestamp
             return self.due
         if gap > self.bounds.max_gap_s:
             self.bounds.gaps_cut += 1
