@@ -200,3 +200,68 @@ def test_a_read_of_a_hung_primary_ends_at_its_deadline(hung: Hung) -> None:
     hung.wait_node_backoff()
     probe = hung.fetch([hung.hung[1]])[hung.hung[1]]
     assert not probe.ok and probe.seconds < DEADLINE_MS / 1000 + 0.35, f"{probe.seconds:.2f} s"
+
+
+def _failed_over(port: int, victim: int) -> bool:
+    """As node ``port`` sees the cluster: ``victim`` is marked failed and every slot is
+    served (its replica took its slots)."""
+    try:
+        info = _command(port, "CLUSTER", "INFO")
+        nodes = _command(port, "CLUSTER", "NODES")
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+    gone = any(
+        f":{victim}@" in line and "fail" in line.split()[2] and "fail?" not in line.split()[2]
+        for line in nodes.splitlines()
+    )
+    return gone and "cluster_state:ok" in info
+
+
+def test_a_hung_primary_failed_over_is_found_by_the_next_probe() -> None:
+    """The cluster fails a hung primary over to its replica: the hung node still accepts
+    connections (its kernel does) and never answers, so nothing but a topology refresh
+    finds the new primary. The node's next probe runs the refresh its timeout asked for,
+    and every slot is served again by the same tier."""
+    c = RedisCluster(replicas=1, node_timeout_ms=1000)
+    try:
+        c.start()
+        tier = RedisClusterTier(c.url, lookup_timeout_ms=DEADLINE_MS)
+        rio = RemoteIO(tier, threads=4, queue_depth=256, timeout_s=DEADLINE_MS / 1000,
+                       signer=None)  # fmt: skip
+        keys = prompt_keys(24)
+        for i, key in enumerate(keys):
+            assert rio.submit_put(i, key, payload(i), dtype=DT, shape=SHAPE)
+        assert all(r.ok for r in collect(rio, len(keys)).values())
+        victim = c.port_of_slot(tier._cluster.keyslot(keys[0]))
+        c.wait_replicated(victim)
+        healthy = next(p for p in c.primary_ports() if p != victim)
+        os.kill(c.procs[victim].pid, signal.SIGSTOP)
+        base = 100
+        first = {}
+        for i, key in enumerate(keys):
+            rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
+                                dtype=DT, shape=SHAPE)  # fmt: skip
+        first = collect(rio, len(keys))
+        assert any(r.error_kind == "node" for r in first.values())
+        deadline = time.monotonic() + 30
+        while not _failed_over(healthy, victim) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _failed_over(healthy, victim), "the cluster did not fail the hung node over"
+        while True:  # each round: the node's probe (and its refresh), then every key
+            base += 100
+            for i, key in enumerate(keys):
+                rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
+                                    dtype=DT, shape=SHAPE)  # fmt: skip
+            res = collect(rio, len(keys))
+            if all(r.ok for r in res.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert all(r.ok for r in res.values()), {r.op_id: r.error_kind for r in res.values()}
+        assert rio.counters()["errors_unreachable"] == 0
+        rio.close()
+        tier.close()
+    finally:
+        for proc in c.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        c.cleanup()

@@ -219,6 +219,7 @@ class RedisClusterTier(RedisTier):
         self._node_errors: collections.Counter[str] = collections.Counter()
         self._node_errors_new: collections.Counter[str] = collections.Counter()
         self._node_backoff = ExponentialBackoff(0.05, NODE_BACKOFF_CAP_S)
+        self._refresh_wanted = False  # (redis-py without requested refreshes)
         try:
             self._cluster_client(opening=True)
         except TierError as exc:  # unreachable now: ops try again (and back off) later
@@ -355,27 +356,31 @@ class RedisClusterTier(RedisTier):
             log.info("redis cluster %s: node %s answers again", self._safe_url, node)
 
     def _refresh_later(self, node: str | None) -> None:
-        """Ask redis-py for a topology refresh (run by the next probe or command), not
-        now: the read that timed out has no time left for one."""
+        """Ask for a topology refresh, run by the node's next probe (or redis-py's next
+        command), not now: the call that timed out has no time left for one."""
         manager = getattr(self._cluster, "nodes_manager", None)
         request = getattr(manager, "_request_refresh", None)
-        if request is not None:  # (redis-py 8: refreshes are requested, then run when due)
-            try:
-                request(last_failed_node_name=node)
-            except TypeError:
-                request()
+        if request is None:  # a redis-py that refreshes only inline: the probe runs one
+            self._refresh_wanted = True
+            return
+        try:  # (redis-py 8: refreshes are requested, then run when due)
+            request(last_failed_node_name=node)
+        except TypeError:
+            request()
 
     def _run_refresh(self) -> None:
-        """Run a topology refresh redis-py was asked for, when it is due (the probe of a
-        node that failed: a replica may have taken its slots). Its failure is redis-py's
-        to log; the probe goes on with the slot map it has."""
+        """Run a topology refresh asked for, when it is due (the probe of a node that
+        failed: a replica may have taken its slots). Its failure is logged; the probe
+        goes on with the slot map it has."""
         client = self._cluster
         manager = getattr(client, "nodes_manager", None)
         run = getattr(manager, "_run_requested_refresh", None)
-        if run is None or not getattr(manager, "_refresh_requested", False):
-            return
         try:
-            run(client.retry)
+            if run is not None and getattr(manager, "_refresh_requested", False):
+                run(client.retry)
+            elif run is None and self._refresh_wanted and manager is not None:
+                self._refresh_wanted = False
+                manager.initialize()
         except _CLIENT_ERRORS as exc:
             log.info("redis cluster %s: topology refresh failed: %s", self._safe_url,
                      self._clean(exc))  # fmt: skip
