@@ -7,13 +7,13 @@ fingerprint of the weights (:mod:`kvtier.fingerprint`), where they were loaded f
 startup refuses the settings under which chunks from another process could be wrong
 for this one. Each worker's keys also name its layers and their KV dtypes
 (``Namespace.layers``). Weights replaced while the engine runs (a reload, a weight
-transfer) are followed: :func:`follow_weight_changes` tells the scheduler side, which
-drops the host tier and gives the object keys a new identity of their own.
+transfer, any ``collective_rpc``) are followed: :mod:`kvtier.connectors.weights` tells
+the scheduler side, which drops the host tier and gives the object keys a new identity
+of their own.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -242,69 +242,3 @@ def _public(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_public(v) for v in value]
     return value
-
-
-# ---- weights that change while the engine runs --------------------------------------------
-#: the vLLM worker methods, as ``collective_rpc`` names them, that change the weights in
-#: place: a reload (from disk or an iterator), a weight transfer's session (RL trainers:
-#: ``/update_weights``, ``LLM.update_weights``), a config swap, zeroed or discarded weights
-WEIGHT_CHANGING_RPCS = frozenset({
-    "reload_weights", "update_config", "load_model", "reset_weights", "discard",
-    "checkpoint_restore", "start_weight_update", "start_draft_weight_update",
-    "update_weights", "finish_weight_update",
-})
-
-#: what the engine core's connector implements to be told (KVTierConnector; a
-#: private name: it is no vLLM hook)
-WEIGHTS_CHANGED_HOOK = "_kvtier_weights_changed"
-
-
-def follow_weight_changes() -> bool:
-    """Tell kvtier's scheduler side of every weight change vLLM makes while it runs.
-
-    Every way vLLM 0.32 offers to replace the weights of a running engine goes through
-    the engine core's ``collective_rpc`` (``LLM.collective_rpc("reload_weights")``, the
-    weight-transfer API and its ``/update_weights`` endpoint, ``update_config``): this
-    wraps it, once per process, so that after one of :data:`WEIGHT_CHANGING_RPCS` returns
-    (or fails: a half-done update changed weights too) the engine core's connector is
-    told before the next step is scheduled. It then drops its host tier and gives its
-    object keys a new identity (``SchedulerSide.weights_changed``). Returns whether the
-    hook is in place (False: a vLLM without an engine core to wrap)."""
-    try:
-        from vllm.v1.engine.core import EngineCore
-    except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
-        return False
-    original = EngineCore.collective_rpc
-    if getattr(original, "_kvtier_follows_weights", False):
-        return True
-
-    @functools.wraps(original)
-    def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
-        method = args[0] if args else kwargs.get("method")
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if isinstance(method, str) and method in WEIGHT_CHANGING_RPCS:
-                weights_changed(self, method)
-
-    collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
-    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
-    return True
-
-
-def weights_changed(engine_core: Any, method: str) -> int:
-    """Tell the connectors of ``engine_core``'s scheduler (kvtier's, also inside a
-    MultiConnector) that the weights changed; returns how many were told."""
-    scheduler = getattr(engine_core, "scheduler", None)
-    todo = [getattr(scheduler, "connector", None)]
-    told = 0
-    while todo:
-        connector = todo.pop()
-        if connector is None:
-            continue
-        hook = getattr(connector, WEIGHTS_CHANGED_HOOK, None)
-        if callable(hook):
-            hook(method)
-            told += 1
-        todo.extend(getattr(connector, "_connectors", ()) or ())
-    return told

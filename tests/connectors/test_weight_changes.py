@@ -2,15 +2,21 @@
 workers key their objects under a new identity, so nothing stored before the change is
 served after it, and nothing written after it carries the old identity.
 
-The engine core tells the scheduler side (``identity.follow_weight_changes``; the e2e
-test runs it through a real ``reload_weights``); these drive the parts the way vLLM
-does, with an object tier in a directory.
+The engine core tells the scheduler side (``weights.follow_weight_changes``, after
+every ``collective_rpc`` not known to be read-only; tests/e2e/test_weight_routes.py and
+tests/e2e/test_identity_weights.py run it through real engines); these drive the parts
+the way vLLM does, with an object tier in a directory, and the engine core's wrapper with
+a fake executor.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 from kit import chunk_files
 
 from tests.connectors.test_parallel_sides import (
@@ -124,3 +130,192 @@ def test_after_a_change_what_vllms_own_cache_served_is_not_stored(tmp_path: Path
     eng.settle()
     assert eng.side.totals["store_ok"] == H_CHUNKS - 2  # the third chunk only
     eng.shutdown()
+
+
+# ---- the engine core's collective_rpc: which calls are followed ---------------------------
+class _Told:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _kvtier_weights_changed(self, why: str) -> None:
+        self.calls.append(why)
+
+
+def _engine_core(monkeypatch: pytest.MonkeyPatch, result: Any = None,
+                 error: Exception | None = None) -> tuple[Any, _Told]:
+    """vLLM's EngineCore with its collective_rpc wrapped by kvtier, a fake executor and a
+    scheduler whose connector records what it is told."""
+    from vllm.v1.engine.core import EngineCore
+
+    from kvtier.connectors.weights import follow_weight_changes
+
+    # the wrapper goes on the class: put the original back after the test
+    monkeypatch.setattr(EngineCore, "collective_rpc", EngineCore.collective_rpc)
+    assert follow_weight_changes() and follow_weight_changes()  # idempotent
+
+    def rpc(method, timeout=None, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if error is not None:
+            raise error
+        return [result]
+
+    core = object.__new__(EngineCore)
+    told = _Told()
+    core.model_executor = SimpleNamespace(collective_rpc=rpc)
+    core.scheduler = SimpleNamespace(connector=told)
+    return core, told
+
+
+def test_every_weight_changing_rpc_reaches_the_connector(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.connectors.weights import WEIGHT_CHANGING_RPCS
+
+    core, told = _engine_core(monkeypatch, result="ok")
+    assert core.collective_rpc("reload_weights", kwargs={"weights_path": "/m"}) == ["ok"]
+    assert told.calls == ["reload_weights"]
+    for method in sorted(WEIGHT_CHANGING_RPCS - {"apply_model"}):
+        core.collective_rpc(method=method)
+    assert told.calls[1:] == sorted(WEIGHT_CHANGING_RPCS - {"apply_model"})
+
+
+def weight_writer(worker: Any) -> None:
+    """Stands for a function that writes the weights (what it does is not looked at)."""
+
+
+def test_methods_and_functions_kvtier_does_not_know_are_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 47: a worker extension's methods (vLLM's RLHF example, TRL), ``apply_model``
+    and a callable changed weights without a re-key. Given as vLLM's clients give them:
+    ``collective_rpc(method, timeout, args, kwargs)`` by position."""
+    core, told = _engine_core(monkeypatch)
+    core.collective_rpc("update_weight", None, ("w", "bf16", (4, 4)), {})
+    core.collective_rpc("update_weights_from_ipc_handles", None, ({},), None)
+    core.collective_rpc("update_named_param", kwargs={"name": "w"})
+    core.collective_rpc("apply_model", None, (weight_writer,), None)  # LLM.apply_model
+    core.collective_rpc(weight_writer)
+    core.collective_rpc(lambda worker: None)
+    assert told.calls == [
+        "update_weight", "update_weights_from_ipc_handles", "update_named_param",
+        "apply_model(weight_writer)", "collective_rpc(weight_writer)",
+        "collective_rpc(test_methods_and_functions_kvtier_does_not_know_are_followed."
+        "<locals>.<lambda>)",
+    ]
+
+
+def test_read_only_calls_keep_the_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vLLM itself calls while serving (``repr(llm)``, readiness, checksums) and
+    functions marked read-only change nothing: following them would cost every hit."""
+    from kvtier.connectors.weights import READ_ONLY_RPCS, read_only
+
+    core, told = _engine_core(monkeypatch)
+    for method in sorted(READ_ONLY_RPCS):
+        core.collective_rpc(method)
+
+    @read_only
+    def inspect(worker: Any) -> int:
+        return 1
+
+    core.collective_rpc(inspect)
+    core.collective_rpc("apply_model", None, (inspect,), None)
+    core.collective_rpc(method="apply_model", args=(inspect,))
+    assert told.calls == []
+
+
+def test_a_failed_weight_update_still_counts_as_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that fails half-way has replaced some weights already."""
+    core, told = _engine_core(monkeypatch, error=RuntimeError("trainer went away"))
+    with pytest.raises(RuntimeError, match="trainer went away"):
+        core.collective_rpc("update_weights", kwargs={"update_info": {}})
+    with pytest.raises(RuntimeError, match="trainer went away"):
+        core.collective_rpc(weight_writer)
+    assert told.calls == ["update_weights", "collective_rpc(weight_writer)"]
+
+
+def test_a_connector_inside_a_multi_connector_is_told() -> None:
+    from kvtier.connectors.weights import weights_changed
+
+    inner = _Told()
+    multi = SimpleNamespace(_connectors=[SimpleNamespace(), inner])
+    assert weights_changed(SimpleNamespace(scheduler=SimpleNamespace(connector=multi)), "x") == 1
+    assert inner.calls == ["x"]
+    # vLLM calls its workers while the engine core is built, before it has a scheduler
+    assert weights_changed(SimpleNamespace(), "x") == 0
+
+
+#: read-only methods newer than the installed vLLM (0.34's readiness check)
+NEWER_READ_ONLY = {"has_incomplete_weight_update"}
+
+
+def test_the_named_rpcs_are_vllm_worker_methods() -> None:
+    """A known change vLLM renames would still be followed (every unknown name is), but a
+    read-only name misspelt or renamed would cost hits in silence: each must exist on
+    vLLM's worker (the class every platform's worker derives from)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from kvtier.connectors.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
+
+    assert not READ_ONLY_RPCS & WEIGHT_CHANGING_RPCS
+    names = (READ_ONLY_RPCS - NEWER_READ_ONLY) | WEIGHT_CHANGING_RPCS
+    missing = sorted(m for m in names if not callable(getattr(Worker, m, None)))
+    assert not missing, missing
+
+
+#: what vLLM calls through the engine core and kvtier follows though it changes no
+#: weight: both run while the engine core is built, before it has a scheduler to tell
+#: (``update_max_model_len``, and the callable ``measure_encoder_output_widths`` runs)
+FOLLOWED_AT_STARTUP = {"update_max_model_len"}
+
+
+def _vllm_root() -> Path:
+    import vllm
+
+    return Path(vllm.__file__).parent
+
+
+def engine_core_rpc_names(root: Path) -> set[str]:
+    """The worker methods vLLM's own code calls through the engine core's collective_rpc
+    (the engine core itself, the LLM and AsyncLLM clients, the API servers): not the
+    executor's calls to its workers, which do not pass the engine core."""
+    call = re.compile(r"(?<![\w.])(?:self|self\.llm_engine|self\.engine_core|engine|client|"
+                      r"llm_engine|engine_client\([^)]*\)|self\.engine_client)"
+                      r"\.collective_rpc(?:_async)?\(\s*(?:method=)?\"(\w+)\"")
+    files = [root / "v1/engine/core.py", root / "v1/engine/llm_engine.py",
+             root / "v1/engine/async_llm.py", root / "snapshot/server.py",
+             root / "benchmarks/mm_processor.py",
+             *sorted((root / "entrypoints").rglob("*.py"))]
+    names: set[str] = set()
+    for f in files:
+        if f.is_file():
+            names.update(call.findall(f.read_text()))
+    return names
+
+
+def test_every_rpc_vllm_calls_itself_is_classified() -> None:
+    """vLLM calls some worker methods through the engine core while it serves (0.32:
+    ``LLM.__repr__``'s ``get_model_inspection``; 0.34 adds a readiness check on every
+    ``/health``-like probe). A new one vLLM adds would be taken for a weight change and
+    empty the host tier each time: this names it on the next upgrade."""
+    from kvtier.connectors.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
+
+    names = engine_core_rpc_names(_vllm_root())
+    assert {"get_model_inspection", "apply_model", "reload_weights"} <= names, names
+    unknown = names - READ_ONLY_RPCS - WEIGHT_CHANGING_RPCS - FOLLOWED_AT_STARTUP
+    assert not unknown, f"classify these in kvtier/connectors/weights.py: {sorted(unknown)}"
+
+
+def test_calls_with_no_step_between_them_are_one_change() -> None:
+    """A trainer's sync sends one tensor per call (TRL's ``update_named_param``): one
+    change (one new identity, one log line) until vLLM schedules a step; the next call
+    after a step is a change of its own."""
+    from kvtier.connectors.vllm import KVTierConnector
+
+    told: list[str] = []
+    conn = KVTierConnector.__new__(KVTierConnector)
+    conn._scheduler = SimpleNamespace(  # type: ignore[assignment]
+        weights_changed=told.append, build_connector_meta=lambda so: "meta")
+    conn._weights_change_open = False
+    for name in ("embed", "norm", "lm_head"):
+        conn._kvtier_weights_changed(f"update_named_param {name}")
+    assert told == ["update_named_param embed"]
+    assert conn.build_connector_meta(None) == "meta"  # type: ignore[arg-type]
+    conn._kvtier_weights_changed("update_named_param embed")
+    assert told == ["update_named_param embed"] * 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.connectors.weights import read_only
 from tests.e2e.engine import (
     build_llm,
     generate,
@@ -23,8 +24,10 @@ from tests.e2e.engine import (
 )
 
 
+@read_only
 def worker_tier(worker: Any) -> dict[str, Any]:
-    """Run in each worker process: what its kvtier worker side allocated."""
+    """Run in each worker process: what its kvtier worker side allocated (marked
+    read-only: any other function given to ``collective_rpc`` is a weight change)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     side = get_kv_transfer_group()._worker

@@ -1,0 +1,152 @@
+"""Weights that change while the engine runs, by whatever route, and how kvtier follows.
+
+Every route vLLM offers into a running engine's workers goes through the engine core's
+``collective_rpc``: a named worker method (``reload_weights``, the weight-transfer API,
+a ``worker_extension_cls`` method such as vLLM's RLHF ``update_weight`` or TRL's
+``update_named_param``), ``LLM.apply_model(fn)`` (the method ``apply_model``), or any
+callable. What an unknown method or a callable does cannot be known, so every call is
+followed as a weight change except the few known to leave the weights alone
+(:data:`READ_ONLY_RPCS`, or a callable marked with :func:`read_only`). A read-only call
+taken for a change costs hits; a change taken for a read-only call would serve wrong KV.
+
+The scheduler side then drops the host tier and gives the object keys an identity of
+their own (``SchedulerSide.weights_changed``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger("kvtier")
+
+#: worker methods, as ``collective_rpc`` names them, known to change the weights in
+#: place (a reload, a weight transfer's session, a config swap, zeroed or discarded
+#: weights, a function run on the model, a process checkpoint's prepare and restore).
+#: Followed like every other name not in :data:`READ_ONLY_RPCS`; listed so the tests
+#: can tell vLLM's expected changes from a method they have not classified.
+WEIGHT_CHANGING_RPCS = frozenset({
+    "reload_weights", "update_config", "load_model", "reset_weights", "discard",
+    "checkpoint_prepare", "checkpoint_restore", "start_weight_update",
+    "start_draft_weight_update", "update_weights", "finish_weight_update", "apply_model",
+})
+
+#: worker methods that read the model or the device and change nothing the KV depends
+#: on: those vLLM itself calls through the engine core while serving (0.32 to 0.34:
+#: ``LLM.__repr__``'s ``get_model_inspection``, the weight checksums of the RL API,
+#: 0.34's readiness check ``has_incomplete_weight_update``, a pooling model's
+#: ``release_late_interaction_query_cache``, a checkpoint's ``synchronize_device``,
+#: the benchmarks' ``get_encoder_timing_stats``), opening and closing a weight
+#: transfer's connection (its weights arrive in ``update_weights``), saving the weights,
+#: and plain getters
+READ_ONLY_RPCS = frozenset({
+    "get_model_inspection", "compute_weight_checksums", "has_incomplete_weight_update",
+    "release_late_interaction_query_cache", "synchronize_device",
+    "get_encoder_timing_stats", "init_weight_transfer_engine",
+    "shutdown_weight_transfer_engine", "save_sharded_state", "save_tensorized_model",
+    "get_supported_tasks", "list_loras", "check_health",
+    "get_kv_connector_handshake_metadata",
+})
+
+#: the attribute :func:`read_only` sets on a callable
+READ_ONLY_MARK = "_kvtier_read_only"
+
+#: what the engine core's connector implements to be told (KVTierConnector; a
+#: private name: it is no vLLM hook)
+WEIGHTS_CHANGED_HOOK = "_kvtier_weights_changed"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def read_only(fn: F) -> F:
+    """Mark a function that only reads the model or the worker, so that passing it to
+    ``collective_rpc`` or ``LLM.apply_model`` keeps kvtier's tiers (every other callable
+    is taken for a weight change). The mark travels with the function to the engine
+    core (cloudpickle keeps a function's attributes, and an imported one is marked at
+    import)."""
+    setattr(fn, READ_ONLY_MARK, True)
+    return fn
+
+
+def rpc_changes_weights(method: Any, args: Any = ()) -> str | None:
+    """What to call this ``collective_rpc`` in the log when it may change the weights
+    (``method``: a worker method's name or a callable; ``args``: the call's positional
+    arguments, whose first is ``apply_model``'s function), None when it cannot."""
+    if isinstance(method, str):
+        if method in READ_ONLY_RPCS:
+            return None
+        if method == "apply_model":
+            fn = args[0] if isinstance(args, tuple | list) and args else None
+            if fn is not None and getattr(fn, READ_ONLY_MARK, False):
+                return None
+            return f"apply_model({_name(fn)})"
+        return method
+    if getattr(method, READ_ONLY_MARK, False):
+        return None
+    return f"collective_rpc({_name(method)})"
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+               or type(fn).__name__)
+
+
+def _rpc_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``method`` and ``args`` of ``EngineCore.collective_rpc(method, timeout, args,
+    kwargs)``, given by position (vLLM's clients) or by name."""
+    method = args[0] if args else kwargs.get("method")
+    rpc_args = args[2] if len(args) > 2 else kwargs.get("args", ())
+    return method, rpc_args
+
+
+def follow_weight_changes() -> bool:
+    """Tell kvtier's scheduler side of every weight change vLLM makes while it runs.
+
+    Wraps the engine core's ``collective_rpc``, once per process: after a call that
+    may change the weights (:func:`rpc_changes_weights`) returns, or fails (a half-done
+    update changed weights too), the engine core's connector is told before the next
+    step is scheduled. Returns whether the hook is in place (False: a vLLM without an
+    engine core to wrap)."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
+        return False
+    original = EngineCore.collective_rpc
+    if getattr(original, "_kvtier_follows_weights", False):
+        return True
+
+    @functools.wraps(original)
+    def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
+        method, rpc_args = _rpc_call(args, kwargs)
+        why = rpc_changes_weights(method, rpc_args)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if why is not None:
+                weights_changed(self, why)
+
+    collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
+    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    return True
+
+
+def weights_changed(engine_core: Any, why: str) -> int:
+    """Tell the connectors of ``engine_core``'s scheduler (kvtier's, also inside a
+    MultiConnector) that the weights changed; returns how many were told (0 while the
+    engine core is still being built: vLLM calls the workers before it has a
+    scheduler, and nothing is stored yet)."""
+    scheduler = getattr(engine_core, "scheduler", None)
+    todo = [getattr(scheduler, "connector", None)]
+    told = 0
+    while todo:
+        connector = todo.pop()
+        if connector is None:
+            continue
+        hook = getattr(connector, WEIGHTS_CHANGED_HOOK, None)
+        if callable(hook):
+            hook(why)
+            told += 1
+        todo.extend(getattr(connector, "_connectors", ()) or ())
+    return told
