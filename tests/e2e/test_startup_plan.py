@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ WORKER_STARTED = ("Starting to load model", "host slab", "Initializing a V1 LLM 
 
 def serve_until_exit(model: str, extra: dict[str, object], tmp_path: Path,
                      unset: tuple[str, ...] = (), args: list[str] | None = None,
-                     timeout: float = 300) -> tuple[int, str]:
+                     timeout: float = 180) -> tuple[int, str]:
     """Run vLLM's OpenAI server with kvtier until it exits (it must not start), with the
     variables ``unset`` removed from its environment; its exit status and log."""
     ktc = {**KV_TRANSFER_CONFIG, "kv_connector_extra_config": extra}
@@ -44,8 +45,19 @@ def serve_until_exit(model: str, extra: dict[str, object], tmp_path: Path,
         full_env.pop(key, None)
     log = tmp_path / "vllm.log"
     with open(log, "wb") as out:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                              timeout=timeout, start_new_session=True, check=False)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)  # fmt: skip
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:  # it started: stop the server and its engine
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        pytest.fail(f"vLLM started with a config kvtier refuses:\n{log.read_text()[-4000:]}")
+    finally:
+        try:  # an engine process the server left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return proc.returncode, log.read_text(errors="replace")
 
 
