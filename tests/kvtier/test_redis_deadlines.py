@@ -169,17 +169,18 @@ def test_call_deadline_nests_and_clears() -> None:
 
 @pytest.mark.integration
 def test_a_late_single_node_ends_its_read_at_the_deadline(redis_server, services) -> None:
-    """A Redis that answers 2 s late: the read is reported at its deadline as the tier's
-    outage (the node is the tier), not when the reply comes, and never counted stuck;
-    with a 2 s socket timeout and a retry it held its read thread 2 s and was stuck."""
+    """A Redis that answers 3 s late: the read is reported at its 1 s deadline as the
+    tier's outage (the node is the tier), not when the reply comes, and never counted
+    stuck (which it would be half a deadline after it); with a socket timeout of twice
+    the deadline it held its read thread 2 s and was stuck."""
     redis_server.start()
     direct = RedisTier(redis_server.url)
     direct.put("late", codec.encode("late", payload(), dtype=DT, shape=SHAPE))
     proxy = services.proxy((redis_server.host, redis_server.port))
-    late = RedisTier(f"redis://127.0.0.1:{proxy.port}/0", lookup_timeout_ms=300)
+    late = RedisTier(f"redis://127.0.0.1:{proxy.port}/0", lookup_timeout_ms=1000)
     assert late.exists(["late"]) == [True]  # a pooled connection, before the delay
-    proxy.latency_s = 1.0  # each way
-    rio = RemoteIO(late, threads=2, queue_depth=16, timeout_s=0.3, signer=None,
+    proxy.latency_s = 1.5  # each way: the reply would come after 3 s
+    rio = RemoteIO(late, threads=2, queue_depth=16, timeout_s=1.0, signer=None,
                    backoff=ConstantBackoff(0.05))  # fmt: skip
     rio.submit_get_into(1, "late", memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
     got = collect(rio, 1)[1]
