@@ -36,6 +36,21 @@ def describe(group: Any) -> str:
     return f"{kinds} x {len(group.layer_names)} layers"
 
 
+def has_sliding_window(kv_cache_config: Any) -> bool:
+    """Whether any KV cache group holds sliding-window attention, the one group of a model
+    whose every layer has a window included (kvtier stores that group whole).
+
+    vLLM backs a hit's blocks before the window of its next token with its null block
+    and never gives them back. Where a load of the window's blocks fails, vLLM recomputes
+    from the first failed block with the window before it unbacked: the recomputed KV
+    attends to zeros. So a model with a window gets no load that can fail at the read
+    (one-step lookups, :mod:`.probe`)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return any(isinstance(s, SlidingWindowSpec) for group in kv_cache_config.kv_cache_groups
+               for s in specs_of(group))
+
+
 def kv_groups(kv_cache_config: Any, block_size: int, chunk_size: int) -> tuple[KVGroup, ...]:
     """kvtier's view of a hybrid model's groups; ``()`` for a model of one group (stored
     whole, as kvtier always has: no check of the spec beyond what the connector does).

@@ -14,9 +14,12 @@ copied: its blocks go to vLLM as load errors, and vLLM recomputes from the first
 That is only a miss where vLLM may recompute (``kv_load_failure_policy: recompute``);
 under vLLM's default, ``fail``, a load error fails the request, so lookups stay
 reads there. Nor for a model with several KV cache groups (vLLM cannot map a block
-error back to a request there), nor on any other tier (a ``stat`` over the network
-would hold the scheduler for the network's time), nor with ``inline_read_ms: 0`` (the
-worker's own thread reads a one-step lookup's chunks, as it reads a lookup's first ones).
+error back to a request there), nor for a model with sliding-window attention (vLLM
+recomputes a failed load from its first block, but it has given up the window's blocks
+before it: the recomputed KV would attend to its null block), nor on any other tier
+(a ``stat`` over the network would hold the scheduler for the network's time), nor
+with ``inline_read_ms: 0`` (the worker's own thread reads a one-step lookup's chunks,
+as it reads a lookup's first ones).
 
 The scheduler learns each worker's object keys from vLLM's connector handshake
 (:class:`WorkerKeys`, sent once the workers registered their KV caches) and follows
@@ -56,7 +59,8 @@ class WorkerKeys(KVConnectorHandshakeMetadata):
 
 
 def one_step_refusal(
-    cfg: KVTierConfig, *, recompute: bool, groups: int, reads_local: bool
+    cfg: KVTierConfig, *, recompute: bool, groups: int, reads_local: bool,
+    sliding_window: bool = False,
 ) -> str | None:
     """Why lookups cannot be answered in their own step here (None: they can)."""
     if not (cfg.remote_url or "").startswith("file:"):
@@ -69,6 +73,10 @@ def one_step_refusal(
         return "inline_read_ms is 0 (no object-tier read on the engine's thread)"
     if groups > 1:
         return "the model has several KV cache groups"
+    if sliding_window:
+        # a failed load is recomputed from the failed block, with the window before it
+        # already given up by vLLM (groups.has_sliding_window)
+        return "the model has sliding-window attention (vLLM cannot recompute a failed load)"
     if not recompute:
         return "vLLM fails a request whose KV fails to load (kv_load_failure_policy: fail)"
     return None

@@ -35,7 +35,7 @@ from kvtier.stats import StatsRecorder, Totals
 
 from .answers import StoreWaits, count_misses
 from .events import ChunkEvents, events_enabled
-from .groups import kv_groups
+from .groups import has_sliding_window, kv_groups
 from .ledger import OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta, StepPlan
@@ -145,6 +145,9 @@ class SchedulerSide:
             getattr(kv_transfer, "kv_load_failure_policy", "fail") == "recompute"
         )
         self.num_kv_groups = len(kv_cache_config.kv_cache_groups)
+        #: a KV cache group with a sliding window: no one-step lookups (a failed load of
+        #: the window cannot be recomputed right: groups.has_sliding_window)
+        self.sliding_window = has_sliding_window(kv_cache_config)
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
@@ -218,7 +221,8 @@ class SchedulerSide:
     def _one_step_probe(self, workers: list[WorkerKeys]) -> tuple[LocalProbe | None, str]:
         """The probe of one-step lookups for these workers, or None and why not."""
         refusal = one_step_refusal(self.cfg, recompute=self.recompute_failed_loads,
-                                   groups=self.num_kv_groups, reads_local=True)  # fmt: skip
+                                   groups=self.num_kv_groups, reads_local=True,
+                                   sliding_window=self.sliding_window)  # fmt: skip
         if refusal is None and len(workers) != self.world_size:
             refusal = f"{len(workers)} of {self.world_size} workers sent their keys"
         if refusal is None and any(w.weights_epoch != self.weights_epoch for w in workers):

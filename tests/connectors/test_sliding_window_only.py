@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.connectors.probe import WorkerKeys
 from kvtier.ops import LoadOp
 from tests.connectors.test_hma import prompt
 from tests.connectors.window_engine import BPC, BS, CHUNK, WindowEngine
@@ -66,11 +67,12 @@ def test_a_chunk_completed_while_decoding_stores_no_hole(model_dir: str) -> None
 def test_a_one_step_load_cut_to_its_window_still_waits_for_its_fetch(
     model_dir: str, tmp_path: Path, budget: int,
 ) -> None:
-    """One-step lookups on a local directory (``kv_load_failure_policy: recompute``). The
-    restarted engine's hit of 4 chunks loads only the window of chunk 3: its first two
-    blocks are vLLM's null block and are cut off the load. Chunk 3's object is corrupt:
-    its fetch fails, so the load must copy nothing and hand its blocks to vLLM, which
-    recomputes them. Before, the cut load lost its fetch and copied the slot anyway."""
+    """One-step lookups on a local directory (``kv_load_failure_policy: recompute``),
+    forced on (kvtier refuses them for this model: the next test). The restarted
+    engine's hit of 4 chunks loads only the window of chunk 3: its first two blocks are
+    vLLM's null block and are cut off the load. Chunk 3's object is corrupt: its fetch
+    fails, so the load must copy nothing and hand its blocks (never the null block) to
+    vLLM. Before, the cut load lost its fetch and copied the slot anyway."""
     extra = {"remote_url": f"file://{tmp_path / 'kv'}", "model_fingerprint": "window-test"}
     writer = WindowEngine(model_dir, "sliding", extra=extra)
     tokens = prompt(4 * CHUNK + 10, seed=13)
@@ -83,7 +85,8 @@ def test_a_one_step_load_cut_to_its_window_still_waits_for_its_fetch(
     corrupt(chunk3)
 
     eng = WindowEngine(model_dir, "sliding", budget=budget, policy="recompute", extra=extra)
-    assert eng.one_step, "lookups answered in their own step"
+    assert not eng.one_step, "refused for a sliding-window model (the next test)"
+    eng.force_one_step()
     eng.poison(7)
     b = eng.request(tokens, max_tokens=3)
     seen: dict[str, object] = {}
@@ -116,5 +119,28 @@ def test_a_one_step_load_cut_to_its_window_still_waits_for_its_fetch(
     eng.settle()
     eng.side.index.check()
     assert eng.side.index.total_refs() == 0
+    eng.worker.shutdown()
+    eng.sched.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hybrid", "full"])
+def test_one_step_lookups_only_where_a_failed_load_can_be_recomputed(
+    model_dir: str, tmp_path: Path, kind: str,
+) -> None:
+    """vLLM recomputes a failed load from its first failed block. With a sliding window it
+    has already given up the blocks before the window (its null block, never backed
+    again), so the recomputed KV would attend to zeros: a sliding-window model's lookups
+    read first (two steps), where a chunk that fails its check is a miss, never a load.
+    A model of full attention only keeps one-step lookups."""
+    extra = {"remote_url": f"file://{tmp_path / 'kv'}", "model_fingerprint": "window-test"}
+    eng = WindowEngine(model_dir, kind, policy="recompute", extra=extra)
+    keys = WorkerKeys(eng.worker.namespace, 0, 0, 0)
+    probe, refusal = eng.side._one_step_probe([keys])
+    if kind == "full":
+        assert eng.one_step and probe is not None and refusal == ""
+    else:
+        assert not eng.one_step and probe is None
+        why = "sliding-window attention" if kind == "sliding" else "several KV cache groups"
+        assert why in refusal, refusal
     eng.worker.shutdown()
     eng.sched.shutdown()

@@ -33,7 +33,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.config import load_config
 from kvtier.connectors.groups import kv_groups
-from kvtier.connectors.probe import WorkerKeys
+from kvtier.connectors.probe import LocalProbe, WorkerKeys
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO
@@ -118,6 +118,14 @@ class WindowEngine(HybridEngine):
     @property
     def one_step(self) -> bool:
         return self.side.lookups.probe is not None
+
+    def force_one_step(self) -> None:
+        """One-step lookups where kvtier refuses them (a sliding-window model): to drive
+        the worker's own guard, that a load held to a fetch copies only what it read."""
+        assert self.cfg.remote_url is not None
+        root = self.cfg.remote_url.removeprefix("file://")
+        keys = WorkerKeys(self.worker.namespace, 0, 0, self.worker.weights_epoch)
+        self.side.lookups.probe = LocalProbe(FileTier(root, background_sweep=False), [keys])
 
     def step(self, after_loads: Any = None) -> SchedulerOutput:
         def record(so: SchedulerOutput) -> None:
