@@ -86,5 +86,6 @@ def test_preemption_and_abort_leak_nothing(tiny_model: str) -> None:
 def test_config_error_stops_startup(tiny_model: str, extra: dict, key: str) -> None:
     r = run_engine("start_only", model=tiny_model, extra=extra)
     assert r["started"] is False
-    assert "ConfigError" in r["error"], r["error"]
-    assert repr(key) in r["error"], r["error"]
+    # refused as vLLM builds its config (kvtier.connectors.startup), before any engine
+    # process: pydantic reports kvtier's ConfigError as a "Value error" of VllmConfig
+    assert f"kvtier config {key!r}" in r["error"], r["error"]
