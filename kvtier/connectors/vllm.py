@@ -43,7 +43,7 @@ from .scheduler import SchedulerSide
 from .shutdown import shutdown_window_warning
 from .startup import check_config_being_built
 from .stats import KVTierPromMetrics, KVTierStats
-from .weights import follow_weight_changes
+from .weights import engine_core_on_stack, follow_weight_changes, watch_written_weights
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -164,8 +164,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM builds the scheduler after the workers loaded the weights
             ns = namespace_for(self.cfg, vllm_config)
             self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
-            # weights replaced while the engine runs reach _kvtier_weights_changed
+            # weights replaced while the engine runs reach _kvtier_weights_changed: by a
+            # call (collective_rpc), or seen at reset_prefix_cache (written without one)
             follow_weight_changes()
+            watch_written_weights(engine_core_on_stack())
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
             short = shutdown_window_warning(self.cfg, vllm_config, os.environ)
             if short is not None:

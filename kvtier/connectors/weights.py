@@ -9,6 +9,12 @@ followed as a weight change except the few known to leave the weights alone
 (:data:`READ_ONLY_RPCS`, or a callable marked with :func:`read_only`). A read-only call
 taken for a change costs hits; a change taken for a read-only call would serve wrong KV.
 
+Code that writes the parameters without any call (an in-process engine's model reached
+through ``llm.llm_engine.model_executor``, as TRL's colocate mode syncs) is seen when
+vLLM's prefix cache is reset, which vLLM requires after every weight change: each reset
+compares a digest of every parameter (:func:`weights_digest`, taken when the engine
+starts and after each followed call) with the last one.
+
 The scheduler side then drops the host tier and gives the object keys an identity of
 their own (``SchedulerSide.weights_changed``).
 """
@@ -16,7 +22,10 @@ their own (``SchedulerSide.weights_changed``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import struct
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -107,8 +116,9 @@ def follow_weight_changes() -> bool:
     Wraps the engine core's ``collective_rpc``, once per process: after a call that
     may change the weights (:func:`rpc_changes_weights`) returns, or fails (a half-done
     update changed weights too), the engine core's connector is told before the next
-    step is scheduled. Returns whether the hook is in place (False: a vLLM without an
-    engine core to wrap)."""
+    step is scheduled. Wraps its ``reset_prefix_cache`` too, which compares the
+    weights' digest (:func:`check_written_weights`). Returns whether the hooks are in
+    place (False: a vLLM without an engine core to wrap)."""
     try:
         from vllm.v1.engine.core import EngineCore
     except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
@@ -126,9 +136,20 @@ def follow_weight_changes() -> bool:
         finally:
             if why is not None:
                 weights_changed(self, why)
+                if DIGEST_ATTR in self.__dict__:  # taken again at the next reset
+                    self.__dict__[DIGEST_ATTR] = STALE
+
+    original_reset = EngineCore.reset_prefix_cache
+
+    @functools.wraps(original_reset)
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_reset(self, *args, **kwargs)
+        check_written_weights(self)
+        return result
 
     collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
     EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    EngineCore.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
     return True
 
 
@@ -150,3 +171,121 @@ def weights_changed(engine_core: Any, why: str) -> int:
             told += 1
         todo.extend(getattr(connector, "_connectors", ()) or ())
     return told
+
+
+# ---- weights written without a call ------------------------------------------------------
+#: where an engine core keeps its workers' last weights digests (absent: not watched)
+DIGEST_ATTR = "_kvtier_weights_digest"
+#: a followed call changed the weights since the last digest: take it again, compare nothing
+STALE = "stale"
+#: words per row of a tensor's digest (:func:`_tensor_sums`)
+DIGEST_ROW = 1024
+
+
+@read_only
+def weights_digest(worker: Any) -> str:
+    """Run on each worker: a digest of every parameter and buffer of its model, all of
+    their bytes, read where they are. Integer sums (:func:`_tensor_sums`: exact and
+    order-free, so the same weights give the same digest on any device and run; a
+    rewritten value, a moved row or a swapped pair changes it), no copy of a tensor."""
+    import torch
+
+    model = worker.get_model()
+    h = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        # the buffers too: KV scales, rotary tables (computed, but a function may write)
+        for name, param in (*model.named_parameters(), *model.named_buffers()):
+            h.update(f"{name}:{param.dtype}:{tuple(param.shape)};".encode())
+            try:
+                h.update(_tensor_sums(param.detach()))
+            except (RuntimeError, TypeError):  # a tensor subclass without a byte view
+                h.update(b"unread")
+    return h.hexdigest()
+
+
+def _tensor_sums(t: Any) -> bytes:
+    """A tensor's bytes as 64-bit words (narrower only when its size needs), laid out in
+    rows of :data:`DIGEST_ROW` words: the sums of the rows and of the columns, each
+    weighted by position. Two passes over the bytes in place, no copy."""
+    import torch
+
+    if t.numel() == 0 or t.device.type == "meta":
+        return b""
+    words = t.reshape(-1).view(torch.uint8)
+    for wide in (torch.int64, torch.int32, torch.int16):
+        if words.numel() % torch.empty((), dtype=wide).element_size() == 0:
+            try:
+                words = words.view(wide)
+                break
+            except RuntimeError:  # an offset the wider view cannot take
+                continue
+    rows, tail = divmod(words.numel(), DIGEST_ROW)
+    head = words[:rows * DIGEST_ROW].view(rows, DIGEST_ROW)
+    rest = words[rows * DIGEST_ROW:].to(torch.int64)
+
+    def weighted(sums: Any) -> Any:
+        where = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+        return (sums.to(torch.int64) * where).sum()
+
+    by_row = head.sum(dim=1, dtype=torch.int64)
+    by_col = head.sum(dim=0, dtype=torch.int64)
+    out = [by_row.sum() + rest.sum(), weighted(by_row), weighted(by_col), weighted(rest)]
+    return struct.pack("<4q", *(int(x) for x in out))
+
+
+def engine_core_on_stack() -> Any:
+    """The engine core being built, found on the call stack (vLLM builds the scheduler,
+    and with it the scheduler's connector, inside ``EngineCore.__init__``), or None."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, EngineCore):
+            return obj
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _digests(engine_core: Any) -> tuple[str, ...] | None:
+    """Every worker's :func:`weights_digest` (through the executor: no call kvtier
+    follows), or None when they cannot be taken (logged; the check is then off)."""
+    try:
+        return tuple(engine_core.model_executor.collective_rpc(weights_digest))
+    except Exception as exc:  # a model or executor the digest cannot read
+        logger.warning("kvtier: the weights' digest cannot be taken (%s): weights written "
+                       "without a call are not followed", exc)
+        return None
+
+
+def watch_written_weights(engine_core: Any) -> bool:
+    """Take the weights' first digest, as the engine starts; returns whether they are
+    watched."""
+    if engine_core is None:
+        return False
+    digest = _digests(engine_core)
+    if digest is None:
+        return False
+    engine_core.__dict__[DIGEST_ATTR] = digest
+    return True
+
+
+def check_written_weights(engine_core: Any) -> bool:
+    """After ``reset_prefix_cache``: whether the weights changed since the last digest
+    with no call kvtier follows (then the connector is told, as for a call)."""
+    last = engine_core.__dict__.get(DIGEST_ATTR)
+    if last is None or getattr(engine_core.model_executor, "is_sleeping", False):
+        # asleep, the weights' memory may be unmapped (sleep mode): the next reset awake
+        # compares with the digest from before the sleep
+        return False
+    digest = _digests(engine_core)
+    if digest is None:
+        engine_core.__dict__.pop(DIGEST_ATTR, None)
+        return False
+    engine_core.__dict__[DIGEST_ATTR] = digest
+    if last == STALE or digest == last:
+        return False
+    weights_changed(engine_core, "weights written without a call (seen at reset_prefix_cache)")
+    return True

@@ -319,3 +319,132 @@ def test_calls_with_no_step_between_them_are_one_change() -> None:
     assert conn.build_connector_meta(None) == "meta"  # type: ignore[arg-type]
     conn._kvtier_weights_changed("update_named_param embed")
     assert told == ["update_named_param embed"] * 2
+
+
+# ---- weights written without a call: seen at reset_prefix_cache ----------------------------
+def _worker(*tensors: Any) -> Any:
+    import torch
+
+    model = torch.nn.Module()
+    for i, t in enumerate(tensors):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
+    return SimpleNamespace(get_model=lambda: model), model
+
+
+def test_the_weights_digest_sees_every_rewritten_value() -> None:
+    """Any one value, a swap of two, a value in a tensor read in several steps, bytes
+    of every dtype: each changes the digest; the same weights give the same one."""
+    import torch
+
+    from kvtier.connectors import weights as w
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(64, 33).to(torch.bfloat16), torch.randn(7).to(torch.float32),
+               torch.randint(0, 255, (5,), dtype=torch.uint8), torch.zeros(0)]
+    worker, model = _worker(*tensors)
+    first = w.weights_digest(worker)
+    assert w.weights_digest(worker) == first
+    p0, p1, p2 = model.p0, model.p1, model.p2
+    with torch.no_grad():
+        value = p0.data[3, 5].clone()
+        p0.data[3, 5] = value + 1
+        changed = w.weights_digest(worker)
+        assert changed != first
+        p0.data[3, 5] = value
+        assert w.weights_digest(worker) == first  # written back: the same weights
+        row = p0.data[1].clone()
+        p0.data[1] = p0.data[2]
+        p0.data[2] = row  # two rows swapped: the plain sum alone would not see it
+        assert w.weights_digest(worker) not in (first, changed)
+        p0.data[2], p0.data[1] = p0.data[1].clone(), row
+        assert w.weights_digest(worker) == first
+        p1.data[6] = 0.5
+        assert w.weights_digest(worker) != first
+        p1.data.copy_(tensors[1])
+        p2.data[4] ^= 1  # an odd number of bytes: read byte by byte
+        assert w.weights_digest(worker) != first
+
+
+def test_the_digest_sees_a_value_in_the_rows_and_in_the_tail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from kvtier.connectors import weights as w
+
+    monkeypatch.setattr(w, "DIGEST_ROW", 7)  # 14 rows and a tail of 2 words
+    worker, model = _worker(torch.arange(100, dtype=torch.int64))
+    whole = w.weights_digest(worker)
+    seen = {whole}
+    with torch.no_grad():
+        for i, j in ((0, 1), (0, 7), (3, 52), (97, 99), (50, 98)):  # swaps
+            p = model.p0.data
+            p[i], p[j] = p[j].clone(), p[i].clone()
+            seen.add(w.weights_digest(worker))
+            p[i], p[j] = p[j].clone(), p[i].clone()
+        assert w.weights_digest(worker) == whole
+        model.p0.data[99] += 1
+        seen.add(w.weights_digest(worker))
+    assert len(seen) == 7
+
+
+def test_weights_written_with_no_call_are_seen_at_reset_prefix_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TRL's colocate mode writes an in-process engine's model directly, then resets
+    vLLM's prefix cache (vLLM requires it after a weight change): the reset compares the
+    digest taken at startup. A reset with unchanged weights keeps the tiers; after a
+    followed call the next reset takes the digest again and tells nobody."""
+    import torch
+    from vllm.v1.engine.core import EngineCore
+
+    from kvtier.connectors import weights as w
+
+    monkeypatch.setattr(EngineCore, "reset_prefix_cache", EngineCore.reset_prefix_cache)
+    core, told = _engine_core(monkeypatch)
+    worker, model = _worker(torch.ones(16))
+    core.model_executor = SimpleNamespace(
+        collective_rpc=lambda fn, *a, **k: [fn(worker)] if callable(fn) else [None])
+    core.scheduler = SimpleNamespace(connector=told,
+                                     reset_prefix_cache=lambda *a, **k: True)
+
+    assert w.engine_core_on_stack() is None
+    assert _inside(core) is core  # as vLLM builds the connector in EngineCore.__init__
+    assert w.watch_written_weights(_inside(core))
+    assert core.reset_prefix_cache() is True and told.calls == []
+    with torch.no_grad():
+        model.p0.data[3] = 2.0
+    assert core.reset_prefix_cache() is True
+    assert told.calls == ["weights written without a call (seen at reset_prefix_cache)"]
+    assert core.reset_prefix_cache() and len(told.calls) == 1  # that digest is the new one
+
+    core.collective_rpc(weight_writer)  # followed: the next reset only takes the digest
+    with torch.no_grad():
+        model.p0.data[4] = 3.0
+    assert core.reset_prefix_cache() and told.calls[1:] == ["collective_rpc(weight_writer)"]
+    with torch.no_grad():
+        model.p0.data[5] = 3.0
+    core.model_executor.is_sleeping = True  # sleep mode: the weights are not read
+    assert core.reset_prefix_cache() and len(told.calls) == 2
+    core.model_executor.is_sleeping = False  # awake: compared with the digest before
+    assert core.reset_prefix_cache() and len(told.calls) == 3
+
+
+def _inside(self: Any) -> Any:
+    """``engine_core_on_stack`` called below a frame whose ``self`` is the engine core."""
+    from kvtier.connectors import weights as w
+
+    return w.engine_core_on_stack()
+
+
+def test_an_engine_whose_digest_cannot_be_taken_is_not_watched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.connectors import weights as w
+
+    def broken(fn, *a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no model here")
+
+    core = SimpleNamespace(model_executor=SimpleNamespace(collective_rpc=broken))
+    assert not w.watch_written_weights(core) and not w.watch_written_weights(None)
+    assert not w.check_written_weights(core)
