@@ -97,6 +97,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_decrypt_keys_env": parse_env_name,
     "encryption_decrypt_keys_file": parse_path,
     "trust_multimodal_ids": parse_bool,
+    "whatif": parse_bool,
 }
 #: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
 #: that makes reads faster (kvtier.objects.zpolicy), or as fp8 (kvtier.objects.compress)
@@ -173,6 +174,9 @@ class KVTierConfig:
     #: "fp8" (lossy, opt-in: bf16/fp16 KV as fp8 e4m3 with per-block scales); every engine
     #: reads every form, whatever its own setting
     compression: str = "none"
+    #: ghost host tiers at 0.5x to 8x cpu_bytes (chunk keys only): the hit rate more or
+    #: less memory would give, as kvtier:whatif_hit_tokens (kvtier.host.ghosts)
+    whatif: bool = True
 
     def vllm_shutdown_timeout_s(self) -> int | None:
         """How long vLLM must give its engine on SIGTERM for the object-tier writes still

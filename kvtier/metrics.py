@@ -36,6 +36,8 @@ OUTCOMES = ("hit", "partial", "miss")
 LOOKUP_MODES = ("sync", "async")
 DIRECTIONS = ("read", "write")
 TRANSFER_OPS = ("store", "load", "fetch", "upload")
+#: the what-if tiers' sizes as multiples of the real tier's (kvtier.host.ghosts.SCALES)
+WHATIF_SCALES = ("0.5", "1", "2", "4", "8")
 #: "object": one object could not be read or written (disk full, a Redis key of the wrong
 #: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
 #: never read; "sealed": a sealed (encrypted) chunk this engine holds no key for; "node": one
@@ -92,6 +94,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "kind": ERROR_KINDS,
     "reason": MISS_REASONS,
     "node": NodeAddresses(("other",)),
+    "scale": WHATIF_SCALES,
 }
 
 
@@ -204,11 +207,20 @@ COMPRESS_SECONDS = MetricSpec(
     "Seconds the object-tier I/O threads spent compressing (write) and decompressing (read).",
     ("direction",),
 )
+WHATIF_HIT_TOKENS = MetricSpec(
+    PREFIX + "whatif_hit_tokens", "counter",
+    "Prompt tokens a host tier of scale times today's slots would have served (ghost tiers "
+    "of chunk keys fed by the real tier's lookups, stores and evictions); the denominator is "
+    "lookup_tokens, and scale 1 equals hit_tokens{tier=\"host\"}. Only tier=\"host\" is "
+    "modelled so far.",
+    ("tier", "scale"),
+)
 #: every metric kvtier exports (the dashboards and rules are checked against it)
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
     STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
+    WHATIF_HIT_TOKENS,
 )
 
 

@@ -27,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier import metrics
 from kvtier.config import KVTierConfig, format_size
 from kvtier.errors import TierError
+from kvtier.host.ghosts import GhostTiers
 from kvtier.host.index import ChunkIndex
 from kvtier.keys import Namespace
 from kvtier.objects.tiers import FileTier, file_tier_root
@@ -120,6 +121,10 @@ class SchedulerSide:
             num_slots, write_back_needed=self.write_back.needed,
             begin_write_back=self.write_back.begin,
         )  # fmt: skip
+        if cfg.whatif:  # what more (or less) memory would serve: kvtier.host.ghosts
+            self.index.ghosts = GhostTiers(
+                num_slots, self.index.get, self.stats, write_back_needed=self.write_back.needed
+            )
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
@@ -329,6 +334,12 @@ class SchedulerSide:
         st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
+        if self.index.ghosts is not None:
+            self.index.ghosts.lookup(
+                st.chunk_hashes, local // self.chunk_size,
+                loadable_chunks(st, cap, self.chunk_size), chunk_size=self.chunk_size,
+                computed=local, cap=cap,
+            )  # fmt: skip
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
         # the last token vLLM must compute) was there; the tail is always recomputed
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)

@@ -26,9 +26,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.host.untrack import untrack
+
+if TYPE_CHECKING:
+    from kvtier.host.ghosts import GhostTiers
 
 
 class State(enum.Enum):
@@ -120,6 +123,8 @@ class ChunkIndex:
         self.evictions = 0
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
+        #: what-if tiers of other sizes, fed every change here (:mod:`kvtier.host.ghosts`)
+        self.ghosts: GhostTiers | None = None
 
     # ---- queries ---------------------------------------------------------------------
     def get(self, key: bytes) -> Entry | None:
@@ -169,8 +174,13 @@ class ChunkIndex:
         """
         if key in self._entries:
             return None
+        ghosts = self.ghosts
+        if ghosts is not None:
+            ghosts.begin(key, state is State.FETCHING, evict_ok)
         slot = self._take_slot(evict_ok)
         if slot is None:
+            if ghosts is not None:
+                ghosts.begun(key, False)
             return None
         entry = Entry(key=key, slot=slot, state=state)
         untrack(entry)  # it holds atomic values only (kvtier.host.untrack)
@@ -190,8 +200,12 @@ class ChunkIndex:
         old = self._entries.get(key)
         if old is None or old.state is not State.FETCHING:
             return None
+        if self.ghosts is not None:
+            self.ghosts.supersede(key, old.slot)
         slot = self._take_slot(True)
         if slot is None:
+            if self.ghosts is not None:
+                self.ghosts.superseded(key, old.slot, False)
             return None
         del self._entries[key]
         old.state = State.EVICTING  # (never ready: the ready set is unchanged)
@@ -199,6 +213,8 @@ class ChunkIndex:
         entry = Entry(key=key, slot=slot, state=State.STORING)
         untrack(entry)
         self._entries[key] = entry
+        if self.ghosts is not None:
+            self.ghosts.superseded(key, old.slot, True)
         return entry
 
     def release_superseded(self, entry: Entry) -> bool:
@@ -209,6 +225,8 @@ class ChunkIndex:
             return False
         del self._superseded[entry.slot]
         self._free.append(entry.slot)
+        if self.ghosts is not None:
+            self.ghosts.released(entry.slot)
         return True
 
     @property
@@ -231,10 +249,14 @@ class ChunkIndex:
             entry.remote = entry.remote or entry.fetched
             self._become(entry, State.READY)
             self._entries.move_to_end(key)
+            if self.ghosts is not None:
+                self.ghosts.commit(key, True, True)
             if self.listener is not None:
                 self.listener.chunk_ready(entry)
         elif entry.refs:
             self._become(entry, State.EVICTING)  # freed when the last holder lets go
+            if self.ghosts is not None:
+                self.ghosts.commit(key, False, True)
         else:
             self._drop(entry)
         return entry
@@ -249,6 +271,8 @@ class ChunkIndex:
             raise ValueError(f"cannot pin chunk in state {entry.state.value}")
         entry.refs += 1
         self._entries.move_to_end(key)
+        if self.ghosts is not None:
+            self.ghosts.touch(key)
         return entry
 
     def unpin(self, key: bytes) -> None:
@@ -262,12 +286,16 @@ class ChunkIndex:
     def touch(self, key: bytes) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
+            if self.ghosts is not None:
+                self.ghosts.touch(key)
 
     def evict(self, key: bytes) -> bool:
         """Evict one chunk now (or as soon as its refs drop). Returns False if absent."""
         entry = self._entries.get(key)
         if entry is None:
             return False
+        if self.ghosts is not None:
+            self.ghosts.forget(key)
         if entry.refs:
             self._become(entry, State.EVICTING)
         else:
@@ -285,6 +313,8 @@ class ChunkIndex:
             self._drop(entry)
         for entry in self._entries.values():
             self._become(entry, State.EVICTING)
+        if self.ghosts is not None:
+            self.ghosts.clear(self._entries.__contains__)
         return len(victims)
 
     # ---- internals ---------------------------------------------------------------------
@@ -327,6 +357,8 @@ class ChunkIndex:
         del self._entries[entry.key]
         self._ready.discard(entry.key)
         self._free.append(entry.slot)
+        if self.ghosts is not None:
+            self.ghosts.dropped(entry.key)
         if self.listener is not None:
             self.listener.chunk_dropped(entry)
 

@@ -524,6 +524,13 @@ kvtier:compress_stored_bytes_total{model_name="tiny-llama",engine="0",direction=
 # TYPE kvtier:compress_seconds_total counter
 kvtier:compress_seconds_total{model_name="tiny-llama",engine="0",direction="write"} 0.006
 kvtier:compress_seconds_total{model_name="tiny-llama",engine="0",direction="read"} 0.001
+# HELP kvtier:whatif_hit_tokens_total Prompt tokens a host tier of scale times today's slots would have served.
+# TYPE kvtier:whatif_hit_tokens_total counter
+kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="0.5"} 2048
+kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="1"} 3072
+kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="2"} 4096
+kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="4"} 4608
+kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="8"} 4864
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")
@@ -758,6 +765,24 @@ def test_live_every_expression_evaluates(live_prometheus: tuple[Prometheus, Any]
     tail = answers["panel '③ Miss tail: TTFT p99 of misses and lookup delay p99' B"]
     assert 0.01 < scalar(tail) <= 0.1  # async p99 falls in the (0.01, 0.1] bucket
     # the one alert this data should trip at once (pending: `for` has not passed)
+    # the what-if curve: each size's host hit rate, and 1x on the measured one
+    curve = {
+        r["metric"]["scale"]: float(r["value"][1])
+        for r in answers["panel 'Host hit rate a host tier of each size would have had' A"][
+            "data"
+        ]["result"]
+    }
+    assert curve == pytest.approx(
+        {"0.5": 2048 / 6144, "1": 0.5, "2": 4096 / 6144, "4": 0.75, "8": 4864 / 6144}
+    )
+    saved = {
+        r["metric"]["scale"]: float(r["value"][1])
+        for r in answers[
+            "panel 'Mean TTFT each host tier size would save against today (estimate)' A"
+        ]["data"]["result"]
+    }
+    gap = 0.83 / 3 - 0.2 / 4  # mean miss TTFT - mean hit TTFT
+    assert saved == pytest.approx({s: (curve[s] - 0.5) * gap for s in curve})
     assert answers["alert KVTierRemoteErrors"]["data"]["result"], "timeout errors not seen"
     assert not answers["alert KVTierHostEvictionsHigh"]["data"]["result"]
 
