@@ -75,5 +75,7 @@ def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss
     assert totals["error_checksum"] >= 1 and totals["fetch_failed"] >= 1, totals
     assert totals["load_failed"] == 0 and totals["hit_tokens_remote"] == 768, totals
     assert r["b"]["cached"] == 768, r["b"]
+    missed = sum(totals[f"miss_tokens_{why}"] for why in ("absent", "fetching", "tier_down"))
+    assert missed >= 256, totals  # S's last chunk, counted as a miss
     idx = r["index"]
     assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
