@@ -1,0 +1,84 @@
+"""The scheduler side's ghost tiers, driven by vLLM's calls: on a skewed workload the
+scale-1 ghost counts exactly the host tier's measured hits (host only, and with an
+object tier behind it written through or written back), larger ghosts never count less,
+and ``whatif: false`` counts nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier import metrics
+from kvtier.connectors.scheduler import SchedulerSide
+from kvtier.stats import total_name
+from tests.connectors.test_scheduler_side import (
+    CHUNK,
+    empty_step,
+    make_side,
+    report,
+    request,
+    schedule_new,
+)
+
+
+def whatif(side: SchedulerSide) -> dict[str, int]:
+    return {
+        s: side.totals[total_name(metrics.WHATIF_HIT_TOKENS, ("host", s))]
+        for s in metrics.WHATIF_SCALES
+    }
+
+
+def drive(side: SchedulerSide, n_requests: int, seed: int = 1) -> None:
+    """Zipf over 12 documents of 4 chunks; an object tier that holds what was uploaded."""
+    rng = random.Random(seed)
+    weights = [1 / (d + 1) for d in range(12)]
+    remote: set[bytes] = set()
+
+    def settle(meta) -> None:
+        fetches = [op for run in meta.fetches + meta.fetches_now for op in run]
+        report(side, meta, results={op.op_id: [op.block_hash in remote] for op in fetches})
+        remote.update(op.block_hash for op in meta.uploads)
+
+    for i in range(n_requests):
+        doc = rng.choices(range(12), weights)[0]
+        req = request(f"r{i}", doc, 4 * CHUNK + 10)
+        while (offered := side.get_num_new_matched_tokens(req, 0)[0]) is None:
+            settle(empty_step(side))
+        side._kv_cache_manager.blocks[req.request_id] = list(range(100, 100 + 4 * 8 + 1))
+        side.update_state_after_alloc(req, None, offered)
+        settle(schedule_new(side, req, offered, req.num_tokens - offered))
+        side.request_finished(req, [])
+    for _ in range(3):
+        settle(empty_step(side))
+    side.index.check()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"remote_url": "file:///nonexistent", "write_policy": "write_through"},
+        {"remote_url": "file:///nonexistent", "write_policy": "write_back"},
+    ],
+    ids=["host_only", "write_through", "write_back"],
+)
+def test_scale_one_counts_the_measured_host_hits(extra: dict) -> None:
+    side = make_side("1MiB", extra)  # 16 slots of 64 KiB: 4 of the 12 documents
+    drive(side, 300)
+    got = whatif(side)
+    host = side.totals[total_name(metrics.HIT_TOKENS, ("host",))]
+    # the tier was too small: it evicted, or (uploads holding its slots) skipped stores
+    assert host > 0 and side.index.evictions + side.totals["stores_skipped"] > 0
+    assert got["1"] == host, (got, host)
+    if not extra:  # stores and loads only: more slots never serve less
+        assert list(got.values()) == sorted(got.values()) and got["8"] > got["1"], got
+        assert got["8"] <= side.totals[total_name(metrics.LOOKUP_TOKENS)]
+
+
+def test_whatif_false_keeps_no_ghosts() -> None:
+    side = make_side("1MiB", {"whatif": False})
+    assert side.index.ghosts is None
+    drive(side, 50)
+    assert set(whatif(side).values()) == {0}
+    assert side.totals[total_name(metrics.HIT_TOKENS, ("host",))] > 0
