@@ -57,12 +57,11 @@ from tier_cases import MiB, poll_results, readinto_all
 from kvtier.host.copiers import make_copier
 from kvtier.host.cuda import PinnedBuffer
 from kvtier.host.layout import HostSlab, SlotLayout
-from kvtier.objects import checksum, codec
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects import codec
 from kvtier.objects.chunk_io import MAX_FRAME
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
-from kvtier.objects.tiers.file import FileTier
-from kvtier.objects.tiers.local_fs import filesystem_type
+from kvtier.objects.tiers.file import FileTier, filesystem_type
 from kvtier.ops import LoadOp, StoreOp
 from kvtier.threads import FETCH_SWITCH_S, faster_thread_switches
 
@@ -207,7 +206,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         assert tier.read_into_hashed(keys[i], views[i], MAX_FRAME) is not None
 
     def hash_slot(i: int) -> None:
-        checksum.payload_crc32(views[i])
+        codec.payload_crc32(views[i])
 
     sides = {"raw": raw_hit, "kvtier_inline": lambda: kvtier_hit(args.inline_ms),
              "kvtier_threads": lambda: kvtier_hit(0)}  # fmt: skip
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--file-cache", choices=["warm", "cold"], default="warm")
     ap.add_argument("--dir", default=None, help="where the directory tier lives (a temp dir)")
-    ap.add_argument("--hash-piece-kib", type=int, default=checksum.HASH_PIECE >> 10,
+    ap.add_argument("--hash-piece-kib", type=int, default=codec.HASH_PIECE >> 10,
                     help="the directory tier's read-and-hash piece (KiB; kvtier's default "
                          "%(default)s): a larger piece, fewer Python calls per chunk")
     ap.add_argument("--engine-thread", choices=["idle", "busy"], default="idle",
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.hash_piece_kib < 4:
         ap.error("--hash-piece-kib: at least 4")
-    checksum.HASH_PIECE = args.hash_piece_kib << 10
+    codec.HASH_PIECE = args.hash_piece_kib << 10
     faster_thread_switches()  # as kvtier's worker does when it has an object tier
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = args.dir or tempfile.gettempdir()

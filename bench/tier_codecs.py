@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 from tier_cases import Case, MiB, open_case, time_restart_runs, timed, wait_for_results
 
-from kvtier.objects import codec, compress, zpolicy
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects import codec, compress
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.objects.tiers.base import Found, ObjectTier
 
 
@@ -265,20 +265,20 @@ class LinkTier(ObjectTier):
 
 def auto_learn_rounds(n: int) -> int:
     """Rounds of ``n`` uploads read back the auto replica learns from before the timed runs."""
-    return max(4, -(-(zpolicy.MIN_READS + 1) // n))
+    return max(4, -(-(compress.MIN_READS + 1) // n))
 
 
 def auto_replica(
     reader: Callable[[], ObjectTier], args: argparse.Namespace, chunks: list[bytes], n: int,
     prefix: str = "z",
-) -> tuple[RemoteIO, zpolicy.AutoCompressor]:
+) -> tuple[RemoteIO, compress.AutoCompressor]:
     """A replica with ``compression: auto`` through the same link: it uploads rounds of
     ``n`` chunks and reads each round back (its own hits time both forms), then uploads
     the timed run's chunks (``{prefix}-auto-*``) in the form it settled on (auto starts raw, and
     needs ``MIN_READS`` timed reads before it chooses)."""
     size = len(chunks[0])
     rounds = auto_learn_rounds(n)
-    z = zpolicy.AutoCompressor(compress.Compressor())
+    z = compress.AutoCompressor(compress.Compressor())
     rio = RemoteIO(reader(), threads=args.putget_threads, queue_depth=2 * n + 1, timeout_s=60.0,
                    signer=None, backoff=ConstantBackoff(0.1), compressor=z)  # fmt: skip
     slots = [memoryview(bytearray(size)) for _ in range(n)]

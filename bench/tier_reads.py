@@ -25,9 +25,9 @@ from tier_cases import (
 )
 
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.objects.tiers.base import ObjectTier
 
 

@@ -12,7 +12,7 @@ from kit import payload
 
 from kvtier.errors import ObjectError
 from kvtier.objects import codec
-from kvtier.objects.backoff import NoBackoff
+from kvtier.objects.health import NoBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import Found, ObjectTier, Parts
 from kvtier.ops import OpResult

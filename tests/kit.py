@@ -18,8 +18,8 @@ import xxhash
 
 from kvtier.config import load_config
 from kvtier.objects import codec
-from kvtier.objects.codec_header import _canonical
-from kvtier.objects.codec_signer import Signer
+from kvtier.objects.codec import _canonical
+from kvtier.objects.sealing import Signer
 from kvtier.objects.tiers import ObjectTier, open_tier
 from kvtier.ops import OpResult
 

@@ -103,10 +103,10 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
     assert "kvtier.objects.codec" in graph and "kvtier.objects.tiers.redis" in graph
     assert {"kvtier.connectors.worker", "kvtier.cli.main", "kvtier.cli.bench"} <= set(graph)
-    assert "kvtier.objects.seal" in graph["kvtier.objects.codec"]  # module level, absolute
+    assert "kvtier.objects.sealing" in graph["kvtier.objects.codec"]  # module level, absolute
     assert "kvtier.host.layout" in graph["kvtier.host.transfer"]  # relative
     assert "kvtier.sizing.trace" in graph["kvtier.cli.bench_trace"]  # inside a function
-    assert "kvtier.config" in graph["kvtier.objects.codec_signer"]  # under TYPE_CHECKING
+    assert "kvtier.config" in graph["kvtier.objects.sealing"]  # under TYPE_CHECKING
 
 
 def test_find_cycle_reports_lazy_and_long_cycles() -> None:
@@ -135,3 +135,4 @@ def test_the_host_and_object_rooms_do_not_import_each_other() -> None:
     assert any(m.startswith("kvtier.host.") for m in graph)
     assert any(m.startswith("kvtier.objects.") for m in graph)
     assert not crossing, f"the host and object rooms import each other: {crossing}"
+

@@ -2,7 +2,7 @@
 
 A fetch reads a chunk and verifies it into its slot; an upload compresses, frames,
 seals, signs and puts one. Kept apart from the queues and the reporting
-(:mod:`kvtier.objects.op_queue`): this is what an op does once it may start, and how
+(:mod:`kvtier.objects.io_queue`): this is what an op does once it may start, and how
 each failure maps to an error kind and to the tier's health:
 
 - An upload whose object already exists under its key is not written again
@@ -41,10 +41,9 @@ import time
 
 from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable, TruncatedError
 from kvtier.objects import codec, compress
-from kvtier.objects.backoff import Backoff
+from kvtier.objects.health import Backoff, RateLimitedLog
 from kvtier.objects.io_counts import ERROR_KINDS
-from kvtier.objects.op_queue import OpQueue, QueuedOp
-from kvtier.objects.tier_health import RateLimitedLog
+from kvtier.objects.io_queue import OpQueue, QueuedOp
 from kvtier.objects.tiers.base import Found, ObjectTier
 from kvtier.objects.tiers.policy import call_deadline
 from kvtier.ops import OpKind

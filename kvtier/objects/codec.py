@@ -21,7 +21,7 @@ covers a canonical encoding of the header without ``"sig"`` and the payload,
 so neither can be swapped. Unknown, missing or mistyped header fields are
 rejected rather than ignored: a mutated chunk never decodes.
 
-A **sealed** chunk (an encryption key is configured, see :mod:`kvtier.objects.seal`)
+A **sealed** chunk (an encryption key is configured, see :mod:`kvtier.objects.sealing`)
 has the same frame; its payload is the AES-256-GCM ciphertext of the KV bytes
 (as long as they are) and its header ``{"v", "key", "dtype", "shape", "len",
 "kid", "nonce", "tag"}`` (plus ``"sig"``) replaces the checksum with the key id,
@@ -40,14 +40,35 @@ then decompressing into the slot, whose size (never the object's) bounds the
 output. A chunk is stored compressed only when its whole compressed object is
 shorter than the raw payload alone, so a tier's ``read_into`` of a slot refuses it
 unread (too short) and the reader knows to read it whole.
+
+The payload's checksum is CRC-32, computed with ISA-L (:func:`payload_crc32`). The tiers
+compute it too, piece by piece as a payload lands in its slot
+(:meth:`ObjectTier.read_into_hashed`, :class:`LandingCrc`). CRC-32 rather than the
+xxh3-128 of older chunks: on the GPU host's CPU ISA-L's CRC-32 ran 1.6-3.2x faster
+(docs/cuda.md, "Object tier"; on a 2-core VM about as fast), and every byte of every hit
+is checked.
+
+This module is the chunk format in one place: the frame (prefix, header fields and their
+parsing, the canonical bytes a signature or an AEAD covers), the checksum, and encode,
+decode and verify. The keys are :mod:`kvtier.objects.sealing`'s (:class:`Signer` is
+re-exported here).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import xxhash  # the checksum of chunks written before CRC-32
+
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # the same CRC-32, slower: a platform without an isal wheel
+    from zlib import crc32 as _crc32
 
 from kvtier.errors import (
     ChecksumError,
@@ -57,33 +78,225 @@ from kvtier.errors import (
     SignatureError,
     TruncatedError,
 )
-from kvtier.objects.checksum import crc32_bytes, payload_crc32
-from kvtier.objects.codec_header import (
-    _FORM_MAX,
-    _PREFIX,
-    FORMAT_VERSION,
-    MAGIC,
-    MAX_HEADER,
-    _aad,
-    _canonical,
-    _header,
-    _packb,
-    _parse_header,
-    _payload_view,
-    encoded_size,
-    head_length,
-    is_compressed,
-)
-from kvtier.objects.codec_signer import HMAC_KEY_MIN_BYTES, Signer
 from kvtier.objects.compress import LOSSY_FORMS, FormatError, ThreadScratch, decompress_into
-from kvtier.objects.seal import Seal
+from kvtier.objects.sealing import (
+    HMAC_KEY_MIN_BYTES,
+    KID_BYTES,
+    NONCE_BYTES,
+    TAG_BYTES,
+    Seal,
+    Signer,
+)
 
-# the frame (codec_header.py) and the keys (codec_signer.py): their public names are read
-# from here too
 __all__ = [
-    "FORMAT_VERSION", "HMAC_KEY_MIN_BYTES", "MAGIC", "MAX_HEADER", "SignatureError", "Signer",
-    "decode", "encode", "encoded_size", "head_length", "is_compressed", "verify",
+    "CRC_LEN", "FORMAT_VERSION", "HASH_PIECE", "HMAC_KEY_MIN_BYTES", "MAGIC", "MAX_HEADER",
+    "LandingCrc", "SignatureError", "Signer", "crc32_bytes", "decode", "encode", "encoded_size",
+    "head_length", "is_compressed", "parse_header", "payload_crc32", "verify",
 ]  # fmt: skip
+
+# -- the checksum
+
+#: bytes of a CRC-32 in a chunk's header
+CRC_LEN = 4
+#: bytes checksummed at a time as a payload lands: a piece is still in the CPU's cache
+#: when it is checksummed, and each costs a few Python calls under the GIL. With 8 read
+#: threads on a 16-core GPU host, 1 MiB pieces read a Llama-3-8B restart hit (32 MiB
+#: chunks) 20 % faster than 256 KiB ones (4 MiB: no better); with 2 on a 2-core VM, 8 %
+#: slower (bench/gpu_restart.py --hash-piece-kib)
+HASH_PIECE = 1 << 20
+
+
+def payload_crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """The CRC-32 (zlib's) of ``data``, continuing from ``value``: computable piece by
+    piece as a payload is read. Releases the GIL while it runs."""
+    return _crc32(data, value)
+
+
+def crc32_bytes(value: int) -> bytes:
+    """A CRC-32 as a chunk's header stores it (4 bytes, big-endian)."""
+    return value.to_bytes(CRC_LEN, "big")
+
+
+class LandingCrc:
+    """The CRC-32 of a buffer filled front to back in pieces of any size (socket reads,
+    a streamed body): each :data:`HASH_PIECE` is checksummed as soon as it has landed,
+    while it is still in the CPU's cache, so reading and checking are one pass over
+    memory instead of a read and then a checksum pass."""
+
+    __slots__ = ("done", "value", "view")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.done = 0  # bytes checksummed so far
+        self.value = 0
+
+    def restart(self) -> None:
+        """The buffer is filled again from its start (a command retried after a drop)."""
+        self.done = self.value = 0
+
+    def landed(self, upto: int) -> None:
+        """Bytes ``[0, upto)`` of the buffer hold their final contents."""
+        if upto - self.done >= HASH_PIECE or (upto == self.view.nbytes and upto > self.done):
+            self.value = payload_crc32(self.view[self.done : upto], self.value)
+            self.done = upto
+
+    def result(self) -> int:
+        """The CRC-32 of the whole buffer (what has not been checksummed yet, now)."""
+        self.landed(self.view.nbytes)
+        return self.value
+
+
+# -- the frame
+
+FORMAT_VERSION = 1
+MAGIC = b"KVTC"
+_PREFIX = struct.Struct("<4sI")
+#: headers are a few hundred bytes; anything bigger is garbage, not a header
+MAX_HEADER = 64 * 1024
+_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "crc"})
+#: a chunk written before kvtier checked CRC-32: its xxh3-128 instead (still read)
+_XXH_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "xxh"})
+_SEALED_FIELDS = frozenset({"v", "key", "dtype", "shape", "len", "kid", "nonce", "tag"})
+_SEAL_LENS = {"kid": KID_BYTES, "nonce": NONCE_BYTES, "tag": TAG_BYTES}
+_SIG_LEN = hashlib.sha256().digest_size
+#: the longest compressed-form name a header may carry
+_FORM_MAX = 32
+_XXH_LEN = 16
+#: the checksum field of a plain chunk's header and its length in bytes
+_SUMS = {_FIELDS: ("crc", CRC_LEN), _XXH_FIELDS: ("xxh", _XXH_LEN)}
+
+
+_PACKERS = threading.local()
+
+
+def _packb(obj: object) -> bytes:
+    """``msgpack.packb(obj, use_bin_type=True)`` through this thread's Packer: packb makes
+    a 256 KiB buffer per call (one or more per chunk read or written); a Packer keeps a
+    small one, grown to the largest header it packed."""
+    packer: msgpack.Packer | None = getattr(_PACKERS, "p", None)
+    if packer is None:
+        packer = _PACKERS.p = msgpack.Packer(use_bin_type=True, buf_size=1024)
+    packed: bytes = packer.pack(obj)
+    return packed
+
+
+def _payload_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # raises TypeError for non-contiguous memory, which is a bug
+    return view
+
+
+def _canonical(version: int, key: str, dtype: str, shape: list[int], n: int, *rest: bytes) -> bytes:
+    """The bytes the signature covers: the header fields in a fixed order, no ``sig``
+    (``rest``: the checksum, or a sealed chunk's key id, nonce and tag)."""
+    packed: bytes = _packb([version, key, dtype, shape, n, *rest])
+    return packed
+
+
+def _aad(version: int, key: str, dtype: str, shape: list[int], n: int, *form: bytes) -> bytes:
+    """A sealed chunk's associated data: what it is and where it belongs (and, compressed,
+    its form)."""
+    packed: bytes = _packb([version, key, dtype, shape, n, *form])
+    return packed
+
+
+def _header(
+    key: str, dtype: str, shape: list[int], n: int, form: str, sealed: bool, signed: bool
+) -> dict[str, Any]:
+    """A header with placeholder bytes of the real lengths (its packed size is the real
+    one's: every bytes field has a fixed length)."""
+    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
+                              "len": n, "z": form}  # fmt: skip
+    if sealed:
+        header.update({f: bytes(k) for f, k in _SEAL_LENS.items()})
+    else:
+        header["crc"] = bytes(CRC_LEN)
+    if signed:
+        header["sig"] = bytes(_SIG_LEN)
+    return header
+
+
+def encoded_size(parts: Sequence[bytes | memoryview]) -> int:
+    """Total bytes of ``parts`` (what a tier will store)."""
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int  # not bool: msgpack's true must not pass for version 1
+
+
+def _form_ok(form: object, present: bool) -> bool:
+    """A compressed form's name, when there is one: a short non-empty string."""
+    return not present or isinstance(form, str) and 0 < len(form) <= _FORM_MAX
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types for garbage; all mean the same
+        raise CodecError(f"garbage chunk header ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise CodecError("chunk header is not a map")
+    version = header.get("v")
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise CodecError(f"unknown chunk format version {version!r} (this build reads 1)")
+    fields = _SEALED_FIELDS if "nonce" in header else _XXH_FIELDS if "xxh" in header else _FIELDS
+    extra = set(header) - fields - {"sig", "z"}
+    missing = fields - set(header)
+    if extra or missing:
+        raise CodecError(
+            f"chunk header fields wrong (unknown {sorted(extra)}, missing {sorted(missing)})"
+        )
+    shape = header["shape"]
+    sig = header.get("sig")
+    if not (
+        isinstance(header["key"], str)
+        and isinstance(header["dtype"], str)
+        and isinstance(shape, list)
+        and all(_is_int(d) and d >= 0 for d in shape)
+        and _is_int(header["len"])
+        and header["len"] >= 0
+        and all(
+            isinstance(header[f], bytes) and len(header[f]) == n
+            for f, n in (_SEAL_LENS.items() if fields is _SEALED_FIELDS else [_SUMS[fields]])
+        )
+        and (sig is None and "sig" not in header or isinstance(sig, bytes) and len(sig) == _SIG_LEN)
+        and _form_ok(header.get("z", ""), "z" in header)
+    ):
+        raise CodecError("chunk header has a field of the wrong type")
+    return header
+
+
+def is_compressed(head: bytes | bytearray | memoryview) -> bool:
+    """Whether a chunk's head (magic, length, header) says its payload is compressed;
+    False for a head that does not parse (:func:`verify` then says why)."""
+    view = _payload_view(head)
+    try:
+        body_at = head_length(view[: _PREFIX.size])
+        if view.nbytes < body_at:
+            return False
+        return "z" in parse_header(bytes(view[_PREFIX.size : body_at]))
+    except CodecError:
+        return False
+
+
+def head_length(prefix: bytes | bytearray | memoryview) -> int:
+    """Bytes before the payload (magic, length, header), from the chunk's first 8 bytes."""
+    view = _payload_view(prefix)
+    if view.nbytes == 0:
+        raise TruncatedError("empty chunk")
+    if bytes(view[:4]) != MAGIC[: min(4, view.nbytes)]:
+        raise CodecError("not a kvtier chunk (bad magic)")
+    if view.nbytes < _PREFIX.size:
+        raise TruncatedError(f"chunk of {view.nbytes} bytes is shorter than its prefix")
+    hlen: int = _PREFIX.unpack_from(view)[1]
+    if hlen > MAX_HEADER:
+        raise CodecError(f"chunk header length {hlen} is implausible")
+    return _PREFIX.size + hlen
+
+
+# -- encode, decode, verify
 
 #: where :func:`decode` opens a sealed compressed payload it was handed read-only
 _OPEN_SCRATCH = ThreadScratch()
@@ -182,7 +395,7 @@ def decode(
     if total < body_at:
         raise TruncatedError(f"chunk of {total} bytes ends inside its {body_at}-byte header")
     payload = view[body_at:]
-    header = _parse_header(bytes(view[_PREFIX.size : body_at]))
+    header = parse_header(bytes(view[_PREFIX.size : body_at]))
     compressed = "z" in header
     if payload.readonly and "nonce" in header:  # a sealed chunk opens in place: where?
         if out is not None and compressed:  # only decompressed from: a reused buffer
@@ -232,7 +445,7 @@ def verify(
         raise TruncatedError(f"chunk ends inside its {body_at}-byte header")
     if head_v.nbytes > body_at:
         raise CodecError("chunk head and payload do not line up")
-    header = _parse_header(bytes(head_v[_PREFIX.size : body_at]))
+    header = parse_header(bytes(head_v[_PREFIX.size : body_at]))
     if header["key"] != key:
         raise KeyMismatchError("object holds a different chunk key than its name")
     if dtype is not None and header["dtype"] != dtype:

@@ -2,7 +2,7 @@
 
 The running counters (cumulative, and taken per interval), the compression tallies by
 direction, and what a flush left behind. Kept apart from the op machinery
-(:mod:`kvtier.objects.op_queue`) and from the reads and writes
+(:mod:`kvtier.objects.io_queue`) and from the reads and writes
 (:mod:`kvtier.objects.chunk_io`): those only count, under the one lock this class makes.
 """
 

@@ -6,7 +6,7 @@ host slots, and later polls for their :class:`kvtier.ops.OpResult`: RemoteIO is 
 job each:
 
 - :mod:`kvtier.objects.io_counts`: the counters, the compression tallies, FlushReport;
-- :mod:`kvtier.objects.op_queue`: queues, I/O threads, deadlines, stuck ops, and the
+- :mod:`kvtier.objects.io_queue`: queues, I/O threads, deadlines, stuck ops, and the
   exactly-once report of every op (when a slot may be written, when an op is over);
 - :mod:`kvtier.objects.chunk_io`: one op against the tier (read and verify into the
   slot; compress, encode and put), its failures mapped to error kinds and health;
@@ -29,9 +29,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.objects import codec, compress, zpolicy
-from kvtier.objects.backoff import Backoff, ExponentialBackoff
+from kvtier.objects import codec, compress
 from kvtier.objects.chunk_io import MAX_FRAME, REWRITE_KEYS, ChunkIO
+from kvtier.objects.health import Backoff, ExponentialBackoff
 from kvtier.objects.io_counts import ERROR_KINDS, FlushReport
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.objects.tiers.policy import Timeouts
@@ -99,7 +99,7 @@ class RemoteIO(ChunkIO):
             timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
             signer=signer,
             backoff=backoff,
-            compressor=zpolicy.from_config(cfg),
+            compressor=compress.from_config(cfg),
         )
         rio.switches.interval_s = cfg.fetch_switch_us / 1e6
         return rio

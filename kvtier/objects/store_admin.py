@@ -39,7 +39,7 @@ from urllib.parse import unquote
 from kvtier.errors import CodecError, KVTierError, TierError, TierUnavailable
 from kvtier.keys import GENERATION_PREFIX
 from kvtier.objects import codec
-from kvtier.objects.codec_header import _parse_header, head_length
+from kvtier.objects.codec import head_length, parse_header
 from kvtier.objects.manifest import MANIFEST, MAX_MANIFEST, Manifest, read_manifest
 from kvtier.objects.tiers.base import ObjectTier
 
@@ -375,7 +375,7 @@ def _header_of(blob: bytes) -> dict[str, Any]:
     body_at = head_length(view[:8])
     if len(blob) < body_at:
         raise CodecError("manifest ends inside its header")
-    header: dict[str, Any] = _parse_header(bytes(view[8:body_at]))
+    header: dict[str, Any] = parse_header(bytes(view[8:body_at]))
     return header
 
 

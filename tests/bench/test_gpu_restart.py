@@ -42,15 +42,15 @@ def test_a_tiny_cpu_run_reports_every_side(tmp_path, capsys, cache: str) -> None
 
 
 def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monkeypatch) -> None:
-    from kvtier.objects import checksum
+    from kvtier.objects import codec
 
-    monkeypatch.setattr(checksum, "HASH_PIECE", checksum.HASH_PIECE)  # restored after
+    monkeypatch.setattr(codec, "HASH_PIECE", codec.HASH_PIECE)  # restored after
     out = tmp_path / "r.json"
     assert gpu_restart.main([
         "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16", "--repeats", "1",
         "--hash-piece-kib", "8", "--dir", str(tmp_path), "--json", str(out),
     ]) == 0  # fmt: skip
-    assert checksum.HASH_PIECE == 8 << 10
+    assert codec.HASH_PIECE == 8 << 10
     assert json.loads(out.read_text())["args"]["hash_piece_kib"] == 8
     with pytest.raises(SystemExit):
         gpu_restart.main(["--hash-piece-kib", "0"])

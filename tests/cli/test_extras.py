@@ -80,13 +80,13 @@ def test_an_object_tier_names_its_extra_in_a_config_error(monkeypatch, url, modu
 
 
 def test_compression_names_the_lossless_extra(monkeypatch):
-    from kvtier.objects import compress, zpolicy
+    from kvtier.objects import compress
 
     block(monkeypatch, "blosc2")
     for setting in ("lossless", "auto"):
         cfg = load_config({"remote_url": "file:///kv", "compression": setting}, environ={})
         with pytest.raises(ConfigError, match=r"kvtier\[lossless\]"):
-            zpolicy.from_config(cfg)
+            compress.from_config(cfg)
     # a chunk another engine compressed, read where blosc2 is missing
     dest = np.zeros(64, dtype=np.uint8)
     with pytest.raises(compress.FormatError, match=r"kvtier\[lossless\]"):

@@ -19,7 +19,7 @@ from kvtier.config import load_config
 from kvtier.connectors.metadata import KVTierWorkerMeta
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from tests.connectors.test_scheduler_side import (
     BS,
     CHUNK,

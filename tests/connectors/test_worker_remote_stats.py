@@ -11,8 +11,8 @@ from kvtier.config import load_config
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
-from kvtier.objects.seal import Sealer
+from kvtier.objects.health import ConstantBackoff
+from kvtier.objects.sealing import Sealer
 from kvtier.stats import series_id
 
 

@@ -1084,7 +1084,7 @@ def test_the_encryption_key_comes_from_a_secret(helm, tmp_path, enc_secret, valu
     encryption_key_env naming it in the config, the key in no manifest; it is enough for an
     object tier on its own (AES-GCM authenticates), and kvtier builds its sealer from it."""
     from kvtier.objects.codec import Signer
-    from kvtier.objects.seal import key_id
+    from kvtier.objects.sealing import key_id
 
     values = json.loads(json.dumps(values))
     values.setdefault("kvtier", {})["encryption"] = {"existingSecret": enc_secret}

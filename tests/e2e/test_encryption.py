@@ -31,7 +31,7 @@ import msgpack
 import pytest
 
 from kvtier.objects import codec
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.objects.tiers import FileTier
 from tests.e2e.conftest import REPO, VLLM_DEFAULTS_NAMED
 from tests.e2e.test_trust import _aws_env, run_logged

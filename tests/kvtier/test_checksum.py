@@ -1,4 +1,4 @@
-"""``checksum.LandingCrc``: the CRC-32 of a buffer computed as it fills, in pieces of any
+"""``codec.LandingCrc``: the CRC-32 of a buffer computed as it fills, in pieces of any
 size, equals zlib's CRC of the whole; a fill that starts over is checksummed afresh."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.objects.checksum import HASH_PIECE, LandingCrc
+from kvtier.objects.codec import HASH_PIECE, LandingCrc
 
 
 def fill(landing: LandingCrc, data: bytes, steps: list[int]) -> None:

@@ -23,8 +23,7 @@ from kvtier.errors import (
     TruncatedError,
 )
 from kvtier.objects import codec
-from kvtier.objects.checksum import crc32_bytes, payload_crc32
-from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects.codec import Signer, crc32_bytes, decode, encode, payload_crc32
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpResult

@@ -14,12 +14,11 @@ from hypothesis import strategies as st
 
 from kvtier.config import load_config
 from kvtier.errors import CodecError, ConfigError, SignatureError, TruncatedError
-from kvtier.objects import codec, compress, zpolicy
-from kvtier.objects.checksum import crc32_bytes, payload_crc32
-from kvtier.objects.codec import Signer, decode, encode
+from kvtier.objects import codec, compress
+from kvtier.objects.codec import Signer, crc32_bytes, decode, encode, payload_crc32
 from kvtier.objects.compress import Compressor, FormatError, Fp8Compressor
 from kvtier.objects.remote import RemoteIO
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.objects.tiers import FileTier, ObjectTier
 from kvtier.objects.tiers.redis import RedisTier
 from kvtier.objects.tiers.s3 import S3Tier
@@ -194,13 +193,13 @@ def test_engine_without_blosc2_reads_raw_and_misses_compressed(
         decode(b, key=KEY, out=memoryview(bytearray(len(raw))))
     assert bytes(decode(framed(raw, z=None), key=KEY)) == raw
     with pytest.raises(ConfigError, match="compression"):
-        zpolicy.from_config(load_config({"compression": "lossless"}))
+        compress.from_config(load_config({"compression": "lossless"}))
 
 
 def test_config() -> None:
     assert load_config({}).compression == "none"
-    assert zpolicy.from_config(load_config({})) is None
-    assert zpolicy.from_config(load_config({"compression": "lossless"})) is not None
+    assert compress.from_config(load_config({})) is None
+    assert compress.from_config(load_config({"compression": "lossless"})) is not None
     with pytest.raises(ConfigError, match="compression.*one of none, lossless"):
         load_config({"compression": "zstd"})
 
@@ -384,7 +383,7 @@ def test_fp8_chunks_are_read_only_by_engines_that_chose_fp8(tmp_path) -> None:
     """An fp8 engine's chunks are read (dequantised, within the bound) by another fp8
     engine; an engine with ``none`` or ``lossless`` counts them a ``format`` miss and its
     slot is never reported loaded: lossy KV never reaches an engine that wants exact KV."""
-    assert isinstance(zpolicy.from_config(load_config({"compression": "fp8"})),
+    assert isinstance(compress.from_config(load_config({"compression": "fp8"})),
                       Fp8Compressor)  # fmt: skip
     w = make_rio(FileTier(str(tmp_path / "o")), Fp8Compressor())
     raw = kv(n=16384)

@@ -10,9 +10,15 @@ from kit import collect, kv_like
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
-from kvtier.objects import compress, zpolicy
-from kvtier.objects.compress import Compressor, Fp8Compressor, decompress_into
-from kvtier.objects.zpolicy import MIN_READS, SAMPLE_EVERY, AutoCompressor
+from kvtier.objects import compress
+from kvtier.objects.compress import (
+    MIN_READS,
+    SAMPLE_EVERY,
+    AutoCompressor,
+    Compressor,
+    Fp8Compressor,
+    decompress_into,
+)
 
 MIB = 2**20
 
@@ -127,16 +133,16 @@ def test_a_compressed_upload_is_the_lossless_stream() -> None:
 
 
 def test_from_config_builds_each_setting() -> None:
-    assert zpolicy.from_config(load_config({})) is None
-    assert type(zpolicy.from_config(load_config({"compression": "lossless"}))) is Compressor
-    assert isinstance(zpolicy.from_config(load_config({"compression": "auto"})), AutoCompressor)
-    assert isinstance(zpolicy.from_config(load_config({"compression": "fp8"})), Fp8Compressor)
+    assert compress.from_config(load_config({})) is None
+    assert type(compress.from_config(load_config({"compression": "lossless"}))) is Compressor
+    assert isinstance(compress.from_config(load_config({"compression": "auto"})), AutoCompressor)
+    assert isinstance(compress.from_config(load_config({"compression": "fp8"})), Fp8Compressor)
 
 
 def test_auto_without_blosc2_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compress, "_blosc2", lambda: None)
     with pytest.raises(ConfigError, match="compression.*auto"):
-        zpolicy.from_config(load_config({"compression": "auto"}))
+        compress.from_config(load_config({"compression": "auto"}))
 
 
 def test_reads_go_straight_into_the_slot_while_uploads_are_raw() -> None:

@@ -23,7 +23,7 @@ from kvtier.errors import CodecError
 from kvtier.objects import codec, compress
 from kvtier.objects.codec import Signer, decode, encode
 from kvtier.objects.compress import Compressor, Fp8Compressor, ThreadScratch
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 
 KEY = "model-x/tp1r0/00ab"
 

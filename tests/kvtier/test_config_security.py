@@ -15,7 +15,7 @@ import pytest
 from kvtier.config import insecure_tls_args, load_config
 from kvtier.errors import ConfigError
 from kvtier.objects import codec
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.objects.tiers.redis import RedisTier
 
 HEX_KEY = "ab" * 32

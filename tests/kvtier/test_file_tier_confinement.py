@@ -21,7 +21,7 @@ from kit import payload
 
 from kvtier.errors import ObjectError
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.file import FileTier
 

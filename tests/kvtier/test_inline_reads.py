@@ -17,10 +17,10 @@ from kit import PAYLOAD_SIZE, before_reads, collect, payload
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import FileTier
-from kvtier.objects.tiers.local_fs import filesystem_type, is_local
+from kvtier.objects.tiers.file import filesystem_type, is_local
 
 SHAPE = [2, 8, 64]
 DT = "bfloat16"
@@ -248,7 +248,7 @@ def test_which_directories_are_local(path: str, fstype: str, local: bool) -> Non
 
 
 def test_an_unreadable_mount_table_is_not_local(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("kvtier.objects.tiers.local_fs._MOUNTINFO", str(tmp_path / "absent"))
+    monkeypatch.setattr("kvtier.objects.tiers.file._MOUNTINFO", str(tmp_path / "absent"))
     assert filesystem_type(str(tmp_path)) is None and not is_local(str(tmp_path))
     assert FileTier(str(tmp_path / "t")).reads_local is False
 

@@ -19,11 +19,11 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierUnavailable
 from kvtier.keys import KeySpace, Namespace
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
-from kvtier.objects.checksum import HASH_PIECE
+from kvtier.objects.codec import HASH_PIECE
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.tiers import open_tier
-from kvtier.objects.tiers.redis import RedisTier, _BoundedParser
+from kvtier.objects.tiers.redis import BoundedParser, RedisTier
 from kvtier.objects.tiers.redis_cluster import (
     NodeUnavailable,
     RedisClusterTier,
@@ -215,7 +215,7 @@ def test_every_node_reads_through_the_bounded_parser(
         pool = node.redis_connection.connection_pool
         conn = pool.get_connection()
         try:
-            assert isinstance(conn._parser, _BoundedParser), type(conn._parser)
+            assert isinstance(conn._parser, BoundedParser), type(conn._parser)
         finally:
             pool.release(conn)
 

@@ -19,7 +19,7 @@ from kit import payload
 
 from kvtier.errors import TierUnavailable
 from kvtier.objects import codec
-from kvtier.objects.backoff import BackoffState, ConstantBackoff, ExponentialBackoff
+from kvtier.objects.health import BackoffState, ConstantBackoff, ExponentialBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.objects.tiers.policy import call_deadline, time_left

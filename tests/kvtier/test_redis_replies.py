@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.redis import RedisTier
 

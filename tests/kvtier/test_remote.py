@@ -14,7 +14,7 @@ from kit import PAYLOAD_SIZE, before_reads, collect, payload
 
 from kvtier.config import load_config
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff, ExponentialBackoff, NoBackoff
+from kvtier.objects.health import ConstantBackoff, ExponentialBackoff, NoBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import FileTier, ObjectTier
 from kvtier.objects.tiers.redis import RedisTier

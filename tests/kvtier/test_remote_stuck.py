@@ -16,9 +16,9 @@ import pytest
 from faketier import DT, SHAPE, SIZE, WAIT, FakeTier, collect, frame, make_rio, payload, until
 
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff, ExponentialBackoff
+from kvtier.objects.health import ConstantBackoff, ExponentialBackoff
 from kvtier.objects.remote import RemoteIO
-from kvtier.objects.seal import Sealer
+from kvtier.objects.sealing import Sealer
 from kvtier.ops import OpKind, OpResult
 
 

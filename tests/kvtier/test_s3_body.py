@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from kvtier.objects.checksum import HASH_PIECE, LandingCrc
+from kvtier.objects.codec import HASH_PIECE, LandingCrc
 from kvtier.objects.tiers.s3 import _read_upto
 
 

@@ -1,4 +1,4 @@
-"""Encrypted chunks (kvtier.objects.seal + kvtier.objects.codec): keys, sealing, rejection,
+"""Encrypted chunks (kvtier.objects.sealing + kvtier.objects.codec): keys, sealing, rejection,
 and the tiers."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvtier.errors import (
 )
 from kvtier.objects import codec, remote
 from kvtier.objects.remote import RemoteIO
-from kvtier.objects.seal import Sealer, key_id, parse_key
+from kvtier.objects.sealing import Sealer, key_id, parse_key
 from kvtier.objects.tiers import FileTier, ObjectTier
 from kvtier.objects.tiers.redis import RedisTier
 from kvtier.objects.tiers.s3 import S3Tier

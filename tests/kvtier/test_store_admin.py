@@ -167,7 +167,7 @@ def test_every_key_of_an_engine_names_one_generation_across_ranks_and_stages() -
 
 
 def test_a_manifest_is_sealed_like_a_chunk(tmp_path: Path) -> None:
-    from kvtier.objects.seal import Sealer
+    from kvtier.objects.sealing import Sealer
 
     tier = open_tier(load_config({"remote_url": f"file://{tmp_path}"}, environ={}))
     sealed = codec.Signer(b"h" * 32, sealer=Sealer(b"s" * 32))

@@ -132,7 +132,7 @@ def test_file_put_of_a_full_disk_wakes_the_sweep(tmp_path) -> None:
     tier = FileTier(str(tmp_path), max_bytes=1 << 20, background_sweep=False)
     _file_raising(tier, OSError(errno.ENOSPC, "injected"))
     _raises(_put, tier, OBJ)
-    assert tier._wake.is_set()
+    assert tier.sweeper.woken
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)

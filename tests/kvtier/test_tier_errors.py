@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeou
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
 from kvtier.objects import codec
-from kvtier.objects.backoff import ConstantBackoff
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.file import FileTier
 from kvtier.objects.tiers.redis import RedisTier, ReplyTooLarge

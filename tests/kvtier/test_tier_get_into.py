@@ -18,7 +18,7 @@ from kit import open_loopback_tier
 from kvtier.config import load_config
 from kvtier.errors import ObjectError, ObjectTooLarge
 from kvtier.objects import codec
-from kvtier.objects.checksum import HASH_PIECE
+from kvtier.objects.codec import HASH_PIECE
 from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
 from kvtier.objects.tiers.base import ObjectTier as Base
 

@@ -14,9 +14,9 @@ import pytest
 from kit import collect, open_loopback_tier, xxh3_framed
 
 from kvtier.errors import ChecksumError, ObjectTooLarge, TruncatedError
-from kvtier.objects import checksum, codec
-from kvtier.objects.backoff import ConstantBackoff
-from kvtier.objects.checksum import HASH_PIECE
+from kvtier.objects import codec
+from kvtier.objects.codec import HASH_PIECE
+from kvtier.objects.health import ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.tiers import FileTier, ObjectTier
 
@@ -56,16 +56,16 @@ def test_the_slot_is_checksummed_as_it_lands_not_after(
     the CPU's cache), never in a second pass over the whole slot once it is in: no one
     checksum call covers more than a piece and what the last read brought with it."""
     sizes: list[int] = []
-    real = checksum.payload_crc32
+    real = codec.payload_crc32
 
     def counted(data: memoryview, value: int = 0) -> int:
         sizes.append(memoryview(data).nbytes)
         return real(data, value)
 
-    monkeypatch.setattr(checksum, "payload_crc32", counted)
     n = 4 * HASH_PIECE + 777
     data = os.urandom(n)
     tier.put("k", codec.encode("k", data, dtype="uint8", shape=[n]))
+    monkeypatch.setattr(codec, "payload_crc32", counted)  # the read's checksum calls only
     got = tier.read_into_hashed("k", memoryview(bytearray(n)), MAX_FRAME)
     assert got is not None and got[1] == zlib.crc32(data)
     assert sum(sizes) == n and len(sizes) >= 4, sizes

@@ -24,7 +24,7 @@ from kit import PAYLOAD_SIZE, collect, payload
 from kvtier.config import load_config
 from kvtier.errors import ObjectError, ObjectTooLarge, TierUnavailable
 from kvtier.objects import codec
-from kvtier.objects.backoff import BackoffState, ConstantBackoff
+from kvtier.objects.health import BackoffState, ConstantBackoff
 from kvtier.objects.remote import MAX_FRAME, RemoteIO
 from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
 from kvtier.objects.tiers.redis import RedisTier

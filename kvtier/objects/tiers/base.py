@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import ObjectTooLarge, TruncatedError
-from kvtier.objects.checksum import payload_crc32
+from kvtier.objects.codec import payload_crc32
 
 __all__ = ["Found", "ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for",
            "split_into", "stored_prefix"]

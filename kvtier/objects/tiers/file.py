@@ -1,8 +1,24 @@
-"""Object tier on a directory: a local disk, or NFS/shared storage mounted on every node."""
+"""Object tier on a directory: a local disk, or NFS/shared storage mounted on every node.
+
+One module for the directory tier: its layout (fan-out directories, temp files, the
+flags every directory is opened with), the read and write path (:class:`FileTier`), the
+bound on its size (:class:`DirectorySweep`, which the tier owns and runs on a
+background thread: a read never sweeps), and whether the directory is on a local
+filesystem (:func:`is_local`: reads the worker makes itself hold up its step, so kvtier
+does them only where a read is known to be local and fast: a directory whose mount is of
+a filesystem type in :data:`LOCAL_TYPES`. Anything else, NFS, CIFS, Ceph, Lustre, a FUSE
+mount such as s3fs or gcsfuse, a mount table that cannot be read, is treated as remote,
+and its reads stay on the I/O threads).
+
+The sweep's state lives in the files themselves (sizes, mtimes a hit refreshes), so the
+bound survives restarts and holds with several engines sharing the directory; a lock
+file keeps them from sweeping at once.
+"""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -12,23 +28,18 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from urllib.parse import quote
 
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
-from kvtier.objects import checksum
+from kvtier.objects import codec
 from kvtier.objects.tiers.base import Found, Parts, SlotReader, byte_view, head_length_for
-from kvtier.objects.tiers.file_sweep import (
-    _OPEN_ROOT,
-    _OPEN_SUBDIR,
-    _TMP_PREFIX,
-    DirectoryBound,
-    SweepStats,
-)
-from kvtier.objects.tiers.local_fs import is_local
 
-__all__ = ["FileTier", "SweepStats"]
+__all__ = [
+    "LOCAL_TYPES", "DirectorySweep", "FileTier", "SweepStats", "filesystem_type", "is_local",
+]  # fmt: skip
 
 log = logging.getLogger("kvtier.tiers.file")
 
@@ -50,9 +61,253 @@ _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 _OPEN_TMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: a hit refreshes a file's mtime at most this often: LRU needs minutes, not a write per hit
 _TOUCH_AFTER_S = 60.0
+_TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".sweep.lock"
+#: the root (the operator's path: a symlink there is theirs, and followed)
+_OPEN_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: a fan-out directory, opened relative to the root's fd: O_NOFOLLOW refuses a symlink
+#: planted at its name (ELOOP) and O_DIRECTORY anything else that is not a directory, so
+#: every object is opened, created, renamed and unlinked relative to a directory that is
+#: really under the root, whatever the path looks like a moment later (no check-then-use)
+_OPEN_SUBDIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_HEX = frozenset("0123456789abcdef")
+
+#: filesystem types whose reads are served by this machine's own disks or memory
+LOCAL_TYPES = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "jfs", "reiserfs",
+    "tmpfs", "ramfs", "overlay", "vfat", "exfat", "ntfs3",
+})  # fmt: skip
+
+_MOUNTINFO = "/proc/self/mountinfo"
 
 
-class FileTier(DirectoryBound, SlotReader):
+@dataclass(slots=True)
+class SweepStats:
+    """What one :meth:`FileTier.sweep` did (``skipped``: another engine was sweeping)."""
+
+    skipped: bool = False
+    total_bytes: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+    temp_removed: int = 0
+    #: fan-out names that are not directories (a symlink aiming writes out of the root, a
+    #: file): never followed, never counted, never written through; logged
+    foreign: int = 0
+
+
+class DirectorySweep:
+    """The bound on a :class:`FileTier`'s directory: least recently used objects (oldest
+    mtime) deleted down to ``low_water`` of ``max_bytes`` when the total exceeds it, stale
+    temp files removed, bounded or not. The tier owns one and tells it what it wrote
+    (:meth:`wrote`) or that the disk is full (:meth:`wake`); it sweeps on its own thread
+    (:meth:`start`), never on a read. Tests call :meth:`sweep` directly."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        max_bytes: int | None,
+        file_mode: int,
+        low_water: float,
+        tmp_max_age_s: float,
+        interval_s: float,
+    ) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.file_mode = file_mode
+        self.low_water = low_water
+        self.tmp_max_age_s = tmp_max_age_s
+        self.sweep_interval_s = interval_s
+        self._lock = threading.Lock()
+        self._written_since_sweep = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Sweep in the background from now on (at once, then as :meth:`_loop` says)."""
+        # daemon: a sweep stuck on a hung mount must not keep the engine from exiting
+        self._thread = threading.Thread(target=self._loop, name="kvtier-file-sweep", daemon=True)
+        self._thread.start()
+
+    def wrote(self, nbytes: int) -> None:
+        """The tier stored ``nbytes`` more: sweep soon once they fill a good part of the
+        headroom (half of what a sweep frees)."""
+        if self.max_bytes is None:
+            return
+        with self._lock:
+            self._written_since_sweep += nbytes
+            due = self._written_since_sweep > (1.0 - self.low_water) * self.max_bytes / 2
+        if due:
+            self._wake.set()
+
+    def wake(self) -> None:
+        """Sweep now (a write found the disk full: make room for the next ones)."""
+        self._wake.set()
+
+    @property
+    def woken(self) -> bool:
+        """A sweep was asked for and has not begun yet."""
+        return self._wake.is_set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)  # bounded: a hung mount must not hang shutdown
+
+    def sweep(self) -> SweepStats:
+        """One pass: remove stale temp files, then LRU objects while over ``max_bytes``.
+
+        Never called on the read path: the background thread runs it at open,
+        every ``sweep_interval_s`` after writes, and when puts wrote a good part
+        of the headroom. Tests call it directly.
+        """
+        lock_fd = self._try_lock()
+        if lock_fd == -2:
+            return SweepStats(skipped=True)
+        try:
+            return self._sweep_locked()
+        finally:
+            if lock_fd >= 0:
+                os.close(lock_fd)  # releases the flock
+
+    def _try_lock(self) -> int:
+        """An fd holding the sweep lock; -1 when locking is unsupported, -2 when it is held."""
+        path = os.path.join(self.root, _LOCK_NAME)
+        base = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = -1
+        for mode in (os.O_RDWR, os.O_RDONLY):  # NFS wants a writable fd; another's file may not be
+            try:
+                fd = os.open(path, base | mode, self.file_mode)
+                break
+            except OSError:
+                continue
+        if fd < 0:
+            return -1  # sweeping twice at once only wastes work; it stays correct
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return -2
+        except OSError:
+            os.close(fd)
+            return -1
+        return fd
+
+    def _sweep_locked(self) -> SweepStats:
+        stats = SweepStats()
+        try:
+            root_fd = os.open(self.root, _OPEN_ROOT)
+        except OSError as exc:
+            log.warning("file tier %s: cannot open for a sweep: %s", self.root, exc.strerror)
+            return stats
+        try:
+            return self._sweep_at(root_fd, stats)
+        finally:
+            os.close(root_fd)
+
+    def _sweep_at(self, root_fd: int, stats: SweepStats) -> SweepStats:
+        """The sweep through directory fds: like every read and write it never leaves the
+        root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
+        now = time.time()
+        objects: list[tuple[float, int, str, str]] = []
+        try:
+            subdirs = []
+            for e in os.scandir(root_fd):
+                if len(e.name) != 2 or not set(e.name) <= _HEX:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    subdirs.append(e.name)
+                else:
+                    stats.foreign += 1
+        except OSError as exc:
+            log.warning("file tier %s: cannot list for a sweep: %s", self.root, exc.strerror)
+            return stats
+        if stats.foreign:
+            log.warning(
+                "file tier %s: %d fan-out name(s) are not directories (symlinks or files "
+                "put there); kvtier never reads or writes through them",
+                self.root,
+                stats.foreign,
+            )
+        for sub in subdirs:
+            if self._stop.is_set():
+                return stats
+            try:
+                sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
+            except OSError:
+                continue  # removed by another engine, swapped for a symlink, unreadable
+            try:
+                for entry in list(os.scandir(sub_fd)):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # vanished under us
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    if entry.name.startswith(_TMP_PREFIX):
+                        if now - st.st_mtime > self.tmp_max_age_s and _unlink(entry.name, sub_fd):
+                            stats.temp_removed += 1
+                        continue  # a live writer's temp file becomes an object soon
+                    objects.append((st.st_mtime, st.st_size, sub, entry.name))
+                    stats.total_bytes += st.st_size
+            except OSError:
+                continue  # unreadable: next pass
+            finally:
+                os.close(sub_fd)
+        with self._lock:
+            self._written_since_sweep = 0
+        if self.max_bytes is None or stats.total_bytes <= self.max_bytes:
+            return stats
+        target = int(self.max_bytes * self.low_water)
+        total = stats.total_bytes
+        objects.sort()
+        for mtime, size, sub, name in objects:
+            if total <= target or self._stop.is_set():
+                break
+            try:
+                sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
+            except OSError:
+                continue
+            try:
+                if os.stat(name, dir_fd=sub_fd, follow_symlinks=False).st_mtime != mtime:
+                    continue  # read or rewritten since the scan: young now
+                if _unlink(name, sub_fd):
+                    stats.evicted += 1
+                    stats.evicted_bytes += size
+                total -= size
+            except FileNotFoundError:
+                total -= size  # another engine evicted it
+            except OSError:
+                continue
+            finally:
+                os.close(sub_fd)
+        return stats
+
+    def _loop(self) -> None:
+        last = -float("inf")
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                written = self._written_since_sweep
+            woken = self._wake.is_set()
+            self._wake.clear()
+            if (
+                woken
+                or now - last >= self.tmp_max_age_s / 2
+                or (written and self.max_bytes is not None and now - last >= self.sweep_interval_s)
+            ):
+                try:
+                    self.sweep()
+                except Exception:  # a sweep must never take the tier (or the engine) down
+                    log.warning("file tier %s: sweep failed", self.root, exc_info=True)
+                last = time.monotonic()
+                self._stop.wait(min(1.0, self.sweep_interval_s))  # at most one sweep a second
+            self._wake.wait(self.sweep_interval_s)
+
+
+class FileTier(SlotReader):
     """One file per chunk under ``root/<2 hex digits>/``.
 
     Writes go to a temp file in the destination directory and are renamed into
@@ -113,9 +368,6 @@ class FileTier(DirectoryBound, SlotReader):
         self.root = os.path.abspath(root)
         self.max_bytes = max_bytes
         self.file_mode = file_mode
-        self.low_water = low_water
-        self.tmp_max_age_s = tmp_max_age_s
-        self.sweep_interval_s = sweep_interval_s
         try:
             os.makedirs(self.root, mode=0o770, exist_ok=True)
             root_st = os.stat(self.root)
@@ -132,17 +384,16 @@ class FileTier(DirectoryBound, SlotReader):
                 os.getegid(),
             )
         self.reads_local = is_local(self.root)
-        self._lock = threading.Lock()
-        self._written_since_sweep = 0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._sweeper: threading.Thread | None = None
+        self.sweeper = DirectorySweep(
+            self.root,
+            max_bytes=max_bytes,
+            file_mode=file_mode,
+            low_water=low_water,
+            tmp_max_age_s=tmp_max_age_s,
+            interval_s=sweep_interval_s,
+        )
         if background_sweep:
-            # daemon: a sweep stuck on a hung mount must not keep the engine from exiting
-            self._sweeper = threading.Thread(
-                target=self._sweep_loop, name="kvtier-file-sweep", daemon=True
-            )
-            self._sweeper.start()
+            self.sweeper.start()
 
     def __repr__(self) -> str:
         return f"FileTier({self.root!r})"
@@ -347,7 +598,7 @@ class FileTier(DirectoryBound, SlotReader):
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`SlotReader._read_slot`: one ``preadv`` fills the head buffer and the slot
-        (no copy, GIL released); ``hashed``: the slot in pieces of ``checksum.HASH_PIECE``
+        (no copy, GIL released); ``hashed``: the slot in pieces of ``codec.HASH_PIECE``
         bytes, each checksummed right after it lands, while it is still in the CPU's cache
         (one pass over memory instead of a read, then a checksum)."""
         opened = self._open_regular(key)
@@ -364,7 +615,7 @@ class FileTier(DirectoryBound, SlotReader):
                 if not hashed:
                     _preadv_all(fd, [memoryview(head), dest], 0, where)
                 else:
-                    at, step, landing = len(head), checksum.HASH_PIECE, checksum.LandingCrc(dest)
+                    at, step, landing = len(head), codec.HASH_PIECE, codec.LandingCrc(dest)
                     for start in range(0, dest.nbytes, step):
                         piece = dest[start : start + step]
                         bufs = [memoryview(head), piece] if start == 0 else [piece]
@@ -405,7 +656,7 @@ class FileTier(DirectoryBound, SlotReader):
                     tmp = None
                 except OSError as exc:
                     if exc.errno in _DISK_FULL and self.max_bytes is not None:
-                        self._wake.set()  # make room for the next writes
+                        self.sweeper.wake()  # make room for the next writes
                     raise
         finally:
             if tmp is not None:
@@ -416,11 +667,7 @@ class FileTier(DirectoryBound, SlotReader):
             if dir_fd is not None:
                 os.close(dir_fd)
         if self.max_bytes is not None:
-            with self._lock:
-                self._written_since_sweep += sum(memoryview(p).nbytes for p in parts)
-                due = self._written_since_sweep > (1.0 - self.low_water) * self.max_bytes / 2
-            if due:
-                self._wake.set()
+            self.sweeper.wrote(sum(memoryview(p).nbytes for p in parts))
 
     def _create_temp(self, dir_fd: int) -> tuple[int, str]:
         """A new temp file in the directory ``dir_fd``: its fd and its name there, created
@@ -442,11 +689,12 @@ class FileTier(DirectoryBound, SlotReader):
                 finally:
                     os.close(dir_fd)
 
+    def sweep(self) -> SweepStats:
+        """One pass of the directory's bound now (:meth:`DirectorySweep.sweep`)."""
+        return self.sweeper.sweep()
+
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._sweeper is not None and self._sweeper is not threading.current_thread():
-            self._sweeper.join(timeout=1.0)  # bounded: a hung mount must not hang shutdown
+        self.sweeper.close()
 
 
 def _read(fd: int, n: int) -> bytes:
@@ -494,3 +742,46 @@ def _place(key: str) -> tuple[str, str]:
     return xxhash.xxh3_64_hexdigest(key.encode())[:2], name
 
 
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` in the directory ``dir_fd``; False when it was gone already or
+    could not be removed."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+def _unescape(field: str) -> str:
+    """A mount point as the kernel escapes it (space, tab, newline, backslash as octal)."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lies on (its longest mount point), or None
+    when the mount table cannot be read. ``mountinfo``: the table's text (tests)."""
+    if mountinfo is None:
+        try:
+            with open(_MOUNTINFO) as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, after = left.split(), right.split()
+        if not sep or len(fields) < 5 or not after:
+            continue
+        point = _unescape(fields[4])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # a later mount over the same point wins
+            best, best_type = point, after[0]
+    return best_type
+
+
+def is_local(path: str, mountinfo: str | None = None) -> bool:
+    """True when ``path`` is on a filesystem type of :data:`LOCAL_TYPES`."""
+    return filesystem_type(path, mountinfo) in LOCAL_TYPES

@@ -2,7 +2,7 @@
 retries.
 
 RemoteIO owns the deadline of a lookup (``lookup_timeout_ms``) and the backoff
-after the tier failed (:mod:`kvtier.objects.backoff`). A backend only bounds each request
+after the tier failed (:mod:`kvtier.objects.health`). A backend only bounds each request
 so it cannot outlive that deadline by much, and retries a failed request
 :data:`RETRIES` time(s), at once: that replaces a pooled connection the server
 dropped (a restart, an idle timeout) without the caller noticing. Anything longer

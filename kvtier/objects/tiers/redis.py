@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from kvtier.config import insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
-from kvtier.objects.checksum import LandingCrc, payload_crc32
+from kvtier.objects.codec import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
     Found,
     Parts,
@@ -27,18 +27,18 @@ from kvtier.objects.tiers.base import (
 )
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
 from kvtier.objects.tiers.redis_resp import (
-    _REPLY_CAP,
+    REPLY_CAP,
+    BoundedParser,
+    ReplyBound,
     ReplyTooLarge,
-    _Bound,
-    _BoundedParser,
-    _connection,
-    _set_frame,
     bounded_connection,
     expect_reply,
+    pool_connection,
+    set_frame,
 )
 
-# ReplyTooLarge and _BoundedParser (redis_resp.py, the wire) are read from here too
-__all__ = ["ClusterNodeRefused", "RedisTier", "ReplyTooLarge", "_BoundedParser"]
+# ReplyTooLarge and BoundedParser (redis_resp.py, the wire) are read from here too
+__all__ = ["ClusterNodeRefused", "RedisTier", "ReplyTooLarge", "BoundedParser"]
 
 log = logging.getLogger("kvtier.tiers.redis")
 
@@ -124,8 +124,8 @@ class RedisTier(SlotReader):
                 self._safe_url,
                 ", ".join(weak),
             )
-        self._bound = _Bound()
-        parser = type("_TierParser", (_BoundedParser,), {"bound": self._bound})
+        self._bound = ReplyBound()
+        parser = type("_TierParser", (BoundedParser,), {"bound": self._bound})
         # TLS verifies the server's certificate and name whatever redis-py's version
         # defaults to (5.x did not check the hostname); a URL's own ssl_* arguments win
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
@@ -237,7 +237,7 @@ class RedisTier(SlotReader):
         An empty or missing value is None (STRLEN says 0 for both). A value
         replaced between the two commands can only come back cut or mixed,
         which the codec rejects. Every bulk reply is bounded from its length
-        line (:class:`_BoundedParser`): a server that ignores the range costs
+        line (:class:`BoundedParser`): a server that ignores the range costs
         a dropped connection, not the bytes it sends.
         """
         data = self._get(key, max_bytes)
@@ -302,7 +302,7 @@ class RedisTier(SlotReader):
                     return cast("bytes | bytearray | None", data)
                 size, data = self._strlen_getrange(key, max(1, max_bytes))
         finally:
-            self._bound.limit = _REPLY_CAP
+            self._bound.limit = REPLY_CAP
         if type(size) is not int:
             raise self._wrong_reply("get", "STRLEN", size)
         if type(data) not in (bytes, bytearray):
@@ -328,11 +328,11 @@ class RedisTier(SlotReader):
         payload behind its header; instead the RESP frame is written around
         the parts and sent with the connection's own ``send_packed_command``.
         """
-        frame = _set_frame(key, parts, self.ttl_s)
+        frame = set_frame(key, parts, self.ttl_s)
         pool = self._client.connection_pool
         with self._errors("put"):
             for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
-                conn = _connection(pool)
+                conn = pool_connection(pool)
                 try:
                     expect_reply(conn, "SET")
                     conn.send_packed_command(frame)  # type: ignore[no-untyped-call]

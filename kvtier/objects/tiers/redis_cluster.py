@@ -5,7 +5,7 @@ The URL names seed nodes only (``redis+cluster://h1:6379,h2:6379/``); redis-py's
 failovers: kvtier keeps no slot map and writes no redirection logic. What kvtier adds is
 the single node's guarantees, on every node's connections:
 
-- every reply is parsed by the single node's bounded RESP2 parser (``_BoundedParser``,
+- every reply is parsed by the single node's bounded RESP2 parser (``BoundedParser``,
   plugged in through the node pools' class, since ``RedisCluster`` drops a
   ``parser_class`` argument), so a reply's size is checked from its length line;
 - a chunk read is STRLEN + GETRANGE on its one node in one round trip; a chunk write is
@@ -48,18 +48,18 @@ from redis.retry import Retry
 from kvtier import metrics
 from kvtier.config import cluster_seeds, insecure_tls_args, redact_url
 from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
-from kvtier.objects.backoff import BackoffState, ExponentialBackoff
+from kvtier.objects.health import BackoffState, ExponentialBackoff
 from kvtier.objects.tiers.base import Parts
 from kvtier.objects.tiers.policy import RETRIES, Timeouts
 from kvtier.objects.tiers.redis import RedisTier
 from kvtier.objects.tiers.redis_resp import (
-    _Bound,
-    _BoundedParser,
-    _command_frame,
-    _connection,
-    _set_frame,
+    BoundedParser,
+    ReplyBound,
     bounded_connection,
+    command_frame,
     expect_reply,
+    pool_connection,
+    set_frame,
 )
 
 __all__ = ["NODE_BACKOFF_CAP_S", "NodeUnavailable", "RedisClusterTier"]
@@ -84,9 +84,9 @@ class _SlotDown(redis.ResponseError):
     sleep, so the reply goes to the tier's own classification at once."""
 
 
-class _ClusterParser(_BoundedParser):
+class _ClusterParser(BoundedParser):
     EXCEPTION_CLASSES = {
-        **_BoundedParser.EXCEPTION_CLASSES, "CLUSTERDOWN": _SlotDown, "TRYAGAIN": _SlotDown,
+        **BoundedParser.EXCEPTION_CLASSES, "CLUSTERDOWN": _SlotDown, "TRYAGAIN": _SlotDown,
     }  # fmt: skip
 
 
@@ -164,7 +164,7 @@ class RedisClusterTier(RedisTier):
                 " anyone on the network path can read and replace chunks",
                 self._safe_url, ", ".join(weak),
             )  # fmt: skip
-        self._bound = _Bound()
+        self._bound = ReplyBound()
         parser = type("_TierParser", (_ClusterParser,), {"bound": self._bound})
         # at most io_threads calls at once, each holding one connection per node, plus a
         # topology refresh: a node's pool never runs out
@@ -463,10 +463,10 @@ class RedisClusterTier(RedisTier):
         conn: Any = None
         replies: list[Any] = []
         try:
-            conn = _connection(pool)
+            conn = pool_connection(pool)
             for command in commands:
                 expect_reply(conn, str(command[0]))
-            conn.send_packed_command([b"".join(_command_frame(*c) for c in commands)])
+            conn.send_packed_command([b"".join(command_frame(*c) for c in commands)])
             for _ in commands:
                 try:
                     replies.append(conn.read_response())
@@ -512,9 +512,9 @@ class RedisClusterTier(RedisTier):
             try:
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
                 pool = client.get_redis_connection(node).connection_pool
-                conn = _connection(pool)
+                conn = pool_connection(pool)
                 expect_reply(conn, "SET")
-                conn.send_packed_command(_set_frame(key, parts, self.ttl_s))
+                conn.send_packed_command(set_frame(key, parts, self.ttl_s))
                 reply = conn.read_response()
             except redis.TimeoutError:  # a hung node: no second wait (nor a retry) on it
                 if conn is not None:

@@ -26,18 +26,21 @@ from redis._parsers import _RESP2Parser
 from redis._parsers.socket import SocketBuffer
 from redis.utils import SENTINEL
 
-from kvtier.objects import checksum
+from kvtier.objects import codec
 from kvtier.objects.tiers import policy
 from kvtier.objects.tiers.base import Found, Parts
 
-__all__ = ["ReplyTooLarge", "WrongReply"]
+__all__ = [
+    "REPLY_CAP", "BoundedParser", "ReplyBound", "ReplyTooLarge", "WrongReply", "bounded_connection",
+    "command_frame", "command_name", "expect_reply", "pool_connection", "set_frame",
+]  # fmt: skip
 
 #: parts smaller than this are merged into one buffer before they are sent
 _SMALL = 64 * 1024
 #: the longest status, error or length line read from the server (a real one is < 1 KiB)
 _LINE_CAP = 64 * 1024
 #: the most bytes of a reply to a command :data:`_SHAPES` does not name
-_REPLY_CAP = 64 * 1024
+REPLY_CAP = 64 * 1024
 #: the most elements of one array in a reply to a command :data:`_SHAPES` does not name
 _ARRAY_CAP = 1024
 #: bulk replies from this size on are read straight into their own buffer
@@ -69,12 +72,12 @@ class _Shape:
     #: it may be nil ($-1 / *-1)
     nil: bool = False
     #: a stored value: its one bulk string is bounded by the caller's bound
-    #: (:attr:`_Bound.limit`) and may land in the caller's slot
+    #: (:attr:`ReplyBound.limit`) and may land in the caller's slot
     value: bool = False
     #: every byte of the reply on the wire, lines included (None: the caller's bound)
-    max_bytes: int | None = _REPLY_CAP
+    max_bytes: int | None = REPLY_CAP
     #: the longest bulk string in it, but a stored value's (the caller's bound)
-    bulk_cap: int = _REPLY_CAP
+    bulk_cap: int = REPLY_CAP
     #: arrays inside arrays (0: none; 1: an array of scalars)
     depth: int = 0
     #: elements of any one array
@@ -174,20 +177,20 @@ class _Reply:
                 raise WrongReply(f"{self.name} replied with more than {self.shape.max_bytes} bytes")
 
 
-class _Bound(threading.local):
+class ReplyBound(threading.local):
     """The largest bulk reply this thread's current command may read (None: no bound).
 
     Replies are parsed on the calling thread, which holds its pooled connection for
     the whole command, so a thread-local bound is the command's bound."""
 
-    limit: int | None = _REPLY_CAP
+    limit: int | None = REPLY_CAP
     #: a slot the command's bulk reply ends in (``RedisTier.read_into``): a reply at least
     #: its size is read with its last ``into.nbytes`` bytes straight into it, and only
     #: the bytes before them (the chunk's head) are returned; ``landed`` says it was
     into: memoryview | None = None
     landed = False
     #: ``into``'s checksum, computed as the reply lands there (``read_into_hashed``)
-    landing: checksum.LandingCrc | None = None
+    landing: codec.LandingCrc | None = None
     #: ``into`` takes the whole reply at its front instead (``RedisTier.get_into``): a
     #: reply no longer than ``into`` lands there, and ``front_n`` says how long it was
     front = False
@@ -249,7 +252,7 @@ class _BoundedBuffer(SocketBuffer):
         return got
 
 
-class _BoundedParser(_RESP2Parser):
+class BoundedParser(_RESP2Parser):
     """RESP2 parsing that knows each reply's command and bounds the whole reply by it.
 
     redis-py (and hiredis) read a bulk reply whole before the caller sees it: a server
@@ -257,12 +260,12 @@ class _BoundedParser(_RESP2Parser):
     check, and an array of 1,024 slot-sized strings for a STRLEN 1,024 slots. Here a
     reply of a type its command never gives, or with arrays deeper, longer or more
     bytes than its command's (:data:`_SHAPES`), raises :class:`WrongReply` where it
-    shows; a stored value longer than the thread's :class:`_Bound` raises
+    shows; a stored value longer than the thread's :class:`ReplyBound` raises
     :class:`ReplyTooLarge` from its length line; malformed length lines are protocol
     errors (not ``ValueError``). redis-py then drops the connection.
     """
 
-    bound: _Bound  # set on the per-tier subclass
+    bound: ReplyBound  # set on the per-tier subclass
     _buffer: Any  # redis-py's SocketBuffer (here a _BoundedBuffer), None when disconnected
     _sock: Any
     #: the names of the commands sent on this connection whose replies are not read yet
@@ -356,9 +359,9 @@ class _BoundedParser(_RESP2Parser):
     def _read_bulk(self, n: int, timeout: object) -> bytearray:
         """A chunk-sized bulk reply read straight from the socket into one buffer of its
         size: no growing buffer and two copies (the pure-Python parser's way), as fast
-        as hiredis. With a slot to read into (:attr:`_Bound.into`) no larger than the
+        as hiredis. With a slot to read into (:attr:`ReplyBound.into`) no larger than the
         reply, the reply's end goes straight into the slot: no buffer of the chunk's
-        size, no copy of it; with :attr:`_Bound.front`, a whole reply that fits goes to
+        size, no copy of it; with :attr:`ReplyBound.front`, a whole reply that fits goes to
         the front of ``into``."""
         into, size, limit = self.bound.into, self.bound.last_int, self.bound.limit
         oversize = size is not None and limit is not None and size > limit
@@ -394,7 +397,7 @@ class _BoundedParser(_RESP2Parser):
         return out
 
     def _fill(
-        self, views: list[memoryview], timeout: object, landing: checksum.LandingCrc | None = None
+        self, views: list[memoryview], timeout: object, landing: codec.LandingCrc | None = None
     ) -> None:
         """Fill ``views`` in order: first from what the socket buffer holds, then from
         the socket, each wait within the thread's deadline; ``landing`` checksums the
@@ -412,7 +415,7 @@ class _BoundedParser(_RESP2Parser):
                         track.landed(got)
                         # a read never crosses the end of the piece being checksummed:
                         # a slow reader's full socket buffer lands a piece at a time
-                        end = min(end, track.done + checksum.HASH_PIECE)
+                        end = min(end, track.done + codec.HASH_PIECE)
                     if timed:
                         sock.settimeout(_wait_s(base))
                     k = sock.recv_into(view[got:end])
@@ -445,7 +448,7 @@ _CLASSES_LOCK = threading.Lock()
 
 def bounded_connection(base: type[Any]) -> type[Any]:
     """``base`` (redis-py's Connection or SSLConnection) as a connection that records the
-    commands it sends (for :class:`_BoundedParser` to know what each reply answers) and
+    commands it sends (for :class:`BoundedParser` to know what each reply answers) and
     connects within the calling thread's deadline."""
     with _CLASSES_LOCK:
         cls = _CONNECTION_CLASSES.get(base)
@@ -527,7 +530,7 @@ def _coalesce(buffers: list[bytes | memoryview]) -> list[bytes | memoryview]:
     return out
 
 
-def _command_frame(*args: str | int) -> bytes:
+def command_frame(*args: str | int) -> bytes:
     """The RESP frame of one small command (``STRLEN key``, ``GETRANGE key 0 n``)."""
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -536,7 +539,7 @@ def _command_frame(*args: str | int) -> bytes:
     return b"".join(out)
 
 
-def _set_frame(key: str, parts: Parts, ttl_s: int | None) -> list[bytes | memoryview]:
+def set_frame(key: str, parts: Parts, ttl_s: int | None) -> list[bytes | memoryview]:
     """The RESP frame of ``SET key <parts> [EX ttl_s]`` around the parts, not joining them."""
     total = sum(memoryview(p).nbytes for p in parts)
     name = key.encode()
@@ -558,7 +561,7 @@ def expect_reply(conn: Any, name: str) -> None:
         note(name)
 
 
-def _connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
+def pool_connection(pool: redis.ConnectionPool) -> redis.connection.Connection:
     try:
         return pool.get_connection()  # redis-py >= 5.3 warns when given a command name
     except TypeError:  # redis-py < 5.3 requires one

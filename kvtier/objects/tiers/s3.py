@@ -21,7 +21,7 @@ from kvtier.errors import (
     TierUnavailable,
     TruncatedError,
 )
-from kvtier.objects.checksum import HASH_PIECE, LandingCrc, payload_crc32
+from kvtier.objects.codec import HASH_PIECE, LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
     Found,
     Parts,
