@@ -136,3 +136,78 @@ def test_the_host_and_object_rooms_do_not_import_each_other() -> None:
     assert any(m.startswith("kvtier.objects.") for m in graph)
     assert not crossing, f"the host and object rooms import each other: {crossing}"
 
+
+def private_imports(
+    source: str, module: str, is_pkg: bool, files: dict[str, Path]
+) -> list[tuple[str, str]]:
+    """``(other module, name)`` for each private name (``_x``, not a dunder) that
+    ``module``'s source takes from another kvtier module: ``from other import _x``
+    anywhere in the file, or ``other._x`` on a name an import bound to that module."""
+    found: list[tuple[str, str]] = []
+    bound: dict[str, str] = {}  # local name -> the kvtier module it stands for
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target, *subs = _imported(node, module, is_pkg)
+            for alias, sub in zip(node.names, subs, strict=True):
+                if sub in files:  # a submodule: its attributes are checked below
+                    bound[alias.asname or alias.name] = sub
+                elif target in files and target != module and _private(alias.name):
+                    found.append((target, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in files:
+                    local = alias.asname or alias.name.split(".")[0]
+                    bound[local] = alias.name if alias.asname else local
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and bound.get(node.value.id, module) != module
+            and _private(node.attr)
+        ):
+            found.append((bound[node.value.id], node.attr))
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_private_imports_are_seen_in_every_form() -> None:
+    """The check below finds a private name taken by ``from x import _y`` (absolute,
+    relative, inside a function) and by ``x._y`` on an imported module; it lets through
+    public names, dunders and a module's use of its own private names."""
+    files = {m: Path() for m in ("kvtier.a", "kvtier.b", "kvtier.pkg", "kvtier.pkg.c")}
+    source = (
+        "from kvtier.a import _one, two, __version__\n"
+        "from . import b\n"
+        "import kvtier.pkg.c as c\n"
+        "def f():\n"
+        "    from .b import _three\n"
+        "    return b._four, c._five, c.six, _own\n"
+        "from kvtier.pkg import c as c2, _seven\n"
+        "_own = c2._eight\n"
+    )
+    assert sorted(private_imports(source, "kvtier.d", False, files)) == [
+        ("kvtier.a", "_one"), ("kvtier.b", "_four"), ("kvtier.b", "_three"),
+        ("kvtier.pkg", "_seven"), ("kvtier.pkg.c", "_eight"), ("kvtier.pkg.c", "_five"),
+    ]  # fmt: skip
+    assert private_imports("from kvtier.a import _x\n", "kvtier.a", False, files) == []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name starting with ``_`` is its module's own business: a module that takes one
+    from another (codec's header helpers, the file tier's sweep flags, the Redis tiers'
+    parser once did) ties the two together behind the name that says it is not shared.
+    Make the name public where it is genuinely shared, or move the code to where it
+    belongs."""
+    files = module_files()
+    taken = [
+        f"{mod} takes {name} from {other}"
+        for mod, path in files.items()
+        for other, name in private_imports(
+            path.read_text(), mod, path.name == "__init__.py", files
+        )
+    ]
+    assert not taken, "private names imported across modules:\n" + "\n".join(taken)
