@@ -135,6 +135,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
     tr.add_argument("--trace-max-chunks", type=_chunk_count, default=1 << 20, metavar="N",
                     help="deepest LRU position tracked; bounds memory (default 1048576, "
                     "at most 2**32)")
+    from kvtier.sizing import whatif
+
+    whatif.add_args(size)
     size.set_defaults(func=_size)
 
 
@@ -173,6 +176,10 @@ def _size(args: argparse.Namespace) -> int:
     except (ConfigError, ModelConfigError, ValueError, KeyError) as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "from_prometheus", None):
+        from kvtier.sizing import whatif
+
+        return whatif.run(args, plan, inp, shape)
     if args.trace:
         return _size_trace(args, plan)
     if args.emit:
