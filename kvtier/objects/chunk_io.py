@@ -1,9 +1,11 @@
-"""One object-tier op against the tier, on an I/O thread: :class:`ChunkIO`.
+"""One object-tier op's work against the tier, on an I/O thread: :class:`ChunkIO`.
 
 A fetch reads a chunk and verifies it into its slot; an upload compresses, frames,
-seals, signs and puts one. Kept apart from the queues and the reporting
-(:mod:`kvtier.objects.io_queue`): this is what an op does once it may start, and how
-each failure maps to an error kind and to the tier's health:
+seals, signs and puts one. Each returns an :class:`Outcome` (the op's result, what to
+count, whether and when the tier answered) and holds no queue state: the queue
+(:mod:`kvtier.objects.io_queue`) decides when an op may start, applies the outcome to
+the tier's health and counters, and reports it. How each failure maps to an error kind
+and to the tier's health:
 
 - An upload whose object already exists under its key is not written again
   (``puts_existing``): the key names the chunk's content, and with an encryption key
@@ -36,19 +38,18 @@ each failure maps to an error kind and to the tier's health:
 from __future__ import annotations
 
 import collections
-import functools
+import threading
 import time
+from dataclasses import dataclass
 
 from kvtier.errors import CodecError, ObjectError, TierError, TierUnavailable, TruncatedError
 from kvtier.objects import codec, compress
-from kvtier.objects.health import Backoff, RateLimitedLog
+from kvtier.objects.health import RateLimitedLog
 from kvtier.objects.io_counts import ERROR_KINDS
-from kvtier.objects.io_queue import OpQueue, QueuedOp
 from kvtier.objects.tiers.base import Found, ObjectTier
 from kvtier.objects.tiers.policy import call_deadline
-from kvtier.ops import OpKind
 
-__all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO"]
+__all__ = ["MAX_FRAME", "REWRITE_KEYS", "ChunkIO", "Outcome"]
 
 #: what a stored chunk may add to its slot's bytes: magic, header length, the largest header
 MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
@@ -56,23 +57,40 @@ MAX_FRAME = len(codec.MAGIC) + 4 + codec.MAX_HEADER
 REWRITE_KEYS = 4096
 
 
-class ChunkIO(OpQueue):
-    """Executes the queued ops (:meth:`_execute`); see the module docstring."""
+@dataclass(slots=True)
+class Outcome:
+    """What one op's work came to: its result (``ok``, ``error_kind``, ``nbytes`` as
+    reported) and what the queue counts and tells the tier's health."""
+
+    ok: bool
+    error_kind: str | None = None
+    nbytes: int = 0
+    #: ``time.monotonic()`` when the tier answered the op's call (up again, unless that
+    #: was past the op's deadline); None: it did not answer (or a cluster node failed)
+    answered_at: float | None = None
+    #: the connection-level failure that makes its direction back off
+    unreachable: TierUnavailable | None = None
+    #: bytes read from or written to the tier (counted even when the read is rejected)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    #: an upload whose object was there already (not written again)
+    existing: bool = False
+    #: (direction, KV bytes, bytes as stored, seconds (de)compressing)
+    z: tuple[str, int, int, float] | None = None
+
+
+class ChunkIO:
+    """Reads and writes single chunks against ``tier`` (:meth:`get`, :meth:`put`); see the
+    module docstring. Thread-safe: its only state is the keys to rewrite, under its lock."""
 
     def __init__(
         self,
         tier: ObjectTier,
         *,
-        threads: int,
-        queue_depth: int,
-        timeout_s: float,
-        write_stall_s: float,
-        backoff: Backoff,
         signer: codec.Signer | None,
         compressor: compress.ChunkCompressor | None,
     ) -> None:
-        super().__init__(tier, threads=threads, queue_depth=queue_depth, timeout_s=timeout_s,
-                         write_stall_s=write_stall_s, backoff=backoff)  # fmt: skip
+        self.tier = tier
         self.signer = signer
         #: compresses uploads (``compression: lossless``, ``fp8``, or ``auto``: where reads
         #: are faster so); None: stored raw
@@ -81,131 +99,117 @@ class ChunkIO(OpQueue):
         #: stay exact
         self.reads_lossy = isinstance(compressor, compress.Fp8Compressor)
         #: a read thread's buffer for compressed objects, reused (compress.ThreadScratch)
-        self._scratch = compress.ThreadScratch()
+        self.scratch = compress.ThreadScratch()
         #: keys whose last fetch was rejected: their next upload rewrites the object
         self._rewrite: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._rewrite_lock = threading.Lock()
         self._data_log = RateLimitedLog()
         self._object_log = RateLimitedLog()
 
-    def _execute(self, op: QueuedOp) -> None:
-        if op.done:  # timed out (or closed) while queued: do not touch the network
-            return
-        write = op.kind is OpKind.UPLOAD
-        stuck = self.stuck_writes >= self.write_threads if write else (
-            self.stuck_reads >= self.read_threads)  # fmt: skip
-        health = self.health.of(write)
-        probe = None if stuck else health.admit()  # after a backoff: one op, the probe
-        if probe is None:
-            self._finish(op, False, "unreachable")
-            return
+    def get(
+        self,
+        key: str,
+        buf: memoryview,
+        *,
+        dtype: str,
+        shape: list[int],
+        deadline: float | None,
+        found: Found = None,
+    ) -> Outcome:
+        """Fetch ``key`` into ``buf``, verified; ``deadline``: the one a tier that
+        ``bounds_reads`` holds every wait of the read to; ``found``: as the tier's reads
+        take it."""
+        out = Outcome(False)
         try:
-            self._start(op, write)
-        finally:
-            health.probe_over(probe)
+            with call_deadline(deadline):
+                self._get(key, buf, dtype, shape, found, out)
+        except Exception as exc:
+            self._failed(exc, key, False, out)
+        return out
 
-    def _start(self, op: QueuedOp, write: bool) -> None:
-        # start or time out: one decision, under the lock poll() decides timeouts under;
-        # once started, a get reads straight into its slot and reports only when the read
-        # is over, so the slot cannot be reused under a late write
-        with op.lock:
-            # reported, closed while being picked up, or (were it ever queued twice) started
-            # by another thread: a get read twice at once would write its slot twice
-            if op.done or op.buf is None or op.started:
-                return
-            key, buf, now = op.key, op.buf, time.monotonic()
-            late = not write and now > op.deadline
-            if not late:
-                op.started = True
-                if write:
-                    op.stall_at = now + self.write_stall_s
-                    with self._lock:
-                        self._writing[op.seq] = op
-                elif self.tier.bounds_reads:
-                    # the tier ends the read by its deadline: only a read still in its
-                    # call well after that is stuck (not one a busy machine reports late)
-                    op.stall_at = op.deadline + self.read_grace_s
-        if late:
-            self._finish(op, False, "timeout")
-            return
+    def put(self, key: str, buf: memoryview, *, dtype: str, shape: list[int]) -> Outcome:
+        """Compress, encode and store ``buf`` under ``key`` (unless it is there already)."""
+        out = Outcome(False)
         try:
-            if write:
-                self._put(op, key, buf)
-            else:
-                # a tier that can hold every wait of the read to its deadline is told it
-                with call_deadline(op.deadline if self.tier.bounds_reads else None):
-                    self._get(op, key, buf)
-        except CodecError as exc:
+            self._put(key, buf, dtype, shape, out)
+        except Exception as exc:
+            self._failed(exc, key, True, out)
+        return out
+
+    def _failed(self, exc: Exception, key: str, write: bool, out: Outcome) -> None:
+        """``exc`` as the op's outcome; anything but a kvtier error (a bug) is raised."""
+        op = "upload" if write else "fetch"
+        if isinstance(exc, CodecError):
             self._data_log.warning("object-tier chunk rejected (%s): %s", exc.kind, exc)
             if not write:
                 self._remember_rewrite(key)
-            self._finish(op, False, exc.kind)
-        except TierUnavailable as exc:
-            self.health.failed(write, exc)
-            self._finish(op, False, "unreachable")
-        except TierError as exc:  # one object (or one node of a cluster) failed
-            if exc.kind != "node":  # the tier answered, so it is up; a node's failure is
-                self._answered(op)  # that node's (the tier keeps its health per node)
-            self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op.kind, exc)
+            out.ok, out.error_kind = False, exc.kind
+        elif isinstance(exc, TierUnavailable):
+            out.ok, out.error_kind, out.unreachable = False, "unreachable", exc
+        elif isinstance(exc, TierError):  # one object (or one node of a cluster) failed
+            if exc.kind != "node" and out.answered_at is None:  # the tier answered, so it
+                out.answered_at = time.monotonic()  # is up; a node's failure is that node's
+            self._object_log.warning("object tier %s: %s failed: %s", self.tier.name, op, exc)
             if not write and isinstance(exc, ObjectError):
                 self._remember_rewrite(key)
-            self._finish(op, False, exc.kind if exc.kind in ERROR_KINDS else "tier")
+            out.ok, out.error_kind = False, exc.kind if exc.kind in ERROR_KINDS else "tier"
+        else:
+            raise exc
 
-    def _get(self, op: QueuedOp, key: str, buf: memoryview) -> None:
-        """The read path of a started fetch: read, verify into the slot, report."""
+    def _get(
+        self, key: str, buf: memoryview, dtype: str, shape: list[int], found: Found,
+        out: Outcome,
+    ) -> None:  # fmt: skip
+        """The read path of a started fetch: read, verify into the slot."""
         t0 = time.perf_counter()
-        found = None
-        if op.pos == 0 and op.run is not None and not self._queue_rest_if_stored(op):
-            found = functools.partial(self._queue_rest, op)  # once the tier knows it is there
         got = self._read(key, buf, found)
-        self._answered(op)
+        out.answered_at = time.monotonic()
         if got is None:
-            self._finish(op, False, None)
-            return
+            return  # a miss
         head, payload, crc = got
         nread = len(head) + payload.nbytes
-        self._add("bytes_read", nread)
+        out.bytes_read = nread
         # a compressed chunk is verified as stored, in the scratch buffer, then
         # decompressed into the slot; one read into the slot is never decompressed
-        secs = codec.verify(head, payload, key=key, dtype=op.dtype, shape=op.shape,
+        secs = codec.verify(head, payload, key=key, dtype=dtype, shape=shape,
                             signer=self.signer,
                             out=None if payload is buf else buf,
                             lossy=self.reads_lossy, payload_crc=crc)  # fmt: skip
-        self._count_z("read", buf.nbytes, payload.nbytes, secs)
+        out.z = ("read", buf.nbytes, payload.nbytes, secs)
         if self.compressor is not None:  # the whole read, timed for compression: auto
             self.compressor.observe_read(buf.nbytes, time.perf_counter() - t0,
                                          codec.is_compressed(head))  # fmt: skip
-        self._finish(op, True, None, nbytes=nread)
+        out.ok, out.nbytes = True, nread
 
-    def _put(self, op: QueuedOp, key: str, buf: memoryview) -> None:
-        """The write path of a started upload: compress, encode, put, report."""
-        with self._lock:
+    def _put(self, key: str, buf: memoryview, dtype: str, shape: list[int], out: Outcome) -> None:
+        """The write path of a started upload: compress, encode, put."""
+        with self._rewrite_lock:
             rewrite = key in self._rewrite
         # the key names the chunk: an object already there is this chunk, and
         # writing it again would spend one of the encryption key's nonces
         if not rewrite and self.tier.exists([key])[0]:
-            self._answered(op)
-            self._add("puts_existing", 1)
-            self._finish(op, True, None)
+            out.answered_at = time.monotonic()
+            out.ok = out.existing = True
             return
         z: tuple[str, bytes] | None = None
         secs = 0.0
         zgot = None
         if self.compressor is not None:  # the write path's one compression step
-            zgot = self.compressor.compress_chunk(buf, op.dtype)
+            zgot = self.compressor.compress_chunk(buf, dtype)
         if zgot is not None:
             z, secs = (zgot[0], zgot[1]), zgot[2]
-        parts = codec.encode(key, buf, dtype=op.dtype, shape=op.shape, signer=self.signer,
+        parts = codec.encode(key, buf, dtype=dtype, shape=shape, signer=self.signer,
                              compressed=z)  # fmt: skip
         self.tier.put(key, parts)
-        self._answered(op)
+        out.answered_at = time.monotonic()
         n = codec.encoded_size(parts)
         # only a compressed frame is shorter than the raw payload alone
         stored = memoryview(parts[-1]).nbytes if n < buf.nbytes else buf.nbytes
-        self._count_z("write", buf.nbytes, stored, secs)
-        with self._lock:
-            self._totals["bytes_written"] += n
+        out.z = ("write", buf.nbytes, stored, secs)
+        out.bytes_written = n
+        with self._rewrite_lock:
             self._rewrite.pop(key, None)
-        self._finish(op, True, None, nbytes=n)
+        out.ok, out.nbytes = True, n
 
     def _read(
         self, key: str, slot: memoryview, found: Found = None
@@ -232,7 +236,7 @@ class ChunkIO(OpQueue):
                 pass  # shorter than a raw chunk: perhaps a compressed one; read it whole
             else:
                 return None if hashed is None else (hashed[0], slot, hashed[1])
-        whole = self._scratch.view(slot.nbytes + MAX_FRAME)
+        whole = self.scratch.view(slot.nbytes + MAX_FRAME)
         n = self.tier.get_into(key, whole)
         if n is None:
             return None
@@ -249,18 +253,9 @@ class ChunkIO(OpQueue):
             return head, slot, None
         return head, payload, None  # in the scratch buffer: a sealed chunk opens in place there
 
-    def _answered(self, op: QueuedOp) -> None:
-        """The tier answered ``op``'s call: up again, unless it answered too late (then
-        that is a timeout, once per op: a tier that answers only after the deadline
-        stays down, however it answers)."""
-        if time.monotonic() <= op.stall_at:
-            self.health.succeeded(op.kind is OpKind.UPLOAD)
-        elif not op.stuck:  # poll() counted it already when it saw it stuck
-            self._stalled(op)
-
     def _remember_rewrite(self, key: str) -> None:
         """A fetch of ``key`` was rejected: the next upload of it writes it again."""
-        with self._lock:
+        with self._rewrite_lock:
             self._rewrite[key] = None
             self._rewrite.move_to_end(key)
             while len(self._rewrite) > REWRITE_KEYS:

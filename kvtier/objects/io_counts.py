@@ -1,9 +1,8 @@
 """What object-tier I/O counts and tells: :class:`IOCounts` and :class:`FlushReport`.
 
 The running counters (cumulative, and taken per interval), the compression tallies by
-direction, and what a flush left behind. Kept apart from the op machinery
-(:mod:`kvtier.objects.io_queue`) and from the reads and writes
-(:mod:`kvtier.objects.chunk_io`): those only count, under the one lock this class makes.
+direction, and what a flush left behind. The op queue (:mod:`kvtier.objects.io_queue`)
+owns one and counts into it; the counters have a lock of their own, taken last.
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ class FlushReport:
 
 
 class IOCounts:
-    """The counters of :data:`COUNTERS` and :data:`ZCOUNTERS`, guarded by ``_lock`` (the
-    lock every other part of RemoteIO takes too)."""
+    """The counters of :data:`COUNTERS` and :data:`ZCOUNTERS`, guarded by their own lock
+    (a leaf: nothing else is taken while it is held)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,7 +80,7 @@ class IOCounts:
             for d in ("read", "write")
         }
 
-    def _count_z(self, direction: str, raw: int, stored: int, seconds: float) -> None:
+    def count_z(self, direction: str, raw: int, stored: int, seconds: float) -> None:
         with self._lock:
             self._totals[f"z_raw_{direction}"] += raw
             self._totals[f"z_stored_{direction}"] += stored
@@ -94,6 +93,6 @@ class IOCounts:
             self._taken = dict(self._totals)
         return delta
 
-    def _add(self, counter: str, n: int) -> None:
+    def add(self, counter: str, n: int) -> None:
         with self._lock:
             self._totals[counter] += n

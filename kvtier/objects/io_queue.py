@@ -1,9 +1,11 @@
 """The life of an object-tier op, from submit to its one result: :class:`OpQueue`, and
 the op as it holds it (:class:`QueuedOp`; :class:`ReadQueue`).
 
-Queues, I/O threads, deadlines and the exactly-once report, apart from what an op does
-against the tier (:mod:`kvtier.objects.chunk_io`), so that the rules on when a slot may
-be written and when an op is reported live in one place:
+Queues, I/O threads, deadlines, the tier's health, the counters and the exactly-once
+report, under the queue's own lock, apart from what an op does against the tier
+(:class:`~kvtier.objects.chunk_io.ChunkIO`, which returns an outcome and holds no queue
+state), so that the rules on when a slot may be written and when an op is reported live
+in one place:
 
 - Reads (fetches) and writes (uploads) have their own bounded queues and threads
   (``threads`` is split: ceil(n/2) read, max(1, n//2) write), so a backlog of uploads
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -54,11 +57,12 @@ import time
 from collections.abc import Sequence
 
 from kvtier.errors import TierError
+from kvtier.objects.chunk_io import ChunkIO, Outcome
 from kvtier.objects.health import Backoff, TierHealth
-from kvtier.objects.io_counts import IOCounts
+from kvtier.objects.io_counts import FlushReport, IOCounts
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.ops import OpKind, OpResult
-from kvtier.threads import FetchSwitches
+from kvtier.threads import FetchSwitches, stop_within
 
 __all__ = ["OpQueue", "QueuedOp", "ReadQueue", "byte_view"]
 
@@ -129,14 +133,15 @@ def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class OpQueue(IOCounts):
-    """Queues and I/O threads for ops that :meth:`_execute` (a subclass's) runs; see the
-    module docstring. The threads start with :meth:`_start_threads`, once the subclass
-    is ready to execute."""
+class OpQueue:
+    """Queues and I/O threads for ops whose work ``work`` does (:class:`ChunkIO`: one op,
+    an :class:`~kvtier.objects.chunk_io.Outcome`); see the module docstring. Owns its
+    threads (started here), deadlines, counters (:attr:`counts`) and its lock."""
 
     def __init__(
         self,
         tier: ObjectTier,
+        work: ChunkIO,
         *,
         threads: int,
         queue_depth: int,
@@ -146,8 +151,10 @@ class OpQueue(IOCounts):
     ) -> None:
         if threads < 1 or queue_depth < 1 or timeout_s <= 0:
             raise ValueError("RemoteIO needs threads >= 1, queue_depth >= 1, timeout_s > 0")
-        super().__init__()
         self.tier = tier
+        self.work = work
+        self.counts = IOCounts()
+        self._lock = threading.Lock()
         self.timeout_s = timeout_s
         #: an upload still in its backend call after this long is stuck
         self.write_stall_s = write_stall_s
@@ -173,6 +180,7 @@ class OpQueue(IOCounts):
         # reads get the larger half: lookups are latency-critical, uploads are not
         self.read_threads, self.write_threads = max(1, (threads + 1) // 2), max(1, threads // 2)
         self._threads: list[threading.Thread] = []
+        self._start_threads()
 
     def _start_threads(self) -> None:
         n_read, n_write = self.read_threads, self.write_threads
@@ -333,7 +341,7 @@ class OpQueue(IOCounts):
         )
         with self._lock:
             if self._closed:
-                self._totals["writes_dropped"] += 1
+                self.counts.add("writes_dropped", 1)
                 return False
             self._pending_writes += 1
         if self.writes_down:
@@ -342,8 +350,8 @@ class OpQueue(IOCounts):
         try:
             self._wq.put_nowait(op)
         except queue.Full:
+            self.counts.add("writes_dropped", 1)
             with self._lock:
-                self._totals["writes_dropped"] += 1
                 self._pending_writes -= 1
             return False
         return True
@@ -363,8 +371,7 @@ class OpQueue(IOCounts):
             self._rq.put_nowait(op)
         except queue.Full:
             # more lookups queued than can finish in time: this one would time out anyway
-            with self._lock:
-                self._totals["reads_dropped"] += 1
+            self.counts.add("reads_dropped", 1)
             self._finish(op, False, "timeout")
 
     # -- results -------------------------------------------------------------------------
@@ -391,7 +398,7 @@ class OpQueue(IOCounts):
                 op.stuck = True  # in its backend call: reported when that is over
                 with self._lock:
                     self._stuck[op.kind] += 1
-                    self._totals["reads_stuck" if op.kind is OpKind.FETCH else "writes_stuck"] += 1
+                self.counts.add("reads_stuck" if op.kind is OpKind.FETCH else "writes_stuck", 1)
             self._stalled(op)
         if self.stuck_writes >= self.write_threads and not self._closed:
             self._fail_queued_writes()
@@ -421,6 +428,80 @@ class OpQueue(IOCounts):
                 return
             self._finish(op, False, "unreachable")
 
+    # -- the end -------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> FlushReport:
+        """Wait up to ``timeout_s`` for the pending uploads; what became of each."""
+        deadline = time.monotonic() + timeout_s
+        with self._writes_idle:
+            pending = self._pending_writes
+            written0, failed0 = self._puts_written, collections.Counter(self._put_failed_kinds)
+            while self._pending_writes > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._writes_idle.wait(remaining)
+            writing = len(self._writing)
+            failed = self._put_failed_kinds - failed0
+            return FlushReport(
+                pending=pending,
+                written=self._puts_written - written0,
+                failed=dict(failed),
+                queued=self._pending_writes - writing,
+                writing=writing,
+                timeout_s=timeout_s,
+            )
+
+    def close(self, deadline: float) -> bool:
+        """Stop the threads by ``deadline`` (``time.monotonic()``), drop what is still
+        queued (counted); False when it was closed already. A thread stuck in a backend
+        call is a daemon and is left behind."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        dropped = 0
+        for q in (self._rq, self._wq):
+            while True:
+                try:
+                    op = q.get_nowait()
+                except queue.Empty:
+                    break
+                if op is None:
+                    continue
+                with op.lock:
+                    op.done = True
+                    op.buf = None
+                if op.kind is OpKind.UPLOAD:
+                    dropped += 1
+        self.counts.add("writes_dropped", dropped)
+        with self._lock:
+            self._pending_writes -= dropped
+            self._writes_idle.notify_all()
+            inflight = list(self._inflight.values())
+            self._inflight.clear()
+            self.switches.hold(False)
+            writing = len(self._writing)
+        for op in inflight:  # a fetch not yet started never will
+            with op.lock:
+                op.done = True
+                op.buf = None
+        if dropped:
+            log.warning("closing object-tier I/O: %d queued writes dropped", dropped)
+        if writing:
+            log.warning(
+                "closing object-tier I/O: %d writes still in a %s call, left behind "
+                "(they may or may not land)", writing, self.tier.name,
+            )  # fmt: skip
+        queues = [self._rq if "-read-" in t.name else self._wq for t in self._threads]
+        stuck = stop_within(self._threads, queues, deadline)
+        if stuck:
+            log.warning(
+                "closing object-tier I/O: %d I/O threads are still in a %s call; not waiting",
+                stuck, self.tier.name,
+            )  # fmt: skip
+        return True
+
     # -- I/O threads ---------------------------------------------------------------------
 
     def _worker(self, q: queue.Queue[QueuedOp | None]) -> None:
@@ -440,8 +521,78 @@ class OpQueue(IOCounts):
             self._finish(op, False, "tier")
 
     def _execute(self, op: QueuedOp) -> None:
-        """Run ``op`` against the tier and :meth:`_finish` it (on an I/O thread, or inline)."""
-        raise NotImplementedError
+        """Run ``op``'s work and :meth:`_finish` it (on an I/O thread, or inline)."""
+        if op.done:  # timed out (or closed) while queued: do not touch the network
+            return
+        write = op.kind is OpKind.UPLOAD
+        stuck = self.stuck_writes >= self.write_threads if write else (
+            self.stuck_reads >= self.read_threads)  # fmt: skip
+        health = self.health.of(write)
+        probe = None if stuck else health.admit()  # after a backoff: one op, the probe
+        if probe is None:
+            self._finish(op, False, "unreachable")
+            return
+        try:
+            self._start(op, write)
+        finally:
+            health.probe_over(probe)
+
+    def _start(self, op: QueuedOp, write: bool) -> None:
+        # start or time out: one decision, under the lock poll() decides timeouts under;
+        # once started, a get reads straight into its slot and reports only when the read
+        # is over, so the slot cannot be reused under a late write
+        with op.lock:
+            # reported, closed while being picked up, or (were it ever queued twice) started
+            # by another thread: a get read twice at once would write its slot twice
+            if op.done or op.buf is None or op.started:
+                return
+            key, buf, now = op.key, op.buf, time.monotonic()
+            late = not write and now > op.deadline
+            if not late:
+                op.started = True
+                if write:
+                    op.stall_at = now + self.write_stall_s
+                    with self._lock:
+                        self._writing[op.seq] = op
+                elif self.tier.bounds_reads:
+                    # the tier ends the read by its deadline: only a read still in its
+                    # call well after that is stuck (not one a busy machine reports late)
+                    op.stall_at = op.deadline + self.read_grace_s
+        if late:
+            self._finish(op, False, "timeout")
+            return
+        if write:
+            out = self.work.put(key, buf, dtype=op.dtype, shape=op.shape)
+        else:
+            found = None
+            if op.pos == 0 and op.run is not None and not self._queue_rest_if_stored(op):
+                found = functools.partial(self._queue_rest, op)  # once the tier knows it is there
+            # a tier that can hold every wait of the read to its deadline is told it
+            deadline = op.deadline if self.tier.bounds_reads else None
+            out = self.work.get(key, buf, dtype=op.dtype, shape=op.shape, deadline=deadline,
+                                found=found)  # fmt: skip
+        self._apply(op, write, out)
+        self._finish(op, out.ok, out.error_kind, nbytes=out.nbytes)
+
+    def _apply(self, op: QueuedOp, write: bool, out: Outcome) -> None:
+        """What ``op``'s outcome tells the tier's health and the counters."""
+        if out.unreachable is not None:
+            self.health.failed(write, out.unreachable)
+        if out.answered_at is not None:
+            # up again, unless it answered too late (then that is a timeout, once per op:
+            # a tier that answers only after the deadline stays down, however it answers)
+            if out.answered_at <= op.stall_at:
+                self.health.succeeded(write)
+            elif not op.stuck:  # poll() counted it already when it saw it stuck
+                self._stalled(op)
+        if out.bytes_read:
+            self.counts.add("bytes_read", out.bytes_read)
+        if out.bytes_written:
+            self.counts.add("bytes_written", out.bytes_written)
+        if out.existing:
+            self.counts.add("puts_existing", 1)
+        if out.z is not None:
+            self.counts.count_z(*out.z)
 
     def _finish(
         self,
@@ -482,7 +633,7 @@ class OpQueue(IOCounts):
                 self._report(later, False, None, 0, counted=False)
                 skipped += 1
         if skipped:
-            self._add("gets_skipped", skipped)
+            self.counts.add("gets_skipped", skipped)
 
     def _report(
         self,
@@ -502,9 +653,9 @@ class OpQueue(IOCounts):
         )
         with self._lock:
             if counted:
-                self._totals["ops_" + op.kind] += 1
+                self.counts.add("ops_" + op.kind, 1)
             if error_kind is not None:
-                self._totals["errors_" + error_kind] += 1
+                self.counts.add("errors_" + error_kind, 1)
             if op.stuck:
                 self._stuck[op.kind] -= 1
             if op.kind is OpKind.UPLOAD:

@@ -2,15 +2,17 @@
 
 The worker submits fetches into host slots (a lookup's run of them) and uploads from
 host slots, and later polls for their :class:`kvtier.ops.OpResult`: RemoteIO is a
-:class:`kvtier.ops.Mover` of :data:`kvtier.ops.ObjectIO`. It is built in layers, one
-job each:
+:class:`kvtier.ops.Mover` of :data:`kvtier.ops.ObjectIO`. It is a thin front wiring two
+parts, each with one job and its own state:
 
-- :mod:`kvtier.objects.io_counts`: the counters, the compression tallies, FlushReport;
-- :mod:`kvtier.objects.io_queue`: queues, I/O threads, deadlines, stuck ops, and the
-  exactly-once report of every op (when a slot may be written, when an op is over);
-- :mod:`kvtier.objects.chunk_io`: one op against the tier (read and verify into the
-  slot; compress, encode and put), its failures mapped to error kinds and health;
-- here: the configuration, the Mover protocol, flush and a bounded close.
+- :class:`~kvtier.objects.io_queue.OpQueue` (:attr:`RemoteIO.queue`): queues, I/O
+  threads, deadlines, stuck ops, the tier's health, the counters
+  (:mod:`kvtier.objects.io_counts`), and the exactly-once report of every op (when a
+  slot may be written, when an op is over), under its own lock;
+- :class:`~kvtier.objects.chunk_io.ChunkIO` (:attr:`RemoteIO.work`): one op's work
+  against the tier (read and verify into the slot; compress, encode and put), which
+  returns an :class:`~kvtier.objects.chunk_io.Outcome` and holds no queue state;
+- here: the configuration, the Mover protocol, flush's warning and a bounded close.
 
 ``close`` returns within its bound even when an I/O thread is stuck in a backend
 call: the threads are daemons and every join is bounded. Nothing is raised to the
@@ -22,21 +24,20 @@ upload refused at submit (a full write queue).
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.objects import codec, compress
 from kvtier.objects.chunk_io import MAX_FRAME, REWRITE_KEYS, ChunkIO
-from kvtier.objects.health import Backoff, ExponentialBackoff
+from kvtier.objects.health import Backoff, ExponentialBackoff, TierHealth
 from kvtier.objects.io_counts import ERROR_KINDS, FlushReport
+from kvtier.objects.io_queue import OpQueue
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.ops import DROPPED, GetRun, Mover, ObjectIO, OpKind, OpResult
-from kvtier.threads import run_within, stop_within
+from kvtier.threads import FetchSwitches, run_within
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -46,7 +47,7 @@ __all__ = ["ERROR_KINDS", "MAX_FRAME", "REWRITE_KEYS", "FlushReport", "RemoteIO"
 log = logging.getLogger("kvtier.remote")
 
 
-class RemoteIO(ChunkIO):
+class RemoteIO:
     """Bounded, non-blocking object-tier I/O; see the module docstring.
 
     RemoteIO owns ``tier`` and closes it in :meth:`close`. The caller keeps a
@@ -66,18 +67,18 @@ class RemoteIO(ChunkIO):
         write_stall_s: float | None = None,
         compressor: compress.ChunkCompressor | None = None,
     ) -> None:
-        super().__init__(
+        self.tier = tier
+        self.work = ChunkIO(tier, signer=signer, compressor=compressor)
+        self.queue = OpQueue(
             tier,
+            self.work,
             threads=threads,
             queue_depth=queue_depth,
             timeout_s=timeout_s,
             write_stall_s=Timeouts(timeout_s).stall_s if write_stall_s is None else write_stall_s,
             backoff=backoff if backoff is not None else ExponentialBackoff(),
-            signer=signer,
-            compressor=compressor,
         )
         self.last_flush: FlushReport | None = None
-        self._start_threads()
 
     @classmethod
     def from_config(
@@ -124,11 +125,38 @@ class RemoteIO(ChunkIO):
                 refused.append(OpResult(op.op_id, OpKind.UPLOAD, False, error_kind=DROPPED))
         return refused
 
+    def submit_get_run(
+        self,
+        gets: Sequence[tuple[int, str, memoryview]],
+        *,
+        dtype: str,
+        shape: Sequence[int],
+        inline_until: float = 0.0,
+    ) -> None:
+        """Queue fetches of one prompt's consecutive chunks (:meth:`OpQueue.submit_get_run`)."""
+        self.queue.submit_get_run(gets, dtype=dtype, shape=shape, inline_until=inline_until)
+
     def submit_get_into(
         self, op_id: int, key: str, dest: memoryview, *, dtype: str, shape: Sequence[int]
     ) -> None:
         """Queue a fetch of ``key``, verified, copied into ``dest`` (whose size must match)."""
-        self.submit_get_run([(op_id, key, dest)], dtype=dtype, shape=shape)
+        self.queue.submit_get_run([(op_id, key, dest)], dtype=dtype, shape=shape)
+
+    def submit_put(
+        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
+    ) -> bool:
+        """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
+        return self.queue.submit_put(op_id, key, payload, dtype=dtype, shape=shape)
+
+    def poll(self) -> list[OpResult]:
+        """Results completed since the last poll (:meth:`OpQueue.poll`)."""
+        return self.queue.poll()
+
+    # -- what it tells -------------------------------------------------------------------
+
+    @property
+    def signer(self) -> codec.Signer | None:
+        return self.work.signer
 
     @property
     def seals(self) -> int:
@@ -136,32 +164,79 @@ class RemoteIO(ChunkIO):
         sealer = self.signer.sealer if self.signer is not None else None
         return sealer.seals if sealer is not None else 0
 
+    @property
+    def health(self) -> TierHealth:
+        return self.queue.health
+
+    @property
+    def switches(self) -> FetchSwitches:
+        return self.queue.switches
+
+    @property
+    def timeout_s(self) -> float:
+        return self.queue.timeout_s
+
+    @property
+    def write_stall_s(self) -> float:
+        return self.queue.write_stall_s
+
+    @property
+    def read_threads(self) -> int:
+        return self.queue.read_threads
+
+    @property
+    def write_threads(self) -> int:
+        return self.queue.write_threads
+
+    @property
+    def is_down(self) -> bool:
+        """True while reads or writes fail fast after a tier failure."""
+        return self.queue.is_down
+
+    @property
+    def reads_down(self) -> bool:
+        return self.queue.reads_down
+
+    @property
+    def writes_down(self) -> bool:
+        return self.queue.writes_down
+
+    @property
+    def reads_down_s(self) -> float:
+        return self.queue.reads_down_s
+
+    @property
+    def stuck_reads(self) -> int:
+        return self.queue.stuck_reads
+
+    @property
+    def stuck_writes(self) -> int:
+        return self.queue.stuck_writes
+
+    @property
+    def pending_writes(self) -> int:
+        return self.queue.pending_writes
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since start."""
+        return self.queue.counts.counters()
+
+    def take_counters(self) -> dict[str, int]:
+        """Counter increments since the previous call (for per-interval stats)."""
+        return self.queue.counts.take_counters()
+
+    def take_compression(self) -> dict[str, tuple[int, int, float]]:
+        """Per direction, since the previous call: KV bytes moved, their bytes in the
+        object tier, seconds spent (de)compressing (:meth:`IOCounts.take_compression`)."""
+        return self.queue.counts.take_compression()
+
     # -- the end ---------------------------------------------------------------------------
 
     def flush(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the pending uploads; returns how many were not
         written. What became of each is in :attr:`last_flush` and, when any was not
         written, in one warning (failed by kind, still queued, still being written)."""
-        deadline = time.monotonic() + timeout_s
-        with self._writes_idle:
-            pending = self._pending_writes
-            written0, failed0 = self._puts_written, collections.Counter(self._put_failed_kinds)
-            while self._pending_writes > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._writes_idle.wait(remaining)
-            writing = len(self._writing)
-            failed = self._put_failed_kinds - failed0
-            report = FlushReport(
-                pending=pending,
-                written=self._puts_written - written0,
-                failed=dict(failed),
-                queued=self._pending_writes - writing,
-                writing=writing,
-                timeout_s=timeout_s,
-            )
-        self.last_flush = report
+        report = self.last_flush = self.queue.flush(timeout_s)
         if report.missing:
             log.warning("object-tier writes not written by the flush: %s", report.describe())
         return report.missing
@@ -178,50 +253,8 @@ class RemoteIO(ChunkIO):
         """
         bound = min(self.timeout_s, 5.0) if timeout_s is None else max(0.0, timeout_s)
         deadline = time.monotonic() + bound
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        dropped = 0
-        for q in (self._rq, self._wq):
-            while True:
-                try:
-                    op = q.get_nowait()
-                except queue.Empty:
-                    break
-                if op is None:
-                    continue
-                with op.lock:
-                    op.done = True
-                    op.buf = None
-                if op.kind is OpKind.UPLOAD:
-                    dropped += 1
-        with self._lock:
-            self._totals["writes_dropped"] += dropped
-            self._pending_writes -= dropped
-            self._writes_idle.notify_all()
-            inflight = list(self._inflight.values())
-            self._inflight.clear()
-            self.switches.hold(False)
-            writing = len(self._writing)
-        for op in inflight:  # a fetch not yet started never will
-            with op.lock:
-                op.done = True
-                op.buf = None
-        if dropped:
-            log.warning("closing object-tier I/O: %d queued writes dropped", dropped)
-        if writing:
-            log.warning(
-                "closing object-tier I/O: %d writes still in a %s call, left behind "
-                "(they may or may not land)", writing, self.tier.name,
-            )  # fmt: skip
-        queues = [self._rq if "-read-" in t.name else self._wq for t in self._threads]
-        stuck = stop_within(self._threads, queues, deadline)
-        if stuck:
-            log.warning(
-                "closing object-tier I/O: %d I/O threads are still in a %s call; not waiting",
-                stuck, self.tier.name,
-            )  # fmt: skip
+        if not self.queue.close(deadline):
+            return
         if not run_within(self.tier.close, deadline, "close"):
             log.warning("closing the object tier %s did not finish in time", self.tier.name)
 

@@ -273,6 +273,6 @@ def test_io_threads_auto_is_resolved_by_the_worker_for_its_share_of_the_cpus(
     try:
         w.register_kv_caches(make_caches(ONE_GROUP, layers=2), rank=0)
         assert opened == [8]
-        assert w.remote is not None and len(w.remote._threads) == 8
+        assert w.remote is not None and len(w.remote.queue._threads) == 8
     finally:
         w.shutdown()

@@ -67,7 +67,7 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
     during = {
         "stuck_reads": getattr(rio, "stuck_reads", None),
         "read_threads": rio.read_threads,
-        "reads_out": len(rio._inflight),
+        "reads_out": len(rio.queue._inflight),
         "pending_writes": rio.pending_writes,
         "threads_grew": threading.active_count() - threads_before,
         "counters": rio.counters(),

@@ -203,7 +203,7 @@ def test_remote_reads_on_four_threads_each_get_their_own_chunk(
         for i, slot in enumerate(slots):
             r.submit_get_into(i, f"k{i}", slot, dtype="bfloat16", shape=[size])
         res = results(r, n)
-        made = r._scratch.allocations
+        made = r.work.scratch.allocations
         for i, slot in enumerate(slots):  # the same reads again: every buffer is reused
             r.submit_get_into(n + i, f"k{i}", slot, dtype="bfloat16", shape=[size])
         again = results(r, n)
@@ -216,5 +216,5 @@ def test_remote_reads_on_four_threads_each_get_their_own_chunk(
     # for a slot plus the largest header), opened there when sealed and decompressed from
     # there: one buffer per read thread, never one per read
     assert 0 < made <= r.read_threads, made
-    assert r._scratch.allocations <= made + r.read_threads, "a scratch buffer per read"
+    assert r.work.scratch.allocations <= made + r.read_threads, "a scratch buffer per read"
     assert r.take_compression()["read"][1] < n * size  # they were read compressed

@@ -96,7 +96,7 @@ def test_the_submitting_thread_and_the_io_threads_share_a_run_each_chunk_read_on
     readers = {name for _, name in by}
     assert me in readers and any(n.startswith("kvtier-read") for n in readers), by
     # what this thread read it took off the read queue: nothing left holding its room
-    assert rio._rq.qsize() == 0
+    assert rio.queue._rq.qsize() == 0
     rio.close()
 
 
@@ -110,7 +110,7 @@ def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
     rio = make_rio(FileTier(str(tmp_path / "t")))
     keys = [f"p{i}" for i in range(8)]
     store(rio, keys)
-    real = rio._execute
+    real = rio.queue._execute
     paused: list[str] = []
     took = threading.Event()
 
@@ -123,7 +123,7 @@ def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
             took.wait(5.0)  # the machine, the case under test always happens)
         real(op)
 
-    monkeypatch.setattr(rio, "_execute", late_start)
+    monkeypatch.setattr(rio.queue, "_execute", late_start)
     read_run(rio, keys, LONG)
     res = {r.op_id: r for r in rio.poll()}  # no waiting
     assert paused, "no I/O thread took a chunk: nothing was tested"

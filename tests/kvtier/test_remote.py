@@ -463,13 +463,13 @@ def test_a_runs_misses_are_published_before_the_miss_that_ends_it(tmp_path) -> N
     which finds their claimed slots free (not still fetching and needing new slots)."""
     rio = make_rio(FileTier(str(tmp_path / "objects")))
     published: list[int] = []
-    real = rio._report
+    real = rio.queue._report
 
     def report(op, *args, **kw):
         real(op, *args, **kw)
         published.append(op.op_id)
 
-    rio._report = report  # type: ignore[method-assign]
+    rio.queue._report = report  # type: ignore[method-assign]
     _run(rio, 100, [f"absent{i}" for i in range(6)])
     collect(rio, 6)
     assert sorted(published) == list(range(100, 106))

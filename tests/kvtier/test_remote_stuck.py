@@ -49,7 +49,7 @@ class HookedLock:
 
 
 def op_of(rio: RemoteIO, op_id: int):
-    return next(op for op in rio._inflight.values() if op.op_id == op_id)
+    return next(op for op in rio.queue._inflight.values() if op.op_id == op_id)
 
 
 # ---- a slot is written only while it belongs to the read that writes it -------------------
@@ -155,7 +155,7 @@ def test_a_hung_tier_costs_one_timeout_per_lookup_until_down_then_nothing() -> N
     assert rio.stuck_reads == rio.read_threads == tier.calls["read"]
     assert rio.reads_down_s >= timeout  # what the worker tells the scheduler
     assert slots_out <= rio.read_threads + 1
-    assert len(rio._inflight) == rio.read_threads  # only the stuck reads are still out
+    assert len(rio.queue._inflight) == rio.read_threads  # only the stuck reads are still out
     assert threading.active_count() == threads_before
     tier.hold_all.set()  # the mount comes back: the stuck reads are reported (misses)
     rio.close()
