@@ -121,10 +121,13 @@ class SchedulerSide:
             num_slots, write_back_needed=self.write_back.needed,
             begin_write_back=self.write_back.begin,
         )  # fmt: skip
-        if cfg.whatif:  # what more (or less) memory would serve: kvtier.host.ghosts
-            self.index.ghosts = GhostTiers(
+        #: what more (or less) memory would serve (kvtier.host.ghosts), fed by the index
+        self.ghosts: GhostTiers | None = None
+        if cfg.whatif:
+            self.ghosts = GhostTiers(
                 num_slots, self.index.get, self.stats, write_back_needed=self.write_back.needed
             )
+            self.index.ghosts = self.ghosts
         self.remote_source = (
             CacheHitSource.DISK
             if (cfg.remote_url or "").startswith("file:")
@@ -334,8 +337,8 @@ class SchedulerSide:
         st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
-        if self.index.ghosts is not None:
-            self.index.ghosts.lookup(
+        if self.ghosts is not None:
+            self.ghosts.lookup(
                 st.chunk_hashes, local // self.chunk_size,
                 loadable_chunks(st, cap, self.chunk_size), chunk_size=self.chunk_size,
                 computed=local, cap=cap,

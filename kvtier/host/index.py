@@ -26,12 +26,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvtier.host.untrack import untrack
-
-if TYPE_CHECKING:
-    from kvtier.host.ghosts import GhostTiers
 
 
 class State(enum.Enum):
@@ -92,6 +89,23 @@ class IndexListener(Protocol):
         entry that leaves, ready or not (a failed store drops one that never was)."""
 
 
+class IndexGhosts(Protocol):
+    """Told every change of the index that a tier of another size would see too
+    (:class:`kvtier.host.ghosts.GhostTiers`), before the index acts on it where the ghost
+    must decide as the index would (``begin``, ``supersede``)."""
+
+    def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None: ...
+    def begun(self, key: bytes, ok: bool) -> None: ...
+    def commit(self, key: bytes, ok: bool, still_held: bool) -> None: ...
+    def touch(self, key: bytes) -> None: ...
+    def dropped(self, key: bytes) -> None: ...
+    def forget(self, key: bytes) -> None: ...
+    def clear(self, held: Callable[[bytes], bool]) -> None: ...
+    def supersede(self, key: bytes, old_slot: int) -> None: ...
+    def superseded(self, key: bytes, old_slot: int, ok: bool) -> None: ...
+    def released(self, old_slot: int) -> None: ...
+
+
 class ChunkIndex:
     """Fixed number of slots; evicts least-recently-used ready chunks with no refs."""
 
@@ -124,7 +138,7 @@ class ChunkIndex:
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
         #: what-if tiers of other sizes, fed every change here (:mod:`kvtier.host.ghosts`)
-        self.ghosts: GhostTiers | None = None
+        self.ghosts: IndexGhosts | None = None
 
     # ---- queries ---------------------------------------------------------------------
     def get(self, key: bytes) -> Entry | None:
