@@ -294,6 +294,20 @@ def test_metrics_endpoint_shows_kvtier(workload: Scrape) -> None:
     assert problems == [], "\n".join(problems)
 
 
+def test_whatif_counters_on_metrics(workload: Scrape) -> None:
+    """The ghost tiers' counters on the real server's /metrics: today's size (scale 1)
+    counts exactly the host hits, a larger tier never fewer, none more than was looked up."""
+    scrape = workload
+    host = scrape.value("kvtier:hit_tokens_total", tier="host")
+    whatif = [
+        scrape.value("kvtier:whatif_hit_tokens_total", tier="host", scale=s)
+        for s in ("0.5", "1", "2", "4", "8")
+    ]
+    assert whatif[1] == host > 0, (whatif, host)
+    assert whatif == sorted(whatif), whatif
+    assert whatif[-1] <= scrape.value("kvtier:lookup_tokens_total")
+
+
 def test_prometheus_evaluates_dashboard_and_rules(
     workload: Scrape, prometheus: checks.Prometheus
 ) -> None:
