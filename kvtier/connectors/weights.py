@@ -12,8 +12,9 @@ taken for a change costs hits; a change taken for a read-only call would serve w
 Code that writes the parameters without any call (an in-process engine's model reached
 through ``llm.llm_engine.model_executor``, as TRL's colocate mode syncs) is seen when
 vLLM's prefix cache is reset, which vLLM requires after every weight change: each reset
-compares a digest of every parameter (:func:`weights_digest`, taken when the engine
-starts and after each followed call) with the last one.
+compares a digest of every parameter and buffer (:func:`weights_digest`) with the one
+taken when the engine started, or at the last reset (the first reset after a followed
+call takes it anew and compares nothing). A function marked read-only is trusted.
 
 The scheduler side then drops the host tier and gives the object keys an identity of
 their own (``SchedulerSide.weights_changed``).
@@ -123,10 +124,16 @@ def follow_weight_changes() -> bool:
         from vllm.v1.engine.core import EngineCore
     except ImportError:  # pragma: no cover - every vLLM kvtier supports has it
         return False
-    original = EngineCore.collective_rpc
-    if getattr(original, "_kvtier_follows_weights", False):
-        return True
+    if not getattr(EngineCore.collective_rpc, "_kvtier_follows_weights", False):
+        EngineCore.collective_rpc = _following_rpc(  # type: ignore[method-assign]
+            EngineCore.collective_rpc)
+    if not getattr(EngineCore.reset_prefix_cache, "_kvtier_follows_weights", False):
+        EngineCore.reset_prefix_cache = _checking_reset(  # type: ignore[method-assign]
+            EngineCore.reset_prefix_cache)
+    return True
 
+
+def _following_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def collective_rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
         method, rpc_args = _rpc_call(args, kwargs)
@@ -139,18 +146,19 @@ def follow_weight_changes() -> bool:
                 if DIGEST_ATTR in self.__dict__:  # taken again at the next reset
                     self.__dict__[DIGEST_ATTR] = STALE
 
-    original_reset = EngineCore.reset_prefix_cache
+    collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
+    return collective_rpc
 
-    @functools.wraps(original_reset)
+
+def _checking_reset(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original_reset(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
         check_written_weights(self)
         return result
 
-    collective_rpc._kvtier_follows_weights = True  # type: ignore[attr-defined]
-    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
-    EngineCore.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
-    return True
+    reset_prefix_cache._kvtier_follows_weights = True  # type: ignore[attr-defined]
+    return reset_prefix_cache
 
 
 def weights_changed(engine_core: Any, why: str) -> int:

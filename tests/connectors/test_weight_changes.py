@@ -149,8 +149,9 @@ def _engine_core(monkeypatch: pytest.MonkeyPatch, result: Any = None,
 
     from kvtier.connectors.weights import follow_weight_changes
 
-    # the wrapper goes on the class: put the original back after the test
+    # the wrappers go on the class: put the originals back after the test
     monkeypatch.setattr(EngineCore, "collective_rpc", EngineCore.collective_rpc)
+    monkeypatch.setattr(EngineCore, "reset_prefix_cache", EngineCore.reset_prefix_cache)
     assert follow_weight_changes() and follow_weight_changes()  # idempotent
 
     def rpc(method, timeout=None, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -396,11 +397,9 @@ def test_weights_written_with_no_call_are_seen_at_reset_prefix_cache(
     digest taken at startup. A reset with unchanged weights keeps the tiers; after a
     followed call the next reset takes the digest again and tells nobody."""
     import torch
-    from vllm.v1.engine.core import EngineCore
 
     from kvtier.connectors import weights as w
 
-    monkeypatch.setattr(EngineCore, "reset_prefix_cache", EngineCore.reset_prefix_cache)
     core, told = _engine_core(monkeypatch)
     worker, model = _worker(torch.ones(16))
     core.model_executor = SimpleNamespace(
