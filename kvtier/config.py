@@ -98,6 +98,8 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "encryption_decrypt_keys_file": parse_path,
     "trust_multimodal_ids": parse_bool,
     "whatif": parse_bool,
+    "canary_first_hit": parse_bool,
+    "canary_rate": lambda k, v: parse_float(k, v, 0.0, 1.0),
 }
 #: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
 #: that makes reads faster (kvtier.objects.zpolicy), or as fp8 (kvtier.objects.compress)
@@ -177,6 +179,12 @@ class KVTierConfig:
     #: ghost host tiers at 0.5x to 8x cpu_bytes (chunk keys only): the hit rate more or
     #: less memory would give, as kvtier:whatif_hit_tokens (kvtier.host.ghosts)
     whatif: bool = True
+    #: a generation already in the object tier is trusted only once this engine computed
+    #: one of its chunks and found it equal to the stored one (kvtier.canary); until then
+    #: its lookups answer 0 and it stores nothing there, after a mismatch never again
+    canary_first_hit: bool = True
+    #: the fraction of later requests recomputed (no kvtier hit) and checked the same way
+    canary_rate: float = 0.0
 
     def vllm_shutdown_timeout_s(self) -> int | None:
         """How long vLLM must give its engine on SIGTERM for the object-tier writes still
