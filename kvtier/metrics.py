@@ -58,6 +58,10 @@ ERROR_KINDS = (
 #: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
 #: token vLLM computes itself (kvtier holds whole chunks only)
 MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail")
+#: what a canary found (``kvtier:canary``, kvtier.canary): the chunk vLLM computed matched
+#: the stored one or did not; "absent": the tier does not hold it; "error": it could not be
+#: read or verified, or the computed chunk was not stored
+CANARY_RESULTS = ("match", "mismatch", "absent", "error")
 
 
 def error_kind_label(kind: str) -> str:
@@ -95,6 +99,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": MISS_REASONS,
     "node": NodeAddresses(("other",)),
     "scale": WHATIF_SCALES,
+    "result": CANARY_RESULTS,
 }
 
 
@@ -215,12 +220,19 @@ WHATIF_HIT_TOKENS = MetricSpec(
     "modelled so far.",
     ("tier", "scale"),
 )
+CANARY = MetricSpec(
+    PREFIX + "canary", "counter",
+    "Chunks vLLM computed and compared with the object tier's chunk of the same name "
+    "(canary_first_hit, canary_rate), by result; a mismatch means the generation holds "
+    "other weights' KV (a stale model_fingerprint) and this engine refused it.",
+    ("result",),
+)
 #: every metric kvtier exports (the dashboards and rules are checked against it)
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
     STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
-    WHATIF_HIT_TOKENS,
+    WHATIF_HIT_TOKENS, CANARY,
 )
 
 

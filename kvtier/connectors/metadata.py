@@ -13,10 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.ops import FetchOp, LoadOp, StoreOp, UploadOp
+from kvtier.ops import CheckOp, FetchOp, LoadOp, StoreOp, UploadOp
 
 __all__ = [
-    "FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StepPlan", "StoreOp", "UploadOp",
+    "CheckOp", "FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StepPlan", "StoreOp",
+    "UploadOp",
 ]
 
 
@@ -40,6 +41,8 @@ class KVTierMetadata(KVConnectorMetadata):
     #: object keys' identity since the last change (SchedulerSide.weights_changed)
     weights_epoch: int = 0
     weights_salt: bytes = b""
+    #: canaries: stored chunks compared with the object tier's (kvtier.canary)
+    checks: list[CheckOp] = field(default_factory=list)
 
 
 class StepPlan:
@@ -49,7 +52,7 @@ class StepPlan:
     cleaning of the oldest chunks begins one), and what the scheduler hands to vLLM as
     the step's :class:`KVTierMetadata` (:meth:`take`), starting the next step's empty."""
 
-    __slots__ = ("fetches", "fetches_now", "loads", "stores", "uploads")
+    __slots__ = ("checks", "fetches", "fetches_now", "loads", "stores", "uploads")
 
     def __init__(self) -> None:
         self.loads: list[LoadOp] = []
@@ -59,11 +62,14 @@ class StepPlan:
         #: one-step lookups' runs, read before the step's loads
         self.fetches_now: list[list[FetchOp]] = []
         self.uploads: list[UploadOp] = []
+        #: canaries of this step's stores (read and compared after them)
+        self.checks: list[CheckOp] = []
 
     def __len__(self) -> int:
         """Ops planned and not yet handed to vLLM (a fetch run counts its fetches)."""
         fetches = sum(len(run) for run in self.fetches + self.fetches_now)
-        return len(self.loads) + len(self.stores) + fetches + len(self.uploads)
+        return (len(self.loads) + len(self.stores) + fetches + len(self.uploads)
+                + len(self.checks))
 
     def take(
         self, *, step: int, host_bytes: int, null_block: int | None, weights_epoch: int = 0,
@@ -74,9 +80,10 @@ class StepPlan:
             step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
             fetches=self.fetches, fetches_now=self.fetches_now, uploads=self.uploads,
             null_block=null_block, weights_epoch=weights_epoch, weights_salt=weights_salt,
+            checks=self.checks,
         )
         self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
-        self.fetches_now = []
+        self.fetches_now, self.checks = [], []
         return meta
 
 
@@ -94,6 +101,13 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     #: seconds this worker's object-tier reads still fail fast after a failure to reach
     #: the tier (0: up); merged as the longest, for a lookup needs every worker's read
     reads_down_s: float = 0.0
+    #: canaries: op id -> one result per worker that finished it (kvtier.canary.RESULTS)
+    checks: dict[int, list[str]] = field(default_factory=dict)
+    #: whether the tier held nothing of the engine's generation at startup (rank 0 of
+    #: stage 0 asks once, before its manifest is written; None: not said in this report)
+    fresh_generation: bool | None = None
+    #: a mismatch's worst layer and error, for the scheduler's log: op id -> (layer, error)
+    check_worst: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
@@ -103,7 +117,14 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         errors = dict(self.errors)
         for kind, n in other.errors.items():
             errors[kind] = errors.get(kind, 0) + n
+        checks = {k: list(v) for k, v in self.checks.items()}
+        for op_id, found in other.checks.items():
+            checks.setdefault(op_id, []).extend(found)
+        fresh = self.fresh_generation if other.fresh_generation is None else (
+            other.fresh_generation if self.fresh_generation is None
+            else self.fresh_generation and other.fresh_generation)
         return KVTierWorkerMeta(
             steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors,
-            reads_down_s=max(self.reads_down_s, other.reads_down_s),
+            reads_down_s=max(self.reads_down_s, other.reads_down_s), checks=checks,
+            fresh_generation=fresh, check_worst={**self.check_worst, **other.check_worst},
         )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier import metrics
+from kvtier.canary import Trust
 from kvtier.config import KVTierConfig, format_size
 from kvtier.errors import TierError
 from kvtier.host.ghosts import GhostTiers
@@ -35,6 +36,7 @@ from kvtier.objects.tiers.policy import Timeouts
 from kvtier.stats import StatsRecorder, Totals
 
 from .answers import StoreWaits, count_misses
+from .canary import CanaryChecks
 from .events import ChunkEvents, events_enabled
 from .groups import has_sliding_window, kv_groups
 from .ledger import OpLedger
@@ -143,6 +145,15 @@ class SchedulerSide:
             write_through=self.remote and cfg.write_policy == "write_through",
             groups=self.groups,
         )  # fmt: skip
+        #: whether this engine trusts its generation yet (kvtier.canary): until then no
+        #: object-tier lookups and no uploads (the flags below follow its state)
+        self._write_through = self.planner.write_through
+        self._write_back = self.write_back.enabled
+        self.canary = CanaryChecks(
+            cfg, self.index, self.ledger, self.keys, self.plan, self.stats,
+            world_size=self.world_size, namespace=namespace, changed=self._trust_changed,
+        )  # fmt: skip
+        self._trust_changed(self.canary.trust.state)
         self.lookups = RemoteLookups(
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
             slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
@@ -199,6 +210,18 @@ class SchedulerSide:
             cfg.redacted()["remote_url"],
         )
 
+    def _trust_changed(self, state: Trust) -> None:
+        """The engine's trust in its generation changed (kvtier.canary): uploads only into
+        a trusted generation; once refused, the host tier's chunks of it are dropped (a
+        sampled check can refuse a generation chunks were loaded from)."""
+        trusted = state is Trust.TRUSTED
+        self.planner.write_through = self._write_through and trusted
+        self.write_back.enabled = self._write_back and trusted
+        if state is Trust.REFUSED:
+            dropped = self.index.clear()
+            logger.error("kvtier: host tier emptied (%d chunks dropped) after a canary "
+                         "mismatch", dropped)
+
     def attach_events(self, events: ChunkEvents) -> None:
         """Turn the host tier's changes into vLLM KV events: ``events`` listens to the
         index, is told each chunk that begins a store or a fetch, and each upload."""
@@ -218,6 +241,9 @@ class SchedulerSide:
         where that is safe. Logs which way lookups go, and why."""
         if not self.remote:
             return
+        said = [w.fresh_generation for w in workers if w.fresh_generation is not None]
+        if said:  # before the first step: a first writer uploads from its first request on
+            self.canary.first_writer(all(said))
         self.lookups.probe, refusal = self._one_step_probe(workers)
         if self.lookups.probe is None:
             logger.info("kvtier: object-tier lookups take a step of their own (%s)", refusal)
@@ -265,7 +291,10 @@ class SchedulerSide:
         if self.store_waits.should_wait(st, end_chunk, cap):
             self._sync_lookup_s.append(time.perf_counter() - t0)
             return None, False  # "ask again": the store settles in a step or two
-        if self.remote and self.lookups.wants(st, end_chunk, cap):
+        if self.remote and self.canary.recompute(st):
+            self._sync_lookup_s.append(time.perf_counter() - t0)
+            return 0, False  # a canary (canary_rate): vLLM computes it, its chunk is checked
+        if self.remote and self.canary.trusted and self.lookups.wants(st, end_chunk, cap):
             waiting = self.lookups.advance(st, end_chunk, cap)
             if self.events is not None:
                 self.events.record_lookup(st)  # the chunks the lookup claimed
@@ -299,7 +328,7 @@ class SchedulerSide:
         almost always holds the rest; a gap LRU left only means no early start). One dict
         lookup and one set probe: no hashing, nothing per chunk.
         """
-        if not self.remote or time.monotonic() < self.reads_down_until:
+        if not self.remote or not self.canary.trusted or time.monotonic() < self.reads_down_until:
             return False
         st = self._reqs.get(request.request_id)
         if st is None and (getattr(request, "lora_request", None) is not None
@@ -398,7 +427,9 @@ class SchedulerSide:
             if computed_after // self.chunk_size > st.next_store:
                 # a decode step completes a chunk once in chunk_size steps: the other
                 # steps cost this comparison, not a key refresh per running request
+                self.planner.write_through = self._write_through and self.canary.may_upload(st)
                 stores = self.planner.plan_stores(st, self._block_ids, computed_after)
+                self.canary.stores_planned(st, stores)
                 if self.events is not None:
                     self.events.record_stores(st, stores)
             st.step_loads.clear()
@@ -425,6 +456,7 @@ class SchedulerSide:
             uploaded = self.events.settle_uploads(meta) if self.events is not None else []
             for op_id in sorted(meta.results):
                 self.ledger.report(op_id, meta.results[op_id])
+            self.canary.report(meta)
             for kind, n in meta.errors.items():
                 self.totals[f"error_{metrics.error_kind_label(kind)}"] += n
             down_s = meta.reads_down_s
@@ -445,13 +477,14 @@ class SchedulerSide:
         self.store_waits.forget(request.request_id)
         if st is not None:
             self.lookups.finish(st)
+        self.canary.forget(request.request_id)
         # Stores run inside the step that computes a chunk, before vLLM frees its blocks,
         # so nothing is left to copy here and the blocks can be freed at once.
         return False, None
 
     def pending_ops(self) -> int:
         """Ops sent to workers and not yet reported (0 when the engine is idle)."""
-        return len(self.ledger)
+        return len(self.ledger) + self.canary.pending
 
     def open_requests(self) -> int:
         return len(self._reqs)
@@ -480,6 +513,8 @@ class SchedulerSide:
         other engine shares that identity (none can know it holds the same weights)."""
         self.weights_epoch += 1
         self.weights_salt = os.urandom(16)
+        self.canary.new_generation()  # keys no other engine has: its first writer
+        self._trust_changed(self.canary.trust.state)
         if self.lookups.probe is not None:
             self.lookups.probe.after_weight_change(self.weights_salt)
         dropped = self.index.clear()

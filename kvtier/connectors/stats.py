@@ -42,6 +42,8 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     "weights_changes",  # weights replaced while the engine ran (weights_changed)
     # lookups answered in their own step that found chunks to load (connectors.probe)
     "one_step_lookups",
+    # canaries by result (kvtier.canary): computed chunks compared with the stored ones
+    *(total_name(metrics.CANARY, (r,)) for r in metrics.CANARY_RESULTS),
     *SETTLED_TOTALS.values(),
     *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
     # requests whose chunks (from some point on) stay out of the object tier, by reason

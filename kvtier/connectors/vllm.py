@@ -328,7 +328,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         w = self._worker
         if w is None or not self.cfg.remote_url:
             return None
-        return WorkerKeys(w.namespace, w.rank, w.stage, w.weights_epoch)
+        return WorkerKeys(w.namespace, w.rank, w.stage, w.weights_epoch, w.fresh_generation)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

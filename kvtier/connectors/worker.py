@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier import metrics
+from kvtier import canary, metrics
 from kvtier.config import KVTierConfig
 from kvtier.host.copiers import make_copier
 from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
@@ -31,6 +31,7 @@ from kvtier.objects import manifest
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.ops import (
     DROPPED,
+    CheckOp,
     FetchOp,
     GetRun,
     LoadOp,
@@ -118,6 +119,16 @@ class WorkerSide:
         self.uploads = True
         self.stats = StatsRecorder()
         self._seals_counted = 0  # the RemoteIO's seals already added to the stats
+        #: canaries being read: op id -> (the slot vLLM's KV was stored into, the scratch
+        #: buffer the stored object is read into); their results for the scheduler
+        self._pending_checks: dict[int, tuple[int, torch.Tensor]] = {}
+        self._checks: dict[int, list[str]] = {}
+        self._check_worst: dict[int, tuple[str, float]] = {}
+        #: rank 0 of stage 0: whether the tier held nothing of this generation at startup,
+        #: sent once with the next report (None: not this worker's to say, or said)
+        self._fresh: bool | None = None
+        #: the same answer, kept for vLLM's handshake (WorkerKeys), which may come later
+        self.fresh_generation: bool | None = None
 
     # ---- setup ------------------------------------------------------------------------------
     def register_kv_caches(
@@ -156,6 +167,9 @@ class WorkerSide:
             logger.info("kvtier worker rank %d: %d object-tier I/O threads (io_threads: %s)",
                         rank, threads, self.cfg.io_threads)  # fmt: skip
             faster_thread_switches()
+            if rank == 0 and stage == 0 and self.cfg.canary_first_hit:
+                # asked before its manifest is written; told in the handshake and the first report
+                self._fresh = self.fresh_generation = self._generation_is_fresh()
             self.manifests = manifest.for_worker(self.remote, lambda: self.namespace, rank, stage)
             if self.remote.tier.reads_local and self.cfg.inline_read_ms:
                 self.inline_read_s = self.cfg.inline_read_ms / 1e3
@@ -164,6 +178,27 @@ class WorkerSide:
                             self.remote.tier.name, self.cfg.inline_read_ms)  # fmt: skip
         if isinstance(self.cfg.cpu_bytes, int):  # the size the scheduler resolves it to
             self._allocate_slab(self.cfg.cpu_bytes, at_startup=True)
+
+    def _generation_is_fresh(self) -> bool:
+        """Whether the tier holds nothing of this engine's generation: no manifest under
+        ``gen-<id>/``. Every engine writes its generation's manifest at start and every
+        minute (rank 0 of stage 0, :mod:`kvtier.objects.manifest`), so an absent manifest
+        means no engine has written the generation since ``kvtier store gc`` last emptied
+        it: this engine is its first writer and its own KV defines it. A tier that cannot
+        answer is not fresh (the first hit is checked instead)."""
+        assert self.remote is not None
+        gen = self.namespace.generation()
+        try:
+            found = self.remote.tier.exists([manifest.manifest_key(gen)])
+        except Exception as exc:  # noqa: BLE001  any failure: check the first hit instead
+            logger.warning("kvtier: could not tell whether generation %s is in the object "
+                           "tier (%s): its first hit is checked", gen, exc)  # fmt: skip
+            return False
+        fresh = not found[0]
+        logger.info("kvtier worker: generation %s %s", gen,
+                    "is new: this engine writes it first" if fresh else
+                    "is in the object tier: its first hit is checked before it is trusted")
+        return fresh
 
     def _ensure_slab(self, meta: KVTierMetadata) -> HostSlab:
         """The slab of the size the scheduler sent (``host_bytes``): the one allocated at
@@ -384,6 +419,53 @@ class WorkerSide:
                     self._upload(slab, UploadOp(op.upload_op_id, op.slot, op.block_hash))
                 else:
                     self._results[op.upload_op_id] = [False]
+        for check in meta.checks:  # after the stores: their slots hold what vLLM computed
+            self._check(slab, check)
+
+    def _check(self, slab: HostSlab, op: CheckOp) -> None:
+        """A canary: read the stored object of the chunk just computed into scratch memory
+        (verified as any fetch), then compare it with the slot (:meth:`_checked`)."""
+        if self.remote is None or (op.store_op_id and
+                                   self._results.get(op.store_op_id) != [True]):
+            self._checks[op.op_id] = [canary.ERROR]
+            return
+        assert self.layout is not None
+        dtype, shape = self.layout.describe()
+        scratch = torch.empty(self.layout.slot_bytes, dtype=torch.uint8)
+        self._pending_checks[op.op_id] = (op.slot, scratch)
+        dest = memoryview(scratch.numpy())  # type: ignore[arg-type]  # a buffer
+        run = GetRun([(op.op_id, self._object_key(op.block_hash), dest)], dtype, shape)
+        for res in self.remote.submit([run]):
+            self._remote_result(res)
+
+    def _checked(self, res: OpResult) -> None:
+        """A canary's read is over: compare what it read with the slot, layer by layer."""
+        slot, scratch = self._pending_checks.pop(res.op_id)
+        if not res.ok:
+            if res.error_kind:
+                self._error(res.error_kind)
+            self._checks[res.op_id] = [canary.ERROR if res.error_kind else canary.ABSENT]
+            return
+        assert self.layout is not None and self.slab is not None
+        computed, stored = [], []
+        for li, ll in enumerate(self.layout.layers):
+            computed.append(self.slab.layer_view(slot, li))
+            raw = scratch[ll.offset : ll.offset + ll.nbytes]
+            stored.append(raw.view(ll.dtype).view(ll.slot_shape))
+        cmp = canary.compare_chunk(computed, stored)
+        self._checks[res.op_id] = [cmp.result]
+        worst = cmp.worst_layer
+        name = self.layout.layers[worst].name if worst >= 0 else ""
+        self._check_worst[res.op_id] = (name, cmp.worst)
+        logger.info("kvtier worker rank %d: canary of slot %d: %s (largest error %.3g, "
+                    "layer %s)", self.rank, slot, cmp.result, cmp.worst, name)  # fmt: skip
+
+    def _remote_result(self, res: OpResult) -> None:
+        """An object-tier op's result: a canary's read, or a fetch's or upload's."""
+        if res.op_id in self._pending_checks:
+            self._checked(res)
+        else:
+            self._record(res)
 
     def _record(self, res: OpResult) -> None:
         """One op's result: its flag for the scheduler, its time or its error for the stats.
@@ -419,7 +501,7 @@ class WorkerSide:
         gets = [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
                 for op in run]  # fmt: skip
         for res in self.remote.submit([GetRun(gets, dtype, shape, inline_until)]):
-            self._record(res)
+            self._remote_result(res)
 
     def _upload(self, slab: HostSlab, op: UploadOp) -> None:
         if self.remote is None:
@@ -441,8 +523,10 @@ class WorkerSide:
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
         meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors,
-                                reads_down_s=self.reads_down_s())
+                                reads_down_s=self.reads_down_s(), checks=self._checks,
+                                fresh_generation=self._fresh, check_worst=self._check_worst)
         self._steps, self._results, self._errors = [], {}, {}
+        self._checks, self._check_worst, self._fresh = {}, {}, None
         return meta
 
     def reads_down_s(self) -> float:
@@ -456,7 +540,7 @@ class WorkerSide:
         if self.remote is None:
             return
         for res in self.remote.poll():
-            self._record(res)
+            self._remote_result(res)
         # stuck calls (each holds an I/O thread) and the encryption key's nonces spent
         self.stats.set(metrics.STUCK_OPS, self.remote.stuck_reads, ("read",))
         self.stats.set(metrics.STUCK_OPS, self.remote.stuck_writes, ("write",))

@@ -19,3 +19,14 @@ def model_dir(tmp_path: Path) -> str:
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def canary_first_hit_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector tests drive the sides with fake workers, which send vLLM's handshake
+    (whether the tier held the generation) only where a test says so: they run with the
+    first-hit canary off (``canary_first_hit: false``, as kvtier did before it). The
+    canary's own tests (test_canary.py) override this fixture with one that keeps it on."""
+    from kvtier.config import KVTierConfig
+
+    monkeypatch.setitem(KVTierConfig.__init__.__kwdefaults__, "canary_first_hit", False)

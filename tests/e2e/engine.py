@@ -26,9 +26,12 @@ def toks(seed: int, n: int) -> list[int]:
 
 
 def ktc(extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for kvtier with ``extra``. Scenarios that do not name
+    ``canary_first_hit`` run with it off, as kvtier did before the canary: an engine reading
+    what another stored then loads from its first prompt on (tests/e2e/test_canary.py)."""
     from kvtier.sizing.emit import connector_config
 
-    return connector_config(extra)
+    return connector_config({"canary_first_hit": False, **extra})
 
 
 def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):

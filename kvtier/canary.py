@@ -1,0 +1,197 @@
+"""Hits checked against the model: whether a generation's stored KV is this engine's KV.
+
+Checksums, signatures and the identity in every key protect a chunk against corruption,
+forgery and the weight changes kvtier can see, not against a *wrong name*: a pinned
+``model_fingerprint`` that was not bumped when the weights changed, weights that reach
+vLLM some way kvtier cannot fingerprint, a kernel or layout change. Then a chunk that
+passes every check is the KV of other weights. The canary catches that by comparing
+what vLLM computed for a prefix with what the tier holds under its name.
+
+Two pure parts, no vLLM (the connector wires them, :mod:`kvtier.connectors.canary`):
+
+- :func:`compare_chunk`: the metric. Per layer, the largest absolute difference between
+  the computed and the stored KV, divided by the largest magnitude of the stored layer
+  (so it is scale-free and never divides by a tiny element); a chunk matches when every
+  layer's error is at most :data:`TOLERANCE`. Same weights in another batch shape differ
+  by float rounding (about 1e-2 of the layer's range in bf16, far less in fp32); other
+  weights differ by the layer's whole range (about 1 and above).
+- :class:`GenerationTrust`: one engine's trust in its generation (UNKNOWN until the
+  workers said whether the tier already holds it, then TRUSTED as its first writer, or
+  CHECKING until a computed chunk matched the stored one, or REFUSED after a mismatch),
+  and the sample of later hits recomputed (``canary_rate``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.metrics import CANARY_RESULTS
+
+#: largest per-layer error (max |computed - stored| / max |stored|) that still matches:
+#: the same weights in other batch shapes stay below 0.05 on the CPU build (bf16 and fp32,
+#: measured: see the report in the README), other weights are above 0.5; fp8 KV caches and
+#: ``compression: fp8`` round each element by at most 1/16 of its own magnitude, also below
+TOLERANCE = 0.1
+
+#: what a check can find (the ``result`` label of ``kvtier:canary``): the stored chunk
+#: matched or did not; "absent": the tier does not hold it (nothing to compare, keep
+#: waiting for a hit); "error": it could not be read or verified, or the computed chunk
+#: was not stored (try again on another chunk)
+MATCH, MISMATCH, ABSENT, ERROR = CANARY_RESULTS
+RESULTS = CANARY_RESULTS
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Per-layer errors of a computed chunk against the stored one."""
+
+    errors: tuple[float, ...]
+    tolerance: float = TOLERANCE
+
+    @property
+    def worst_layer(self) -> int:
+        """The layer with the largest error (-1 for a chunk of no layers)."""
+        if not self.errors:
+            return -1
+        return max(range(len(self.errors)), key=lambda i: _order(self.errors[i]))
+
+    @property
+    def worst(self) -> float:
+        return self.errors[self.worst_layer] if self.errors else 0.0
+
+    @property
+    def matches(self) -> bool:
+        return all(not math.isnan(e) and e <= self.tolerance for e in self.errors)
+
+    @property
+    def result(self) -> str:
+        return MATCH if self.matches else MISMATCH
+
+
+def _order(e: float) -> float:
+    return math.inf if math.isnan(e) else e
+
+
+def layer_error(computed: torch.Tensor, stored: torch.Tensor) -> float:
+    """max |computed - stored| / max |stored| over one layer (as float32). A layer whose
+    stored values are all zero errs by the computed layer's largest magnitude; a shape
+    mismatch or a non-finite value anywhere is an infinite error (never a match)."""
+    if computed.shape != stored.shape:
+        return math.inf
+    a = computed.to(torch.float32)
+    b = stored.to(torch.float32)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    diff = float((a - b).abs().max())
+    scale = float(b.abs().max())
+    if scale == 0.0:
+        return diff if diff == 0.0 else math.inf
+    return diff / scale
+
+
+def compare_chunk(
+    computed: Sequence[torch.Tensor],
+    stored: Sequence[torch.Tensor],
+    tolerance: float = TOLERANCE,
+) -> Comparison:
+    """Compare a chunk's KV layer by layer (one tensor per layer, K and V together as the
+    slot holds them). A different number of layers is a mismatch."""
+    if len(computed) != len(stored):
+        return Comparison((math.inf,), tolerance)
+    return Comparison(tuple(layer_error(a, b) for a, b in zip(computed, stored, strict=True)),
+                      tolerance)  # fmt: skip
+
+
+class Trust(enum.Enum):
+    #: the workers have not said yet whether the tier holds this generation
+    UNKNOWN = "unknown"
+    #: the tier holds it: nothing is loaded or stored until a computed chunk matched
+    CHECKING = "checking"
+    TRUSTED = "trusted"
+    #: a computed chunk differed from the stored one: never loaded from or stored into
+    REFUSED = "refused"
+
+
+class GenerationTrust:
+    """One engine's trust in the generation its object keys name.
+
+    ``first_hit``: check before trusting (``canary_first_hit``; off, the generation is
+    trusted at once). ``rate``: the fraction of later requests recomputed and checked
+    (``canary_rate``). At most one check is in flight at a time (:meth:`wants_check`):
+    while untrusted every stored chunk is a candidate, and one read per check bounds the
+    cost to one object-tier read per step.
+    """
+
+    def __init__(self, *, first_hit: bool = True, rate: float = 0.0,
+                 draw: Callable[[], float] = random.random) -> None:  # fmt: skip
+        self.state = Trust.UNKNOWN if first_hit else Trust.TRUSTED
+        self.rate = rate
+        self._draw = draw
+        self.in_flight = 0
+        #: the last mismatch's comparison (for the log and tests)
+        self.last: Comparison | None = None
+
+    @property
+    def trusted(self) -> bool:
+        """Loads from and stores into the generation are allowed."""
+        return self.state is Trust.TRUSTED
+
+    def first_writer(self, fresh: bool) -> Trust:
+        """The workers' answer at startup: the tier held nothing of the generation
+        (``fresh``: this engine writes it first, its own KV is the generation's) or did."""
+        if self.state is Trust.UNKNOWN:
+            self.state = Trust.TRUSTED if fresh else Trust.CHECKING
+        return self.state
+
+    def new_generation(self) -> None:
+        """The engine's keys now name a generation only it can know (a weight change's
+        fresh salt): its first writer by construction."""
+        self.state = Trust.TRUSTED
+        self.in_flight = 0
+
+    def wants_check(self, sampled: bool = False) -> bool:
+        """Whether a chunk just computed should be checked: while untrusted (or for a
+        sampled request once trusted), one check at a time, never once refused."""
+        if self.in_flight or self.state is Trust.REFUSED:
+            return False
+        return sampled or self.state in (Trust.UNKNOWN, Trust.CHECKING)
+
+    def sample(self) -> bool:
+        """Whether a request of a trusted generation is recomputed and checked."""
+        return self.state is Trust.TRUSTED and self.rate > 0.0 and self._draw() < self.rate
+
+    def began(self) -> None:
+        self.in_flight += 1
+
+    def checked(self, result: str, comparison: Comparison | None = None) -> Trust:
+        """A check's result (one of :data:`RESULTS`); returns the state after it. A match
+        trusts an untrusted generation; a mismatch refuses it for good; an absent chunk
+        or an error changes nothing (the next computed chunk is checked)."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if result == MISMATCH:
+            self.state = Trust.REFUSED
+            self.last = comparison
+        elif result == MATCH and self.state in (Trust.UNKNOWN, Trust.CHECKING):
+            self.state = Trust.TRUSTED
+        return self.state
+
+
+def combine(results: Sequence[str]) -> str:
+    """One check's result from every worker's (each compares its own part of the chunk):
+    any mismatch is a mismatch; else a match only if every worker matched; else absent if
+    any worker found nothing; else an error."""
+    if MISMATCH in results:
+        return MISMATCH
+    if results and all(r == MATCH for r in results):
+        return MATCH
+    if ABSENT in results:
+        return ABSENT
+    return ERROR

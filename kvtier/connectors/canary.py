@@ -1,0 +1,193 @@
+"""The scheduler's side of the canary (:mod:`kvtier.canary`): which chunks are checked,
+and what a check's result does to the engine's trust in its generation.
+
+The scheduler only plans: while the generation is untrusted its lookups answer 0, so vLLM
+computes the prefix and the normal store path copies it into a host slot; the first such
+stored chunk a request may share is checked in the same step (a
+:class:`~kvtier.ops.CheckOp`: the worker reads the stored object into scratch memory and
+compares it with the slot, :meth:`kvtier.connectors.worker.WorkerSide._check`), its slot
+held until every worker's result is in. A sampled request (``canary_rate``) is answered 0
+and checked the same way once the generation is trusted. A checked chunk is never
+uploaded (its upload would overwrite the object the check reads with this engine's own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier import canary, metrics
+from kvtier.canary import GenerationTrust, Trust
+from kvtier.config import KVTierConfig
+from kvtier.host.index import ChunkIndex, Entry
+from kvtier.keys import Namespace
+from kvtier.ops import CheckOp, StoreOp
+from kvtier.stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from .ledger import OpLedger
+    from .metadata import KVTierWorkerMeta, StepPlan
+    from .requests import ChunkKeys, RequestState
+
+logger = logging.getLogger("kvtier.canary")
+
+
+@dataclass(slots=True)
+class _Check:
+    entry: Entry
+    results: list[str] = field(default_factory=list)
+    #: begun before a weight change: its chunk is of the old generation (only unpinned)
+    stale: bool = False
+
+
+class CanaryChecks:
+    """One engine's trust in its generation, and the checks that decide it.
+
+    ``changed`` is told each change of state (the scheduler turns uploads on once trusted,
+    and empties the host tier once refused)."""
+
+    def __init__(
+        self, cfg: KVTierConfig, index: ChunkIndex, ledger: OpLedger, keys: ChunkKeys,
+        plan: StepPlan, stats: StatsRecorder, *, world_size: int, namespace: Namespace,
+        changed: Callable[[Trust], None] = lambda state: None,
+        trust: GenerationTrust | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.index = index
+        self.ledger = ledger
+        self.keys = keys
+        self.plan = plan
+        self.stats = stats
+        self.world_size = world_size
+        self.namespace = namespace
+        self.changed = changed
+        self.trust = trust or GenerationTrust(first_hit=cfg.canary_first_hit,
+                                              rate=cfg.canary_rate)  # fmt: skip
+        #: requests recomputed as canaries (no kvtier hit), until one of their chunks is
+        #: checked; every request's draw, made once (request id -> sampled)
+        self._sampled: dict[str, bool] = {}
+        self._pending: dict[int, _Check] = {}
+
+    @property
+    def trusted(self) -> bool:
+        return self.trust.trusted
+
+    @property
+    def pending(self) -> int:
+        """Checks sent to the workers and not yet reported by all of them."""
+        return len(self._pending)
+
+    def recompute(self, st: RequestState) -> bool:
+        """Whether this request gets no kvtier hit at all: drawn once per request as a
+        canary (``canary_rate``) of a trusted generation."""
+        rid = st.request.request_id
+        sampled = self._sampled.get(rid)
+        if sampled is None:
+            sampled = self._sampled[rid] = self.trust.sample()
+        return sampled
+
+    def may_upload(self, st: RequestState) -> bool:
+        """Whether this request's stored chunks may be uploaded: only into a trusted
+        generation, never a canary's (its check reads the object an upload would overwrite)."""
+        return self.trust.trusted and not self._sampled.get(st.request.request_id, False)
+
+    def stores_planned(self, st: RequestState, stores: list[StoreOp]) -> None:
+        """This step's stores of ``st``: check the first one it may share when a check is
+        wanted (the generation untrusted, or ``st`` a canary)."""
+        rid = st.request.request_id
+        sampled = self._sampled.get(rid, False)
+        if sampled:
+            for op in stores:  # a canary's chunks are this engine's: never written back
+                entry = self.index.get(self._index_key(st, op))
+                if entry is not None:
+                    entry.remote = True
+        if not stores or not self.trust.wants_check(sampled):
+            return
+        for op in stores:
+            try:
+                c = st.chunk_hashes.index(op.block_hash)
+            except ValueError:
+                continue
+            if c >= st.shared_chunks or op.upload_op_id is not None:
+                continue  # host-only (not under object keys), or being uploaded
+            entry = self.index.get(self.keys.key(st, c))
+            if entry is None or entry.slot != op.slot:
+                continue
+            entry.remote = True  # write-back never uploads it over the object it reads
+            self.index.hold(entry)  # the slot keeps the computed chunk until checked
+            op_id = self.ledger.new_id()
+            self.plan.checks.append(CheckOp(op_id, op.slot, op.block_hash, op.op_id))
+            self._pending[op_id] = _Check(entry)
+            self.trust.began()
+            if sampled:
+                self._sampled[rid] = False  # one check per canary request
+            return
+
+    def _index_key(self, st: RequestState, op: StoreOp) -> bytes:
+        try:
+            return self.keys.key(st, st.chunk_hashes.index(op.block_hash))
+        except ValueError:
+            return op.block_hash
+
+    def report(self, meta: KVTierWorkerMeta) -> None:
+        """The workers' report: whether the generation is new (once, at startup), and the
+        results of checks."""
+        if meta.fresh_generation is not None:
+            self.first_writer(meta.fresh_generation)
+        for op_id, results in meta.checks.items():
+            check = self._pending.get(op_id)
+            if check is None:
+                continue
+            check.results.extend(results)
+            if len(check.results) < self.world_size:
+                continue
+            del self._pending[op_id]
+            entry = check.entry
+            if self.index.get(entry.key) is entry and entry.refs > 0:
+                self.index.unpin(entry.key)
+            if not check.stale:
+                self._settle(canary.combine(check.results), meta.check_worst.get(op_id))
+
+    def first_writer(self, fresh: bool) -> None:
+        """The workers said whether the tier held the generation at startup (vLLM's
+        handshake, else their first report; the first answer counts)."""
+        before = self.trust.state
+        state = self.trust.first_writer(fresh)
+        if state is not before:
+            self.changed(state)
+
+    def _settle(self, result: str, worst: tuple[str, float] | None) -> None:
+        self.stats.inc(metrics.CANARY, 1, (result,))
+        before = self.trust.state
+        state = self.trust.checked(result)
+        if state is before:
+            return
+        gen = self.namespace.generation()
+        if state is Trust.TRUSTED:
+            logger.info("kvtier: generation %s checked: a chunk vLLM computed matches the "
+                        "stored one; loads and stores there begin", gen)  # fmt: skip
+        elif state is Trust.REFUSED:
+            layer, err = worst if worst is not None else ("?", float("nan"))
+            logger.error(
+                "kvtier: generation %s (model_fingerprint %r) holds KV of other weights: "
+                "the KV vLLM computed for a stored chunk differs in layer %s by %.3g of the "
+                "layer's range (tolerance %.3g). This engine never loads from nor stores "
+                "into that generation from now on. Likely cause: model_fingerprint is "
+                "pinned and was not changed when the weights changed (or vLLM, a kernel or "
+                "the KV layout changed under the same name). Give these weights their own "
+                "model_fingerprint (or remove the setting), and delete the stale generation "
+                "with `kvtier store gc` if no engine serves its weights any more",
+                gen, self.cfg.model_fingerprint, layer, err, canary.TOLERANCE,
+            )  # fmt: skip
+        self.changed(state)
+
+    def new_generation(self) -> None:
+        """A weight change gave the engine keys no one else has: trusted as first writer."""
+        self.trust.new_generation()
+        for check in self._pending.values():  # their slots are released as they report
+            check.stale = True
+
+    def forget(self, request_id: str) -> None:
+        self._sampled.pop(request_id, None)

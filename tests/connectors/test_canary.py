@@ -1,0 +1,141 @@
+"""The scheduler side's canary with fakes of vLLM's objects and of the workers' reports:
+what an untrusted generation answers and plans, how checks' results move its trust."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.canary import Trust
+from kvtier.connectors.metadata import KVTierWorkerMeta
+from kvtier.connectors.probe import WorkerKeys
+from kvtier.connectors.scheduler import SchedulerSide
+from tests.connectors.test_scheduler_side import (
+    CHUNK,
+    make_side,
+    op_ids,
+    request,
+    schedule_new,
+)
+
+
+@pytest.fixture(autouse=True)
+def canary_first_hit_off() -> None:
+    """Overrides conftest's: these tests run with the canary's defaults."""
+
+
+def side_of(**extra: object) -> SchedulerSide:
+    return make_side("4MiB", {"remote_url": "file:///nonexistent",
+                              "write_policy": "write_through", **extra})  # fmt: skip
+
+
+def say(side: SchedulerSide, *, meta=None, checks=None, fresh=None, ok=True) -> None:  # type: ignore[no-untyped-def]
+    """The workers' report: every op of ``meta`` ``ok``, ``checks`` (op id -> result)."""
+    results = {i: [ok] for i in op_ids(meta)} if meta is not None else {}
+    results.update({u.op_id: [ok] for u in getattr(meta, "uploads", [])})
+    out = KVTierWorkerMeta(steps=[meta.step] if meta is not None else [], results=results,
+                           checks={k: [v] for k, v in (checks or {}).items()},
+                           fresh_generation=fresh, check_worst={})  # fmt: skip
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
+
+
+def new(side: SchedulerSide, rid: str, prefix: int, first_block: int = 100):  # type: ignore[no-untyped-def]
+    """A prompt of two full chunks, asked about, allocated and computed in one step."""
+    req = request(rid, prefix, 2 * CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(), 0)
+    return schedule_new(side, req, 0, 2 * CHUNK + 10, first_block)
+
+
+def upload_ids(meta) -> list[int]:  # type: ignore[no-untyped-def]
+    return [op.upload_op_id for op in meta.stores if op.upload_op_id is not None]
+
+
+def test_before_the_workers_answer_nothing_is_loaded_or_uploaded_and_a_check_is_planned() -> None:
+    side = side_of()
+    assert side.canary.trust.state is Trust.UNKNOWN
+    req = request("a", 1, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False), "no object-tier lookup"
+    assert not side.may_load_async(req)
+    side.update_state_after_alloc(req, SimpleNamespace(), 0)
+    meta = schedule_new(side, req, 0, 2 * CHUNK + 10)
+    assert len(meta.stores) == 2 and upload_ids(meta) == [] and meta.uploads == []
+    [check] = meta.checks
+    assert (check.slot, check.block_hash, check.store_op_id) == (
+        meta.stores[0].slot, meta.stores[0].block_hash, meta.stores[0].op_id)
+    entry = side.index.get(side._reqs["a"].chunk_hashes[0])
+    assert entry is not None and entry.refs == 1, "the slot is held until checked"
+    assert side.pending_ops() == 3
+    say(side, meta=meta, checks={check.op_id: "match"})
+    assert side.canary.trust.state is Trust.TRUSTED and entry.refs == 0
+    assert side.totals["canary_match"] == 1 and side.pending_ops() == 0
+
+
+def test_a_first_writer_is_trusted_from_the_handshake_on() -> None:
+    side = side_of()
+    ns = side.namespace
+    side.set_worker_keys([WorkerKeys(ns, 0, 0, 0, fresh_generation=True)])
+    assert side.canary.trusted
+    req = request("a", 1, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False), "a lookup goes out"
+    meta = new(side, "b", 2)
+    assert len(upload_ids(meta)) == 2 and meta.checks == []
+
+
+def test_an_existing_generation_is_checked_absent_chunks_move_on_a_mismatch_refuses() -> None:
+    side = side_of()
+    say(side, fresh=False)
+    assert side.canary.trust.state is Trust.CHECKING
+    m1 = new(side, "a", 1)
+    [c1] = m1.checks
+    m2 = new(side, "b", 2, 200)
+    assert m2.checks == [], "one check at a time"
+    say(side, meta=m1, checks={c1.op_id: "absent"})
+    say(side, meta=m2)
+    assert side.canary.trust.state is Trust.CHECKING and side.totals["canary_absent"] == 1
+    m3 = new(side, "c", 3, 300)
+    [c3] = m3.checks
+    say(side, meta=m3, checks={c3.op_id: "mismatch"})
+    assert side.canary.trust.state is Trust.REFUSED and side.totals["canary_mismatch"] == 1
+    assert side.index.used_slots == 0, "the host tier's chunks of it are dropped"
+    req = request("d", 1, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    m4 = schedule_new(side, req, 0, 2 * CHUNK + 10, 400)
+    assert upload_ids(m4) == [] and m4.checks == [] and m4.uploads == []
+
+
+def test_with_tp_a_check_settles_once_every_worker_answered_and_any_mismatch_refuses() -> None:
+    side = side_of()
+    side.canary.world_size = 2
+    say(side, fresh=False)
+    m = new(side, "a", 1)
+    [c] = m.checks
+    say(side, checks={c.op_id: "match"})
+    assert side.canary.trust.state is Trust.CHECKING and side.canary.pending == 1
+    say(side, checks={c.op_id: "mismatch"})
+    assert side.canary.trust.state is Trust.REFUSED
+
+
+def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
+    side = side_of(canary_rate=1.0)
+    say(side, fresh=True)
+    req = request("a", 1, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False), "recomputed: a canary"
+    meta = schedule_new(side, req, 0, 2 * CHUNK + 10)
+    assert upload_ids(meta) == [] and len(meta.checks) == 1
+    assert all(side.index.get(h).remote for h in side._reqs["a"].chunk_hashes[:2]), \
+        "never written back over the object its check reads"
+    say(side, meta=meta, checks={meta.checks[0].op_id: "match"})
+    assert side.canary.trusted and side.totals["canary_match"] == 1
+    side.request_finished(req, [])
+    assert side.canary._sampled == {}
+
+
+def test_canary_first_hit_false_trusts_at_once_and_a_weight_change_is_a_new_generation() -> None:
+    off = side_of(canary_first_hit=False)
+    assert off.canary.trusted
+    on = side_of()
+    say(on, fresh=False)
+    on.weights_changed("reload_weights")
+    assert on.canary.trusted, "keys no other engine has: its first writer"

@@ -1,0 +1,58 @@
+"""Engine scenarios for tests/e2e/test_canary.py: engines of different weights sharing one
+``model_fingerprint``, and what the canary (kvtier.canary) lets each load and store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.e2e.engine import build_llm, generate, kvtier_side, register, settle, shutdown, toks
+
+PROMPT = 1024 + 20
+
+
+def _record_comparisons() -> list[dict[str, Any]]:
+    """Every chunk comparison this process's worker makes (engine core in-process)."""
+    import kvtier.canary as canary
+
+    seen: list[dict[str, Any]] = []
+    real = canary.compare_chunk
+
+    def recording(computed, stored, tolerance=canary.TOLERANCE):  # type: ignore[no-untyped-def]
+        cmp = real(computed, stored, tolerance)
+        seen.append({"result": cmp.result, "errors": list(cmp.errors)})
+        return cmp
+
+    canary.compare_chunk = recording  # type: ignore[assignment]
+    return seen
+
+
+@register
+def canary_prompts(
+    model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False
+) -> dict[str, Any]:
+    """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
+    instead); what kvtier served it, the canary's counts and every comparison made.
+    ``extra`` None: vLLM without kvtier (the reference)."""
+    llm = build_llm(model, extra)
+    prompts = [toks(s, PROMPT) for s in seeds]
+    if extra is None:  # one at a time, as the engines with kvtier run them
+        return {"outs": [generate(llm, [p])[0] for p in prompts]}
+    seen = _record_comparisons()
+    side = kvtier_side(llm)
+    outs = []
+    if batch:
+        outs = generate(llm, prompts)
+        settle(llm)
+    else:
+        for p in prompts:
+            assert llm.reset_prefix_cache()
+            before = dict(side.totals)
+            out = generate(llm, [p])[0]
+            settle(llm)
+            out["hit_remote"] = side.totals["hit_tokens_remote"] - before["hit_tokens_remote"]
+            out["hit_host"] = side.totals["hit_tokens_host"] - before["hit_tokens_host"]
+            outs.append(out)
+    totals = dict(side.totals)
+    state = side.canary.trust.state.value
+    shutdown(llm)
+    return {"outs": outs, "totals": totals, "state": state, "comparisons": seen}

@@ -1,0 +1,101 @@
+"""Hits checked against the model (kvtier.canary), end to end in real vLLM CPU engines.
+
+Engine A (weights M1) fills a directory tier under ``model_fingerprint: "build-7"``.
+Engine B runs other weights (M2) under the same pinned fingerprint: without the canary
+it would load A's chunks and answer wrongly. With it, B's first chunk computed is
+compared with A's stored one, differs, and B neither loads nor stores anything under the
+shared name: its outputs are M2's own, and an engine C on M1 still hits A's chunks and
+answers as vLLM alone does. C itself checks its first hit (it matches) before loading.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kit import chunk_files
+
+from kvtier.canary import TOLERANCE
+from tests.e2e.conftest import run_engine
+
+pytestmark = pytest.mark.e2e
+
+ENV = {"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.canary_scenarios"}
+PREFIX = 1024  # each prompt's full chunks: 4 of 256 tokens
+CHUNKS = PREFIX // 256
+SEEDS = [51, 52, 53]  # A and B see these; NEW only B, then C
+NEW = 54
+
+
+def run(**args: Any) -> dict[str, Any]:
+    return run_engine("canary_prompts", env=ENV, **args)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from kvtier.cli.tinymodel import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("weights")
+    return {
+        "m1": str(build_tiny_llama(root / "m1", seed=0)),
+        "m2": str(build_tiny_llama(root / "m2", seed=1)),  # same shapes, other weights
+    }
+
+
+def test_other_weights_under_a_pinned_fingerprint_are_refused(
+    weights: dict[str, str], tmp_path: Path
+) -> None:
+    tier = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
+             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+
+    # A: the generation's first writer, trusted at once, stores every prompt in one batch
+    a = run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)
+    assert a["state"] == "trusted" and a["comparisons"] == [], a["totals"]
+    assert len(chunk_files(tier)) == len(SEEDS) * CHUNKS
+
+    # B: other weights, same name. Its first computed chunk differs from A's
+    b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW])
+    ref_m2 = run(model=weights["m2"], extra=None, seeds=[*SEEDS, NEW])["outs"]
+    assert b["state"] == "refused", b["totals"]
+    assert b["totals"]["canary_mismatch"] == 1 and b["totals"]["canary_match"] == 0
+    assert [o["hit_remote"] for o in b["outs"]] == [0] * (len(SEEDS) + 1), b["outs"]
+    assert b["totals"]["fetch_ok"] == 0 and b["totals"]["upload_ok"] == 0, b["totals"]
+    for out, ref in zip(b["outs"], ref_m2, strict=True):
+        assert (out["tokens"], out["logprobs"]) == (ref["tokens"], ref["logprobs"])
+    assert len(chunk_files(tier)) == len(SEEDS) * CHUNKS, "B stored nothing there"
+    [mismatch] = b["comparisons"]
+    assert min(mismatch["errors"]) > 5 * TOLERANCE, mismatch  # every layer far off
+
+    # C: M1 again. Its first chunk computed matches A's; then A's chunks are loaded
+    c = run(model=weights["m1"], extra=extra, seeds=[*SEEDS, NEW])
+    ref_m1 = run(model=weights["m1"], extra=None, seeds=[*SEEDS, NEW])["outs"]
+    assert c["state"] == "trusted", c["totals"]
+    assert c["totals"]["canary_match"] == 1 and c["totals"]["canary_mismatch"] == 0
+    hits = [o["hit_remote"] for o in c["outs"]]
+    assert hits == [0, PREFIX, PREFIX, 0], hits  # the first checked, NEW never stored by B
+    for out, ref in zip(c["outs"], ref_m1, strict=True):
+        assert (out["tokens"], out["logprobs"]) == (ref["tokens"], ref["logprobs"])
+    [match] = c["comparisons"]
+    assert max(match["errors"]) < TOLERANCE / 5, match  # same weights, another batch
+    assert ref_m1[0]["tokens"] != ref_m2[0]["tokens"] or ref_m1[0]["logprobs"] != ref_m2[0][
+        "logprobs"], "the two weights compute differently (else this test proves nothing)"
+
+
+def test_sampled_hits_are_checked_and_first_hit_check_can_be_turned_off(
+    weights: dict[str, str], tmp_path: Path
+) -> None:
+    """canary_rate 1: every later request is recomputed and checked (counted, all match,
+    no hit served); canary_first_hit false: the first engine after the writer loads at
+    once, checks nothing."""
+    tier = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}", "canary_first_hit": True}
+    run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)
+    sampled = run(model=weights["m1"], extra={**extra, "canary_rate": 1.0}, seeds=SEEDS)
+    assert sampled["totals"]["canary_match"] == len(SEEDS), sampled["totals"]
+    assert sampled["totals"]["canary_mismatch"] == 0
+    assert [o["hit_remote"] for o in sampled["outs"]] == [0] * len(SEEDS)
+    off = run(model=weights["m1"], extra={**extra, "canary_first_hit": False}, seeds=SEEDS)
+    assert [o["hit_remote"] for o in off["outs"]] == [PREFIX] * len(SEEDS), off["outs"]
+    assert off["comparisons"] == [] and off["totals"]["canary_match"] == 0
