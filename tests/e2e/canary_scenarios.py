@@ -28,12 +28,14 @@ def _record_comparisons() -> list[dict[str, Any]]:
 
 @register
 def canary_prompts(
-    model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False
+    model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False,
+    engine_kw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
     instead); what kvtier served it, the canary's counts and every comparison made.
-    ``extra`` None: vLLM without kvtier (the reference)."""
-    llm = build_llm(model, extra)
+    ``extra`` None: vLLM without kvtier (the reference). ``engine_kw``: vLLM's own
+    settings (e.g. a small ``max_num_batched_tokens``: chunked prefill)."""
+    llm = build_llm(model, extra, **(engine_kw or {}))
     prompts = [toks(s, PROMPT) for s in seeds]
     if extra is None:  # one at a time, as the engines with kvtier run them
         return {"outs": [generate(llm, [p])[0] for p in prompts]}

@@ -126,3 +126,13 @@ def test_workers_results_combine() -> None:
     assert combine(["error", "absent"]) == "absent"
     assert combine(["match", "error"]) == "error"
     assert combine([]) == "error"
+
+
+def test_a_chunk_computed_with_another_kv_dtype_under_the_same_name_is_caught() -> None:
+    """An engine with an fp8 KV cache stored the chunk under a name that (wrongly) is also
+    a bf16 engine's: the same bytes read as this engine's bf16 layers are a mismatch."""
+    computed = _chunk(0, torch.bfloat16)
+    fp8_bytes = [t.float().to(torch.float8_e4m3fn).repeat(2, 1, 1, 1) for t in computed]
+    as_bf16 = [raw.view(torch.bfloat16).view(t.shape)
+               for raw, t in zip(fp8_bytes, computed, strict=True)]
+    assert not compare_chunk(computed, as_bf16).matches
