@@ -290,14 +290,16 @@ def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Pa
 
 
 def test_the_worker_sends_its_keys_in_vllms_handshake() -> None:
-    """The facade's get_handshake_metadata carries the worker's namespace, rank, stage and
-    weight epoch; None without an object tier (vLLM then sends nothing)."""
+    """The facade's get_handshake_metadata carries the worker's namespace, rank, stage,
+    weight epoch and whether the tier held its generation at startup (kvtier.canary); None
+    without an object tier (vLLM then sends nothing)."""
     from kvtier.connectors.vllm import KVTierConnector
 
     conn = object.__new__(KVTierConnector)
     conn.cfg = load_config({"remote_url": "file:///kv"}, environ={})
-    conn._worker = SimpleNamespace(namespace=NS, rank=1, stage=0, weights_epoch=2)
-    assert conn.get_handshake_metadata() == WorkerKeys(NS, 1, 0, 2)
+    conn._worker = SimpleNamespace(namespace=NS, rank=1, stage=0, weights_epoch=2,
+                                   fresh_generation=True)  # fmt: skip
+    assert conn.get_handshake_metadata() == WorkerKeys(NS, 1, 0, 2, fresh_generation=True)
     conn.cfg = load_config({}, environ={})
     assert conn.get_handshake_metadata() is None
 
