@@ -15,7 +15,7 @@ is sized raw whatever the setting.
   ``kvtier:compress_raw_bytes_total``). The measurement is of 16-bit KV; KV of another
   width is sized raw unless a ratio is given.
 - ``auto``: stored compressed only where the engine measured that reads are faster so
-  (kvtier.objects.zpolicy), which no plan can know: sized raw, the most it can take,
+  (kvtier.objects.compress), which no plan can know: sized raw, the most it can take,
   unless ``--compression-ratio`` gives a running tier's measured ratio.
 
 Only the standard library: this is imported by ``kvtier size``, which must start fast
