@@ -102,7 +102,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "canary_rate": lambda k, v: parse_float(k, v, 0.0, 1.0),
 }
 #: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
-#: that makes reads faster (kvtier.objects.zpolicy), or as fp8 (kvtier.objects.compress)
+#: that makes reads faster, or as fp8 (kvtier.objects.compress)
 COMPRESSIONS = ("none", "lossless", "auto", "fp8")
 _PARSERS["compression"] = one_of(COMPRESSIONS)
 
@@ -231,7 +231,7 @@ SHUTDOWN_MARGIN_S = 10
 VLLM_WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 #: bounds of io_threads "auto": the fixed default's 4 (two read threads) on a small host,
 #: and the 16 (eight read threads) that nearly halved a Llama-3-8B restart hit's reads on a
-#: 16-core GPU host (README, "On one NVIDIA H200"); more were not measured
+#: 16-core GPU host (docs/cuda.md, "On one NVIDIA H200"); more were not measured
 AUTO_IO_THREADS = (4, 16)
 
 
