@@ -139,3 +139,87 @@ def test_canary_first_hit_false_trusts_at_once_and_a_weight_change_is_a_new_gene
     say(on, fresh=False)
     on.weights_changed("reload_weights")
     assert on.canary.trusted, "keys no other engine has: its first writer"
+
+
+# ---- the worker's side: read the stored chunk into scratch, compare with the slot ----
+def _worker(root, seed: int):  # type: ignore[no-untyped-def]
+    """A worker with a file:// object tier and KV caches of ``seed`` (another seed: the KV
+    of other weights under the same name)."""
+    from copyfakes import make_caches
+
+    from kvtier.config import load_config
+    from kvtier.connectors.worker import WorkerSide
+    from kvtier.keys import Namespace
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tiers import FileTier
+
+    bs, bpc = 32, 4
+    cfg = load_config({"cpu_bytes": "16MiB", "chunk_size": bs * bpc,
+                       "remote_url": f"file://{root}"}, environ={})  # fmt: skip
+    ns = Namespace("m", None, "bfloat16", "auto", bs, bs * bpc, 1, fingerprint="build-7")
+
+    def remote(c):  # type: ignore[no-untyped-def]
+        return RemoteIO(FileTier(str(root)), threads=1, queue_depth=8, timeout_s=5, signer=None)
+
+    w = WorkerSide(cfg, ns, 40, remote)
+    w.register_kv_caches(make_caches((2, 40, bs, 4, 16), layers=2, seed=seed), rank=0)
+    return w
+
+
+def _reports(w, want: set[int]):  # type: ignore[no-untyped-def]
+    import time
+
+    results: dict[int, list[bool]] = {}
+    checks: dict[int, list[str]] = {}
+    worst: dict[int, tuple[str, float]] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not want <= results.keys() | checks.keys():
+        meta = w.build_worker_meta()
+        results.update(meta.results)
+        checks.update(meta.checks)
+        worst.update(meta.check_worst)
+        time.sleep(0.01)
+    return results, checks, worst
+
+
+def test_the_worker_compares_the_stored_chunk_with_the_one_vllm_computed(tmp_path) -> None:
+    from kvtier.connectors.metadata import CheckOp, KVTierMetadata, StoreOp
+
+    root = tmp_path / "kv"
+    h, other = b"\x11" * 32, b"\x22" * 32
+
+    steps = iter(range(1, 100))
+
+    def step(w, check: CheckOp | None, upload: bool = False):  # type: ignore[no-untyped-def]
+        store = StoreOp(1, 0, [5, 6, 7, 8], h, upload_op_id=2 if upload else None)
+        meta = KVTierMetadata(step=next(steps), host_bytes=w.layout.slot_bytes * 4, stores=[store],
+                              checks=[check] if check else [])  # fmt: skip
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        return _reports(w, {1, *([2] if upload else []), *([check.op_id] if check else [])})
+
+    a = _worker(root, seed=10)
+    assert a.fresh_generation is True, "an empty tier: A writes the generation first"
+    assert a.build_worker_meta().fresh_generation is True  # said once, then not again
+    assert a.build_worker_meta().fresh_generation is None
+    results, _, _ = step(a, None, upload=True)
+    assert results[2] == [True]
+    a.shutdown()  # its manifest is in the tier now
+
+    same = _worker(root, seed=10)
+    assert same.fresh_generation is False
+    _, checks, worst = step(same, CheckOp(3, 0, h, store_op_id=1))
+    assert checks == {3: ["match"]} and worst[3][1] == 0.0
+    _, checks, _ = step(same, CheckOp(4, 0, other, store_op_id=1))
+    assert checks == {4: ["absent"]}, "the tier does not hold that chunk"
+    failed = StoreOp(6, 0, [5, 6, 7, 8], h)  # a store this step did not carry: not stored
+    _, checks, _ = step(same, CheckOp(7, 0, h, store_op_id=failed.op_id))
+    assert checks == {7: ["error"]}, "nothing computed in the slot: nothing compared"
+    same.shutdown()
+
+    wrong = _worker(root, seed=11)  # other weights' KV under the same name
+    _, checks, worst = step(wrong, CheckOp(5, 0, h, store_op_id=1))
+    assert checks == {5: ["mismatch"]}
+    layer, err = worst[5]
+    assert layer.startswith("model.layers.") and err > 0.5
+    wrong.shutdown()
