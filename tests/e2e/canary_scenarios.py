@@ -29,12 +29,13 @@ def _record_comparisons() -> list[dict[str, Any]]:
 @register
 def canary_prompts(
     model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False,
-    engine_kw: dict[str, Any] | None = None,
+    engine_kw: dict[str, Any] | None = None, then_single: bool = False,
 ) -> dict[str, Any]:
     """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
     instead); what kvtier served it, the canary's counts and every comparison made.
     ``extra`` None: vLLM without kvtier (the reference). ``engine_kw``: vLLM's own
-    settings (e.g. a small ``max_num_batched_tokens``: chunked prefill)."""
+    settings (e.g. a small ``max_num_batched_tokens``: chunked prefill). ``then_single``:
+    after the batch, each prompt again alone with kvtier's host tier emptied."""
     llm = build_llm(model, extra, **(engine_kw or {}))
     prompts = [toks(s, PROMPT) for s in seeds]
     if extra is None:  # one at a time, as the engines with kvtier run them
@@ -53,6 +54,14 @@ def canary_prompts(
             settle(llm)
             out["hit_remote"] = side.totals["hit_tokens_remote"] - before["hit_tokens_remote"]
             out["hit_host"] = side.totals["hit_tokens_host"] - before["hit_tokens_host"]
+            outs.append(out)
+    if then_single:  # again one at a time, the host tier emptied: what the tier serves
+        for p in prompts:
+            assert llm.reset_prefix_cache(reset_connector=True)
+            before = dict(side.totals)
+            out = generate(llm, [p])[0]
+            settle(llm)
+            out["hit_remote"] = side.totals["hit_tokens_remote"] - before["hit_tokens_remote"]
             outs.append(out)
     totals = dict(side.totals)
     state = side.canary.trust.state.value

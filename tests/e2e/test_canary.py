@@ -99,3 +99,28 @@ def test_sampled_hits_are_checked_and_first_hit_check_can_be_turned_off(
     off = run(model=weights["m1"], extra={**extra, "canary_first_hit": False}, seeds=SEEDS)
     assert [o["hit_remote"] for o in off["outs"]] == [PREFIX] * len(SEEDS), off["outs"]
     assert off["comparisons"] == [] and off["totals"]["canary_match"] == 0
+
+
+def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The same weights at TP=2 (each rank compares its own heads), the checked prompt
+    prefilled in pieces of 128 tokens beside the other prompts of its batch: the check
+    matches, and the prompts are then served from the tier."""
+    tier = tmp_path / "kv"
+    extra = {"cpu_bytes": "32MiB", "remote_url": f"file://{tier}", "canary_first_hit": True}
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    seeds = [61, 62, 63, 64]
+    tp2 = {"tensor_parallel_size": 2}
+    a = run_engine("canary_prompts", env=env, model=tiny_model, extra=extra, seeds=seeds,
+                   batch=True, engine_kw=tp2)  # fmt: skip
+    assert a["state"] == "trusted" and a["totals"]["upload_ok"] == len(seeds) * CHUNKS
+    b = run_engine("canary_prompts", env=env, model=tiny_model, extra=extra, seeds=seeds,
+                   batch=True, then_single=True,
+                   engine_kw={**tp2, "max_num_batched_tokens": 128})  # fmt: skip
+    assert b["state"] == "trusted", b["totals"]
+    assert b["totals"]["canary_match"] == 1 and b["totals"]["canary_mismatch"] == 0
+    batch, single = b["outs"][: len(seeds)], b["outs"][len(seeds):]
+    assert [o["hit_remote"] for o in single] == [PREFIX] * len(seeds), single
+    for x, y in zip(batch, single, strict=True):
+        assert x["tokens"] == y["tokens"]
