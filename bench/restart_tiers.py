@@ -86,12 +86,12 @@ def set_file_cache(extra: dict, state: str) -> int:
     (the page cache outlives the process), ``cold`` one that never read them. Left alone,
     each would find a different share cached (the raw client re-reading what kvtier had
     just brought in; some VMs drain their page cache within a minute)."""
-    from urllib.parse import unquote
+    from kvtier.config import parse_remote
 
-    url = extra.get("remote_url", "")
-    if not url.startswith("file://"):
+    remote = parse_remote("remote_url", extra.get("remote_url"))
+    if not (remote and remote.is_local):
         return 0
-    root = unquote(url[len("file://"):])
+    root = remote.directory
     return set_page_cache([os.path.join(d, f) for d, _s, files in os.walk(root) for f in files],
                           state)  # fmt: skip
 
@@ -133,10 +133,11 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
     before kvtier's restart hits);
     Redis: redis-py GET; S3: boto3 GetObject."""
     from concurrent.futures import ThreadPoolExecutor
-    from urllib.parse import unquote
+
+    from kvtier.config import RemoteURL
 
     if kind == "file":
-        root = unquote(extra["remote_url"][len("file://"):])
+        root = RemoteURL.parse(extra["remote_url"]).directory
         keys = sorted(os.path.join(d, f) for d, _s, files in os.walk(root) for f in files
                       if not f.startswith((".", "h-")))  # fmt: skip
 

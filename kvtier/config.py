@@ -17,14 +17,17 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvtier.config_urls import CLUSTER_SCHEMES as CLUSTER_SCHEMES
 from kvtier.config_urls import REMOTE_SCHEMES as REMOTE_SCHEMES
+from kvtier.config_urls import RemoteKind as RemoteKind
+from kvtier.config_urls import RemoteURL as RemoteURL
 from kvtier.config_urls import cluster_seeds as cluster_seeds
 from kvtier.config_urls import insecure_tls_args as insecure_tls_args
-from kvtier.config_urls import parse_endpoint_url, parse_remote_url
+from kvtier.config_urls import parse_endpoint_url
+from kvtier.config_urls import parse_remote as parse_remote
 from kvtier.config_values import MAX_SIZE_BYTES as MAX_SIZE_BYTES
 from kvtier.config_values import SIZE_HELP as SIZE_HELP
 from kvtier.config_values import format_size as format_size
@@ -76,7 +79,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "cpu_headroom_bytes": parse_size,
     "namespace": lambda k, v: parse_text(k, v) or "",
     "model_fingerprint": parse_text,
-    "remote_url": parse_remote_url,
+    "remote_url": parse_remote,  # a RemoteURL: load_config keeps it as ``remote``
     "s3_endpoint_url": parse_endpoint_url,
     "remote_ttl_s": lambda k, v: None if v is None else parse_int(k, v, 1, 2**31 - 1),
     "remote_tls_insecure": parse_bool,
@@ -124,6 +127,9 @@ class KVTierConfig:
     model_fingerprint: str | None = None
     #: object tier: file:///dir, s3://bucket/prefix, redis://host:port/db; None = host only
     remote_url: str | None = None
+    #: ``remote_url`` read once (not a setting of its own): what the tiers, the engine and
+    #: the store command ask of the URL (its kind, directory, bucket, seeds, TLS)
+    remote: RemoteURL | None = field(default=None, compare=False)
     #: explicit S3 endpoint (MinIO, Ceph RGW); otherwise boto3's own discovery
     s3_endpoint_url: str | None = None
     #: expiry of chunks written to Redis, seconds; None = no expiry
@@ -186,6 +192,11 @@ class KVTierConfig:
     #: the fraction of later requests recomputed (no kvtier hit) and checked the same way
     canary_rate: float = 0.0
 
+    def __post_init__(self) -> None:
+        # load_config hands ``remote`` in; a config built or replaced otherwise reads its URL
+        if (self.remote.text if self.remote else None) != (self.remote_url or None):
+            object.__setattr__(self, "remote", parse_remote("remote_url", self.remote_url))
+
     def vllm_shutdown_timeout_s(self) -> int | None:
         """How long vLLM must give its engine on SIGTERM for the object-tier writes still
         queued to be written: ``shutdown_flush_s`` plus :data:`SHUTDOWN_MARGIN_S`, as
@@ -218,7 +229,7 @@ class KVTierConfig:
         A key pasted into ``hmac_key_env`` is a valid variable name, so those
         values are hidden too; :func:`redact_value` says what is shown.
         """
-        return {f.name: redact_value(f.name, getattr(self, f.name)) for f in fields(self)}
+        return {key: redact_value(key, getattr(self, key)) for key in KEYS}
 
     def __repr__(self) -> str:  # a config in a traceback or an f-string is logged too
         return f"KVTierConfig({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
@@ -253,7 +264,8 @@ def auto_io_threads(cpus: int, workers_on_node: int = 1) -> int:
     return max(low, min(high, cpus // max(1, workers_on_node)))
 
 
-KEYS = tuple(f.name for f in fields(KVTierConfig))
+#: the settings: every field but ``remote``, which is ``remote_url`` read
+KEYS = tuple(f.name for f in fields(KVTierConfig) if f.name != "remote")
 assert set(KEYS) == set(_PARSERS), "every config field needs a parser"
 
 
@@ -313,11 +325,12 @@ def load_config(
                 f"a name ({what} would turn it off silently); to run without it, leave it out",
             )
     values = {key: _PARSERS[key](key, value) for key, value in raw.items()}
-    weak = insecure_tls_args(values.get("remote_url") or "")
-    if weak and not values.get("remote_tls_insecure"):
+    remote: RemoteURL | None = values.pop("remote_url", None)
+    weak = remote.weak_tls if remote else ()
+    if remote and weak and not values.get("remote_tls_insecure"):
         raise ConfigError(
             "remote_url",
-            values["remote_url"],
+            remote.text,
             f"{', '.join(weak)} turns off TLS verification of the server; remove it (give "
             "the server's CA with ssl_ca_certs=/path/ca.pem), or set remote_tls_insecure "
             "to true to allow it",
@@ -326,12 +339,10 @@ def load_config(
         env_key, file_key = f"{kind}_key_env", f"{kind}_key_file"
         if values.get(env_key) and values.get(file_key):
             raise ConfigError(file_key, values[file_key], f"set {env_key} or {file_key}, not both")
-    if values.get("file_max_bytes") is not None and not str(
-        values.get("remote_url") or ""
-    ).startswith("file://"):
+    if values.get("file_max_bytes") is not None and not (remote and remote.is_local):
         raise ConfigError(
             "file_max_bytes",
             values["file_max_bytes"],
             "only with a file:// remote_url (S3 and Redis have their own expiry and limits)",
         )
-    return KVTierConfig(**values)
+    return KVTierConfig(**values, remote_url=remote.text if remote else None, remote=remote)

@@ -125,7 +125,7 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     from kvtier.config import load_config
     from kvtier.errors import KVTierError
     from kvtier.objects import codec
-    from kvtier.objects.tiers import file_tier_root, open_tier
+    from kvtier.objects.tiers import open_tier
     from kvtier.objects.tiers.file import FileTier
 
     extra: dict[str, Any] = {}
@@ -151,8 +151,8 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     try:
         cfg = load_config(extra, env)
         signer = codec.Signer.from_config(cfg, env)
-        if (cfg.remote_url or "").startswith("file://"):
-            root = file_tier_root(cfg)
+        if cfg.remote and cfg.remote.is_local:
+            root = cfg.remote.directory
             if not os.path.isdir(root):
                 raise _Refused(f"{root}: no such directory")
             return FileTier(root, background_sweep=False), signer

@@ -66,7 +66,7 @@ def one_step_refusal(
     sliding_window: bool = False,
 ) -> str | None:
     """Why lookups cannot be answered in their own step here (None: they can)."""
-    if not (cfg.remote_url or "").startswith("file:"):
+    if not (cfg.remote and cfg.remote.is_local):
         return "the object tier is not a directory"
     if not reads_local:
         return "the directory is not on a local filesystem"

@@ -132,7 +132,7 @@ class SchedulerSide:
             self.index.ghosts = self.ghosts
         self.remote_source = (
             CacheHitSource.DISK
-            if (cfg.remote_url or "").startswith("file:")
+            if cfg.remote and cfg.remote.is_local
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         )
         self.ledger = OpLedger(

@@ -8,10 +8,10 @@ import random
 import stat
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 
+from kvtier.config import load_config
 from kvtier.objects import codec
 from kvtier.objects.tiers import FileTier, open_tier
 
@@ -142,8 +142,8 @@ def test_sweep_leaves_foreign_entries_and_reads_never_sweep(tmp_path, monkeypatc
 
 
 def test_open_tier_passes_the_bound(tmp_path) -> None:
-    cfg = SimpleNamespace(remote_url=f"file://{tmp_path}", file_max_bytes=12345)
-    with open_tier(cfg) as tier:  # type: ignore[arg-type]
+    cfg = load_config({"remote_url": f"file://{tmp_path}", "file_max_bytes": 12345}, environ={})
+    with open_tier(cfg) as tier:
         assert isinstance(tier, FileTier) and tier.max_bytes == 12345
 
 

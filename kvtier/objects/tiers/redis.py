@@ -7,13 +7,12 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
-from urllib.parse import urlparse
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier.config import insecure_tls_args, redact_url
+from kvtier.config import RemoteURL
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierError, TierUnavailable
 from kvtier.objects.codec import LandingCrc, payload_crc32
 from kvtier.objects.tiers.base import (
@@ -98,22 +97,26 @@ class RedisTier(SlotReader):
 
     def __init__(
         self,
-        url: str,
+        url: RemoteURL | str,
         *,
         io_threads: int = 4,
         lookup_timeout_ms: int = 2000,
         ttl_s: int | None = None,
         tls_insecure: bool = False,
     ) -> None:
-        self._safe_url = redact_url(url)
-        self._password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call]
+        remote = RemoteURL.parse(url)
+        self._safe_url = remote.safe
+        # redis-py reads the connection options from the URL itself (a cluster URL here
+        # is refused by it, as any scheme but redis:// and rediss://)
+        options = redis.connection.parse_url(remote.text)  # type: ignore[no-untyped-call]
+        self._password = options.get("password")
         self.ttl_s = ttl_s
         waits = Timeouts.from_ms(lookup_timeout_ms)
-        weak = insecure_tls_args(url)
+        weak = remote.weak_tls
         if weak and not tls_insecure:
             raise ConfigError(
                 "remote_url",
-                url,
+                remote.text,
                 f"{', '.join(weak)} turns off TLS verification; "
                 "set remote_tls_insecure to true to allow it",
             )
@@ -130,8 +133,7 @@ class RedisTier(SlotReader):
         # defaults to (5.x did not check the hostname); a URL's own ssl_* arguments win
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
         try:
-            options = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
-            if urlparse(url).scheme == "rediss":
+            if remote.scheme == "rediss":
                 options = {**tls, **options}
             # kvtier's own settings win over the URL's query (which redis-py would let
             # override them): the reply bounds, RESP2, the tier policy's waits and retry

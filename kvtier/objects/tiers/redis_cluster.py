@@ -38,7 +38,6 @@ import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlparse, urlunparse
 
 import redis
 import redis.cluster
@@ -46,7 +45,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier import metrics
-from kvtier.config import cluster_seeds, insecure_tls_args, redact_url
+from kvtier.config import RemoteURL
 from kvtier.errors import ConfigError, ObjectError, TierError, TierUnavailable
 from kvtier.objects.health import BackoffState, ExponentialBackoff
 from kvtier.objects.tiers.base import Parts
@@ -127,34 +126,29 @@ class RedisClusterTier(RedisTier):
 
     def __init__(
         self,
-        url: str,
+        url: RemoteURL | str,
         *,
         io_threads: int = 4,
         lookup_timeout_ms: int = 2000,
         ttl_s: int | None = None,
         tls_insecure: bool = False,
     ) -> None:
-        self._safe_url = redact_url(url)
-        parsed = urlparse(url)
-        tls = parsed.scheme == "rediss+cluster"
-        try:
-            self._seeds = cluster_seeds(url)
-        except ValueError as exc:
-            raise ConfigError("remote_url", url, f"redis+cluster://host:port,...: {exc}") from None
-        # one node's URL with the cluster URL's user, password and query: what redis-py reads
-        userinfo = parsed.netloc.rpartition("@")[0]
-        host, port = self._seeds[0]
-        netloc = (userinfo + "@" if userinfo else "") + (
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        )
-        node_url = urlunparse(("rediss" if tls else "redis", netloc, "/0", "", parsed.query, ""))
-        self._password = redis.connection.parse_url(node_url).get("password")  # type: ignore[no-untyped-call]
+        remote = RemoteURL.parse(url)
+        self._safe_url = remote.safe
+        if remote.kind != "redis-cluster":
+            raise ConfigError("remote_url", remote.text, "redis+cluster://host:port,...")
+        tls = remote.tls
+        self._seeds = list(remote.seeds)
+        # redis-py reads the connection options from the first seed's URL, which carries
+        # the cluster URL's user, password and query (RemoteURL.node_url)
+        options = redis.connection.parse_url(remote.node_url)  # type: ignore[no-untyped-call]
+        self._password = options.get("password")
         self.ttl_s = ttl_s
         self._waits = Timeouts.from_ms(lookup_timeout_ms)
-        weak = insecure_tls_args(url)
+        weak = remote.weak_tls
         if weak and not tls_insecure:
             raise ConfigError(
-                "remote_url", url,
+                "remote_url", remote.text,
                 f"{', '.join(weak)} turns off TLS verification; "
                 "set remote_tls_insecure to true to allow it",
             )  # fmt: skip
@@ -181,10 +175,6 @@ class RedisClusterTier(RedisTier):
                 base = kwargs.pop("connection_class", redis.Connection)
                 super().__init__(connection_class=bounded_connection(base), **{**kwargs, **limits})
 
-        try:
-            options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
-        except ValueError as exc:
-            raise ConfigError("remote_url", self._safe_url, f"a valid Redis URL: {exc}") from None
         options.pop("host"), options.pop("port"), options.pop("db", None)
         # arguments RedisCluster would drop without a word: refused, never half-applied
         known = set(redis.cluster.REDIS_ALLOWED_KEYS) - {"host", "port", "retry", "db"}
@@ -202,9 +192,8 @@ class RedisClusterTier(RedisTier):
             socket_timeout=self._waits.reply_s,
             socket_connect_timeout=self._waits.connect_s,
         )
-        seed = urlunparse(("rediss" if tls else "redis", netloc.rpartition("@")[2], "", "", "", ""))
         self._cluster_args: dict[str, Any] = {
-            "url": seed,  # only the first seed's address: every option is a keyword below
+            "url": remote.seed_url,  # the first seed's address: every option is a keyword below
             "startup_nodes": [_seed(h, p) for h, p in self._seeds[1:]],
             "require_full_coverage": False,
             "retry": Retry(NoBackoff(), RETRIES),

@@ -7,13 +7,13 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlparse
 
 import boto3
 import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from kvtier.config import RemoteURL
 from kvtier.errors import (
     ObjectError,
     ObjectTooLarge,
@@ -196,19 +196,17 @@ class S3Tier(SlotReader):
 
     def __init__(
         self,
-        url: str,
+        url: RemoteURL | str,
         *,
         endpoint_url: str | None = None,
         io_threads: int = 4,
         lookup_timeout_ms: int = 2000,
         join_parts: bool = False,
     ) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme != "s3" or not parsed.netloc:
+        remote = RemoteURL.parse(url)
+        if remote.kind != "s3":
             raise ValueError("S3Tier needs s3://bucket[/prefix]")
-        self.bucket = parsed.netloc
-        prefix = parsed.path.strip("/")
-        self.prefix = prefix + "/" if prefix else ""
+        self.bucket, self.prefix = remote.bucket, remote.prefix
         self._join_parts = join_parts
         try:
             self._client = boto3.session.Session().client(
