@@ -68,6 +68,9 @@ from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TQDM_MININTERVAL", "1")
+# vLLM CPU's own KV cache is planned beside kvtier's host tier when the config is built
+# (kvtier.connectors.startup); unset, vLLM would take 92 % of the memory for it
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plots import scheduler_plot  # noqa: E402
 from sched_probes import index_memory, run_lookups, run_may_load_async, worker_steps  # noqa: E402
