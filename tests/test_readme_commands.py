@@ -309,7 +309,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 @pytest.mark.e2e
 def test_cpu_server_serves_and_restart_hits(tiny_model: str, tmp_path: Path) -> None:
     """The CPU build's server block and the request block, twice with a restart between:
-    the restarted server reads the prompt back from the directory tier."""
+    the restarted server checks the first document against the model (the canary) and
+    reads the second back from the directory tier."""
     (server,) = readme_block("server")
     (request,) = readme_block("request")
     s = Subst(tiny_model, free_port(), tmp_path / "kvtier-cache")
@@ -330,6 +331,8 @@ def test_cpu_server_serves_and_restart_hits(tiny_model: str, tmp_path: Path) -> 
 
     with Server(server, s, log):
         second = ask()
+    assert metric(second, "kvtier:canary_total", result="match") == 1, second
+    assert metric(second, "kvtier:canary_total", result="mismatch") == 0, second
     assert metric(second, "kvtier:hit_tokens_total", tier="remote") >= 256, second
 
 
