@@ -366,7 +366,8 @@ class SchedulerSide:
         st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
-        if self.ghosts is not None:
+        # a canary request (canary_rate) gets no hit from the real tier: nor from the ghosts
+        if self.ghosts is not None and not (self.remote and self.canary.recompute(st)):
             self.ghosts.lookup(
                 st.chunk_hashes, local // self.chunk_size,
                 loadable_chunks(st, cap, self.chunk_size), chunk_size=self.chunk_size,

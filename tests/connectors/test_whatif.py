@@ -60,8 +60,11 @@ def drive(side: SchedulerSide, n_requests: int, seed: int = 1) -> None:
         {},
         {"remote_url": "file:///nonexistent", "write_policy": "write_through"},
         {"remote_url": "file:///nonexistent", "write_policy": "write_back"},
+        # canary requests get no hit from the real tier, and so none from the ghosts
+        {"remote_url": "file:///nonexistent", "write_policy": "write_through",
+         "canary_rate": 0.3},
     ],
-    ids=["host_only", "write_through", "write_back"],
+    ids=["host_only", "write_through", "write_back", "canary_rate"],
 )
 def test_scale_one_counts_the_measured_host_hits(extra: dict) -> None:
     side = make_side("1MiB", extra)  # 16 slots of 64 KiB: 4 of the 12 documents
