@@ -31,6 +31,9 @@ def block(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
     """Make ``modules`` unimportable, and forget kvtier's modules that imported them."""
     for name in modules:
         monkeypatch.setitem(sys.modules, name, None)
+        # its submodules too: one imported earlier in the session would still be found
+        for sub in [m for m in sys.modules if m.startswith(name + ".")]:
+            monkeypatch.setitem(sys.modules, sub, None)
     for name in [m for m in sys.modules if m.startswith("kvtier.objects.tiers.")]:
         if name.rsplit(".", 1)[1] in ("s3", "redis", "redis_cluster", "redis_resp"):
             monkeypatch.delitem(sys.modules, name)
