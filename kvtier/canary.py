@@ -39,7 +39,7 @@ from kvtier.metrics import CANARY_RESULTS
 #: ``compression: fp8`` round each element by at most 1/16 of its own magnitude, also below
 TOLERANCE = 0.1
 
-#: what a check can find (the ``result`` label of ``kvtier:canary``): the stored chunk
+#: what a check can find (the ``outcome`` label of ``kvtier:canary_checks``): the stored chunk
 #: matched or did not; "absent": the tier does not hold it (nothing to compare, keep
 #: waiting for a hit); "error": it could not be read or verified, or the computed chunk
 #: was not stored (try again on another chunk)

@@ -58,9 +58,9 @@ ERROR_KINDS = (
 #: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
 #: token vLLM computes itself (kvtier holds whole chunks only)
 MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail")
-#: what a canary found (``kvtier:canary``, kvtier.canary): the chunk vLLM computed matched
-#: the stored one or did not; "absent": the tier does not hold it; "error": it could not be
-#: read or verified, or the computed chunk was not stored
+#: what a canary found (the ``outcome`` of ``kvtier:canary_checks``, kvtier.canary): the
+#: chunk vLLM computed matched the stored one or did not; "absent": the tier does not hold
+#: it; "error": it could not be read or verified, or the computed chunk was not stored
 CANARY_RESULTS = ("match", "mismatch", "absent", "error")
 
 
@@ -99,7 +99,6 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": MISS_REASONS,
     "node": NodeAddresses(("other",)),
     "scale": WHATIF_SCALES,
-    "result": CANARY_RESULTS,
 }
 
 
@@ -221,12 +220,25 @@ WHATIF_HIT_TOKENS = MetricSpec(
     ("tier", "scale"),
 )
 CANARY = MetricSpec(
-    PREFIX + "canary", "counter",
+    PREFIX + "canary_checks", "counter",
     "Chunks vLLM computed and compared with the object tier's chunk of the same name "
-    "(canary_first_hit, canary_rate), by result; a mismatch means the generation holds "
-    "other weights' KV (a stale model_fingerprint) and this engine refused it.",
-    ("result",),
+    "(canary_first_hit, canary_rate), by outcome; a mismatch means the generation holds "
+    "other weights' KV (a stale model_fingerprint): this engine refused it and carries on "
+    "under a generation of its own (a fork).",
+    ("outcome",),
 )
+#: label values of one metric where they differ from :data:`LABEL_VALUES` (the canary's
+#: ``outcome`` is not a lookup's): (metric name, label) -> values
+METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    (CANARY.name, "outcome"): CANARY_RESULTS,
+}
+
+
+def label_values(spec: MetricSpec, label: str) -> tuple[str, ...]:
+    """Every value ``label`` takes on ``spec``'s series."""
+    return METRIC_LABEL_VALUES.get((spec.name, label)) or LABEL_VALUES[label]
+
+
 #: every metric kvtier exports (the dashboards and rules are checked against it)
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,

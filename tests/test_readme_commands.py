@@ -331,8 +331,8 @@ def test_cpu_server_serves_and_restart_hits(tiny_model: str, tmp_path: Path) -> 
 
     with Server(server, s, log):
         second = ask()
-    assert metric(second, "kvtier:canary_total", result="match") == 1, second
-    assert metric(second, "kvtier:canary_total", result="mismatch") == 0, second
+    assert metric(second, "kvtier:canary_checks_total", outcome="match") == 1, second
+    assert metric(second, "kvtier:canary_checks_total", outcome="mismatch") == 0, second
     assert metric(second, "kvtier:hit_tokens_total", tier="remote") >= 256, second
 
 

@@ -128,7 +128,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
 def _label_sets(spec: metrics.MetricSpec) -> list[tuple[str, ...]]:
     sets: list[tuple[str, ...]] = [()]
     for label in spec.labels:
-        sets = [(*s, v) for s in sets for v in metrics.LABEL_VALUES[label]]
+        sets = [(*s, v) for s in sets for v in metrics.label_values(spec, label)]
     return sets
 
 

@@ -69,7 +69,7 @@ def test_before_the_workers_answer_nothing_is_loaded_or_uploaded_and_a_check_is_
     assert side.pending_ops() == 3
     say(side, meta=meta, checks={check.op_id: "match"})
     assert side.canary.trust.state is Trust.TRUSTED and entry.refs == 0
-    assert side.totals["canary_match"] == 1 and side.pending_ops() == 0
+    assert side.totals["canary_checks_match"] == 1 and side.pending_ops() == 0
 
 
 def test_a_first_writer_is_trusted_from_the_handshake_on() -> None:
@@ -93,11 +93,11 @@ def test_an_existing_generation_is_checked_absent_chunks_move_on_a_mismatch_refu
     assert m2.checks == [], "one check at a time"
     say(side, meta=m1, checks={c1.op_id: "absent"})
     say(side, meta=m2)
-    assert side.canary.trust.state is Trust.CHECKING and side.totals["canary_absent"] == 1
+    assert side.canary.trust.state is Trust.CHECKING and side.totals["canary_checks_absent"] == 1
     m3 = new(side, "c", 3, 300)
     [c3] = m3.checks
     say(side, meta=m3, checks={c3.op_id: "mismatch"})
-    assert side.canary.trust.state is Trust.REFUSED and side.totals["canary_mismatch"] == 1
+    assert side.canary.trust.state is Trust.REFUSED and side.totals["canary_checks_mismatch"] == 1
     assert side.index.used_slots == 0, "the host tier's chunks of it are dropped"
     req = request("d", 1, 2 * CHUNK + 10)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -127,7 +127,7 @@ def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
     assert all(side.index.get(h).remote for h in side._reqs["a"].chunk_hashes[:2]), \
         "never written back over the object its check reads"
     say(side, meta=meta, checks={meta.checks[0].op_id: "match"})
-    assert side.canary.trusted and side.totals["canary_match"] == 1
+    assert side.canary.trusted and side.totals["canary_checks_match"] == 1
     side.request_finished(req, [])
     assert side.canary._sampled == {}
 

@@ -531,12 +531,12 @@ kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",sc
 kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="2"} 4096
 kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="4"} 4608
 kvtier:whatif_hit_tokens_total{model_name="tiny-llama",engine="0",tier="host",scale="8"} 4864
-# HELP kvtier:canary_total Chunks vLLM computed and compared with the object tier's chunk of the same name.
-# TYPE kvtier:canary_total counter
-kvtier:canary_total{model_name="tiny-llama",engine="0",result="match"} 2
-kvtier:canary_total{model_name="tiny-llama",engine="0",result="mismatch"} 0
-kvtier:canary_total{model_name="tiny-llama",engine="0",result="absent"} 1
-kvtier:canary_total{model_name="tiny-llama",engine="0",result="error"} 0
+# HELP kvtier:canary_checks_total Chunks vLLM computed and compared with the object tier's chunk of the same name.
+# TYPE kvtier:canary_checks_total counter
+kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="match"} 2
+kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="mismatch"} 0
+kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="absent"} 1
+kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="error"} 0
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")

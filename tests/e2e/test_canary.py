@@ -59,7 +59,7 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW])
     ref_m2 = run(model=weights["m2"], extra=None, seeds=[*SEEDS, NEW])["outs"]
     assert b["state"] == "refused", b["totals"]
-    assert b["totals"]["canary_mismatch"] == 1 and b["totals"]["canary_match"] == 0
+    assert b["totals"]["canary_checks_mismatch"] == 1 and b["totals"]["canary_checks_match"] == 0
     assert [o["hit_remote"] for o in b["outs"]] == [0] * (len(SEEDS) + 1), b["outs"]
     assert b["totals"]["fetch_ok"] == 0 and b["totals"]["upload_ok"] == 0, b["totals"]
     for out, ref in zip(b["outs"], ref_m2, strict=True):
@@ -72,7 +72,7 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     c = run(model=weights["m1"], extra=extra, seeds=[*SEEDS, NEW])
     ref_m1 = run(model=weights["m1"], extra=None, seeds=[*SEEDS, NEW])["outs"]
     assert c["state"] == "trusted", c["totals"]
-    assert c["totals"]["canary_match"] == 1 and c["totals"]["canary_mismatch"] == 0
+    assert c["totals"]["canary_checks_match"] == 1 and c["totals"]["canary_checks_mismatch"] == 0
     hits = [o["hit_remote"] for o in c["outs"]]
     assert hits == [0, PREFIX, PREFIX, 0], hits  # the first checked, NEW never stored by B
     for out, ref in zip(c["outs"], ref_m1, strict=True):
@@ -93,12 +93,12 @@ def test_sampled_hits_are_checked_and_first_hit_check_can_be_turned_off(
     extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}", "canary_first_hit": True}
     run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)
     sampled = run(model=weights["m1"], extra={**extra, "canary_rate": 1.0}, seeds=SEEDS)
-    assert sampled["totals"]["canary_match"] == len(SEEDS), sampled["totals"]
-    assert sampled["totals"]["canary_mismatch"] == 0
+    assert sampled["totals"]["canary_checks_match"] == len(SEEDS), sampled["totals"]
+    assert sampled["totals"]["canary_checks_mismatch"] == 0
     assert [o["hit_remote"] for o in sampled["outs"]] == [0] * len(SEEDS)
     off = run(model=weights["m1"], extra={**extra, "canary_first_hit": False}, seeds=SEEDS)
     assert [o["hit_remote"] for o in off["outs"]] == [PREFIX] * len(SEEDS), off["outs"]
-    assert off["comparisons"] == [] and off["totals"]["canary_match"] == 0
+    assert off["comparisons"] == [] and off["totals"]["canary_checks_match"] == 0
 
 
 def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
@@ -119,7 +119,7 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
                    batch=True, then_single=True,
                    engine_kw={**tp2, "max_num_batched_tokens": 128})  # fmt: skip
     assert b["state"] == "trusted", b["totals"]
-    assert b["totals"]["canary_match"] == 1 and b["totals"]["canary_mismatch"] == 0
+    assert b["totals"]["canary_checks_match"] == 1 and b["totals"]["canary_checks_mismatch"] == 0
     batch, single = b["outs"][: len(seeds)], b["outs"][len(seeds):]
     assert [o["hit_remote"] for o in single] == [PREFIX] * len(seeds), single
     for x, y in zip(batch, single, strict=True):
