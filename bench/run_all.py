@@ -36,16 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
+import report
+from harness import Unavailable, VLLMServer
+
+from kvtier.cli import bench
+from kvtier.sizing.autosize import mem_available_bytes
+from kvtier.sizing.emit import shutdown_flags
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import harness  # noqa: E402
-import report  # noqa: E402
-from harness import Unavailable, VLLMServer  # noqa: E402
-
-from kvtier.cli import bench  # noqa: E402
-from kvtier.sizing.autosize import mem_available_bytes  # noqa: E402
-from kvtier.sizing.emit import shutdown_flags  # noqa: E402
 
 SHAPES = {
     "bench": {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8},

@@ -71,10 +71,9 @@ os.environ.setdefault("TQDM_MININTERVAL", "1")
 # vLLM CPU's own KV cache is planned beside kvtier's host tier when the config is built
 # (kvtier.connectors.startup); unset, vLLM would take 92 % of the memory for it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plots import scheduler_plot  # noqa: E402
-from sched_probes import index_memory, run_lookups, run_may_load_async, worker_steps  # noqa: E402
-from sched_setup import (  # noqa: E402
+from plots import scheduler_plot
+from sched_probes import index_memory, run_lookups, run_may_load_async, worker_steps
+from sched_setup import (
     ANSWER_TOKENS,
     BLOCK,
     BUDGET,
@@ -92,7 +91,7 @@ from sched_setup import (  # noqa: E402
     prefill_kvtier,
     prefill_offloading,
 )
-from tables import scheduler_may_load_async_table, scheduler_table  # noqa: E402
+from tables import scheduler_may_load_async_table, scheduler_table
 
 
 # ---- one engine step ----------------------------------------------------------------------

@@ -243,11 +243,9 @@ def open_case(case: Case, threads: int) -> ObjectTier:
 
 @contextmanager
 def local_cluster(primaries: int = 3) -> Iterator[list[int]]:
-    """A Redis Cluster of ``primaries`` primaries (no replicas) on loopback, the tests'
-    helper (tests/rediscluster.py); yields the primaries' ports."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tests"))  # fmt: skip
-    from rediscluster import RedisCluster as LocalCluster
+    """A Redis Cluster of ``primaries`` primaries (no replicas) on loopback, the launcher
+    the tests use too (local_cluster.py); yields the primaries' ports."""
+    from local_cluster import RedisCluster as LocalCluster
 
     cluster = LocalCluster(primaries=primaries, replicas=0)
     try:

@@ -55,11 +55,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import int_list, omp_cpus  # noqa: E402
-from plots import trace_replay_plot  # noqa: E402
-from tables import print_trace_replay  # noqa: E402
-from traces import (  # noqa: E402
+from harness import int_list, omp_cpus
+from plots import trace_replay_plot
+from tables import print_trace_replay
+from traces import (
     HASH_QUICK,
     HASH_REPLAY,
     QUICK,

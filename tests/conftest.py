@@ -38,6 +38,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/faultproxy.py for subdirectories
+# bench/local_cluster.py: the Redis Cluster launcher the tests share with make bench-tiers
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 # kvtier refuses an explicit host tier that leaves less than cpu_headroom_bytes (4 GiB by
 # default, sized for GPU servers) free. The suite runs up to two engines and a server at

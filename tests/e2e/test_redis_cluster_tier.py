@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from local_cluster import RedisCluster
 from redis.crc import key_slot
-from rediscluster import RedisCluster
 
 from tests.e2e.conftest import run_engine, start_outage
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.cluster
 from kit import payload, snapshot
-from rediscluster import RedisCluster
+from local_cluster import RedisCluster
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, ObjectError, ObjectTooLarge, TierUnavailable
@@ -482,21 +482,21 @@ def test_a_slot_moved_under_the_tier_is_followed(
     """A slot migrated to another primary while the tier's slot map still names the old
     one: mid-migration the moved key is read through ASK, afterwards through MOVED, and a
     write there takes redis-py's redirection path; no error, the same bytes."""
-    from rediscluster import _command
+    from local_cluster import node_command
 
     key = prompt_keys(1)[0]
     tier.put(key, [b"head1234", payload(7)])
     slot = tier._cluster.keyslot(key)
     src = cluster.port_of_slot(slot)
     dst = next(p for p in cluster.primary_ports() if p != src)
-    src_id, dst_id = (_command(p, "CLUSTER", "MYID").strip() for p in (src, dst))
-    assert "OK" in _command(dst, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
-    assert "OK" in _command(src, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
-    assert "OK" in _command(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", key)
+    src_id, dst_id = (node_command(p, "CLUSTER", "MYID").strip() for p in (src, dst))
+    assert "OK" in node_command(dst, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
+    assert "OK" in node_command(src, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
+    assert "OK" in node_command(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", key)
     dest = memoryview(bytearray(SIZE))
     assert tier.read_into(key, dest, 64) == b"head1234" and dest == payload(7)  # ASK
     for port in cluster.primary_ports():
-        assert "OK" in _command(port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
+        assert "OK" in node_command(port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
     assert tier.get(key) == b"head1234" + bytes(payload(7))  # MOVED
     tier.put(key, [b"head5678", payload(8)])  # MOVED on the fast path: redis-py's path
     assert tier.get(key, 10_000) == b"head5678" + bytes(payload(8))

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 from kit import payload
-from rediscluster import RedisCluster, _command
+from local_cluster import RedisCluster, node_command
 
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers.redis_cluster import RedisClusterTier
@@ -68,7 +68,7 @@ def attempts(port: int) -> int:
     STRLEN on a pooled connection, or opens a new one (and then waits for its
     handshake's reply; a stopped node's kernel accepts the connection)."""
     stats = {}
-    for line in _command(port, "INFO", "all").splitlines():
+    for line in node_command(port, "INFO", "all").splitlines():
         name, _, value = line.partition(":")
         stats[name] = value
     strlen = int(stats.get("cmdstat_strlen", "calls=0,").split("calls=")[1].split(",")[0])
@@ -80,7 +80,7 @@ class Hung:
 
     def __init__(self, cluster: RedisCluster) -> None:
         for port in cluster.primary_ports():
-            _command(port, "FLUSHALL")
+            node_command(port, "FLUSHALL")
         self.cluster = cluster
         self.tier = RedisClusterTier(cluster.url, lookup_timeout_ms=DEADLINE_MS)
         self.rio = RemoteIO(self.tier, threads=6, queue_depth=256,
@@ -96,7 +96,7 @@ class Hung:
         self.hung = [k for k in self.keys if port_of[k] == self.victim]
         self.healthy = [k for k in self.keys if port_of[k] != self.victim]
         assert len(self.hung) >= 5 and len(self.healthy) >= 20
-        _command(self.victim, "CONFIG", "RESETSTAT")
+        node_command(self.victim, "CONFIG", "RESETSTAT")
         self.base = 1000
 
     def stop(self) -> None:
@@ -175,7 +175,7 @@ def test_a_hung_primary_costs_only_its_own_slots(hung: Hung) -> None:
     assert set(hung.tier.take_node_errors()) == {hung.node}
     # the node runs again and executes what reached it meanwhile: one read per backoff
     hung.resume()
-    assert "PONG" in _command(hung.victim, "PING", timeout=10)  # (after its backlog)
+    assert "PONG" in node_command(hung.victim, "PING", timeout=10)  # (after its backlog)
     reached = attempts(hung.victim) - 2  # (the connections of this PING and INFO)
     assert 1 <= reached <= 1 + rounds, (
         f"{reached} reads reached the hung node; at most one per backoff expected ({1 + rounds})"
@@ -208,8 +208,8 @@ def _failed_over(port: int, victim: int) -> bool:
     """As node ``port`` sees the cluster: ``victim`` is marked failed and every slot is
     served (its replica took its slots)."""
     try:
-        info = _command(port, "CLUSTER", "INFO")
-        nodes = _command(port, "CLUSTER", "NODES")
+        info = node_command(port, "CLUSTER", "INFO")
+        nodes = node_command(port, "CLUSTER", "NODES")
     except Exception:  # noqa: BLE001 - not yet
         return False
     gone = any(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from rediscluster import RedisCluster
+from local_cluster import RedisCluster
 from store_kit import NS, NS_B, Engine, SeaweedS3, fetch, file_objects, hits, write_engine
 
 from kvtier.config import load_config

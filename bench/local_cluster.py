@@ -1,8 +1,11 @@
-"""A real Redis Cluster on loopback for tests: ``redis-server --cluster-enabled yes``
-processes joined by ``redis-cli --cluster create`` (3 primaries + 3 replicas by default).
+"""A real Redis Cluster on loopback: ``redis-server --cluster-enabled yes`` processes
+joined by ``redis-cli --cluster create`` (3 primaries + 3 replicas by default).
 
-Started and stopped by the test that uses it; a missing ``redis-server`` or ``redis-cli``
-fails the test with a clear message (never a skip): ``.ci/run`` installs both.
+``make bench-tiers`` (tier_cases.local_cluster) and the tests (tests/conftest.py puts
+bench/ on sys.path) start and stop it; it lives here, in bench/, so a benchmark run as
+``python bench/x.py`` imports it from its own folder without editing sys.path. A missing
+``redis-server`` or ``redis-cli`` raises MissingBinary, which fails the test with a clear
+message (never a skip): ``.ci/run`` installs both.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import pytest
+
+class MissingBinary(RuntimeError):
+    """redis-server or redis-cli is not on PATH (a failure, not a skip)."""
 
 
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(
-            f"{name} is not on PATH: the cluster tests need a real Redis Cluster. Install it "
-            "with `apt-get install -y redis-server redis-tools` (.ci/run does this).",
-            pytrace=False,
+        raise MissingBinary(
+            f"{name} is not on PATH: a real Redis Cluster needs it. Install it with "
+            "`apt-get install -y redis-server redis-tools` (.ci/run does this)."
         )
     return path
 
@@ -63,7 +67,7 @@ def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} not within {timeout:.0f} s")
 
 
-def _command(port: int, *args: str, timeout: float = 2.0) -> str:
+def node_command(port: int, *args: str, timeout: float = 2.0) -> str:
     """One command to a node through redis-cli (text reply)."""
     out = subprocess.run(
         [_binary("redis-cli"), "-h", "127.0.0.1", "-p", str(port), *args],
@@ -179,11 +183,11 @@ class RedisCluster:
     def _pong(self, port: int) -> bool:
         if self.procs[port].poll() is not None:
             raise _NodeExited(port)
-        return "PONG" in _command(port, *self._auth(), "PING")
+        return "PONG" in node_command(port, *self._auth(), "PING")
 
     def _ready(self) -> bool:
         if not all(
-            "cluster_state:ok" in _command(p, *self._auth(), "CLUSTER", "INFO")
+            "cluster_state:ok" in node_command(p, *self._auth(), "CLUSTER", "INFO")
             for p in self.live_ports()
         ):
             return False
@@ -191,9 +195,9 @@ class RedisCluster:
             return False
         # every replica has its primary's data (a failover right after create promotes one)
         return all(
-            "master_link_status:up" in _command(p, *self._auth(), "INFO", "replication")
+            "master_link_status:up" in node_command(p, *self._auth(), "INFO", "replication")
             for p in self.live_ports()
-            if "role:slave" in _command(p, *self._auth(), "INFO", "replication")
+            if "role:slave" in node_command(p, *self._auth(), "INFO", "replication")
         )
 
     def live_ports(self) -> list[int]:
@@ -202,7 +206,7 @@ class RedisCluster:
     def primary_ports(self) -> list[int]:
         """Ports of live primaries that own slots, as a live node sees the cluster."""
         for port in self.live_ports():
-            text = _command(port, *self._auth(), "CLUSTER", "NODES")
+            text = node_command(port, *self._auth(), "CLUSTER", "NODES")
             if not text:
                 continue
             out = []
@@ -216,7 +220,7 @@ class RedisCluster:
     def port_of_slot(self, slot: int) -> int:
         """The primary serving ``slot`` now (as the first live node sees it)."""
         for port in self.live_ports():
-            text = _command(port, *self._auth(), "CLUSTER", "NODES")
+            text = node_command(port, *self._auth(), "CLUSTER", "NODES")
             for line in text.splitlines():
                 f = line.split()
                 if len(f) < 9 or "master" not in f[2] or "fail" in f[2]:
@@ -228,7 +232,7 @@ class RedisCluster:
         raise LookupError(f"no primary serves slot {slot}")
 
     def keys_on(self, port: int) -> int:
-        return int(_command(port, *self._auth(), "DBSIZE").strip() or 0)
+        return int(node_command(port, *self._auth(), "DBSIZE").strip() or 0)
 
     def wait_replicated(self, port: int, timeout: float = 10.0) -> None:
         """Until every replica of primary ``port`` has acknowledged all its writes:
@@ -236,7 +240,7 @@ class RedisCluster:
         writes (Redis Cluster's own semantics: they are lost, misses for kvtier)."""
 
         def caught_up() -> bool:
-            text = _command(port, *self._auth(), "INFO", "replication")
+            text = node_command(port, *self._auth(), "INFO", "replication")
             info = dict(ln.strip().split(":", 1) for ln in text.splitlines() if ":" in ln)
             offsets = [
                 int(dict(kv.split("=", 1) for kv in v.split(","))["offset"])
