@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from kvtier.cli.plan_flags import add_plan_args, plan_inputs
+from kvtier.cli.engine_flags import add_plan_args, plan_inputs
 
 DOCTOR_EPILOG = """\
 vLLM logs the UVA offload in GiB and the prefetch offload in GB; both are shown as

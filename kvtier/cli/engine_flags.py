@@ -1,5 +1,5 @@
-"""The flags ``kvtier size`` and ``kvtier doctor`` share: the model, the GPU, the host
-and vLLM's weight offload, and the planner's inputs made from them."""
+"""The flags ``kvtier size`` and ``kvtier doctor`` share to describe an engine: the model,
+the GPU, the host and vLLM's weight offload, and the planner's inputs made from them."""
 
 from __future__ import annotations
 

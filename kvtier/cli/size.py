@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from kvtier.cli.plan_flags import add_plan_args, check_numbers, plan_inputs
+from kvtier.cli.engine_flags import add_plan_args, check_numbers, plan_inputs
 
 SIZE_EPILOG = """\
 All figures are per GPU / per vLLM worker; host_bytes_total adds up TP workers and the

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import pages
+from . import prefault
 
 if TYPE_CHECKING:
     from .cuda import PinnedBuffer
@@ -280,10 +280,10 @@ class HostSlab:
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
             self._populating: threading.Thread | None = None
             if commit:
-                self.committed = pages.commit_now(self.buffer.data_ptr(), nbytes)
+                self.committed = prefault.commit_now(self.buffer.data_ptr(), nbytes)
             else:
                 self._populating = threading.Thread(
-                    target=pages.populate_in_steps, args=(self._map, nbytes),
+                    target=prefault.populate_in_steps, args=(self._map, nbytes),
                     name="kvtier-slab-populate", daemon=True,
                 )
                 self._populating.start()
