@@ -356,7 +356,10 @@ def test_object_tier_metrics(tiny_model: str, tmp_path: Path) -> None:
     """
     objects = tmp_path / "objects"
     objects.mkdir()
-    extra = {"cpu_bytes": "256MiB", "chunk_size": 256, "remote_url": f"file://{objects}"}
+    # replica B's first hit is a load, as before the canary (tests/e2e/test_canary.py and
+    # the README's restart test cover the first-hit check)
+    extra = {"cpu_bytes": "256MiB", "chunk_size": 256, "remote_url": f"file://{objects}",
+             "canary_first_hit": False}
     with serve(tiny_model, extra, tmp_path) as a, httpx.Client(base_url=a.url, timeout=120) as c:
         _complete(c, SHARED_PREFIX + " Question A: what is kept?")
         uploaded = _wait_metrics(
