@@ -235,8 +235,8 @@ class Prediction:
         if not args.plan_model:
             out["why_none"] = "pass --plan-model (the served model) for the slot size"
             return out
+        from kvtier.sizing.memory_plan import PlanInputs, make_plan
         from kvtier.sizing.model import ModelConfigError
-        from kvtier.sizing.plan import PlanInputs, make_plan
 
         try:
             plan = make_plan(PlanInputs(model=args.plan_model, tp=args.plan_tp))

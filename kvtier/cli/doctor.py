@@ -60,8 +60,8 @@ def _doctor(args: argparse.Namespace) -> int:
             return 2
     plan = None
     if args.model:
+        from kvtier.sizing.memory_plan import make_plan
         from kvtier.sizing.model import ModelConfigError
-        from kvtier.sizing.plan import make_plan
 
         a = facts["args"]
         args.cpu_offload_gb = args.cpu_offload_gb or float(a.get("cpu_offload_gb", 0))

@@ -86,7 +86,7 @@ def plan_inputs(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     ``cpu_bytes`` the config check resolved (bytes, or None for the plan's own tier)."""
     import os
 
-    from kvtier.sizing.plan import GiB, PlanInputs
+    from kvtier.sizing.memory_plan import GiB, PlanInputs
 
     cpu_bytes = getattr(args, "cpu_bytes", None)
     return PlanInputs(

@@ -157,8 +157,8 @@ def connector_settings(args: argparse.Namespace) -> dict[str, Any]:
 def _size(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
     from kvtier.sizing.emit import emit
+    from kvtier.sizing.memory_plan import make_plan
     from kvtier.sizing.model import ModelConfigError, load_shape
-    from kvtier.sizing.plan import make_plan
     from kvtier.sizing.table import format_plan
     from kvtier.sizing.validate import check_deployment
 

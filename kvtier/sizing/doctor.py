@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.config import redact_value
 from kvtier.config_values import parse_size
 from kvtier.errors import ConfigError, is_secret_name, redact_text
-from kvtier.sizing.plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
+from kvtier.sizing.memory_plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 
 GB = 10**9
 

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Literal
 
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, load_config
-from kvtier.sizing.plan import GiB, PlanInputs, k8s_quantity
+from kvtier.sizing.memory_plan import GiB, PlanInputs, k8s_quantity
 
 EMIT_FORMATS = ("kv-transfer-config", "vllm-args", "helm-values", "lmcache-env")
 DEFAULT_CHUNK_SIZE = 256

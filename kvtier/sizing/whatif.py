@@ -216,7 +216,7 @@ def run(args: Any, plan: dict[str, Any], inp: Any, shape: Any, fetch: Fetch | No
     import dataclasses
     import sys
 
-    from kvtier.sizing.plan import make_plan
+    from kvtier.sizing.memory_plan import make_plan
 
     def check(cpu_bytes: int) -> dict[str, Any]:
         return make_plan(dataclasses.replace(inp, cpu_bytes=cpu_bytes), shape)

@@ -25,7 +25,7 @@ import yaml
 
 from kvtier.config import KEYS, load_config, parse_size
 from kvtier.sizing.autosize import weight_offload_host_bytes
-from kvtier.sizing.plan import host_total_bytes, parse_k8s_quantity
+from kvtier.sizing.memory_plan import host_total_bytes, parse_k8s_quantity
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.sizing.plan import parse_k8s_quantity
+from kvtier.sizing.memory_plan import parse_k8s_quantity
 from tests.deploy.test_helm import CHART, MODELS, find_helm, kvtier_size, vllm_container
 
 pytestmark = pytest.mark.integration

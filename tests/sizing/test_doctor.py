@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sizing_helpers import LOGS, GiB, MiB, model
 
 from kvtier.sizing import doctor
-from kvtier.sizing.plan import PlanInputs, make_plan
+from kvtier.sizing.memory_plan import PlanInputs, make_plan
 
 
 def facts(name):

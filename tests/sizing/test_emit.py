@@ -15,7 +15,7 @@ from sizing_helpers import GiB, model
 
 from kvtier.config import load_config
 from kvtier.sizing.emit import emit, shutdown_flags
-from kvtier.sizing.plan import PlanInputs, make_plan, parse_k8s_quantity
+from kvtier.sizing.memory_plan import PlanInputs, make_plan, parse_k8s_quantity
 
 
 def _plan(**kw):

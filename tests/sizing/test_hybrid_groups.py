@@ -12,8 +12,8 @@ from sizing_helpers import model
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvtier.host.layout import sliding_blocks as kvtier_sliding_blocks
+from kvtier.sizing.memory_plan import PlanInputs, make_plan
 from kvtier.sizing.model import shape_from_config, sliding_blocks
-from kvtier.sizing.plan import PlanInputs, make_plan
 from kvtier.sizing.table import format_plan
 from tests.connectors.test_hma import HybridEngine, attn
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sizing_helpers import GiB, MiB, model
 
-from kvtier.sizing.plan import (
+from kvtier.sizing.memory_plan import (
     CODES,
     PlanInputs,
     host_tier_bytes,
@@ -220,7 +220,7 @@ def _emitted_codes() -> dict[str, set[str]]:
 
 def test_every_code_the_planner_and_doctor_emit_is_documented():
     emitted = _emitted_codes()
-    assert {"plan.py", "doctor.py"} <= set(emitted)
+    assert {"memory_plan.py", "doctor.py"} <= set(emitted)
     every = set().union(*emitted.values())
     assert every <= set(CODES), f"undocumented: {sorted(every - set(CODES))}"
     assert set(CODES) <= every, f"documented, never emitted: {sorted(set(CODES) - every)}"

@@ -540,7 +540,7 @@ Kubernetes must not cut short: terminationGracePeriodSeconds has to exceed it.
 
 {{/*
 The container's memory request and limit must cover what the planner
-(kvtier.sizing.plan.host_total_bytes) adds up:
+(kvtier.sizing.memory_plan.host_total_bytes) adds up:
   workers x (host tier + weight-offload host bytes) + headroom.
 With cpuBytes "auto" the tier is sized at startup from the limit, so the limit
 must leave room above workers x offload + headroom.
