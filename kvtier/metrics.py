@@ -213,10 +213,11 @@ COMPRESS_SECONDS = MetricSpec(
 )
 WHATIF_HIT_TOKENS = MetricSpec(
     PREFIX + "whatif_hit_tokens", "counter",
-    "Prompt tokens a host tier of scale times today's slots would have served (ghost tiers "
-    "of chunk keys fed by the real tier's lookups, stores and evictions); the denominator is "
-    "lookup_tokens, and scale 1 equals hit_tokens{tier=\"host\"}. Only tier=\"host\" is "
-    "modelled so far.",
+    "Prompt tokens a tier of scale times today's size would have served (ghost tiers of "
+    "chunk keys fed by the real tier's lookups, stores and evictions): tier=\"host\" scales "
+    "the host tier's slots, tier=\"remote\" the object tier's file_max_bytes (unbounded: "
+    "scales >= 1 are the tier itself, 0.5 half its current size), as this engine sees it. "
+    "The denominator is lookup_tokens; scale 1 equals hit_tokens of the same tier.",
     ("tier", "scale"),
 )
 CANARY = MetricSpec(

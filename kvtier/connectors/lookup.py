@@ -29,6 +29,7 @@ import time
 
 from kvtier import metrics
 from kvtier.host.index import ChunkIndex, State
+from kvtier.objects.ghosts import ObjectGhostTiers
 from kvtier.ops import FetchOp, OpKind
 from kvtier.stats import StatsRecorder
 
@@ -60,6 +61,8 @@ class RemoteLookups:
         self._runs_now: list[list[FetchOp]] = []
         #: answers lookups in their own step (:mod:`.probe`); None: lookups are reads
         self.probe: LocalProbe | None = None
+        #: what an object tier of another size would serve (kvtier.objects.ghosts)
+        self.ghosts: ObjectGhostTiers | None = None
 
     def take_runs(self) -> list[list[FetchOp]]:
         """The fetch runs queued since the last call, one per lookup (for the metadata)."""
@@ -97,6 +100,10 @@ class RemoteLookups:
         lk = st.lookup
         if lk is None:
             lk = st.lookup = Lookup(started=now, first_chunk=first)
+            if self.ghosts is not None:
+                lk.whatif_end = self.ghosts.lookup(
+                    st.chunk_hashes, first, self._shared_end(st, cap)
+                )
             if self.probe is not None:
                 # answered now; done once vLLM allocates the answer (SchedulerSide), else
                 # a lookup in flight like any other: its fetches go out as a plain run
@@ -129,6 +136,27 @@ class RemoteLookups:
             return
         lk.done = True
         self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
+
+    def count_whatif(self, st: RequestState, computed: int, loaded: int, cap: int) -> None:
+        """After vLLM allocated ``loaded`` tokens from ``computed`` on: the object-tier tokens
+        each ghost would have served, as the real tier counts ``hit_tokens{tier="remote"}``
+        (tokens of chunks that came from the object tier). Those the host tier held
+        already, fetched for an earlier request, count as measured; past the first chunk
+        this request's lookup asked for, the ghost's run replaces what the real tier served
+        (all of it fetched by the lookup, or waited on). Counted once per lookup."""
+        ghosts = self.ghosts
+        if ghosts is None:
+            return
+        remote = st.hit_sources.get("remote", 0)
+        lk = st.lookup
+        if lk is None or not lk.whatif_end:
+            ghosts.count([remote] * len(ghosts.scales))
+            return
+        lo = max(computed, lk.first_chunk * self.chunk_size)
+        from_lookup = min(remote, max(0, computed + loaded - lo))
+        held = remote - from_lookup
+        ghosts.count([held + max(0, min(cap, end * self.chunk_size) - lo) for end in lk.whatif_end])
+        lk.whatif_end = ()
 
     def _shared_end(self, st: RequestState, cap: int) -> int:
         """End of the chunks a lookup may ask the object tier for: the loadable ones the

@@ -71,6 +71,9 @@ class Lookup:
     first_chunk: int
     chunks: list[Entry] = field(default_factory=list)
     done: bool = False
+    #: per what-if scale, the end of the chunks that object tier would have held
+    #: (kvtier.objects.ghosts); () once counted
+    whatif_end: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

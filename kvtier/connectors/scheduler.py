@@ -31,6 +31,7 @@ from kvtier.errors import TierError
 from kvtier.host.ghosts import GhostTiers
 from kvtier.host.index import ChunkIndex
 from kvtier.keys import Namespace
+from kvtier.objects.ghosts import ObjectGhostTiers
 from kvtier.objects.tiers import FileTier, file_tier_root
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.stats import StatsRecorder, Totals
@@ -158,6 +159,10 @@ class SchedulerSide:
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
             slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
         )  # fmt: skip
+        if cfg.whatif and self.remote:  # the object tier's ghosts (kvtier.objects.ghosts)
+            self.lookups.ghosts = ObjectGhostTiers(
+                self.slot_bytes * self.world_size, cfg.file_max_bytes, self.stats
+            )
         #: vLLM recomputes the blocks a load fails on (else it fails the request)
         kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
         self.recompute_failed_loads = (
@@ -373,6 +378,8 @@ class SchedulerSide:
                 loadable_chunks(st, cap, self.chunk_size), chunk_size=self.chunk_size,
                 computed=local, cap=cap,
             )  # fmt: skip
+        if self.lookups.ghosts is not None and not self.canary.recompute(st):
+            self.lookups.count_whatif(st, local, num_external_tokens, cap)
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
         # the last token vLLM must compute) was there; the tail is always recomputed
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
@@ -439,6 +446,11 @@ class SchedulerSide:
             step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
             weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
         )
+        if self.lookups.ghosts is not None:
+            self.lookups.ghosts.uploaded(
+                [op.block_hash for op in meta.stores if op.upload_op_id is not None]
+                + [op.block_hash for op in meta.uploads]
+            )
         if self.events is not None:
             self.events.watch_uploads(meta)
         used = (self.index.used_slots) * self.slot_bytes * self.world_size

@@ -30,8 +30,13 @@ from .requests import HOST_ONLY_REASONS
 SCHEDULER_TOTALS: tuple[str, ...] = (
     total_name(metrics.LOOKUP_TOKENS),
     *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
-    # what a host tier of each scale would have served (kvtier.host.ghosts)
-    *(total_name(metrics.WHATIF_HIT_TOKENS, ("host", s)) for s in metrics.WHATIF_SCALES),
+    # what a host or object tier of each scale would have served (kvtier.host.ghosts,
+    # kvtier.objects.ghosts)
+    *(
+        total_name(metrics.WHATIF_HIT_TOKENS, (tier, s))
+        for tier in metrics.TIERS
+        for s in metrics.WHATIF_SCALES
+    ),
     total_name(metrics.EVICTIONS),
     total_name(metrics.STORES_SKIPPED),
     # hybrid models: chunks not stored because vLLM had already dropped blocks of a
