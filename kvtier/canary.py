@@ -117,6 +117,7 @@ class Trust(enum.Enum):
     CHECKING = "checking"
     TRUSTED = "trusted"
     #: a computed chunk differed from the stored one: never loaded from or stored into
+    #: (the connector then forks: a generation of the engine's own, trusted at once)
     REFUSED = "refused"
 
 

@@ -9,6 +9,12 @@ compares it with the slot, :meth:`kvtier.connectors.worker.WorkerSide._check`), 
 held until every worker's result is in. A sampled request (``canary_rate``) is answered 0
 and checked the same way once the generation is trusted. A checked chunk is never
 uploaded (its upload would overwrite the object the check reads with this engine's own).
+
+On a mismatch the engine forks: the scheduler draws it an identity no other engine
+shares (the weight-change salt, :meth:`SchedulerSide._new_identity`), whose generation it
+writes first and so trusts at once (:meth:`CanaryChecks.new_generation`). It keeps
+getting hits from its own traffic and never mixes with the engines of the refused
+generation, which keep using it.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ class CanaryChecks:
     """One engine's trust in its generation, and the checks that decide it.
 
     ``changed`` is told each change of state (the scheduler turns uploads on once trusted,
-    and empties the host tier once refused)."""
+    and empties the host tier and forks once refused)."""
 
     def __init__(
         self, cfg: KVTierConfig, index: ChunkIndex, ledger: OpLedger, keys: ChunkKeys,
@@ -69,6 +75,9 @@ class CanaryChecks:
         #: checked; every request's draw, made once (request id -> sampled)
         self._sampled: dict[str, bool] = {}
         self._pending: dict[int, _Check] = {}
+        #: the forks this engine made after mismatches: (fork id, refused generation, new
+        #: generation), logged; the fork id is the salt's first 8 bytes in hex
+        self.forks: list[tuple[str, str, str]] = []
 
     @property
     def trusted(self) -> bool:
@@ -174,7 +183,8 @@ class CanaryChecks:
                 "kvtier: generation %s (model_fingerprint %r) holds KV of other weights: "
                 "the KV vLLM computed for a stored chunk differs in layer %s by %.3g of the "
                 "layer's range (tolerance %.3g). This engine never loads from nor stores "
-                "into that generation from now on. Likely cause: model_fingerprint is "
+                "into that generation from now on: it carries on under a generation of its "
+                "own (a fork, logged next). Likely cause: model_fingerprint is "
                 "pinned and was not changed when the weights changed (or vLLM, a kernel or "
                 "the KV layout changed under the same name). Give these weights their own "
                 "model_fingerprint (or remove the setting), and delete the stale generation "
@@ -183,11 +193,26 @@ class CanaryChecks:
             )  # fmt: skip
         self.changed(state)
 
-    def new_generation(self) -> None:
-        """A weight change gave the engine keys no one else has: trusted as first writer."""
+    def new_generation(self, salt: bytes, *, fork: bool = False) -> None:
+        """The engine's keys now carry ``salt`` (a weight change, or a fork after a
+        mismatch: ``fork``): a generation no one else has, trusted as its first writer."""
+        before = self.namespace.generation()
+        self.namespace = self.namespace.after_weight_change(salt)
         self.trust.new_generation()
         for check in self._pending.values():  # their slots are released as they report
             check.stale = True
+        if fork:
+            fork_id, gen = salt[:8].hex(), self.namespace.generation()
+            self.forks.append((fork_id, before, gen))
+            logger.warning(
+                "kvtier: fork %s: this engine carries on under generation %s, its own, "
+                "instead of generation %s (model_fingerprint %r), which holds other "
+                "weights' KV: it is that generation's first writer and trusts it at once, "
+                "so it gets hits from its own traffic only, and never mixes with the "
+                "engines whose KV %s holds (they keep using it). Its chunks are dead once it "
+                "stops: a restart checks %s again", fork_id, gen, before,
+                self.cfg.model_fingerprint, before, before,
+            )  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         self._sampled.pop(request_id, None)

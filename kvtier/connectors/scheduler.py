@@ -226,6 +226,7 @@ class SchedulerSide:
             dropped = self.index.clear()
             logger.error("kvtier: host tier emptied (%d chunks dropped) after a canary "
                          "mismatch", dropped)
+            self._new_identity(fork=True)  # carries on under a generation of its own
 
     def attach_events(self, events: ChunkEvents) -> None:
         """Turn the host tier's changes into vLLM KV events: ``events`` listens to the
@@ -524,17 +525,7 @@ class SchedulerSide:
         under a new identity drawn here (``weights_salt``), so they neither read the
         chunks of the old weights nor write the new weights' KV under the old name; no
         other engine shares that identity (none can know it holds the same weights)."""
-        self.weights_epoch += 1
-        self.weights_salt = os.urandom(16)
-        self.canary.new_generation()  # keys no other engine has: its first writer
-        self._trust_changed(self.canary.trust.state)
-        if self.lookups.probe is not None:
-            self.lookups.probe.after_weight_change(self.weights_salt)
-        dropped = self.index.clear()
-        for st in self._reqs.values():
-            # requests begun before the change hold KV of the old weights: none of their
-            # chunks is stored from now on
-            st.next_store = NEVER_STORE
+        dropped = self._new_identity()
         self.totals["weights_changes"] += 1
         logger.warning(
             "kvtier: the weights changed (%s): host tier emptied (%d chunks dropped); "
@@ -542,6 +533,24 @@ class SchedulerSide:
             "vLLM's own prefix cache is not reset by a weight change: reset it "
             "(reset_prefix_cache) before serving, as vLLM requires", why, dropped,
         )
+
+    def _new_identity(self, *, fork: bool = False) -> int:
+        """From the next step on the workers key their objects under an identity drawn
+        here that no other engine shares (``weights_salt``, followed as a weight change
+        is): after a weight change, or a canary mismatch (``fork``). This engine is that
+        generation's first writer and trusts it at once. The host tier is emptied, and
+        requests already begun store nothing more (their KV may hold what was loaded
+        under the old name). Returns the chunks dropped."""
+        self.weights_epoch += 1
+        self.weights_salt = os.urandom(16)
+        self.canary.new_generation(self.weights_salt, fork=fork)  # its first writer
+        self._trust_changed(self.canary.trust.state)
+        if self.lookups.probe is not None:
+            self.lookups.probe.after_weight_change(self.weights_salt)
+        dropped = self.index.clear()
+        for st in self._reqs.values():
+            st.next_store = NEVER_STORE
+        return dropped
 
     def shutdown(self) -> None:
         pass  # the scheduler holds no connection: the workers own the object tier

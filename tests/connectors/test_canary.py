@@ -10,7 +10,7 @@ import pytest
 from kvtier.canary import Trust
 from kvtier.connectors.metadata import KVTierWorkerMeta
 from kvtier.connectors.probe import WorkerKeys
-from kvtier.connectors.scheduler import SchedulerSide
+from kvtier.connectors.scheduler import NEVER_STORE, SchedulerSide
 from tests.connectors.test_scheduler_side import (
     CHUNK,
     make_side,
@@ -96,13 +96,33 @@ def test_an_existing_generation_is_checked_absent_chunks_move_on_a_mismatch_refu
     assert side.canary.trust.state is Trust.CHECKING and side.totals["canary_checks_absent"] == 1
     m3 = new(side, "c", 3, 300)
     [c3] = m3.checks
+    refused = side.canary.namespace.generation()
     say(side, meta=m3, checks={c3.op_id: "mismatch"})
-    assert side.canary.trust.state is Trust.REFUSED and side.totals["canary_checks_mismatch"] == 1
+    assert side.totals["canary_checks_mismatch"] == 1
     assert side.index.used_slots == 0, "the host tier's chunks of it are dropped"
-    req = request("d", 1, 2 * CHUNK + 10)
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    _assert_forked(side, refused)
+
+
+def _assert_forked(side: SchedulerSide, refused: str) -> None:
+    """After a mismatch: the engine carries on under a fork of its own (new keys, the
+    workers told in the next step's metadata), trusted as its first writer; it stores its
+    own KV there and gets hits from it, and never looks at the refused generation again."""
+    [(fork_id, before, gen)] = side.canary.forks
+    assert before == refused and gen != refused and gen == side.canary.namespace.generation()
+    assert side.canary.trust.state is Trust.TRUSTED, "its first writer: trusted at once"
+    assert side.weights_salt[:8].hex() == fork_id and side.weights_epoch == 1
+    assert side.namespace.after_weight_change(side.weights_salt).generation() == gen
+    req = request("d", 9, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False), "object-tier lookups again"
+    say(side)  # the workers found nothing under the fork's keys yet
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(), 0)
     m4 = schedule_new(side, req, 0, 2 * CHUNK + 10, 400)
-    assert upload_ids(m4) == [] and m4.checks == [] and m4.uploads == []
+    assert (m4.weights_epoch, m4.weights_salt) == (1, side.weights_salt), "the workers follow"
+    assert len(upload_ids(m4)) == 2 and m4.checks == [], "its own KV stored into its fork"
+    say(side, meta=m4)
+    again = request("e", 9, 2 * CHUNK + 10)  # the same prompt: a hit from its own traffic
+    assert side.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, False)
 
 
 def test_with_tp_a_check_settles_once_every_worker_answered_and_any_mismatch_refuses() -> None:
@@ -113,8 +133,25 @@ def test_with_tp_a_check_settles_once_every_worker_answered_and_any_mismatch_ref
     [c] = m.checks
     say(side, checks={c.op_id: "match"})
     assert side.canary.trust.state is Trust.CHECKING and side.canary.pending == 1
+    refused = side.canary.namespace.generation()
     say(side, checks={c.op_id: "mismatch"})
-    assert side.canary.trust.state is Trust.REFUSED
+    assert side.totals["canary_checks_mismatch"] == 1
+    _assert_forked(side, refused)
+
+
+def test_a_sampled_mismatch_in_a_trusted_generation_forks_too() -> None:
+    """canary_rate: a generation trusted (here as first writer) whose sampled check then
+    differs is left the same way: chunks loaded from it are dropped, and requests begun
+    before store nothing into the fork (their KV may hold what was loaded)."""
+    side = side_of(canary_rate=1.0)
+    say(side, fresh=True)
+    refused = side.canary.namespace.generation()
+    m = new(side, "a", 1)
+    [c] = m.checks
+    side.canary.trust.rate = 0.0
+    say(side, meta=m, checks={c.op_id: "mismatch"})
+    assert side._reqs["a"].next_store == NEVER_STORE
+    _assert_forked(side, refused)
 
 
 def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
@@ -139,6 +176,8 @@ def test_canary_first_hit_false_trusts_at_once_and_a_weight_change_is_a_new_gene
     say(on, fresh=False)
     on.weights_changed("reload_weights")
     assert on.canary.trusted, "keys no other engine has: its first writer"
+    assert on.canary.forks == [], "a weight change is not a fork"
+    assert on.canary.namespace == on.namespace.after_weight_change(on.weights_salt)
 
 
 # ---- the worker's side: read the stored chunk into scratch, compare with the slot ----

@@ -65,5 +65,7 @@ def canary_prompts(
             outs.append(out)
     totals = dict(side.totals)
     state = side.canary.trust.state.value
+    forks = [list(f) for f in side.canary.forks]
     shutdown(llm)
-    return {"outs": outs, "totals": totals, "state": state, "comparisons": seen}
+    return {"outs": outs, "totals": totals, "state": state, "comparisons": seen,
+            "forks": forks}  # fmt: skip

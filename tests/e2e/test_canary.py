@@ -4,8 +4,9 @@ Engine A (weights M1) fills a directory tier under ``model_fingerprint: "build-7
 Engine B runs other weights (M2) under the same pinned fingerprint: without the canary
 it would load A's chunks and answer wrongly. With it, B's first chunk computed is
 compared with A's stored one, differs, and B neither loads nor stores anything under the
-shared name: its outputs are M2's own, and an engine C on M1 still hits A's chunks and
-answers as vLLM alone does. C itself checks its first hit (it matches) before loading.
+shared name: it forks to a generation of its own, where its repeated prompts hit its own
+KV; its outputs are M2's own, and an engine C on M1 still hits A's chunks (never B's)
+and answers as vLLM alone does. C itself checks its first hit (it matches) before loading.
 """
 
 from __future__ import annotations
@@ -55,16 +56,29 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     assert a["state"] == "trusted" and a["comparisons"] == [], a["totals"]
     assert len(chunk_files(tier)) == len(SEEDS) * CHUNKS
 
-    # B: other weights, same name. Its first computed chunk differs from A's
-    b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW])
+    # B: other weights, same name. Its first computed chunk differs from A's: B forks to
+    # a generation of its own. Then every prompt again, its host tier emptied
+    b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW], then_single=True)
     ref_m2 = run(model=weights["m2"], extra=None, seeds=[*SEEDS, NEW])["outs"]
-    assert b["state"] == "refused", b["totals"]
     assert b["totals"]["canary_checks_mismatch"] == 1 and b["totals"]["canary_checks_match"] == 0
-    assert [o["hit_remote"] for o in b["outs"]] == [0] * (len(SEEDS) + 1), b["outs"]
-    assert b["totals"]["fetch_ok"] == 0 and b["totals"]["upload_ok"] == 0, b["totals"]
-    for out, ref in zip(b["outs"], ref_m2, strict=True):
+    [[_fork_id, shared, forked]] = b["forks"]
+    assert b["state"] == "trusted" and forked != shared, b["forks"]
+    first, again = b["outs"][: len(SEEDS) + 1], b["outs"][len(SEEDS) + 1 :]
+    assert [o["hit_remote"] for o in first] == [0] * (len(SEEDS) + 1), first
+    # its own prompts, stored after the fork, are read back from its fork (the first was
+    # being computed when the check settled: begun before the fork, it stored nothing
+    # then, and is computed again here)
+    assert [o["hit_remote"] for o in again][1:] == [PREFIX] * len(SEEDS), again
+    assert b["totals"]["fetch_ok"] > 0 and b["totals"]["upload_ok"] > 0, b["totals"]
+    for out, ref in zip(b["outs"], ref_m2 + ref_m2, strict=True):
         assert (out["tokens"], out["logprobs"]) == (ref["tokens"], ref["logprobs"])
-    assert len(chunk_files(tier)) == len(SEEDS) * CHUNKS, "B stored nothing there"
+
+    def in_gen(gen: str) -> list[Path]:
+        return [p for p in chunk_files(tier) if p.name.startswith(f"gen-{gen}")]
+
+    assert len(in_gen(shared)) == len(SEEDS) * CHUNKS, "B stored nothing there"
+    assert len(in_gen(forked)) == (len(SEEDS) + 1) * CHUNKS, "B's own prompts, in its fork"
+    assert len(chunk_files(tier)) == (2 * len(SEEDS) + 1) * CHUNKS
     [mismatch] = b["comparisons"]
     assert min(mismatch["errors"]) > 5 * TOLERANCE, mismatch  # every layer far off
 
@@ -74,7 +88,7 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     assert c["state"] == "trusted", c["totals"]
     assert c["totals"]["canary_checks_match"] == 1 and c["totals"]["canary_checks_mismatch"] == 0
     hits = [o["hit_remote"] for o in c["outs"]]
-    assert hits == [0, PREFIX, PREFIX, 0], hits  # the first checked, NEW never stored by B
+    assert hits == [0, PREFIX, PREFIX, 0], hits  # the first checked; NEW only in B's fork
     for out, ref in zip(c["outs"], ref_m1, strict=True):
         assert (out["tokens"], out["logprobs"]) == (ref["tokens"], ref["logprobs"])
     [match] = c["comparisons"]
