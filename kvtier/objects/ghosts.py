@@ -9,10 +9,10 @@ Bounded (``file_max_bytes`` on a directory tier) a ghost has that bound times it
 and evicts by the real tier's policy (:class:`~kvtier.objects.tiers.file.DirectorySweep`):
 once the bytes written since the last sweep pass half the headroom a sweep frees, a
 sweep deletes the least recently used objects down to ``low_water`` of the bound when the
-total is over it; a read makes an object young only when it is older than
-``touch_after_s`` (the tier's ``_TOUCH_AFTER_S``), a write always. The real sweep runs on
-a background thread soon after it is due; a ghost sweeps at once (the order of events
-around a sweep may differ by a step).
+total is over it. Sweeps run as the tier's sweep thread runs them: when due, but at most
+one a second (a tier written faster runs over its bound in between), and 30 s after the
+last one when anything was written. A read makes an object young only when it is older
+than ``touch_after_s`` (the tier's ``_TOUCH_AFTER_S``), a write always.
 
 Unbounded (no ``file_max_bytes``; ``kvtier store gc --max-bytes`` runs outside the engine,
 on a schedule it cannot see, so it is not modelled) the tier never evicts what this engine
@@ -28,8 +28,8 @@ serves more than scale 1 counts (and sweeps sooner). Other approximations, each 
 - an object is written when its upload is planned (a failed upload is not taken back),
   sized ``chunk_bytes``: every worker's payload, without its few bytes of header and
   uncompressed (with ``compression`` the real objects are smaller: the ghost evicts early);
-- the real tier also sweeps every ``sweep_interval_s`` after writes; a ghost only when
-  its writes make a sweep due, so it may stay over its bound a little longer;
+- the real sweep thread runs a little after its time (a scan takes a while; the thread
+  waits for the GIL), and also removes temp files every few minutes;
 - a ghost's read covers the chunks it holds; the workers read a run concurrently (its
   order of mtimes may differ) and may read past a missing chunk;
 - a lookup the host tier could not give slots for all its chunks fetches less than the
@@ -67,6 +67,8 @@ class ObjectGhost:
         touch_after_s: float,
         clock: Callable[[], float],
         fraction_of: tuple[float, ObjectGhost] | None = None,
+        sweep_gap_s: float = 1.0,
+        sweep_interval_s: float = 30.0,
     ) -> None:
         self.chunk_bytes = max(1, chunk_bytes)
         self.capacity = capacity
@@ -77,6 +79,12 @@ class ObjectGhost:
         #: key -> when it was last made young (clock), least recently used first
         self._lru: OrderedDict[bytes, float] = OrderedDict()
         self._written_since_sweep = 0
+        self.sweep_gap_s = sweep_gap_s
+        self.sweep_interval_s = sweep_interval_s
+        #: when the last sweep ran (the tier sweeps once as it opens) and since when one is
+        #: due (None: none is)
+        self._last_sweep = clock()
+        self._due_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -94,7 +102,9 @@ class ObjectGhost:
 
     def put(self, key: bytes) -> None:
         """This engine wrote ``key`` (new, or rewritten: young again either way)."""
-        self._lru[key] = self.clock()
+        now = self.clock()
+        self._sweeps_until(now)
+        self._lru[key] = now
         self._lru.move_to_end(key)
         if self.fraction_of is not None:
             share, of = self.fraction_of
@@ -103,8 +113,28 @@ class ObjectGhost:
         if self.capacity is None:
             return
         self._written_since_sweep += self.chunk_bytes
-        if self._written_since_sweep > (1.0 - self.low_water) * self.capacity / 2:
-            self._written_since_sweep = 0
+        due = self._written_since_sweep > (1.0 - self.low_water) * self.capacity / 2
+        if due and self._due_at is None:
+            self._due_at = now
+        self._sweeps_until(now)
+
+    def _sweeps_until(self, now: float) -> None:
+        """The sweeps the real tier's sweep thread runs up to ``now``: one as soon as it is
+        due but at most one every ``sweep_gap_s`` (a tier written faster than that runs
+        over its bound between sweeps), and one ``sweep_interval_s`` after the last when
+        anything was written. Each takes the tier down to ``low_water`` if over its bound."""
+        if self.capacity is None:
+            return
+        while True:
+            if self._due_at is not None:
+                t = max(self._due_at, self._last_sweep + self.sweep_gap_s)
+            elif self._written_since_sweep:
+                t = self._last_sweep + self.sweep_interval_s
+            else:
+                return
+            if t > now:
+                return
+            self._last_sweep, self._due_at, self._written_since_sweep = t, None, 0
             if self.total_bytes > self.capacity:
                 self._evict_to(int(self.capacity * self.low_water))
 
@@ -112,6 +142,7 @@ class ObjectGhost:
         """End of the run of held chunks ``keys[start:stop]`` begins with; each one read
         is made young as the real tier's read makes it (only when old enough)."""
         now = self.clock()
+        self._sweeps_until(now)
         lru = self._lru
         i = start
         while i < stop:

@@ -47,21 +47,43 @@ class SweptDirectory:
         self.root = root
         self.clock = clock
         self.obj = obj
+        # the sweep thread's timing (DirectorySweep._loop), on the test's clock
+        self.last = clock()
+        self.due_at: float | None = None
+
+    def _sweeps_until(self, now: float) -> None:
+        """Run the sweeps the tier's thread would have run by ``now``: when due, at most
+        one a second; 30 s after the last one when anything was written."""
+        sweeper = self.tier.sweeper
+        while self.tier.max_bytes is not None:
+            if self.due_at is not None:
+                t = max(self.due_at, self.last + 1.0)
+            elif sweeper._written_since_sweep:
+                t = self.last + 30.0
+            else:
+                return
+            if t > now:
+                return
+            self.tier.sweep()
+            sweeper._wake.clear()  # (the thread's job)
+            self.last, self.due_at = t, None
 
     def path(self, key: bytes) -> str:
         sub, name = file_mod._place(key.hex())
         return os.path.join(self.root, sub, name)
 
     def put(self, key: bytes) -> None:
+        self._sweeps_until(self.clock())
         self.tier.put(key.hex(), [b"x" * self.obj])
         t = self.clock.stamp()
         os.utime(self.path(key), (t, t))
-        if self.tier.sweeper.woken:
-            self.tier.sweep()
-            self.tier.sweeper._wake.clear()  # (the background loop's job)
+        if self.tier.sweeper.woken and self.due_at is None:
+            self.due_at = self.clock()
+        self._sweeps_until(self.clock())
 
     def read_run(self, keys: list[bytes], start: int, stop: int) -> int:
         """Read ``keys[start:stop]`` in order up to the first missing one."""
+        self._sweeps_until(self.clock())
         i = start
         while i < stop and self.tier.get(keys[i].hex()) is not None:
             path, now = self.path(keys[i]), self.clock()
