@@ -56,6 +56,11 @@ class Namespace:
     #: manifest only: never in a digest (with an object tier ``model`` is "" and the
     #: fingerprint names the weights, wherever they were loaded from)
     label: str = ""
+    #: for the manifest only, never in a digest: the generation this identity was derived
+    #: from by a salt (:meth:`after_weight_change`: a weight change while the engine ran,
+    #: or a canary mismatch's fork), and the fork id (the salt's first 8 bytes, hex)
+    forked_from: str = ""
+    fork_id: str = ""
 
     def digest(self, rank: int = ANY_RANK, stage: int = ANY_RANK) -> bytes:
         """16-byte digest of this namespace for one worker: its TP rank and pipeline stage
@@ -85,7 +90,8 @@ class Namespace:
         """This namespace once the weights changed while the engine ran (``salt``: drawn at
         the change, :func:`after_weight_change`). Every process that follows a change (each
         worker, and the scheduler's probe of their keys) derives the same new identity."""
-        return dataclasses.replace(self, fingerprint=after_weight_change(self.fingerprint, salt))
+        return dataclasses.replace(self, fingerprint=after_weight_change(self.fingerprint, salt),
+                                   forked_from=self.generation(), fork_id=salt[:8].hex())
 
 
 def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:

@@ -202,7 +202,7 @@ class CanaryChecks:
         for check in self._pending.values():  # their slots are released as they report
             check.stale = True
         if fork:
-            fork_id, gen = salt[:8].hex(), self.namespace.generation()
+            fork_id, gen = self.namespace.fork_id, self.namespace.generation()
             self.forks.append((fork_id, before, gen))
             logger.warning(
                 "kvtier: fork %s: this engine carries on under generation %s, its own, "

@@ -71,6 +71,10 @@ class Manifest:
     first_seen: float
     last_seen: float
     host: str
+    #: the generation this one's identity was derived from by a salt (a weight change
+    #: while the engine ran, or a canary mismatch's fork), and that fork's id; "": none
+    forked_from: str = ""
+    fork_id: str = ""
 
     @classmethod
     def of(cls, ns: Namespace, now: float, first_seen: float | None = None) -> Manifest:
@@ -80,7 +84,8 @@ class Manifest:
             namespace=ns.namespace, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
             tp_size=ns.tp_size, pp_size=ns.pp_size, chunk_size=ns.chunk_size,
             kvtier_version=__version__, first_seen=now if first_seen is None else first_seen,
-            last_seen=now, host=socket.gethostname(),
+            last_seen=now, host=socket.gethostname(), forked_from=ns.forked_from,
+            fork_id=ns.fork_id,
         )  # fmt: skip
 
     def to_bytes(self) -> bytes:
@@ -103,6 +108,11 @@ class Manifest:
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise CodecError(f"manifest field {name!r} is missing or not a {kind.__name__}")
             fields[name] = value
+        for name in _OPTIONAL:  # absent from manifests written before these fields
+            value = raw.get(name, "")
+            if not isinstance(value, str):
+                raise CodecError(f"manifest field {name!r} is not a str")
+            fields[name] = value
         return cls(**fields)
 
 
@@ -112,6 +122,8 @@ _TYPES: dict[str, type] = {
     "chunk_size": int, "kvtier_version": str, "first_seen": float, "last_seen": float,
     "host": str,
 }  # fmt: skip
+#: string fields a manifest may lack ("" then)
+_OPTIONAL = ("forked_from", "fork_id")
 
 
 def read_manifest(

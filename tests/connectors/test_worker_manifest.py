@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from copyfakes import make_caches
 
 from kvtier.config import load_config
@@ -47,6 +48,7 @@ def test_rank_0_keeps_its_generations_manifest(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert first.model == "org/served-name" and first.tp_size == 2
     assert first.layout.endswith(w.namespace.layers) and w.namespace.layers
+    assert (first.forked_from, first.fork_id) == ("", "")
 
     w._follow_weights(1, b"salt")  # the engine's weights changed: a new generation
     new_gen = w.namespace.generation()
@@ -61,6 +63,26 @@ def test_rank_0_keeps_its_generations_manifest(tmp_path: Path) -> None:
     w.shutdown()
     last = read_manifest(tier, new_gen, None)
     assert last is not None and last.last_seen > first.last_seen
+    assert (last.forked_from, last.fork_id) == (gen, b"salt".hex()), "the fork is recorded"
     assert manifests(tmp_path) == sorted(f"gen-{g}%2Fmanifest" for g in (gen, new_gen))
     assert [manifests(r) for r in roots] == [[], []], "only rank 0 of stage 0 writes one"
     tier.close()
+
+
+def test_a_manifest_written_before_forks_were_recorded_still_reads() -> None:
+    """Manifests of older kvtier versions lack forked_from and fork_id: read as ""."""
+    import json
+
+    from kvtier.errors import CodecError
+    from kvtier.objects.manifest import Manifest
+
+    ns = Namespace("m", None, "bfloat16", "auto", BS, BPC * BS, 1, fingerprint="f" * 32)
+    forked = Manifest.of(ns.after_weight_change(b"\x01" * 16), 1.0)
+    assert (forked.forked_from, forked.fork_id) == (ns.generation(), "01" * 8)
+    raw = json.loads(forked.to_bytes())
+    assert Manifest.from_bytes(forked.to_bytes()) == forked
+    old = {k: v for k, v in raw.items() if k not in ("forked_from", "fork_id")}
+    got = Manifest.from_bytes(json.dumps(old).encode())
+    assert (got.forked_from, got.fork_id) == ("", "") and got.id == forked.id
+    with pytest.raises(CodecError):
+        Manifest.from_bytes(json.dumps({**raw, "fork_id": 7}).encode())

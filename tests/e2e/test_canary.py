@@ -18,6 +18,8 @@ import pytest
 from kit import chunk_files
 
 from kvtier.canary import TOLERANCE
+from kvtier.objects.manifest import read_manifest
+from kvtier.objects.tiers import FileTier
 from tests.e2e.conftest import run_engine
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +63,7 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW], then_single=True)
     ref_m2 = run(model=weights["m2"], extra=None, seeds=[*SEEDS, NEW])["outs"]
     assert b["totals"]["canary_checks_mismatch"] == 1 and b["totals"]["canary_checks_match"] == 0
-    [[_fork_id, shared, forked]] = b["forks"]
+    [[fork_id, shared, forked]] = b["forks"]
     assert b["state"] == "trusted" and forked != shared, b["forks"]
     first, again = b["outs"][: len(SEEDS) + 1], b["outs"][len(SEEDS) + 1 :]
     assert [o["hit_remote"] for o in first] == [0] * (len(SEEDS) + 1), first
@@ -79,6 +81,11 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     assert len(in_gen(shared)) == len(SEEDS) * CHUNKS, "B stored nothing there"
     assert len(in_gen(forked)) == (len(SEEDS) + 1) * CHUNKS, "B's own prompts, in its fork"
     assert len(chunk_files(tier)) == (2 * len(SEEDS) + 1) * CHUNKS
+    files = FileTier(str(tier), background_sweep=False)
+    fork_manifest = read_manifest(files, forked, None)
+    files.close()
+    assert fork_manifest is not None, "B's fork has a manifest of its own"
+    assert (fork_manifest.forked_from, fork_manifest.fork_id) == (shared, fork_id)
     [mismatch] = b["comparisons"]
     assert min(mismatch["errors"]) > 5 * TOLERANCE, mismatch  # every layer far off
 

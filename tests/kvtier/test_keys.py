@@ -71,8 +71,9 @@ def test_any_namespace_field_changes_the_key() -> None:
     }
     # a field added to Namespace but left out of its digest would let two layouts share
     # keys; replicated_kv is left out on purpose (it picks whose keys, see below), and
-    # label (the name a generation's manifest shows: the same weights at two paths share)
-    assert changes.keys() | {"replicated_kv", "label"} == {
+    # label (the name a generation's manifest shows: the same weights at two paths share),
+    # forked_from and fork_id (the manifest's record of a salt the fingerprint carries)
+    assert changes.keys() | {"replicated_kv", "label", "forked_from", "fork_id"} == {
         f.name for f in dataclasses.fields(Namespace)
     }
     seen = {base}
