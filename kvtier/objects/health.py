@@ -97,7 +97,7 @@ class BackoffState:
         self._probe = 0  # the token of the probe in flight (0: none)
         self._probe_until = 0.0
         self._tokens = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a probe reports
 
     @property
     def is_down(self) -> bool:
@@ -121,6 +121,23 @@ class BackoffState:
             self._probe, self._probe_until = self._tokens, now + self.probe_lease_s
             return self._probe
 
+    def admit_waiting(self, timeout: float) -> int | None:
+        """:meth:`admit`, but while another op's probe is out, wait for its report (at most
+        ``timeout`` seconds) instead of failing fast. For uploads: queued behind a probe of
+        a backend that is back, failing them fast would drop them for nothing."""
+        end = time.monotonic() + timeout
+        while True:
+            token = self.admit()
+            if token is not None:
+                return token
+            with self._lock:
+                now = time.monotonic()
+                probing = self._probe != 0 and now < self._probe_until
+                if now < self.down_until or now >= end:
+                    return None  # backing off (the probe failed), or waited long enough
+                if probing:
+                    self._lock.wait(min(end, self._probe_until) - now)
+
     def probe_over(self, token: int | None) -> None:
         """The op :meth:`admit` made a probe (``token``) is over: if it neither failed nor
         succeeded (an error about one object), the next op may probe."""
@@ -128,6 +145,7 @@ class BackoffState:
             with self._lock:
                 if self._probe == token:
                     self._probe = 0
+                    self._lock.notify_all()
 
     def failed(self) -> tuple[int, float]:
         """Record a failure; returns (failures in a row, seconds left failing fast)."""
@@ -137,6 +155,7 @@ class BackoffState:
                 self.failures += 1
                 self.down_until = now + self.backoff.compute(self.failures)
                 self._probe = 0  # (the probe's own failure, or one that ends it)
+                self._lock.notify_all()
             return self.failures, self.down_until - now
 
     def succeeded(self) -> int:
@@ -146,6 +165,7 @@ class BackoffState:
         with self._lock:
             failures, self.failures, self.down_until = self.failures, 0, 0.0
             self._probe = 0
+            self._lock.notify_all()
         return failures
 
 

@@ -528,7 +528,9 @@ class OpQueue:
         stuck = self.stuck_writes >= self.write_threads if write else (
             self.stuck_reads >= self.read_threads)  # fmt: skip
         health = self.health.of(write)
-        probe = None if stuck else health.admit()  # after a backoff: one op, the probe
+        # after a backoff: one op, the probe; an upload behind it waits for its report
+        probe = None if stuck else (
+            health.admit_waiting(self.write_stall_s) if write else health.admit())
         if probe is None:
             self._finish(op, False, "unreachable")
             return
