@@ -172,7 +172,9 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvtier import metrics
     from kvtier.sizing.emit import shutdown_flags
+    from kvtier.stats import total_name
 
     ktc: dict[str, Any] = {
         "kv_connector": "KVTierConnector",
@@ -200,17 +202,21 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     # which finds another engine's chunks there, trusts them only once the KV vLLM computes
     # for this document matches the stored chunk (kvtier's canary), and loads after that
     canary = {"match": 0, "mismatch": 0}
+
+    def checks(outcome: str) -> str:  # the canary's counter in the scheduler's totals
+        return total_name(metrics.CANARY, (outcome,))
+
     check = TokensPrompt(prompt_token_ids=_tokens(99, DOC_TOKENS) + [1] * 8)
     if spec["phase"] == 2:
         before = dict(side.totals) if side else {}
         llm.generate([check], sp, use_tqdm=False)
         for _ in range(50):  # the workers report the comparison in a later step
-            if side is None or any(side.totals[f"canary_{r}"] > before.get(f"canary_{r}", 0)
+            if side is None or any(side.totals[checks(r)] > before.get(checks(r), 0)
                                    for r in canary):
                 break
             llm.generate([TokensPrompt(prompt_token_ids=_tokens(8, 16))], sp, use_tqdm=False)
         if side is not None:
-            canary = {r: side.totals[f"canary_{r}"] - before.get(f"canary_{r}", 0)
+            canary = {r: side.totals[checks(r)] - before.get(checks(r), 0)
                       for r in canary}
     rows = []
     for q in range(spec["questions"]):
