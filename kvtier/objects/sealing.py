@@ -45,7 +45,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -63,6 +63,8 @@ __all__ = [
 KEY_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
+#: a sealed chunk is decrypted in pieces of this size through a per-thread bounce buffer
+OPEN_PIECE_BYTES = 1 << 20
 KID_BYTES = 8
 _KID_LABEL = b"kvtier seal key id v1"
 #: prefixed to every chunk's associated data: a sealed chunk is never valid for another use
@@ -169,6 +171,21 @@ class Sealer:
             self._local.buf = buf
         return memoryview(buf)[:nbytes]
 
+    def _decrypt_in_place(self, dec: Any, data: memoryview) -> None:
+        """Decrypt ``data`` in place through this thread's bounce buffer, one piece at a
+        time: cryptography >= 51 refuses ``update_into`` with overlapping input and output,
+        and GCM, a stream mode, gives as many bytes out as in."""
+        bounce: bytearray | None = getattr(self._local, "bounce", None)
+        if bounce is None:
+            # update_into wants room for one more block than it is given
+            bounce = self._local.bounce = bytearray(OPEN_PIECE_BYTES + 16)
+        out = memoryview(bounce)
+        for at in range(0, data.nbytes, OPEN_PIECE_BYTES):
+            piece = data[at:at + OPEN_PIECE_BYTES]
+            n = dec.update_into(piece, out)
+            assert n == piece.nbytes, "GCM is a stream mode: as many bytes out as in"
+            piece[:] = out[:n]
+
     def seal(self, aad: bytes, plain: memoryview) -> tuple[Seal, memoryview]:
         """Encrypt ``plain`` with a fresh nonce; returns the seal and the ciphertext, which
         lives in this thread's scratch buffer until the thread seals again."""
@@ -199,7 +216,7 @@ class Sealer:
         dec = Cipher(algorithms.AES(key), modes.GCM(seal.nonce, seal.tag)).decryptor()
         dec.authenticate_additional_data(AAD_LABEL + aad)
         if data.nbytes:
-            dec.update_into(data, data)
+            self._decrypt_in_place(dec, data)
         try:
             dec.finalize()
         except InvalidTag:
