@@ -335,6 +335,11 @@ class RedisTier(SlotReader):
         with self._errors("put"):
             for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
                 conn = pool_connection(pool)
+                if attempt:
+                    # the pool's other idle connections died with the one that failed (a
+                    # restarted server): the retry opens a new one instead of taking another
+                    # dead one, which would fail the upload and back the tier's writes off
+                    conn.disconnect()  # type: ignore[no-untyped-call]
                 try:
                     expect_reply(conn, "SET")
                     conn.send_packed_command(frame)  # type: ignore[no-untyped-call]

@@ -1,0 +1,36 @@
+"""An upload right after the Redis server restarted succeeds: every idle connection of the
+pool died with the old server, and the put's one retry opens a new connection instead of
+taking the next dead one (which failed the upload and backed the tier's writes off: the
+chunks stored right after a restart were lost, tests/e2e/test_trust.py's outage test)."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from kvtier.objects import codec
+from kvtier.objects.tiers.redis import RedisTier
+
+
+def test_a_put_after_a_server_restart_opens_a_new_connection(services) -> None:
+    server = services.redis()
+    tier = RedisTier(server.url)
+    try:
+        # several idle connections in the pool: puts from four threads at once
+        def put(i: int) -> None:
+            tier.put(f"k{i}", codec.encode(f"k{i}", bytes([i]) * 4096, dtype="uint8",
+                                           shape=[4096]))
+
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pool = tier._client.connection_pool
+        assert len(pool._connections) >= 2  # type: ignore[attr-defined]  # idle, all dead soon
+        server.restart()  # same port, empty, every pooled connection now dead
+        put(9)  # one attempt on a dead connection, the retry on a new one
+        assert redis.Redis.from_url(server.url).exists("k9") == 1
+    finally:
+        tier.close()
