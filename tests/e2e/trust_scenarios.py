@@ -202,6 +202,19 @@ def _record_object_keys(llm) -> dict[str, list[str]]:
     return keys
 
 
+def _past_write_backoff(llm, timeout_s: float = 60.0) -> None:
+    """Run empty steps until the object tier's writes no longer fail fast: the last
+    uploads of the killed round can fail late on a loaded machine, and a backoff they
+    start would drop the next round's uploads (as it should) before the tier is tried."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()._worker
+    writes = worker.remote.queue.health.writes
+    end = time.time() + timeout_s
+    while writes.is_down and time.time() < end:
+        settle(llm, 0.2)
+
+
 def _remote_counters(llm) -> dict[str, int]:
     """Object-tier op counters of this engine: the worker's fetches and uploads (the
     worker runs in this process: uniproc executor; the scheduler asks the tier nothing)."""
@@ -382,6 +395,7 @@ def outage_concurrent(
     open(os.path.join(signal_dir, "restartme"), "w").close()
     _wait_file(os.path.join(signal_dir, "restarted"))
     settle(llm, 6.0)  # past the backoff: the tier is tried again
+    _past_write_backoff(llm)
     rounds.append(round_())
     settle(llm)
     rounds.append(round_())
