@@ -105,6 +105,11 @@ class BackoffState:
         now = time.monotonic()
         return now < self.down_until or (self._probe != 0 and now < self._probe_until)
 
+    @property
+    def backing_off(self) -> bool:
+        """Failing fast for the backoff's delay (a probe out is not: an upload waits for it)."""
+        return time.monotonic() < self.down_until
+
     def admit(self) -> int | None:
         """May an op go to the backend now? None: no, fail it fast. 0: yes (no failures).
         A positive token: yes, as the one probe after a backoff; hand the token to

@@ -207,9 +207,12 @@ class OpQueue:
 
     @property
     def writes_down(self) -> bool:
-        """True while uploads fail fast: after a write failed to reach the tier or
-        stalled, and while every write thread is stuck in a backend call."""
-        return self.health.writes.is_down or self.stuck_writes >= self.write_threads
+        """True while uploads fail fast: for the backoff after a write failed to reach the
+        tier or stalled, and while every write thread is stuck in a backend call. Not while
+        the one probe after a backoff is out: an upload submitted then is queued and waits
+        for the probe's report (:meth:`BackoffState.admit_waiting`); failing it at submit
+        lost every chunk stored while the probe of a restarted server was out."""
+        return self.health.writes.backing_off or self.stuck_writes >= self.write_threads
 
     @property
     def reads_down_s(self) -> float:

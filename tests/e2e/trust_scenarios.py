@@ -14,6 +14,7 @@ the test decides. Besides vLLM's outputs each one reports what kvtier saw:
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import random
 import threading
@@ -378,11 +379,13 @@ def outage_concurrent(
     side.build_connector_meta = build_connector_meta
 
     remote_hits: list[int] = []
+    marks: list[tuple[dict[str, int], dict[str, int]]] = []  # counters as each round began
 
     def round_() -> list[dict[str, Any]]:
         llm.reset_prefix_cache(reset_connector=True)
         assert side.index.used_slots == 0, "the host tier was not emptied"
         before = side.totals["hit_tokens_remote"]
+        marks.append((dict(side.totals), _remote_counters(llm)))
         outs = gen(llm, prompts)
         remote_hits.append(side.totals["hit_tokens_remote"] - before)
         return outs
@@ -405,10 +408,22 @@ def outage_concurrent(
         "killed_at": state["killed_at"],
         "after_kill": after_kill,
         "remote_hits": remote_hits,
+        "per_round": _deltas([*marks, (dict(side.totals), _remote_counters(llm))]),
         "index": index_report(llm),
         "remote": _remote_counters(llm),
         "stats": _stats(),
     }
+
+
+def _deltas(marks: list[tuple[dict[str, int], dict[str, int]]]) -> list[dict[str, Any]]:
+    """What changed between consecutive marks (totals, object-tier counters), nonzero only."""
+    out = []
+    for (t0, r0), (t1, r1) in itertools.pairwise(marks):
+        out.append({
+            "totals": {k: v - t0.get(k, 0) for k, v in t1.items() if v != t0.get(k, 0)},
+            "remote": {k: v - r0.get(k, 0) for k, v in r1.items() if v != r0.get(k, 0)},
+        })
+    return out
 
 
 # ---- latency -----------------------------------------------------------------------------

@@ -8,6 +8,9 @@ import threading
 import time
 
 from kvtier.objects.health import BackoffState, ConstantBackoff
+from kvtier.objects.remote import RemoteIO
+from kvtier.objects.tiers.file import FileTier
+from kvtier.ops import OpResult
 
 
 def backed_off_then_over() -> BackoffState:
@@ -64,3 +67,69 @@ def test_the_wait_is_bounded() -> None:
     t0 = time.monotonic()
     assert state.admit_waiting(0.1) is None  # the probe never reported
     assert time.monotonic() - t0 < 2.0
+
+
+# -- the entry point: RemoteIO.submit_put while the probe is out ------------------------------
+
+
+class _SlowBack(FileTier):
+    """A directory tier that holds its first put until released: the probe after a
+    backoff, out while the engine stores (and submits) more chunks."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.first_put = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, key: str, parts: object) -> None:
+        if not self.first_put.is_set():
+            self.first_put.set()
+            self.release.wait(5)
+        super().put(key, parts)  # type: ignore[arg-type]
+
+
+def _collect(rio: RemoteIO, n: int, timeout: float = 15.0) -> dict[int, OpResult]:
+    out: list[OpResult] = []
+    end = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += rio.poll()
+        time.sleep(0.002)
+    assert len(out) == n, f"expected {n} results, got {len(out)}"
+    return {r.op_id: r for r in out}
+
+
+def test_uploads_submitted_while_the_probe_is_out_are_written(tmp_path) -> None:
+    """The object store came back after an outage: the first upload after the backoff is
+    the probe, and the chunks stored while it is out are queued behind it and written
+    once it succeeds. Failing them at submit (as ``writes_down`` did while a probe was
+    out) lost 15 of 64 chunks right after a Redis restart in the outage test."""
+    tier = _SlowBack(str(tmp_path))
+    rio = RemoteIO(tier, threads=4, queue_depth=64, timeout_s=5.0, signer=None,
+                   backoff=ConstantBackoff(0.05))  # fmt: skip
+    rio.health.writes.failed()  # the outage: writes backed off, and then the backoff ends
+    time.sleep(0.06)
+    shape, n = [2, 8, 64], 2 * 8 * 64 * 2
+    rio.submit_put(0, "probe", memoryview(bytearray(n)), dtype="bfloat16", shape=shape)
+    assert tier.first_put.wait(5), "the probe never reached the tier"
+    for i in range(1, 9):
+        assert rio.submit_put(i, f"k{i}", memoryview(bytearray(n)), dtype="bfloat16",
+                              shape=shape)  # fmt: skip
+    tier.release.set()
+    got = _collect(rio, 9)
+    assert {i: r.error_kind for i, r in got.items() if not r.ok} == {}
+    assert tier.exists([f"k{i}" for i in range(1, 9)]) == [True] * 8
+    rio.close()
+
+
+def test_uploads_submitted_while_backing_off_still_fail_fast(tmp_path) -> None:
+    """The other half of the rule: during the backoff itself an upload is refused at once
+    (counted unreachable) and never reaches the tier."""
+    tier = _SlowBack(str(tmp_path))
+    tier.release.set()
+    rio = RemoteIO(tier, threads=2, queue_depth=16, timeout_s=5.0, signer=None,
+                   backoff=ConstantBackoff(30.0))  # fmt: skip
+    rio.health.writes.failed()
+    rio.submit_put(0, "k", memoryview(bytearray(2048)), dtype="bfloat16", shape=[2, 8, 64])
+    got = _collect(rio, 1)
+    assert got[0].error_kind == "unreachable" and not tier.first_put.is_set()
+    rio.close()

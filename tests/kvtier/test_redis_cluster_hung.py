@@ -267,3 +267,40 @@ def test_a_hung_primary_failed_over_is_found_by_the_next_probe() -> None:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
         c.cleanup()
+
+
+def test_a_put_behind_a_nodes_probe_waits_for_it(cluster: RedisCluster) -> None:
+    """A node that is back after its backoff: the first op to it is the probe, and an
+    upload to it meanwhile waits for the probe's report and is written (the read path
+    still fails fast). Failing it fast lost the uploads stored right after a node came
+    back, as the single-node tier did (tests/kvtier/test_health_probe_wait.py)."""
+    import threading
+
+    tier = RedisClusterTier(cluster.url, lookup_timeout_ms=DEADLINE_MS)
+    try:
+        key = prompt_keys(1)[0]
+        node = tier._node_of(key)
+        assert node is not None
+        tier._node_failed(node)  # the node failed a moment ago ...
+        state = tier._node_health[node]
+        time.sleep(state.backoff.compute(state.failures) + 0.05)  # ... and its backoff ended
+        probe = state.admit()
+        assert probe, "the next op is not the probe"
+        errors: list[Exception] = []
+
+        def upload() -> None:
+            try:
+                tier.put(key, [payload()])
+            except Exception as exc:  # noqa: BLE001 - the test reports what it raised
+                errors.append(exc)
+
+        t = threading.Thread(target=upload)
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive() and not errors, errors  # waiting for the probe, not failed
+        state.succeeded()  # the probe's report: the node answers again
+        t.join(10)
+        assert not t.is_alive() and not errors, errors
+        assert tier.exists([key]) == [True]
+    finally:
+        tier.close()

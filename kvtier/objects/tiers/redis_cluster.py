@@ -310,15 +310,17 @@ class RedisClusterTier(RedisTier):
             return None
         return node.name if node is not None else None
 
-    def _admit(self, op: str, key: str) -> tuple[str | None, int]:
+    def _admit(self, op: str, key: str, wait_s: float = 0.0) -> tuple[str | None, int]:
         """Fail fast on a key whose node failed a moment ago (no network): the tier's other
         slots go on; once the node's short backoff is over one op (the probe) tries it
-        again while the rest still fail fast. (the node, the probe's token or 0)."""
+        again while the rest still fail fast, or, given ``wait_s`` (uploads), wait that
+        long for the probe's report: a node that is back must not lose the uploads that
+        came while its probe was out. (the node, the probe's token or 0)."""
         node = self._calling.node = self._node_of(key)
         state = self._node_health.get(node) if node is not None else None
         if node is None or state is None:
             return node, 0
-        token = state.admit()
+        token = state.admit_waiting(wait_s) if wait_s > 0 else state.admit()
         if token is None:
             self._count_node(node)
             raise NodeUnavailable(
@@ -484,7 +486,7 @@ class RedisClusterTier(RedisTier):
         redirection or a dead pooled connection goes through redis-py's own
         ``execute_command`` (which follows MOVED / ASK and refreshes the topology), a
         timeout is the node's failure at once (a hung node is not waited for twice)."""
-        node_name, token = self._admit("put", key)
+        node_name, token = self._admit("put", key, wait_s=self._waits.reply_s)
         try:
             self._put(key, parts)
         finally:
@@ -537,3 +539,14 @@ class RedisClusterTier(RedisTier):
             client, self._cluster = self._cluster, None
         if client is not None:
             client.close()
+
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """:meth:`RedisTier.create_if_absent` (SET NX) on the key's primary through the
+        cluster client (it follows MOVED / ASK), with the node's health as :meth:`put`."""
+        node_name, token = self._admit("create", key)
+        try:
+            created = super().create_if_absent(key, parts)
+        finally:
+            self._probe_over(node_name, token)
+        self._node_answered(node_name)
+        return created
