@@ -165,6 +165,20 @@ class ObjectTier(ABC):
     def put(self, key: str, parts: Parts) -> None:
         """Store the concatenation of ``parts``; readers see all of it or nothing."""
 
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """Store the concatenation of ``parts`` only if nothing is stored under ``key``,
+        atomically: of any number of callers at once, on any machines, exactly one gets
+        True and its bytes are what readers see; every other caller gets False and
+        stores nothing. A claim, not a cache write (a generation's first writer,
+        :func:`kvtier.objects.manifest.claim_generation`): a backend that cannot create
+        atomically must raise, never fall back to a check and a :meth:`put`. Every kvtier
+        tier overrides it; this default raises NotImplementedError.
+
+        A retried call may answer False for bytes its own first try stored (the reply
+        was lost): a caller that must know reads the object back and compares.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no atomic create")
+
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys; missing ones are ignored."""

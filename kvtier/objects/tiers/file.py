@@ -53,6 +53,8 @@ _TIER_ERRNOS = frozenset({
     errno.ECONNRESET, errno.ENODEV, errno.EROFS, errno.ESHUTDOWN,
 })  # fmt: skip
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: ``link`` refused by a filesystem without hard links (FAT, some FUSE and object mounts)
+_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK})
 # O_NOFOLLOW: a symlink planted at a chunk's name is refused, not followed. O_NONBLOCK: a FIFO
 # planted there opens at once (and is refused by fstat) instead of blocking an I/O thread.
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -695,6 +697,55 @@ class FileTier(SlotReader):
 
     def close(self) -> None:
         self.sweeper.close()
+
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """:meth:`ObjectTier.create_if_absent`: the bytes go to a temp file, which is then
+        hard-linked to the key's name (``link`` fails with EEXIST when anything is there,
+        atomically, on local filesystems and NFS alike), so a reader sees all of it or
+        nothing. A filesystem without hard links creates the name with ``O_EXCL`` and
+        writes into it (a reader may then see it short for a moment: a miss)."""
+        sub, name = _place(key)
+        dir_fd: int | None = None
+        tmp = None
+        try:
+            with self._errors("create"):
+                dir_fd = self._subdir(sub, "create", create=True)
+                if dir_fd is None:  # removed again by another engine between mkdir and open
+                    raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
+                fd, tmp = self._create_temp(dir_fd)
+                with open(fd, "wb") as f:
+                    self._own_group(fd)
+                    for part in parts:
+                        f.write(part)
+                try:
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                            follow_symlinks=False)  # fmt: skip
+                except FileExistsError:
+                    return False
+                except OSError as exc:
+                    if exc.errno not in _NO_LINKS:
+                        raise
+                    return self._create_excl(dir_fd, name, parts)
+        finally:
+            if tmp is not None and dir_fd is not None:
+                _unlink(tmp, dir_fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
+        if self.max_bytes is not None:
+            self.sweeper.wrote(sum(memoryview(p).nbytes for p in parts))
+        return True
+
+    def _create_excl(self, dir_fd: int, name: str, parts: Parts) -> bool:
+        """:meth:`create_if_absent` where the filesystem has no hard links: ``O_EXCL``."""
+        try:
+            fd = os.open(name, _OPEN_TMP, self.file_mode, dir_fd=dir_fd)
+        except FileExistsError:
+            return False
+        with open(fd, "wb") as f:
+            self._own_group(fd)
+            for part in parts:
+                f.write(part)
+        return True
 
 
 def _read(fd: int, n: int) -> bytes:

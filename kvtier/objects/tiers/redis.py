@@ -364,3 +364,14 @@ class RedisTier(SlotReader):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """:meth:`ObjectTier.create_if_absent`: SET NX (with EX as :meth:`put`), which the
+        server runs atomically; a claim is small, so its parts are joined."""
+        with self._errors("create"):
+            reply = self._client.set(key, b"".join(parts), nx=True, ex=self.ttl_s or None)
+        if reply is None:
+            return False
+        if reply not in (b"OK", "OK", True):
+            raise ObjectError(f"redis create {self._safe_url}: unexpected reply {reply!r:.80}")
+        return True

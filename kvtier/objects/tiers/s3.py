@@ -393,3 +393,27 @@ class S3Tier(SlotReader):
     def close(self) -> None:
         self._heads.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """:meth:`ObjectTier.create_if_absent`: PutObject with ``If-None-Match: *`` (AWS S3
+        since 2024-08, MinIO, R2, GCS; SeaweedFS since 2025-08): 412 PreconditionFailed
+        when the object exists; 409 ConditionalRequestConflict (a write of it under way)
+        is tried again. A store that ignores the header overwrites: kvtier needs one that
+        honours it for the claim to be exclusive."""
+        body = b"".join(parts)
+        attempt = 0
+        while True:
+            with self._errors("create"):
+                try:
+                    self._client.put_object(Bucket=self.bucket, Key=self.object_key(key),
+                                            Body=body, IfNoneMatch="*")  # fmt: skip
+                    return True
+                except ClientError as exc:
+                    code = str(exc.response.get("Error", {}).get("Code", ""))
+                    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                    if code == "PreconditionFailed" or status == 412:
+                        return False
+                    conflict = code == "ConditionalRequestConflict" or status == 409
+                    if not conflict or attempt == RETRIES:
+                        raise
+            attempt += 1
