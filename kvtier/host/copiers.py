@@ -10,6 +10,7 @@ behind one :class:`GroupsCopier`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -115,9 +116,12 @@ class GroupsCopier(Copier):
                 if not blocks:
                     continue
                 n += 1
+                # every other field kept as it is (the fetch a load waits for, the loads a
+                # store waits for, its upload): a group's part is checked as the whole op
                 part: CopyOp = (
-                    LoadOp(job.op_id, job.slot, first, blocks) if isinstance(job, LoadOp)
-                    else StoreOp(job.op_id, job.slot, blocks)
+                    replace(job, first=first, gpu_blocks=blocks, more=())
+                    if isinstance(job, LoadOp)
+                    else replace(job, gpu_blocks=blocks, more=())
                 )
                 per_group[g].append(part)
             done += tally.expect(job.op_id, n)

@@ -81,3 +81,35 @@ def test_a_load_with_nothing_of_a_group_and_a_refused_part() -> None:
     ])
     assert sorted((r.op_id, r.ok) for r in out) == [(1, True), (2, True), (3, False),
                                                     (4, False)]
+
+
+def test_each_groups_part_keeps_every_field_of_its_op() -> None:
+    """A hybrid op split into its groups' parts keeps what the copier underneath checks
+    (a load's ``fetch_op``, a store's ``after_loads``, its upload and block hash): a part
+    rebuilt from slot and blocks alone would be copied as if its fetch had succeeded, the
+    same mistake as the trimmed load of a sliding-window model (issue 47, item 1)."""
+    src = overlaid_caches(2)
+    layout = SlotLayout.from_kv_caches(src, NB, BPC, GROUPS)
+    slab = HostSlab(layout.slot_bytes, layout)
+    seen: list[object] = []
+
+    class Recording(CpuCopier):
+        def begin_loads(self, jobs):  # type: ignore[no-untyped-def]
+            seen.extend(jobs)
+            return super().begin_loads(jobs)
+
+        def begin_saves(self, jobs):  # type: ignore[no-untyped-def]
+            seen.extend(jobs)
+            super().begin_saves(jobs)
+
+    c = GroupsCopier([src[ll.name] for ll in layout.layers], layout, slab, Recording)
+    c.begin_saves([StoreOp(1, 0, [0, 1, 2, 3], b"h" * 8, 9, more=([10, 11],),
+                           after_loads=(5,))])  # fmt: skip
+    c.begin_loads([LoadOp(2, 0, 0, [4, 5, 6, 7], more=((1, [20]),), fetch_op=7)])
+    stores = [j for j in seen if isinstance(j, StoreOp)]
+    loads = [j for j in seen if isinstance(j, LoadOp)]
+    assert len(stores) == 2 and len(loads) == 2
+    assert all((s.block_hash, s.upload_op_id, s.after_loads, s.more) == (b"h" * 8, 9, (5,), ())
+               for s in stores)  # fmt: skip
+    assert all(ld.fetch_op == 7 and ld.more == () for ld in loads)
+    assert sorted(ld.first for ld in loads) == [0, 1]
