@@ -180,21 +180,22 @@ class WorkerSide:
             self._allocate_slab(self.cfg.cpu_bytes, at_startup=True)
 
     def _generation_is_fresh(self) -> bool:
-        """Whether the tier holds nothing of this engine's generation: no manifest under
-        ``gen-<id>/``. Every engine writes its generation's manifest at start and every
-        minute (rank 0 of stage 0, :mod:`kvtier.objects.manifest`), so an absent manifest
-        means no engine has written the generation since ``kvtier store gc`` last emptied
-        it: this engine is its first writer and its own KV defines it. A tier that cannot
-        answer is not fresh (the first hit is checked instead)."""
+        """Whether this engine is its generation's first writer: its claim, the
+        generation's manifest created only if none is stored (atomically on every tier,
+        :func:`kvtier.objects.manifest.claim_generation`), won. Every engine writes its
+        generation's manifest at start and every minute, so a stored manifest means
+        another engine wrote the generation (its first hit is checked); of engines
+        starting at once on an empty generation exactly one wins, and its own KV defines
+        it. A tier that cannot answer is not fresh (the first hit is checked instead)."""
         assert self.remote is not None
         gen = self.namespace.generation()
         try:
-            found = self.remote.tier.exists([manifest.manifest_key(gen)])
+            fresh = manifest.claim_generation(self.remote.tier, self.namespace,
+                                              self.remote.signer)  # fmt: skip
         except Exception as exc:  # noqa: BLE001  any failure: check the first hit instead
-            logger.warning("kvtier: could not tell whether generation %s is in the object "
-                           "tier (%s): its first hit is checked", gen, exc)  # fmt: skip
+            logger.warning("kvtier: could not claim generation %s in the object tier (%s): "
+                           "its first hit is checked", gen, exc)  # fmt: skip
             return False
-        fresh = not found[0]
         logger.info("kvtier worker: generation %s %s", gen,
                     "is new: this engine writes it first" if fresh else
                     "is in the object tier: its first hit is checked before it is trusted")

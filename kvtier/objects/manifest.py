@@ -9,9 +9,12 @@ first and last seen in use. ``kvtier store`` lists the keys, reads the manifests
 reports (or deletes) by generation: a generation whose ``last_seen`` is old is dead.
 
 One writer per engine: rank 0 of stage 0 (:class:`ManifestWriter`, started beside its
-object-tier I/O). It writes at start, every ``interval_s`` (60 s; ``kvtier store gc
---dead-after`` must be much longer), when the engine's identity changes (a weight update
-starts a generation), and once at shutdown. A write keeps the earliest ``first_seen`` the
+object-tier I/O). Before it starts, the engine claims the generation
+(:func:`claim_generation`: the manifest created only if absent, atomically): the one
+engine whose claim wins is the generation's first writer (:mod:`kvtier.canary`). The
+writer writes at start, every ``interval_s`` (60 s; ``kvtier store gc --dead-after``
+must be much longer), when the engine's identity changes (a weight update starts a
+generation), and once at shutdown. A write keeps the earliest ``first_seen`` the
 stored manifest had, so several replicas of one model refresh one manifest.
 """
 
@@ -32,8 +35,8 @@ from kvtier.keys import Namespace, generation_key
 from kvtier.objects import codec
 from kvtier.objects.tiers.base import ObjectTier
 
-__all__ = ["MANIFEST", "MANIFEST_DTYPE", "Manifest", "ManifestWriter", "for_worker",
-           "manifest_key", "read_manifest", "write_manifest"]  # fmt: skip
+__all__ = ["MANIFEST", "MANIFEST_DTYPE", "Manifest", "ManifestWriter", "claim_generation",
+           "for_worker", "manifest_key", "read_manifest", "write_manifest"]  # fmt: skip
 
 log = logging.getLogger("kvtier.manifest")
 
@@ -149,6 +152,30 @@ def write_manifest(tier: ObjectTier, manifest: Manifest, signer: codec.Signer | 
     data = manifest.to_bytes()
     tier.put(key, codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)],
                                signer=signer))  # fmt: skip
+
+
+def claim_generation(
+    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None,
+    *, now: float | None = None,
+) -> bool:
+    """Whether this engine is the first writer of ``namespace``'s generation: its
+    manifest, created only if none is stored (:meth:`ObjectTier.create_if_absent`, atomic
+    on every tier). Of engines starting at once on an empty generation exactly one gets
+    True; the others, and every engine after them, find the manifest and check their
+    first hit (:mod:`kvtier.canary`). A create retried after a lost reply answers False
+    for the manifest its own first try stored: the stored bytes are read back, and this
+    engine's own (its host, its time to the microsecond, a sealed manifest's nonce) win.
+    Raises TierError when the tier fails (no answer: not the first writer)."""
+    manifest = Manifest.of(namespace, time.time() if now is None else now)
+    key = manifest_key(manifest.id)
+    data = manifest.to_bytes()
+    # joined at once: a sealed manifest's parts live in this thread's scratch buffer
+    blob = b"".join(codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)],
+                                 signer=signer))  # fmt: skip
+    if tier.create_if_absent(key, [blob]):
+        return True
+    stored = tier.get(key, max_bytes=MAX_MANIFEST)
+    return stored is not None and bytes(stored) == blob
 
 
 class ManifestWriter:

@@ -1,0 +1,185 @@
+"""The canary's first writer is claimed, not inferred: engines starting at once on an empty
+generation (their manifest writes not landed yet) find exactly one first writer, which
+trusts itself; every other engine checks its first hit. Real workers over real tiers
+(a directory, a moto S3 server, a redis-server), fakes only for vLLM's KV caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvtier.canary import GenerationTrust, Trust
+from kvtier.config import load_config
+from kvtier.keys import Namespace
+from kvtier.objects import manifest
+from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
+from kvtier.objects.tiers.base import Parts
+
+pytestmark = pytest.mark.integration
+
+BS, BPC = 32, 4
+NS = Namespace("m", None, "bfloat16", "auto", BS, BS * BPC, 1, fingerprint="build-7")
+
+
+@pytest.fixture(params=["file", "s3", "redis"])
+def url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore[no-untyped-def]
+    if request.param == "file":
+        return f"file://{tmp_path}/kv"
+    if request.param == "s3":
+        return str(request.getfixturevalue("s3_bucket").url)
+    request.getfixturevalue("redis_server").flush()
+    return str(request.getfixturevalue("redis_url"))
+
+
+def _tier(url: str) -> ObjectTier:
+    return open_tier(load_config({"remote_url": url}, environ={}))
+
+
+def _held_puts(tier: ObjectTier, until: threading.Event) -> ObjectTier:
+    """``tier`` whose plain writes (the manifest writer's) wait for ``until``: both engines
+    start before either's manifest lands, the window the old exists() check lost."""
+    put = tier.put
+
+    def held(key: str, parts: Parts) -> None:
+        until.wait(30)
+        put(key, parts)
+
+    tier.put = held  # type: ignore[method-assign]
+    return tier
+
+
+def _worker(url: str, until: threading.Event, seed: int,  # type: ignore[no-untyped-def]
+            tier: Callable[[], ObjectTier] | None = None):
+    """A rank-0 worker with the canary's first-hit check on, over the tier ``url`` names
+    (or ``tier()``)."""
+    from copyfakes import make_caches
+
+    from kvtier.connectors.worker import WorkerSide
+    from kvtier.objects.remote import RemoteIO
+
+    cfg = load_config({"cpu_bytes": "16MiB", "chunk_size": BS * BPC, "remote_url": url,
+                       "canary_first_hit": True}, environ={})  # fmt: skip
+
+    def remote(c):  # type: ignore[no-untyped-def]
+        held = _held_puts(tier() if tier is not None else _tier(url), until)
+        return RemoteIO(held, threads=1, queue_depth=8, timeout_s=5, signer=None)
+
+    w = WorkerSide(cfg, NS, 40, remote)
+    w.register_kv_caches(make_caches((2, 40, BS, 4, 16), layers=2, seed=seed), rank=0)
+    return w
+
+
+def _at_once(n: int, start: Callable[[int], Any]) -> list[Any]:
+    """``start(i)`` for i < n in threads released together; their results in order."""
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    gate = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            gate.wait(10)
+            out[i] = start(i)
+        except BaseException as exc:  # noqa: BLE001  raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_two_engines_starting_at_once_on_an_empty_generation_give_one_first_writer(
+    url: str,
+) -> None:
+    """Engine A (the right weights) and engine B (other weights, the same name) start
+    together on an empty tier, neither's manifest stored yet: exactly one is the
+    generation's first writer and trusts itself; the other checks its first hit. (Before
+    the claim both found no manifest and both trusted themselves, so B's wrong KV could
+    be stored trusted.)"""
+    landed = threading.Event()
+    workers = _at_once(2, lambda i: _worker(url, landed, seed=10 + i))
+    try:
+        said = [w.fresh_generation for w in workers]
+        assert sorted(said) == [False, True], said
+        # what each engine's scheduler makes of its worker's answer (the handshake)
+        trust = [GenerationTrust() for _ in workers]
+        states = [t.first_writer(bool(fresh)) for t, fresh in zip(trust, said, strict=True)]
+        assert sorted(s.value for s in states) == [Trust.CHECKING.value, Trust.TRUSTED.value]
+        # the claim is the generation's manifest: the winner's, readable as any manifest
+        with _tier(url) as tier:
+            stored = manifest.read_manifest(tier, NS.generation(), None)
+            assert stored is not None and stored.id == NS.generation()
+    finally:
+        landed.set()
+        for w in workers:
+            w.shutdown()
+    third = _worker(url, landed, seed=12)  # any engine after them checks too
+    try:
+        assert third.fresh_generation is False
+    finally:
+        third.shutdown()
+
+
+def test_many_engines_claiming_at_once_give_one_first_writer(url: str) -> None:
+    """The claim alone, eight engines at once, several generations: one winner each."""
+    tiers = [_tier(url) for _ in range(8)]
+    try:
+        for fp in ("a", "b", "c"):
+            ns = dataclasses.replace(NS, fingerprint=fp)
+            won = _at_once(8, lambda i, ns=ns: manifest.claim_generation(tiers[i], ns, None))
+            assert won.count(True) == 1, (fp, won)
+    finally:
+        for t in tiers:
+            t.close()
+
+
+class _LostReply(FileTier):
+    """A directory whose create stores the object and then answers False, as a create
+    retried after its first try's reply was lost answers."""
+
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        super().create_if_absent(key, parts)
+        return False
+
+
+def test_a_claim_whose_reply_was_lost_is_still_this_engines(tmp_path) -> None:
+    tier = _LostReply(str(tmp_path / "kv"))
+    try:
+        assert manifest.claim_generation(tier, NS, None, now=1000.0) is True
+        # another engine's claim of the same generation: its bytes differ, it lost
+        assert manifest.claim_generation(tier, NS, None, now=1000.5) is False
+    finally:
+        tier.close()
+
+
+def test_a_tier_that_cannot_claim_makes_the_engine_check(tmp_path) -> None:
+    """A claim that fails (the tier down, or a tier without an atomic create: the base
+    class's raises) leaves the engine checking its first hit, never a first writer by
+    default."""
+    from kvtier.errors import TierUnavailable
+    from kvtier.objects.tiers.base import ObjectTier as Base
+
+    class Down(FileTier):
+        def create_if_absent(self, key: str, parts: Parts) -> bool:
+            raise TierUnavailable("file tier create: down")
+
+    class NoCreate(FileTier):
+        create_if_absent = Base.create_if_absent
+
+    root = str(tmp_path / "kv")
+    landed = threading.Event()
+    landed.set()
+    for cls in (Down, NoCreate):
+        w = _worker(f"file://{root}", landed, seed=10, tier=lambda cls=cls: cls(root))
+        try:
+            assert w.fresh_generation is False, cls.__name__
+        finally:
+            w.shutdown()
