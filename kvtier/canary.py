@@ -16,8 +16,8 @@ Two pure parts, no vLLM (the connector wires them, :mod:`kvtier.connectors.canar
   by float rounding (about 1e-2 of the layer's range in bf16, far less in fp32); other
   weights differ by the layer's whole range (about 1 and above).
 - :class:`GenerationTrust`: one engine's trust in its generation (UNKNOWN until the
-  workers said whether the tier already holds it, then TRUSTED as its first writer, or
-  CHECKING until a computed chunk matched the stored one, or REFUSED after a mismatch),
+  workers said whether this engine's claim of it won, then TRUSTED as its first writer,
+  or CHECKING until a computed chunk matched the stored one, or REFUSED after a mismatch),
   and the sample of later hits recomputed (``canary_rate``).
 """
 
@@ -146,8 +146,10 @@ class GenerationTrust:
         return self.state is Trust.TRUSTED
 
     def first_writer(self, fresh: bool) -> Trust:
-        """The workers' answer at startup: the tier held nothing of the generation
-        (``fresh``: this engine writes it first, its own KV is the generation's) or did."""
+        """The workers' answer at startup: this engine's claim of the generation won
+        (``fresh``: it writes it first, its own KV is the generation's; of engines
+        starting at once exactly one wins, :func:`kvtier.objects.manifest.claim_generation`)
+        or it did not (the generation was there, or another engine claimed it first)."""
         if self.state is Trust.UNKNOWN:
             self.state = Trust.TRUSTED if fresh else Trust.CHECKING
         return self.state

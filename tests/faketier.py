@@ -99,6 +99,14 @@ class FakeTier(ObjectTier):
         finally:
             self._leave(key)
 
+    def create_if_absent(self, key: str, parts: Parts) -> bool:
+        """Stored only if absent, under the fake's lock (atomic, as every tier's is)."""
+        with self._lock:
+            if key in self.objects:
+                return False
+            self.objects[key] = b"".join(bytes(p) for p in parts)
+            return True
+
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
             self.objects.pop(k, None)

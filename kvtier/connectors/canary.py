@@ -160,8 +160,8 @@ class CanaryChecks:
                 self._settle(canary.combine(check.results), meta.check_worst.get(op_id))
 
     def first_writer(self, fresh: bool) -> None:
-        """The workers said whether the tier held the generation at startup (vLLM's
-        handshake, else their first report; the first answer counts)."""
+        """The workers said whether this engine's claim of the generation won at startup
+        (vLLM's handshake, else their first report; the first answer counts)."""
         before = self.trust.state
         state = self.trust.first_writer(fresh)
         if state is not before:

@@ -103,8 +103,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     reads_down_s: float = 0.0
     #: canaries: op id -> one result per worker that finished it (kvtier.canary.RESULTS)
     checks: dict[int, list[str]] = field(default_factory=dict)
-    #: whether the tier held nothing of the engine's generation at startup (rank 0 of
-    #: stage 0 asks once, before its manifest is written; None: not said in this report)
+    #: whether the engine's claim of its generation won at startup (rank 0 of stage 0
+    #: claims once, before its manifest writer starts; None: not said in this report)
     fresh_generation: bool | None = None
     #: a mismatch's worst layer and error, for the scheduler's log: op id -> (layer, error)
     check_worst: dict[int, tuple[str, float]] = field(default_factory=dict)

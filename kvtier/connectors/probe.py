@@ -52,7 +52,7 @@ class WorkerKeys(KVConnectorHandshakeMetadata):
     rank: int
     stage: int
     weights_epoch: int = 0
-    #: rank 0 of stage 0: whether the tier held nothing of its generation at startup
+    #: rank 0 of stage 0: whether its claim of its generation won at startup
     #: (kvtier.canary: its first writer is trusted at once); None: not this worker's to say
     fresh_generation: bool | None = None
 

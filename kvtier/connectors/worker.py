@@ -124,7 +124,7 @@ class WorkerSide:
         self._pending_checks: dict[int, tuple[int, torch.Tensor]] = {}
         self._checks: dict[int, list[str]] = {}
         self._check_worst: dict[int, tuple[str, float]] = {}
-        #: rank 0 of stage 0: whether the tier held nothing of this generation at startup,
+        #: rank 0 of stage 0: whether its claim of this generation won at startup,
         #: sent once with the next report (None: not this worker's to say, or said)
         self._fresh: bool | None = None
         #: the same answer, kept for vLLM's handshake (WorkerKeys), which may come later
@@ -168,7 +168,7 @@ class WorkerSide:
                         rank, threads, self.cfg.io_threads)  # fmt: skip
             faster_thread_switches()
             if rank == 0 and stage == 0 and self.cfg.canary_first_hit:
-                # asked before its manifest is written; told in the handshake and the first report
+                # claimed before its manifest writer starts; told in the handshake and first report
                 self._fresh = self.fresh_generation = self._generation_is_fresh()
             self.manifests = manifest.for_worker(self.remote, lambda: self.namespace, rank, stage)
             if self.remote.tier.reads_local and self.cfg.inline_read_ms:
