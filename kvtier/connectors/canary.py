@@ -90,12 +90,23 @@ class CanaryChecks:
 
     def recompute(self, st: RequestState) -> bool:
         """Whether this request gets no kvtier hit at all: drawn once per request as a
-        canary (``canary_rate``) of a trusted generation."""
+        canary (``canary_rate``) of a trusted generation, among the requests whose
+        recompute can be checked (:meth:`_checkable`)."""
         rid = st.request.request_id
         sampled = self._sampled.get(rid)
         if sampled is None:
-            sampled = self._sampled[rid] = self.trust.sample()
+            sampled = self._sampled[rid] = (
+                self.trust.rate > 0.0 and self._checkable(st) and self.trust.sample()
+            )
         return sampled
+
+    def _checkable(self, st: RequestState) -> bool:
+        """Whether a chunk of ``st`` that it may share is not in the host tier: only such
+        a chunk is stored when vLLM computes it, and so checked against the object tier.
+        A request the host tier serves in full is its own KV or chunks fetched and checked
+        already: recomputing it would cost its prefill and check nothing."""
+        shared = min(st.shared_chunks, len(st.chunk_hashes))
+        return any(self.index.get(self.keys.key(st, c)) is None for c in range(shared))
 
     def may_upload(self, st: RequestState) -> bool:
         """Whether this request's stored chunks may be uploaded: only into a trusted

@@ -169,6 +169,23 @@ def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
     assert side.canary._sampled == {}
 
 
+def test_a_host_tier_hit_is_not_sampled_its_recompute_would_check_nothing() -> None:
+    """A request the host tier serves in full stores nothing when recomputed (its chunks
+    are held), so no check could be made: it is never drawn as a canary; one whose
+    chunks are not in the host tier (an object-tier hit) is."""
+    side = side_of(canary_rate=1.0)
+    say(side, fresh=True)
+    side.canary.trust.rate = 0.0
+    meta = new(side, "a", 1)  # stored into the host tier (and uploaded)
+    say(side, meta=meta)
+    side.canary.trust.rate = 1.0
+    again = request("b", 1, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, False), "served"
+    assert side.canary._sampled["b"] is False
+    other = request("c", 2, 2 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False), "drawn: recomputed"
+
+
 def test_canary_first_hit_false_trusts_at_once_and_a_weight_change_is_a_new_generation() -> None:
     off = side_of(canary_first_hit=False)
     assert off.canary.trusted
