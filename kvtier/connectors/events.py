@@ -90,11 +90,9 @@ from kvtier.host.untrack import untrack
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
     from kvtier.ops import StoreOp
 
+    from .engine_shape import EngineShape
     from .metadata import KVTierMetadata, KVTierWorkerMeta
     from .requests import RequestState
 
@@ -127,12 +125,6 @@ def hash_converter() -> Callable[[bytes], Any]:
     if converted == _int_hash(probe):
         return _int_hash
     return maybe_convert_block_hash  # type: ignore[return-value]  # a format kvtier lacks
-
-
-def events_enabled(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM publishes KV-cache events (``--kv-events-config``)."""
-    cfg = getattr(vllm_config, "kv_events_config", None)
-    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
 @dataclass(slots=True)
@@ -208,29 +200,20 @@ class ChunkEvents:
         self.emitted = 0
 
     @classmethod
-    def for_engine(
-        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, chunk_size: int,
-        num_slots: int,
-    ) -> ChunkEvents:
+    def for_engine(cls, shape: EngineShape, *, chunk_size: int, num_slots: int) -> ChunkEvents:
         """Events for the engine's first KV-cache group (the one kvtier stores)."""
-        from vllm.v1.kv_cache_interface import (
-            get_kv_cache_spec_kind,
-            get_kv_cache_spec_sliding_window,
-        )
-
-        block_size = vllm_config.cache_config.block_size
-        par = vllm_config.parallel_config
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        block_size = shape.kv_block_size()
+        group = shape.allocated_kv_cache().groups[0]
         return cls(
             block_size=block_size,
             blocks_per_chunk=chunk_size // block_size,
             # a step changes at most a few events per slot (store, upload, eviction):
             # vLLM takes them every step, so only a stalled consumer loop fills this
             max_events=max(4096, 4 * num_slots),
-            world_size=par.tensor_parallel_size * par.pipeline_parallel_size,
+            world_size=shape.world_size,
             group_idx=0,
-            kv_cache_spec_kind=get_kv_cache_spec_kind(spec).value,
-            kv_cache_spec_sliding_window=get_kv_cache_spec_sliding_window(spec),
+            kv_cache_spec_kind=group.event_kind,
+            kv_cache_spec_sliding_window=group.event_window,
         )
 
     # ---- from the scheduler side ------------------------------------------------------

@@ -18,20 +18,19 @@ import hashlib
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.fingerprint import FingerprintError, weights_fingerprint
 from kvtier.keys import Namespace
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from .engine_shape import EngineShape
 
 logger = logging.getLogger("kvtier")
 
 def namespace_for(
-    cfg: KVTierConfig, vllm_config: VllmConfig, *, read_weights: bool = True
+    cfg: KVTierConfig, shape: EngineShape, *, read_weights: bool = True
 ) -> Namespace:
     """Everything besides the prefix that makes KV bytes incompatible.
 
@@ -40,31 +39,29 @@ def namespace_for(
     ``read_weights=False`` leaves the fingerprint out, for a worker built before vLLM
     has loaded (or downloaded) the weights; its keys are made after that.
     """
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    name, revision, fingerprint = str(model.model), model.revision, ""
+    name, revision, fingerprint = shape.model, shape.revision, ""
     if cfg.remote_url:
-        check_shareable(cfg, vllm_config)
+        check_shareable(cfg, shape)
         name, revision = "", None
         if read_weights:
-            fingerprint = model_identity(cfg, vllm_config)
+            fingerprint = model_identity(cfg, shape)
     return Namespace(
         model=name,
         revision=revision,
-        dtype=str(model.dtype).removeprefix("torch."),
-        kv_cache_dtype=str(cache.cache_dtype),
-        block_size=cache.block_size,
+        dtype=shape.dtype,
+        kv_cache_dtype=shape.kv_cache_dtype,
+        block_size=shape.kv_block_size(),
         chunk_size=cfg.chunk_size,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+        tp_size=shape.tp_size,
+        pp_size=shape.pp_size,
         namespace=cfg.namespace,
         fingerprint=fingerprint,
-        replicated_kv=bool(getattr(model, "use_mla", False)),
-        label=str(getattr(model, "served_model_name", None) or model.model),
+        replicated_kv=shape.use_mla,
+        label=shape.served_name,
     )
 
 
-def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
+def check_shareable(cfg: KVTierConfig, shape: EngineShape) -> None:
     """Refuse an object tier where chunks of other processes cannot be trusted to match.
 
     - A non-cryptographic block hash (``xxhash``): with a shared seed, prompts can be
@@ -74,8 +71,7 @@ def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
       the same prefix gives other bytes in every replica, and a chunk quantized with
       another replica's scales reads back as wrong values.
     """
-    cache = vllm_config.cache_config
-    algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+    algo = shape.prefix_hash_algo
     if algo.startswith("xxhash"):
         raise ConfigError(
             "remote_url",
@@ -83,7 +79,7 @@ def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
             f"an object tier needs a collision-resistant block hash, and vLLM runs with "
             f"--prefix-caching-hash-algo {algo}: use sha256 or sha256_cbor, or drop remote_url",
         )
-    if getattr(cache, "calculate_kv_scales", False) and str(cache.cache_dtype) != "auto":
+    if shape.calculate_kv_scales and shape.kv_cache_dtype != "auto":
         raise ConfigError(
             "remote_url",
             cfg.remote_url,
@@ -92,14 +88,16 @@ def check_shareable(cfg: KVTierConfig, vllm_config: VllmConfig) -> None:
         )
 
 
-def check_parallel(vllm_config: VllmConfig) -> None:
+def check_parallel(shape: EngineShape) -> None:
     """Refuse context parallelism: with ``--decode-context-parallel-size`` or
     ``--prefill-context-parallel-size`` above 1, each rank holds another share of a
     block's tokens, which kvtier's slots and keys (TP rank and pipeline stage) do not
     name. Loading one share into another rank's blocks would be wrong KV."""
-    par = vllm_config.parallel_config
-    for flag in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        size = int(getattr(par, flag, 1) or 1)
+    sizes = {
+        "decode_context_parallel_size": shape.decode_context_parallel_size,
+        "prefill_context_parallel_size": shape.prefill_context_parallel_size,
+    }
+    for flag, size in sizes.items():
         if size > 1:
             raise ConfigError(
                 "kv_connector",
@@ -109,12 +107,10 @@ def check_parallel(vllm_config: VllmConfig) -> None:
             )
 
 
-def workers_on_node(vllm_config: VllmConfig) -> int:
+def workers_on_node(shape: EngineShape) -> int:
     """This engine's workers on one host (its tensor- and pipeline-parallel ranks over
     its nodes): they share the host's CPUs, which ``io_threads: auto`` divides."""
-    par = vllm_config.parallel_config
-    ranks = int(par.tensor_parallel_size) * int(par.pipeline_parallel_size)
-    return max(1, ranks // max(1, int(getattr(par, "nnodes", 1) or 1)))
+    return max(1, shape.world_size // max(1, shape.nnodes))
 
 
 #: vLLM load formats that read the weights from the model's own files, the files
@@ -130,16 +126,14 @@ RANDOM_LOAD_FORMATS = frozenset({"dummy"})
 _RANDOM_WEIGHTS = os.urandom(16).hex()
 
 
-def load_source(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
+def load_source(cfg: KVTierConfig, shape: EngineShape) -> str:
     """Where the weights come from, as part of the model identity: ``"files"`` (the model's
     weight files, which the fingerprint reads), ``"dummy"`` (random values: a benchmark
     engine must never fill a tier under the real weights' keys, nor share with another
     process, whose random values may differ), or another loader's name (tensorizer, a
     peer, a cache: the weights do not come from the files the fingerprint read, so such an
     engine needs ``model_fingerprint`` and never shares with a file-loaded one)."""
-    load = getattr(vllm_config, "load_config", None)
-    fmt = str(getattr(load, "load_format", "auto") or "auto")
-    fmt = str(getattr(fmt, "value", fmt)).lower()  # an enum in some vLLM versions
+    fmt = shape.load_format
     if fmt in FILE_LOAD_FORMATS:
         return "files"
     if fmt in RANDOM_LOAD_FORMATS:
@@ -156,53 +150,40 @@ def load_source(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
     return f"loader:{fmt}"
 
 
-def model_identity(cfg: KVTierConfig, vllm_config: VllmConfig) -> str:
+def model_identity(cfg: KVTierConfig, shape: EngineShape) -> str:
     """Digest of the weights (or ``cfg.model_fingerprint``), where they were loaded from
     (:func:`load_source`: the files, or random values) and of the settings that change
     what they compute: the model config after ``hf_overrides`` (rope scaling...), the
     quantization method and the context length (rope variants pick factors by it); and
     of a speculative drafter's own weights, whose layers' KV the chunks hold too
     (``model_fingerprint``, when set, must name those as well)."""
-    model = vllm_config.model_config
-    source = load_source(cfg, vllm_config)
+    source = load_source(cfg, shape)
     if source in RANDOM_LOAD_FORMATS:
         weights = f"random:{_RANDOM_WEIGHTS}"  # the files are not read: nothing to share
     else:
-        weights = cfg.model_fingerprint or _weights(model)
+        weights = cfg.model_fingerprint or _weights(shape.model, shape.revision)
     settings: dict[str, Any] = {
         "weights": weights,
         "load": source,
-        "hf_config": _config_dict(getattr(model, "hf_config", None)),
-        "quantization": str(getattr(model, "quantization", None)),
-        "max_model_len": getattr(model, "max_model_len", None),
-        "attention_dtype": str(getattr(model, "override_attention_dtype", None)),
+        "hf_config": shape.hf_config_dict,
+        "quantization": shape.quantization,
+        "max_model_len": shape.max_model_len,
+        "attention_dtype": shape.attention_dtype,
     }
-    draft = _draft_model(vllm_config)
-    if draft is not None and not cfg.model_fingerprint:
+    if shape.draft_model is not None and not cfg.model_fingerprint:
         # a drafter's attention layers (EAGLE, a draft model) keep KV in the same chunks
-        settings["draft"] = _weights(draft)
+        settings["draft"] = _weights(shape.draft_model, shape.draft_revision)
     blob = json.dumps(settings, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-def _draft_model(vllm_config: VllmConfig) -> Any:
-    """The speculative drafter's model config when it has weights of its own (another
-    directory than the target's: EAGLE heads, a draft model), else None (n-gram, MTP)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(spec, "draft_model_config", None)
-    if draft is None or str(draft.model) == str(vllm_config.model_config.model):
-        return None
-    return draft
-
-
-def _weights(model: Any) -> str:
+def _weights(path: str, revision: str | None) -> str:
     """Fingerprint of the model's local files: its directory, or the Hugging Face cache's
     snapshot of a hub id (vLLM downloaded it before the connector starts)."""
-    path = str(model.model)
     try:
         return weights_fingerprint(path)
     except FingerprintError as local_error:
-        snapshot = _hub_snapshot(path, model.revision)
+        snapshot = _hub_snapshot(path, revision)
         if snapshot is not None:
             try:
                 return weights_fingerprint(snapshot)
@@ -225,20 +206,3 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
         return snapshot_download(repo_id, revision=revision, local_files_only=True)
     except Exception:  # not a hub id, not downloaded, or no huggingface_hub
         return None
-
-
-def _config_dict(hf_config: Any) -> Any:
-    """The model config as vLLM runs it, without transformers' private bookkeeping
-    (``_name_or_path`` holds the path, which must not split replicas)."""
-    if hf_config is None:
-        return None
-    to_dict = getattr(hf_config, "to_dict", None)
-    return _public(to_dict() if callable(to_dict) else repr(hf_config))
-
-
-def _public(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _public(v) for k, v in value.items() if not str(k).startswith("_")}
-    if isinstance(value, list | tuple):
-        return [_public(v) for v in value]
-    return value

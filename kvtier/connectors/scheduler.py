@@ -38,7 +38,8 @@ from kvtier.stats import StatsRecorder, Totals
 
 from .answers import StoreWaits, count_misses
 from .canary import CanaryChecks
-from .events import ChunkEvents, events_enabled
+from .engine_shape import EngineShape
+from .events import ChunkEvents
 from .groups import has_sliding_window, kv_groups
 from .ledger import OpLedger
 from .lookup import RemoteLookups
@@ -58,11 +59,9 @@ from .stats import SCHEDULER_TOTALS
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -76,27 +75,26 @@ class SchedulerSide:
     def __init__(
         self,
         cfg: KVTierConfig,
-        vllm_config: VllmConfig,
-        kv_cache_config: KVCacheConfig,
+        shape: EngineShape,
         namespace: Namespace,
     ) -> None:
+        """``shape``: the engine as vLLM configured it, its KV cache included."""
         self.cfg = cfg
-        cache = vllm_config.cache_config
-        self.block_size = cache.block_size
+        self.block_size = shape.kv_block_size()
         cfg.check_block_size(self.block_size)
         self.chunk_size = cfg.chunk_size
         self.blocks_per_chunk = cfg.chunk_size // self.block_size
-        par = vllm_config.parallel_config
-        self.world_size = par.tensor_parallel_size * par.pipeline_parallel_size
+        self.world_size = shape.world_size
+        kv_cache = shape.allocated_kv_cache()
 
         #: a hybrid model's KV cache groups as kvtier stores them (() for one group)
-        self.groups = kv_groups(kv_cache_config, self.block_size, self.chunk_size)
-        self.slot_bytes = slot_size(kv_cache_config, self.groups, self.blocks_per_chunk)
+        self.groups = kv_groups(kv_cache, self.block_size, self.chunk_size)
+        self.slot_bytes = slot_size(kv_cache, self.groups, self.blocks_per_chunk)
         #: a sliding-window group stores only the last blocks of a chunk, the window before
         #: the chunk's end: loads then end on a chunk boundary (a hit ending inside a chunk
         #: would need window blocks the slot does not hold)
         self.whole_chunks = any(g.blocks < self.blocks_per_chunk for g in self.groups)
-        self.host_bytes = resolve_host_bytes(cfg, vllm_config, self.world_size)
+        self.host_bytes = resolve_host_bytes(cfg, shape, self.world_size)
         num_slots = host_slots(cfg, self.host_bytes, self.slot_bytes, self.world_size)
         self.namespace = namespace
         #: a request's key tag (its LoRA adapter's version) and what it may share
@@ -115,7 +113,7 @@ class SchedulerSide:
         self.plan = StepPlan()
         #: write_back keeps this many of the oldest chunks uploaded ahead of eviction, so
         #: one step's stores find clean victims: what a step can store, up to half the tier
-        step_chunks = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.chunk_size)
+        step_chunks = -(-shape.max_num_batched_tokens // self.chunk_size)
         self.write_back = WriteBack(
             self.plan, self.totals, enabled=self.remote and cfg.write_policy == "write_back",
             clean_reserve=max(1, min(num_slots // 2, step_chunks)),
@@ -164,14 +162,11 @@ class SchedulerSide:
                 self.slot_bytes * self.world_size, cfg.file_max_bytes, self.stats
             )
         #: vLLM recomputes the blocks a load fails on (else it fails the request)
-        kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
-        self.recompute_failed_loads = (
-            getattr(kv_transfer, "kv_load_failure_policy", "fail") == "recompute"
-        )
-        self.num_kv_groups = len(kv_cache_config.kv_cache_groups)
+        self.recompute_failed_loads = shape.kv_load_failure_policy == "recompute"
+        self.num_kv_groups = len(kv_cache.groups)
         #: a KV cache group with a sliding window: no one-step lookups (a failed load of
         #: the window cannot be recomputed right: groups.has_sliding_window)
-        self.sliding_window = has_sliding_window(kv_cache_config)
+        self.sliding_window = has_sliding_window(kv_cache)
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
         self._reqs: dict[str, RequestState] = {}
@@ -198,9 +193,9 @@ class SchedulerSide:
         self._last_evictions = 0
         #: KV events for routers (.events), when vLLM publishes them (--kv-events-config)
         self.events: ChunkEvents | None = None
-        if events_enabled(vllm_config):
+        if shape.kv_events:
             self.attach_events(ChunkEvents.for_engine(
-                vllm_config, kv_cache_config, chunk_size=self.chunk_size, num_slots=num_slots,
+                shape, chunk_size=self.chunk_size, num_slots=num_slots,
             ))  # fmt: skip
         for g in self.groups:
             logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "

@@ -11,16 +11,17 @@ exactly the ones the next replica would hit. Startup says so, with the flags to 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, KVTierConfig
+
+from .engine_shape import EngineShape
 
 #: vLLM's default for ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
 VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5.0
 
 
 def shutdown_window_warning(
-    cfg: KVTierConfig, vllm_config: Any, environ: Mapping[str, str]
+    cfg: KVTierConfig, shape: EngineShape, environ: Mapping[str, str]
 ) -> str | None:
     """What vLLM's stop would cut short of kvtier's flush, and what to set; None when
     nothing is written to an object tier or vLLM allows for it."""
@@ -28,11 +29,10 @@ def shutdown_window_warning(
     if need is None:
         return None
     short: list[str] = []
-    engine = getattr(vllm_config, "shutdown_timeout", None)  # vLLM >= 0.32
+    engine = shape.shutdown_timeout_s  # vLLM >= 0.32
     if engine is not None and engine < need:
         short.append(f"--shutdown-timeout is {engine} (0 kills the engine at once)")
-    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
-    if backend == "mp":  # the workers are processes of their own
+    if shape.executor_backend == "mp":  # the workers are processes of their own
         try:
             window = float(environ.get(VLLM_WORKER_SHUTDOWN_ENV, VLLM_WORKER_SHUTDOWN_DEFAULT_S))
         except ValueError:

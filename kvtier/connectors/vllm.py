@@ -35,7 +35,8 @@ from kvtier.config import load_config, secret_in_config
 from kvtier.host.layout import KVGroup
 from kvtier.sizing.validate import ATTENTION_FREE_REASON, SSM_REASON, model_refused
 
-from .groups import Refused, describe, kv_groups, specs_of
+from .engine_shape import EngineShape
+from .groups import Refused, kv_groups
 from .identity import check_parallel, namespace_for, workers_on_node
 from .metadata import KVTierMetadata
 from .probe import WorkerKeys
@@ -98,9 +99,7 @@ def worker_position() -> tuple[int, int]:
     return rank, stage
 
 
-def check_kv_cache_groups(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int | None = None
-) -> tuple[KVGroup, ...]:
+def check_kv_cache_groups(shape: EngineShape, chunk_size: int | None = None) -> tuple[KVGroup, ...]:
     """Refuse at startup a KV cache kvtier cannot store and restore whole; return its
     groups as kvtier stores them (``()``: one group, stored whole).
 
@@ -112,21 +111,20 @@ def check_kv_cache_groups(
     models such as Jamba or Bamba included), any group that is neither full nor
     sliding-window attention, groups of different block sizes, or no KV cache at all.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    block_size = vllm_config.cache_config.block_size
+    kv_cache = shape.allocated_kv_cache()
+    groups = kv_cache.groups
+    block_size = shape.kv_block_size()
     if not groups:
         reason = ATTENTION_FREE_REASON
-    elif len(groups) == 1 and not all(isinstance(s, AttentionSpec) for s in specs_of(groups[0])):
-        reason = f"its KV cache is {describe(groups[0])}, {SSM_REASON}"
+    elif len(groups) == 1 and not all(s.attention for s in groups[0].specs):
+        reason = f"its KV cache is {groups[0].describe()}, {SSM_REASON}"
     else:
         try:
-            return kv_groups(kv_cache_config, block_size, chunk_size or block_size)
+            return kv_groups(kv_cache, block_size, chunk_size or block_size)
         except Refused as why:
             reason = str(why)
     # the same error kvtier size gives for the model's config.json (kvtier.sizing.validate)
-    raise model_refused(str(vllm_config.model_config.model), reason)
+    raise model_refused(shape.model, reason)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -145,9 +143,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         warning = secret_in_config(extra)
         if role == KVConnectorRole.SCHEDULER and warning is not None:
             logger.warning("kvtier: %s", warning)
-        self.cfg.check_block_size(vllm_config.cache_config.block_size)
-        check_parallel(vllm_config)
-        groups = check_kv_cache_groups(vllm_config, kv_cache_config, self.cfg.chunk_size)
+        #: vLLM's config, read once: what the rest of kvtier's vLLM layer takes
+        self._shape = shape = EngineShape.from_vllm(vllm_config, kv_cache_config)
+        self.cfg.check_block_size(shape.kv_block_size())
+        check_parallel(shape)
+        groups = check_kv_cache_groups(shape, self.cfg.chunk_size)
         if self.cfg.remote_url:
             from kvtier.objects.codec import Signer
 
@@ -162,30 +162,29 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_ptrs: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             # vLLM builds the scheduler after the workers loaded the weights
-            ns = namespace_for(self.cfg, vllm_config)
-            self._scheduler = SchedulerSide(self.cfg, vllm_config, kv_cache_config, ns)
+            ns = namespace_for(self.cfg, shape)
+            self._scheduler = SchedulerSide(self.cfg, shape, ns)
             # weights replaced while the engine runs reach _kvtier_weights_changed: by a
             # call (collective_rpc), or seen at reset_prefix_cache (written without one)
             follow_weight_changes()
             watch_written_weights(engine_core_on_stack())
             logger.info("kvtier config: %s", json.dumps(self.cfg.redacted()))
-            short = shutdown_window_warning(self.cfg, vllm_config, os.environ)
+            short = shutdown_window_warning(self.cfg, shape, os.environ)
             if short is not None:
                 logger.warning("kvtier: %s", short)
         else:
             # a worker's connector comes before the weights (a hub model may not be
             # downloaded yet): its keys are made in register_kv_caches
-            ns = namespace_for(self.cfg, vllm_config, read_weights=False)
+            ns = namespace_for(self.cfg, shape, read_weights=False)
             from kvtier.objects.remote import RemoteIO
 
             self._worker = WorkerSide(
-                self.cfg, ns, kv_cache_config.num_blocks, RemoteIO.from_config, groups=groups,
-                workers_on_node=workers_on_node(vllm_config),
+                self.cfg, ns, shape.allocated_kv_cache().num_blocks, RemoteIO.from_config,
+                groups=groups, workers_on_node=workers_on_node(shape),
             )
             # with micro-batches a layer's attention runs once per ubatch: its KV is only
             # complete after the forward, so stores then start in wait_for_save
-            parallel = vllm_config.parallel_config
-            self._worker.layerwise_saves = not getattr(parallel, "use_ubatching", False)
+            self._worker.layerwise_saves = not shape.ubatching
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -250,7 +249,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         # the weights are loaded now: the worker's keys carry their fingerprint
-        self._worker.namespace = namespace_for(self.cfg, self._vllm_config)
+        self._worker.namespace = namespace_for(self.cfg, self._shape)
         rank, stage = worker_position()
         self._worker.register_kv_caches(kv_caches, rank, stage)
         self._kv_ptrs = {name: kv.data_ptr() for name, kv in kv_caches.items()}

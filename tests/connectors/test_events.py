@@ -25,7 +25,8 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from kvtier.config import load_config
-from kvtier.connectors.events import ChunkEvents, events_enabled
+from kvtier.connectors.engine_shape import EngineShape
+from kvtier.connectors.events import ChunkEvents
 from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.connectors.vllm import KVTierConnector
@@ -72,7 +73,8 @@ def make_connector(
                       environ={})
     ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BS, chunk_size=CHUNK, tp_size=world_size)
-    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns)  # type: ignore[arg-type]
+    shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
+    side = SchedulerSide(cfg, shape, ns)
     side.bind_kv_cache_manager(FakeManager())  # type: ignore[arg-type]
     events = ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=max_events,
                          world_size=world_size, kv_cache_spec_kind="full_attention")
@@ -367,9 +369,10 @@ def test_payloads_held_per_chunk_give_the_garbage_collector_nothing_to_walk() ->
 def test_events_follow_vllms_kv_events_config() -> None:
     on = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
     off = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=False))
-    assert events_enabled(on) is True  # type: ignore[arg-type]
-    assert events_enabled(off) is False  # type: ignore[arg-type]
-    assert events_enabled(SimpleNamespace(kv_events_config=None)) is False  # type: ignore[arg-type]
+    assert EngineShape.from_vllm(on).kv_events is True  # type: ignore[arg-type]
+    assert EngineShape.from_vllm(off).kv_events is False  # type: ignore[arg-type]
+    no_config = SimpleNamespace(kv_events_config=None)
+    assert EngineShape.from_vllm(no_config).kv_events is False  # type: ignore[arg-type]
     conn = KVTierConnector.__new__(KVTierConnector)
     conn._scheduler = None
     assert list(conn.take_events()) == []

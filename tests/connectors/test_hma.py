@@ -45,6 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import KVCacheShape
 from kvtier.connectors.groups import kv_groups
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.connectors.worker import WorkerSide
@@ -107,7 +108,7 @@ class HybridEngine:
         cfg = load_config(kvtier_extra(extra), environ={})
         self.worker = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
                                  self.wc.num_blocks, RemoteIO.from_config,
-                                 groups=kv_groups(self.wc, BS, CHUNK))
+                                 groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK))
         self.worker.register_kv_caches(self.kv, rank=0)
         self.group_of = {name: g for g, grp in enumerate(self.wc.kv_cache_groups)
                          for name in grp.layer_names}

@@ -170,6 +170,7 @@ def test_layers_of_different_sizes_in_one_group_size_the_slot_layer_by_layer(
 def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) -> None:
     """Layer-outermost (blocks step by the page) and block-outermost (layers step by it)
     placements of same-size layers give the slot the group spec gives."""
+    from kvtier.connectors.engine_shape import KVCacheShape
     from kvtier.connectors.slots import layer_page_bytes
 
     vc = engine_config(model_dir)
@@ -181,7 +182,7 @@ def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) 
     page = FULL.page_size_bytes
     strides = {(t.layer_stride > page, t.block_stride > page) for t in sched_cfg.kv_cache_tensors}
     assert strides == ({(True, False)} if layout == "LBNHC" else {(False, True)})
-    assert layer_page_bytes(sched_cfg) == [page] * 3
+    assert layer_page_bytes(KVCacheShape.from_vllm(sched_cfg)) == [page] * 3
 
 
 def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> None:
@@ -267,6 +268,7 @@ def test_a_sliding_group_stores_the_tokens_vllm_retains_before_its_window(
     backs their blocks in a hit: kvtier's slot holds them too (window 32 + 16 retained =
     48 tokens: the chunk's last 3 blocks of 16), and a window longer than a chunk keeps
     whole chunks."""
+    from kvtier.connectors.engine_shape import KVCacheShape
     from kvtier.connectors.groups import kv_groups
 
     retained = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
@@ -277,6 +279,6 @@ def test_a_sliding_group_stores_the_tokens_vllm_retains_before_its_window(
     for spec, blocks, window in ((retained, 3, 48), (long, CHUNK // BS, 4 * CHUNK)):
         kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], spec)])
-        full, sliding = kv_groups(kcc, BS, CHUNK)
+        full, sliding = kv_groups(KVCacheShape.from_vllm(kcc), BS, CHUNK)
         assert (full.kind, full.blocks) == ("full", CHUNK // BS)
         assert (sliding.kind, sliding.blocks, sliding.window) == ("sliding", blocks, window)

@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.cli.tinymodel import build_tiny_llama
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.identity import namespace_for
 from kvtier.errors import ConfigError
 
@@ -49,7 +50,7 @@ REMOTE = {"remote_url": "file:///tmp/kvtier-identity-test"}
 
 def digest(model, extra=REMOTE, **over) -> bytes:
     cfg = load_config(extra, environ={})
-    return namespace_for(cfg, vllm_config(model, **over)).digest(0, 0)
+    return namespace_for(cfg, EngineShape.from_vllm(vllm_config(model, **over))).digest(0, 0)
 
 
 def test_same_weights_at_two_paths_share_keys(models) -> None:
@@ -72,7 +73,8 @@ def test_settings_that_change_the_math_change_keys(models) -> None:
     rope = vllm_config(models["a"])
     rope.model_config.hf_config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
     cfg = load_config(REMOTE, environ={})
-    assert namespace_for(cfg, rope).digest(0, 0) != base  # hf_overrides land in hf_config
+    # hf_overrides land in hf_config
+    assert namespace_for(cfg, EngineShape.from_vllm(rope)).digest(0, 0) != base
     assert digest(models["a"], quantization="fp8") != base
     assert digest(models["a"], max_model_len=2048) != base
     assert digest(models["a"], cache_dtype="fp8_e4m3") != base
@@ -80,7 +82,8 @@ def test_settings_that_change_the_math_change_keys(models) -> None:
 
 def test_host_tier_only_keys_by_name_and_reads_no_weights(tmp_path: Path) -> None:
     # no object tier: nothing outlives the engine, so nothing is fingerprinted
-    ns = namespace_for(load_config({}, environ={}), vllm_config(tmp_path / "not-there"))
+    ns = namespace_for(load_config({}, environ={}),
+                       EngineShape.from_vllm(vllm_config(tmp_path / "not-there")))
     assert ns.fingerprint == "" and ns.model == str(tmp_path / "not-there")
 
 
@@ -124,7 +127,7 @@ def test_hub_model_in_the_local_cache_is_fingerprinted(models, tmp_path, monkeyp
     hub = vllm_config(models["a"])
     hub.model_config.model = "org/model"
     cfg = load_config(REMOTE, environ={})
-    assert namespace_for(cfg, hub).digest(0, 0) == digest(models["a"])
+    assert namespace_for(cfg, EngineShape.from_vllm(hub)).digest(0, 0) == digest(models["a"])
 
 
 @pytest.mark.parametrize("flag", ["decode_context_parallel_size",
@@ -134,10 +137,10 @@ def test_context_parallel_engines_are_refused_at_startup(flag: str) -> None:
     from kvtier.connectors.identity import check_parallel
 
     cfg = vllm_config("/models/m")
-    check_parallel(cfg)  # the default: one share
+    check_parallel(EngineShape.from_vllm(cfg))  # the default: one share
     setattr(cfg.parallel_config, flag, 2)
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} 2") as e:
-        check_parallel(cfg)
+        check_parallel(EngineShape.from_vllm(cfg))
     assert e.value.key == "kv_connector"
 
 
@@ -146,19 +149,19 @@ def test_workers_on_node_divides_the_ranks_over_the_nodes() -> None:
     from kvtier.connectors.identity import workers_on_node
 
     cfg = vllm_config("/models/m")
-    assert workers_on_node(cfg) == 1
+    assert workers_on_node(EngineShape.from_vllm(cfg)) == 1
     cfg.parallel_config.tensor_parallel_size = 8
-    assert workers_on_node(cfg) == 8
+    assert workers_on_node(EngineShape.from_vllm(cfg)) == 8
     cfg.parallel_config.pipeline_parallel_size = 2
     cfg.parallel_config.nnodes = 2
-    assert workers_on_node(cfg) == 8
+    assert workers_on_node(EngineShape.from_vllm(cfg)) == 8
 
 
 # ---- where the weights come from (--load-format) -------------------------------------------
 def loaded(model, load_format: str, extra=REMOTE) -> bytes:
     cfg = vllm_config(model)
     cfg.load_config = SimpleNamespace(load_format=load_format)
-    return namespace_for(load_config(extra, environ={}), cfg).digest(0, 0)
+    return namespace_for(load_config(extra, environ={}), EngineShape.from_vllm(cfg)).digest(0, 0)
 
 
 def test_random_weights_never_share_keys_with_the_files_weights(models, tmp_path) -> None:
@@ -197,7 +200,8 @@ def test_a_drafters_own_weights_are_part_of_the_identity(models, tmp_path) -> No
         cfg.speculative_config = SimpleNamespace(
             draft_model_config=None if draft is None else SimpleNamespace(
                 model=str(draft), revision=None))
-        return namespace_for(load_config(extra, environ={}), cfg).digest(0, 0)
+        shape = EngineShape.from_vllm(cfg)
+        return namespace_for(load_config(extra, environ={}), shape).digest(0, 0)
 
     base = digest(models["a"])
     assert with_draft(None) == base

@@ -28,6 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.connectors.worker import WorkerSide
@@ -85,7 +86,8 @@ class PipelineEngine:
         kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
             kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE),
             layer_names=[layer(i) for i in stage_layers[0]])])
-        self.side = SchedulerSide(cfg, vllm_config, kv_cache_config, self.ns)  # type: ignore[arg-type]
+        shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
+        self.side = SchedulerSide(cfg, shape, self.ns)
         self.manager = FakeManager()
         self.side.bind_kv_cache_manager(self.manager)  # type: ignore[arg-type]
         g = torch.Generator().manual_seed(seed)

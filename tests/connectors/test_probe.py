@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.metadata import FetchOp, LoadOp, StoreOp
 from kvtier.connectors.probe import LocalProbe, WorkerKeys, one_step_refusal
 from kvtier.connectors.scheduler import SchedulerSide
@@ -52,7 +53,8 @@ def side_on(root: Path, *, policy: str = "recompute", tp: int = 1) -> SchedulerS
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
     cfg = load_config({"cpu_bytes": "4MiB", "cpu_headroom_bytes": 0, "chunk_size": CHUNK,
                        "remote_url": f"file://{root}", "write_policy": "none"}, environ={})
-    side = SchedulerSide(cfg, vllm_config, kv_cache_config, NS)
+    shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
+    side = SchedulerSide(cfg, shape, NS)
     side.bind_kv_cache_manager(FakeManager())
     return side
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.metadata import KVTierWorkerMeta
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.keys import Namespace
@@ -39,7 +40,8 @@ def make_side(cpu_bytes: str = "4MiB", extra: dict | None = None) -> SchedulerSi
     )
     ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
                    block_size=BS, chunk_size=CHUNK, tp_size=1)
-    side = SchedulerSide(cfg, vllm_config, kv_cache_config, ns)
+    shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
+    side = SchedulerSide(cfg, shape, ns)
     side.bind_kv_cache_manager(FakeManager())
     return side
 

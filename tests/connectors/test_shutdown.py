@@ -12,6 +12,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from kvtier.config import SHUTDOWN_MARGIN_S, load_config
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV as WORKER_WINDOW_ENV
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.shutdown import shutdown_window_warning
 from kvtier.connectors.vllm import KVTierConnector
 from tests.connectors.hybrid_engine import engine_config
@@ -38,12 +39,13 @@ def test_the_advised_window_is_the_flush_plus_a_margin(tmp_path) -> None:
 
 def test_vllms_default_stop_is_named_with_the_flags_to_set(model_dir: str, tmp_path) -> None:
     vc, cfg = config(model_dir, tmp_path, timeout=0)
-    msg = shutdown_window_warning(cfg, vc, {})
+    msg = shutdown_window_warning(cfg, EngineShape.from_vllm(vc), {})
     assert msg is not None
     assert "--shutdown-timeout is 0" in msg and "--shutdown-timeout 20" in msg, msg
     assert f"{WORKER_WINDOW_ENV}=20" in msg and "terminationGracePeriodSeconds" in msg
     assert WORKER_WINDOW_ENV + " is" not in msg  # one engine process: its window only
-    assert shutdown_window_warning(cfg, config(model_dir, tmp_path, timeout=20)[0], {}) is None
+    assert shutdown_window_warning(
+        cfg, EngineShape.from_vllm(config(model_dir, tmp_path, timeout=20)[0]), {}) is None
 
 
 @pytest.mark.parametrize(("env", "short"), [
@@ -54,7 +56,7 @@ def test_vllms_default_stop_is_named_with_the_flags_to_set(model_dir: str, tmp_p
 ])
 def test_worker_processes_need_their_own_window(model_dir: str, tmp_path, env, short) -> None:
     vc, cfg = config(model_dir, tmp_path, timeout=30, backend="mp")
-    msg = shutdown_window_warning(cfg, vc, env)
+    msg = shutdown_window_warning(cfg, EngineShape.from_vllm(vc), env)
     assert (msg is not None) == short, msg
     if short:
         assert f"{WORKER_WINDOW_ENV} is" in msg and "--shutdown-timeout is" not in msg, msg
@@ -62,9 +64,9 @@ def test_worker_processes_need_their_own_window(model_dir: str, tmp_path, env, s
 
 def test_no_warning_where_nothing_is_written(model_dir: str, tmp_path) -> None:
     vc, cfg = config(model_dir, tmp_path, timeout=0, backend="mp", write_policy="none")
-    assert shutdown_window_warning(cfg, vc, {}) is None
+    assert shutdown_window_warning(cfg, EngineShape.from_vllm(vc), {}) is None
     vc = engine_config(model_dir)  # host tier only
-    assert shutdown_window_warning(load_config({}), vc, {}) is None
+    assert shutdown_window_warning(load_config({}), EngineShape.from_vllm(vc), {}) is None
 
 
 def test_the_connector_warns_as_vllm_builds_it(model_dir: str, tmp_path, caplog) -> None:

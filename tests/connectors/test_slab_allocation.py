@@ -14,6 +14,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.connectors import slots, startup
+from kvtier.connectors.engine_shape import EngineShape
 from kvtier.errors import ConfigError
 from kvtier.host.layout import SlotLayout
 from kvtier.sizing import autosize
@@ -93,8 +94,8 @@ def test_the_plan_is_shared_by_the_workers_of_one_host() -> None:
     assert info.value.value == "9GiB" and "8.00 GiB per worker x 4" in str(info.value)
 
 
-def fake_engine(tmp_path, *, kv_bytes: int | None, tp: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(
+def fake_engine(tmp_path, *, kv_bytes: int | None, tp: int = 1) -> EngineShape:
+    return EngineShape.from_vllm(SimpleNamespace(  # type: ignore[arg-type]
         model_config=SimpleNamespace(model=str(tmp_path / "not-a-dir")),
         cache_config=SimpleNamespace(kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.9,
                                      cpu_offload_gb=0, block_size=32),
@@ -102,7 +103,7 @@ def fake_engine(tmp_path, *, kv_bytes: int | None, tp: int = 1) -> SimpleNamespa
                                         nnodes=1),
         device_config=SimpleNamespace(device_type="cpu"),
         offload_config=None,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def test_the_startup_plan_of_a_cpu_engine(tmp_path, monkeypatch) -> None:
@@ -110,7 +111,7 @@ def test_the_startup_plan_of_a_cpu_engine(tmp_path, monkeypatch) -> None:
     for a model that is not a local directory) and the headroom."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = load_config({"cpu_bytes": "4GiB", "cpu_headroom_bytes": "1GiB"}, environ={})
-    plan = startup.startup_plan(cfg, fake_engine(tmp_path, kv_bytes=2 * GiB, tp=2),  # type: ignore[arg-type]
+    plan = startup.startup_plan(cfg, fake_engine(tmp_path, kv_bytes=2 * GiB, tp=2),
                                 mem_available_bytes=13 * GiB)
     assert plan.vllm == 4 * GiB and plan.workers == 2 and "weights unknown" in plan.vllm_how
     assert plan.check(4 * GiB) == 4 * GiB
@@ -126,6 +127,6 @@ def test_the_scheduler_does_not_count_the_allocated_slabs_twice(tmp_path, monkey
     monkeypatch.setattr(autosize, "_available", lambda: 3 * GiB)
     engine = fake_engine(tmp_path, kv_bytes=GiB, tp=2)
     cfg = load_config({"cpu_bytes": "8GiB", "cpu_headroom_bytes": "1GiB"}, environ={})
-    assert slots.resolve_host_bytes(cfg, engine, 2) == 8 * GiB  # type: ignore[arg-type]
+    assert slots.resolve_host_bytes(cfg, engine, 2) == 8 * GiB
     auto = load_config({"cpu_bytes": "auto", "cpu_headroom_bytes": "1GiB"}, environ={})
-    assert slots.resolve_host_bytes(auto, engine, 2) == GiB  # type: ignore[arg-type]
+    assert slots.resolve_host_bytes(auto, engine, 2) == GiB

@@ -32,6 +32,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.config import load_config
+from kvtier.connectors.engine_shape import KVCacheShape
 from kvtier.connectors.groups import kv_groups
 from kvtier.connectors.probe import LocalProbe, WorkerKeys
 from kvtier.connectors.worker import WorkerSide
@@ -100,7 +101,7 @@ class WindowEngine(HybridEngine):
         self.cfg = load_config(kvtier_extra(extra), environ={})
         self.worker = WorkerSide(self.cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
                                  self.wc.num_blocks, RemoteIO.from_config,
-                                 groups=kv_groups(self.wc, BS, CHUNK))
+                                 groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK))
         self.worker.register_kv_caches(self.kv, rank=0)
         if self.cfg.remote_url:  # vLLM's handshake: the worker's keys to the scheduler
             keys = WorkerKeys(self.worker.namespace, 0, 0, self.worker.weights_epoch)

@@ -243,11 +243,13 @@ def test_a_stop_that_loses_queued_writes_is_named_with_what_to_set() -> None:
     from types import SimpleNamespace
 
     from kvtier.config import load_config
+    from kvtier.connectors.engine_shape import EngineShape
     from kvtier.connectors.shutdown import shutdown_window_warning
 
     vc = SimpleNamespace(shutdown_timeout=0,
                          parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
-    msg = shutdown_window_warning(load_config({"remote_url": "file:///kv"}), vc, {})
+    msg = shutdown_window_warning(load_config({"remote_url": "file:///kv"}),
+                                  EngineShape.from_vllm(vc), {})  # type: ignore[arg-type]
     assert msg is not None
     line = f"(EngineCore pid=7) WARNING 12-05 07:27:13 [vllm.py:175] kvtier: {msg}"
     rep = doctor.report(doctor.parse_log([*_args_line("recompute", "KVTierConnector"), line]))
