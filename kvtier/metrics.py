@@ -56,8 +56,10 @@ ERROR_KINDS = (
 #: unreported after the request waited ``lookup_timeout_ms`` for it; "fetching": its fetch
 #: was still in flight when the lookup timed out; "evicting": it was being dropped (a
 #: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
-#: token vLLM computes itself (kvtier holds whole chunks only)
-MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail")
+#: token vLLM computes itself (kvtier holds whole chunks only); "load_failed": offered and
+#: loaded, but the load failed (a one-step lookup's fetch that failed, a copy error) and
+#: vLLM computed them
+MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail", "load_failed")
 #: what a canary found (the ``outcome`` of ``kvtier:canary_checks``, kvtier.canary): the
 #: chunk vLLM computed matched the stored one or did not; "absent": the tier does not hold
 #: it; "error": it could not be read or verified, or the computed chunk was not stored

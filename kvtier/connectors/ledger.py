@@ -38,6 +38,9 @@ class Pending:
     entry: Entry
     reports: list[bool] = field(default_factory=list)
     nbytes: int = 0
+    #: a load's (tier, prompt tokens): counted in hit_tokens when it succeeds, else in
+    #: miss_tokens{reason="load_failed"} (vLLM recomputes them)
+    hit: tuple[str, int] | None = None
 
 
 class OpLedger:
@@ -64,10 +67,18 @@ class OpLedger:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def add(self, kind: OpKind, entry: Entry, nbytes: int = 0, op_id: int | None = None) -> int:
-        """Record an op about ``entry``; returns its id (a new one unless given)."""
+    def add(
+        self,
+        kind: OpKind,
+        entry: Entry,
+        nbytes: int = 0,
+        op_id: int | None = None,
+        hit: tuple[str, int] | None = None,
+    ) -> int:
+        """Record an op about ``entry``; returns its id (a new one unless given). A load
+        gives the ``hit`` it serves: (tier, prompt tokens), counted once it is settled."""
         op_id = self.new_id() if op_id is None else op_id
-        self._pending[op_id] = Pending(kind, entry, nbytes=nbytes)
+        self._pending[op_id] = Pending(kind, entry, nbytes=nbytes, hit=hit)
         return op_id
 
     def report(self, op_id: int, oks: list[bool]) -> None:
@@ -105,3 +116,9 @@ class OpLedger:
             entry.remote = True
         if kind is OpKind.LOAD and ok:
             self.stats.inc(metrics.BYTES, pending.nbytes, ("host", "read"))
+        if pending.hit is not None:
+            tier, tokens = pending.hit
+            if ok:
+                self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))  # (and its total)
+            else:
+                self.stats.inc(metrics.MISS_TOKENS, tokens, ("load_failed",))

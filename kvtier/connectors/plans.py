@@ -147,7 +147,11 @@ class Planner:
             fetch_op = st.fetching_now.get(c, 0)
             entry = self._hold_fetching(st, c) if fetch_op else self.index.pin(self.keys.key(st, c))
             nbytes = self.slot_bytes * (b_to - b_from) // bpc
-            op_id = self.ledger.add(OpKind.LOAD, entry, nbytes=nbytes)
+            tokens = (b_to - b_from) * bs
+            tier = "remote" if entry.fetched or fetch_op else "host"
+            # counted as hits once the load is reported (OpLedger): a load that fails (a
+            # one-step lookup's fetch that failed, a copy error) served nothing
+            op_id = self.ledger.add(OpKind.LOAD, entry, nbytes=nbytes, hit=(tier, tokens))
             if parts is None:
                 op = LoadOp(op_id, entry.slot, b_from - c * bpc, list(block_ids[0][b_from:b_to]),
                             fetch_op=fetch_op)  # fmt: skip
@@ -156,10 +160,7 @@ class Planner:
                             fetch_op=fetch_op)  # fmt: skip
             self.plan.loads.append(op)
             st.step_loads.append(op_id)
-            tokens = (b_to - b_from) * bs
-            tier = "remote" if entry.fetched or fetch_op else "host"
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
-            self.stats.inc(metrics.HIT_TOKENS, tokens, (tier,))  # (and its total)
 
     def _hold_fetching(self, st: RequestState, c: int) -> Entry:
         """The entry a one-step lookup claimed for chunk ``c`` of ``st``, held for its load."""

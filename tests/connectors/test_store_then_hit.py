@@ -164,17 +164,25 @@ def test_the_wait_for_a_store_is_bounded_and_its_miss_counted() -> None:
     assert side.store_waits.since == {}
 
 
-def test_misses_by_reason_add_up_to_the_tokens_kvtier_was_asked_about() -> None:
+@pytest.mark.parametrize("load_ok", [True, False])
+def test_misses_by_reason_add_up_to_the_tokens_kvtier_was_asked_about(load_ok: bool) -> None:
+    """Hits are counted once their load is reported: a failed load (vLLM computes its
+    tokens) is a miss, "load_failed", never a hit."""
     side = make_side()
     lookup = total_name(metrics.LOOKUP_TOKENS)
     hits = total_name(metrics.HIT_TOKENS, ("host",))
     store_prompt(side, request("a", 1, 4 * CHUNK + 40))  # cold: 4 chunks absent
     assert misses(side) == {"absent": 4 * CHUNK, "tier_down": 0, "storing": 0, "fetching": 0,
-                            "evicting": 0, "tail": 32}  # fmt: skip
+                            "evicting": 0, "tail": 32, "load_failed": 0}  # fmt: skip
     b = request("b", 1, 4 * CHUNK + 40)
     assert side.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
     alloc(side, b, 4 * CHUNK)
+    meta = schedule_new(side, b, 4 * CHUNK, b.num_tokens - 4 * CHUNK)
+    assert len(meta.loads) == 4 and side.totals[hits] == 0, "not counted before the report"
+    report(side, meta, results={op.op_id: [load_ok] for op in meta.loads})
     assert misses(side)["tail"] == 64 and misses(side)["absent"] == 4 * CHUNK
+    assert side.totals[hits] == (4 * CHUNK if load_ok else 0)
+    assert misses(side)["load_failed"] == (0 if load_ok else 4 * CHUNK)
     assert side.totals[lookup] == side.totals[hits] + sum(misses(side).values())
 
 
