@@ -7,12 +7,12 @@ starts (:meth:`ObjectGhostTiers.lookup`, which reads the run of chunks a ghost h
 
 Bounded (``file_max_bytes`` on a directory tier) a ghost has that bound times its scale
 and evicts by the real tier's policy (:class:`~kvtier.objects.tiers.file.DirectorySweep`):
-once the bytes written since the last sweep pass half the headroom a sweep frees, a
-sweep deletes the least recently used objects down to ``low_water`` of the bound when the
-total is over it. Sweeps run as the tier's sweep thread runs them: when due, but at most
-one a second (a tier written faster runs over its bound in between), and 30 s after the
-last one when anything was written. A read makes an object young only when it is older
-than ``touch_after_s`` (the tier's ``_TOUCH_AFTER_S``), a write always.
+a write that would take the tier past its bound first deletes the least recently used
+objects down to ``low_water`` of the bound (the tier's sweep thread then finds it under
+its bound and evicts nothing more). A read makes an object young only when it is older
+than ``touch_after_s`` (the tier's ``_TOUCH_AFTER_S``); an upload of a chunk the tier holds
+already writes nothing (:class:`~kvtier.objects.chunk_io.ChunkIO` asks first), so it
+leaves it as old as it was; a new one is the youngest.
 
 Unbounded (no ``file_max_bytes``; ``kvtier store gc --max-bytes`` runs outside the engine,
 on a schedule it cannot see, so it is not modelled) the tier never evicts what this engine
@@ -25,13 +25,15 @@ started (the ghost starts empty). Where several engines share the tier the real 
 serves more than scale 1 counts (and sweeps sooner). Other approximations, each exact in
 :mod:`tests.connectors.test_whatif_remote`'s single engine:
 
-- an object is written when its upload is planned (a failed upload is not taken back),
-  sized ``chunk_bytes``: every worker's payload, without its few bytes of header and
-  uncompressed (with ``compression`` the real objects are smaller: the ghost evicts early);
-- the real sweep thread runs a little after its time (a scan takes a while; the thread
-  waits for the GIL), and also removes temp files every few minutes;
-- a ghost's read covers the chunks it holds; the workers read a run concurrently (its
-  order of mtimes may differ) and may read past a missing chunk;
+- an object is written when its upload is planned (a failed upload is not taken back;
+  the real write, and the eviction it makes room with, follow on an I/O thread),
+  sized ``chunk_bytes``: every worker's payload, without its header (about 130 bytes)
+  and uncompressed (with ``compression`` the real objects are smaller: the ghost evicts
+  early); the generation's manifest (a few hundred bytes, never evicted) is not counted;
+- the workers write a step's chunks concurrently, so their mtimes, the real eviction
+  order, may differ from the order the uploads were planned in; a ghost's read covers
+  the chunks it holds, and the workers read a run concurrently too and may read past a
+  missing chunk;
 - a lookup the host tier could not give slots for all its chunks fetches less than the
   object tier holds: the ghost counts what the object tier would serve.
 
@@ -67,8 +69,6 @@ class ObjectGhost:
         touch_after_s: float,
         clock: Callable[[], float],
         fraction_of: tuple[float, ObjectGhost] | None = None,
-        sweep_gap_s: float = 1.0,
-        sweep_interval_s: float = 30.0,
     ) -> None:
         self.chunk_bytes = max(1, chunk_bytes)
         self.capacity = capacity
@@ -78,13 +78,6 @@ class ObjectGhost:
         self.fraction_of = fraction_of
         #: key -> when it was last made young (clock), least recently used first
         self._lru: OrderedDict[bytes, float] = OrderedDict()
-        self._written_since_sweep = 0
-        self.sweep_gap_s = sweep_gap_s
-        self.sweep_interval_s = sweep_interval_s
-        #: when the last sweep ran (the tier sweeps once as it opens) and since when one is
-        #: due (None: none is)
-        self._last_sweep = clock()
-        self._due_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -101,48 +94,22 @@ class ObjectGhost:
         return len(self._lru) * self.chunk_bytes
 
     def put(self, key: bytes) -> None:
-        """This engine wrote ``key`` (new, or rewritten: young again either way)."""
-        now = self.clock()
-        self._sweeps_until(now)
-        self._lru[key] = now
-        self._lru.move_to_end(key)
+        """This engine uploads ``key``: a chunk the tier holds is not written again (and
+        stays as old as it was); a new one is written, the youngest, after the oldest
+        were evicted to ``low_water`` when it would take the tier past its bound."""
+        if key in self._lru:
+            return
+        self._lru[key] = self.clock()
         if self.fraction_of is not None:
             share, of = self.fraction_of
             self._evict_to(int(share * of.total_bytes))
-            return
-        if self.capacity is None:
-            return
-        self._written_since_sweep += self.chunk_bytes
-        due = self._written_since_sweep > (1.0 - self.low_water) * self.capacity / 2
-        if due and self._due_at is None:
-            self._due_at = now
-        self._sweeps_until(now)
-
-    def _sweeps_until(self, now: float) -> None:
-        """The sweeps the real tier's sweep thread runs up to ``now``: one as soon as it is
-        due but at most one every ``sweep_gap_s`` (a tier written faster than that runs
-        over its bound between sweeps), and one ``sweep_interval_s`` after the last when
-        anything was written. Each takes the tier down to ``low_water`` if over its bound."""
-        if self.capacity is None:
-            return
-        while True:
-            if self._due_at is not None:
-                t = max(self._due_at, self._last_sweep + self.sweep_gap_s)
-            elif self._written_since_sweep:
-                t = self._last_sweep + self.sweep_interval_s
-            else:
-                return
-            if t > now:
-                return
-            self._last_sweep, self._due_at, self._written_since_sweep = t, None, 0
-            if self.total_bytes > self.capacity:
-                self._evict_to(int(self.capacity * self.low_water))
+        elif self.capacity is not None and self.total_bytes > self.capacity:
+            self._evict_to(int(self.capacity * self.low_water), keep=1)
 
     def read_run(self, keys: Sequence[bytes], start: int, stop: int) -> int:
         """End of the run of held chunks ``keys[start:stop]`` begins with; each one read
         is made young as the real tier's read makes it (only when old enough)."""
         now = self.clock()
-        self._sweeps_until(now)
         lru = self._lru
         i = start
         while i < stop:
@@ -155,9 +122,11 @@ class ObjectGhost:
             i += 1
         return i
 
-    def _evict_to(self, target: int) -> None:
+    def _evict_to(self, target: int, keep: int = 0) -> None:
+        """The least recently used out until at most ``target`` bytes are held, but never
+        the youngest ``keep`` (the write making room is not evicted for itself)."""
         lru = self._lru
-        while lru and len(lru) * self.chunk_bytes > target:
+        while len(lru) > keep and len(lru) * self.chunk_bytes > target:
             lru.popitem(last=False)
 
 

@@ -1,5 +1,5 @@
 """Ghost object tiers against the real bound they model: a :class:`FileTier` directory
-with ``max_bytes`` swept by its own :class:`DirectorySweep`, driven by the same random
+with ``max_bytes`` kept by its own :class:`DirectorySweep` on every write, driven by the same random
 writes and reads, holds exactly the keys the ghost of that bound holds, at every scale;
 an unbounded tier's ghosts: scales >= 1 never evict, 0.5 keeps half."""
 
@@ -37,53 +37,34 @@ class Clock:
 
 
 class SweptDirectory:
-    """A real file tier whose sweep runs as soon as it is due, with mtimes set from a
-    test clock (the tier's own read refresh is turned off; reads refresh here by its rule:
-    only an object older than ``TOUCH``), so the order is exact, not up to the kernel's
-    timestamp granularity."""
+    """A real file tier that keeps its bound on the write path as the engine's does (no
+    sweep thread: with the bound kept on every write it evicts nothing more), written as
+    :class:`~kvtier.objects.chunk_io.ChunkIO` writes (a stored chunk is not written
+    again), with mtimes set from a test clock (the tier's own read refresh is turned
+    off; reads refresh here by its rule: only an object older than ``TOUCH``), so the
+    order is exact, not up to the kernel's timestamp granularity."""
 
     def __init__(self, root: Path, max_bytes: int | None, clock: Clock, obj: int = OBJ) -> None:
-        self.tier = FileTier(str(root), max_bytes=max_bytes, background_sweep=False)
+        self.tier = FileTier(
+            str(root), max_bytes=max_bytes, background_sweep=False, bound_writes=True
+        )
         self.root = root
         self.clock = clock
         self.obj = obj
-        # the sweep thread's timing (DirectorySweep._loop), on the test's clock
-        self.last = clock()
-        self.due_at: float | None = None
-
-    def _sweeps_until(self, now: float) -> None:
-        """Run the sweeps the tier's thread would have run by ``now``: when due, at most
-        one a second; 30 s after the last one when anything was written."""
-        sweeper = self.tier.sweeper
-        while self.tier.max_bytes is not None:
-            if self.due_at is not None:
-                t = max(self.due_at, self.last + 1.0)
-            elif sweeper._written_since_sweep:
-                t = self.last + 30.0
-            else:
-                return
-            if t > now:
-                return
-            self.tier.sweep()
-            sweeper._wake.clear()  # (the thread's job)
-            self.last, self.due_at = t, None
 
     def path(self, key: bytes) -> str:
         sub, name = file_mod._place(key.hex())
         return os.path.join(self.root, sub, name)
 
     def put(self, key: bytes) -> None:
-        self._sweeps_until(self.clock())
+        if self.tier.exists([key.hex()])[0]:
+            return  # ChunkIO: the key names the chunk, the stored object is it
         self.tier.put(key.hex(), [b"x" * self.obj])
         t = self.clock.stamp()
         os.utime(self.path(key), (t, t))
-        if self.tier.sweeper.woken and self.due_at is None:
-            self.due_at = self.clock()
-        self._sweeps_until(self.clock())
 
     def read_run(self, keys: list[bytes], start: int, stop: int) -> int:
         """Read ``keys[start:stop]`` in order up to the first missing one."""
-        self._sweeps_until(self.clock())
         i = start
         while i < stop and self.tier.get(keys[i].hex()) is not None:
             path, now = self.path(keys[i]), self.clock()
@@ -132,7 +113,7 @@ def test_ghosts_hold_what_the_swept_directory_holds(tmp_path: Path) -> None:
         ghosts.uploaded([key])
         for d in dirs.values():
             d.put(key)
-        for s in ghosts.scales:  # (a sweep follows a write)
+        for s in ghosts.scales:  # (a write makes its room first)
             want = {file_mod._place(k.hex())[1] for k in ghosts.ghost(s).keys()}
             assert dirs[s].keys() == want, (step, s)
         evicted = evicted or len(ghosts.ghost("1")) < len({*ghosts.ghost("8").keys()})

@@ -17,6 +17,7 @@ file keeps them from sweeping at once.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import hashlib
@@ -34,6 +35,7 @@ from urllib.parse import quote
 import xxhash
 
 from kvtier.errors import ObjectError, ObjectTooLarge, TierError, TierUnavailable, TruncatedError
+from kvtier.keys import GENERATION_PREFIX
 from kvtier.objects import codec
 from kvtier.objects.tiers.base import Found, Parts, SlotReader, byte_view, head_length_for
 
@@ -64,6 +66,11 @@ _OPEN_TMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: a hit refreshes a file's mtime at most this often: LRU needs minutes, not a write per hit
 _TOUCH_AFTER_S = 60.0
 _TMP_PREFIX = ".tmp-"
+#: the end of a generation manifest's file name (``gen-<id>/manifest`` quoted by _place;
+#: kvtier.objects.manifest.MANIFEST, which imports this package)
+_MANIFEST_SUFFIX = "%2Fmanifest"
+#: the most objects a scan keeps in eviction order for the writes
+_MAX_CANDIDATES = 1 << 16
 _LOCK_NAME = ".sweep.lock"
 #: the root (the operator's path: a symlink there is theirs, and followed)
 _OPEN_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -99,10 +106,22 @@ class SweepStats:
 
 class DirectorySweep:
     """The bound on a :class:`FileTier`'s directory: least recently used objects (oldest
-    mtime) deleted down to ``low_water`` of ``max_bytes`` when the total exceeds it, stale
-    temp files removed, bounded or not. The tier owns one and tells it what it wrote
-    (:meth:`wrote`) or that the disk is full (:meth:`wake`); it sweeps on its own thread
-    (:meth:`start`), never on a read. Tests call :meth:`sweep` directly."""
+    mtime) deleted down to ``low_water`` of ``max_bytes``, stale temp files removed,
+    bounded or not.
+
+    The bound is kept on the write path (``bound_writes``): the tier asks
+    :meth:`admit` before each write, which counts the write's bytes against what the
+    directory holds (the last scan's total, plus every byte admitted since) and, when
+    that passes ``max_bytes``, deletes the oldest objects the last scan saw (a few
+    unlinks; a full scan when it saw too few) on the writing thread before the write
+    starts. A sweep thread alone (:meth:`start`: when puts wrote a good part of the
+    headroom, but at most one sweep a second) let an engine that writes faster than
+    that run the directory to several times its bound between sweeps. The thread still
+    scans: it counts what other engines wrote, refreshes the eviction order, removes
+    stale temp files. Never on a read. Generation manifests (``gen-<id>/manifest``: an
+    engine's claim of its generation, a few hundred bytes) count, but are never
+    evicted: ``kvtier store gc`` removes those of dead generations. Tests call
+    :meth:`sweep` directly."""
 
     def __init__(
         self,
@@ -113,6 +132,7 @@ class DirectorySweep:
         low_water: float,
         tmp_max_age_s: float,
         interval_s: float,
+        bound_writes: bool = True,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -120,8 +140,23 @@ class DirectorySweep:
         self.low_water = low_water
         self.tmp_max_age_s = tmp_max_age_s
         self.sweep_interval_s = interval_s
+        self.bound_writes = bound_writes
         self._lock = threading.Lock()
+        #: one thread of this process sweeps or makes room at a time (a writer waiting for
+        #: a sweep's count rather than skipping it as another engine's)
+        self._room = threading.RLock()
         self._written_since_sweep = 0
+        #: bytes the directory holds as far as this engine knows: the last complete scan's
+        #: total after its evictions, plus every byte admitted since, writes in flight
+        #: included, less what was evicted or failed (None: no complete scan yet)
+        self._used: int | None = None
+        #: bytes admitted whose write has not finished (a scan does not see them yet)
+        self._in_flight = 0
+        #: objects that landed while a scan ran (None: no scan running): added at its end
+        #: unless it saw them
+        self._landed: list[tuple[str, str, int]] | None = None
+        #: the oldest objects of the last scan, oldest first: what a write evicts
+        self._candidates: collections.deque[tuple[float, int, str, str]] = collections.deque()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +166,44 @@ class DirectorySweep:
         # daemon: a sweep stuck on a hung mount must not keep the engine from exiting
         self._thread = threading.Thread(target=self._loop, name="kvtier-file-sweep", daemon=True)
         self._thread.start()
+
+    @property
+    def used_bytes(self) -> int | None:
+        """What the directory holds as this engine counts it (None: not scanned yet)."""
+        with self._lock:
+            return self._used
+
+    def admit(self, nbytes: int) -> None:
+        """A write of ``nbytes`` is about to start: count it, and first make room (down to
+        ``low_water``) when it would take the directory past ``max_bytes``. Every call is
+        followed by one :meth:`landed`."""
+        if self.max_bytes is None:
+            return
+        with self._lock:
+            self._in_flight += nbytes
+            if self._used is not None:
+                self._used += nbytes
+            over = self._used is None or self._used > self.max_bytes
+        if over and self.bound_writes and not self._stop.is_set():
+            try:
+                self._make_room()
+            except Exception:  # the write goes ahead: a failed eviction is not its failure
+                log.warning("file tier %s: making room failed", self.root, exc_info=True)
+
+    def landed(self, nbytes: int, *, stored: tuple[str, str] | None, replaced: int = 0) -> None:
+        """The write :meth:`admit` counted is over: ``stored`` (its fan-out directory and
+        name) when it created or replaced an object (``replaced``: the bytes of the object
+        it replaced), None when nothing was stored."""
+        if self.max_bytes is None:
+            return
+        with self._lock:
+            self._in_flight -= nbytes
+            if self._used is not None:
+                self._used -= replaced if stored is not None else nbytes
+            if stored is not None and self._landed is not None:
+                self._landed.append((*stored, nbytes))
+        if stored is not None:
+            self.wrote(nbytes)
 
     def wrote(self, nbytes: int) -> None:
         """The tier stored ``nbytes`` more: sweep soon once they fill a good part of the
@@ -158,21 +231,60 @@ class DirectorySweep:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)  # bounded: a hung mount must not hang shutdown
 
+    def _make_room(self) -> None:
+        """Evict the oldest objects the last scan saw until the count is at ``low_water``;
+        a full sweep when they do not get it there (or nothing was scanned yet). Another
+        engine sweeping (the lock file held) lets the write go ahead: its sweep makes the
+        room, and this engine's next write tries again."""
+        assert self.max_bytes is not None
+        target = int(self.max_bytes * self.low_water)
+        with self._room:
+            limit = self.max_bytes  # another thread may have made the room meanwhile
+            while True:
+                with self._lock:
+                    if self._used is not None and self._used <= limit:
+                        return
+                    cand = self._candidates.popleft() if self._candidates else None
+                if cand is None:
+                    break
+                limit = target
+                mtime, size, sub, name = cand
+                try:
+                    root_fd = os.open(self.root, _OPEN_ROOT)
+                except OSError:
+                    break
+                try:
+                    gone = _evict(root_fd, sub, name, mtime)
+                finally:
+                    os.close(root_fd)
+                if gone is not None:
+                    with self._lock:
+                        if self._used is not None:
+                            self._used -= size
+            self._sweep(evict_over=limit)
+
     def sweep(self) -> SweepStats:
         """One pass: remove stale temp files, then LRU objects while over ``max_bytes``.
 
         Never called on the read path: the background thread runs it at open,
         every ``sweep_interval_s`` after writes, and when puts wrote a good part
-        of the headroom. Tests call it directly.
+        of the headroom; a write runs it when the last one's eviction order ran out.
+        Tests call it directly.
         """
-        lock_fd = self._try_lock()
-        if lock_fd == -2:
-            return SweepStats(skipped=True)
-        try:
-            return self._sweep_locked()
-        finally:
-            if lock_fd >= 0:
-                os.close(lock_fd)  # releases the flock
+        return self._sweep(evict_over=self.max_bytes)
+
+    def _sweep(self, evict_over: int | None) -> SweepStats:
+        """:meth:`sweep`, evicting to ``low_water`` when the directory holds more than
+        ``evict_over`` (a write making room: already less than ``max_bytes``)."""
+        with self._room:
+            lock_fd = self._try_lock()
+            if lock_fd == -2:
+                return SweepStats(skipped=True)
+            try:
+                return self._sweep_locked(evict_over)
+            finally:
+                if lock_fd >= 0:
+                    os.close(lock_fd)  # releases the flock
 
     def _try_lock(self) -> int:
         """An fd holding the sweep lock; -1 when locking is unsupported, -2 when it is held."""
@@ -197,19 +309,23 @@ class DirectorySweep:
             return -1
         return fd
 
-    def _sweep_locked(self) -> SweepStats:
+    def _sweep_locked(self, evict_over: int | None) -> SweepStats:
         stats = SweepStats()
         try:
             root_fd = os.open(self.root, _OPEN_ROOT)
         except OSError as exc:
             log.warning("file tier %s: cannot open for a sweep: %s", self.root, exc.strerror)
             return stats
+        with self._lock:
+            self._landed = []
         try:
-            return self._sweep_at(root_fd, stats)
+            return self._sweep_at(root_fd, stats, evict_over)
         finally:
+            with self._lock:
+                self._landed = None
             os.close(root_fd)
 
-    def _sweep_at(self, root_fd: int, stats: SweepStats) -> SweepStats:
+    def _sweep_at(self, root_fd: int, stats: SweepStats, evict_over: int | None) -> SweepStats:
         """The sweep through directory fds: like every read and write it never leaves the
         root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
         now = time.time()
@@ -252,40 +368,61 @@ class DirectorySweep:
                         if now - st.st_mtime > self.tmp_max_age_s and _unlink(entry.name, sub_fd):
                             stats.temp_removed += 1
                         continue  # a live writer's temp file becomes an object soon
-                    objects.append((st.st_mtime, st.st_size, sub, entry.name))
                     stats.total_bytes += st.st_size
+                    if not _is_manifest(entry.name):  # counted, never evicted
+                        objects.append((st.st_mtime, st.st_size, sub, entry.name))
             except OSError:
                 continue  # unreadable: next pass
             finally:
                 os.close(sub_fd)
+        seen = {(sub, name) for _, _, sub, name in objects}
         with self._lock:
             self._written_since_sweep = 0
-        if self.max_bytes is None or stats.total_bytes <= self.max_bytes:
-            return stats
-        target = int(self.max_bytes * self.low_water)
+            pending = self._pending(seen)
         total = stats.total_bytes
         objects.sort()
-        for mtime, size, sub, name in objects:
-            if total <= target or self._stop.is_set():
-                break
-            try:
-                sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
-            except OSError:
-                continue
-            try:
-                if os.stat(name, dir_fd=sub_fd, follow_symlinks=False).st_mtime != mtime:
-                    continue  # read or rewritten since the scan: young now
-                if _unlink(name, sub_fd):
+        start = 0
+        if self.max_bytes is not None and evict_over is not None and total + pending > evict_over:
+            target = int(self.max_bytes * self.low_water)
+            for mtime, size, sub, name in objects:
+                if total + pending <= target or self._stop.is_set():
+                    break
+                start += 1
+                gone = _evict(root_fd, sub, name, mtime)
+                if gone is not None:
+                    total -= size
+                if gone == _EVICTED:
                     stats.evicted += 1
                     stats.evicted_bytes += size
-                total -= size
-            except FileNotFoundError:
-                total -= size  # another engine evicted it
-            except OSError:
-                continue
-            finally:
-                os.close(sub_fd)
+        if self.max_bytes is not None and not self._stop.is_set():
+            self._remember(objects[start:], seen, total)
         return stats
+
+    def _pending(self, seen: set[tuple[str, str]]) -> int:
+        """Bytes a scan that saw ``seen`` did not count but the directory holds (or is
+        about to): writes in flight, and those that landed during the scan where it had
+        looked already. Under ``_lock``."""
+        landed = sum(n for sub, name, n in self._landed or () if (sub, name) not in seen)
+        return self._in_flight + landed
+
+    def _remember(
+        self, rest: list[tuple[float, int, str, str]], seen: set[tuple[str, str]], total: int
+    ) -> None:
+        """After a complete scan: the count of what the directory holds (``total``, what
+        the scan counted less what it evicted), and the oldest objects left, ``rest``
+        (enough for two evictions to ``low_water``), for the writes to evict."""
+        assert self.max_bytes is not None
+        want = 2 * (self.max_bytes - int(self.max_bytes * self.low_water))
+        cands: collections.deque[tuple[float, int, str, str]] = collections.deque()
+        got = 0
+        for obj in rest:
+            if got >= want or len(cands) >= _MAX_CANDIDATES:
+                break
+            cands.append(obj)
+            got += obj[1]
+        with self._lock:
+            self._used = total + self._pending(seen)
+            self._candidates = cands
 
     def _loop(self) -> None:
         last = -float("inf")
@@ -307,6 +444,39 @@ class DirectorySweep:
                 last = time.monotonic()
                 self._stop.wait(min(1.0, self.sweep_interval_s))  # at most one sweep a second
             self._wake.wait(self.sweep_interval_s)
+
+
+_EVICTED, _GONE = "evicted", "gone"
+
+
+def _evict(root_fd: int, sub: str, name: str, mtime: float) -> str | None:
+    """Unlink ``sub/name`` under the root when its mtime is still ``mtime``: _EVICTED when
+    this call removed it, _GONE when it was gone already (another engine evicted it),
+    None when it stays (read or rewritten since it was seen: young now; or it cannot be
+    removed)."""
+    try:
+        sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
+    except FileNotFoundError:
+        return _GONE
+    except OSError:
+        return None
+    try:
+        if os.stat(name, dir_fd=sub_fd, follow_symlinks=False).st_mtime != mtime:
+            return None
+        os.unlink(name, dir_fd=sub_fd)
+        return _EVICTED
+    except FileNotFoundError:
+        return _GONE
+    except OSError:
+        return None
+    finally:
+        os.close(sub_fd)
+
+
+def _is_manifest(name: str) -> bool:
+    """Whether a file name under a fan-out directory is a generation's manifest
+    (:func:`kvtier.objects.manifest.manifest_key` placed by :func:`_place`)."""
+    return name.startswith(GENERATION_PREFIX) and name.endswith(_MANIFEST_SUFFIX)
 
 
 class FileTier(SlotReader):
@@ -340,14 +510,19 @@ class FileTier(SlotReader):
     A read opens with ``O_NOFOLLOW | O_NONBLOCK`` and refuses anything but a
     regular file no larger than the caller's bound before reading a byte.
 
-    ``max_bytes`` bounds the directory: a background sweep deletes the least
-    recently used objects (oldest mtime; a hit refreshes it) down to
-    ``low_water`` of the bound when the total exceeds it. State lives in the
-    files themselves, so the bound survives restarts and holds with several
-    engines sharing the directory (a lock file keeps them from sweeping at
-    the same time; files vanishing mid-sweep are expected). Temp files of
-    crashed writers older than ``tmp_max_age_s`` are swept at open and then
-    periodically, bounded or not.
+    ``max_bytes`` bounds the directory: a write that would take it past the
+    bound first deletes the least recently used objects (oldest mtime; a hit
+    refreshes it) down to ``low_water`` of the bound (:class:`DirectorySweep`),
+    so one engine's directory never holds more than the bound, writes in flight
+    included. A background sweep counts again what other engines wrote. State
+    lives in the files themselves, so the bound survives restarts and holds with
+    several engines sharing the directory (a lock file keeps them from sweeping
+    at the same time; files vanishing mid-sweep are expected; between two of its
+    scans an engine does not see the others' writes). Temp files of crashed
+    writers older than ``tmp_max_age_s`` are swept at open and then
+    periodically, bounded or not. ``background_sweep=False`` (tests, tools):
+    no sweep thread, and unless ``bound_writes`` the caller's :meth:`sweep`
+    calls alone keep the bound.
     """
 
     name = "file"
@@ -362,6 +537,7 @@ class FileTier(SlotReader):
         tmp_max_age_s: float = 600.0,
         sweep_interval_s: float = 30.0,
         background_sweep: bool = True,
+        bound_writes: bool | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("FileTier max_bytes must not be negative")
@@ -393,6 +569,7 @@ class FileTier(SlotReader):
             low_water=low_water,
             tmp_max_age_s=tmp_max_age_s,
             interval_s=sweep_interval_s,
+            bound_writes=background_sweep if bound_writes is None else bound_writes,
         )
         if background_sweep:
             self.sweeper.start()
@@ -640,10 +817,15 @@ class FileTier(SlotReader):
                 pass  # another user's file or a read-only mount: eviction order only
 
     def put(self, key: str, parts: Parts) -> None:
+        """Write ``parts`` to a temp file, renamed over ``key``'s name; with
+        ``max_bytes``, room is made first (:meth:`DirectorySweep.admit`)."""
         sub, name = _place(key)
         dir_fd: int | None = None
         tmp = None
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        stored, replaced = False, 0
         try:
+            self.sweeper.admit(nbytes)
             with self._errors("put"):
                 try:
                     dir_fd = self._subdir(sub, "put", create=True)
@@ -654,8 +836,10 @@ class FileTier(SlotReader):
                         self._own_group(fd)
                         for part in parts:
                             f.write(part)
+                    if self.max_bytes is not None:
+                        replaced = _size_at(name, dir_fd)  # a rewrite frees the old bytes
                     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                    tmp = None
+                    tmp, stored = None, True
                 except OSError as exc:
                     if exc.errno in _DISK_FULL and self.max_bytes is not None:
                         self.sweeper.wake()  # make room for the next writes
@@ -668,8 +852,8 @@ class FileTier(SlotReader):
                     pass
             if dir_fd is not None:
                 os.close(dir_fd)
-        if self.max_bytes is not None:
-            self.sweeper.wrote(sum(memoryview(p).nbytes for p in parts))
+            self.sweeper.landed(nbytes, stored=(sub, name) if stored else None,
+                                replaced=replaced)  # fmt: skip
 
     def _create_temp(self, dir_fd: int) -> tuple[int, str]:
         """A new temp file in the directory ``dir_fd``: its fd and its name there, created
@@ -707,7 +891,10 @@ class FileTier(SlotReader):
         sub, name = _place(key)
         dir_fd: int | None = None
         tmp = None
+        nbytes = sum(memoryview(p).nbytes for p in parts)
+        created = False
         try:
+            self.sweeper.admit(nbytes)  # counted like a put's: the bound holds for claims too
             with self._errors("create"):
                 dir_fd = self._subdir(sub, "create", create=True)
                 if dir_fd is None:  # removed again by another engine between mkdir and open
@@ -720,19 +907,20 @@ class FileTier(SlotReader):
                 try:
                     os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
                             follow_symlinks=False)  # fmt: skip
+                    created = True
                 except FileExistsError:
                     return False
                 except OSError as exc:
                     if exc.errno not in _NO_LINKS:
                         raise
-                    return self._create_excl(dir_fd, name, parts)
+                    created = self._create_excl(dir_fd, name, parts)
+                    return created
         finally:
             if tmp is not None and dir_fd is not None:
                 _unlink(tmp, dir_fd)
             if dir_fd is not None:
                 os.close(dir_fd)
-        if self.max_bytes is not None:
-            self.sweeper.wrote(sum(memoryview(p).nbytes for p in parts))
+            self.sweeper.landed(nbytes, stored=(sub, name) if created else None)
         return True
 
     def _create_excl(self, dir_fd: int, name: str, parts: Parts) -> bool:
@@ -791,6 +979,15 @@ def _place(key: str) -> tuple[str, str]:
     if len(name) > _MAX_NAME or name.startswith("."):
         name = "h-" + hashlib.sha256(key.encode()).hexdigest()
     return xxhash.xxh3_64_hexdigest(key.encode())[:2], name
+
+
+def _size_at(name: str, dir_fd: int) -> int:
+    """The size of the regular file ``name`` in ``dir_fd`` (0: none there)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _unlink(name: str, dir_fd: int) -> bool:
