@@ -247,7 +247,8 @@ class Setup:
             "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # a chunk that fails to load is recomputed, not the request failed: and with a
-            # local directory tier, lookups then answer in their own step (connectors.probe)
+            # local directory tier, lookups then answer in their own step
+            # (connectors.one_step_lookups)
             "kv_load_failure_policy": self.args.kv_load_failure_policy,
         }
 

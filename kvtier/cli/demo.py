@@ -185,7 +185,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
             "remote_url": f"file://{spec['tier']}",
         },
         # as kvtier advises: a failed load is recomputed, and the directory tier's
-        # lookups answer in their own step (kvtier.connectors.probe)
+        # lookups answer in their own step (kvtier.connectors.one_step_lookups)
         "kv_load_failure_policy": "recompute",
     }
     # as kvtier advises: the engine's stop leaves the queued uploads time to flush

@@ -84,8 +84,8 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from kvtier.host.gc_untrack import untrack
 from kvtier.host.index import Entry
-from kvtier.host.untrack import untrack
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -132,7 +132,7 @@ class _Chunk:
     """What a chunk's events say, captured while its request is at hand and kept while
     the chunk is in the host tier (its upload's event may come much later). One per
     host slot, so compact and out of the garbage collector's lists
-    (:mod:`kvtier.host.untrack`): only atomic values and tuples; the token ids as int64
+    (:mod:`kvtier.host.gc_untrack`): only atomic values and tuples; the token ids as int64
     bytes (a list of them kept 256 int objects a chunk alive: 11 KB and 4 objects a full
     collection walked per chunk; now about 3 KB and none)."""
 

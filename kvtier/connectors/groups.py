@@ -30,7 +30,7 @@ def has_sliding_window(kv_cache: KVCacheShape) -> bool:
     and never gives them back. Where a load of the window's blocks fails, vLLM recomputes
     from the first failed block with the window before it unbacked: the recomputed KV
     attends to zeros. So a model with a window gets no load that can fail at the read
-    (one-step lookups, :mod:`.probe`)."""
+    (one-step lookups, :mod:`.one_step_lookups`)."""
     return any(s.sliding for group in kv_cache.groups for s in group.specs)
 
 

@@ -12,7 +12,7 @@ States: no lookup -> in flight (``Lookup``, chunks FETCHING) -> done (the reques
 then loads what landed, from the host tier, like any host hit). A lookup past
 ``lookup_timeout_ms`` is done, counted as a timeout; its fetches still settle.
 
-With a :class:`~.probe.LocalProbe` (a directory tier on a local filesystem, where vLLM
+With a :class:`~.one_step_lookups.LocalProbe` (a directory tier on a local filesystem, where vLLM
 recomputes what fails to load) a lookup is answered in its first step instead: the
 probe finds the stored prefix, its chunks are claimed, and the answer counts them at
 once (``RequestState.fetching_now``). When vLLM allocates that answer the lookup is
@@ -34,7 +34,7 @@ from kvtier.ops import FetchOp, OpKind
 from kvtier.stats import StatsRecorder
 
 from .ledger import OpLedger
-from .probe import LocalProbe
+from .one_step_lookups import LocalProbe
 from .requests import ChunkKeys, Lookup, RequestState, loadable_chunks
 
 
@@ -59,7 +59,7 @@ class RemoteLookups:
         self.timeout_s = timeout_s
         self._runs: list[list[FetchOp]] = []
         self._runs_now: list[list[FetchOp]] = []
-        #: answers lookups in their own step (:mod:`.probe`); None: lookups are reads
+        #: answers lookups in their own step (:mod:`.one_step_lookups`); None: lookups are reads
         self.probe: LocalProbe | None = None
         #: what an object tier of another size would serve (kvtier.objects.ghosts)
         self.ghosts: ObjectGhostTiers | None = None

@@ -85,7 +85,7 @@ class RequestState:
     next_store: int = 0
     #: (start, end) token range get_num_new_matched_tokens offered
     plan: tuple[int, int] | None = None
-    #: a one-step lookup's chunks in that offer (:mod:`.probe`): chunk -> the id of its
+    #: a one-step lookup's chunks in that offer (:mod:`.one_step_lookups`): chunk -> the id of its
     #: fetch, which the workers read in the step that loads it; emptied with ``plan``
     fetching_now: dict[int, int] = field(default_factory=dict)
     #: the ids of the loads planned for this request in the step being planned: its stores

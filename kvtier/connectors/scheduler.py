@@ -36,7 +36,6 @@ from kvtier.objects.tiers import FileTier, file_tier_root
 from kvtier.objects.tiers.policy import Timeouts
 from kvtier.stats import StatsRecorder, Totals
 
-from .answers import StoreWaits, count_misses
 from .canary import CanaryChecks
 from .engine_shape import EngineShape
 from .events import ChunkEvents
@@ -44,8 +43,8 @@ from .groups import has_sliding_window, kv_groups
 from .ledger import OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta, StepPlan
+from .one_step_lookups import LocalProbe, WorkerKeys, one_step_refusal
 from .plans import Planner, WriteBack
-from .probe import LocalProbe, WorkerKeys, one_step_refusal
 from .requests import (
     AdapterFingerprints,
     ChunkKeys,
@@ -55,6 +54,7 @@ from .requests import (
 )
 from .slots import host_slots, resolve_host_bytes, slot_size
 from .stats import SCHEDULER_TOTALS
+from .waits_and_misses import StoreWaits, count_misses
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -238,8 +238,9 @@ class SchedulerSide:
 
     def set_worker_keys(self, workers: list[WorkerKeys]) -> None:
         """Each worker's object keys (vLLM's connector handshake, once at startup): with
-        them, a directory tier's lookups can be answered in their own step (:mod:`.probe`)
-        where that is safe. Logs which way lookups go, and why."""
+        them, a directory tier's lookups can be answered in their own step
+        (:mod:`.one_step_lookups`) where that is safe. Logs which way lookups go, and
+        why."""
         if not self.remote:
             return
         said = [w.fresh_generation for w in workers if w.fresh_generation is not None]

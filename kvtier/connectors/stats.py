@@ -45,7 +45,7 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
     "write_back",
     "weights_changes",  # weights replaced while the engine ran (weights_changed)
-    # lookups answered in their own step that found chunks to load (connectors.probe)
+    # lookups answered in their own step that found chunks to load (connectors.one_step_lookups)
     "one_step_lookups",
     # canaries by result (kvtier.canary): computed chunks compared with the stored ones
     *(total_name(metrics.CANARY, (r,)) for r in metrics.CANARY_RESULTS),

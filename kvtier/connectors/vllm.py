@@ -39,7 +39,7 @@ from .engine_shape import EngineShape
 from .groups import Refused, kv_groups
 from .identity import check_parallel, namespace_for, workers_on_node
 from .metadata import KVTierMetadata
-from .probe import WorkerKeys
+from .one_step_lookups import WorkerKeys
 from .scheduler import SchedulerSide
 from .shutdown import shutdown_window_warning
 from .startup import check_config_being_built
@@ -322,8 +322,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save(self._meta())
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """This worker's object keys, for the scheduler's one-step lookups (:mod:`.probe`);
-        None without an object tier. vLLM collects it once the KV caches are registered."""
+        """This worker's object keys, for the scheduler's one-step lookups
+        (:mod:`.one_step_lookups`); None without an object tier. vLLM collects it once the
+        KV caches are registered."""
         w = self._worker
         if w is None or not self.cfg.remote_url:
             return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
-from kvtier.host.untrack import untrack
+from kvtier.host.gc_untrack import untrack
 
 
 class State(enum.Enum):
@@ -55,7 +55,7 @@ class _Flag:
 class Entry:
     """One chunk in the host tier. A million of these may be held: the three flags
     share one small int (a field each would cost 16 bytes a chunk more), and the index
-    takes each out of the garbage collector's lists (:mod:`kvtier.host.untrack`): its fields
+    takes each out of the garbage collector's lists (:mod:`kvtier.host.gc_untrack`): its fields
     must only ever hold atomic values (bytes, int, State), never a container."""
 
     key: bytes
@@ -197,7 +197,7 @@ class ChunkIndex:
                 ghosts.begun(key, False)
             return None
         entry = Entry(key=key, slot=slot, state=state)
-        untrack(entry)  # it holds atomic values only (kvtier.host.untrack)
+        untrack(entry)  # it holds atomic values only (kvtier.host.gc_untrack)
         self._entries[key] = entry
         return entry
 

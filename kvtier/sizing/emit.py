@@ -69,7 +69,7 @@ def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 #: vLLM's ``kv_load_failure_policy`` for the configs kvtier emits: a chunk that fails to
 #: load is recomputed instead of failing its request (vLLM's default, ``fail``), and a
-#: local directory tier's lookups answer in their own step (``kvtier.connectors.probe``)
+#: local directory tier's lookups answer in their own step (``kvtier.connectors.one_step_lookups``)
 FAILURE_POLICY = "recompute"
 
 

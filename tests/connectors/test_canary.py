@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.canary import Trust
 from kvtier.connectors.metadata import KVTierWorkerMeta
-from kvtier.connectors.probe import WorkerKeys
+from kvtier.connectors.one_step_lookups import WorkerKeys
 from kvtier.connectors.scheduler import NEVER_STORE, SchedulerSide
 from tests.connectors.test_scheduler_side import (
     CHUNK,

@@ -1,4 +1,4 @@
-"""One-step lookups (connectors/probe.py): the scheduler stats a local directory tier.
+"""One-step lookups (connectors/one_step_lookups.py): the scheduler stats a local directory tier.
 
 Scheduler side with fakes of vLLM's objects (as in test_scheduler_side.py) over a real
 directory; worker side with a real directory tier and real copies. The same paths run
@@ -17,7 +17,7 @@ import torch
 from kvtier.config import load_config
 from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.metadata import FetchOp, LoadOp, StoreOp
-from kvtier.connectors.probe import LocalProbe, WorkerKeys, one_step_refusal
+from kvtier.connectors.one_step_lookups import LocalProbe, WorkerKeys, one_step_refusal
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.host.index import State
 from kvtier.keys import KeySpace, Namespace

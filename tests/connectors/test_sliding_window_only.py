@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connectors.probe import WorkerKeys
+from kvtier.connectors.one_step_lookups import WorkerKeys
 from kvtier.ops import LoadOp
 from tests.connectors.test_hma import prompt
 from tests.connectors.window_engine import BPC, BS, CHUNK, WindowEngine

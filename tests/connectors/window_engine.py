@@ -34,7 +34,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvtier.config import load_config
 from kvtier.connectors.engine_shape import KVCacheShape
 from kvtier.connectors.groups import kv_groups
-from kvtier.connectors.probe import LocalProbe, WorkerKeys
+from kvtier.connectors.one_step_lookups import LocalProbe, WorkerKeys
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO

@@ -198,8 +198,8 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
 
 def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) -> None:
     """Under ``kv_load_failure_policy: recompute`` a local directory's lookups are answered
-    in their own step (connectors.probe): the restart hit loads the same bits; a chunk that
-    fails its check at the read is a counted miss that vLLM recomputes, never loaded KV;
+    in their own step (connectors.one_step_lookups): the restart hit loads the same bits; a
+    chunk that fails its check at the read is a counted miss that vLLM recomputes, never loaded KV;
     under vLLM's default policy lookups stay reads (a load error would fail the request)."""
     root = tmp_path / "kv"
     extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{root}"}

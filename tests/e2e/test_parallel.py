@@ -137,7 +137,7 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
 def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     tiny_mla_model: str, tmp_path: Path, policy: str
 ) -> None:
-    """Under ``recompute`` the object-tier lookups are one-step (connectors.probe): the
+    """Under ``recompute`` the object-tier lookups are one-step (connectors.one_step_lookups): the
     scheduler stats rank 0's one copy for both ranks, and a prompt it lacks costs no read."""
     kv = tmp_path / "kv"
     r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,

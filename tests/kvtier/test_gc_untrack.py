@@ -1,11 +1,11 @@
-"""kvtier.host.untrack: an untracked record leaves the collector's lists and is still freed."""
+"""kvtier.host.gc_untrack: an untracked record leaves the collector's lists and is still freed."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from kvtier.host.untrack import untrack
+from kvtier.host.gc_untrack import untrack
 
 
 class Record:

@@ -29,7 +29,7 @@ def test_kv_transfer_config_loads_in_kvtier_config():
     assert ktc["kv_connector"] == "KVTierConnector"
     assert ktc["kv_connector_module_path"] == "kvtier.connectors.vllm"
     assert ktc["kv_role"] == "kv_both"
-    # a chunk that fails to load is recomputed, never a failed request (connectors.probe)
+    # a chunk that fails to load is recomputed, never a failed request (connectors.one_step_lookups)
     assert ktc["kv_load_failure_policy"] == "recompute"
     cfg = load_config(ktc["kv_connector_extra_config"], environ={})
     assert cfg.cpu_bytes == p["host_tier_bytes"] and cfg.chunk_size == 256
