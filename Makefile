@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo test test-fast lint typecheck bench bench-ttft bench-tiers bench-scheduler bench-trace clean
+.PHONY: venv demo test test-fast lint typecheck bench bench-ttft bench-canary bench-tiers bench-scheduler bench-trace clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ test-fast: venv $(CHECKOV)
 
 bench-ttft: venv
 	$(PY) bench/ttft.py --restart file,s3,redis
+
+# what the canary's sample (canary_rate) costs object-tier hits, against rate 0 (a few minutes)
+bench-canary: venv
+	$(PY) bench/ttft.py --canary-rates 0,0.001,0.01 --tokens 1024 $(BENCH_ARGS)
 
 bench-tiers: venv
 	$(PY) bench/tier_throughput.py

@@ -34,6 +34,11 @@ object-tier op, and writes them to DIR; ``--timeline-only`` keeps the timeline (
 answered, load copies, first token) without cProfile's overhead, and
 ``--load-copy-threads N`` runs the loads' copies on N OpenMP threads there.
 
+``--canary-rates 0,0.001,0.01`` measures instead what the canary's sample
+(``canary_rate``) costs object-tier hits in TTFT and throughput, every rate on one
+engine, interleaved, each against rate 0 (bench/canary_cost.py says how; ``make
+bench-canary``).
+
 Every engine's OpenMP threads are bound to all CPUs this process may use
 (``VLLM_CPU_OMP_THREADS_BIND``), as ``make bench`` does.
 
@@ -54,6 +59,7 @@ import sys
 import tempfile
 import time
 
+import canary_cost
 from engine_profile import Profiler, copies_on_threads, profile_summary
 from harness import int_list, omp_cpus
 from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
@@ -199,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeline-only", action="store_true",
                         help="with --profile: the timeline alone, without cProfile's overhead")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
+    canary_cost.add_args(parser)
     args = parser.parse_args(argv)
     if args.plot and not args.sweep:
         parser.error("--plot needs --sweep")
@@ -214,8 +221,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.canary_rates:  # its engine in this process: the canary's counters are read
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import vllm  # noqa: F401  vLLM's import-time setup first, as before every engine
+
+    if args.canary_rates:
+        canary_cost.main(args)
+        os._exit(0)  # skip the interpreter's slow teardown
 
     model, max_len = tiny_model(args.lengths, args.layers, args.hidden, args.model_dir)
 
