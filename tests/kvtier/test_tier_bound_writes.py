@@ -34,13 +34,19 @@ def chunk(key: str, size: int = OBJ) -> list[bytes | memoryview]:
 
 def on_disk(root: Path) -> int:
     """Every byte under ``root``: objects, temp files of writes in flight, manifests."""
+    seen: set[int] = set()
     total = 0
     for folder, _, files in os.walk(root):
         for name in files:
             try:
-                total += os.lstat(os.path.join(folder, name)).st_size
+                st = os.lstat(os.path.join(folder, name))
             except FileNotFoundError:
                 continue  # evicted while we walk
+            # by inode: a temp file renamed to its object's name while the directory is
+            # listed may be listed under both names
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
     return total
 
 
