@@ -7,6 +7,9 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+#: vLLM's --mamba-cache-dtype choices (kvtier.sizing.state.MAMBA_DTYPES, kept here so
+#: that building the parser imports nothing of the planner)
+MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: vLLM's CPU build's own KV space, in GiB (kvtier.connectors.startup reads it too)
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
@@ -29,6 +32,13 @@ def add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
                    help="weight dtype as vLLM's --dtype (default: config's, float32 -> bfloat16)")
     m.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (model dtype), fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16")
+    m.add_argument("--mamba-cache-dtype", default="auto", choices=MAMBA_DTYPES,
+                   help="hybrid models: vLLM's --mamba-cache-dtype, the recurrent state's "
+                   "dtype (default auto: the model dtype)")
+    m.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_DTYPES,
+                   help="hybrid models: vLLM's --mamba-ssm-cache-dtype, the SSM state's "
+                   "alone (default auto: as --mamba-cache-dtype, or what the config asks "
+                   "for: Nemotron-H float32, Qwen3.5 its mamba_ssm_dtype)")
     g = p.add_argument_group("GPU")
     g.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
@@ -109,6 +119,8 @@ def plan_inputs(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         block_size=getattr(args, "block_size", 16),
         cpu_bytes=cpu_bytes if isinstance(cpu_bytes, int) else None,
         cpu_kv_space_bytes=cpu_kv_space_bytes(args, os.environ if environ is None else environ),
+        mamba_cache_dtype=getattr(args, "mamba_cache_dtype", "auto"),
+        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
     )  # fmt: skip
 
 

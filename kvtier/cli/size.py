@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from kvtier.cli.engine_flags import add_plan_args, check_numbers, plan_inputs
+from kvtier.cli.engine_flags import add_plan_args, check_numbers, cpu_kv_space_bytes, plan_inputs
 
 SIZE_EPILOG = """\
 All figures are per GPU / per vLLM worker; host_bytes_total adds up TP workers and the
@@ -168,8 +169,12 @@ def _size(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model, dtype=args.dtype)
         # what the connector would refuse at startup is refused here, in the same words
-        cfg = check_deployment(connector_settings(args), shape=shape, model=args.model,
-                               tp=args.tp, block_size=args.block_size)  # fmt: skip
+        cfg = check_deployment(
+            connector_settings(args), shape=shape, model=args.model, tp=args.tp,
+            block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+            mamba_cache_dtype=args.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+            cpu_build=cpu_kv_space_bytes(args, os.environ) is not None)
         args.cpu_bytes = cfg.cpu_bytes if isinstance(cfg.cpu_bytes, int) else None
         inp = plan_inputs(args)
         plan = make_plan(inp, shape)

@@ -17,6 +17,7 @@ from typing import Any
 from kvtier.sizing import offload as off
 from kvtier.sizing.compression import resolve as resolve_compression
 from kvtier.sizing.model import ModelShape, kv_dtype_bytes, load_shape
+from kvtier.sizing.state import StateSpec
 from kvtier.sizing.weights import Weights, load_weights
 
 GiB = 1024**3
@@ -158,6 +159,9 @@ class PlanInputs:
     #: vLLM's CPU build: its own KV cache per worker (``VLLM_CPU_KVCACHE_SPACE``), which
     #: with the weights lives in host memory beside kvtier's host tier
     cpu_kv_space_bytes: int | None = None
+    #: vLLM's --mamba-cache-dtype and --mamba-ssm-cache-dtype (hybrid models' state)
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     environ: Mapping[str, str] | None = field(default=None, repr=False)
 
 
@@ -232,6 +236,21 @@ def _offload(inp: PlanInputs, weights: Weights, pin: bool,
     return result
 
 
+#: state blocks of each state layer a running request holds on the GPU in align mode
+#: (the state being written and the last block boundary's, which vLLM keeps for the
+#: prefix cache): the plan counts both so as never to under-count a session
+STATE_BLOCKS_PER_REQUEST = 2
+
+
+def state_of(inp: PlanInputs, shape: ModelShape) -> tuple[StateSpec | None, int]:
+    """A hybrid model's state layer per rank (None without state) and the block size
+    vLLM runs it with (:meth:`ModelShape.engine_state`)."""
+    return shape.engine_state(
+        inp.block_size, inp.kv_cache_dtype, inp.tp, mamba_cache_dtype=inp.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=inp.mamba_ssm_cache_dtype,
+        cpu_build=inp.cpu_kv_space_bytes is not None)
+
+
 def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any]:
     """The whole plan as a JSON-ready dict (what ``kvtier size --json`` prints)."""
     shape = shape or load_shape(inp.model, dtype=inp.dtype)
@@ -259,13 +278,32 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     objects = 1 if shape.is_mla else tp
     # what kvtier stores of one chunk per rank, group by group (a sliding-window group of a
     # hybrid model: only the window before the chunk's end)
+    # and of a hybrid model's state layers, one state each per chunk (the chunk end's)
+    spec, engine_block = state_of(inp, shape)
     groups = shape.kv_groups(inp.kv_cache_dtype, tp, chunk_size=inp.chunk_size,
-                             block_size=inp.block_size)
+                             block_size=engine_block, state=spec)
     chunk_rank = sum(g["chunk_bytes"] for g in groups)
+    state_chunk = spec.bytes if spec else 0
+    # on the GPU vLLM pads each state page to one attention layer's page, and a running
+    # request holds STATE_BLOCKS_PER_REQUEST of them per state layer
+    padded_state_page = (
+        max(spec.bytes_per_layer, engine_block * shape.kv_bytes_per_layer_token(
+            inp.kv_cache_dtype, tp)) if spec else 0
+    )  # fmt: skip
+    state_session = (spec.layers if spec else 0) * padded_state_page * STATE_BLOCKS_PER_REQUEST
+
+    def session_gpu(context: int) -> int:
+        """One sequence on the GPU: its attention KV, in whole engine blocks for a hybrid
+        model with state, and its state blocks."""
+        if spec is None:
+            return shape.session_kv_bytes(context, inp.kv_cache_dtype, tp)
+        blocks = -(-context // engine_block) * engine_block
+        return shape.session_kv_bytes(blocks, inp.kv_cache_dtype, tp) + state_session
+
     comp = resolve_compression(inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype),
                                inp.compression_ratio)
     obj_comp = {"chunk_size": inp.chunk_size, **comp.summary(chunk_rank, objects)}
-    session_rank = shape.session_kv_bytes(inp.context, inp.kv_cache_dtype, tp)
+    session_rank = session_gpu(inp.context)
     weight_rank = weights.rank_bytes
     resident = weight_rank - result.gpu_bytes + result.buffer_pool_bytes
     overhead = int(inp.overhead_gib * GiB)
@@ -292,10 +330,15 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     sessions = gpu_kv_pos // session_rank if gpu_kv_pos is not None and session_rank else None
 
     max_len = inp.max_model_len or shape.max_position_embeddings
-    full_rank = shape.session_kv_bytes(max_len, inp.kv_cache_dtype, tp) if max_len else 0
+    full_rank = session_gpu(max_len) if max_len else 0
     full = gpu_kv_pos // full_rank if gpu_kv_pos is not None and full_rank else None
 
-    warm = bpt_rank * inp.context * inp.warm_sessions if inp.warm_sessions is not None else None
+    # a warm session in the host tier: its tokens' KV and, of a hybrid model, one state
+    # per state layer for each whole chunk (kvtier stores states at chunk ends only)
+    warm = (
+        (bpt_rank * inp.context + state_chunk * (inp.context // inp.chunk_size))
+        * inp.warm_sessions if inp.warm_sessions is not None else None
+    )  # fmt: skip
     tier: int | None
     tier_needed: bool | None
     if inp.cpu_bytes is not None:
@@ -355,6 +398,18 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "mla": shape.is_mla,
         "sliding_window": shape.sliding_window,
         "sliding_layers": sum(1 for k in shape.layer_kinds if k == "sliding"),
+        # a hybrid model's recurrent state (Mamba, gated delta-net, short conv), per rank:
+        # one state per state layer per chunk in kvtier's tiers; on the GPU each state
+        # page padded to an attention page, in vLLM's (raised) block size
+        "state_layers": spec.layers if spec else 0,
+        "state_kind": spec.kind if spec else None,
+        "state_bytes_per_layer": spec.bytes_per_layer if spec else 0,
+        "state_bytes_per_chunk": state_chunk,
+        "state_padded_page_bytes": padded_state_page,
+        # the dtypes the state is held in (conv, SSM), the flags' auto resolved
+        "state_dtypes": list(spec.dtypes) if spec else None,
+        "block_size": inp.block_size,
+        "engine_block_size": engine_block,
         "kv_bytes_per_token": bpt,
         "kv_bytes_per_token_per_rank": bpt_rank,
         # what the object tier stores per token: every rank's share, except MLA's latent,

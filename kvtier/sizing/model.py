@@ -14,6 +14,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.sizing.state import (
+    GDN,
+    StateConfig,
+    StateSpec,
+    hybrid_block_size,
+    state_config,
+    state_spec,
+)
+
 #: bytes per element of the dtype names found in configs and on the command line
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -55,7 +64,8 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     dtype: str
-    #: one entry per decoder layer: "full", "sliding" or "none" (no KV: Mamba, linear attention)
+    #: one entry per decoder layer: "full", "sliding" or "none" (no KV: Mamba, linear
+    #: attention, short conv, or an MLP-only layer)
     layer_kinds: tuple[str, ...]
     sliding_window: int | None = None
     #: MLA (DeepSeek V2/V3): latent width per token per layer = kv_lora_rank + qk_rope_head_dim
@@ -75,6 +85,50 @@ class ModelShape:
     moe_prefix: str = "mlp"
     weight_quant: str | None = None
     max_position_embeddings: int | None = None
+    #: the recurrent-state layers (Mamba, gated delta-net, short conv) of a hybrid model
+    state: StateConfig | None = None
+    #: state layers kvtier cannot size, named by their layer type (refused)
+    unsized_state: str | None = None
+
+    @property
+    def state_layers(self) -> int:
+        return self.state.layers if self.state else 0
+
+    def state_spec(self, tp: int = 1, *, mamba_cache_dtype: str = "auto",
+                   mamba_ssm_cache_dtype: str = "auto") -> StateSpec | None:
+        """One state layer's state per rank (vLLM's ``MambaSpec``); None without state."""
+        if self.state is None:
+            return None
+        return state_spec(self.state, tp=tp, model_dtype=self.dtype,
+                          mamba_cache_dtype=mamba_cache_dtype,
+                          mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+
+    def engine_block_size(self, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1,
+                          *, state: StateSpec | None = None, kernel_alignment: int = 16) -> int:
+        """The block size vLLM runs with: ``block_size``, or for a hybrid model with state
+        the one it raises it to so that an attention page holds a state page."""
+        if state is None or not self.attention_layers:
+            return block_size
+        return hybrid_block_size(state.bytes_per_layer, self.kv_bytes_per_layer_token(
+            kv_cache_dtype, tp), block_size, kernel_alignment)
+
+    def engine_state(self, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1, *,
+                     mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+                     cpu_build: bool = False) -> tuple[StateSpec | None, int]:
+        """The state per rank as the engine holds it and the block size it runs with: on
+        a GPU blocks grow in steps of 16 tokens; vLLM's CPU build grows them in steps of
+        32 and (on a CPU with AVX512-BF16) keeps the SSM state in float32 unless a gated
+        delta-net model asks for float16/bfloat16 (``CpuPlatform``): the larger is
+        planned, never the smaller."""
+        ssm = mamba_ssm_cache_dtype
+        if cpu_build and self.state is not None and not (
+                ssm in ("float16", "bfloat16") and self.state.kind == GDN):
+            ssm = "float32"
+        spec = self.state_spec(tp, mamba_cache_dtype=mamba_cache_dtype,
+                               mamba_ssm_cache_dtype=ssm)
+        block = self.engine_block_size(block_size, kv_cache_dtype, tp, state=spec,
+                                       kernel_alignment=32 if cpu_build else 16)
+        return spec, block
 
     @property
     def is_mla(self) -> bool:
@@ -121,7 +175,7 @@ class ModelShape:
 
     def kv_groups(
         self, kv_cache_dtype: str = "auto", tp: int = 1, *, chunk_size: int = 256,
-        block_size: int = 16,
+        block_size: int = 16, state: StateSpec | None = None,
     ) -> list[dict[str, Any]]:
         """The KV cache groups of the model as kvtier stores them, per rank.
 
@@ -131,7 +185,12 @@ class ModelShape:
         blocks the window before the chunk's end needs (:func:`sliding_blocks`). A model
         of one kind is one group, every block of a chunk stored. Per group: its kind,
         layers and window, KV bytes per token and per block (vLLM's page over the group's
-        layers) and the bytes kvtier stores of one chunk."""
+        layers) and the bytes kvtier stores of one chunk.
+
+        A hybrid model's state layers (``state``: :meth:`state_spec`) are one more group:
+        kvtier stores one state per state layer per chunk (the state at the chunk's end),
+        whatever the chunk's length. ``block_size`` is vLLM's (:meth:`engine_block_size`),
+        whose attention page the engine pads each state page to."""
         per = self.kv_bytes_per_layer_token(kv_cache_dtype, tp)
         bpc = max(1, chunk_size // block_size)
         counts = {kind: sum(1 for k in self.layer_kinds if k == kind) for kind in (FULL, SLIDING)}
@@ -148,6 +207,20 @@ class ModelShape:
                 "page_bytes": per * layers * block_size,
                 "stored_blocks_per_chunk": blocks, "blocks_per_chunk": bpc,
                 "chunk_bytes": per * layers * block_size * blocks,
+            })
+        if state is not None and state.layers:
+            out.append({
+                "kind": "state", "state_kind": state.kind, "layer_type": state.layer_type,
+                "layers": state.layers, "window": None,
+                "shapes": [list(s) for s in state.shapes], "dtypes": list(state.dtypes),
+                "bytes_per_token": 0,
+                # one state per layer (vLLM's MambaSpec page, unpadded) and the page the
+                # engine pads it to (one attention layer's block)
+                "state_bytes_per_layer": state.bytes_per_layer,
+                "page_bytes": state.bytes,
+                "padded_page_bytes": max(per * block_size, state.bytes_per_layer) * state.layers,
+                "stored_blocks_per_chunk": 1, "blocks_per_chunk": bpc,
+                "chunk_bytes": state.bytes,
             })
         return out
 
@@ -236,6 +309,10 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], int | No
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str) and len(pattern) == n:
         return tuple(FULL if c == "*" else NONE for c in pattern), None
+    indices = cfg.get("attn_layer_indices")
+    if isinstance(indices, list) and indices:  # Bamba
+        at = {int(i) for i in indices}
+        return tuple(FULL if i in at else NONE for i in range(n)), None
     if "attn_layer_period" in cfg:
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
         return tuple(FULL if i % period == offset else NONE for i in range(n)), None
@@ -294,6 +371,7 @@ def shape_from_config(
     moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
     if n_shared and not shared:
         shared = n_shared * moe_inter
+    state = state_config(cfg, n, sum(1 for k in kinds if k != NONE))
     return ModelShape(
         model_type=mtype,
         num_layers=n,
@@ -320,6 +398,8 @@ def shape_from_config(
         moe_prefix="block_sparse_moe" if mtype == "mixtral" else "mlp",
         weight_quant=weight_quant,
         max_position_embeddings=cfg.get("max_position_embeddings"),
+        state=state if isinstance(state, StateConfig) and state.layers else None,
+        unsized_state=state if isinstance(state, str) else None,
     )
 
 

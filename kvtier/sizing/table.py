@@ -12,6 +12,15 @@ def _group_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
     token per rank and what kvtier stores of one chunk."""
     rows = []
     for g in p.get("kv_groups") or ():
+        if g["kind"] == "state":
+            shapes = " + ".join(f"{tuple(s)} {d}" for s, d in zip(g["shapes"], g["dtypes"],
+                                                                  strict=True))
+            rows.append((f"  state group ({g['state_kind']})", (
+                f"{g['layers']} {g['layer_type']} layers, {shapes} = "
+                f"{g['state_bytes_per_layer']:,} B/layer/rank (GPU page padded to "
+                f"{p['state_padded_page_bytes']:,} B); kvtier stores one state a layer "
+                f"a chunk: {g['chunk_bytes']:,} B")))
+            continue
         window = f", window {g['window']:,}" if g["window"] else ""
         rows.append((f"  {g['kind']} group", f"{g['layers']} layers{window}, "
                      f"{g['bytes_per_token']:,} B/token/rank; "
@@ -59,6 +68,9 @@ def format_plan(p: dict[str, Any]) -> str:
          + (f", {p['sliding_layers']} sliding ({p['sliding_window']} tokens)"
             if p["sliding_layers"] else "")),  # fmt: skip
         ("KV heads", kv_heads),
+        *([("vLLM block size", f"{p['engine_block_size']:,} tokens (raised from "
+            f"--block-size {p['block_size']} so that an attention page holds a state page)")]
+          if p.get("state_layers") and p["engine_block_size"] != p["block_size"] else []),
         ("KV bytes / token", f"{p['kv_bytes_per_token']:,} B ({p['kv_cache_dtype']} KV cache)"),
         ("KV bytes / token / rank", f"{p['kv_bytes_per_token_per_rank']:,} B"),
         *_group_rows(p),
