@@ -295,6 +295,8 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], int | No
     if cfg.get("use_sliding_window") is False:
         window = None
     types = cfg.get("layer_types")
+    if not (isinstance(types, list) and len(types) == n):
+        types = cfg.get("layers_block_type")  # Nemotron-H as transformers 5 saves it
     if isinstance(types, list) and len(types) == n:
         kinds = []
         for t in types:

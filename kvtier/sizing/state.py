@@ -92,6 +92,8 @@ def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | s
     when the model has no state."""
     mtype = str(cfg.get("model_type", ""))
     types = cfg.get("layer_types")
+    if not (isinstance(types, list) and len(types) == n):
+        types = cfg.get("layers_block_type")  # Nemotron-H as transformers 5 saves it
     types = types if isinstance(types, list) and len(types) == n else None
     if mtype == "jamba":
         return StateConfig(
@@ -108,11 +110,15 @@ def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | s
             conv_kernel=_int(cfg, "mamba_d_conv"))
     if mtype == "nemotron_h":
         pattern = cfg.get("hybrid_override_pattern")
-        if not isinstance(pattern, str) or len(pattern) != n:
+        if isinstance(pattern, str) and len(pattern) == n:
+            layers = _count(pattern, "M")
+        elif types:  # transformers 5 names Mamba layers linear_attention
+            layers = _count(types, "mamba", "linear_attention")
+        else:
             return "'mamba' layers without a hybrid_override_pattern of one letter a layer"
         heads, head_dim = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim")
         return StateConfig(
-            MAMBA2, "mamba", _count(pattern, "M"), intermediate_size=heads * head_dim,
+            MAMBA2, "mamba", layers, intermediate_size=heads * head_dim,
             n_groups=_int(cfg, "n_groups"), num_heads=heads, head_dim=head_dim,
             state_size=_int(cfg, "ssm_state_size"), conv_kernel=_int(cfg, "conv_kernel"),
             ssm_dtype_default=str(cfg.get("mamba_ssm_cache_dtype") or "float32"))
