@@ -104,6 +104,20 @@ def test_rewrites_free_what_they_replace(tmp_path: Path) -> None:
         assert tier.sweeper.used_bytes == on_disk(tmp_path)
 
 
+def test_deletes_free_what_they_remove(tmp_path: Path) -> None:
+    """Objects deleted through the tier leave the count: the writes after them evict
+    nothing while there is room (an overcount evicts the oldest objects for nothing)."""
+    tier = FileTier(str(tmp_path), max_bytes=BOUND, background_sweep=False, bound_writes=True)
+    for i in range(18):
+        tier.put(f"k{i:02d}", chunk(f"k{i:02d}"))
+    tier.sweep()  # the count, and the oldest objects in eviction order
+    tier.delete([f"k{i:02d}" for i in range(8, 18)])
+    for i in range(10):
+        tier.put(f"n{i}", chunk(f"n{i}"))
+    assert all(tier.exists([f"k{i:02d}"]) == [True] for i in range(8))
+    assert tier.sweeper.used_bytes == on_disk(tmp_path)
+
+
 def test_a_write_evicts_the_least_recently_used(tmp_path: Path) -> None:
     """The write's eviction keeps the sweep's order: oldest mtime first, and an object
     read since the scan that ordered them (young now) stays."""

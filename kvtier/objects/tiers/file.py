@@ -205,6 +205,12 @@ class DirectorySweep:
         if stored is not None:
             self.wrote(nbytes)
 
+    def removed(self, nbytes: int) -> None:
+        """The tier deleted an object of ``nbytes``."""
+        with self._lock:
+            if self._used is not None:
+                self._used -= nbytes
+
     def wrote(self, nbytes: int) -> None:
         """The tier stored ``nbytes`` more: sweep soon once they fill a good part of the
         headroom (half of what a sweep frees)."""
@@ -869,7 +875,9 @@ class FileTier(SlotReader):
                 if dir_fd is None:
                     continue
                 try:
+                    size = _size_at(name, dir_fd) if self.max_bytes is not None else 0
                     os.unlink(name, dir_fd=dir_fd)
+                    self.sweeper.removed(size)  # the bound's count frees it too
                 except FileNotFoundError:
                     pass
                 finally:
