@@ -82,6 +82,8 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     moe_layers: frozenset[int] = field(default_factory=frozenset)
+    #: the layers with a dense MLP when not every other one has (Nemotron-H's "-" layers)
+    mlp_layers: frozenset[int] | None = None
     moe_prefix: str = "mlp"
     weight_quant: str | None = None
     max_position_embeddings: int | None = None
@@ -332,6 +334,21 @@ def _layer_kinds(cfg: dict[str, Any], n: int) -> tuple[tuple[str, ...], int | No
     return tuple(FULL for _ in range(n)), None
 
 
+def _ffn_size(cfg: dict[str, Any]) -> int:
+    """The MLP's width: ``intermediate_size``, which LFM2 adjusts (vLLM's ``Lfm2MLP``:
+    two thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``;
+    transformers' defaults when the config leaves them out)."""
+    size = int(cfg.get("intermediate_size") or 0)
+    if cfg.get("model_type") == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        mult = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            size = int(float(mult) * size)
+        of = int(cfg.get("block_multiple_of") or 256)
+        size = of * -(-size // of)
+    return size
+
+
 def _moe_layers(cfg: dict[str, Any], n: int) -> tuple[int, frozenset[int]]:
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
     experts = experts or int(cfg.get("num_local_experts") or 0)
@@ -365,15 +382,22 @@ def shape_from_config(
     head_dim = cfg.get("head_dim") or hidden // heads
     kinds, window = _layer_kinds(cfg, n)
     experts, moe_layers = _moe_layers(cfg, n)
+    mlp_layers = None
+    pattern = cfg.get("hybrid_override_pattern")
+    if cfg.get("model_type") == "nemotron_h" and isinstance(pattern, str) and len(pattern) == n:
+        # one block a layer: Mamba (M), attention (*), MLP (-) or MoE (E)
+        mlp_layers = frozenset(i for i, c in enumerate(pattern) if c == "-")
+        moe_layers = frozenset(i for i, c in enumerate(pattern) if c == "E")
     mtype = str(cfg.get("model_type", ""))
     quant = cfg.get("quantization_config")
     weight_quant = quant.get("quant_method") if isinstance(quant, dict) else None
     n_shared = int(cfg.get("n_shared_experts") or 0)
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    shared = int(cfg.get("shared_expert_intermediate_size")
+                 or cfg.get("shared_intermediate_size") or 0)  # Granite-4.0-H: the latter
     moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
     if n_shared and not shared:
         shared = n_shared * moe_inter
-    state = state_config(cfg, n, sum(1 for k in kinds if k != NONE))
+    state = state_config(cfg, n, kinds)
     return ModelShape(
         model_type=mtype,
         num_layers=n,
@@ -389,7 +413,7 @@ def shape_from_config(
         qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
         v_head_dim=int(cfg.get("v_head_dim") or 0),
         q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        intermediate_size=_ffn_size(cfg),
         vocab_size=int(cfg.get("vocab_size") or 0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         attention_bias=bool(cfg.get("attention_bias", False)) or mtype.startswith("qwen2"),
@@ -397,6 +421,7 @@ def shape_from_config(
         moe_intermediate_size=moe_inter if experts else 0,
         shared_expert_intermediate_size=shared if experts else 0,
         moe_layers=moe_layers,
+        mlp_layers=mlp_layers,
         moe_prefix="block_sparse_moe" if mtype == "mixtral" else "mlp",
         weight_quant=weight_quant,
         max_position_embeddings=cfg.get("max_position_embeddings"),

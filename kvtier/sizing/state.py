@@ -45,6 +45,8 @@ class StateConfig:
     conv_kernel: int = 0
     num_k_heads: int = 0
     head_k_dim: int = 0
+    #: which decoder layers hold state (their weights are the mixer's, not attention's)
+    layer_ids: tuple[int, ...] = ()
     #: the SSM state dtype a model's config asks for when ``--mamba-ssm-cache-dtype`` is
     #: auto (vLLM: Nemotron-H's ``mamba_ssm_cache_dtype``, float32 by default; Qwen3.5's
     #: ``mamba_ssm_dtype``); None: the conv state's dtype
@@ -81,15 +83,22 @@ def _int(cfg: dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _count(types: list[Any] | str, *names: str) -> int:
-    return sum(1 for t in types if str(t) in names)
+def _ids(types: list[Any] | str, *names: str) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(types) if str(t) in names)
 
 
-def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | str | None:
-    """The state layers of a (text) config of ``n`` layers, ``attention`` of them holding
-    KV: a :class:`StateConfig`, a description of state layers kvtier cannot size (a
-    string naming the layer type, refused by :mod:`kvtier.sizing.validate`), or None
-    when the model has no state."""
+def state_config(cfg: dict[str, Any], n: int, kinds: tuple[str, ...]) -> StateConfig | str | None:
+    """The state layers of a (text) config of ``n`` layers (``kinds``: which hold KV, as
+    :func:`kvtier.sizing.model._layer_kinds` reads them): a :class:`StateConfig`, a
+    description of state layers kvtier cannot size (a string naming the layer type,
+    refused by :mod:`kvtier.sizing.validate`), or None when the model has no state."""
+    attention = sum(1 for k in kinds if k != "none")
+    no_kv = tuple(i for i, k in enumerate(kinds) if k == "none")
+    return _state_config(cfg, n, attention, no_kv)
+
+
+def _state_config(cfg: dict[str, Any], n: int, attention: int,
+                  no_kv: tuple[int, ...]) -> StateConfig | str | None:
     mtype = str(cfg.get("model_type", ""))
     types = cfg.get("layer_types")
     if not (isinstance(types, list) and len(types) == n):
@@ -97,13 +106,13 @@ def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | s
     types = types if isinstance(types, list) and len(types) == n else None
     if mtype == "jamba":
         return StateConfig(
-            MAMBA1, "mamba", n - attention,
+            MAMBA1, "mamba", len(no_kv), layer_ids=no_kv,
             intermediate_size=_int(cfg, "mamba_expand") * _int(cfg, "hidden_size"),
             state_size=_int(cfg, "mamba_d_state"), conv_kernel=_int(cfg, "mamba_d_conv"))
     if mtype in ("granitemoehybrid", "bamba"):
-        layers = _count(types, "mamba") if types else n - attention
+        ids = _ids(types, "mamba") if types else no_kv
         return StateConfig(
-            MAMBA2, "mamba", layers,
+            MAMBA2, "mamba", len(ids), layer_ids=ids,
             intermediate_size=_int(cfg, "mamba_expand") * _int(cfg, "hidden_size"),
             n_groups=_int(cfg, "mamba_n_groups"), num_heads=_int(cfg, "mamba_n_heads"),
             head_dim=_int(cfg, "mamba_d_head"), state_size=_int(cfg, "mamba_d_state"),
@@ -111,22 +120,22 @@ def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | s
     if mtype == "nemotron_h":
         pattern = cfg.get("hybrid_override_pattern")
         if isinstance(pattern, str) and len(pattern) == n:
-            layers = _count(pattern, "M")
+            ids = _ids(pattern, "M")
         elif types:  # transformers 5 names Mamba layers linear_attention
-            layers = _count(types, "mamba", "linear_attention")
+            ids = _ids(types, "mamba", "linear_attention")
         else:
             return "'mamba' layers without a hybrid_override_pattern of one letter a layer"
         heads, head_dim = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim")
         return StateConfig(
-            MAMBA2, "mamba", layers, intermediate_size=heads * head_dim,
+            MAMBA2, "mamba", len(ids), layer_ids=ids, intermediate_size=heads * head_dim,
             n_groups=_int(cfg, "n_groups"), num_heads=heads, head_dim=head_dim,
             state_size=_int(cfg, "ssm_state_size"), conv_kernel=_int(cfg, "conv_kernel"),
             ssm_dtype_default=str(cfg.get("mamba_ssm_cache_dtype") or "float32"))
     if mtype.startswith(("qwen3_next", "qwen3_5")):
-        layers = _count(types, "linear_attention") if types else n - attention
+        ids = _ids(types, "linear_attention") if types else no_kv
         ssm = cfg.get("mamba_ssm_dtype") if mtype.startswith("qwen3_5") else None
         return StateConfig(
-            GDN, "linear_attention", layers,
+            GDN, "linear_attention", len(ids), layer_ids=ids,
             num_k_heads=_int(cfg, "linear_num_key_heads"),
             num_heads=_int(cfg, "linear_num_value_heads"),
             head_k_dim=_int(cfg, "linear_key_head_dim"),
@@ -134,8 +143,9 @@ def state_config(cfg: dict[str, Any], n: int, attention: int) -> StateConfig | s
             conv_kernel=_int(cfg, "linear_conv_kernel_dim"),
             ssm_dtype_default=str(ssm) if ssm else None)
     if mtype in ("lfm2", "lfm2_moe"):
-        layers = _count(types, "conv") if types else n - attention
-        return StateConfig(SHORT_CONV, "conv", layers, intermediate_size=_int(cfg, "conv_dim"),
+        ids = _ids(types, "conv") if types else no_kv
+        return StateConfig(SHORT_CONV, "conv", len(ids), layer_ids=ids,
+                           intermediate_size=_int(cfg, "conv_dim"),
                            conv_kernel=_int(cfg, "conv_L_cache"))
     return _unsized(cfg, mtype, types, n, attention)
 
@@ -233,6 +243,35 @@ def state_spec(state: StateConfig, *, tp: int = 1, model_dtype: str = "bfloat16"
     return StateSpec(state.kind, state.layer_type, state.layers, shapes, dtypes)
 
 
+def mixer_weights(state: StateConfig, hidden: int) -> list[tuple[str, int]]:
+    """The parameters (name, elements) of one state layer's mixer, as vLLM builds them,
+    so that a plan from the config alone counts these layers' weights too (all split
+    over TP but the small per-head vectors)."""
+    k = state.conv_kernel
+    if state.kind == MAMBA1:  # Jamba: dt_rank = hidden / 16
+        inner, n, dt = state.intermediate_size, state.state_size, -(-hidden // 16)
+        return [("mamba.in_proj.weight", hidden * 2 * inner), ("mamba.conv1d.weight", inner * k),
+                ("mamba.x_proj.weight", inner * (dt + 2 * n)), ("mamba.dt_proj.weight", dt * inner),
+                ("mamba.A", inner * n), ("mamba.D", inner),
+                ("mamba.out_proj.weight", inner * hidden)]
+    if state.kind == MAMBA2:
+        inner, heads = state.intermediate_size, state.num_heads
+        gs = state.n_groups * state.state_size
+        return [("mamba.in_proj.weight", hidden * (2 * inner + 2 * gs + heads)),
+                ("mamba.conv1d.weight", (inner + 2 * gs) * k), ("mamba.A", 3 * heads),
+                ("mamba.norm.weight", inner), ("mamba.out_proj.weight", inner * hidden)]
+    if state.kind == GDN:
+        kd, vd = state.num_k_heads * state.head_k_dim, state.num_heads * state.head_dim
+        return [("linear_attn.in_proj_qkvz.weight", hidden * (2 * kd + 2 * vd)),
+                ("linear_attn.in_proj_ba.weight", hidden * 2 * state.num_heads),
+                ("linear_attn.conv1d.weight", (2 * kd + vd) * k),
+                ("linear_attn.A_log", 2 * state.num_heads),
+                ("linear_attn.out_proj.weight", vd * hidden)]
+    c = state.intermediate_size  # short conv
+    return [("conv.in_proj.weight", hidden * 3 * c), ("conv.conv.weight", c * k),
+            ("conv.out_proj.weight", c * hidden)]
+
+
 def hybrid_block_size(state_page: int, attn_page_per_token: int, block_size: int,
                       kernel_alignment: int = 16) -> int:
     """vLLM's ``_align_hybrid_block_size``: the attention block grows (in steps of the
@@ -246,5 +285,5 @@ def hybrid_block_size(state_page: int, attn_page_per_token: int, block_size: int
 
 __all__ = [
     "GDN", "MAMBA1", "MAMBA2", "MAMBA_DTYPES", "SHORT_CONV", "StateConfig", "StateSpec",
-    "hybrid_block_size", "state_config", "state_spec",
+    "hybrid_block_size", "mixer_weights", "state_config", "state_spec",
 ]  # fmt: skip

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.sizing.model import DTYPE_BYTES, ModelConfigError, ModelShape
+from kvtier.sizing.state import mixer_weights
 
 #: bytes per element of each safetensors dtype code
 ST_DTYPE_BYTES: dict[str, int] = {
@@ -263,6 +264,7 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
     def col(name: str, layer: int, numel: int, elt: int = lin) -> WeightTensor:
         return t(name, layer, numel, elt, _ceil_div(numel, tp))
 
+    state_ids = frozenset(s.state.layer_ids) if s.state is not None else frozenset()
     layers = []
     for i in range(s.num_layers):
         ts: list[WeightTensor] = []
@@ -294,6 +296,8 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
                 if s.model_type.startswith("qwen3"):
                     ts.append(t("self_attn.q_norm.weight", i, s.head_dim, dt))
                     ts.append(t("self_attn.k_norm.weight", i, s.head_dim, dt))
+        if s.state is not None and i in state_ids:  # a hybrid model's Mamba/GDN/conv mixer
+            ts.extend(col(name, i, numel, dt) for name, numel in mixer_weights(s.state, h))
         p = s.moe_prefix
         if s.is_moe and i in s.moe_layers:
             e, mi = s.num_experts, s.moe_intermediate_size
@@ -307,7 +311,11 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
                 ts.append(col(f"{p}.{name}.down_proj.weight", i, h * si))
             ts.append(col(f"{p}.experts.w13_weight", i, e * 2 * mi * h))
             ts.append(col(f"{p}.experts.w2_weight", i, e * h * mi))
-        elif s.intermediate_size:
+        elif s.intermediate_size and s.model_type == "nemotron_h":
+            if s.mlp_layers is None or i in s.mlp_layers:  # relu², no gate
+                ts.append(col("mlp.up_proj.weight", i, s.intermediate_size * h))
+                ts.append(col("mlp.down_proj.weight", i, h * s.intermediate_size))
+        elif s.intermediate_size and (s.mlp_layers is None or i in s.mlp_layers):
             ts.append(col("mlp.gate_up_proj.weight", i, 2 * s.intermediate_size * h))
             ts.append(col("mlp.down_proj.weight", i, h * s.intermediate_size))
         ts.append(t("input_layernorm.weight", i, h, dt))
