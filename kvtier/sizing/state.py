@@ -213,6 +213,7 @@ def state_spec(state: StateConfig, *, tp: int = 1, model_dtype: str = "bfloat16"
         return (dim, length) if conv_layout == "DS" else (length, dim)
 
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
     if state.kind == MAMBA1:
         inner = _divide(state.intermediate_size, tp, "Mamba channels")
         shapes = (conv(inner, state.conv_kernel - 1), (inner, state.state_size))
