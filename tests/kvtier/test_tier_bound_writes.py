@@ -33,20 +33,32 @@ def chunk(key: str, size: int = OBJ) -> list[bytes | memoryview]:
 
 
 def on_disk(root: Path) -> int:
-    """Every byte under ``root``: objects, temp files of writes in flight, manifests."""
-    seen: set[int] = set()
-    total = 0
+    """Every byte under ``root``: objects, temp files of writes in flight, manifests.
+
+    Never more than the directory held at the walk's end: a walk is no snapshot (an
+    object evicted after the walk counted it and one written where the walk had not
+    looked yet would both count), so only the files still there, the same inode, at the
+    end are counted, each inode once (a temp file renamed to its object's name while the
+    directory is listed may be listed under both names)."""
+    found: dict[int, list[str]] = {}
     for folder, _, files in os.walk(root):
         for name in files:
+            path = os.path.join(folder, name)
             try:
-                st = os.lstat(os.path.join(folder, name))
+                st = os.lstat(path)
             except FileNotFoundError:
                 continue  # evicted while we walk
-            # by inode: a temp file renamed to its object's name while the directory is
-            # listed may be listed under both names
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
+            found.setdefault(st.st_ino, []).append(path)
+    total = 0
+    for ino, paths in found.items():
+        for path in paths:  # under any name it was listed under (a renamed temp file)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if st.st_ino == ino:
                 total += st.st_size
+                break
     return total
 
 
