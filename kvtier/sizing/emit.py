@@ -79,7 +79,23 @@ def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
             "kv_load_failure_policy": FAILURE_POLICY}
 
 
-def vllm_flags(inp: PlanInputs) -> list[str]:
+def hybrid_flags(inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
+    """A hybrid model with recurrent state: the flags under which vLLM keeps its state at
+    block boundaries (prefix caching, ``--mamba-cache-mode align``), the block size the
+    plan counted (the one vLLM raises ``--block-size`` to, which kvtier's chunks line up
+    with) and the state dtypes when not auto. None for a model without state."""
+    if not plan.get("state_layers"):
+        return []
+    args = ["--enable-prefix-caching", "--mamba-cache-mode", "align",
+            "--block-size", str(plan["engine_block_size"])]
+    if inp.mamba_cache_dtype != "auto":
+        args += ["--mamba-cache-dtype", inp.mamba_cache_dtype]
+    if inp.mamba_ssm_cache_dtype != "auto":
+        args += ["--mamba-ssm-cache-dtype", inp.mamba_ssm_cache_dtype]
+    return args
+
+
+def vllm_flags(inp: PlanInputs, plan: dict[str, Any] | None = None) -> list[str]:
     """The ``vllm serve`` flags that reproduce the planned memory layout (no KV connector)."""
     args: list[str] = []
     if inp.tp > 1:
@@ -99,7 +115,7 @@ def vllm_flags(inp: PlanInputs) -> list[str]:
         args += ["--offload-prefetch-step", str(inp.offload_prefetch_step)]
     if inp.offload_params:
         args += ["--offload-params", *sorted(inp.offload_params)]
-    return args
+    return args + (hybrid_flags(inp, plan) if plan is not None else [])
 
 
 def shutdown_flags(extra: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
@@ -166,7 +182,7 @@ def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, *,
         return json.dumps(ktc, indent=2)
     if fmt == "vllm-args":
         env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
-        flags = vllm_flags(inp) + stop + ["--kv-transfer-config", ktc_json]
+        flags = vllm_flags(inp, plan) + stop + ["--kv-transfer-config", ktc_json]
         return shlex.join([*(f"{k}={v}" for k, v in env.items()),
                            *serve_command(inp.model, vllm_build), *flags])
     if fmt == "helm-values":
@@ -209,7 +225,7 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
         lines.append("# resources: unknown; pass --gpu-memory and --warm-sessions to size them")
     # its own key, which the chart appends to vllm.extraArgs: a later `-f` replaces a list
     # whole, so writing extraArgs here would drop the user's own flags (or they ours)
-    lines += ["vllm:", "  sizingArgs:"] + [f"    - {q(a)}" for a in vllm_flags(inp)]
+    lines += ["vllm:", "  sizingArgs:"] + [f"    - {q(a)}" for a in vllm_flags(inp, plan)]
     return "\n".join(lines)
 
 

@@ -281,3 +281,19 @@ def test_weights_from_the_config_count_the_state_layers_mixers(models: dict[str,
     w = weights_from_config(load_shape(models[name]))
     got = sum(t.numel for layer in w.layers for t in layer) + sum(t.numel for t in w.other)
     assert abs(got - want) <= 0.005 * want, (got, want)
+
+
+def test_emit_gives_vllm_the_flags_the_plan_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    """--emit vllm-args for a hybrid model: prefix caching in align mode (vLLM keeps the
+    state at block boundaries only then) and the raised block size the chunks line up
+    with; a model without state gets none of them."""
+    granite = str(FIXTURES / "granite-4.0-h-tiny")
+    assert main(["size", "--model", granite, "--chunk-size", "784", "--emit", "vllm-args",
+                 "--mamba-ssm-cache-dtype", "float32"]) == 0
+    line = capsys.readouterr().out
+    want = ("--enable-prefix-caching --mamba-cache-mode align --block-size 784 "
+            "--mamba-ssm-cache-dtype float32")
+    assert want in line and '"chunk_size":784' in line
+    assert main(["size", "--model", str(FIXTURES / "llama3-8b"), "--emit", "vllm-args"]) == 0
+    line = capsys.readouterr().out
+    assert "--mamba-cache-mode" not in line and "--block-size" not in line
