@@ -49,6 +49,15 @@ class LayerSpec:
     block_size: int | None
     #: sliding: the window kvtier must keep, vLLM's window plus its retained tokens
     window: int | None
+    #: Mamba/SSM state: each state tensor's (shape, dtype) of one block, in vLLM's order
+    #: (conv, then SSM / recurrent state); empty for attention
+    states: tuple[tuple[tuple[int, ...], str], ...] = ()
+    #: Mamba/SSM state: vLLM's ``mamba_cache_mode`` for it ("align": a state per block
+    #: boundary, what a prefix cache needs; "none", "all")
+    state_mode: str | None = None
+    #: Mamba/SSM state: the bytes of one block's state tensors, without vLLM's padding of
+    #: the page to the attention page (vLLM's ``state_content_size_bytes``)
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +331,18 @@ def _layer_spec(spec: Any) -> LayerSpec:
         block_size=getattr(spec, "block_size", None),
         window=spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         if sliding else None,
+        states=_state_tensors(spec) if isinstance(spec, MambaSpec) else (),
+        state_mode=str(getattr(spec, "mamba_cache_mode", "none"))
+        if isinstance(spec, MambaSpec) else None,
+        state_bytes=int(spec.state_content_size_bytes) if isinstance(spec, MambaSpec) else 0,
     )  # fmt: skip
+
+
+def _state_tensors(spec: Any) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """A Mamba spec's state tensors of one block: (shape, dtype without ``torch.``)."""
+    shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
+    dtypes = tuple(str(dt).removeprefix("torch.") for dt in spec.dtypes)
+    return tuple(zip(shapes, dtypes, strict=True))
 
 
 def _group(group: Any) -> CacheGroup:

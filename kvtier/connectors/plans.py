@@ -13,13 +13,14 @@ into the step's :class:`~.metadata.StepPlan`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
 
 from kvtier import metrics
 from kvtier.host.index import ChunkIndex, Entry, State
-from kvtier.host.layout import KVGroup
+from kvtier.host.layout import STATE, KVGroup
 from kvtier.ops import LoadOp, OpKind, StoreOp, UploadOp
 from kvtier.stats import StatsRecorder, Totals
 
@@ -32,6 +33,18 @@ CLEAN_PAUSE_S = 5.0
 
 #: a request id -> the vLLM block ids of its KV, one list per KV cache group
 BlockIds = Callable[[str], tuple[list[int], ...]]
+
+logger = logging.getLogger("kvtier.scheduler")
+
+#: logged once per engine: a model with recurrent state whose chunks are not stored
+STATE_STEP_HINT = (
+    "kvtier: chunk %d of a request with recurrent state (Mamba/SSM) was not stored: it ends "
+    "at token %d, but the step that completed it ran on to token %d, so the state at its "
+    "end, which kvtier stores with it, was not kept. Every chunk end must end a prefill "
+    "step: run chunked prefill with --max-num-batched-tokens equal to vLLM's block size "
+    "(logged as 'kv lcm block sizes'; what vLLM's CPU build needs anyway) or to "
+    "chunk_size. Counted in stores_state_gone; logged once"
+)
 
 
 class WriteBack:
@@ -126,6 +139,8 @@ class Planner:
         self.groups = groups
         #: vLLM's null block id (set when the KV cache manager is bound)
         self.null_block: int | None = None
+        #: a group of recurrent state (Mamba/SSM, gated delta-net, short conv)
+        self.has_state = any(g.kind == STATE for g in groups)
 
     @property
     def index(self) -> ChunkIndex:
@@ -161,6 +176,34 @@ class Planner:
             self.plan.loads.append(op)
             st.step_loads.append(op_id)
             st.hit_sources[tier] = st.hit_sources.get(tier, 0) + tokens
+            if self.has_state and c == math.ceil(end / cs) - 1:
+                self._load_running_state(st, block_ids, c, fetch_op)
+
+    def _load_running_state(
+        self, st: RequestState, block_ids: tuple[list[int], ...], c: int, fetch_op: int
+    ) -> None:
+        """A hit's last chunk ``c`` of a model with recurrent state: its state also goes to
+        the block the request runs on in this step (its last one). vLLM copies the state
+        of the hit's last block into that block before the step's forward, which is before
+        any connector load: the state loaded into the hit's block alone would be read
+        only by later hits of vLLM's own prefix cache, the running one would start from
+        whatever that block held."""
+        parts: list[tuple[int, list[int]]] = []
+        for g, group in enumerate(self.groups):
+            blocks = block_ids[g]
+            hit_block = (c + 1) * self.blocks_per_chunk - 1
+            running = blocks[-1] if len(blocks) > hit_block + 1 else None
+            if group.kind == STATE and running is not None and running != self.null_block:
+                parts.append((0, [running]))
+            else:
+                parts.append((0, []))
+        if all(not blocks for _, blocks in parts):
+            return
+        entry = self._hold_fetching(st, c) if fetch_op else self.index.pin(self.keys.key(st, c))
+        op_id = self.ledger.add(OpKind.LOAD, entry)
+        self.plan.loads.append(LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]),
+                                      fetch_op=fetch_op))  # fmt: skip
+        st.step_loads.append(op_id)
 
     def _hold_fetching(self, st: RequestState, c: int) -> Entry:
         """The entry a one-step lookup claimed for chunk ``c`` of ``st``, held for its load."""
@@ -249,6 +292,16 @@ class Planner:
                 # ready, being stored, or fetched for a load in this step (a one-step
                 # lookup's chunk, held by its load: the fetch fills the slot)
                 self.index.touch(key)
+                continue
+            if self.has_state and (c + 1) * self.chunk_size != computed_after:
+                # recurrent state: the chunk's last block holds the state at its end only
+                # in the step that ends there (a step running past it goes on updating
+                # the state in its running block; whether vLLM kept a checkpoint at the
+                # boundary is not said): stored then or never, never with another state
+                if not self.totals["stores_state_gone"]:
+                    logger.warning(STATE_STEP_HINT, c, (c + 1) * self.chunk_size,
+                                   computed_after)  # fmt: skip
+                self.totals["stores_state_gone"] += 1
                 continue
             parts = self._store_parts(blocks, c)
             if parts is None:

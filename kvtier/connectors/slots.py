@@ -47,6 +47,11 @@ def layer_page_bytes(kv_cache: KVCacheShape, group_index: int = 0) -> list[int]:
     spec's page for every layer where vLLM says nothing usable. A hybrid model's groups
     overlay one allocation: ``group_index`` picks the group."""
     group = kv_cache.groups[group_index]
+    if all(spec.mamba for spec in group.specs):
+        # a state group: one block of state per layer, its bytes without vLLM's padding
+        # (what the workers see: vLLM's CPU runner hands these bytes as the layer's
+        # tensor, its GPU runner a list of the state tensors)
+        return [group.specs[0].state_bytes] * len(group.layer_names)
     pages = kv_cache.layer_pages
     if pages is None:
         return [group.page_bytes] * len(group.layer_names)
@@ -104,3 +109,4 @@ def allocate_slab(
             "cpu_bytes", given, f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
             f"could not be allocated ({exc}); {plan.text()}; {plan.fit_hint()}",
         ) from None  # fmt: skip
+

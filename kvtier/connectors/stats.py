@@ -42,6 +42,9 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     # hybrid models: chunks not stored because vLLM had already dropped blocks of a
     # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)
     "stores_window_gone",
+    # recurrent state: chunks not stored because the step that completed them ran past
+    # their end (the state block no longer holds the state at the chunk's end)
+    "stores_state_gone",
     *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
     "write_back",
     "weights_changes",  # weights replaced while the engine ran (weights_changed)

@@ -24,7 +24,7 @@ import torch
 from kvtier import canary, metrics
 from kvtier.config import KVTierConfig
 from kvtier.host.copiers import make_copier
-from kvtier.host.layout import HostSlab, KVGroup, SlotLayout
+from kvtier.host.layout import STATE, HostSlab, KVGroup, SlotLayout
 from kvtier.host.transfer import Copier
 from kvtier.keys import KeySpace, Namespace
 from kvtier.objects import manifest
@@ -45,6 +45,7 @@ from kvtier.ops import (
 )
 from kvtier.stats import StatsRecorder
 
+from .groups import flatten_states
 from .metadata import KVTierMetadata, KVTierWorkerMeta
 from .slots import allocate_slab
 
@@ -85,6 +86,7 @@ class WorkerSide:
         self._kv: list[torch.Tensor] = []
         #: every registered layer name -> index of the layout layer holding its KV
         self._layer_index: dict[str, int] = {}
+        self._state_layers: list[int] = []
         self.copier: Copier | None = None
         #: save each layer right after its attention; False when one layer's attention
         #: runs in several calls per step (micro-batching), where only the end is safe
@@ -139,6 +141,7 @@ class WorkerSide:
         KV that every rank holds whole, MLA's, is stored once, by rank 0)."""
         self.rank = rank
         self.stage = stage
+        kv_caches, self.groups = flatten_states(kv_caches, self.groups)
         self.layout = SlotLayout.from_kv_caches(
             kv_caches, self.num_blocks, self.blocks_per_chunk, self.groups
         )
@@ -150,6 +153,11 @@ class WorkerSide:
         by_name = dict(kv_caches)
         self._kv = [by_name[layer.name] for layer in self.layout.layers]
         self._layer_index = dict(self.layout.names)
+        #: the layers of recurrent-state groups (no per-layer wait from vLLM for them)
+        self._state_layers = [
+            i for i, layer in enumerate(self.layout.layers)
+            if self.groups and self.groups[layer.group].kind == STATE
+        ]
         logger.info(
             "kvtier worker rank %d stage %d: %d KV layers, chunk slot %d bytes, block dim %d",
             rank, stage, len(self._kv), self.layout.slot_bytes, self.layout.layers[0].block_dim,
@@ -291,6 +299,12 @@ class WorkerSide:
             loads = self._fetched_loads(loads)
         self._loads.update((op.op_id, op) for op in loads)
         self._record_loads(self.copier.submit(loads))
+        if self.copier.layerwise:
+            # vLLM waits per layer only in its attention layers: the compute stream waits
+            # for the state layers' loads here, before the step's forward (nothing reads
+            # them before: vLLM's own copy of the hit's state ran when it prepared the step)
+            for li in self._state_layers:
+                self.copier.wait_layer(li)
 
     def _storable(self, meta: KVTierMetadata) -> list[StoreOp]:
         """The step's stores that may be copied: none whose blocks include vLLM's null

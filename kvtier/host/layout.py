@@ -74,7 +74,7 @@ class LayerLayout:
 
 
 #: KVGroup.kind
-FULL, SLIDING = "full", "sliding"
+FULL, SLIDING, STATE = "full", "sliding", "state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,9 @@ class KVGroup:
 
     A full-attention group: every block of the chunk. A sliding-window group: only the
     chunk's last ``blocks`` blocks, the ones a hit ending at the chunk's end reads (vLLM
-    backs the blocks before the window with its null block): :func:`sliding_blocks`."""
+    backs the blocks before the window with its null block): :func:`sliding_blocks`. A
+    state group (Mamba/SSM, gated delta-net, short conv: recurrent state): the chunk's
+    last block, which holds the state at the chunk's end (vLLM's ``align`` mode)."""
 
     kind: str
     #: vLLM's layer names, in vLLM's group order
@@ -94,9 +96,17 @@ class KVGroup:
     #: a sliding-window group: the tokens vLLM keeps before the next one (its window plus
     #: the trailing tokens it retains); 0 for full attention
     window: int = 0
+    #: a state group: each state tensor of a layer, (shape of one block, dtype), as vLLM's
+    #: spec names them (conv, then SSM or recurrent state); in the layout's digest, so a
+    #: chunk of one state layout never loads into another (vLLM's CPU runner hands the
+    #: state as raw bytes per block, whose shape says nothing of it)
+    states: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     def describe(self) -> list[Any]:
-        return [self.kind, self.window, self.blocks, list(self.layers)]
+        out: list[Any] = [self.kind, self.window, self.blocks, list(self.layers)]
+        if self.states:  # (groups of other kinds keep the digest they always had)
+            out.append([[list(shape), dtype] for shape, dtype in self.states])
+        return out
 
 
 def sliding_blocks(window: int, block_size: int, blocks_per_chunk: int) -> int:
