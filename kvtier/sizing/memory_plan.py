@@ -242,6 +242,24 @@ def _offload(inp: PlanInputs, weights: Weights, pin: bool,
 STATE_BLOCKS_PER_REQUEST = 2
 
 
+def gpu_group_layers(shape: ModelShape, state_layers: int) -> tuple[int, int, int]:
+    """Full, sliding-window and state layers as vLLM's KV cache pool holds them: its
+    hybrid allocator (``_get_kv_cache_groups_uniform_page_size``) puts every kind's layers
+    in groups of one size (the fewest of a kind, or the most when below 1.5 times the
+    fewest) and pads each kind's last group; a padded layer costs a page like the others.
+    LFM2-1.2B's 10 conv layers beside 6 attention layers cost 12."""
+    counts = [sum(1 for k in shape.layer_kinds if k == kind) for kind in ("full", "sliding")]
+    counts.append(state_layers)
+    present = [c for c in counts if c]
+    if len(present) < 2:
+        return counts[0], counts[1], counts[2]
+    size = min(present)
+    if max(present) < 1.5 * size:
+        size = max(present)
+    full, sliding, state = (-(-c // size) * size for c in counts)
+    return full, sliding, state
+
+
 def state_of(inp: PlanInputs, shape: ModelShape) -> tuple[StateSpec | None, int]:
     """A hybrid model's state layer per rank (None without state) and the block size
     vLLM runs it with (:meth:`ModelShape.engine_state`)."""
@@ -284,21 +302,23 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
                              block_size=engine_block, state=spec)
     chunk_rank = sum(g["chunk_bytes"] for g in groups)
     state_chunk = spec.bytes if spec else 0
-    # on the GPU vLLM pads each state page to one attention layer's page, and a running
-    # request holds STATE_BLOCKS_PER_REQUEST of them per state layer
-    padded_state_page = (
-        max(spec.bytes_per_layer, engine_block * shape.kv_bytes_per_layer_token(
-            inp.kv_cache_dtype, tp)) if spec else 0
-    )  # fmt: skip
-    state_session = (spec.layers if spec else 0) * padded_state_page * STATE_BLOCKS_PER_REQUEST
+    # on the GPU vLLM pads each state page to one attention layer's page, groups layers
+    # in groups of one size (padding the last of a kind: gpu_group_layers), and a running
+    # request holds STATE_BLOCKS_PER_REQUEST state pages of each state layer
+    per_layer = shape.kv_bytes_per_layer_token(inp.kv_cache_dtype, tp)
+    padded_state_page = max(spec.bytes_per_layer, engine_block * per_layer) if spec else 0
+    full_l, sliding_l, state_l = gpu_group_layers(shape, spec.layers if spec else 0)
+    state_session = state_l * padded_state_page * STATE_BLOCKS_PER_REQUEST
+    gpu_bpt = (full_l + sliding_l) * per_layer if spec else bpt_rank
 
     def session_gpu(context: int) -> int:
-        """One sequence on the GPU: its attention KV, in whole engine blocks for a hybrid
-        model with state, and its state blocks."""
+        """One sequence on the GPU: its attention KV (for a hybrid model with state in
+        whole engine blocks, over the group-padded layers) and its state blocks."""
         if spec is None:
             return shape.session_kv_bytes(context, inp.kv_cache_dtype, tp)
-        blocks = -(-context // engine_block) * engine_block
-        return shape.session_kv_bytes(blocks, inp.kv_cache_dtype, tp) + state_session
+        tokens = -(-context // engine_block) * engine_block
+        window = min(tokens, shape.sliding_window or tokens)
+        return per_layer * (full_l * tokens + sliding_l * window) + state_session
 
     comp = resolve_compression(inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype),
                                inp.compression_ratio)
@@ -326,7 +346,7 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
             f"{inp.gpu_memory_utilization:g} x {gib(gpu_total)}: no room for KV cache. Offload "
             "more weights (--cpu-offload-gb), raise TP, or quantize.")))
     gpu_kv_pos = max(gpu_kv, 0) if gpu_kv is not None else None
-    tokens = gpu_kv_pos // bpt_rank if gpu_kv_pos is not None and bpt_rank else None
+    tokens = gpu_kv_pos // gpu_bpt if gpu_kv_pos is not None and gpu_bpt else None
     sessions = gpu_kv_pos // session_rank if gpu_kv_pos is not None and session_rank else None
 
     max_len = inp.max_model_len or shape.max_position_embeddings
@@ -406,6 +426,8 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "state_bytes_per_layer": spec.bytes_per_layer if spec else 0,
         "state_bytes_per_chunk": state_chunk,
         "state_padded_page_bytes": padded_state_page,
+        # the layers vLLM's pool pays a page for, its group padding included
+        "gpu_group_layers": {"full": full_l, "sliding": sliding_l, "state": state_l},
         # the dtypes the state is held in (conv, SSM), the flags' auto resolved
         "state_dtypes": list(spec.dtypes) if spec else None,
         "block_size": inp.block_size,

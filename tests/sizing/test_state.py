@@ -297,3 +297,35 @@ def test_emit_gives_vllm_the_flags_the_plan_counted(capsys: pytest.CaptureFixtur
     assert main(["size", "--model", str(FIXTURES / "llama3-8b"), "--emit", "vllm-args"]) == 0
     line = capsys.readouterr().out
     assert "--mamba-cache-mode" not in line and "--block-size" not in line
+
+
+@pytest.mark.parametrize(("attention", "conv"), [(6, 10), (4, 4), (2, 6), (3, 4)])
+def test_gpu_pays_for_the_group_padding_vllm_adds(tmp_path: Path, attention: int,
+                                                  conv: int) -> None:
+    """vLLM's own grouping (``_get_kv_cache_groups_uniform_page_size``) of LFM2-like
+    models: every group holds as many layers, the last of a kind padded. LFM2-1.2B's 6
+    attention and 10 conv layers are 2 groups of 6 conv layers: 12 state pages a block,
+    not 10; the plan's sessions count them."""
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.sizing.memory_plan import gpu_group_layers
+
+    types = ["full_attention"] * attention + ["conv"] * conv
+    cfg = {**LFM2, "num_hidden_layers": len(types), "layer_types": types}
+    shape = load_shape(write(tmp_path, "m", cfg))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
+    state = MambaSpec(block_size=16, shapes=((2, 1024),), dtypes=(torch.bfloat16,),
+                      page_size_padded=full.page_size_bytes)
+    specs = {f"layers.{i}": full if t == "full_attention" else state for i, t in enumerate(types)}
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    size = max(len(g.layer_names) for g in groups)
+    want = {kind: size * sum(1 for g in groups if type(g.kv_cache_spec) is cls)
+            for kind, cls in (("full", FullAttentionSpec), ("state", MambaSpec))}
+    got = gpu_group_layers(shape, conv)
+    assert (got[0], got[2]) == (want["full"], want["state"])
+    plan = make_plan(PlanInputs(model=str(tmp_path / "m"), chunk_size=16, context=16))
+    assert plan["gpu_group_layers"]["state"] == want["state"]
+    per_layer_token = plan["kv_bytes_per_token_per_rank"] // attention
+    assert plan["session_kv_bytes_per_rank"] == (
+        want["full"] * 16 * per_layer_token + want["state"] * plan["state_padded_page_bytes"] * 2)
