@@ -56,8 +56,8 @@ def check_model_shape(shape: ModelShape, model: str) -> None:
         raise model_refused(model, ATTENTION_FREE_REASON)
     if shape.unsized_state:
         raise model_refused(
-            model, f"its {shape.unsized_state} hold {SSM_REASON}, of a kind kvtier "
-            f"cannot size ({SIZED_STATE})")
+            model, f"its {shape.unsized_state} hold a recurrent state of a kind kvtier "
+            f"cannot size or store ({SIZED_STATE})")
 
 
 def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
