@@ -329,3 +329,41 @@ def test_gpu_pays_for_the_group_padding_vllm_adds(tmp_path: Path, attention: int
     per_layer_token = plan["kv_bytes_per_token_per_rank"] // attention
     assert plan["session_kv_bytes_per_rank"] == (
         want["full"] * 16 * per_layer_token + want["state"] * plan["state_padded_page_bytes"] * 2)
+
+
+def test_qwen3_5_reads_its_text_config_and_ssm_dtype(tmp_path: Path) -> None:
+    """Qwen3.5 nests the decoder under text_config and asks for its SSM state dtype there
+    (mamba_ssm_dtype), which vLLM takes when --mamba-ssm-cache-dtype is auto. Its model
+    module needs torchvision, so vLLM's calculators are called as its
+    get_mamba_state_shape_from_config calls them, over the config transformers reads."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
+
+    text = {"model_type": "qwen3_5_text", "num_hidden_layers": 8,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+            "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+            "intermediate_size": 2048, "vocab_size": 1000, "torch_dtype": "bfloat16"}  # fmt: skip
+    model = write(tmp_path, "qwen3.5", {"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                        "model_type": "qwen3_5", "text_config": text})
+    hf = AutoConfig.from_pretrained(model).get_text_config()
+    cache = SimpleNamespace(mamba_ssm_cache_dtype="auto")
+    Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(SimpleNamespace(
+        cache_config=cache, model_config=SimpleNamespace(hf_text_config=hf)))  # type: ignore[arg-type]
+    for tp in (1, 2):
+        shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
+            hf.linear_value_head_dim, hf.linear_conv_kernel_dim, 0)
+        dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            torch.bfloat16, "auto", cache.mamba_ssm_cache_dtype)
+        spec = load_shape(model).state_spec(tp)
+        assert spec is not None and spec.layers == 6 and spec.kind == "gated_delta_net"
+        assert spec.shapes == shapes and [TORCH[d] for d in spec.dtypes] == list(dtypes)
+        assert spec.bytes_per_layer == MambaSpec(shapes=shapes, dtypes=dtypes,
+                                                 block_size=16).page_size_bytes
+    assert spec.dtypes == ("bfloat16", "float32")
