@@ -25,7 +25,6 @@ from vllm.v1.kv_cache_interface import (
 from kvtier.cli.main import main
 from kvtier.connectors.vllm import KVTierConnector
 from kvtier.errors import ConfigError
-from kvtier.sizing.validate import SSM_REASON
 from tests.connectors.hybrid_engine import BS, CHUNK, engine_config
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
@@ -79,15 +78,20 @@ def test_a_setting_the_connector_refuses_kvtier_size_refuses(
     assert want.allowed in err, (want.allowed, err)  # the same words
 
 
-def test_a_mamba_hybrid_is_refused_by_both(model_dir: str, capsys) -> None:
-    """Jamba: attention layers with Mamba layers between them."""
+def test_a_mamba_hybrid_runs_in_align_mode_for_both(model_dir: str, capsys) -> None:
+    """Jamba: attention layers with Mamba layers between them. The connector refuses its
+    state group outside --mamba-cache-mode align; kvtier size plans it (issue 53) and gives
+    vLLM that mode with the block size its chunks line up with, and refuses, as the
+    connector would, a chunk size off the 80-token block vLLM raises --block-size 16 to."""
     want = connector_refusal(model_dir, {"chunk_size": CHUNK}, [
         KVCacheGroupSpec([attn(0), attn(2)], FULL),
         KVCacheGroupSpec(["model.layers.1.mixer", "model.layers.3.mixer"], MAMBA)])
-    assert want.key == "model" and "Mamba/SSM" in str(want)
-    err = size_refusal(capsys, "--model", str(FIXTURES / "jamba-v0.1"))
-    assert "kvtier config 'model'" in err and SSM_REASON in err
-    assert "serve it without kvtier's connector" in err and "serve it without" in str(want)
+    assert want.key == "model" and "--mamba-cache-mode align" in str(want)
+    jamba = str(FIXTURES / "jamba-v0.1")
+    err = size_refusal(capsys, "--model", jamba)
+    assert "kvtier config 'chunk_size'" in err and "80-token block" in err
+    assert main(["size", "--model", jamba, "--chunk-size", "320", "--emit", "vllm-args"]) == 0
+    assert "--mamba-cache-mode align --block-size 80" in capsys.readouterr().out
 
 
 def test_an_attention_free_model_is_refused_by_both(tmp_path: Path, capsys) -> None:
