@@ -367,3 +367,37 @@ def test_qwen3_5_reads_its_text_config_and_ssm_dtype(tmp_path: Path) -> None:
         assert spec.bytes_per_layer == MambaSpec(shapes=shapes, dtypes=dtypes,
                                                  block_size=16).page_size_bytes
     assert spec.dtypes == ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plans_host_slot_is_the_connectors(tmp_path: Path, tp: int) -> None:
+    """The slot kvtier size plans for an LFM2-like model (6 attention, 10 conv layers) is
+    the one the connector's scheduler side sizes from vLLM's own grouping of the specs
+    vLLM would give these layers: a chunk of attention KV and one unpadded state per
+    state layer, rounded to 4096."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.connectors.groups import kv_groups
+    from kvtier.connectors.slots import slot_size
+    from tests.connectors.hybrid_engine import BS, CHUNK
+    from tests.connectors.test_recurrent_state_groups import shape_of
+
+    types = ["conv", "conv", "full_attention"] * 2 + ["conv"] * 4 + ["full_attention"] * 2
+    cfg = {**LFM2, "num_hidden_layers": len(types), "layer_types": types}
+    model = write(tmp_path, "lfm2-16", cfg)
+    engine = write(tmp_path, "engine", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1})  # fmt: skip
+    plan = make_plan(PlanInputs(model=model, tp=tp, chunk_size=CHUNK, block_size=BS))
+    assert plan["engine_block_size"] == BS
+    shapes, dtypes, _ = vllm_state(model, tp)
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=8 // tp, head_size=64,
+                             dtype=torch.bfloat16)
+    conv = MambaSpec(block_size=BS, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align",
+                     page_size_padded=attn.page_size_bytes)
+    specs = {f"model.layers.{i}.{'self_attn.attn' if t == 'full_attention' else 'conv'}":
+             attn if t == "full_attention" else conv for i, t in enumerate(types)}
+    kv = shape_of(engine, specs)  # type: ignore[arg-type]
+    assert slot_size(kv, kv_groups(kv, BS, CHUNK), CHUNK // BS) == plan["host_slot_bytes"]
