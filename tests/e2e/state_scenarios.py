@@ -44,12 +44,17 @@ STATE_ENGINE: dict[str, Any] = {
 }
 
 
+def _parallel(tp: int) -> dict[str, Any]:
+    """Tensor parallelism over worker processes (each rank holds its shard of the state)."""
+    return {} if tp == 1 else {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+
+
 @register
-def state_writer(model: str, extra: dict[str, Any]) -> dict[str, Any]:
+def state_writer(model: str, extra: dict[str, Any], tp: int = 1) -> dict[str, Any]:
     """P and Q computed whole (each under a cache salt of its own: no hit from anyone),
     then P unsalted (computed, its chunks stored and uploaded) and, vLLM's cache emptied
     before each, P and Q again: kvtier's host tier serves 4 and 2 chunks."""
-    llm = build_llm(model, extra, **STATE_ENGINE)
+    llm = build_llm(model, extra, **STATE_ENGINE, **_parallel(tp))
     side = kvtier_side(llm)
     p_cold = generate(llm, [P], salt="p-cold")[0]
     q_cold = generate(llm, [Q], salt="q-cold")[0]
@@ -67,11 +72,11 @@ def state_writer(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @register
-def state_reader(model: str, extra: dict[str, Any]) -> dict[str, Any]:
+def state_reader(model: str, extra: dict[str, Any], tp: int = 1) -> dict[str, Any]:
     """A restarted engine on the same object tier: P from the object tier (its host tier
     is empty); R computed whole (salted), then R with vLLM's cache and the host tier
     emptied: its first 3 chunks from the object tier."""
-    llm = build_llm(model, extra, **STATE_ENGINE)
+    llm = build_llm(model, extra, **STATE_ENGINE, **_parallel(tp))
     p_hit = generate(llm, [P])[0]
     r_cold = generate(llm, [R], salt="r-cold")[0]
     llm.reset_prefix_cache(reset_connector=True)

@@ -90,18 +90,22 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
-@pytest.mark.parametrize("which", ["mamba2_hybrid", "gdn_hybrid"])
+@pytest.mark.parametrize(("which", "tp"), [("mamba2_hybrid", 1), ("gdn_hybrid", 1),
+                                          ("gdn_hybrid", 2)])
 def test_state_hits_equal_the_cold_prompt_from_both_tiers_and_after_a_restart(
-    which: str, request: pytest.FixtureRequest, tmp_path: Path
+    which: str, tp: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """Each hit against the same prompt computed cold in the same steps after the hit
     (the split is the same: the outputs must be equal bit for bit). Without the state
     loaded into the block the request runs on, Q's first token differs and the others'
-    logprobs are off by up to 0.008 (float32)."""
+    logprobs are off by up to 0.008 (float32). At TP=2 each rank stores and loads its
+    shard of the state (the gated delta-net's heads are split across ranks)."""
     model = request.getfixturevalue(which)
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tmp_path / 'tier'}"}
+    extra = {"cpu_bytes": "32MiB", "remote_url": f"file://{tmp_path / 'tier'}"}
     env = {"KVTIER_TEST_SCENARIO_MODULES": SCENARIOS}
-    w = run_engine("state_writer", env=env, model=model, extra=extra)
+    if tp > 1:  # one core per rank (vLLM's automatic binding wants a NUMA node per rank)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    w = run_engine("state_writer", env=env, model=model, extra=extra, tp=tp)
     assert w["groups"] and {g[0] for g in w["groups"]} == {"state", "full"}, w["groups"]
     assert [g[1] for g in w["groups"] if g[0] == "state"] == [1], "one state block per chunk"
     assert w["p_cold"]["cached"] == 0 and w["q_cold"]["cached"] == 0
@@ -114,7 +118,7 @@ def test_state_hits_equal_the_cold_prompt_from_both_tiers_and_after_a_restart(
     assert w["index"]["refs"] == 0 and w["index"]["invariants"] is True
 
     # restarted: the host tier is empty, the directory holds P's chunks
-    r = run_engine("state_reader", env=env, model=model, extra=extra)
+    r = run_engine("state_reader", env=env, model=model, extra=extra, tp=tp)
     assert r["p_hit"]["cached"] == 1024 and same(r["p_hit"], w["p_cold"]), (r["p_hit"], w["p_cold"])
     assert r["r_cold"]["cached"] == 0
     assert r["r_hit"]["cached"] == 768 and same(r["r_hit"], r["r_cold"]), (r["r_hit"], r["r_cold"])
