@@ -50,6 +50,11 @@ class ConfigError(KVTierError, ValueError):
         return (type(self), (self.key, self.value, self.allowed))
 
 
+class ModelConfigError(ValueError):
+    """A model's config.json is missing, unreadable or lacks a field the planner needs
+    (``kvtier size``; kvtier.sizing.model re-exports it)."""
+
+
 class CodecError(KVTierError):
     """A stored chunk cannot be trusted; it is a miss and is never loaded."""
 

@@ -44,6 +44,14 @@ _KVTIER_CONFIG = re.compile(r"kvtier config: (\{.*\})\s*$")
 _KVTIER_ERROR = re.compile(r"(kvtier config '\w+': got .*)$")
 #: kvtier's startup warning (connectors/shutdown.py) that vLLM's stop cuts its flush short
 _KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queued .*)$")
+#: kvtier's refusal of recurrent state held in another mode (connectors/groups.py)
+_STATE_MODE = re.compile(r"Mamba/SSM state.*mamba_cache_mode \[([^\]]*)\]")
+#: kvtier's once-logged warning that a chunk with recurrent state was not stored
+#: (connectors/plans.py STATE_STEP_HINT)
+_STATE_STEP = re.compile(
+    r"kvtier: chunk \d+ of a request with recurrent state .* ends at token (\d+), but the "
+    r"step that completed it ran on to token (\d+)"
+)
 _NUM_IN_GROUP = re.compile(
     r"offload_num_in_group \((\d+)\) must be <= offload_group_size \((\d+)\)"
 )
@@ -172,7 +180,7 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
         "offload_validation_error": None, "kvtier_shutdown": None,
         "host_oom": [], "gpu_oom": [], "died": [], "exit_codes": [], "sigkill": False,
-        "worker_error": False, "vllm_lines": 0,
+        "worker_error": False, "vllm_lines": 0, "state_mode": None, "state_step": None,
     }  # fmt: skip
     for line in lines:
         line = line.rstrip("\n")
@@ -237,6 +245,10 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
             if marker in line and marker not in facts["python_warnings"]:
                 facts["python_warnings"].append(marker)
+        if facts["state_mode"] is None and (m := _STATE_MODE.search(line)):
+            facts["state_mode"] = m.group(1).replace("'", "")
+        if facts["state_step"] is None and (m := _STATE_STEP.search(line)):
+            facts["state_step"] = (int(m.group(1)), int(m.group(2)))
         if m := _NUM_IN_GROUP.search(line):
             facts["offload_validation_error"] = (int(m.group(1)), int(m.group(2)))
     return facts
@@ -323,6 +335,22 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
             "instead of being recomputed, and a local directory tier's lookups take an engine "
             "step of their own. Add \"kv_load_failure_policy\": \"recompute\" to "
             "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it).")))
+    if facts["state_mode"] is not None:
+        w.append(warning("state-needs-align-mode", (
+            f"the model has recurrent state (Mamba/SSM, gated delta-net), held with "
+            f"mamba_cache_mode {facts['state_mode']}: vLLM keeps a state at every block "
+            "boundary only with --mamba-cache-mode align, and kvtier stores the state at each "
+            "chunk's end. Add --enable-prefix-caching --mamba-cache-mode align, and chunked "
+            "prefill with --max-num-batched-tokens equal to vLLM's block size "
+            "(`kvtier size --emit vllm-args` prints them).")))
+    if facts["state_step"] is not None:
+        end, ran = facts["state_step"]
+        w.append(warning("state-chunks-not-stored", (
+            f"a chunk ending at token {end} was not stored: the prefill step that completed "
+            f"it ran on to token {ran}, and the state at the chunk's end was not kept. Every "
+            "chunk end must end a prefill step: --enable-chunked-prefill "
+            "--max-num-batched-tokens equal to vLLM's block size (logged as 'kv lcm block "
+            "sizes'; vLLM's CPU build needs it for these models anyway) or to chunk_size.")))
     if facts["kvtier_shutdown"]:
         w.append(warning("shutdown-loses-queued-writes", facts["kvtier_shutdown"]))
     w += _memory_warnings(facts)

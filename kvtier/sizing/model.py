@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.errors import ModelConfigError as ModelConfigError  # (re-exported)
 from kvtier.sizing.state import (
     GDN,
     StateConfig,
@@ -49,8 +50,6 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 FULL, SLIDING, NONE = "full", "sliding", "none"
 
 
-class ModelConfigError(ValueError):
-    """The config is missing, unreadable or lacks a field the planner needs."""
 
 
 @dataclass(frozen=True, slots=True)

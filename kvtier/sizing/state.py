@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ModelConfigError
 
 MAMBA1, MAMBA2, GDN, SHORT_CONV = "mamba1", "mamba2", "gated_delta_net", "short_conv"
 #: vLLM's ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` choices
@@ -77,8 +77,6 @@ class StateSpec:
 def _int(cfg: dict[str, Any], key: str) -> int:
     value = cfg.get(key)
     if value is None:
-        from kvtier.sizing.model import ModelConfigError
-
         raise ModelConfigError(f"config.json lacks {key}, which vLLM sizes the state with")
     return int(value)
 
