@@ -150,8 +150,13 @@ class DirectorySweep:
         #: total after its evictions, plus every byte admitted since, writes in flight
         #: included, less what was evicted or failed (None: no complete scan yet)
         self._used: int | None = None
-        #: bytes admitted whose write has not finished (a scan does not see them yet)
-        self._in_flight = 0
+        #: bytes admitted whose write has not finished, by the object they write (a scan
+        #: does not see them, or sees them renamed into place a moment before they end)
+        self._in_flight: dict[tuple[str, str], int] = {}
+        #: complete scans so far: a write a scan completed under counts from its count
+        self._scans = 0
+        #: objects this engine evicted, on the write path and in sweeps
+        self.evicted = 0
         #: objects that landed while a scan ran (None: no scan running): added at its end
         #: unless it saw them
         self._landed: list[tuple[str, str, int]] | None = None
@@ -173,14 +178,16 @@ class DirectorySweep:
         with self._lock:
             return self._used
 
-    def admit(self, nbytes: int) -> None:
-        """A write of ``nbytes`` is about to start: count it, and first make room (down to
-        ``low_water``) when it would take the directory past ``max_bytes``. Every call is
-        followed by one :meth:`landed`."""
+    def admit(self, nbytes: int, where: tuple[str, str]) -> int:
+        """A write of ``nbytes`` to ``where`` (its fan-out directory and name) is about to
+        start: count it, and first make room (down to ``low_water``) when it would take
+        the directory past ``max_bytes``. Every call is followed by one :meth:`landed`,
+        given what this returns."""
         if self.max_bytes is None:
-            return
+            return 0
         with self._lock:
-            self._in_flight += nbytes
+            scans = self._scans
+            self._in_flight[where] = self._in_flight.get(where, 0) + nbytes
             if self._used is not None:
                 self._used += nbytes
             over = self._used is None or self._used > self.max_bytes
@@ -189,20 +196,27 @@ class DirectorySweep:
                 self._make_room()
             except Exception:  # the write goes ahead: a failed eviction is not its failure
                 log.warning("file tier %s: making room failed", self.root, exc_info=True)
+        return scans
 
-    def landed(self, nbytes: int, *, stored: tuple[str, str] | None, replaced: int = 0) -> None:
-        """The write :meth:`admit` counted is over: ``stored`` (its fan-out directory and
-        name) when it created or replaced an object (``replaced``: the bytes of the object
-        it replaced), None when nothing was stored."""
+    def landed(
+        self, nbytes: int, where: tuple[str, str], scans: int, *, stored: bool, replaced: int = 0
+    ) -> None:
+        """The write :meth:`admit` counted (``scans``: what it returned) is over:
+        ``stored`` when it created or replaced the object (``replaced``: the bytes of the
+        object it replaced)."""
         if self.max_bytes is None:
             return
         with self._lock:
-            self._in_flight -= nbytes
+            if scans != self._scans:
+                replaced = 0  # a scan counted the write in place of what it replaced
+            left = self._in_flight.pop(where, 0) - nbytes
+            if left > 0:  # another write of the same object is still in flight
+                self._in_flight[where] = left
             if self._used is not None:
-                self._used -= replaced if stored is not None else nbytes
-            if stored is not None and self._landed is not None:
-                self._landed.append((*stored, nbytes))
-        if stored is not None:
+                self._used -= replaced if stored else nbytes
+            if stored and self._landed is not None:
+                self._landed.append((*where, nbytes))
+        if stored:
             self.wrote(nbytes)
 
     def removed(self, nbytes: int) -> None:
@@ -267,6 +281,7 @@ class DirectorySweep:
                     with self._lock:
                         if self._used is not None:
                             self._used -= size
+                        self.evicted += gone == _EVICTED
             self._sweep(evict_over=limit)
 
     def sweep(self) -> SweepStats:
@@ -336,6 +351,7 @@ class DirectorySweep:
         root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
         now = time.time()
         objects: list[tuple[float, int, str, str]] = []
+        seen: dict[tuple[str, str], int] = {}  # every object counted, and its size
         try:
             subdirs = []
             for e in os.scandir(root_fd):
@@ -375,13 +391,13 @@ class DirectorySweep:
                             stats.temp_removed += 1
                         continue  # a live writer's temp file becomes an object soon
                     stats.total_bytes += st.st_size
+                    seen[(sub, entry.name)] = st.st_size
                     if not _is_manifest(entry.name):  # counted, never evicted
                         objects.append((st.st_mtime, st.st_size, sub, entry.name))
             except OSError:
                 continue  # unreadable: next pass
             finally:
                 os.close(sub_fd)
-        seen = {(sub, name) for _, _, sub, name in objects}
         with self._lock:
             self._written_since_sweep = 0
             pending = self._pending(seen)
@@ -400,19 +416,24 @@ class DirectorySweep:
                 if gone == _EVICTED:
                     stats.evicted += 1
                     stats.evicted_bytes += size
+        with self._lock:
+            self.evicted += stats.evicted
         if self.max_bytes is not None and not self._stop.is_set():
             self._remember(objects[start:], seen, total)
         return stats
 
-    def _pending(self, seen: set[tuple[str, str]]) -> int:
-        """Bytes a scan that saw ``seen`` did not count but the directory holds (or is
-        about to): writes in flight, and those that landed during the scan where it had
-        looked already. Under ``_lock``."""
+    def _pending(self, seen: dict[tuple[str, str], int]) -> int:
+        """What to add to the bytes a scan counted (``seen``: each object's size) for
+        what the directory holds, or is about to: the writes in flight (less what the
+        scan counted of their objects: renamed into place a moment before they end, or
+        the object a rewrite replaces), and those that landed during the scan where it
+        had looked already. Under ``_lock``."""
         landed = sum(n for sub, name, n in self._landed or () if (sub, name) not in seen)
-        return self._in_flight + landed
+        flight = sum(n - seen.get(w, 0) for w, n in self._in_flight.items())
+        return landed + flight
 
     def _remember(
-        self, rest: list[tuple[float, int, str, str]], seen: set[tuple[str, str]], total: int
+        self, rest: list[tuple[float, int, str, str]], seen: dict[tuple[str, str], int], total: int
     ) -> None:
         """After a complete scan: the count of what the directory holds (``total``, what
         the scan counted less what it evicted), and the oldest objects left, ``rest``
@@ -429,6 +450,7 @@ class DirectorySweep:
         with self._lock:
             self._used = total + self._pending(seen)
             self._candidates = cands
+            self._scans += 1
 
     def _loop(self) -> None:
         last = -float("inf")
@@ -829,9 +851,9 @@ class FileTier(SlotReader):
         dir_fd: int | None = None
         tmp = None
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        stored, replaced = False, 0
+        stored, replaced, scans = False, 0, 0
         try:
-            self.sweeper.admit(nbytes)
+            scans = self.sweeper.admit(nbytes, (sub, name))
             with self._errors("put"):
                 try:
                     dir_fd = self._subdir(sub, "put", create=True)
@@ -858,7 +880,7 @@ class FileTier(SlotReader):
                     pass
             if dir_fd is not None:
                 os.close(dir_fd)
-            self.sweeper.landed(nbytes, stored=(sub, name) if stored else None,
+            self.sweeper.landed(nbytes, (sub, name), scans, stored=stored,
                                 replaced=replaced)  # fmt: skip
 
     def _create_temp(self, dir_fd: int) -> tuple[int, str]:
@@ -900,9 +922,10 @@ class FileTier(SlotReader):
         dir_fd: int | None = None
         tmp = None
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        created = False
+        created, scans = False, 0
         try:
-            self.sweeper.admit(nbytes)  # counted like a put's: the bound holds for claims too
+            # counted like a put's: the bound holds for claims too
+            scans = self.sweeper.admit(nbytes, (sub, name))
             with self._errors("create"):
                 dir_fd = self._subdir(sub, "create", create=True)
                 if dir_fd is None:  # removed again by another engine between mkdir and open
@@ -928,7 +951,7 @@ class FileTier(SlotReader):
                 _unlink(tmp, dir_fd)
             if dir_fd is not None:
                 os.close(dir_fd)
-            self.sweeper.landed(nbytes, stored=(sub, name) if created else None)
+            self.sweeper.landed(nbytes, (sub, name), scans, stored=created)
         return True
 
     def _create_excl(self, dir_fd: int, name: str, parts: Parts) -> bool:
