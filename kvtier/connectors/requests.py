@@ -84,9 +84,9 @@ class RequestState:
     #: chunks below this index are stored (or were skipped on purpose)
     next_store: int = 0
     #: (start, end) token range get_num_new_matched_tokens offered
-    plan: tuple[int, int] | None = None
+    offer: tuple[int, int] | None = None
     #: a one-step lookup's chunks in that offer (:mod:`.one_step_lookups`): chunk -> the id of its
-    #: fetch, which the workers read in the step that loads it; emptied with ``plan``
+    #: fetch, which the workers read in the step that loads it; emptied with ``offer``
     fetching_now: dict[int, int] = field(default_factory=dict)
     #: the ids of the loads planned for this request in the step being planned: its stores
     #: of that step wait on them (``StoreOp.after_loads``); emptied as the step is handed on

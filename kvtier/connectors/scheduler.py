@@ -312,7 +312,7 @@ class SchedulerSide:
                 self.totals["one_step_lookups"] += 1
         end = min(end_chunk * self.chunk_size, cap)
         n = max(0, end - num_computed_tokens)
-        st.plan = (num_computed_tokens, num_computed_tokens + n) if n else None
+        st.offer = (num_computed_tokens, num_computed_tokens + n) if n else None
         self._sync_lookup_s.append(time.perf_counter() - t0)
         return n, False
 
@@ -358,10 +358,10 @@ class SchedulerSide:
             return
         cap = self._max_loadable(request)
         local = st.local_hit  # request.num_computed_tokens is not updated yet here
-        plan, st.plan = st.plan, None
+        offer, st.offer = st.offer, None
         st.hit_sources = {}
-        if num_external_tokens > 0 and plan is not None:
-            start, end = plan[0], plan[0] + num_external_tokens
+        if num_external_tokens > 0 and offer is not None:
+            start, end = offer[0], offer[0] + num_external_tokens
             self.planner.plan_loads(st, self._block_ids(request.request_id), start, end)
             if st.fetching_now:  # a one-step lookup's answer, allocated: it is done
                 self.lookups.finish(st)
@@ -442,6 +442,7 @@ class SchedulerSide:
         meta = self.plan.take(
             step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
             weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
+            trusted=self.canary.trusted,
         )
         if self.lookups.ghosts is not None:
             self.lookups.ghosts.uploaded(
