@@ -86,6 +86,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 from kvtier.host.gc_untrack import untrack
 from kvtier.host.index import Entry
+from kvtier.host.layout import STATE, KVGroup
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -146,6 +147,22 @@ class _Chunk:
     announced: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class GroupEvents:
+    """What one KV cache group's events of a chunk say: vLLM's group index and spec
+    (kind, sliding window), and the chunk's last ``blocks`` blocks, the ones kvtier
+    stores of it (all of a full-attention group, a sliding window's last blocks, one block
+    of recurrent state). A state group's event carries no token ids: it announces the
+    state at the chunk's end, as vLLM's own offloading events do."""
+
+    group_idx: int = 0
+    kind: str | None = None
+    sliding_window: int | None = None
+    #: the chunk's last blocks kvtier stores of this group (None: all of them)
+    blocks: int | None = None
+    state: bool = False
+
+
 @dataclass(slots=True)
 class _Upload:
     block_hash: bytes
@@ -177,6 +194,7 @@ class ChunkEvents:
         group_idx: int = 0,
         kv_cache_spec_kind: str | None = None,
         kv_cache_spec_sliding_window: int | None = None,
+        groups: tuple[GroupEvents, ...] = (),
     ) -> None:
         if blocks_per_chunk < 1 or max_events < 1 or world_size < 1:
             raise ValueError("blocks_per_chunk, max_events and world_size must be positive")
@@ -184,9 +202,10 @@ class ChunkEvents:
         self.blocks_per_chunk = blocks_per_chunk
         self.max_events = max_events
         self.world_size = world_size
-        self.group_idx = group_idx
-        self.kv_cache_spec_kind = kv_cache_spec_kind
-        self.kv_cache_spec_sliding_window = kv_cache_spec_sliding_window
+        #: every KV cache group's events (a hybrid model: one event per group and chunk)
+        self.groups = groups or (
+            GroupEvents(group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window),
+        )
         self._convert = hash_converter()
         #: last block hash -> the chunk's event payload, from its store or fetch until it
         #: leaves the index (so at most one per host slot)
@@ -194,16 +213,26 @@ class ChunkEvents:
         #: upload op id -> its chunk and the workers' flags so far (bounded like the queue)
         self._uploads: dict[int, _Upload] = {}
         self._queue: deque[KVCacheEvent] = deque()
-        #: hashes of ready chunks that left since the last event, merged into one
-        self._removed: list[Any] = []
+        #: per group, hashes of ready chunks that left since the last event, merged into one
+        self._removed: list[list[Any]] = [[] for _ in self.groups]
         self.dropped = 0
         self.emitted = 0
 
     @classmethod
-    def for_engine(cls, shape: EngineShape, *, chunk_size: int, num_slots: int) -> ChunkEvents:
-        """Events for the engine's first KV-cache group (the one kvtier stores)."""
+    def for_engine(
+        cls, shape: EngineShape, *, chunk_size: int, num_slots: int,
+        stored: tuple[KVGroup, ...] = (),
+    ) -> ChunkEvents:
+        """Events for every KV cache group of the engine; ``stored``: kvtier's view of a
+        hybrid model's groups (:func:`.groups.kv_groups`; empty for one group)."""
         block_size = shape.kv_block_size()
-        group = shape.allocated_kv_cache().groups[0]
+        groups = shape.allocated_kv_cache().groups
+        specs = tuple(
+            GroupEvents(g, group.event_kind, group.event_window,
+                        blocks=stored[g].blocks if stored else None,
+                        state=bool(stored) and stored[g].kind == STATE)  # fmt: skip
+            for g, group in enumerate(groups[: max(1, len(stored))])
+        )
         return cls(
             block_size=block_size,
             blocks_per_chunk=chunk_size // block_size,
@@ -211,9 +240,7 @@ class ChunkEvents:
             # vLLM takes them every step, so only a stalled consumer loop fills this
             max_events=max(4096, 4 * num_slots),
             world_size=shape.world_size,
-            group_idx=0,
-            kv_cache_spec_kind=group.event_kind,
-            kv_cache_spec_sliding_window=group.event_window,
+            groups=specs,
         )
 
     # ---- from the scheduler side ------------------------------------------------------
@@ -310,7 +337,8 @@ class ChunkEvents:
             if chunk.announced:
                 # ahead of the host-tier removals this settling caused (a write-back
                 # eviction): a router never sees a moment where nobody holds the chunk
-                self._append(self._stored(chunk, MEDIUM_STORAGE, REMOTE))
+                for event in self._stored(chunk, MEDIUM_STORAGE, REMOTE):
+                    self._append(event)
 
     def _watch(self, op_id: int, block_hash: bytes) -> None:
         if len(self._uploads) >= self.max_events:  # reports that never came: forget one
@@ -323,12 +351,15 @@ class ChunkEvents:
         if chunk is None or chunk.announced:
             return
         chunk.announced = True
-        self._push(self._stored(chunk, MEDIUM_CPU, LOCAL))
+        self._flush_removed()  # keep the order: a chunk may leave and come back
+        for event in self._stored(chunk, MEDIUM_CPU, LOCAL):
+            self._append(event)
 
     def chunk_dropped(self, entry: Entry) -> None:
         chunk = self._chunks.pop(entry.block_hash, None)
         if chunk is not None and chunk.announced:
-            self._removed.extend(chunk.block_hashes)
+            for removed, group in zip(self._removed, self.groups, strict=True):
+                removed.extend(chunk.block_hashes[-(group.blocks or self.blocks_per_chunk):])
 
     # ---- to vLLM ------------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:
@@ -345,36 +376,48 @@ class ChunkEvents:
         return len(self._chunks)
 
     # ---- internals ------------------------------------------------------------------------
-    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> BlockStored:
-        return BlockStored(
-            block_hashes=list(chunk.block_hashes),
-            parent_block_hash=chunk.parent_block_hash,
-            token_ids=memoryview(chunk.token_ids).cast("q").tolist(),
-            block_size=self.block_size,
-            lora_id=chunk.lora_id,
-            medium=medium,
-            lora_name=chunk.lora_name,
-            extra_keys=list(chunk.extra_keys) if chunk.extra_keys is not None else None,
-            group_idx=self.group_idx,
-            kv_cache_spec_kind=self.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=self.kv_cache_spec_sliding_window,
-            locality=locality,
-            session_id=chunk.session_id,
-        )
+    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> list[BlockStored]:
+        """One event per KV cache group: the chunk's blocks kvtier stores of it (a state
+        group's with no token ids: the state at the chunk's end)."""
+        out: list[BlockStored] = []
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        for group in self.groups:
+            k = group.blocks or bpc
+            hashes = chunk.block_hashes[bpc - k :]
+            parent = chunk.parent_block_hash if k == bpc else chunk.block_hashes[bpc - k - 1]
+            tokens = [] if group.state else memoryview(chunk.token_ids).cast("q")[
+                (bpc - k) * bs :].tolist()  # fmt: skip
+            extra = (
+                list(chunk.extra_keys[bpc - k :])
+                if chunk.extra_keys is not None and not group.state else None
+            )
+            out.append(BlockStored(
+                block_hashes=list(hashes),
+                parent_block_hash=parent,
+                token_ids=tokens,
+                block_size=bs,
+                lora_id=chunk.lora_id,
+                medium=medium,
+                lora_name=chunk.lora_name,
+                extra_keys=extra,
+                group_idx=group.group_idx,
+                kv_cache_spec_kind=group.kind,
+                kv_cache_spec_sliding_window=group.sliding_window,
+                locality=locality,
+                session_id=chunk.session_id,
+            ))  # fmt: skip
+        return out
 
     def _flush_removed(self) -> None:
-        if self._removed:
-            hashes, self._removed = self._removed, []
-            self._append(
-                BlockRemoved(
-                    block_hashes=hashes, medium=MEDIUM_CPU, group_idx=self.group_idx,
-                    locality=LOCAL,
+        for g, group in enumerate(self.groups):
+            if self._removed[g]:
+                hashes, self._removed[g] = self._removed[g], []
+                self._append(
+                    BlockRemoved(
+                        block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group.group_idx,
+                        locality=LOCAL,
+                    )
                 )
-            )
-
-    def _push(self, event: KVCacheEvent) -> None:
-        self._flush_removed()  # keep the order: a chunk may leave and come back
-        self._append(event)
 
     def _append(self, event: KVCacheEvent) -> None:
         if len(self._queue) >= self.max_events:

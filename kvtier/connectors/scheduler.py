@@ -195,7 +195,7 @@ class SchedulerSide:
         self.events: ChunkEvents | None = None
         if shape.kv_events:
             self.attach_events(ChunkEvents.for_engine(
-                shape, chunk_size=self.chunk_size, num_slots=num_slots,
+                shape, chunk_size=self.chunk_size, num_slots=num_slots, stored=self.groups,
             ))  # fmt: skip
         for g in self.groups:
             logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "

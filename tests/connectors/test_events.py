@@ -432,3 +432,39 @@ def test_chunks_under_tagged_keys_are_described_by_vllms_block_hashes() -> None:
     assert [ev.block_hashes[-1] for ev in stored] == [
         events._convert(h) for h in req.block_hashes[BPC - 1 :: BPC]
     ]
+
+
+# ---- hybrid models: one event per KV cache group -------------------------------------------
+def test_a_hybrid_chunk_is_one_event_per_group_with_the_blocks_kvtier_stores_of_it() -> None:
+    """A model with a recurrent-state group (vLLM's group 0 here, as for GraniteMoeHybrid),
+    a sliding-window group keeping the chunk's last 2 blocks, and a full-attention group:
+    each group's event names the blocks kvtier stores of it, with its parent; the state's
+    is the chunk's last block with no token ids (the state at the chunk's end, as vLLM's
+    own offloading events announce it). Its removal is one event per group too."""
+    from kvtier.connectors.events import GroupEvents
+
+    groups = (GroupEvents(0, "mamba", None, blocks=1, state=True),
+              GroupEvents(1, "sliding_window", 64, blocks=2),
+              GroupEvents(2, "full_attention", None))  # fmt: skip
+    events = ChunkEvents(block_size=BS, blocks_per_chunk=BPC, max_events=64, groups=groups)
+    req = make_request(41, 2 * CHUNK + 1)
+    st = SimpleNamespace(request=req, chunk_hashes=req.block_hashes[BPC - 1 :: BPC])
+    events.record(st, 1, st.chunk_hashes[1])  # type: ignore[arg-type]
+    events.chunk_ready(SimpleNamespace(block_hash=st.chunk_hashes[1]))  # type: ignore[arg-type]
+    state, sliding, full = events.take_events()
+    hashes = vllm_hashes(req, 1)
+    assert [e.group_idx for e in (state, sliding, full)] == [0, 1, 2]
+    assert isinstance(state, BlockStored) and isinstance(full, BlockStored)
+    assert isinstance(sliding, BlockStored)
+    assert state.block_hashes == hashes[-1:] and state.parent_block_hash == hashes[-2]
+    assert state.token_ids == [] and state.kv_cache_spec_kind == "mamba"
+    assert sliding.block_hashes == hashes[-2:] and sliding.parent_block_hash == hashes[-3]
+    assert sliding.token_ids == req.all_token_ids[2 * CHUNK - 2 * BS : 2 * CHUNK]
+    assert sliding.kv_cache_spec_sliding_window == 64
+    assert full.block_hashes == hashes and full.parent_block_hash == vllm_hashes(req, 0)[-1]
+    assert full.token_ids == req.all_token_ids[CHUNK : 2 * CHUNK]
+    events.chunk_dropped(SimpleNamespace(block_hash=st.chunk_hashes[1]))  # type: ignore[arg-type]
+    removed = events.take_events()
+    assert [(e.group_idx, e.block_hashes) for e in removed] == [
+        (0, hashes[-1:]), (1, hashes[-2:]), (2, hashes)]  # fmt: skip
+    assert all(isinstance(e, BlockRemoved) for e in removed)
