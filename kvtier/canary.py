@@ -45,6 +45,10 @@ TOLERANCE = 0.1
 #: was not stored (try again on another chunk)
 MATCH, MISMATCH, ABSENT, ERROR = CANARY_RESULTS
 RESULTS = CANARY_RESULTS
+#: a checking engine whose checks found the stored chunk absent this many times in a row
+#: tries to claim its generation afresh (:func:`kvtier.objects.manifest.reclaim_generation`:
+#: won only if the generation holds no chunk and no engine that trusts it is alive)
+RECLAIM_AFTER = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +150,17 @@ class GenerationTrust:
         return self.state is Trust.TRUSTED
 
     def first_writer(self, fresh: bool) -> Trust:
-        """The workers' answer at startup: this engine's claim of the generation won
-        (``fresh``: it writes it first, its own KV is the generation's; of engines
-        starting at once exactly one wins, :func:`kvtier.objects.manifest.claim_generation`)
-        or it did not (the generation was there, or another engine claimed it first)."""
+        """The workers' answer: this engine's claim of the generation won (``fresh``: it
+        writes it first, its own KV is the generation's; of engines starting at once
+        exactly one wins, :func:`kvtier.objects.manifest.claim_generation`) or it did not
+        (the generation was there, or another engine claimed it first). Said at startup,
+        and later by a checking engine whose re-claim of a generation holding no chunk
+        and no live trusted engine won (:func:`~kvtier.objects.manifest.reclaim_generation`):
+        with nothing stored there is nothing to check against, and no one's KV to poison."""
         if self.state is Trust.UNKNOWN:
             self.state = Trust.TRUSTED if fresh else Trust.CHECKING
+        elif self.state is Trust.CHECKING and fresh:
+            self.state = Trust.TRUSTED
         return self.state
 
     def new_generation(self) -> None:

@@ -29,6 +29,7 @@ from kvtier.canary import GenerationTrust, Trust
 from kvtier.config import KVTierConfig
 from kvtier.host.index import ChunkIndex, Entry
 from kvtier.keys import Namespace
+from kvtier.objects import manifest
 from kvtier.ops import CheckOp, StoreOp
 from kvtier.stats import StatsRecorder
 
@@ -172,11 +173,33 @@ class CanaryChecks:
 
     def first_writer(self, fresh: bool) -> None:
         """The workers said whether this engine's claim of the generation won at startup
-        (vLLM's handshake, else their first report; the first answer counts)."""
+        (vLLM's handshake, else their first report; the first answer counts), or later
+        that a re-claim won (a checking engine's, once the generation held nothing to
+        check). Logs what a checking engine waits for, once: the state is never silent."""
         before = self.trust.state
         state = self.trust.first_writer(fresh)
-        if state is not before:
-            self.changed(state)
+        if state is before:
+            return
+        gen = self.namespace.generation()
+        if state is Trust.CHECKING:
+            logger.warning(
+                "kvtier: generation %s (model_fingerprint %r) is in the object tier, written "
+                "by another engine: this engine loads nothing from it and stores nothing "
+                "into it until a chunk it computes is found there and matches (its first "
+                "hit, checked). It waits for a prompt whose chunk the generation holds; if "
+                "the generation holds no chunk and no engine that trusts it refreshed its "
+                "manifest for %.0f s, this engine claims it afresh after %d chunks found "
+                "absent in a row (kvtier:canary_checks_total{outcome=\"absent\"} counts "
+                "them)", gen, self.cfg.model_fingerprint, manifest.STALE_S,
+                canary.RECLAIM_AFTER,
+            )  # fmt: skip
+        elif state is Trust.TRUSTED and before is Trust.CHECKING:
+            logger.warning(
+                "kvtier: generation %s claimed afresh: it held no chunk and no engine that "
+                "trusted it was alive, so this engine is its writer now; loads and stores "
+                "there begin", gen,
+            )  # fmt: skip
+        self.changed(state)
 
     def _settle(self, result: str, worst: tuple[str, float] | None) -> None:
         self.stats.inc(metrics.CANARY, 1, (result,))

@@ -43,6 +43,8 @@ class KVTierMetadata(KVConnectorMetadata):
     weights_salt: bytes = b""
     #: canaries: stored chunks compared with the object tier's (kvtier.canary)
     checks: list[CheckOp] = field(default_factory=list)
+    #: the engine trusts its generation (kvtier.canary): its manifest is refreshed only then
+    trusted: bool = True
 
 
 class StepPlan:
@@ -73,14 +75,14 @@ class StepPlan:
 
     def take(
         self, *, step: int, host_bytes: int, null_block: int | None, weights_epoch: int = 0,
-        weights_salt: bytes = b"",
+        weights_salt: bytes = b"", trusted: bool = True,
     ) -> KVTierMetadata:
         """The step's metadata: every op planned since the last call, in the order planned."""
         meta = KVTierMetadata(
             step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
             fetches=self.fetches, fetches_now=self.fetches_now, uploads=self.uploads,
             null_block=null_block, weights_epoch=weights_epoch, weights_salt=weights_salt,
-            checks=self.checks,
+            checks=self.checks, trusted=trusted,
         )
         self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
         self.fetches_now, self.checks = [], []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -131,6 +132,17 @@ class WorkerSide:
         self._fresh: bool | None = None
         #: the same answer, kept for vLLM's handshake (WorkerKeys), which may come later
         self.fresh_generation: bool | None = None
+        #: the engine trusts its generation (the scheduler says so every step): rank 0
+        #: refreshes its manifest only then, and re-claims it only while it does not
+        self.trusted = not cfg.canary_first_hit
+        #: rank 0's canaries that found the stored chunk absent in a row (checking)
+        self.absent_streak = 0
+        #: rank 0's re-claim in flight (a listing), when the last began, its win to report
+        self.reclaim_every_s = manifest.REFRESH_S
+        self._reclaim: threading.Thread | None = None
+        self._reclaim_at = -float("inf")
+        self._reclaimed: list[str] = []
+        self._reclaim_said = ""
 
     # ---- setup ------------------------------------------------------------------------------
     def register_kv_caches(
@@ -178,7 +190,9 @@ class WorkerSide:
             if rank == 0 and stage == 0 and self.cfg.canary_first_hit:
                 # claimed before its manifest writer starts; told in the handshake and first report
                 self._fresh = self.fresh_generation = self._generation_is_fresh()
-            self.manifests = manifest.for_worker(self.remote, lambda: self.namespace, rank, stage)
+                self.trusted = self._fresh
+            self.manifests = manifest.for_worker(self.remote, lambda: self.namespace, rank, stage,
+                                                 active=lambda: self.trusted)  # fmt: skip
             if self.remote.tier.reads_local and self.cfg.inline_read_ms:
                 self.inline_read_s = self.cfg.inline_read_ms / 1e3
                 logger.info("kvtier worker rank %d: %s tier on a local filesystem: a lookup's "
@@ -263,6 +277,7 @@ class WorkerSide:
         self._null = meta.null_block
         if meta.weights_epoch != self.weights_epoch:
             self._follow_weights(meta.weights_epoch, meta.weights_salt)
+        self.trusted = meta.trusted
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
@@ -286,6 +301,7 @@ class WorkerSide:
         self.weights_epoch = epoch
         self.namespace = self.namespace.after_weight_change(salt)
         self._keys = KeySpace.worker(self.namespace, self.rank, self.stage)
+        self.absent_streak = 0
         logger.info("kvtier worker rank %d: object keys follow weight change %d",
                     self.rank, epoch)
 
@@ -459,8 +475,11 @@ class WorkerSide:
         if not res.ok:
             if res.error_kind:
                 self._error(res.error_kind)
+            else:
+                self._absent()
             self._checks[res.op_id] = [canary.ERROR if res.error_kind else canary.ABSENT]
             return
+        self.absent_streak = 0
         assert self.layout is not None and self.slab is not None
         computed, stored = [], []
         for li, ll in enumerate(self.layout.layers):
@@ -474,6 +493,51 @@ class WorkerSide:
         self._check_worst[res.op_id] = (name, cmp.worst)
         logger.info("kvtier worker rank %d: canary of slot %d: %s (largest error %.3g, "
                     "layer %s)", self.rank, slot, cmp.result, cmp.worst, name)  # fmt: skip
+
+    def _absent(self) -> None:
+        """A canary found no stored chunk. Rank 0 of a checking engine counts them: after
+        :data:`~kvtier.canary.RECLAIM_AFTER` in a row (at most once per
+        ``reclaim_every_s``) it tries to claim the generation afresh in the background, won
+        only when it holds no chunk and no engine that trusts it is alive
+        (:func:`kvtier.objects.manifest.reclaim_generation`); a win is reported as a fresh
+        generation. Else a generation whose chunks are all gone stays locked for good."""
+        if self.manifests is None or self.trusted or self.remote is None:
+            return
+        self.absent_streak += 1
+        now = time.monotonic()
+        busy = self._reclaim is not None and self._reclaim.is_alive()
+        if (busy or self.absent_streak < canary.RECLAIM_AFTER
+                or now - self._reclaim_at < self.reclaim_every_s):
+            return
+        self._reclaim_at = now
+        ns = self.namespace
+        self._reclaim = threading.Thread(target=self._try_reclaim, args=(ns,),
+                                         name="kvtier-reclaim", daemon=True)  # fmt: skip
+        self._reclaim.start()
+
+    def _try_reclaim(self, ns: Namespace) -> None:
+        from kvtier.objects import store_admin
+
+        remote = self.remote
+        if remote is None:
+            return
+        gen = ns.generation()
+        try:
+            got = manifest.reclaim_generation(
+                remote.tier, ns, remote.signer,
+                lambda: store_admin.holds_chunks(remote.tier, gen))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001  no answer: keep checking, try again later
+            got = manifest.Reclaim(False, f"the object tier could not tell ({exc})")
+        if got.won:
+            logger.warning("kvtier worker: generation %s: %s", gen, got.reason)
+            self._reclaimed.append(gen)
+        elif got.reason != self._reclaim_said:  # each new reason once, then quieter
+            logger.warning("kvtier worker: generation %s stays checked before it is trusted: "
+                           "its stored chunks were absent for %d canaries in a row, and it "
+                           "is not claimed afresh: %s", gen, self.absent_streak, got.reason)
+        else:
+            logger.info("kvtier worker: generation %s not claimed afresh: %s", gen, got.reason)
+        self._reclaim_said = got.reason
 
     def _remote_result(self, res: OpResult) -> None:
         """An object-tier op's result: a canary's read, or a fetch's or upload's."""
@@ -537,9 +601,13 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
+        fresh = self._fresh
+        while self._reclaimed:  # a re-claim won: the engine is the generation's writer now
+            if self._reclaimed.pop() == self.namespace.generation():
+                fresh = True
         meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors,
                                 reads_down_s=self.reads_down_s(), checks=self._checks,
-                                fresh_generation=self._fresh, check_worst=self._check_worst)
+                                fresh_generation=fresh, check_worst=self._check_worst)
         self._steps, self._results, self._errors = [], {}, {}
         self._checks, self._check_worst, self._fresh = {}, {}, None
         return meta
@@ -592,6 +660,8 @@ class WorkerSide:
             self.copier.close()
         if self.remote is None:
             return
+        if self._reclaim is not None:
+            self._reclaim.join(2.0)
         if self.manifests is not None:  # last_seen once more, before the tier closes
             self.manifests.close()
         left = self.remote.flush(self.cfg.shutdown_flush_s)

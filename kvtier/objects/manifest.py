@@ -16,10 +16,18 @@ writer writes at start, every ``interval_s`` (60 s; ``kvtier store gc --dead-aft
 must be much longer), when the engine's identity changes (a weight update starts a
 generation), and once at shutdown. A write keeps the earliest ``first_seen`` the
 stored manifest had, so several replicas of one model refresh one manifest.
+
+Only an engine that trusts the generation writes its manifest (``active``): an engine
+still checking its first hit does not, so ``last_seen`` says when an engine whose KV the
+generation holds was last alive, for ``gc`` and for :func:`reclaim_generation`: a
+generation whose manifest no trusted engine refreshed for :data:`STALE_S` and that holds
+no chunk is claimed afresh by one checking engine (else it would stay locked for good,
+every new engine checking with nothing left to check against).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -35,8 +43,9 @@ from kvtier.keys import Namespace, generation_key
 from kvtier.objects import codec
 from kvtier.objects.tiers.base import ObjectTier
 
-__all__ = ["MANIFEST", "MANIFEST_DTYPE", "Manifest", "ManifestWriter", "claim_generation",
-           "for_worker", "manifest_key", "read_manifest", "write_manifest"]  # fmt: skip
+__all__ = ["MANIFEST", "MANIFEST_DTYPE", "RECLAIM", "STALE_S", "Manifest", "ManifestWriter",
+           "Reclaim", "claim_generation", "for_worker", "manifest_key", "read_manifest",
+           "reclaim_generation", "reclaim_key", "write_manifest"]  # fmt: skip
 
 log = logging.getLogger("kvtier.manifest")
 
@@ -48,6 +57,11 @@ MANIFEST_DTYPE = "kvtier-manifest"
 MAX_MANIFEST = 64 * 1024
 #: how often a running engine refreshes ``last_seen``
 REFRESH_S = 60.0
+#: a manifest no trusted engine refreshed for this long: no engine whose KV the generation
+#: holds is alive (ten refreshes missed; ``kvtier store gc --dead-after`` is longer still)
+STALE_S = 10 * REFRESH_S
+#: the name prefix of a re-claim's token under ``gen-<id>/`` (``reclaim-<16 hex>``)
+RECLAIM = "reclaim-"
 
 
 def manifest_key(generation: str) -> str:
@@ -178,13 +192,73 @@ def claim_generation(
     return stored is not None and bytes(stored) == blob
 
 
+def reclaim_key(generation: str, stale: bytes) -> str:
+    """The token a re-claim of ``generation`` creates: named by the stale manifest's bytes,
+    so engines that judged the same manifest stale race for one key and one wins."""
+    return generation_key(generation, RECLAIM + hashlib.sha256(stale).hexdigest()[:16])
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """What :func:`reclaim_generation` found: ``won`` (this engine is the generation's
+    writer now), else why not, in words for the log."""
+
+    won: bool
+    reason: str
+
+
+def reclaim_generation(
+    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None,
+    holds_chunks: Callable[[], bool], *, now: float | None = None,
+    stale_after_s: float | None = None,
+) -> Reclaim:
+    """Claim a generation afresh when nobody's KV in it can be poisoned: its manifest was
+    last refreshed by a trusted engine more than ``stale_after_s`` ago (only trusted
+    engines refresh it: none whose KV it holds is alive) and it holds no chunk
+    (``holds_chunks``, a listing). Of engines re-claiming at once exactly one wins: the
+    token :func:`reclaim_key` names is created only if absent. The winner writes the
+    manifest as its own. No chunk can appear meanwhile: only a trusted engine uploads, and
+    none is alive. A manifest that is gone is claimed as at startup; one that does not
+    verify is never re-claimed (its claims cannot be judged). Raises TierError."""
+    now = time.time() if now is None else now
+    stale_after_s = STALE_S if stale_after_s is None else stale_after_s
+    gen = namespace.generation()
+    key = manifest_key(gen)
+    blob = tier.get(key, max_bytes=MAX_MANIFEST)
+    if blob is None:
+        won = claim_generation(tier, namespace, signer, now=now)
+        return Reclaim(won, "its manifest is gone: claimed" if won else "claimed by another")
+    stale = bytes(blob)
+    try:
+        found = Manifest.from_bytes(codec.decode(stale, key=key, dtype=MANIFEST_DTYPE,
+                                                 signer=signer))  # fmt: skip
+    except CodecError as exc:
+        return Reclaim(False, f"its manifest does not verify ({exc.kind})")
+    if found.id != gen:
+        return Reclaim(False, f"its manifest names generation {found.id}")
+    age = now - found.last_seen
+    if age < stale_after_s:
+        return Reclaim(False, f"an engine that trusts it refreshed its manifest {age:.0f} s "
+                              f"ago (re-claimed only after {stale_after_s:.0f} s)")
+    if holds_chunks():
+        return Reclaim(False, "it holds chunks of engines no longer alive (delete them with "
+                              "`kvtier store gc`, or wait for a prompt whose chunk it holds)")
+    if not tier.create_if_absent(reclaim_key(gen, stale), [b""]):
+        return Reclaim(False, "another engine re-claimed it first")
+    write_manifest(tier, Manifest.of(namespace, now, first_seen=found.first_seen), signer)
+    return Reclaim(True, f"no trusted engine refreshed it for {age:.0f} s and it holds no "
+                         "chunk: claimed afresh")
+
+
 class ManifestWriter:
     """Keeps this engine's generation manifest fresh from a daemon thread.
 
     ``namespace`` is read at every refresh: after a weight update the engine's keys name
     a new generation, whose manifest is written then (the old one keeps the last time it
     was refreshed). Failures are logged, never raised: a manifest is bookkeeping, and
-    the next refresh tries again.
+    the next refresh tries again. ``active``: whether the engine trusts its generation now;
+    while it does not (it checks its first hit) nothing is written, so a generation kept
+    only by checking engines looks dead (:func:`reclaim_generation`, ``gc``).
     """
 
     def __init__(
@@ -195,8 +269,10 @@ class ManifestWriter:
         *,
         interval_s: float = REFRESH_S,
         clock: Callable[[], float] = time.time,
+        active: Callable[[], bool] = lambda: True,
     ) -> None:
         self.tier = tier
+        self.active = active
         self.signer = signer
         self.namespace = namespace
         self.interval_s = interval_s
@@ -213,8 +289,11 @@ class ManifestWriter:
         return self
 
     def refresh(self) -> Manifest | None:
-        """Write the current generation's manifest now; None when it failed (logged)."""
+        """Write the current generation's manifest now; None when it failed (logged) or
+        the engine does not trust its generation (not ``active``)."""
         with self._lock:
+            if not self.active():
+                return None
             ns = self.namespace()
             gen = ns.generation()
             try:
@@ -240,15 +319,16 @@ class ManifestWriter:
         return stored.first_seen if stored is not None else None
 
     def _loop(self) -> None:
-        """Refresh every ``interval_s``, and at once when the generation changed (checked
-        every second: a digest of a few fields)."""
+        """Refresh every ``interval_s``, and at once when the generation changed or the
+        engine came to trust it (checked every second: a digest of a few fields)."""
         self.refresh()
-        last, gen = time.monotonic(), self.namespace().generation()
+        last, gen, was = time.monotonic(), self.namespace().generation(), self.active()
         while not self._stop.wait(min(1.0, self.interval_s)):
-            now_gen = self.namespace().generation()
-            if now_gen != gen or time.monotonic() - last >= self.interval_s:
+            now_gen, active = self.namespace().generation(), self.active()
+            if (now_gen != gen or (active and not was)
+                    or time.monotonic() - last >= self.interval_s):
                 self.refresh()
-                last, gen = time.monotonic(), now_gen
+                last, gen, was = time.monotonic(), now_gen, active
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop refreshing and write ``last_seen`` once more, within ``timeout_s`` (a tier
@@ -262,13 +342,15 @@ class ManifestWriter:
 
 
 def for_worker(
-    remote: object, namespace: Callable[[], Namespace], rank: int, stage: int
+    remote: object, namespace: Callable[[], Namespace], rank: int, stage: int,
+    active: Callable[[], bool] = lambda: True,
 ) -> ManifestWriter | None:
     """The manifest writer of a worker's object-tier I/O: rank 0 of stage 0 writes for the
-    whole engine (every rank's keys name the same generation); None for the other
-    workers and for an I/O that is not kvtier's :class:`~kvtier.objects.remote.RemoteIO`."""
+    whole engine (every rank's keys name the same generation), while ``active`` (the
+    engine trusts its generation); None for the other workers and for an I/O that is not
+    kvtier's :class:`~kvtier.objects.remote.RemoteIO`."""
     from kvtier.objects.remote import RemoteIO
 
     if rank != 0 or stage != 0 or not isinstance(remote, RemoteIO):
         return None
-    return ManifestWriter(remote.tier, remote.signer, namespace).start()
+    return ManifestWriter(remote.tier, remote.signer, namespace, active=active).start()

@@ -40,15 +40,18 @@ from kvtier.errors import CodecError, KVTierError, TierError, TierUnavailable
 from kvtier.keys import GENERATION_PREFIX
 from kvtier.objects import codec
 from kvtier.objects.codec import head_length, parse_header
-from kvtier.objects.manifest import MANIFEST, MAX_MANIFEST, Manifest, read_manifest
+from kvtier.objects.manifest import MANIFEST, MAX_MANIFEST, RECLAIM, Manifest, read_manifest
 from kvtier.objects.tiers.base import ObjectTier
 
 __all__ = ["UNKNOWN", "GcPlan", "Generation", "StoreError", "StoredObject", "Usage",
-           "gc", "lister_for", "parse_object_key", "usage", "verify"]  # fmt: skip
+           "gc", "holds_chunks", "lister_for", "parse_object_key", "usage",
+           "verify"]  # fmt: skip
 
 #: the generation of chunks without a readable manifest
 UNKNOWN = "unknown"
 _CHUNK_RE = re.compile(r"[0-9a-f]{40}", re.ASCII)
+#: a re-claim's token (:func:`kvtier.objects.manifest.reclaim_key`): bookkeeping, as a manifest
+_RECLAIM_RE = re.compile(re.escape(RECLAIM) + r"[0-9a-f]{16}", re.ASCII)
 _GEN_RE = re.compile(re.escape(GENERATION_PREFIX) + r"([0-9a-f]{16})/(.+)", re.ASCII)
 #: S3's most keys per DeleteObjects
 S3_DELETE_BATCH = 1000
@@ -62,11 +65,12 @@ class StoreError(KVTierError):
 
 def parse_object_key(key: str) -> tuple[str | None, bool] | None:
     """(generation or None for a bare chunk key, is it a manifest) for a key kvtier wrote;
-    None for anything else (another application's key)."""
+    None for anything else (another application's key). A re-claim's token counts as a
+    manifest: bookkeeping of its generation, deleted with it, never a chunk."""
     m = _GEN_RE.fullmatch(key)
     if m is not None:
         name = m.group(2)
-        if name == MANIFEST:
+        if name == MANIFEST or _RECLAIM_RE.fullmatch(name):
             return m.group(1), True
         return (m.group(1), False) if _CHUNK_RE.fullmatch(name) else None
     return (None, False) if _CHUNK_RE.fullmatch(key) else None
@@ -253,6 +257,19 @@ def lister_for(tier: ObjectTier) -> Lister:
     raise StoreError(f"kvtier store cannot list a {tier.name} tier")
 
 
+def holds_chunks(tier: ObjectTier, generation: str, *, lister: Lister | None = None) -> bool:
+    """Whether ``generation`` holds any chunk (its manifest and tokens do not count): a
+    listing that stops at the first chunk found (a canary's re-claim,
+    :func:`kvtier.objects.manifest.reclaim_generation`). Raises StoreError for a tier that
+    cannot be listed and TierError when listing fails: neither is an answer of "none"."""
+    lister = lister if lister is not None else lister_for(tier)
+    for obj in lister.objects():
+        parsed = parse_object_key(obj.key)
+        if parsed is not None and parsed[0] == generation and not parsed[1]:
+            return True
+    return False
+
+
 # -- usage -------------------------------------------------------------------------------
 
 
@@ -336,7 +353,8 @@ def usage(
     for gen in gens.values():
         if gen.manifests:
             try:
-                gen.manifest = _checked_manifest(tier, gen.id, signer, gen.manifests[0].size)
+                size = max(o.size for o in gen.manifests)  # the manifest, or a token's 0
+                gen.manifest = _checked_manifest(tier, gen.id, signer, size)
             except CodecError as exc:
                 bad[gen.id] = exc.kind
     known = [g for g in gens.values() if g.manifest is not None]
