@@ -46,10 +46,16 @@ restart_rc=$?
 # KV cache manager with kvtier (two KV cache groups, no "Turning off hybrid kv cache
 # manager" in the log), and a prefix kvtier's host tier serves gives the tokens and
 # logprobs of the same prefix served by vLLM's own cache (per-group copies on CUDA).
-echo "== hybrid e2e (tests/e2e/test_hma_hybrid.py)"
+# Then hybrids with recurrent state (a Mamba2 and a gated delta-net hybrid, one GPU: the
+# TP=2 case is left out): each kvtier hit equal bit for bit to the prompt computed cold.
+echo "== hybrid e2e (tests/e2e/test_hma_hybrid.py, tests/e2e/test_recurrent_state.py)"
 if $PY -c "import vllm, transformers, tokenizers" 2>/dev/null; then
     timeout 600 $PY -m pytest -q -p no:cacheprovider -m e2e tests/e2e/test_hma_hybrid.py -rs
     hybrid_rc=$?
+    timeout 900 $PY -m pytest -q -p no:cacheprovider -m e2e tests/e2e/test_recurrent_state.py \
+        -k "not tp2" -rs
+    state_rc=$?
+    [ "$hybrid_rc" -eq 0 ] && hybrid_rc=$state_rc
 else
     echo "vLLM (with transformers and tokenizers) is not installed: skipped"
     hybrid_rc=0

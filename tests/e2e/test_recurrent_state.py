@@ -91,7 +91,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize(("which", "tp"), [("mamba2_hybrid", 1), ("gdn_hybrid", 1),
-                                          ("gdn_hybrid", 2)])
+                                          ("gdn_hybrid", 2)], ids=["mamba2", "gdn", "gdn-tp2"])
 def test_state_hits_equal_the_cold_prompt_from_both_tiers_and_after_a_restart(
     which: str, tp: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
