@@ -225,9 +225,13 @@ def reclaim_generation(
     gen = namespace.generation()
     key = manifest_key(gen)
     blob = tier.get(key, max_bytes=MAX_MANIFEST)
-    if blob is None:
+    if blob is None:  # deleted or evicted: chunks without it are still someone's KV
+        if holds_chunks():
+            return Reclaim(False, "its manifest is gone but it holds chunks (delete them "
+                                  "with `kvtier store gc`)")
         won = claim_generation(tier, namespace, signer, now=now)
-        return Reclaim(won, "its manifest is gone: claimed" if won else "claimed by another")
+        return Reclaim(won, "its manifest is gone and it holds no chunk: claimed afresh"
+                       if won else "another engine re-claimed it first")
     stale = bytes(blob)
     try:
         found = Manifest.from_bytes(codec.decode(stale, key=key, dtype=MANIFEST_DTYPE,

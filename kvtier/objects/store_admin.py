@@ -128,6 +128,24 @@ class FileLister:
                 if stat.S_ISREG(st.st_mode):
                     yield StoredObject(unquote(e.name), st.st_size, st.st_mtime)
 
+    def keys(self, under: str) -> Iterator[str]:
+        """The keys starting with ``under``: names only, no stat."""
+        try:
+            subs = [e.path for e in os.scandir(self.root)
+                    if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]  # fmt: skip
+        except OSError as exc:
+            raise TierUnavailable(f"file tier {self.root}: {exc.strerror}") from None
+        for sub in subs:
+            try:
+                names = os.listdir(sub)
+            except OSError:
+                continue  # removed meanwhile
+            for name in names:
+                if not name.startswith("."):
+                    key = unquote(name)
+                    if key.startswith(under):
+                        yield key
+
     def delete(self, keys: Sequence[str]) -> None:
         self.tier.delete(keys)  # through the tier's directory fds: never outside the root
 
@@ -150,6 +168,14 @@ class S3Lister:
                 for obj in page.get("Contents", ()):
                     key = str(obj["Key"])[len(self.prefix):]
                     yield StoredObject(key, int(obj["Size"]), obj["LastModified"].timestamp())
+
+    def keys(self, under: str) -> Iterator[str]:
+        """The keys starting with ``under``: one listing of that prefix alone."""
+        pages = self.client.get_paginator("list_objects_v2")
+        with self.tier._errors("list"):
+            for page in pages.paginate(Bucket=self.bucket, Prefix=self.prefix + under):
+                for obj in page.get("Contents", ()):
+                    yield str(obj["Key"])[len(self.prefix):]
 
     def delete(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), S3_DELETE_BATCH):
@@ -194,6 +220,19 @@ class RedisLister:
                 now = time.time()
                 for key, size, idle in sized:
                     yield StoredObject(key, size, now - idle)
+                if int(cursor) == 0:
+                    break
+
+    def keys(self, under: str) -> Iterator[str]:
+        """The keys starting with ``under`` (no glob characters in kvtier's): SCAN MATCH,
+        nothing measured."""
+        for node in self._nodes():
+            cursor = 0
+            while True:
+                with self.tier._errors("list"):
+                    cursor, keys = node.scan(cursor=cursor, match=under + "*",
+                                             count=REDIS_BATCH)  # fmt: skip
+                yield from (_text(k) for k in keys)
                 if int(cursor) == 0:
                     break
 
@@ -263,8 +302,11 @@ def holds_chunks(tier: ObjectTier, generation: str, *, lister: Lister | None = N
     :func:`kvtier.objects.manifest.reclaim_generation`). Raises StoreError for a tier that
     cannot be listed and TierError when listing fails: neither is an answer of "none"."""
     lister = lister if lister is not None else lister_for(tier)
-    for obj in lister.objects():
-        parsed = parse_object_key(obj.key)
+    under = f"{GENERATION_PREFIX}{generation}/"
+    only = getattr(lister, "keys", None)  # a listing of the generation's keys alone
+    keys = only(under) if only is not None else (o.key for o in lister.objects())
+    for key in keys:
+        parsed = parse_object_key(key)
         if parsed is not None and parsed[0] == generation and not parsed[1]:
             return True
     return False

@@ -169,11 +169,11 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
         hit, meta = b.prompt(p)
         assert hit == 0 and meta.uploads == [] and not any(s.upload_op_id for s in meta.stores)
         assert b.side.canary.trust.state is Trust.CHECKING
-    waiting = [r for r in caplog.records if "waits for a prompt whose chunk" in r.getMessage()]
-    assert len(waiting) == 1 and gen in waiting[0].getMessage(), "never silent, said once"
     b.prompt(canary.RECLAIM_AFTER)
     b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED, "not locked for good"
+    waiting = [r for r in caplog.records if "waits for a prompt whose chunk" in r.getMessage()]
+    assert len(waiting) == 1 and gen in waiting[0].getMessage(), "never silent, said once"
     assert b.side.totals["canary_checks_absent"] == canary.RECLAIM_AFTER
     assert any("claimed afresh" in r.getMessage() for r in caplog.records)
     with FileTier(root) as tier:
@@ -320,3 +320,28 @@ def test_engines_reclaiming_at_once_give_one_writer(url: str) -> None:
     finally:
         for t in tiers:
             t.close()
+
+
+def test_holds_chunks_lists_one_generation_and_counts_only_chunks(url: str) -> None:
+    """What a re-claim asks each backend: another generation's chunks, the manifest and a
+    token are not this generation's chunks; one chunk is. A generation whose manifest is
+    gone (deleted, evicted) but holds a chunk is not claimed: the chunk is someone's KV."""
+    ns = dataclasses.replace(_namespace(), fingerprint="build-9")
+    gen = ns.generation()
+    other = dataclasses.replace(ns, fingerprint="other").generation()
+    with _tier(url) as tier:
+        assert manifest.claim_generation(tier, ns, None, now=time.time() - 3600)
+        tier.put(f"gen-{other}/{'a' * 40}", [b"kv of another generation"])
+        tier.put(f"gen-{gen}/{manifest.RECLAIM}{'0' * 16}", [b""])
+        assert store_admin.holds_chunks(tier, gen) is False
+        tier.put(f"gen-{gen}/{'b' * 40}", [b"kv"])
+        assert store_admin.holds_chunks(tier, gen) is True
+        holds = lambda: store_admin.holds_chunks(tier, gen)  # noqa: E731
+        got = manifest.reclaim_generation(tier, ns, None, holds)
+        assert not got.won and "holds chunks" in got.reason
+        tier.delete([manifest.manifest_key(gen)])
+        got = manifest.reclaim_generation(tier, ns, None, holds)
+        assert not got.won and "gone but it holds chunks" in got.reason
+        assert manifest.read_manifest(tier, gen, None) is None, "nothing claimed"
+        tier.delete([f"gen-{gen}/{'b' * 40}"])
+        assert manifest.reclaim_generation(tier, ns, None, holds).won
