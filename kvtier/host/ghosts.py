@@ -183,22 +183,24 @@ class Ghost:
 
     def _take_slot(self, evict_ok: bool) -> bool:
         """Room for one more chunk, by the real tier's policy (ChunkIndex._take_slot)."""
-        if self.used < self.capacity:
+        lru = self._lru
+        if len(lru) + len(self._superseded) < self.capacity:
             return True
         if not evict_ok:
             return False
-        if self._release_evicting():
+        if self._evicting and self._release_evicting():
             return True
         real = self._real
         needed = self._write_back_needed
+        ready = State.READY
         began: bytes | None = None
         victim: bytes | None = None
-        for key, flags in self._lru.items():
+        for key, flags in lru.items():
             if flags & _BUSY:
                 continue
             entry = real(key)
             if entry is not None:
-                if entry.refs or entry.state is not State.READY:
+                if entry.refs or entry.state is not ready:
                     continue
                 if needed is not None and needed(entry):
                     if began is None:
@@ -210,7 +212,7 @@ class Ghost:
             self._mark_evicting(began)
         if victim is None:
             return False
-        del self._lru[victim]
+        del lru[victim]
         return True
 
     def _release_evicting(self) -> bool:
@@ -228,9 +230,38 @@ class Ghost:
         return False
 
 
+class RealTier:
+    """The scale-1 "ghost" when :class:`GhostTiers` mirrors the real tier: a ghost of
+    the real tier's own size holds exactly its chunks (``tests/kvtier/test_ghosts.py``
+    checks that model against the index), so this one reads the index instead of
+    keeping a copy: no memory and no work per hook."""
+
+    def __init__(self, capacity: int, real: Callable[[bytes], Entry | None]) -> None:
+        self.capacity = capacity
+        self._real = real
+
+    def ready_run(self, keys: Sequence[bytes], start: int, stop: int) -> tuple[int, list[bool]]:
+        """As :meth:`Ghost.ready_run`, from the real index's ready entries."""
+        real = self._real
+        ready = State.READY
+        fetched: list[bool] = []
+        for i in range(start, stop):
+            entry = real(keys[i])
+            if entry is None or entry.state is not ready:
+                break
+            fetched.append(entry.fetched)
+        return start + len(fetched), fetched
+
+
 class GhostTiers:
     """The ghosts of every scale in :data:`SCALES`, fed by one :class:`ChunkIndex`, and
-    the ``kvtier:whatif_hit_tokens`` they would have served (:meth:`lookup`)."""
+    the ``kvtier:whatif_hit_tokens`` they would have served (:meth:`lookup`).
+
+    The scale-1 ghost is the real tier itself (:class:`RealTier`) unless ``mirror`` is
+    False (tests: the modelled ghost, which must equal it). The hooks below run once per
+    chunk the real tier stores, pins or drops, inside the scheduler's step: each does the
+    common case (a dict probe or a move to the end per ghost) inline and calls into a
+    :class:`Ghost` only where that ghost must decide something (a slot, a busy chunk)."""
 
     def __init__(
         self,
@@ -239,57 +270,90 @@ class GhostTiers:
         stats: StatsRecorder | None = None,
         write_back_needed: Callable[[Entry], bool] | None = None,
         scales: Sequence[str] = SCALES,
+        *,
+        mirror: bool = True,
     ) -> None:
         self.num_slots = num_slots
         self.stats = stats
         self.scales = tuple(scales)
-        self.ghosts = tuple(
-            Ghost(max(1, round(num_slots * float(s))), real, write_back_needed) for s in self.scales
-        )
+        ghosts: list[Ghost | RealTier] = []
+        for s in self.scales:
+            capacity = max(1, round(num_slots * float(s)))
+            if mirror and capacity == num_slots:
+                ghosts.append(RealTier(capacity, real))
+            else:
+                ghosts.append(Ghost(capacity, real, write_back_needed))
+        self.ghosts: tuple[Ghost | RealTier, ...] = tuple(ghosts)
+        #: the ghosts that keep keys of their own (every hook reaches these only)
+        self._own: tuple[Ghost, ...] = tuple(g for g in ghosts if isinstance(g, Ghost))
         self._labels = tuple(("host", s) for s in self.scales)
 
-    def ghost(self, scale: str) -> Ghost:
+    def ghost(self, scale: str) -> Ghost | RealTier:
         return self.ghosts[self.scales.index(scale)]
 
-    # the index's hooks: each reaches every ghost
+    # the index's hooks: each reaches every ghost that keeps keys
     def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None:
-        for g in self.ghosts:
-            g.begin(key, fetched, evict_ok)
+        pending = _PENDING | (_FETCHED if fetched else 0)
+        for g in self._own:  # Ghost.begin, inline
+            lru = g._lru
+            flags = lru.get(key)
+            if flags is not None:
+                if not flags & _BUSY:
+                    lru.move_to_end(key)  # still held here: a larger tier kept it
+                    continue
+                g._remove(key)  # a stale evicting entry the real tier no longer holds
+            if len(lru) + len(g._superseded) < g.capacity or g._take_slot(evict_ok):
+                lru[key] = pending
 
     def begun(self, key: bytes, ok: bool) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.begun(key, ok)
 
     def commit(self, key: bytes, ok: bool, still_held: bool) -> None:
-        for g in self.ghosts:
-            g.commit(key, ok, still_held)
+        if not ok:
+            for g in self._own:
+                g.commit(key, ok, still_held)
+            return
+        for g in self._own:
+            lru = g._lru
+            flags = lru.get(key)
+            if flags is None:
+                continue
+            if flags & _BUSY:
+                g._evicting.discard(key)
+                lru[key] = flags & _FETCHED
+            lru.move_to_end(key)
 
     def touch(self, key: bytes) -> None:
-        for g in self.ghosts:
-            g.touch(key)
+        for g in self._own:
+            lru = g._lru
+            if key in lru:
+                lru.move_to_end(key)
 
     def dropped(self, key: bytes) -> None:
-        for g in self.ghosts:
-            g.dropped(key)
+        for g in self._own:
+            flags = g._lru.get(key)
+            if flags is not None and flags & _BUSY:
+                g._remove(key)
 
     def forget(self, key: bytes) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.forget(key)
 
     def clear(self, held: Callable[[bytes], bool]) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.clear(held)
 
     def supersede(self, key: bytes, old_slot: int) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.supersede(key, old_slot)
 
     def superseded(self, key: bytes, old_slot: int, ok: bool) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.superseded(key, old_slot, ok)
 
     def released(self, old_slot: int) -> None:
-        for g in self.ghosts:
+        for g in self._own:
             g.released(old_slot)
 
     def lookup(

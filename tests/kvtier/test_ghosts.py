@@ -7,11 +7,13 @@ from __future__ import annotations
 import random
 import tracemalloc
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.host.ghosts import Ghost, GhostTiers
+from kvtier.host.ghosts import Ghost, GhostTiers, RealTier
 from kvtier.host.index import ChunkIndex, Entry, State
 from kvtier.stats import StatsRecorder, Totals
 
@@ -67,6 +69,35 @@ def test_ghost_is_plain_lru_when_nothing_is_busy(
         assert ghost.ready_keys() == set(brute.keys)
 
 
+class PerGhost:
+    """Feeds each ghost of ``tiers`` through :class:`Ghost`'s own methods, one ghost at a
+    time: what :class:`GhostTiers`' inline hooks must do."""
+
+    def __init__(self, tiers: GhostTiers) -> None:
+        self.ghosts = tiers.ghosts
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            for g in self.ghosts:
+                getattr(g, hook)(*args)
+
+        return call
+
+
+class FanOut:
+    """One index feeding several ghost sets (the index has one ``ghosts`` slot)."""
+
+    def __init__(self, *targets: object) -> None:
+        self.targets = targets
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        def call(*args: Any) -> None:
+            for t in self.targets:
+                getattr(t, hook)(*args)
+
+        return call
+
+
 class Harness:
     """A real ChunkIndex with ghosts, driven like the scheduler drives it."""
 
@@ -78,10 +109,15 @@ class Harness:
             begin_write_back=self.uploads.append,
         )
         self.totals = Totals(["whatif_hit_tokens_host_" + s for s in ("0.5", "1", "2", "4", "8")])
-        self.idx.ghosts = GhostTiers(
-            slots, self.idx.get, StatsRecorder(self.totals),
-            write_back_needed=(lambda e: not e.remote) if write_back else None,
-        )  # fmt: skip
+        needed = (lambda e: not e.remote) if write_back else None
+        # the modelled scale-1 ghost (mirror=False), checked against the index below
+        self.ghosts = GhostTiers(slots, self.idx.get, StatsRecorder(self.totals),
+                                 write_back_needed=needed, mirror=False)  # fmt: skip
+        # what the scheduler runs: scale 1 read from the index itself
+        self.mirrored = GhostTiers(slots, self.idx.get, write_back_needed=needed)
+        # every ghost fed through its own methods, one by one (the inline hooks' reference)
+        self.reference = GhostTiers(slots, self.idx.get, write_back_needed=needed, mirror=False)
+        self.idx.ghosts = FanOut(self.ghosts, self.mirrored, PerGhost(self.reference))
         self.inflight: list[bytes] = []  # begun, not committed
         self.pinned: list[bytes] = []
         self.held: list[Entry] = []  # upload holds (write-through, cleaning)
@@ -142,23 +178,33 @@ class Harness:
     def lookup(self, rng: random.Random, keys: list[bytes]) -> None:
         prompt = rng.sample(keys, 4)
         end = self.idx.ready_run(prompt, 0, 4)
-        ghosts = self.idx.ghosts
-        assert ghosts is not None
-        whatif = ghosts.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=4 * 16)
+        whatif = self.ghosts.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=4 * 16)
         host = sum(16 for k in prompt[:end] if not self.idx._entries[k].fetched)
         assert whatif[1] == host
+        assert self.mirrored.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=64) == whatif
+        assert self.reference.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=64) == whatif
         for k in prompt[:end]:
             self.idx.pin(k)
             self.pinned.append(k)
 
     def check(self) -> None:
         self.idx.check()
-        ghosts = self.idx.ghosts
-        assert ghosts is not None
-        one = ghosts.ghost("1")
+        one = self.ghosts.ghost("1")
+        assert isinstance(one, Ghost) and isinstance(self.mirrored.ghost("1"), RealTier)
         assert set(one._lru) == set(self.idx._entries)
         assert one.ready_keys() == self.idx._ready
         assert one.used <= one.capacity
+        for s, g in zip(self.ghosts.scales, self.ghosts.ghosts, strict=True):
+            ref = self.reference.ghost(s)
+            assert isinstance(g, Ghost) and isinstance(ref, Ghost)
+            assert list(g._lru.items()) == list(ref._lru.items()), s
+            assert g._evicting == ref._evicting and g._superseded == ref._superseded
+            mirrored = self.mirrored.ghost(s)
+            if g.capacity == self.idx.num_slots:  # the real tier's size: read from it
+                assert isinstance(mirrored, RealTier)
+            else:
+                assert isinstance(mirrored, Ghost)
+                assert list(mirrored._lru.items()) == list(g._lru.items()), s
 
 
 def _run(seed: int, slots: int, write_back: bool, n_keys: int, steps: int) -> Harness:
@@ -224,3 +270,21 @@ def test_memory_per_ghost_entry() -> None:
     print(f"ghost entry: {per_entry:.1f} bytes (key object not counted)")
     assert isinstance(ghost._lru, OrderedDict) and len(ghost) == n
     assert per_entry <= 160, per_entry
+
+
+def test_scale_one_reads_the_real_index() -> None:
+    """The scheduler's ghosts keep no keys of their own at scale 1: the real tier is that
+    ghost (the harness above checks the modelled one equals it), so its memory and its
+    work per hook are none; the four other scales keep theirs."""
+    idx = ChunkIndex(8)
+    idx.ghosts = ghosts = GhostTiers(8, idx.get)
+    keys = [bytes([i]) * 8 for i in range(40)]
+    for k in keys:
+        assert idx.begin(k, State.FETCHING if k[0] % 3 == 0 else State.STORING) is not None
+        idx.commit(k, True)
+    one = ghosts.ghost("1")
+    assert isinstance(one, RealTier) and one.capacity == 8
+    assert [len(g) for g in ghosts.ghosts if isinstance(g, Ghost)] == [4, 16, 32, 40]
+    got = ghosts.lookup(keys, 32, 40, chunk_size=16, computed=32 * 16, cap=40 * 16)
+    stored = [k for k in keys[32:] if k[0] % 3]  # the last 8 are held; fetched are not host's
+    assert got[1] == 16 * len(stored)
