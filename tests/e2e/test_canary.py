@@ -145,3 +145,51 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
     assert [o["hit_remote"] for o in single] == [PREFIX] * len(seeds), single
     for x, y in zip(batch, single, strict=True):
         assert x["tokens"] == y["tokens"]
+
+
+def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
+    weights: dict[str, str], tmp_path: Path
+) -> None:
+    """Engine A claims the generation and stops without storing a chunk (long ago: its
+    manifest is aged). Engine B checks it, and every check finds the chunk absent: before,
+    B stayed checking for as long as it ran, storing nothing and never getting a hit. Now
+    after RECLAIM_AFTER absent chunks B claims the generation afresh (it holds no chunk,
+    no engine that trusts it is alive), stores its later prompts there and gets hits on
+    them, answering as vLLM alone does."""
+    import dataclasses
+    import time
+
+    from kvtier.canary import RECLAIM_AFTER
+    from kvtier.objects.manifest import STALE_S, write_manifest
+    from kvtier.objects.store_admin import usage
+
+    tier = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
+             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+    a = run(model=weights["m1"], extra=extra, seeds=[])
+    assert a["state"] == "trusted" and chunk_files(tier) == []
+    files = FileTier(str(tier), background_sweep=False)
+    [g] = usage(files, None).generations  # A's claim: a manifest, no chunk
+    assert g.chunks == [] and g.manifest is not None
+    gen, m = g.id, g.manifest
+    write_manifest(files, dataclasses.replace(m, last_seen=time.time() - 2 * STALE_S), None)
+    files.close()
+
+    seeds = [51, 52, 53, 54, 55, 56]
+    b = run(model=weights["m1"], extra=extra, seeds=seeds, then_single=True)
+    ref = run(model=weights["m1"], extra=None, seeds=seeds)["outs"]
+    assert b["state"] == "trusted", b["totals"]
+    assert b["totals"]["canary_checks_absent"] >= RECLAIM_AFTER, b["totals"]
+    assert b["totals"]["canary_checks_mismatch"] == 0 and b["forks"] == []
+    first, again = b["outs"][: len(seeds)], b["outs"][len(seeds):]
+    assert [o["hit_remote"] for o in first] == [0] * len(seeds)
+    hits = [o["hit_remote"] for o in again]
+    assert hits[:RECLAIM_AFTER] == [0] * RECLAIM_AFTER, "computed while checking: not stored"
+    assert hits[-1] == PREFIX, hits  # stored once the generation was claimed afresh
+    assert b["totals"]["upload_ok"] > 0
+    for out, r in zip(b["outs"], ref + ref, strict=True):
+        assert (out["tokens"], out["logprobs"]) == (r["tokens"], r["logprobs"])
+    files = FileTier(str(tier), background_sweep=False)
+    after = read_manifest(files, gen, None)
+    files.close()
+    assert after is not None and time.time() - after.last_seen < STALE_S, "B refreshes it"
