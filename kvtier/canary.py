@@ -117,7 +117,8 @@ def compare_chunk(
 class Trust(enum.Enum):
     #: the workers have not said yet whether the tier holds this generation
     UNKNOWN = "unknown"
-    #: the tier holds it: nothing is loaded or stored until a computed chunk matched
+    #: the tier holds it: nothing is loaded or stored until a computed chunk matched (or
+    #: the generation, holding no chunk and no live trusted engine, was claimed afresh)
     CHECKING = "checking"
     TRUSTED = "trusted"
     #: a computed chunk differed from the stored one: never loaded from or stored into

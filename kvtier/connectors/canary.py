@@ -15,6 +15,15 @@ shares (the weight-change salt, :meth:`SchedulerSide._new_identity`), whose gene
 writes first and so trusts at once (:meth:`CanaryChecks.new_generation`). It keeps
 getting hits from its own traffic and never mixes with the engines of the refused
 generation, which keep using it.
+
+A generation can hold nothing to check against: its first writer stopped before storing,
+or every chunk expired or was deleted. Then every check finds the chunk absent, and an
+engine would check for as long as it runs. The workers' rank 0 counts absent chunks and,
+after :data:`~kvtier.canary.RECLAIM_AFTER` in a row, claims the generation afresh if no
+engine that trusts it is alive and it holds no chunk
+(:func:`kvtier.objects.manifest.reclaim_generation`); a win is reported as a fresh
+generation (:meth:`CanaryChecks.first_writer`). A checking engine says once what it waits
+for, and never refreshes the manifest, so it does not keep a dead generation alive.
 """
 
 from __future__ import annotations

@@ -204,9 +204,9 @@ class WorkerSide:
     def _generation_is_fresh(self) -> bool:
         """Whether this engine is its generation's first writer: its claim, the
         generation's manifest created only if none is stored (atomically on every tier,
-        :func:`kvtier.objects.manifest.claim_generation`), won. Every engine writes its
-        generation's manifest at start and every minute, so a stored manifest means
-        another engine wrote the generation (its first hit is checked); of engines
+        :func:`kvtier.objects.manifest.claim_generation`), won. Every engine that trusts
+        its generation writes its manifest at start and every minute, so a stored manifest
+        means another engine wrote the generation (its first hit is checked); of engines
         starting at once on an empty generation exactly one wins, and its own KV defines
         it. A tier that cannot answer is not fresh (the first hit is checked instead)."""
         assert self.remote is not None

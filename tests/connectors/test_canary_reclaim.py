@@ -345,3 +345,30 @@ def test_holds_chunks_lists_one_generation_and_counts_only_chunks(url: str) -> N
         assert manifest.read_manifest(tier, gen, None) is None, "nothing claimed"
         tier.delete([f"gen-{gen}/{'b' * 40}"])
         assert manifest.reclaim_generation(tier, ns, None, holds).won
+
+
+def test_a_late_fresh_answer_trusts_only_a_checking_generation() -> None:
+    """A re-claim's win moves CHECKING to TRUSTED; it never undoes a refusal (a mismatch is
+    for good), and the startup answer still decides UNKNOWN."""
+    from kvtier.canary import MISMATCH, GenerationTrust
+
+    t = GenerationTrust()
+    assert t.first_writer(False) is Trust.CHECKING
+    assert t.first_writer(False) is Trust.CHECKING
+    assert t.first_writer(True) is Trust.TRUSTED
+    refused = GenerationTrust()
+    refused.first_writer(False)
+    assert refused.checked(MISMATCH) is Trust.REFUSED
+    assert refused.first_writer(True) is Trust.REFUSED
+
+
+def test_a_win_for_a_generation_the_engine_left_is_not_reported(
+    root: str, engines: Callable[..., Engine]
+) -> None:
+    """The worker reports a re-claim's win only for the generation its keys name now: after
+    a fork or a weight change meanwhile, the old generation's win is dropped."""
+    b = engines()
+    b.worker._reclaimed.append("0" * 16)
+    assert b.worker.build_worker_meta().fresh_generation is None
+    b.worker._reclaimed.append(b.worker.namespace.generation())
+    assert b.worker.build_worker_meta().fresh_generation is True
