@@ -372,3 +372,33 @@ def test_a_win_for_a_generation_the_engine_left_is_not_reported(
     assert b.worker.build_worker_meta().fresh_generation is None
     b.worker._reclaimed.append(b.worker.namespace.generation())
     assert b.worker.build_worker_meta().fresh_generation is True
+
+
+def test_an_engine_whose_startup_claim_failed_claims_the_empty_generation_later(
+    root: str, engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same lock from another side: the tier failed the startup claim, so the engine
+    checks a generation nobody wrote (no manifest, no chunk). Before, it checked for good
+    (and wrote the manifest that kept it so); now its absent checks claim it."""
+    from kvtier.errors import TierUnavailable
+
+    real = FileTier.create_if_absent
+    fails = [1]
+
+    def flaky(self: FileTier, key: str, parts: Any) -> bool:
+        if fails:
+            fails.pop()
+            raise TierUnavailable("file tier create: down")
+        return real(self, key, parts)
+
+    monkeypatch.setattr(FileTier, "create_if_absent", flaky)
+    b = engines()
+    assert b.worker.fresh_generation is False
+    with FileTier(root) as tier:
+        assert manifest.read_manifest(tier, b.gen, None) is None, "a checking engine writes none"
+    for p in range(1, canary.RECLAIM_AFTER + 1):
+        b.prompt(p)
+    b.reclaim_done()
+    assert b.side.canary.trust.state is Trust.TRUSTED
+    with FileTier(root) as tier:
+        assert manifest.read_manifest(tier, b.gen, None) is not None
