@@ -276,6 +276,8 @@ class GhostTiers:
         self.num_slots = num_slots
         self.stats = stats
         self.scales = tuple(scales)
+        self._real = real
+        self._write_back_needed = write_back_needed
         ghosts: list[Ghost | RealTier] = []
         for s in self.scales:
             capacity = max(1, round(num_slots * float(s)))
@@ -294,6 +296,9 @@ class GhostTiers:
     # the index's hooks: each reaches every ghost that keeps keys
     def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None:
         pending = _PENDING | (_FETCHED if fetched else 0)
+        real = self._real
+        needed = self._write_back_needed
+        ready = State.READY
         for g in self._own:  # Ghost.begin, inline
             lru = g._lru
             flags = lru.get(key)
@@ -302,7 +307,24 @@ class GhostTiers:
                     lru.move_to_end(key)  # still held here: a larger tier kept it
                     continue
                 g._remove(key)  # a stale evicting entry the real tier no longer holds
-            if len(lru) + len(g._superseded) < g.capacity or g._take_slot(evict_ok):
+            if len(lru) + len(g._superseded) < g.capacity:
+                lru[key] = pending
+                continue
+            if evict_ok and not g._evicting and lru:
+                # Ghost._take_slot's common case: its least recently used chunk can go
+                oldest, old_flags = lru.popitem(last=False)
+                if not old_flags & _BUSY:
+                    entry = real(oldest)
+                    if entry is None or (
+                        not entry.refs
+                        and entry.state is ready
+                        and (needed is None or not needed(entry))
+                    ):
+                        lru[key] = pending
+                        continue
+                lru[oldest] = old_flags  # put back where it was: the full policy decides
+                lru.move_to_end(oldest, last=False)
+            if g._take_slot(evict_ok):
                 lru[key] = pending
 
     def begun(self, key: bytes, ok: bool) -> None:
