@@ -21,6 +21,12 @@ is an approximation, and these are its choices:
 - a chunk a ghost began to write back, but the real tier kept, stays evicting in the
   ghost until the real tier uploads it (``WriteBack.clean_oldest``) or drops it.
 
+The ghost of the real tier's own size (scale 1) is not kept: it would hold exactly the
+real tier's chunks, so :class:`RealTier` reads the index instead (the tests run the
+modelled one beside the index and check they agree). Cost, measured in
+``docs/performance.md``: an ``OrderedDict`` entry per chunk each other ghost holds, and a
+few dict operations per ghost and stored chunk, done inline in :class:`GhostTiers`' hooks.
+
 A chunk fetched from the object tier is a ghost hit too but counts as the object tier's
 (as the real tier counts ``hit_tokens{tier="remote"}``): :meth:`GhostTiers.lookup` adds
 only the chunks the ghost filled by a store, so scale 1 equals ``hit_tokens{tier="host"}``.
