@@ -183,27 +183,27 @@ class Planner:
         self, st: RequestState, block_ids: tuple[list[int], ...], c: int, fetch_op: int
     ) -> None:
         """A hit's last chunk ``c`` of a model with recurrent state: its state also goes to
-        the block the request runs on in this step (its last one). vLLM copies the state
-        of the hit's last block into that block before the step's forward, which is before
-        any connector load: the state loaded into the hit's block alone would be read
-        only by later hits of vLLM's own prefix cache, the running one would start from
-        whatever that block held."""
-        parts: list[tuple[int, list[int]]] = []
-        for g, group in enumerate(self.groups):
-            blocks = block_ids[g]
-            hit_block = (c + 1) * self.blocks_per_chunk - 1
-            running = blocks[-1] if len(blocks) > hit_block + 1 else None
-            if group.kind == STATE and running is not None and running != self.null_block:
-                parts.append((0, [running]))
-            else:
-                parts.append((0, []))
-        if all(not blocks for _, blocks in parts):
-            return
-        entry = self._hold_fetching(st, c) if fetch_op else self.index.pin(self.keys.key(st, c))
-        op_id = self.ledger.add(OpKind.LOAD, entry)
-        self.plan.loads.append(LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]),
-                                      fetch_op=fetch_op))  # fmt: skip
-        st.step_loads.append(op_id)
+        the blocks the request runs on in this step, every block of a state group past the
+        hit's (the running one, and with speculative decoding its lookahead ones, which
+        the step overwrites). vLLM copies the state of the hit's last block into the
+        running block before the step's forward, which is before any connector load: the
+        state loaded into the hit's block alone would be read only by later hits of vLLM's
+        own prefix cache, the running one would start from whatever that block held.
+        One load per block (a load maps each slot block to one block)."""
+        hit_block = (c + 1) * self.blocks_per_chunk - 1
+        past = [
+            [b for b in block_ids[g][hit_block + 1 :] if b != self.null_block]
+            if group.kind == STATE else []
+            for g, group in enumerate(self.groups)
+        ]
+        for i in range(max(map(len, past), default=0)):
+            parts = [(0, blocks[i : i + 1]) for blocks in past]
+            entry = (self._hold_fetching(st, c) if fetch_op
+                     else self.index.pin(self.keys.key(st, c)))  # fmt: skip
+            op_id = self.ledger.add(OpKind.LOAD, entry)
+            self.plan.loads.append(LoadOp(op_id, entry.slot, *parts[0], more=tuple(parts[1:]),
+                                          fetch_op=fetch_op))  # fmt: skip
+            st.step_loads.append(op_id)
 
     def _hold_fetching(self, st: RequestState, c: int) -> Entry:
         """The entry a one-step lookup claimed for chunk ``c`` of ``st``, held for its load."""

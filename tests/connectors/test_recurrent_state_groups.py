@@ -145,3 +145,83 @@ def test_on_cuda_the_forward_waits_for_the_state_layers_loads(monkeypatch) -> No
     w.wait_for_layer_load("a0")
     assert len([e for e in ops.log if e[0] == "wait" and e[1] == "compute"]) == 2
     w.shutdown()
+
+
+# ---- the planner: the state's two rules ---------------------------------------------------
+def _planner(groups: tuple[KVGroup, ...]):  # type: ignore[no-untyped-def]
+    from kvtier.connectors.ledger import OpLedger
+    from kvtier.connectors.metadata import StepPlan
+    from kvtier.connectors.plans import Planner
+    from kvtier.connectors.requests import ChunkKeys
+    from kvtier.connectors.stats import SCHEDULER_TOTALS
+    from kvtier.host.index import ChunkIndex
+    from kvtier.stats import StatsRecorder, Totals
+
+    totals = Totals(SCHEDULER_TOTALS)
+    stats = StatsRecorder(totals)
+    ledger = OpLedger(ChunkIndex(8), 1, stats, totals)
+    planner = Planner(ledger, ChunkKeys(CHUNK // BS), stats, totals, StepPlan(),
+                      block_size=BS, chunk_size=CHUNK, slot_bytes=4096, write_through=False,
+                      groups=groups)  # fmt: skip
+    planner.null_block = 0
+    return planner
+
+
+def _request_state(n_chunks: int):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from kvtier.connectors.requests import RequestState
+
+    hashes = [bytes([c + 1]) * 32 for c in range(n_chunks)]
+    req = SimpleNamespace(request_id="r", block_hashes=[], num_publishable_block_hashes=None)
+    return RequestState(req, chunk_hashes=hashes)  # type: ignore[arg-type]
+
+
+STATE_FIRST = (KVGroup(STATE, ("m0",), 1, states=(((4,), "float32"),)),
+               KVGroup(FULL, ("a0",), CHUNK // BS))  # fmt: skip
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_hits_state_also_goes_to_every_block_the_request_runs_on(lookahead: int) -> None:
+    """The hit's last chunk (chunk 1, state block 2*BPC-1) loads its state into the hit's
+    block, and once more into each state block past it (the running block, and the
+    lookahead blocks of speculative decoding); the earlier chunk's state blocks are vLLM's
+    null block (align mode keeps none there): nothing of them is loaded."""
+    bpc = CHUNK // BS
+    from kvtier.host.index import State
+
+    p = _planner(STATE_FIRST)
+    st = _request_state(2)
+    for key in st.chunk_hashes:  # both chunks ready in the host tier
+        p.index.begin(key, State.STORING)
+        p.index.commit(key, True)
+    state = [0] * (2 * bpc - 1) + [77] + [78 + i for i in range(1 + lookahead)]
+    attn = list(range(100, 100 + 2 * bpc + 1 + lookahead))
+    p.plan_loads(st, (state, attn), 0, 2 * CHUNK)
+    loads = p.plan.loads
+    state_parts = [ld.gpu_blocks for ld in loads]
+    assert state_parts == [[], [77], *[[78 + i] for i in range(1 + lookahead)]], state_parts
+    assert all(ld.more[0][1] == [] for ld in loads[2:]), "the extra loads copy only state"
+    assert loads[1].more[0][1] == attn[bpc : 2 * bpc]
+
+
+
+def test_a_chunk_with_state_is_stored_only_by_the_step_that_ends_on_it(caplog) -> None:
+    """A step that ends on chunk 0's end stores it (its state block holds the state there);
+    one that completes chunk 1 and runs on does not (the state has moved on): counted,
+    and logged once with what to run."""
+    import logging
+
+    p = _planner(STATE_FIRST)
+    st = _request_state(3)
+    bpc = CHUNK // BS
+    state = [0] * (bpc - 1) + [77] + [0] * (bpc - 1) + [78] + [79] * (bpc + 1)
+    attn = list(range(100, 100 + 3 * bpc + 1))
+    stores = p.plan_stores(st, lambda rid: (state, attn), CHUNK)
+    assert [op.block_hash for op in stores] == st.chunk_hashes[:1]
+    assert stores[0].gpu_blocks == [77] and stores[0].more == (attn[:bpc],)
+    with caplog.at_level(logging.WARNING, logger="kvtier.scheduler"):
+        assert p.plan_stores(st, lambda rid: (state, attn), 2 * CHUNK + BS) == []
+        assert p.plan_stores(st, lambda rid: (state, attn), 3 * CHUNK + BS) == []
+    assert p.totals["stores_state_gone"] == 2
+    assert len([r for r in caplog.records if "recurrent state" in r.getMessage()]) == 1
