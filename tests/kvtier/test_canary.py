@@ -78,7 +78,6 @@ def test_first_writer_is_trusted_at_once_else_its_first_check_decides() -> None:
 
     t = GenerationTrust()
     assert t.first_writer(False) is Trust.CHECKING and not t.trusted
-    assert t.first_writer(True) is Trust.CHECKING, "the first answer counts"
     t.began()
     assert not t.wants_check(), "one check at a time"
     assert t.checked(canary.ABSENT) is Trust.CHECKING and t.wants_check()
@@ -86,6 +85,20 @@ def test_first_writer_is_trusted_at_once_else_its_first_check_decides() -> None:
     assert t.checked(canary.ERROR) is Trust.CHECKING
     t.began()
     assert t.checked(canary.MATCH) is Trust.TRUSTED and t.trusted
+
+
+def test_a_later_fresh_answer_trusts_a_checking_generation_never_a_refused_one() -> None:
+    """A checking engine whose re-claim of a generation holding no chunk won is told
+    fresh again (kvtier.objects.manifest.reclaim_generation): it writes the generation
+    first now. A refused generation stays refused."""
+    t = GenerationTrust()
+    t.first_writer(False)
+    assert t.first_writer(True) is Trust.TRUSTED and t.trusted
+    r = GenerationTrust()
+    r.first_writer(False)
+    r.began()
+    r.checked(canary.MISMATCH)
+    assert r.first_writer(True) is Trust.REFUSED and not r.trusted
 
 
 def test_a_mismatch_refuses_for_good() -> None:
