@@ -860,10 +860,7 @@ class FileTier(SlotReader):
                     if dir_fd is None:  # removed again by another engine between mkdir and open
                         raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
                     fd, tmp = self._create_temp(dir_fd)
-                    with open(fd, "wb") as f:
-                        self._own_group(fd)
-                        for part in parts:
-                            f.write(part)
+                    self._write_parts(fd, parts)
                     if self.max_bytes is not None:
                         replaced = _size_at(name, dir_fd)  # a rewrite frees the old bytes
                     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -882,6 +879,13 @@ class FileTier(SlotReader):
                 os.close(dir_fd)
             self.sweeper.landed(nbytes, (sub, name), scans, stored=stored,
                                 replaced=replaced)  # fmt: skip
+
+    def _write_parts(self, fd: int, parts: Parts) -> None:
+        """Write ``parts`` to the new file ``fd`` (closed after), in the tier's group."""
+        with open(fd, "wb") as f:
+            self._own_group(fd)
+            for part in parts:
+                f.write(part)
 
     def _create_temp(self, dir_fd: int) -> tuple[int, str]:
         """A new temp file in the directory ``dir_fd``: its fd and its name there, created
@@ -931,10 +935,7 @@ class FileTier(SlotReader):
                 if dir_fd is None:  # removed again by another engine between mkdir and open
                     raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
                 fd, tmp = self._create_temp(dir_fd)
-                with open(fd, "wb") as f:
-                    self._own_group(fd)
-                    for part in parts:
-                        f.write(part)
+                self._write_parts(fd, parts)
                 try:
                     os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
                             follow_symlinks=False)  # fmt: skip
@@ -960,10 +961,7 @@ class FileTier(SlotReader):
             fd = os.open(name, _OPEN_TMP, self.file_mode, dir_fd=dir_fd)
         except FileExistsError:
             return False
-        with open(fd, "wb") as f:
-            self._own_group(fd)
-            for part in parts:
-                f.write(part)
+        self._write_parts(fd, parts)
         return True
 
 
