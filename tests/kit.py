@@ -5,6 +5,7 @@ kvtier.sizing.emit.connector_config.)"""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -136,3 +137,35 @@ def before_reads(
                 return _real(key, *a, **kw)
 
         monkeypatch.setattr(target, name, wrapped)
+
+
+def directory_usage(root: str | os.PathLike[str]) -> dict[str, int]:
+    """Every regular file under ``root`` (objects, temp files of writes in flight,
+    manifests, the lock file): what the disk holds, not what the sweep chose to count.
+
+    Never more than the directory held at the walk's end: a walk is no snapshot (an
+    object evicted after the walk counted it and one written where the walk had not
+    looked yet would both count), so only the files still there, the same inode, at the
+    end are counted, each inode once (a temp file renamed to its object's name while the
+    directory is listed may be listed under both names)."""
+    found: dict[int, list[str]] = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # evicted while we walk
+            found.setdefault(st.st_ino, []).append(path)
+    total = files = 0
+    for ino, paths in found.items():
+        for path in paths:  # under any name it was listed under (a renamed temp file)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_ino == ino:
+                files += 1
+                total += st.st_size
+                break
+    return {"files": files, "bytes": total}

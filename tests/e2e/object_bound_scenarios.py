@@ -13,38 +13,7 @@ from typing import Any
 
 from tests.e2e.engine import build_llm, generate, index_report, kvtier_side, register, settle, toks
 from tests.e2e.whatif_scenarios import zipf_requests
-
-
-def directory_usage(root: str) -> dict[str, int]:
-    """Every regular file under ``root`` (objects, temp files of writes in flight,
-    manifests, the lock file): what the disk holds, not what the sweep chose to count.
-
-    Never more than the directory held at the walk's end: a walk is no snapshot (an
-    object evicted after the walk counted it and one written where the walk had not
-    looked yet would both count), so only the files still there, the same inode, at the
-    end are counted, each inode once (a temp file renamed to its object's name while the
-    directory is listed may be listed under both names)."""
-    found: dict[int, list[str]] = {}
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue  # evicted while we walk
-            found.setdefault(st.st_ino, []).append(path)
-    total = files = 0
-    for ino, paths in found.items():
-        for path in paths:  # under any name it was listed under (a renamed temp file)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if st.st_ino == ino:
-                files += 1
-                total += st.st_size
-                break
-    return {"files": files, "bytes": total}
+from tests.kit import directory_usage
 
 
 @register

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import directory_usage
 
 from kvtier.objects import codec
 from kvtier.objects.manifest import manifest_key
@@ -32,36 +33,6 @@ def chunk(key: str, size: int = OBJ) -> list[bytes | memoryview]:
     return codec.encode(key, bytes([len(key) % 251]) * size, dtype="u8", shape=[size])
 
 
-def on_disk(root: Path) -> int:
-    """Every byte under ``root``: objects, temp files of writes in flight, manifests.
-
-    Never more than the directory held at the walk's end: a walk is no snapshot (an
-    object evicted after the walk counted it and one written where the walk had not
-    looked yet would both count), so only the files still there, the same inode, at the
-    end are counted, each inode once (a temp file renamed to its object's name while the
-    directory is listed may be listed under both names)."""
-    found: dict[int, list[str]] = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue  # evicted while we walk
-            found.setdefault(st.st_ino, []).append(path)
-    total = 0
-    for ino, paths in found.items():
-        for path in paths:  # under any name it was listed under (a renamed temp file)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if st.st_ino == ino:
-                total += st.st_size
-                break
-    return total
-
-
 def test_a_fast_writer_never_takes_the_directory_past_its_bound(tmp_path: Path) -> None:
     """The engine's tier (sweep thread on), written back to back: checked after every
     write, never past the bound (the old sweep thread let it grow for a second)."""
@@ -69,7 +40,7 @@ def test_a_fast_writer_never_takes_the_directory_past_its_bound(tmp_path: Path) 
         peak = 0
         for i in range(200):
             tier.put(f"k{i}", chunk(f"k{i}"))
-            peak = max(peak, on_disk(tmp_path))
+            peak = max(peak, directory_usage(tmp_path)["bytes"])
         assert peak <= BOUND, f"{peak} bytes on disk, bound {BOUND}"
         assert peak > 0.8 * BOUND  # and it is used: evicted to low water, not emptied
         assert tier.get("k199") is not None  # the newest stays
@@ -84,7 +55,7 @@ def test_concurrent_writers_never_take_the_directory_past_its_bound(tmp_path: Pa
         def writer(w: int) -> None:
             for i in range(60):
                 tier.put(f"w{w}-{i}", chunk(f"w{w}-{i}"))
-                peaks.append(on_disk(tmp_path))
+                peaks.append(directory_usage(tmp_path)["bytes"])
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
         for t in threads:
@@ -92,16 +63,17 @@ def test_concurrent_writers_never_take_the_directory_past_its_bound(tmp_path: Pa
         for t in threads:
             t.join(60)
         assert max(peaks) <= BOUND, max(peaks)
-        assert tier.sweeper.used_bytes == on_disk(tmp_path)  # the count is exact again
+        # the count is exact again
+        assert tier.sweeper.used_bytes == directory_usage(tmp_path)["bytes"]
 
 
 def test_create_if_absent_counts_against_the_bound(tmp_path: Path) -> None:
     with FileTier(str(tmp_path), max_bytes=BOUND) as tier:
         for i in range(100):
             assert tier.create_if_absent(f"c{i}", chunk(f"c{i}"))
-            assert on_disk(tmp_path) <= BOUND
+            assert directory_usage(tmp_path)["bytes"] <= BOUND
         assert not tier.create_if_absent("c99", chunk("c99"))  # lost: nothing counted
-        assert tier.sweeper.used_bytes == on_disk(tmp_path)
+        assert tier.sweeper.used_bytes == directory_usage(tmp_path)["bytes"]
 
 
 def test_rewrites_free_what_they_replace(tmp_path: Path) -> None:
@@ -113,7 +85,7 @@ def test_rewrites_free_what_they_replace(tmp_path: Path) -> None:
         for _ in range(100):
             tier.put("k3", chunk("k3"))
         assert all(tier.exists([f"k{i}"]) == [True] for i in range(15))
-        assert tier.sweeper.used_bytes == on_disk(tmp_path)
+        assert tier.sweeper.used_bytes == directory_usage(tmp_path)["bytes"]
 
 
 def test_deletes_free_what_they_remove(tmp_path: Path) -> None:
@@ -127,7 +99,7 @@ def test_deletes_free_what_they_remove(tmp_path: Path) -> None:
     for i in range(10):
         tier.put(f"n{i}", chunk(f"n{i}"))
     assert all(tier.exists([f"k{i:02d}"]) == [True] for i in range(8))
-    assert tier.sweeper.used_bytes == on_disk(tmp_path)
+    assert tier.sweeper.used_bytes == directory_usage(tmp_path)["bytes"]
 
 
 def test_a_write_evicts_the_least_recently_used(tmp_path: Path) -> None:
@@ -148,7 +120,7 @@ def test_a_write_evicts_the_least_recently_used(tmp_path: Path) -> None:
         assert "k00" in survivors
         gone = sorted(set(keys) - survivors)
         assert gone and gone == keys[1 : 1 + len(gone)], gone  # the oldest went, in order
-        assert on_disk(tmp_path) <= BOUND
+        assert directory_usage(tmp_path)["bytes"] <= BOUND
 
 
 def test_manifests_are_counted_but_never_evicted(tmp_path: Path) -> None:
@@ -164,7 +136,7 @@ def test_manifests_are_counted_but_never_evicted(tmp_path: Path) -> None:
         for i in range(100):
             tier.put(f"k{i}", chunk(f"k{i}"))
         assert tier.exists([key]) == [True]
-        assert on_disk(tmp_path) <= BOUND
+        assert directory_usage(tmp_path)["bytes"] <= BOUND
     swept = FileTier(str(tmp_path), max_bytes=0, background_sweep=False)
     stats = swept.sweep()
     assert stats.evicted > 0 and swept.exists([key]) == [True]
@@ -176,11 +148,11 @@ def test_a_tier_without_its_own_sweeps_leaves_the_bound_to_the_caller(tmp_path: 
     tier = FileTier(str(tmp_path), max_bytes=BOUND, background_sweep=False)
     for i in range(40):
         tier.put(f"k{i}", chunk(f"k{i}"))
-    assert on_disk(tmp_path) > BOUND
+    assert directory_usage(tmp_path)["bytes"] > BOUND
     tier.sweep()
-    assert on_disk(tmp_path) <= 0.9 * BOUND
+    assert directory_usage(tmp_path)["bytes"] <= 0.9 * BOUND
     bounded = FileTier(str(tmp_path / "b"), max_bytes=BOUND, background_sweep=False,
                        bound_writes=True)  # fmt: skip
     for i in range(40):
         bounded.put(f"k{i}", chunk(f"k{i}"))
-        assert on_disk(tmp_path / "b") <= BOUND
+        assert directory_usage(tmp_path / "b")["bytes"] <= BOUND
