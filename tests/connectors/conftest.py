@@ -30,3 +30,16 @@ def canary_first_hit_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtier.config import KVTierConfig
 
     monkeypatch.setitem(KVTierConfig.__init__.__kwdefaults__, "canary_first_hit", False)
+
+
+@pytest.fixture(params=["file", "s3", "redis"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty object tier of each kind the canary's claims race on: a directory, a moto
+    S3 server's bucket, a real redis-server (tests/connectors/test_canary_claim.py,
+    test_canary_reclaim.py)."""
+    if request.param == "file":
+        return f"file://{tmp_path}/kv"
+    if request.param == "s3":
+        return str(request.getfixturevalue("s3_bucket").url)
+    request.getfixturevalue("redis_server").flush()
+    return str(request.getfixturevalue("redis_url"))

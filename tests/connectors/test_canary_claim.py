@@ -25,16 +25,6 @@ BS, BPC = 32, 4
 NS = Namespace("m", None, "bfloat16", "auto", BS, BS * BPC, 1, fingerprint="build-7")
 
 
-@pytest.fixture(params=["file", "s3", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore[no-untyped-def]
-    if request.param == "file":
-        return f"file://{tmp_path}/kv"
-    if request.param == "s3":
-        return str(request.getfixturevalue("s3_bucket").url)
-    request.getfixturevalue("redis_server").flush()
-    return str(request.getfixturevalue("redis_url"))
-
-
 def _tier(url: str) -> ObjectTier:
     return open_tier(load_config({"remote_url": url}, environ={}))
 

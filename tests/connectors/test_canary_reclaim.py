@@ -27,7 +27,8 @@ from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.connectors.worker import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects import manifest, store_admin
-from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
+from kvtier.objects.tiers import FileTier
+from tests.connectors.test_canary_claim import _tier
 from tests.connectors.test_scheduler_side import BS, CHUNK, make_side, request, schedule_new
 
 pytestmark = pytest.mark.integration
@@ -264,20 +265,6 @@ def test_a_checking_engine_does_not_keep_the_generation_alive(
         plan = store_admin.plan_gc(store_admin.usage(tier, None),
                                    dead_after_s=manifest.STALE_S, max_bytes=None)  # fmt: skip
         assert [d.generation.id for d in plan.deleted] == [gen]
-
-
-@pytest.fixture(params=["file", "s3", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore[no-untyped-def]
-    if request.param == "file":
-        return f"file://{tmp_path}/kv"
-    if request.param == "s3":
-        return str(request.getfixturevalue("s3_bucket").url)
-    request.getfixturevalue("redis_server").flush()
-    return str(request.getfixturevalue("redis_url"))
-
-
-def _tier(url: str) -> ObjectTier:
-    return open_tier(load_config({"remote_url": url}, environ={}))
 
 
 def test_engines_reclaiming_at_once_give_one_writer(url: str) -> None:
