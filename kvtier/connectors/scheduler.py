@@ -125,9 +125,8 @@ class SchedulerSide:
         #: what more (or less) memory would serve (kvtier.host.ghosts), fed by the index
         self.ghosts: GhostTiers | None = None
         if cfg.whatif:
-            self.ghosts = GhostTiers(
-                num_slots, self.index.get, self.stats, write_back_needed=self.write_back.needed
-            )
+            # applied on their own thread, woken once a step (kvtier.host.ghosts)
+            self.ghosts = GhostTiers(num_slots, self.index.get, self.stats, background=True)
             self.index.ghosts = self.ghosts
         self.remote_source = (
             CacheHitSource.DISK
@@ -456,6 +455,8 @@ class SchedulerSide:
         if self.index.evictions != self._last_evictions:
             self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
             self._last_evictions = self.index.evictions
+        if self.ghosts is not None:
+            self.ghosts.kick()  # their step's events, applied while the model runs
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -504,6 +505,8 @@ class SchedulerSide:
         if self._sync_lookup_s:
             delays, self._sync_lookup_s = self._sync_lookup_s, []
             self.stats.observe_many(metrics.LOOKUP_DELAY, delays, ("sync",))
+        if self.ghosts is not None:
+            self.ghosts.drain()  # what the thread has not applied yet: counts never lag
         return self.stats.take()
 
     def reset_cache(self) -> bool:
@@ -550,7 +553,10 @@ class SchedulerSide:
         return dropped
 
     def shutdown(self) -> None:
-        pass  # the scheduler holds no connection: the workers own the object tier
+        # the scheduler holds no connection (the workers own the object tier): only the
+        # ghosts' thread
+        if self.ghosts is not None:
+            self.ghosts.close()
 
     # ---- helpers ----------------------------------------------------------------------
     def _state(self, request: Request) -> RequestState:

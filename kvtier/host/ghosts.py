@@ -1,42 +1,56 @@
 """Ghost host tiers: what a host tier of 0.5x to 8x today's slots would have served.
 
-Each :class:`Ghost` holds chunk keys only (no bytes) in LRU order, with the capacity of
-the real :class:`~kvtier.host.index.ChunkIndex` times its scale. The index itself feeds
-them (``ChunkIndex.ghosts``): every begin, commit, pin, touch, drop, explicit eviction,
-clear and supersede the real tier sees reaches each ghost as it happens, so every path
-that changes the host tier (stores, fetches, loads, write-back, resets) is covered.
+Scale 1 is the real tier itself: :meth:`GhostTiers.lookup` counts, from the real
+:class:`~kvtier.host.index.ChunkIndex` as the lookup happens, the host-tier tokens it
+holds ready (so ``scale="1"`` equals ``hit_tokens{tier="host"}``). The other scales are
+modelled by :class:`StackLRU`: one recency order of chunk fingerprints that every ghost
+shares, each ghost holding the ``capacity`` most recently used keys of it (an LRU cache
+fed the same chunks as the real tier: Mattson's stack property, which makes one table
+enough for every size). A key is an 8-byte fingerprint (the chunk key's hash), kept in
+two flat arrays, so a chunk costs the same whatever the key's length and however many
+ghosts hold it (``bench/ghost_cost.py`` measures it; the README states it).
 
-A ghost evicts by the real tier's policy: the least recently used *idle* ready chunk.
-A chunk the real tier holds busy (being stored or fetched, pinned by a load, held by an
-upload) is passed over; with write-back, a chunk the real tier would have to upload
-first is not evicted but turns *evicting* in the ghost (no hit, slot taken) until the
-real tier lets go of it, one per slot asked for, as the real tier does. Slots held by
-fetches a store superseded count against the ghost too. At scale 1 the ghost therefore
-holds exactly the real tier's chunks. Where a ghost differs from the real tier the model
-is an approximation, and these are its choices:
+The index's hooks (:class:`~kvtier.host.index.IndexGhosts`) only append the event to a
+queue, and lookups append theirs: the scheduler step pays one ``append`` per stored
+chunk. The queue is applied in order on a background thread, which the scheduler wakes
+once per step (:meth:`GhostTiers.kick`, as the step's metadata goes to the workers, so
+it runs while the engine waits for the model), and before the scheduler's stats are
+taken (:meth:`GhostTiers.drain`), so ``/metrics`` never lags a step. The order of
+events is kept, so what is counted does not depend on when the thread runs.
 
-- a chunk only a ghost holds is idle and already uploaded (write-back never pins it);
-- a store or fetch the real tier skipped for want of a slot, but a ghost had room for,
-  turns ready in the ghost at once (a larger tier would have stored it a step later);
-- a chunk a ghost began to write back, but the real tier kept, stays evicting in the
-  ghost until the real tier uploads it (``WriteBack.clean_oldest``) or drops it.
+Where the real tier is not plain LRU, the model chooses, and these are its
+approximations (each is exact when nothing is busy when an eviction picks its victim):
 
-The ghost of the real tier's own size (scale 1) is not kept: it would hold exactly the
-real tier's chunks, so :class:`RealTier` reads the index instead (the tests run the
-modelled one beside the index and check they agree). Cost, measured in
-``docs/performance.md``: an ``OrderedDict`` entry per chunk each other ghost holds, and a
-few dict operations per ghost and stored chunk, done inline in :class:`GhostTiers`' hooks.
+- every chunk the real tier stores, fetches, pins or touches becomes the most recent in
+  every ghost, as in an LRU cache of that size fed the same chunks: a ghost that did not
+  hold a chunk the real tier hit (a smaller one) takes it in, as a tier of that size
+  would have when it recomputed and stored it;
+- a ghost evicts its least recently used chunk, busy or not: it does not pass over
+  chunks being stored, pinned by a load, or waiting for their write-back as the real
+  tier does (those are young or few);
+- a chunk being stored or fetched is no hit until it settles, except in the ghosts that
+  held it ready when the real tier began it; one that fails leaves every ghost (a
+  larger one that held it before too: failures are rare); a store the real tier
+  skipped for want of a slot is ready in the ghosts at once (a larger tier would have
+  stored it);
+- an explicit eviction or a reset (``reset_prefix_cache``) empties the chunk, or every
+  chunk, from every ghost at once.
 
 A chunk fetched from the object tier is a ghost hit too but counts as the object tier's
-(as the real tier counts ``hit_tokens{tier="remote"}``): :meth:`GhostTiers.lookup` adds
-only the chunks the ghost filled by a store, so scale 1 equals ``hit_tokens{tier="host"}``.
+(as the real tier counts ``hit_tokens{tier="remote"}``): only chunks filled by a store
+count as the host tier's.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+import re
+import threading
+import weakref
+from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier import metrics
 from kvtier.host.index import Entry, State
@@ -44,346 +58,318 @@ from kvtier.host.index import Entry, State
 if TYPE_CHECKING:
     from kvtier.stats import StatsRecorder
 
+log = logging.getLogger(__name__)
+
 #: the ghost tiers' sizes, as multiples of the real tier's slots (the ``scale`` label)
 SCALES: tuple[str, ...] = metrics.WHATIF_SCALES
 
-# a ghost entry's flags (a small int: CPython shares these objects, an entry costs none)
-_PENDING = 1  # being stored or fetched: no hit yet, slot taken
-_EVICTING = 2  # leaving (write-back, reset, failed store still held): no hit, slot taken
+# a log position's byte: 0 is a dead position (the key moved on or left)
+_READY = 1
+_PENDING = 2  # being stored or fetched: a slot taken, no hit yet
 _FETCHED = 4  # filled by a fetch from the object tier: a hit of that tier, not the host's
-_BUSY = _PENDING | _EVICTING
+_LIVE = re.compile(b"[^\x00]")
 
 
-class Ghost:
-    """One what-if host tier: ``capacity`` slots of chunk keys, LRU order, flags each."""
+def fingerprint(key: bytes) -> int:
+    """A chunk key's 8-byte fingerprint: its hash (cached in the bytes object, so free).
+    Two keys sharing one (one in 2**64 a pair) would share a ghost entry: a what-if count
+    off by a chunk, never KV served."""
+    return hash(key) or 1  # 0 marks an empty table slot
 
-    def __init__(
-        self,
-        capacity: int,
-        real: Callable[[bytes], Entry | None],
-        write_back_needed: Callable[[Entry], bool] | None = None,
-    ) -> None:
-        self.capacity = max(1, capacity)
-        self._real = real
-        self._write_back_needed = write_back_needed
-        #: key -> flags, least recently used first
-        self._lru: OrderedDict[bytes, int] = OrderedDict()
-        #: keys the ghost holds evicting (released when the real tier lets go)
-        self._evicting: set[bytes] = set()
-        #: real slots held by superseded fetches that count against this ghost too
-        self._superseded: set[int] = set()
+
+class FingerprintTable:
+    """Fingerprint -> log position, open addressing (linear probing, backward-shift
+    deletion) in two flat arrays: 12 bytes a table slot, at most 70 % of them used."""
+
+    def __init__(self, max_keys: int) -> None:
+        size = 16
+        while size * 7 < max_keys * 10:
+            size *= 2
+        self._init(size)
+
+    def _init(self, size: int) -> None:
+        self.mask = size - 1
+        self.fps = array("q", bytes(8 * size))
+        self.pos = array("i", bytes(4 * size))
+        self.count = 0
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self.count
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._lru
+    def find(self, fp: int) -> int:
+        """The slot holding ``fp``, or -1."""
+        fps, mask = self.fps, self.mask
+        i = fp & mask
+        while True:
+            f = fps[i]
+            if f == fp:
+                return i
+            if not f:
+                return -1
+            i = (i + 1) & mask
 
-    def ready_keys(self) -> set[bytes]:
-        """The keys that are hits in this ghost (tests)."""
-        return {k for k, f in self._lru.items() if not f & _BUSY}
+    def add(self, fp: int, pos: int) -> int:
+        """Put ``fp`` (not present) at ``pos``; returns its slot."""
+        if (self.count + 1) * 10 > (self.mask + 1) * 7:
+            self._grow()
+        fps, mask = self.fps, self.mask
+        i = fp & mask
+        while fps[i]:
+            i = (i + 1) & mask
+        fps[i] = fp
+        self.pos[i] = pos
+        self.count += 1
+        return i
 
-    @property
-    def used(self) -> int:
-        return len(self._lru) + len(self._superseded)
+    def remove(self, slot: int) -> None:
+        """Empty ``slot``, moving back the keys after it that probed past it."""
+        fps, pos, mask = self.fps, self.pos, self.mask
+        i = slot
+        j = i
+        while True:
+            j = (j + 1) & mask
+            f = fps[j]
+            if not f:
+                break
+            home = f & mask
+            # move f to i unless its home lies cyclically in (i, j]
+            if (i < j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                fps[i] = f
+                pos[i] = pos[j]
+                i = j
+        fps[i] = 0
+        self.count -= 1
 
-    # ---- the real tier's events ----------------------------------------------------------
-    def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None:
-        """The real tier claims a slot for ``key`` (before it evicts anything itself)."""
-        flags = self._lru.get(key)
-        if flags is not None:
-            if not flags & _BUSY:
-                self._lru.move_to_end(key)  # still held here: a larger tier kept it
-                return
-            self._remove(key)  # a stale evicting entry the real tier no longer holds
-        if self._take_slot(evict_ok):
-            self._lru[key] = _PENDING | (_FETCHED if fetched else 0)
+    def _grow(self) -> None:
+        fps, pos = self.fps, self.pos
+        self._init(2 * (self.mask + 1))
+        for i, f in enumerate(fps):
+            if f:
+                self.add(f, pos[i])
 
-    def begun(self, key: bytes, ok: bool) -> None:
-        """After the real claim: one the real tier skipped (no slot) that this ghost had
-        room for turns ready here (a larger tier would have stored it)."""
-        if not ok:
-            flags = self._lru.get(key)
-            if flags is not None and flags & _PENDING:
-                self._lru[key] = flags & _FETCHED
+    def memory_bytes(self) -> int:
+        return len(self.fps) * self.fps.itemsize + len(self.pos) * self.pos.itemsize
 
-    def commit(self, key: bytes, ok: bool, still_held: bool) -> None:
-        """A store or fetch of ``key`` settled in the real tier."""
-        flags = self._lru.get(key)
-        if flags is None:
+
+class StackLRU:
+    """LRU caches of several capacities over one recency order (the ghosts' keys).
+
+    ``log`` holds a fingerprint per use, oldest first, and ``flags`` a byte per log
+    position (0: dead, the key was used again later or left). Ghost ``g`` holds exactly
+    the live positions from ``start[g]`` on, ``held[g]`` of them, at most ``caps[g]``: a
+    use appends, and each ghost over its capacity moves its start past its oldest live
+    position. The largest ghost's evictions leave the table. The log is compacted when
+    half of it is dead."""
+
+    def __init__(self, caps: Sequence[int]) -> None:
+        if list(caps) != sorted(caps):
+            raise ValueError("ghost capacities must be ascending")
+        self.caps = [max(1, c) for c in caps]
+        self.clear()
+
+    def clear(self) -> None:
+        """Every ghost empty."""
+        self.table = FingerprintTable(self.caps[-1] + 1)
+        self.log = array("q")
+        self.flags = bytearray()
+        self.start = [0] * len(self.caps)
+        self.held = [0] * len(self.caps)
+
+    def __len__(self) -> int:
+        """Keys held by the largest ghost (the table's)."""
+        return len(self.table)
+
+    def position(self, fp: int) -> int:
+        """The key's live log position, or -1 when no ghost holds it."""
+        slot = self.table.find(fp)
+        return -1 if slot < 0 else self.table.pos[slot]
+
+    def holds(self, pos: int) -> list[bool]:
+        """Whether each ghost holds the key at live position ``pos``."""
+        return [pos >= s for s in self.start]
+
+    def keys(self, g: int) -> list[tuple[int, int]]:
+        """Ghost ``g``'s keys and flags, least recently used first (tests)."""
+        return [(self.log[m.start()], m[0][0]) for m in _LIVE.finditer(self.flags, self.start[g])]
+
+    def use(self, fp: int, flags: int) -> None:
+        """``fp`` is the most recently used key of every ghost now, with ``flags``."""
+        table = self.table
+        slot = table.find(fp)
+        new = len(self.log)
+        start, held = self.start, self.held
+        if slot >= 0:
+            old = table.pos[slot]
+            self.flags[old] = 0
+            table.pos[slot] = new
+            for g, s in enumerate(start):
+                if old < s:
+                    held[g] += 1
+        else:
+            table.add(fp, new)
+            for g in range(len(held)):
+                held[g] += 1
+        self.log.append(fp)
+        self.flags.append(flags)
+        self._evict_over()
+        if len(self.log) > 2 * len(table) + 4096:
+            self._compact()
+
+    def set_flags(self, fp: int, flags: int) -> None:
+        pos = self.position(fp)
+        if pos >= 0:
+            self.flags[pos] = flags
+
+    def remove(self, fp: int) -> None:
+        """No ghost holds ``fp`` any more."""
+        slot = self.table.find(fp)
+        if slot < 0:
             return
-        if ok:
-            if flags & _BUSY:
-                self._evicting.discard(key)
-                self._lru[key] = flags & _FETCHED
-            self._lru.move_to_end(key)
-        elif flags & _PENDING:
-            if still_held:  # freed when its last holder lets go (``dropped``)
-                self._mark_evicting(key)
-            else:
-                self._remove(key)
+        pos = self.table.pos[slot]
+        self.flags[pos] = 0
+        for g, s in enumerate(self.start):
+            if pos >= s:
+                self.held[g] -= 1
+        self.table.remove(slot)
 
-    def touch(self, key: bytes) -> None:
-        if key in self._lru:
-            self._lru.move_to_end(key)
+    def _evict_over(self) -> None:
+        flags, start, held, caps = self.flags, self.start, self.held, self.caps
+        last = len(caps) - 1
+        for g in range(last + 1):
+            while held[g] > caps[g]:
+                q = _LIVE.search(flags, start[g])
+                assert q is not None, "a ghost holds more keys than the log"
+                p = q.start()
+                start[g] = p + 1
+                held[g] -= 1
+                if g == last:  # out of the largest ghost: out of every ghost
+                    flags[p] = 0
+                    self.table.remove(self.table.find(self.log[p]))
 
-    def dropped(self, key: bytes) -> None:
-        """The real tier dropped ``key``. Its own LRU evictions are no concern of a ghost
-        (it evicts by itself), but a chunk leaving for any other reason is gone here too
-        once it is busy or evicting here (a failed store, a finished write-back)."""
-        flags = self._lru.get(key)
-        if flags is not None and flags & _BUSY:
-            self._remove(key)
+    def _compact(self) -> None:
+        """Drop the dead positions: every live key gets its new position."""
+        log, flags, table = self.log, self.flags, self.table
+        new_log = array("q")
+        new_flags = bytearray()
+        for m in _LIVE.finditer(flags):
+            p = m.start()
+            fp = log[p]
+            table.pos[table.find(fp)] = len(new_log)
+            new_log.append(fp)
+            new_flags.append(flags[p])
+        # a ghost's start: the live positions before it are out of that ghost
+        self.start = [s - flags.count(0, 0, s) for s in self.start]
+        self.log, self.flags = new_log, new_flags
 
-    def forget(self, key: bytes) -> None:
-        """An explicit eviction of ``key`` (the real tier's ``evict``)."""
-        if key in self._lru:
-            self._mark_evicting(key)
-
-    def clear(self, held: Callable[[bytes], bool]) -> None:
-        """The real tier was emptied: nothing stored before is a hit anywhere. A chunk the
-        real tier still holds (busy) keeps its slot here until it is dropped."""
-        keep = [k for k in self._lru if held(k)]
-        self._lru = OrderedDict.fromkeys(keep, _EVICTING)
-        self._evicting = set(keep)
-
-    def supersede(self, key: bytes, old_slot: int) -> None:
-        """A store of ``key`` supersedes its fetch: one more slot, the fetch's still held."""
-        if self._take_slot(True):
-            self._superseded.add(old_slot)
-
-    def superseded(self, key: bytes, old_slot: int, ok: bool) -> None:
-        """After the real supersede: the key is being stored (``ok``), or nothing changed."""
-        if not ok:
-            self._superseded.discard(old_slot)
-        elif key in self._lru:
-            self._evicting.discard(key)
-            self._lru[key] = _PENDING
-            self._lru.move_to_end(key)
-
-    def released(self, old_slot: int) -> None:
-        """The fetch a store superseded was reported: its slot is free."""
-        self._superseded.discard(old_slot)
-
-    # ---- lookups -------------------------------------------------------------------------
-    def ready_run(self, keys: Sequence[bytes], start: int, stop: int) -> tuple[int, list[bool]]:
-        """End of the run of ghost hits ``keys[start:stop]`` begins with, and whether each
-        of them was fetched (the object tier's hit)."""
-        get = self._lru.get
-        fetched: list[bool] = []
-        for i in range(start, stop):
-            flags = get(keys[i])
-            if flags is None or flags & _BUSY:
-                break
-            fetched.append(bool(flags & _FETCHED))
-        return start + len(fetched), fetched
-
-    # ---- internals -----------------------------------------------------------------------
-    def _remove(self, key: bytes) -> None:
-        del self._lru[key]
-        self._evicting.discard(key)
-
-    def _mark_evicting(self, key: bytes) -> None:
-        self._lru[key] = _EVICTING | (self._lru[key] & _FETCHED)
-        self._evicting.add(key)
-
-    def _take_slot(self, evict_ok: bool) -> bool:
-        """Room for one more chunk, by the real tier's policy (ChunkIndex._take_slot)."""
-        lru = self._lru
-        if len(lru) + len(self._superseded) < self.capacity:
-            return True
-        if not evict_ok:
-            return False
-        if self._evicting and self._release_evicting():
-            return True
-        real = self._real
-        needed = self._write_back_needed
-        ready = State.READY
-        began: bytes | None = None
-        victim: bytes | None = None
-        for key, flags in lru.items():
-            if flags & _BUSY:
-                continue
-            entry = real(key)
-            if entry is not None:
-                if entry.refs or entry.state is not ready:
-                    continue
-                if needed is not None and needed(entry):
-                    if began is None:
-                        began = key
-                    continue
-            victim = key
-            break
-        if began is not None:
-            self._mark_evicting(began)
-        if victim is None:
-            return False
-        del lru[victim]
-        return True
-
-    def _release_evicting(self) -> bool:
-        """Free one evicting chunk whose write-back the real tier no longer needs (it
-        uploaded or dropped it): only a ghost of another size than the real tier's holds
-        such a chunk (at scale 1 the real tier's drop releases it at once)."""
-        for key in self._evicting:
-            entry = self._real(key)
-            if entry is None or (
-                entry.state is State.READY
-                and not (self._write_back_needed is not None and self._write_back_needed(entry))
-            ):
-                self._remove(key)
-                return True
-        return False
+    def memory_bytes(self) -> int:
+        """What the ghosts keep: the table, the log and its flags (allocated)."""
+        return (
+            self.table.memory_bytes()
+            + self.log.buffer_info()[1] * self.log.itemsize
+            + len(self.flags)
+        )
 
 
-class RealTier:
-    """The scale-1 "ghost" when :class:`GhostTiers` mirrors the real tier: a ghost of
-    the real tier's own size holds exactly its chunks (``tests/kvtier/test_ghosts.py``
-    checks that model against the index), so this one reads the index instead of
-    keeping a copy: no memory and no work per hook."""
-
-    def __init__(self, capacity: int, real: Callable[[bytes], Entry | None]) -> None:
-        self.capacity = capacity
-        self._real = real
-
-    def ready_run(self, keys: Sequence[bytes], start: int, stop: int) -> tuple[int, list[bool]]:
-        """As :meth:`Ghost.ready_run`, from the real index's ready entries."""
-        real = self._real
-        ready = State.READY
-        fetched: list[bool] = []
-        for i in range(start, stop):
-            entry = real(keys[i])
-            if entry is None or entry.state is not ready:
-                break
-            fetched.append(entry.fetched)
-        return start + len(fetched), fetched
+# the queued events (the index's hooks and the lookups)
+_BEGIN, _BEGIN_FETCH, _SKIPPED, _COMMIT_OK, _COMMIT_FAILED, _TOUCH, _DROPPED = range(7)
+_FORGET, _CLEAR, _STORE_OVER_FETCH, _LOOKUP = range(7, 11)
 
 
 class GhostTiers:
-    """The ghosts of every scale in :data:`SCALES`, fed by one :class:`ChunkIndex`, and
-    the ``kvtier:whatif_hit_tokens`` they would have served (:meth:`lookup`).
-
-    The scale-1 ghost is the real tier itself (:class:`RealTier`) unless ``mirror`` is
-    False (tests: the modelled ghost, which must equal it). The hooks below run once per
-    chunk the real tier stores, pins or drops, inside the scheduler's step: each does the
-    common case (a dict probe or a move to the end per ghost) inline and calls into a
-    :class:`Ghost` only where that ghost must decide something (a slot, a busy chunk)."""
+    """The ghosts of every scale in :data:`SCALES`, fed by one :class:`ChunkIndex`
+    (it calls the hooks below), and the ``kvtier:whatif_hit_tokens`` they would have
+    served (:meth:`lookup`). With ``background`` (the scheduler's), a thread applies
+    the queued events; without, :meth:`drain` does (tests, benchmarks)."""
 
     def __init__(
         self,
         num_slots: int,
         real: Callable[[bytes], Entry | None],
         stats: StatsRecorder | None = None,
-        write_back_needed: Callable[[Entry], bool] | None = None,
         scales: Sequence[str] = SCALES,
         *,
+        background: bool = False,
         mirror: bool = True,
     ) -> None:
+        """``mirror=False`` models the real tier's own size too (tests compare it with
+        the index)."""
         self.num_slots = num_slots
         self.stats = stats
         self.scales = tuple(scales)
         self._real = real
-        self._write_back_needed = write_back_needed
-        ghosts: list[Ghost | RealTier] = []
-        for s in self.scales:
-            capacity = max(1, round(num_slots * float(s)))
-            if mirror and capacity == num_slots:
-                ghosts.append(RealTier(capacity, real))
-            else:
-                ghosts.append(Ghost(capacity, real, write_back_needed))
-        self.ghosts: tuple[Ghost | RealTier, ...] = tuple(ghosts)
-        #: the ghosts that keep keys of their own (every hook reaches these only)
-        self._own: tuple[Ghost, ...] = tuple(g for g in ghosts if isinstance(g, Ghost))
+        caps = [max(1, round(num_slots * float(s))) for s in self.scales]
+        #: the scales read from the real index (its own size), the others modelled
+        self._is_real = [mirror and c == num_slots for c in caps]
+        self._modelled = [i for i, r in enumerate(self._is_real) if not r]
+        order = sorted(self._modelled, key=lambda i: caps[i])
+        self.stack = StackLRU([caps[i] for i in order])
+        #: scale index -> its ghost in the stack
+        self._ghost_of = {i: g for g, i in enumerate(order)}
         self._labels = tuple(("host", s) for s in self.scales)
+        #: fingerprint -> the stack's ghosts (bits) that held it ready when it began
+        #: again, and whether it was fetched there: still a hit there while it is
+        #: being stored
+        self._hit_while_pending: dict[int, tuple[int, bool]] = {}
+        self._events: deque[tuple[Any, ...]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._broken = False
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=_apply_in_background, args=(weakref.ref(self), self._wake),
+                name="kvtier-whatif", daemon=True,
+            )  # fmt: skip
+            self._thread.start()
 
-    def ghost(self, scale: str) -> Ghost | RealTier:
-        return self.ghosts[self.scales.index(scale)]
+    def capacity(self, scale: str) -> int:
+        return max(1, round(self.num_slots * float(scale)))
 
-    # the index's hooks: each reaches every ghost that keeps keys
+    def ghost_keys(self, scale: str) -> list[tuple[int, bool]]:
+        """A modelled scale's keys (fingerprints), least recently used first, and
+        whether each is a hit there (tests; call :meth:`drain` first)."""
+        g = self._ghost_of[self.scales.index(scale)]
+        pending = self._hit_while_pending
+        return [
+            (fp, not f & _PENDING or bool(pending.get(fp, (0, False))[0] >> g & 1))
+            for fp, f in self.stack.keys(g)
+        ]
+
+    # ---- the index's hooks: one append each ----------------------------------------------
     def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None:
-        pending = _PENDING | (_FETCHED if fetched else 0)
-        real = self._real
-        needed = self._write_back_needed
-        ready = State.READY
-        for g in self._own:  # Ghost.begin, inline
-            lru = g._lru
-            flags = lru.get(key)
-            if flags is not None:
-                if not flags & _BUSY:
-                    lru.move_to_end(key)  # still held here: a larger tier kept it
-                    continue
-                g._remove(key)  # a stale evicting entry the real tier no longer holds
-            if len(lru) + len(g._superseded) < g.capacity:
-                lru[key] = pending
-                continue
-            if evict_ok and not g._evicting and lru:
-                # Ghost._take_slot's common case: its least recently used chunk can go
-                oldest, old_flags = lru.popitem(last=False)
-                if not old_flags & _BUSY:
-                    entry = real(oldest)
-                    if entry is None or (
-                        not entry.refs
-                        and entry.state is ready
-                        and (needed is None or not needed(entry))
-                    ):
-                        lru[key] = pending
-                        continue
-                lru[oldest] = old_flags  # put back where it was: the full policy decides
-                lru.move_to_end(oldest, last=False)
-            if g._take_slot(evict_ok):
-                lru[key] = pending
+        self._events.append((_BEGIN_FETCH if fetched else _BEGIN, key))
 
     def begun(self, key: bytes, ok: bool) -> None:
-        for g in self._own:
-            g.begun(key, ok)
+        if not ok:
+            self._events.append((_SKIPPED, key))
 
     def commit(self, key: bytes, ok: bool, still_held: bool) -> None:
-        if not ok:
-            for g in self._own:
-                g.commit(key, ok, still_held)
-            return
-        for g in self._own:
-            lru = g._lru
-            flags = lru.get(key)
-            if flags is None:
-                continue
-            if flags & _BUSY:
-                g._evicting.discard(key)
-                lru[key] = flags & _FETCHED
-            lru.move_to_end(key)
+        self._events.append((_COMMIT_OK if ok else _COMMIT_FAILED, key))
 
     def touch(self, key: bytes) -> None:
-        for g in self._own:
-            lru = g._lru
-            if key in lru:
-                lru.move_to_end(key)
+        self._events.append((_TOUCH, key))
 
     def dropped(self, key: bytes) -> None:
-        for g in self._own:
-            flags = g._lru.get(key)
-            if flags is not None and flags & _BUSY:
-                g._remove(key)
+        self._events.append((_DROPPED, key))
 
     def forget(self, key: bytes) -> None:
-        for g in self._own:
-            g.forget(key)
+        self._events.append((_FORGET, key))
 
     def clear(self, held: Callable[[bytes], bool]) -> None:
-        for g in self._own:
-            g.clear(held)
+        self._events.append((_CLEAR, b""))
 
     def supersede(self, key: bytes, old_slot: int) -> None:
-        for g in self._own:
-            g.supersede(key, old_slot)
+        pass  # the fetch's slot it keeps is not modelled
 
     def superseded(self, key: bytes, old_slot: int, ok: bool) -> None:
-        for g in self._own:
-            g.superseded(key, old_slot, ok)
+        if ok:
+            self._events.append((_STORE_OVER_FETCH, key))
 
     def released(self, old_slot: int) -> None:
-        for g in self._own:
-            g.released(old_slot)
+        pass
 
+    # ---- lookups -----------------------------------------------------------------------
     def lookup(
         self,
         keys: Sequence[bytes],
@@ -393,23 +379,163 @@ class GhostTiers:
         chunk_size: int,
         computed: int,
         cap: int,
-    ) -> list[int]:
-        """One lookup: the host-tier tokens each ghost would have served of the prompt
-        tokens ``computed..cap`` (chunks ``first..stop`` of ``keys``), as the real tier
-        counts its own loads (tokens of stored chunks; fetched ones are the object tier's).
-        Each ghost's count goes to ``kvtier:whatif_hit_tokens``; returned for tests."""
+    ) -> None:
+        """One lookup of the prompt tokens ``computed..cap`` (chunks ``first..stop`` of
+        ``keys``): scale 1 is counted now, from the real index; the other scales when
+        the queue is applied (their counts go to ``kvtier:whatif_hit_tokens``)."""
+        real = self._real
+        ready = State.READY
+        fetched: list[bool] = []
+        for i in range(first, stop):
+            entry = real(keys[i])
+            if entry is None or entry.state is not ready:
+                break
+            fetched.append(entry.fetched)
+        tokens = _host_tokens(fetched, first, chunk_size, computed, cap)
+        for i, is_real in enumerate(self._is_real):
+            if is_real and self.stats is not None and tokens:
+                self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
+        self._events.append((_LOOKUP, keys[first:stop], first, chunk_size, computed, cap, tokens))
+
+    # ---- applying the queue --------------------------------------------------------------
+    def kick(self) -> None:
+        """Wake the thread (once per scheduler step)."""
+        self._wake.set()
+
+    def drain(self) -> list[list[int]]:
+        """Apply every queued event, in order; returns each lookup's tokens per scale
+        (in :data:`SCALES` order)."""
+        counts: list[list[int]] = []
+        with self._lock:
+            events = self._events
+            while events:
+                ev = events.popleft()
+                if self._broken:
+                    continue
+                try:
+                    if ev[0] == _LOOKUP:
+                        counts.append(self._count(*ev[1:]))
+                    else:
+                        self._apply(ev[0], ev[1])
+                except Exception:  # a what-if count must never fail a request
+                    self._broken = True
+                    log.exception("kvtier: the what-if ghost tiers stopped counting")
+        return counts
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _apply(self, op: int, key: bytes) -> None:
+        stack = self.stack
+        if op == _CLEAR:
+            stack.clear()
+            self._hit_while_pending.clear()
+            return
+        fp = fingerprint(key)
+        pending = self._hit_while_pending
+        if op == _BEGIN or op == _BEGIN_FETCH or op == _STORE_OVER_FETCH:
+            # the ghosts that hold it ready keep it as it was (a hit, fetched or not)
+            # until it settles; in the others it is a new chunk, no hit yet
+            pos = stack.position(fp)
+            held = None
+            if pos >= 0 and op != _STORE_OVER_FETCH:
+                flags = stack.flags[pos]
+                if flags & _PENDING:
+                    held = pending.get(fp)
+                else:
+                    mask = 0
+                    for g, s in enumerate(stack.start):
+                        if pos >= s:
+                            mask |= 1 << g
+                    held = (mask, bool(flags & _FETCHED))
+            if held is None:
+                pending.pop(fp, None)
+            else:
+                pending[fp] = held
+            stack.use(fp, _PENDING | (_FETCHED if op == _BEGIN_FETCH else 0))
+            return
+        pos = stack.position(fp)
+        if pos < 0:
+            return
+        flags = stack.flags[pos]
+        if op == _TOUCH:
+            stack.use(fp, flags)
+        elif op == _COMMIT_OK:
+            pending.pop(fp, None)
+            stack.use(fp, (flags & _FETCHED) | _READY)
+        elif op == _SKIPPED:
+            if flags & _PENDING:
+                pending.pop(fp, None)
+                stack.flags[pos] = (flags & _FETCHED) | _READY
+        elif op == _COMMIT_FAILED or op == _DROPPED:
+            if flags & _PENDING:
+                pending.pop(fp, None)
+                stack.remove(fp)
+        elif op == _FORGET:
+            pending.pop(fp, None)
+            stack.remove(fp)
+
+    def _count(
+        self, keys: list[bytes], first: int, chunk_size: int, computed: int, cap: int,
+        real_tokens: int,
+    ) -> list[int]:  # fmt: skip
+        stack = self.stack
+        start = stack.start
+        n = len(start)
+        pending = self._hit_while_pending
+        runs: list[list[bool]] = [[] for _ in range(n)]  # each ghost's run: fetched or not
+        alive = list(range(n))
+        for key in keys:
+            fp = fingerprint(key)
+            pos = stack.position(fp)
+            flags = stack.flags[pos] if pos >= 0 else 0
+            fetched = bool(flags & _FETCHED)
+            mask = -1
+            if flags & _PENDING:
+                mask, fetched = pending.get(fp, (0, False))
+            still = []
+            for g in alive:
+                if pos >= start[g] and mask >> g & 1:
+                    runs[g].append(fetched)
+                    still.append(g)
+            alive = still
+            if not alive:
+                break
         out: list[int] = []
-        for g, labels in zip(self.ghosts, self._labels, strict=True):
-            end, fetched = g.ready_run(keys, first, stop)
-            limit = min(end * chunk_size, cap)
-            tokens = 0
-            for i, was_fetched in enumerate(fetched):
-                if not was_fetched:
-                    c = first + i
-                    tokens += max(
-                        0, min(limit, (c + 1) * chunk_size) - max(computed, c * chunk_size)
-                    )
+        for i in range(len(self.scales)):
+            if self._is_real[i]:
+                tokens = real_tokens
+            else:
+                tokens = _host_tokens(runs[self._ghost_of[i]], first, chunk_size, computed, cap)
+                if self.stats is not None and tokens:
+                    self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
             out.append(tokens)
-            if self.stats is not None and tokens:
-                self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, labels)
         return out
+
+
+def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) -> None:
+    """The ghosts' thread: applies the queue when woken (or every half second), and
+    ends with them (``close``, or once nothing else refers to them)."""
+    while True:
+        wake.wait(0.5)
+        wake.clear()
+        ghosts = ref()
+        if ghosts is None or ghosts._closed:
+            return
+        ghosts.drain()
+        del ghosts
+
+
+def _host_tokens(fetched: list[bool], first: int, chunk_size: int, computed: int, cap: int) -> int:
+    """Tokens of ``computed..cap`` in the run of chunks from ``first`` (``fetched[i]``
+    for chunk ``first + i``) that the host tier serves: its stored chunks, not fetched."""
+    limit = min((first + len(fetched)) * chunk_size, cap)
+    tokens = 0
+    for i, was_fetched in enumerate(fetched):
+        if not was_fetched:
+            c = first + i
+            tokens += max(0, min(limit, (c + 1) * chunk_size) - max(computed, c * chunk_size))
+    return tokens

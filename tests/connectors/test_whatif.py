@@ -23,6 +23,8 @@ from tests.connectors.test_scheduler_side import (
 
 
 def whatif(side: SchedulerSide) -> dict[str, int]:
+    if side.ghosts is not None:
+        side.ghosts.drain()  # what their thread has not applied yet
     return {
         s: side.totals[total_name(metrics.WHATIF_HIT_TOKENS, ("host", s))]
         for s in metrics.WHATIF_SCALES
