@@ -50,7 +50,7 @@ def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[di
     hashes = chunk_last_hashes(probe)
     half = len(hashes) // 2
     out = []
-    for variant in [v for v in plan.variants if v != "vllm"]:
+    for variant in [v for v in plan.variants if v in ("kvtier", "offloading")]:
         sched = make_scheduler(variant, n_index, 16, 4096)
         conn = sched.connector
         fill = prefill_kvtier if variant == "kvtier" else prefill_offloading
@@ -204,7 +204,7 @@ def index_memory(plan: Plan, n: int) -> list[dict[str, Any]]:
     from vllm.utils.gc_utils import freeze_gc_heap
 
     out = []
-    for variant in [v for v in plan.variants if v != "vllm"]:
+    for variant in [v for v in plan.variants if v in ("kvtier", "offloading")]:
         fill = prefill_kvtier if variant == "kvtier" else prefill_offloading
         sched = make_scheduler(variant, n, 16, 4096)
         # as vLLM's engine core does once its scheduler (and so the connector) is built:

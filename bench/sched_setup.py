@@ -38,6 +38,8 @@ class Plan:
     lookup_samples: int
     variants: tuple[str, ...]
     seed: int = 0
+    #: the model's forward pass, between schedule() and update_from_output() (not timed)
+    forward_s: float = 0.0
 
 
 def plan_for(args: argparse.Namespace) -> Plan:
@@ -53,6 +55,9 @@ def plan_for(args: argparse.Namespace) -> Plan:
         plan.decode_steps = plan.prefill_steps = args.steps
     if args.no_offloading:
         plan.variants = ("vllm", "kvtier")
+    if args.whatif_off:
+        plan.variants += ("kvtier-whatif-off",)
+    plan.forward_s = args.forward_ms / 1000
     plan.seed = args.seed
     return plan
 
@@ -95,7 +100,7 @@ def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: i
     align = 4096
     chunk_bytes = -(-spec.page_size_bytes * (CHUNK // BLOCK) // align) * align
     ktc = None
-    if variant == "kvtier":
+    if variant.startswith("kvtier"):
         ktc = KVTransferConfig(
             kv_connector="KVTierConnector",
             kv_connector_module_path="kvtier.connectors.vllm",
@@ -103,6 +108,8 @@ def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: i
             kv_connector_extra_config={
                 "cpu_bytes": index_chunks * chunk_bytes, "cpu_headroom_bytes": 0,
                 "chunk_size": CHUNK,
+                # the what-if ghosts off: their cost is this variant's difference to "kvtier"
+                **({"whatif": False} if variant == "kvtier-whatif-off" else {}),
                 # no weights to fingerprint in the bench's model directory: name them
                 **({"remote_url": remote_url, "model_fingerprint": "bench"}
                    if remote_url else {}),
@@ -214,7 +221,7 @@ def prefill_offloading(sched: Any, n: int, rng: random.Random,
 
 
 def index_len(variant: str, sched: Any) -> int | None:
-    if variant == "kvtier":
+    if variant.startswith("kvtier"):
         return len(kvtier_side(sched).index)
     if variant == "offloading":
         chunks = getattr(sched.connector.connector_scheduler.manager._policy, "chunks", None)
@@ -233,7 +240,7 @@ def worker_output(variant: str, so: Any) -> Any:
     from vllm.v1.outputs import KVConnectorOutput
 
     meta = so.kv_connector_metadata
-    if variant == "kvtier":
+    if variant.startswith("kvtier"):
         from kvtier.connectors.metadata import KVTierWorkerMeta
 
         fetches = [op for run in meta.fetches for op in run]

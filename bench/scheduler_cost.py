@@ -103,8 +103,12 @@ class StepLog:
     loads: int = 0
 
 
-def step(variant: str, sched: Any, log: StepLog | None, prof: Any = None) -> tuple[Any, bool]:
-    """One engine step: schedule, model output, update. Times the two scheduler calls."""
+def step(
+    variant: str, sched: Any, log: StepLog | None, prof: Any = None, forward_s: float = 0.0
+) -> tuple[Any, bool]:
+    """One engine step: schedule, model output, update. Times the two scheduler calls;
+    ``forward_s`` stands for the model's forward pass between them (a sleep: the GIL is
+    free, as while vLLM's engine waits for its workers)."""
     if prof is not None:
         prof.enable()
     t0 = time.perf_counter()
@@ -112,6 +116,8 @@ def step(variant: str, sched: Any, log: StepLog | None, prof: Any = None) -> tup
     t1 = time.perf_counter()
     if prof is not None:
         prof.disable()
+    if forward_s:
+        time.sleep(forward_s)
     mro = model_output(sched, so, variant)
     crossed = completes_chunk(so, sched)
     if prof is not None:
@@ -126,7 +132,7 @@ def step(variant: str, sched: Any, log: StepLog | None, prof: Any = None) -> tup
         meta = so.kv_connector_metadata
         if meta is not None:
             log.meta_bytes.append(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
-            if variant == "kvtier":
+            if variant.startswith("kvtier"):
                 log.stores += len(meta.stores)
                 log.loads += len(meta.loads)
             else:
@@ -145,7 +151,7 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
     scheds = {v: make_scheduler(v, n_index, running + 8, num_blocks) for v in plan.variants}
     fill_rng = random.Random(f"fill-{plan.seed}-{n_index}")
     for v, s in scheds.items():
-        if v == "kvtier":
+        if v.startswith("kvtier"):
             prefill_kvtier(s, n_index, random.Random(fill_rng.random()))
         elif v == "offloading":
             prefill_offloading(s, n_index, random.Random(fill_rng.random()))
@@ -189,7 +195,7 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
             crossed_any, shapes = [], set()
             for v in order:
                 p = prof if v == profile_variant else None
-                so, crossed = step(v, scheds[v], logs[v], p)
+                so, crossed = step(v, scheds[v], logs[v], p, plan.forward_s)
                 crossed_any.append(crossed)
                 shapes.add((so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)))
             if len(shapes) != 1:
@@ -232,6 +238,18 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
     return records, prof
 
 
+def whatif_cost_table(steps: list[dict[str, Any]]) -> str:
+    """The what-if ghosts' cost per step: kvtier's step with them over without (same
+    lockstep, same requests), median step times in µs."""
+    lines = ["", "what-if ghosts (whatif: true vs false, median step, same lockstep):",
+             f"{'running':>8} {'chunks':>10} {'phase':>8} {'off µs':>9} {'on µs':>9} {'on/off':>7}"]
+    for r in steps:
+        on, off = r["kvtier_step_us"], r["kvtier-whatif-off_step_us"]
+        lines.append(f"{r['running_requests']:>8} {r['index_chunks']:>10,} {r['phase']:>8} "
+                     f"{off:>9.1f} {on:>9.1f} {on / off:>7.3f}")
+    return "\n".join(lines)
+
+
 def profile_report(prof: Any, top: int) -> list[dict[str, Any]]:
     """kvtier's functions (connector facade, scheduler side, index, keys) by own time."""
     import pstats
@@ -272,6 +290,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="measured steps per phase (default 60, quick 10)")
     p.add_argument("--no-offloading", action="store_true",
                    help="leave vLLM's OffloadingConnector out")
+    p.add_argument("--whatif-off", action="store_true",
+                   help="also run kvtier with whatif: false in the same lockstep (the "
+                   "kvtier-whatif-off columns): the what-if ghosts' cost is the difference")
+    p.add_argument("--forward-ms", type=float, default=0.0,
+                   help="a model forward pass between schedule() and update_from_output() "
+                   "(a sleep, not timed; default 0): threads such as the what-if ghosts' "
+                   "run then, as in a real engine")
     p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"),
                    help="JSON results file (default: bench/results/scheduler.json)")
     p.add_argument("--plot", metavar="PNG", help="write a plot of the curves to this PNG")
@@ -330,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     cases = [(r, n) for n in plan.index_sizes for r in plan.running]
-    n_lookup = len(plan.index_sizes) * 3 * (len(plan.variants) - 1)
+    probed = [v for v in plan.variants if v in ("kvtier", "offloading")]
+    n_lookup = len(plan.index_sizes) * 3 * len(probed)
     total = len(cases) * (plan.decode_steps + plan.prefill_steps) + n_lookup
     result: dict[str, Any] = {
         "benchmark": "scheduler_cost",
@@ -367,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(scheduler_table(result))
+    if "kvtier-whatif-off" in plan.variants:
+        print(whatif_cost_table(result["steps"]))
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     if args.plot:
         scheduler_plot(result, args.plot)

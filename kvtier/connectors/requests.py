@@ -55,7 +55,11 @@ logger = logging.getLogger("kvtier.scheduler")
 #: why a request's chunks (all of them or those from a point on) stay in the host tier;
 #: the scheduler side counts requests per reason (``host_only_<reason>``)
 HOST_ONLY_REASONS = (
-    "multimodal", "lora_unreadable", "lora_pending", "lora_changed", "mixed_embeds",
+    "multimodal",
+    "lora_unreadable",
+    "lora_pending",
+    "lora_changed",
+    "mixed_embeds",
 )
 #: every chunk of the request may be shared
 ALL_CHUNKS = sys.maxsize
@@ -104,6 +108,10 @@ class RequestState:
     shared_chunks: int = ALL_CHUNKS
     #: why ``shared_chunks`` is not ALL_CHUNKS (one of HOST_ONLY_REASONS), else None
     host_only: str | None = None
+    #: what the host tier's ghosts held of this prompt as its lookup began, and in which
+    #: step (kvtier.host.ghosts: GhostTiers.peek)
+    ghost_peek: list[list[bool]] | None = None
+    ghost_peek_step: int = -1
 
 
 def loadable_chunks(st: RequestState, cap: int, chunk_size: int) -> int:
@@ -240,7 +248,8 @@ class AdapterFingerprints:
                 logger.warning(
                     "kvtier: the LoRA adapter at %s changed while this engine runs: its "
                     "chunks stay in the host tier until the engine restarts (write a new "
-                    "adapter to a new path instead of over an old one)", local,
+                    "adapter to a new path instead of over an old one)",
+                    local,
                 )
             return AdapterVersion(local_tag, False, "lora_changed")
         if not self.remote:

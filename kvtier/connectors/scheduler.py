@@ -197,9 +197,15 @@ class SchedulerSide:
                 shape, chunk_size=self.chunk_size, num_slots=num_slots, stored=self.groups,
             ))  # fmt: skip
         for g in self.groups:
-            logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
-                        "of a chunk stored", g.kind, g.window, len(g.layers), g.blocks,
-                        self.blocks_per_chunk)
+            logger.info(
+                "kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
+                "of a chunk stored",
+                g.kind,
+                g.window,
+                len(g.layers),
+                g.blocks,
+                self.blocks_per_chunk,
+            )
         logger.info(
             "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
             num_slots,
@@ -218,8 +224,9 @@ class SchedulerSide:
         self.write_back.enabled = self._write_back and trusted
         if state is Trust.REFUSED:
             dropped = self.index.clear()
-            logger.error("kvtier: host tier emptied (%d chunks dropped) after a canary "
-                         "mismatch", dropped)
+            logger.error(
+                "kvtier: host tier emptied (%d chunks dropped) after a canary mismatch", dropped
+            )
             self._new_identity(fork=True)  # carries on under a generation of its own
 
     def attach_events(self, events: ChunkEvents) -> None:
@@ -288,6 +295,10 @@ class SchedulerSide:
         self.keys.refresh(st)
         cap = self._max_loadable(request)
         first = num_computed_tokens // self.chunk_size
+        if self.ghosts is not None and st.ghost_peek_step != self._step:
+            # what the ghosts hold before this lookup touches, fetches or loads a chunk
+            st.ghost_peek = self.ghosts.peek(st.chunk_hashes, first)
+            st.ghost_peek_step = self._step
         end_chunk = self._ready_run(st, first, cap)
         if self.store_waits.should_wait(st, end_chunk, cap):
             self._sync_lookup_s.append(time.perf_counter() - t0)
@@ -332,9 +343,11 @@ class SchedulerSide:
         if not self.remote or not self.canary.trusted or time.monotonic() < self.reads_down_until:
             return False
         st = self._reqs.get(request.request_id)
-        if st is None and (getattr(request, "lora_request", None) is not None
-                           or getattr(request, "mm_features", None)
-                           or getattr(request, "prompt_embeds", None) is not None):
+        if st is None and (
+            getattr(request, "lora_request", None) is not None
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             st = self._state(request)  # its keys may be tagged, its chunks host-only
         if st is not None and st.lookup is not None and st.lookup.done:
             return False
@@ -372,8 +385,9 @@ class SchedulerSide:
             self.ghosts.lookup(
                 st.chunk_hashes, local // self.chunk_size,
                 loadable_chunks(st, cap, self.chunk_size), chunk_size=self.chunk_size,
-                computed=local, cap=cap,
+                computed=local, cap=cap, peek=st.ghost_peek,
             )  # fmt: skip
+        st.ghost_peek, st.ghost_peek_step = None, -1
         if self.lookups.ghosts is not None and not self.canary.recompute(st):
             self.lookups.count_whatif(st, local, num_external_tokens, cap)
         # "hit": everything kvtier could ever hold for this prompt (its full chunks, up to
@@ -381,8 +395,17 @@ class SchedulerSide:
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
         total = local + num_external_tokens
         tier_down = self.remote and time.monotonic() < self.reads_down_until
-        count_misses(self.stats, self.index, self.keys, st, chunk_size=self.chunk_size,
-                     served_end=total, reusable=reusable, cap=cap, tier_down=tier_down)
+        count_misses(
+            self.stats,
+            self.index,
+            self.keys,
+            st,
+            chunk_size=self.chunk_size,
+            served_end=total,
+            reusable=reusable,
+            cap=cap,
+            tier_down=tier_down,
+        )
         if total and total >= reusable:
             st.outcome = "hit"
         else:
@@ -439,8 +462,11 @@ class SchedulerSide:
             st.step_loads.clear()
         self.write_back.clean_oldest()
         meta = self.plan.take(
-            step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
-            weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
+            step=self._step,
+            host_bytes=self.host_bytes,
+            null_block=self.null_block,
+            weights_epoch=self.weights_epoch,
+            weights_salt=self.weights_salt,
             trusted=self.canary.trusted,
         )
         if self.lookups.ghosts is not None:
@@ -531,7 +557,9 @@ class SchedulerSide:
             "kvtier: the weights changed (%s): host tier emptied (%d chunks dropped); "
             "object-tier keys now name this engine's weights alone until it restarts. "
             "vLLM's own prefix cache is not reset by a weight change: reset it "
-            "(reset_prefix_cache) before serving, as vLLM requires", why, dropped,
+            "(reset_prefix_cache) before serving, as vLLM requires",
+            why,
+            dropped,
         )
 
     def _new_identity(self, *, fork: bool = False) -> int:
@@ -583,4 +611,3 @@ class SchedulerSide:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
         stop = loadable_chunks(st, cap, self.chunk_size)
         return self.index.ready_run(st.chunk_hashes, first, stop)
-

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import weakref
 from array import array
 from collections import deque
@@ -200,6 +201,9 @@ class StackLRU:
         start, held = self.start, self.held
         if slot >= 0:
             old = table.pos[slot]
+            if old == new - 1:  # the most recent already (a store settling at once)
+                self.flags[old] = flags
+                return
             self.flags[old] = 0
             table.pos[slot] = new
             for g, s in enumerate(start):
@@ -272,7 +276,7 @@ class StackLRU:
 
 # the queued events (the index's hooks and the lookups)
 _BEGIN, _BEGIN_FETCH, _SKIPPED, _COMMIT_OK, _COMMIT_FAILED, _TOUCH, _DROPPED = range(7)
-_FORGET, _CLEAR, _STORE_OVER_FETCH, _LOOKUP = range(7, 11)
+_FORGET, _CLEAR, _STORE_OVER_FETCH, _PEEK, _LOOKUP = range(7, 12)
 
 
 class GhostTiers:
@@ -370,6 +374,15 @@ class GhostTiers:
         pass
 
     # ---- lookups -----------------------------------------------------------------------
+    def peek(self, keys: Sequence[bytes], first: int) -> list[list[bool]]:
+        """What the ghosts hold of a prompt's chunks ``first``.., read when the queue
+        reaches this point: before the lookup pins, touches or fetches any of them
+        (those make the chunks the most recent in every ghost, as a tier of any size
+        would once it served or computed them). :meth:`lookup` counts from it."""
+        holder: list[list[bool]] = []
+        self._events.append((_PEEK, keys[first:], holder))
+        return holder
+
     def lookup(
         self,
         keys: Sequence[bytes],
@@ -379,10 +392,14 @@ class GhostTiers:
         chunk_size: int,
         computed: int,
         cap: int,
+        peek: list[list[bool]] | None = None,
     ) -> None:
         """One lookup of the prompt tokens ``computed..cap`` (chunks ``first..stop`` of
         ``keys``): scale 1 is counted now, from the real index; the other scales when
-        the queue is applied (their counts go to ``kvtier:whatif_hit_tokens``)."""
+        the queue is applied, from ``peek`` (taken now when not given), and go to
+        ``kvtier:whatif_hit_tokens``."""
+        if peek is None:
+            peek = self.peek(keys, first)
         real = self._real
         ready = State.READY
         fetched: list[bool] = []
@@ -395,26 +412,30 @@ class GhostTiers:
         for i, is_real in enumerate(self._is_real):
             if is_real and self.stats is not None and tokens:
                 self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
-        self._events.append((_LOOKUP, keys[first:stop], first, chunk_size, computed, cap, tokens))
+        self._events.append((_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens))
 
     # ---- applying the queue --------------------------------------------------------------
     def kick(self) -> None:
         """Wake the thread (once per scheduler step)."""
         self._wake.set()
 
-    def drain(self) -> list[list[int]]:
-        """Apply every queued event, in order; returns each lookup's tokens per scale
-        (in :data:`SCALES` order)."""
+    def drain(self, limit: int | None = None) -> list[list[int]]:
+        """Apply every queued event (at most ``limit``), in order; returns each lookup's
+        tokens per scale (in :data:`SCALES` order)."""
         counts: list[list[int]] = []
         with self._lock:
             events = self._events
-            while events:
+            left = -1 if limit is None else limit
+            while events and left != 0:
+                left -= 1
                 ev = events.popleft()
                 if self._broken:
                     continue
                 try:
                     if ev[0] == _LOOKUP:
                         counts.append(self._count(*ev[1:]))
+                    elif ev[0] == _PEEK:
+                        ev[2][:] = self._runs(ev[1])
                     else:
                         self._apply(ev[0], ev[1])
                 except Exception:  # a what-if count must never fail a request
@@ -478,16 +499,13 @@ class GhostTiers:
             pending.pop(fp, None)
             stack.remove(fp)
 
-    def _count(
-        self, keys: list[bytes], first: int, chunk_size: int, computed: int, cap: int,
-        real_tokens: int,
-    ) -> list[int]:  # fmt: skip
+    def _runs(self, keys: Sequence[bytes]) -> list[list[bool]]:
+        """Each stack ghost's run of hits ``keys`` begins with (fetched or not, each)."""
         stack = self.stack
         start = stack.start
-        n = len(start)
         pending = self._hit_while_pending
-        runs: list[list[bool]] = [[] for _ in range(n)]  # each ghost's run: fetched or not
-        alive = list(range(n))
+        runs: list[list[bool]] = [[] for _ in start]
+        alive = list(range(len(start)))
         for key in keys:
             fp = fingerprint(key)
             pos = stack.position(fp)
@@ -504,12 +522,19 @@ class GhostTiers:
             alive = still
             if not alive:
                 break
+        return runs
+
+    def _count(
+        self, peek: list[list[bool]], first: int, stop: int, chunk_size: int, computed: int,
+        cap: int, real_tokens: int,
+    ) -> list[int]:  # fmt: skip
         out: list[int] = []
         for i in range(len(self.scales)):
             if self._is_real[i]:
                 tokens = real_tokens
             else:
-                tokens = _host_tokens(runs[self._ghost_of[i]], first, chunk_size, computed, cap)
+                run = peek[self._ghost_of[i]][: stop - first] if peek else []
+                tokens = _host_tokens(run, first, chunk_size, computed, cap)
                 if self.stats is not None and tokens:
                     self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
             out.append(tokens)
@@ -525,7 +550,9 @@ def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) ->
         ghosts = ref()
         if ghosts is None or ghosts._closed:
             return
-        ghosts.drain()
+        while ghosts._events:  # in slices, letting the engine's other threads run
+            ghosts.drain(256)
+            time.sleep(0)
         del ghosts
 
 

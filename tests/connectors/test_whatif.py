@@ -63,8 +63,7 @@ def drive(side: SchedulerSide, n_requests: int, seed: int = 1) -> None:
         {"remote_url": "file:///nonexistent", "write_policy": "write_through"},
         {"remote_url": "file:///nonexistent", "write_policy": "write_back"},
         # canary requests get no hit from the real tier, and so none from the ghosts
-        {"remote_url": "file:///nonexistent", "write_policy": "write_through",
-         "canary_rate": 0.3},
+        {"remote_url": "file:///nonexistent", "write_policy": "write_through", "canary_rate": 0.3},
     ],
     ids=["host_only", "write_through", "write_back", "canary_rate"],
 )
@@ -87,3 +86,24 @@ def test_whatif_false_keeps_no_ghosts() -> None:
     drive(side, 50)
     assert set(whatif(side).values()) == {0}
     assert side.totals[total_name(metrics.HIT_TOKENS, ("host",))] > 0
+
+
+def test_ghosts_predict_the_hits_of_tiers_of_other_sizes() -> None:
+    """The same skewed workload on tiers of half and twice the size: what the 1 MiB
+    tier's ghosts of scale 0.5 and 2 counted is what those tiers measured, within 1 and
+    3 points of the looked-up tokens (the ghosts are LRU caches fed the same chunks;
+    the real tier passes over busy chunks, the ghosts do not)."""
+    sides = {size: make_side(size, {}) for size in ("512KiB", "1MiB", "2MiB")}
+    for side in sides.values():
+        drive(side, 300)
+    lookup = sides["1MiB"].totals[total_name(metrics.LOOKUP_TOKENS)]
+    ghosts = whatif(sides["1MiB"])
+    measured = {
+        size: side.totals[total_name(metrics.HIT_TOKENS, ("host",))] / lookup
+        for size, side in sides.items()
+    }
+    assert all(s.totals[total_name(metrics.LOOKUP_TOKENS)] == lookup for s in sides.values())
+    print({s: round(v, 3) for s, v in measured.items()}, ghosts, lookup)
+    assert abs(ghosts["2"] / lookup - measured["2MiB"]) <= 0.01, (ghosts, measured)
+    assert abs(ghosts["0.5"] / lookup - measured["512KiB"]) <= 0.03, (ghosts, measured)
+    assert measured["512KiB"] < measured["1MiB"] < measured["2MiB"]

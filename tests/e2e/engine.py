@@ -93,6 +93,8 @@ def index_report(llm) -> dict[str, Any]:
         invariants = True
     except AssertionError as exc:
         invariants = str(exc)
+    if side.ghosts is not None:
+        side.ghosts.drain()  # the what-if events their thread has not applied yet
     return {
         "refs": idx.total_refs(),
         "invariants": invariants,

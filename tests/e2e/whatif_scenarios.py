@@ -40,5 +40,5 @@ def whatif_zipf(
     ghosts = side.index.ghosts
     capacity = None
     if ghosts is not None:
-        capacity = {s: g.capacity for s, g in zip(ghosts.scales, ghosts.ghosts, strict=True)}
+        capacity = {s: ghosts.capacity(s) for s in ghosts.scales}
     return {"index": index_report(llm), "ghost_capacity": capacity}
