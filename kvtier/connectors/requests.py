@@ -55,11 +55,7 @@ logger = logging.getLogger("kvtier.scheduler")
 #: why a request's chunks (all of them or those from a point on) stay in the host tier;
 #: the scheduler side counts requests per reason (``host_only_<reason>``)
 HOST_ONLY_REASONS = (
-    "multimodal",
-    "lora_unreadable",
-    "lora_pending",
-    "lora_changed",
-    "mixed_embeds",
+    "multimodal", "lora_unreadable", "lora_pending", "lora_changed", "mixed_embeds",
 )
 #: every chunk of the request may be shared
 ALL_CHUNKS = sys.maxsize
@@ -248,8 +244,7 @@ class AdapterFingerprints:
                 logger.warning(
                     "kvtier: the LoRA adapter at %s changed while this engine runs: its "
                     "chunks stay in the host tier until the engine restarts (write a new "
-                    "adapter to a new path instead of over an old one)",
-                    local,
+                    "adapter to a new path instead of over an old one)", local,
                 )
             return AdapterVersion(local_tag, False, "lora_changed")
         if not self.remote:

@@ -197,15 +197,9 @@ class SchedulerSide:
                 shape, chunk_size=self.chunk_size, num_slots=num_slots, stored=self.groups,
             ))  # fmt: skip
         for g in self.groups:
-            logger.info(
-                "kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
-                "of a chunk stored",
-                g.kind,
-                g.window,
-                len(g.layers),
-                g.blocks,
-                self.blocks_per_chunk,
-            )
+            logger.info("kvtier: KV cache group %s (window %d, %d layers): %d of %d blocks "
+                        "of a chunk stored", g.kind, g.window, len(g.layers), g.blocks,
+                        self.blocks_per_chunk)
         logger.info(
             "kvtier scheduler: %d host slots of %s (chunk %d tokens), %s per worker, remote=%s",
             num_slots,
@@ -224,9 +218,8 @@ class SchedulerSide:
         self.write_back.enabled = self._write_back and trusted
         if state is Trust.REFUSED:
             dropped = self.index.clear()
-            logger.error(
-                "kvtier: host tier emptied (%d chunks dropped) after a canary mismatch", dropped
-            )
+            logger.error("kvtier: host tier emptied (%d chunks dropped) after a canary "
+                         "mismatch", dropped)
             self._new_identity(fork=True)  # carries on under a generation of its own
 
     def attach_events(self, events: ChunkEvents) -> None:
@@ -343,11 +336,9 @@ class SchedulerSide:
         if not self.remote or not self.canary.trusted or time.monotonic() < self.reads_down_until:
             return False
         st = self._reqs.get(request.request_id)
-        if st is None and (
-            getattr(request, "lora_request", None) is not None
-            or getattr(request, "mm_features", None)
-            or getattr(request, "prompt_embeds", None) is not None
-        ):
+        if st is None and (getattr(request, "lora_request", None) is not None
+                           or getattr(request, "mm_features", None)
+                           or getattr(request, "prompt_embeds", None) is not None):
             st = self._state(request)  # its keys may be tagged, its chunks host-only
         if st is not None and st.lookup is not None and st.lookup.done:
             return False
@@ -395,17 +386,8 @@ class SchedulerSide:
         reusable = min(cap, len(st.chunk_hashes) * self.chunk_size)
         total = local + num_external_tokens
         tier_down = self.remote and time.monotonic() < self.reads_down_until
-        count_misses(
-            self.stats,
-            self.index,
-            self.keys,
-            st,
-            chunk_size=self.chunk_size,
-            served_end=total,
-            reusable=reusable,
-            cap=cap,
-            tier_down=tier_down,
-        )
+        count_misses(self.stats, self.index, self.keys, st, chunk_size=self.chunk_size,
+                     served_end=total, reusable=reusable, cap=cap, tier_down=tier_down)
         if total and total >= reusable:
             st.outcome = "hit"
         else:
@@ -462,11 +444,8 @@ class SchedulerSide:
             st.step_loads.clear()
         self.write_back.clean_oldest()
         meta = self.plan.take(
-            step=self._step,
-            host_bytes=self.host_bytes,
-            null_block=self.null_block,
-            weights_epoch=self.weights_epoch,
-            weights_salt=self.weights_salt,
+            step=self._step, host_bytes=self.host_bytes, null_block=self.null_block,
+            weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
             trusted=self.canary.trusted,
         )
         if self.lookups.ghosts is not None:
@@ -557,9 +536,7 @@ class SchedulerSide:
             "kvtier: the weights changed (%s): host tier emptied (%d chunks dropped); "
             "object-tier keys now name this engine's weights alone until it restarts. "
             "vLLM's own prefix cache is not reset by a weight change: reset it "
-            "(reset_prefix_cache) before serving, as vLLM requires",
-            why,
-            dropped,
+            "(reset_prefix_cache) before serving, as vLLM requires", why, dropped,
         )
 
     def _new_identity(self, *, fork: bool = False) -> int:
@@ -611,3 +588,4 @@ class SchedulerSide:
         """End of the run of READY chunks from ``first`` (within ``cap`` tokens)."""
         stop = loadable_chunks(st, cap, self.chunk_size)
         return self.index.ready_run(st.chunk_hashes, first, stop)
+
