@@ -511,7 +511,7 @@ class SchedulerSide:
             delays, self._sync_lookup_s = self._sync_lookup_s, []
             self.stats.observe_many(metrics.LOOKUP_DELAY, delays, ("sync",))
         if self.ghosts is not None:
-            self.ghosts.drain()  # what the thread has not applied yet: counts never lag
+            self.ghosts.count_lookups()  # what the thread has not counted yet
         return self.stats.take()
 
     def reset_cache(self) -> bool:

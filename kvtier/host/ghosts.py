@@ -319,6 +319,9 @@ class GhostTiers:
         self._wake = threading.Event()
         self._closed = False
         self._broken = False
+        #: lookups queued (by the scheduler's thread) and counted (under ``_lock``) so far
+        self._lookups_queued = 0
+        self._lookups_counted = 0
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(
@@ -412,12 +415,24 @@ class GhostTiers:
         for i, is_real in enumerate(self._is_real):
             if is_real and self.stats is not None and tokens:
                 self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
-        self._events.append((_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens))
+        self._lookups_queued += 1  # (written by this thread only)
+        self._events.append(
+            (_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens, self._lookups_queued)
+        )
 
     # ---- applying the queue --------------------------------------------------------------
     def kick(self) -> None:
-        """Wake the thread (once per scheduler step)."""
-        self._wake.set()
+        """Wake the thread (once per scheduler step) when there is work for it."""
+        if self._events and not self._wake.is_set():
+            self._wake.set()
+
+    def count_lookups(self) -> None:
+        """Apply the queue up to its last lookup, so every lookup queued so far is
+        counted (before the scheduler's stats are taken: ``/metrics`` never lags a
+        step). The thread has usually done it while the model ran; what was queued
+        after (this step's settled stores) is left to it."""
+        while self._lookups_counted < self._lookups_queued and self._events:
+            self.drain(64)
 
     def drain(self, limit: int | None = None) -> list[list[int]]:
         """Apply every queued event (at most ``limit``), in order; returns each lookup's
@@ -433,7 +448,8 @@ class GhostTiers:
                     continue
                 try:
                     if ev[0] == _LOOKUP:
-                        counts.append(self._count(*ev[1:]))
+                        self._lookups_counted = ev[8]
+                        counts.append(self._count(*ev[1:8]))
                     elif ev[0] == _PEEK:
                         ev[2][:] = self._runs(ev[1])
                     else:
