@@ -58,7 +58,7 @@ bench-tiers: venv
 	$(PY) bench/tier_throughput.py
 
 bench-scheduler: venv
-	$(PY) bench/scheduler_cost.py --plot bench/results/scheduler.png $(BENCH_ARGS)
+	$(PY) bench/scheduler_cost.py --whatif-off --forward-ms 2 --plot bench/results/scheduler.png $(BENCH_ARGS)
 
 bench-trace: venv
 	$(PY) bench/trace_replay.py --parallel 2 --plot bench/results/trace_replay.png --json bench/results/trace_replay.json $(BENCH_ARGS)
