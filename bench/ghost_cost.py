@@ -4,7 +4,7 @@ Three figures per host-tier size, on a full index (every store evicts, as in a b
 server):
 
 - on the scheduler's path: µs per stored chunk (begin + commit) and per pin+unpin, with
-  and without ghosts (their hooks only queue the event);
+  and without ghosts (the index only queues an event per settled store and per pin);
 - off it: µs per stored chunk to apply the queued events (what the ghosts' thread
   spends while the engine waits for the model), with a lookup of 4 chunks every 8
   stores;
@@ -27,7 +27,7 @@ import time
 import tracemalloc
 
 from kvtier.host.ghosts import GhostTiers
-from kvtier.host.index import ChunkIndex, State
+from kvtier.host.index import STORED, ChunkIndex, State
 
 
 def _p10(samples: list[float]) -> float:
@@ -39,7 +39,7 @@ def _full(slots: int, whatif: bool, extra: int) -> tuple[ChunkIndex, GhostTiers 
     rng = random.Random(0)
     idx = ChunkIndex(slots)
     ghosts = GhostTiers(slots, idx.get) if whatif else None
-    idx.ghosts = ghosts
+    idx.ghost_events = ghosts.record if ghosts is not None else None
     keys = [rng.randbytes(32) for _ in range(slots * 9 + extra)]
     for k in keys[: slots * 9]:
         idx.begin(k, State.STORING)
@@ -101,9 +101,7 @@ def memory(slots: int) -> tuple[float, float]:
     before = tracemalloc.get_traced_memory()[0]
     ghosts = GhostTiers(slots, lambda k: None)
     for n in range(slots * 12):
-        k = rng.randbytes(32)
-        ghosts.begin(k, False, True)
-        ghosts.commit(k, True, False)
+        ghosts.record((STORED, rng.randbytes(32)))
         if n % 1000 == 0:
             ghosts.drain()
     ghosts.drain()

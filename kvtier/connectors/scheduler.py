@@ -127,7 +127,7 @@ class SchedulerSide:
         if cfg.whatif:
             # applied on their own thread, woken once a step (kvtier.host.ghosts)
             self.ghosts = GhostTiers(num_slots, self.index.get, self.stats, background=True)
-            self.index.ghosts = self.ghosts
+            self.index.ghost_events = self.ghosts.record
         self.remote_source = (
             CacheHitSource.DISK
             if cfg.remote and cfg.remote.is_local

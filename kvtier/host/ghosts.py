@@ -10,29 +10,31 @@ enough for every size). A key is an 8-byte fingerprint (the chunk key's hash), k
 two flat arrays, so a chunk costs the same whatever the key's length and however many
 ghosts hold it (``bench/ghost_cost.py`` measures it; the README states it).
 
-The index's hooks (:class:`~kvtier.host.index.IndexGhosts`) only append the event to a
-queue, and lookups append theirs: the scheduler step pays one ``append`` per stored
-chunk. The queue is applied in order on a background thread, which the scheduler wakes
-once per step (:meth:`GhostTiers.kick`, as the step's metadata goes to the workers, so
-it runs while the engine waits for the model), and before the scheduler's stats are
-taken (:meth:`GhostTiers.drain`), so ``/metrics`` never lags a step. The order of
-events is kept, so what is counted does not depend on when the thread runs.
+The index tells its changes as ``(event, key)`` (``ChunkIndex.ghost_events``: one
+``append`` to a queue, on the scheduler's path, per settled store or fetch, load, touch,
+eviction or reset), and lookups queue theirs. The queue is applied in order on a
+background thread, which the scheduler wakes once per step (:meth:`GhostTiers.kick`, as
+the step's metadata goes to the workers, so it runs while the engine waits for the
+model); before the scheduler's stats are taken, whatever lookups the thread has not
+counted yet are (:meth:`GhostTiers.count_lookups`), so ``/metrics`` never lags a step.
+The order of events is kept, so what is counted does not depend on when the thread runs.
 
 Where the real tier is not plain LRU, the model chooses, and these are its
-approximations (each is exact when nothing is busy when an eviction picks its victim):
+approximations (each is exact when nothing fails and nothing is busy when an eviction
+picks its victim):
 
-- every chunk the real tier stores, fetches, pins or touches becomes the most recent in
-  every ghost, as in an LRU cache of that size fed the same chunks: a ghost that did not
-  hold a chunk the real tier hit (a smaller one) takes it in, as a tier of that size
-  would have when it recomputed and stored it;
+- every chunk the real tier stores, fetches, loads or touches becomes the most recent
+  in every ghost, as in an LRU cache of that size fed the same chunks: a ghost that did
+  not hold a chunk the real tier served (a smaller one) takes it in, as a tier of that
+  size would have once it recomputed and stored it. A lookup reads the ghosts as it
+  begins (:meth:`GhostTiers.peek`), before its own loads and fetches;
+- a chunk enters the ghosts when its store or fetch settles (the real tier takes its
+  slot when it begins, a step or two earlier); a store that fails changes nothing in
+  them (the real tier loses the chunk it evicted for it); a store the real tier skipped
+  for want of a slot enters at once (a larger tier would have stored it);
 - a ghost evicts its least recently used chunk, busy or not: it does not pass over
   chunks being stored, pinned by a load, or waiting for their write-back as the real
   tier does (those are young or few);
-- a chunk being stored or fetched is no hit until it settles, except in the ghosts that
-  held it ready when the real tier began it; one that fails leaves every ghost (a
-  larger one that held it before too: failures are rare); a store the real tier
-  skipped for want of a slot is ready in the ghosts at once (a larger tier would have
-  stored it);
 - an explicit eviction or a reset (``reset_prefix_cache``) empties the chunk, or every
   chunk, from every ghost at once.
 
@@ -54,6 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import metrics
+from kvtier.host import index
 from kvtier.host.index import Entry, State
 
 if TYPE_CHECKING:
@@ -66,8 +69,7 @@ SCALES: tuple[str, ...] = metrics.WHATIF_SCALES
 
 # a log position's byte: 0 is a dead position (the key moved on or left)
 _READY = 1
-_PENDING = 2  # being stored or fetched: a slot taken, no hit yet
-_FETCHED = 4  # filled by a fetch from the object tier: a hit of that tier, not the host's
+_FETCHED = 2  # filled by a fetch from the object tier: a hit of that tier, not the host's
 _LIVE = re.compile(b"[^\x00]")
 
 
@@ -274,16 +276,15 @@ class StackLRU:
         )
 
 
-# the queued events (the index's hooks and the lookups)
-_BEGIN, _BEGIN_FETCH, _SKIPPED, _COMMIT_OK, _COMMIT_FAILED, _TOUCH, _DROPPED = range(7)
-_FORGET, _CLEAR, _STORE_OVER_FETCH, _PEEK, _LOOKUP = range(7, 12)
+# the queue's own events, after the index's (kvtier.host.index: STORED .. CLEARED)
+_PEEK, _LOOKUP = 100, 101
 
 
 class GhostTiers:
-    """The ghosts of every scale in :data:`SCALES`, fed by one :class:`ChunkIndex`
-    (it calls the hooks below), and the ``kvtier:whatif_hit_tokens`` they would have
-    served (:meth:`lookup`). With ``background`` (the scheduler's), a thread applies
-    the queued events; without, :meth:`drain` does (tests, benchmarks)."""
+    """The ghosts of every scale in :data:`SCALES`, fed by one :class:`ChunkIndex` (set
+    its ``ghost_events`` to :attr:`record`), and the ``kvtier:whatif_hit_tokens`` they
+    would have served (:meth:`lookup`). With ``background`` (the scheduler's), a thread
+    applies the queued events; without, :meth:`drain` does (tests, benchmarks)."""
 
     def __init__(
         self,
@@ -310,11 +311,9 @@ class GhostTiers:
         #: scale index -> its ghost in the stack
         self._ghost_of = {i: g for g, i in enumerate(order)}
         self._labels = tuple(("host", s) for s in self.scales)
-        #: fingerprint -> the stack's ghosts (bits) that held it ready when it began
-        #: again, and whether it was fetched there: still a hit there while it is
-        #: being stored
-        self._hit_while_pending: dict[int, tuple[int, bool]] = {}
         self._events: deque[tuple[Any, ...]] = deque()
+        #: the index's ``ghost_events``: one append per change, nothing else on its path
+        self.record: Callable[[tuple[int, bytes]], None] = self._events.append
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -335,51 +334,14 @@ class GhostTiers:
 
     def ghost_keys(self, scale: str) -> list[tuple[int, bool]]:
         """A modelled scale's keys (fingerprints), least recently used first, and
-        whether each is a hit there (tests; call :meth:`drain` first)."""
+        whether each was fetched (tests; call :meth:`drain` first)."""
         g = self._ghost_of[self.scales.index(scale)]
-        pending = self._hit_while_pending
-        return [
-            (fp, not f & _PENDING or bool(pending.get(fp, (0, False))[0] >> g & 1))
-            for fp, f in self.stack.keys(g)
-        ]
-
-    # ---- the index's hooks: one append each ----------------------------------------------
-    def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None:
-        self._events.append((_BEGIN_FETCH if fetched else _BEGIN, key))
-
-    def begun(self, key: bytes, ok: bool) -> None:
-        if not ok:
-            self._events.append((_SKIPPED, key))
-
-    def commit(self, key: bytes, ok: bool, still_held: bool) -> None:
-        self._events.append((_COMMIT_OK if ok else _COMMIT_FAILED, key))
-
-    def touch(self, key: bytes) -> None:
-        self._events.append((_TOUCH, key))
-
-    def dropped(self, key: bytes) -> None:
-        self._events.append((_DROPPED, key))
-
-    def forget(self, key: bytes) -> None:
-        self._events.append((_FORGET, key))
-
-    def clear(self, held: Callable[[bytes], bool]) -> None:
-        self._events.append((_CLEAR, b""))
-
-    def supersede(self, key: bytes, old_slot: int) -> None:
-        pass  # the fetch's slot it keeps is not modelled
-
-    def superseded(self, key: bytes, old_slot: int, ok: bool) -> None:
-        if ok:
-            self._events.append((_STORE_OVER_FETCH, key))
-
-    def released(self, old_slot: int) -> None:
-        pass
+        return [(fp, bool(f & _FETCHED)) for fp, f in self.stack.keys(g)]
 
     # ---- lookups -----------------------------------------------------------------------
     def peek(self, keys: Sequence[bytes], first: int) -> list[list[bool]]:
         """What the ghosts hold of a prompt's chunks ``first``.., read when the queue
-        reaches this point: before the lookup pins, touches or fetches any of them
+        reaches this point: before the lookup loads, touches or fetches any of them
         (those make the chunks the most recent in every ghost, as a tier of any size
         would once it served or computed them). :meth:`lookup` counts from it."""
         holder: list[list[bool]] = []
@@ -467,72 +429,34 @@ class GhostTiers:
 
     def _apply(self, op: int, key: bytes) -> None:
         stack = self.stack
-        if op == _CLEAR:
+        if op == index.CLEARED:
             stack.clear()
-            self._hit_while_pending.clear()
-            return
-        fp = fingerprint(key)
-        pending = self._hit_while_pending
-        if op == _BEGIN or op == _BEGIN_FETCH or op == _STORE_OVER_FETCH:
-            # the ghosts that hold it ready keep it as it was (a hit, fetched or not)
-            # until it settles; in the others it is a new chunk, no hit yet
+        elif op == index.STORED or op == index.SKIPPED_STORE:
+            stack.use(fingerprint(key), _READY)
+        elif op == index.FETCHED or op == index.SKIPPED_FETCH:
+            stack.use(fingerprint(key), _READY | _FETCHED)
+        elif op == index.TOUCHED:
+            fp = fingerprint(key)
             pos = stack.position(fp)
-            held = None
-            if pos >= 0 and op != _STORE_OVER_FETCH:
-                flags = stack.flags[pos]
-                if flags & _PENDING:
-                    held = pending.get(fp)
-                else:
-                    mask = 0
-                    for g, s in enumerate(stack.start):
-                        if pos >= s:
-                            mask |= 1 << g
-                    held = (mask, bool(flags & _FETCHED))
-            if held is None:
-                pending.pop(fp, None)
-            else:
-                pending[fp] = held
-            stack.use(fp, _PENDING | (_FETCHED if op == _BEGIN_FETCH else 0))
-            return
-        pos = stack.position(fp)
-        if pos < 0:
-            return
-        flags = stack.flags[pos]
-        if op == _TOUCH:
-            stack.use(fp, flags)
-        elif op == _COMMIT_OK:
-            pending.pop(fp, None)
-            stack.use(fp, (flags & _FETCHED) | _READY)
-        elif op == _SKIPPED:
-            if flags & _PENDING:
-                pending.pop(fp, None)
-                stack.flags[pos] = (flags & _FETCHED) | _READY
-        elif op == _COMMIT_FAILED or op == _DROPPED:
-            if flags & _PENDING:
-                pending.pop(fp, None)
-                stack.remove(fp)
-        elif op == _FORGET:
-            pending.pop(fp, None)
-            stack.remove(fp)
+            if pos >= 0:
+                stack.use(fp, stack.flags[pos])
+        elif op == index.EVICTED:
+            stack.remove(fingerprint(key))
 
     def _runs(self, keys: Sequence[bytes]) -> list[list[bool]]:
         """Each stack ghost's run of hits ``keys`` begins with (fetched or not, each)."""
         stack = self.stack
         start = stack.start
-        pending = self._hit_while_pending
         runs: list[list[bool]] = [[] for _ in start]
         alive = list(range(len(start)))
         for key in keys:
-            fp = fingerprint(key)
-            pos = stack.position(fp)
-            flags = stack.flags[pos] if pos >= 0 else 0
-            fetched = bool(flags & _FETCHED)
-            mask = -1
-            if flags & _PENDING:
-                mask, fetched = pending.get(fp, (0, False))
+            pos = stack.position(fingerprint(key))
+            if pos < 0:
+                break
+            fetched = bool(stack.flags[pos] & _FETCHED)
             still = []
             for g in alive:
-                if pos >= start[g] and mask >> g & 1:
+                if pos >= start[g]:
                     runs[g].append(fetched)
                     still.append(g)
             alive = still

@@ -89,22 +89,11 @@ class IndexListener(Protocol):
         entry that leaves, ready or not (a failed store drops one that never was)."""
 
 
-class IndexGhosts(Protocol):
-    """Told every change of the index that a tier of another size would see too
-    (:class:`kvtier.host.ghosts.GhostTiers`), before the index acts on it where the ghost
-    must decide as the index would (``begin``, ``supersede``)."""
-
-    def begin(self, key: bytes, fetched: bool, evict_ok: bool) -> None: ...
-    def begun(self, key: bytes, ok: bool) -> None: ...
-    def commit(self, key: bytes, ok: bool, still_held: bool) -> None: ...
-    def touch(self, key: bytes) -> None: ...
-    def dropped(self, key: bytes) -> None:
-        """A chunk that was not ready left (a failed store or fetch, a write-back done)."""
-    def forget(self, key: bytes) -> None: ...
-    def clear(self, held: Callable[[bytes], bool]) -> None: ...
-    def supersede(self, key: bytes, old_slot: int) -> None: ...
-    def superseded(self, key: bytes, old_slot: int, ok: bool) -> None: ...
-    def released(self, old_slot: int) -> None: ...
+# What the index tells the ghost tiers (kvtier.host.ghosts) as ``(event, key)``: the
+# changes a host tier of another size would see too, one per settled store or fetch,
+# load (pin), touch, explicit eviction and reset
+STORED, FETCHED, SKIPPED_STORE, SKIPPED_FETCH, TOUCHED, EVICTED, CLEARED = range(7)
+GhostEvents = Callable[[tuple[int, bytes]], None]
 
 
 class ChunkIndex:
@@ -138,8 +127,9 @@ class ChunkIndex:
         self.evictions = 0
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
-        #: what-if tiers of other sizes, fed every change here (:mod:`kvtier.host.ghosts`)
-        self.ghosts: IndexGhosts | None = None
+        #: where the changes a tier of another size would see go (the what-if ghosts'
+        #: queue, :mod:`kvtier.host.ghosts`); None: nowhere
+        self.ghost_events: GhostEvents | None = None
 
     # ---- queries ---------------------------------------------------------------------
     def get(self, key: bytes) -> Entry | None:
@@ -189,13 +179,11 @@ class ChunkIndex:
         """
         if key in self._entries:
             return None
-        ghosts = self.ghosts
-        if ghosts is not None:
-            ghosts.begin(key, state is State.FETCHING, evict_ok)
         slot = self._take_slot(evict_ok)
         if slot is None:
-            if ghosts is not None:
-                ghosts.begun(key, False)
+            if self.ghost_events is not None:  # a larger tier would have stored it
+                skipped = SKIPPED_FETCH if state is State.FETCHING else SKIPPED_STORE
+                self.ghost_events((skipped, key))
             return None
         entry = Entry(key=key, slot=slot, state=state)
         untrack(entry)  # it holds atomic values only (kvtier.host.gc_untrack)
@@ -215,12 +203,8 @@ class ChunkIndex:
         old = self._entries.get(key)
         if old is None or old.state is not State.FETCHING:
             return None
-        if self.ghosts is not None:
-            self.ghosts.supersede(key, old.slot)
         slot = self._take_slot(True)
         if slot is None:
-            if self.ghosts is not None:
-                self.ghosts.superseded(key, old.slot, False)
             return None
         del self._entries[key]
         old.state = State.EVICTING  # (never ready: the ready set is unchanged)
@@ -228,8 +212,6 @@ class ChunkIndex:
         entry = Entry(key=key, slot=slot, state=State.STORING)
         untrack(entry)
         self._entries[key] = entry
-        if self.ghosts is not None:
-            self.ghosts.superseded(key, old.slot, True)
         return entry
 
     def release_superseded(self, entry: Entry) -> bool:
@@ -240,8 +222,6 @@ class ChunkIndex:
             return False
         del self._superseded[entry.slot]
         self._free.append(entry.slot)
-        if self.ghosts is not None:
-            self.ghosts.released(entry.slot)
         return True
 
     @property
@@ -264,14 +244,12 @@ class ChunkIndex:
             entry.remote = entry.remote or entry.fetched
             self._become(entry, State.READY)
             self._entries.move_to_end(key)
-            if self.ghosts is not None:
-                self.ghosts.commit(key, True, True)
+            if self.ghost_events is not None:
+                self.ghost_events((FETCHED if entry.fetched else STORED, key))
             if self.listener is not None:
                 self.listener.chunk_ready(entry)
         elif entry.refs:
             self._become(entry, State.EVICTING)  # freed when the last holder lets go
-            if self.ghosts is not None:
-                self.ghosts.commit(key, False, True)
         else:
             self._drop(entry)
         return entry
@@ -286,8 +264,8 @@ class ChunkIndex:
             raise ValueError(f"cannot pin chunk in state {entry.state.value}")
         entry.refs += 1
         self._entries.move_to_end(key)
-        if self.ghosts is not None:
-            self.ghosts.touch(key)
+        if self.ghost_events is not None:
+            self.ghost_events((TOUCHED, key))
         return entry
 
     def unpin(self, key: bytes) -> None:
@@ -301,16 +279,16 @@ class ChunkIndex:
     def touch(self, key: bytes) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
-            if self.ghosts is not None:
-                self.ghosts.touch(key)
+            if self.ghost_events is not None:
+                self.ghost_events((TOUCHED, key))
 
     def evict(self, key: bytes) -> bool:
         """Evict one chunk now (or as soon as its refs drop). Returns False if absent."""
         entry = self._entries.get(key)
         if entry is None:
             return False
-        if self.ghosts is not None:
-            self.ghosts.forget(key)
+        if self.ghost_events is not None:
+            self.ghost_events((EVICTED, key))
         if entry.refs:
             self._become(entry, State.EVICTING)
         else:
@@ -328,8 +306,8 @@ class ChunkIndex:
             self._drop(entry)
         for entry in self._entries.values():
             self._become(entry, State.EVICTING)
-        if self.ghosts is not None:
-            self.ghosts.clear(self._entries.__contains__)
+        if self.ghost_events is not None:
+            self.ghost_events((CLEARED, b""))
         return len(victims)
 
     # ---- internals ---------------------------------------------------------------------
@@ -372,8 +350,6 @@ class ChunkIndex:
         del self._entries[entry.key]
         self._ready.discard(entry.key)
         self._free.append(entry.slot)
-        if self.ghosts is not None and entry.state is not State.READY:
-            self.ghosts.dropped(entry.key)  # (the ghosts evict ready chunks by themselves)
         if self.listener is not None:
             self.listener.chunk_dropped(entry)
 

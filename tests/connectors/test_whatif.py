@@ -82,7 +82,7 @@ def test_scale_one_counts_the_measured_host_hits(extra: dict) -> None:
 
 def test_whatif_false_keeps_no_ghosts() -> None:
     side = make_side("1MiB", {"whatif": False})
-    assert side.index.ghosts is None
+    assert side.index.ghost_events is None and side.ghosts is None
     drive(side, 50)
     assert set(whatif(side).values()) == {0}
     assert side.totals[total_name(metrics.HIT_TOKENS, ("host",))] > 0

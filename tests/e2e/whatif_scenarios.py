@@ -37,7 +37,7 @@ def whatif_zipf(
         generate(llm, [docs[d] + toks(5000 + i, 24)], max_tokens=1)
     settle(llm)
     side = kvtier_side(llm)
-    ghosts = side.index.ghosts
+    ghosts = side.ghosts
     capacity = None
     if ghosts is not None:
         capacity = {s: ghosts.capacity(s) for s in ghosts.scales}

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.host.ghosts import FingerprintTable, GhostTiers, StackLRU, fingerprint
-from kvtier.host.index import ChunkIndex, State
+from kvtier.host.index import STORED, ChunkIndex, State
 from kvtier.stats import StatsRecorder, Totals
 
 SCALES = ("0.5", "1", "2", "4", "8")
@@ -116,15 +116,15 @@ def test_the_log_is_compacted_and_keeps_every_ghost() -> None:
 
 class Harness:
     """A real ChunkIndex feeding the modelled ghosts (scale 1 modelled too), driven so
-    that nothing is busy when the index evicts: a store settles before the next begins,
-    a lookup's pins are released before the next store."""
+    that nothing is busy when the index evicts and nothing fails: a store settles before
+    the next begins, a lookup's pins are released before the next store."""
 
     def __init__(self, slots: int) -> None:
         self.idx = ChunkIndex(slots)
         names = ["whatif_hit_tokens_host_" + s for s in SCALES]
         self.totals = Totals(names)
         self.model = GhostTiers(slots, self.idx.get, StatsRecorder(self.totals), mirror=False)
-        self.idx.ghosts = self.model
+        self.idx.ghost_events = self.model.record
 
     def step(self, rng: random.Random, keys: list[bytes]) -> None:
         idx = self.idx
@@ -133,7 +133,7 @@ class Harness:
         if op <= 3:
             state = State.FETCHING if op == 3 else State.STORING
             if idx.begin(key, state) is not None:
-                idx.commit(key, rng.random() < 0.9)
+                idx.commit(key, True)
             else:
                 idx.touch(key)
         elif op <= 7:
@@ -165,11 +165,9 @@ class Harness:
         self.idx.check()
         ghost = self.model.ghost_keys("1")
         real = {fingerprint(k): e for k, e in self.idx._entries.items()}
-        assert {fp for fp, _ in ghost} == set(real)
-        assert [fp for fp, _ in ghost] == list(real)  # the same LRU order
-        assert {fp for fp, hit in ghost if hit} == {
-            fp for fp, e in real.items() if e.state is State.READY
-        }
+        assert [fp for fp, _ in ghost] == list(real)  # the same keys, in the same LRU order
+        assert all(e.state is State.READY for e in real.values())
+        assert [fetched for _, fetched in ghost] == [e.fetched for e in real.values()]
 
 
 @settings(max_examples=100, deadline=None)
@@ -177,9 +175,9 @@ class Harness:
 def test_modelled_scale_one_is_the_real_index_when_nothing_is_busy(
     seed: int, slots: int, n_keys: int
 ) -> None:
-    """Stores, fetches, failures, hits (pins), touches, evictions, resets and a store
-    over a fetch: the modelled scale-1 ghost holds the index's keys, in its order, the
-    same ones ready, and counts the same host tokens on every lookup."""
+    """Stores, fetches, hits (pins), touches, evictions and resets: the modelled scale-1
+    ghost holds the index's keys, in its order, fetched or stored as there, and counts
+    the same host tokens on every lookup."""
     rng = random.Random(seed)
     h = Harness(slots)
     keys = [bytes([i]) * 8 for i in range(n_keys)]
@@ -188,11 +186,13 @@ def test_modelled_scale_one_is_the_real_index_when_nothing_is_busy(
         h.check()
 
 
-def test_a_chunk_being_stored_is_a_hit_only_where_it_was_held() -> None:
+def test_a_chunk_enters_the_ghosts_when_its_store_settles() -> None:
     """The real tier (2 slots) stores a chunk again that only the larger ghosts still
-    hold: until it settles it is a hit in those, and in no smaller one."""
+    hold: it stays a hit in those while it is stored, and in no smaller one; a failed
+    store leaves them as they were; a settled one makes it the most recent in all."""
     idx = ChunkIndex(2)
-    idx.ghosts = ghosts = GhostTiers(2, idx.get, scales=("0.5", "1", "2", "4"))
+    ghosts = GhostTiers(2, idx.get, scales=("0.5", "1", "2", "4"))
+    idx.ghost_events = ghosts.record
     keys = [bytes([i]) * 8 for i in range(6)]
     for k in keys:  # a, b, c, d, e, f: the 4x ghost (8) holds all, the 2x ghost (4) c..f
         idx.begin(k, State.STORING)
@@ -200,9 +200,13 @@ def test_a_chunk_being_stored_is_a_hit_only_where_it_was_held() -> None:
     assert idx.begin(keys[2], State.STORING) is not None  # c again: the real tier lost it
     ghosts.lookup(keys, 2, 3, chunk_size=16, computed=32, cap=48)
     assert ghosts.drain() == [[0, 0, 16, 16]]
-    idx.commit(keys[2], False)  # failed: gone from every ghost
+    idx.commit(keys[2], False)  # failed: the ghosts that held c still do
     ghosts.lookup(keys, 2, 3, chunk_size=16, computed=32, cap=48)
-    assert ghosts.drain() == [[0, 0, 0, 0]]
+    assert ghosts.drain() == [[0, 0, 16, 16]]
+    assert idx.begin(keys[2], State.STORING) is not None
+    idx.commit(keys[2], True)  # settled: c is the most recent chunk of every ghost
+    ghosts.lookup(keys, 2, 3, chunk_size=16, computed=32, cap=48)
+    assert ghosts.drain() == [[16, 16, 16, 16]]
 
 
 def test_larger_ghosts_hit_at_least_as_often_on_plain_traffic() -> None:
@@ -214,15 +218,11 @@ def test_larger_ghosts_hit_at_least_as_often_on_plain_traffic() -> None:
     ghosts = GhostTiers(16, idx.get, StatsRecorder(totals))
     model = GhostTiers(16, idx.get, mirror=False)
 
-    class Both:
-        def __getattr__(self, hook: str):  # type: ignore[no-untyped-def]
-            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
-                getattr(ghosts, hook)(*args, **kwargs)
-                getattr(model, hook)(*args, **kwargs)
+    def both(event: tuple[int, bytes]) -> None:
+        ghosts.record(event)
+        model.record(event)
 
-            return call
-
-    idx.ghosts = Both()  # type: ignore[assignment]
+    idx.ghost_events = both
     keys = [bytes([i, j]) for i in range(40) for j in range(4)]  # 40 documents of 4 chunks
     weights = [1 / (i + 1) for i in range(40)]
     for _ in range(2000):
@@ -251,22 +251,19 @@ def test_the_thread_counts_what_draining_in_place_counts() -> None:
     threaded = GhostTiers(32, idx.get, StatsRecorder(threaded_totals), background=True)
     inline = GhostTiers(32, idx.get, StatsRecorder(inline_totals))
 
-    class Both:
-        def __getattr__(self, hook: str):  # type: ignore[no-untyped-def]
-            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
-                getattr(threaded, hook)(*args, **kwargs)
-                getattr(inline, hook)(*args, **kwargs)
+    def both(event: tuple[int, bytes]) -> None:
+        threaded.record(event)
+        inline.record(event)
 
-            return call
-
-    idx.ghosts = Both()  # type: ignore[assignment]
+    idx.ghost_events = both
     keys = [bytes([i, j]) for i in range(60) for j in range(4)]
     weights = [1 / (i + 1) for i in range(60)]
     try:
         for step in range(3000):
             doc = rng.choices(range(60), weights)[0]
             prompt = keys[doc * 4 : doc * 4 + 4]
-            idx.ghosts.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=64)
+            for g in (threaded, inline):
+                g.lookup(prompt, 0, 4, chunk_size=16, computed=0, cap=64)
             for k in prompt:
                 if idx.is_ready(k):
                     idx.touch(k)
@@ -287,7 +284,8 @@ def test_a_broken_ghost_stops_counting_and_never_raises(caplog: pytest.LogCaptur
     """A fault while applying the queue (a bug) is logged once and ends the what-if
     counts; the hooks and drain keep working, so no request fails for a metric."""
     idx = ChunkIndex(4)
-    idx.ghosts = ghosts = GhostTiers(4, idx.get)
+    ghosts = GhostTiers(4, idx.get)
+    idx.ghost_events = ghosts.record
 
     def boom(*args: object) -> None:
         raise RuntimeError("ghost bug")
@@ -315,9 +313,7 @@ def test_memory_per_tracked_chunk_at_most_64_bytes() -> None:
     before = tracemalloc.get_traced_memory()[0]
     ghosts = GhostTiers(slots, lambda k: None)
     for n in range(slots * 12):
-        k = rng.randbytes(32)
-        ghosts.begin(k, False, True)
-        ghosts.commit(k, True, False)
+        ghosts.record((STORED, rng.randbytes(32)))
         if n % 1000 == 0:
             ghosts.drain()
     ghosts.drain()
@@ -342,7 +338,7 @@ def test_hooks_do_not_wait_for_the_thread() -> None:
 
             def hooks() -> None:
                 for i in range(1000):
-                    ghosts.begin(i.to_bytes(4, "big"), False, True)
+                    ghosts.record((STORED, i.to_bytes(4, "big")))
                 done.set()
 
             t = threading.Thread(target=hooks)
