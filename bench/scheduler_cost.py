@@ -230,6 +230,11 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
             rec[f"{v}_meta_bytes_max"] = max(lg.meta_bytes or [0])
             rec[f"{v}_index_chunks_after"] = index_len(v, scheds[v])
         rec["vllm_p90_us"] = round(statistics.quantiles(logs["vllm"].us, n=10)[-1], 1)
+        if "kvtier-whatif-off" in logs:
+            # the ghosts' cost, step by step: both ran the same step, side by side
+            paired = [on - off for on, off in
+                      zip(logs["kvtier"].us, logs["kvtier-whatif-off"].us, strict=True)]
+            rec["whatif_added_us_paired_median"] = round(statistics.median(paired), 1)
         records.append(rec)
     for s in scheds.values():
         s.shutdown()
@@ -241,12 +246,16 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
 def whatif_cost_table(steps: list[dict[str, Any]]) -> str:
     """The what-if ghosts' cost per step: kvtier's step with them over without (same
     lockstep, same requests), median step times in µs."""
-    lines = ["", "what-if ghosts (whatif: true vs false, median step, same lockstep):",
-             f"{'running':>8} {'chunks':>10} {'phase':>8} {'off µs':>9} {'on µs':>9} {'on/off':>7}"]
+    lines = ["", "what-if ghosts (whatif: true vs false, same lockstep; paired: the median of "
+             "the per-step differences, each step run by both side by side):",
+             f"{'running':>8} {'chunks':>10} {'phase':>8} {'off µs':>9} {'on µs':>9} "
+             f"{'on/off':>7} {'paired µs':>10} {'paired %':>9}"]
     for r in steps:
         on, off = r["kvtier_step_us"], r["kvtier-whatif-off_step_us"]
+        paired = r["whatif_added_us_paired_median"]
         lines.append(f"{r['running_requests']:>8} {r['index_chunks']:>10,} {r['phase']:>8} "
-                     f"{off:>9.1f} {on:>9.1f} {on / off:>7.3f}")
+                     f"{off:>9.1f} {on:>9.1f} {on / off:>7.3f} {paired:>10.1f} "
+                     f"{100 * paired / off:>8.2f}%")
     return "\n".join(lines)
 
 

@@ -125,7 +125,7 @@ class SchedulerSide:
         #: what more (or less) memory would serve (kvtier.host.ghosts), fed by the index
         self.ghosts: GhostTiers | None = None
         if cfg.whatif:
-            # applied on their own thread, woken once a step (kvtier.host.ghosts)
+            # applied on a thread of their own (kvtier.host.ghosts)
             self.ghosts = GhostTiers(num_slots, self.index.get, self.stats, background=True)
             self.index.ghost_events = self.ghosts.record
         self.remote_source = (
@@ -460,8 +460,6 @@ class SchedulerSide:
         if self.index.evictions != self._last_evictions:
             self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
             self._last_evictions = self.index.evictions
-        if self.ghosts is not None:
-            self.ghosts.kick()  # their step's events, applied while the model runs
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -510,8 +508,6 @@ class SchedulerSide:
         if self._sync_lookup_s:
             delays, self._sync_lookup_s = self._sync_lookup_s, []
             self.stats.observe_many(metrics.LOOKUP_DELAY, delays, ("sync",))
-        if self.ghosts is not None:
-            self.ghosts.count_lookups()  # what the thread has not counted yet
         return self.stats.take()
 
     def reset_cache(self) -> bool:

@@ -12,12 +12,11 @@ ghosts hold it (``bench/ghost_cost.py`` measures it; the README states it).
 
 The index tells its changes as ``(event, key)`` (``ChunkIndex.ghost_events``: one
 ``append`` to a queue, on the scheduler's path, per settled store or fetch, load, touch,
-eviction or reset), and lookups queue theirs. The queue is applied in order on a
-background thread, which the scheduler wakes once per step (:meth:`GhostTiers.kick`, as
-the step's metadata goes to the workers, so it runs while the engine waits for the
-model); before the scheduler's stats are taken, whatever lookups the thread has not
-counted yet are (:meth:`GhostTiers.count_lookups`), so ``/metrics`` never lags a step.
-The order of events is kept, so what is counted does not depend on when the thread runs.
+eviction or reset), and lookups queue theirs. A thread of the ghosts' own applies the
+queue, in order, every :data:`APPLY_EVERY_S` (in a real engine mostly while the
+scheduler's thread waits for the model): nothing else runs on the scheduler's path. The
+counters move when the queue is applied, every scale together, and reach ``/metrics``
+with the next step's stats; what is counted does not depend on when that happens.
 
 Where the real tier is not plain LRU, the model chooses, and these are its
 approximations (each is exact when nothing fails and nothing is busy when an eviction
@@ -318,9 +317,6 @@ class GhostTiers:
         self._wake = threading.Event()
         self._closed = False
         self._broken = False
-        #: lookups queued (by the scheduler's thread) and counted (under ``_lock``) so far
-        self._lookups_queued = 0
-        self._lookups_counted = 0
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(
@@ -374,28 +370,11 @@ class GhostTiers:
                 break
             fetched.append(entry.fetched)
         tokens = _host_tokens(fetched, first, chunk_size, computed, cap)
-        for i, is_real in enumerate(self._is_real):
-            if is_real and self.stats is not None and tokens:
-                self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
-        self._lookups_queued += 1  # (written by this thread only)
-        self._events.append(
-            (_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens, self._lookups_queued)
-        )
+        # counted with the other scales, when the queue reaches it: every scale's counter
+        # moves at once
+        self._events.append((_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens))
 
     # ---- applying the queue --------------------------------------------------------------
-    def kick(self) -> None:
-        """Wake the thread (once per scheduler step) when there is work for it."""
-        if self._events and not self._wake.is_set():
-            self._wake.set()
-
-    def count_lookups(self) -> None:
-        """Apply the queue up to its last lookup, so every lookup queued so far is
-        counted (before the scheduler's stats are taken: ``/metrics`` never lags a
-        step). The thread has usually done it while the model ran; what was queued
-        after (this step's settled stores) is left to it."""
-        while self._lookups_counted < self._lookups_queued and self._events:
-            self.drain(64)
-
     def drain(self, limit: int | None = None) -> list[list[int]]:
         """Apply every queued event (at most ``limit``), in order; returns each lookup's
         tokens per scale (in :data:`SCALES` order)."""
@@ -410,8 +389,7 @@ class GhostTiers:
                     continue
                 try:
                     if ev[0] == _LOOKUP:
-                        self._lookups_counted = ev[8]
-                        counts.append(self._count(*ev[1:8]))
+                        counts.append(self._count(*ev[1:]))
                     elif ev[0] == _PEEK:
                         ev[2][:] = self._runs(ev[1])
                     else:
@@ -475,23 +453,28 @@ class GhostTiers:
             else:
                 run = peek[self._ghost_of[i]][: stop - first] if peek else []
                 tokens = _host_tokens(run, first, chunk_size, computed, cap)
-                if self.stats is not None and tokens:
-                    self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
+            if self.stats is not None and tokens:
+                self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
             out.append(tokens)
         return out
 
 
+#: how often the ghosts' thread applies what was queued (the counters' lag at most)
+APPLY_EVERY_S = 0.05
+
+
 def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) -> None:
-    """The ghosts' thread: applies the queue when woken (or every half second), and
-    ends with them (``close``, or once nothing else refers to them)."""
+    """The ghosts' thread: applies the queue every :data:`APPLY_EVERY_S`, in short
+    slices that let the engine's other threads run between them, and ends with the
+    ghosts (``close``, or once nothing else refers to them). Nobody wakes it: the
+    scheduler step pays its appends and nothing else."""
     while True:
-        wake.wait(0.5)
-        wake.clear()
+        wake.wait(APPLY_EVERY_S)
         ghosts = ref()
         if ghosts is None or ghosts._closed:
             return
-        while ghosts._events:  # in slices, letting the engine's other threads run
-            ghosts.drain(256)
+        while ghosts._events:
+            ghosts.drain(64)
             time.sleep(0)
         del ghosts
 
