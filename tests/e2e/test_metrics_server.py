@@ -218,6 +218,9 @@ def _settled(scrape: Scrape) -> bool:
         scrape.value("kvtier:hit_tokens_total") > 0
         and scrape.value("kvtier:ttft_seconds_count", outcome="miss") > 0
         and scrape.value("vllm:prompt_tokens_cached_by_source_total", source="host") > 0
+        # the ghosts' counts move when their thread applies its queue (every 50 ms)
+        and scrape.value("kvtier:whatif_hit_tokens_total", tier="host", scale="1")
+        == scrape.value("kvtier:hit_tokens_total", tier="host")
     )
 
 
