@@ -186,10 +186,6 @@ class StackLRU:
         slot = self.table.find(fp)
         return -1 if slot < 0 else self.table.pos[slot]
 
-    def holds(self, pos: int) -> list[bool]:
-        """Whether each ghost holds the key at live position ``pos``."""
-        return [pos >= s for s in self.start]
-
     def keys(self, g: int) -> list[tuple[int, int]]:
         """Ghost ``g``'s keys and flags, least recently used first (tests)."""
         return [(self.log[m.start()], m[0][0]) for m in _LIVE.finditer(self.flags, self.start[g])]
@@ -219,11 +215,6 @@ class StackLRU:
         self._evict_over()
         if len(self.log) > 2 * len(table) + 4096:
             self._compact()
-
-    def set_flags(self, fp: int, flags: int) -> None:
-        pos = self.position(fp)
-        if pos >= 0:
-            self.flags[pos] = flags
 
     def remove(self, fp: int) -> None:
         """No ghost holds ``fp`` any more."""
@@ -310,7 +301,8 @@ class GhostTiers:
         #: scale index -> its ghost in the stack
         self._ghost_of = {i: g for g, i in enumerate(order)}
         self._labels = tuple(("host", s) for s in self.scales)
-        self._events: deque[tuple[Any, ...]] = deque()
+        #: bounded: a thread that fell this far behind resets the ghosts (``_overflowed``)
+        self._events: deque[tuple[Any, ...]] = deque(maxlen=MAX_QUEUED)
         #: the index's ``ghost_events``: one append per change, nothing else on its path
         self.record: Callable[[tuple[int, bytes]], None] = self._events.append
         self._lock = threading.Lock()
@@ -399,6 +391,18 @@ class GhostTiers:
                     log.exception("kvtier: the what-if ghost tiers stopped counting")
         return counts
 
+    def _overflowed(self) -> None:
+        """The queue filled (its oldest events were dropped): the ghosts no longer see
+        what the real tier saw, so they start again empty, and say so."""
+        with self._lock:
+            self._events.clear()
+            self.stack.clear()
+        log.warning(
+            "kvtier: the what-if ghost tiers fell %d events behind (their thread was "
+            "starved of CPU) and start again empty: kvtier:whatif_hit_tokens undercounts "
+            "until they fill", MAX_QUEUED,
+        )  # fmt: skip
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
@@ -461,6 +465,8 @@ class GhostTiers:
 
 #: how often the ghosts' thread applies what was queued (the counters' lag at most)
 APPLY_EVERY_S = 0.05
+#: events queued at most (about 15 MB): seconds of a busy engine's stores
+MAX_QUEUED = 1 << 18
 
 
 def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) -> None:
@@ -473,6 +479,8 @@ def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) ->
         ghosts = ref()
         if ghosts is None or ghosts._closed:
             return
+        if len(ghosts._events) >= MAX_QUEUED:
+            ghosts._overflowed()
         while ghosts._events:
             ghosts.drain(64)
             time.sleep(0)

@@ -362,3 +362,29 @@ def test_the_thread_ends_with_its_ghosts() -> None:
     gc.collect()
     thread.join(timeout=3)
     assert not thread.is_alive()
+
+
+def test_a_starved_thread_resets_the_ghosts_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The queue is bounded: when the thread falls that far behind (its oldest events
+    dropped), the ghosts start again empty, with a warning, instead of counting from a
+    history with holes or growing without bound."""
+    from kvtier.host import ghosts as ghosts_mod
+
+    monkeypatch.setattr(ghosts_mod, "MAX_QUEUED", 64)
+    idx = ChunkIndex(8)
+    ghosts = GhostTiers(8, idx.get)
+    idx.ghost_events = ghosts.record
+    for i in range(40):  # 40 stores: the ghosts hold them
+        idx.begin(bytes([i]), State.STORING)
+        idx.commit(bytes([i]), True)
+    ghosts.drain()
+    assert len(ghosts.stack) == 40
+    for i in range(100):  # more than the queue holds, nothing applied meanwhile
+        ghosts.record((STORED, bytes([100 + i])))
+    assert len(ghosts._events) == 64
+    with caplog.at_level(logging.WARNING, logger="kvtier.host.ghosts"):
+        ghosts._overflowed()
+    assert len(ghosts.stack) == 0 and not ghosts._events
+    assert "fell 64 events behind" in caplog.text
