@@ -1,9 +1,10 @@
 """Ghost object tiers: what an object tier of another size would have served this engine.
 
-Each :class:`ObjectGhost` holds chunk keys only (no bytes), least recently used first,
-with the time each was last made young, fed by what the scheduler side sees of the
-object tier: the uploads it plans (:meth:`ObjectGhostTiers.uploaded`) and the lookups it
-starts (:meth:`ObjectGhostTiers.lookup`, which reads the run of chunks a ghost holds).
+Each :class:`ObjectGhost` holds chunk keys only (no bytes; each as an 8-byte fingerprint),
+least recently used first, with the time each was last made young, fed by what the
+scheduler side sees of the object tier: the uploads it plans
+(:meth:`ObjectGhostTiers.uploaded`) and the lookups it starts
+(:meth:`ObjectGhostTiers.lookup`, which reads the run of chunks a ghost holds).
 
 Bounded (``file_max_bytes`` on a directory tier) a ghost has that bound times its scale
 and evicts by the real tier's policy (:class:`~kvtier.objects.tiers.file.DirectorySweep`):
@@ -46,19 +47,37 @@ the ghost object tiers answer "with today's host tier, an object tier of that si
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier import metrics
+from kvtier.host.ghosts import fingerprint
 from kvtier.stats import StatsRecorder
 
 #: the ghost tiers' sizes, as multiples of the real tier's bound (the ``scale`` label)
 SCALES: tuple[str, ...] = metrics.WHATIF_SCALES
 
+_MAX_LOAD = 0.7  # of a ghost's table slots used, at most
+
+
+def _slots_for(keys: int) -> int:
+    """Table slots enough for ``keys`` keys."""
+    return max(8, int(keys / _MAX_LOAD) + 1)
+
 
 class ObjectGhost:
     """One what-if object tier: chunk keys in LRU order, ``capacity`` bytes (None: no
-    bound; ``fraction_of``: a share of another ghost's current bytes)."""
+    bound; ``fraction_of``: a share of another ghost's current bytes).
+
+    A key is kept as its 8-byte :func:`~kvtier.host.ghosts.fingerprint` (the key's bytes
+    are not kept), in one open-addressing table (linear probing, backward-shift deletion)
+    of flat arrays that is also the LRU list: per slot the fingerprint, when it was last
+    made young and the slots of the keys used just before and after it, 24 bytes a slot,
+    at most 70 % of the slots used. A bounded ghost's table grows (by half) up to the
+    size its bound needs and no further: about 41 bytes a key held when it has just
+    evicted to a ``low_water`` of 0.9; an unbounded one's 35 to 55 (measured with
+    tracemalloc: tests/kvtier/test_object_ghosts.py). Two keys sharing a fingerprint (one
+    in 2**64 a pair) would share an entry: a what-if count off by a chunk."""
 
     def __init__(
         self,
@@ -76,30 +95,72 @@ class ObjectGhost:
         self.touch_after_s = touch_after_s
         self.clock = clock
         self.fraction_of = fraction_of
-        #: key -> when it was last made young (clock), least recently used first
-        self._lru: OrderedDict[bytes, float] = OrderedDict()
+        #: the table's size once it holds the most keys the bound allows (None: no bound)
+        self._full_slots: int | None = None
+        if capacity is not None and fraction_of is None:
+            self._full_slots = _slots_for(max(0, capacity) // self.chunk_bytes + 1)
+        self._init(8 if self._full_slots is None else min(64, self._full_slots))
+
+    def _init(self, size: int) -> None:
+        self._size = size
+        #: per slot: the key's fingerprint (0: an empty slot), when it was last made young
+        #: (clock), and the slots of the keys used before and after it (-1: none)
+        self._fps = array("q", bytes(8 * size))
+        self._times = array("d", bytes(8 * size))
+        self._prev = array("i", bytes(4 * size))
+        self._next = array("i", bytes(4 * size))
+        self._count = 0
+        self._head = -1  # the least recently used key's slot
+        self._tail = -1  # the most recently used key's slot
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._count
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._lru
+        return self._find(fingerprint(key)) >= 0
 
-    def keys(self) -> list[bytes]:
-        """The keys held, least recently used first (tests)."""
-        return list(self._lru)
+    def fingerprints(self) -> list[int]:
+        """The keys held, as their :func:`~kvtier.host.ghosts.fingerprint`, least recently
+        used first (tests)."""
+        fps, nxt = self._fps, self._next
+        out: list[int] = []
+        i = self._head
+        while i >= 0:
+            out.append(fps[i])
+            i = nxt[i]
+        return out
 
     @property
     def total_bytes(self) -> int:
-        return len(self._lru) * self.chunk_bytes
+        return self._count * self.chunk_bytes
+
+    def memory_bytes(self) -> int:
+        """What the ghost keeps: its table (allocated)."""
+        return self._size * 24
 
     def put(self, key: bytes) -> None:
         """This engine uploads ``key``: a chunk the tier holds is not written again (and
         stays as old as it was); a new one is written, the youngest, after the oldest
         were evicted to ``low_water`` when it would take the tier past its bound."""
-        if key in self._lru:
-            return
-        self._lru[key] = self.clock()
+        fp = fingerprint(key)
+        fps, size = self._fps, self._size
+        i = fp % size
+        while True:  # (_find, keeping the empty slot it ends at)
+            f = fps[i]
+            if f == fp:
+                return
+            if not f:
+                break
+            i += 1
+            if i == size:
+                i = 0
+        if self._count + 1 > size * _MAX_LOAD:
+            self._add(fp, self.clock())
+        else:
+            fps[i] = fp
+            self._times[i] = self.clock()
+            self._count += 1
+            self._link_last(i)
         if self.fraction_of is not None:
             share, of = self.fraction_of
             self._evict_to(int(share * of.total_bytes))
@@ -110,24 +171,150 @@ class ObjectGhost:
         """End of the run of held chunks ``keys[start:stop]`` begins with; each one read
         is made young as the real tier's read makes it (only when old enough)."""
         now = self.clock()
-        lru = self._lru
+        times = self._times
         i = start
         while i < stop:
-            t = lru.get(keys[i])
-            if t is None:
+            slot = self._find(fingerprint(keys[i]))
+            if slot < 0:
                 break
-            if now - t > self.touch_after_s:
-                lru[keys[i]] = now
-                lru.move_to_end(keys[i])
+            if now - times[slot] > self.touch_after_s:
+                times[slot] = now
+                if slot != self._tail:
+                    self._unlink(slot)
+                    self._link_last(slot)
             i += 1
         return i
 
     def _evict_to(self, target: int, keep: int = 0) -> None:
         """The least recently used out until at most ``target`` bytes are held, but never
         the youngest ``keep`` (the write making room is not evicted for itself)."""
-        lru = self._lru
-        while len(lru) > keep and len(lru) * self.chunk_bytes > target:
-            lru.popitem(last=False)
+        nxt, prv = self._next, self._prev
+        while self._count > keep and self._count * self.chunk_bytes > target:
+            slot = self._head
+            n = nxt[slot]  # (_unlink of the head)
+            self._head = n
+            if n >= 0:
+                prv[n] = -1
+            else:
+                self._tail = -1
+            self._remove(slot)
+
+    # ---- the table -------------------------------------------------------------------
+    def _find(self, fp: int) -> int:
+        """The slot holding ``fp``, or -1."""
+        fps, size = self._fps, self._size
+        i = fp % size
+        while True:
+            f = fps[i]
+            if f == fp:
+                return i
+            if not f:
+                return -1
+            i += 1
+            if i == size:
+                i = 0
+
+    def _add(self, fp: int, t: float) -> None:
+        """``fp`` (not held) in, the most recently used, made young at ``t``."""
+        if (self._count + 1) > self._size * _MAX_LOAD:
+            self._grow()
+        fps, size = self._fps, self._size
+        i = fp % size
+        while fps[i]:
+            i += 1
+            if i == size:
+                i = 0
+        fps[i] = fp
+        self._times[i] = t
+        self._count += 1
+        self._link_last(i)
+
+    def _link_last(self, slot: int) -> None:
+        tail = self._tail
+        self._prev[slot] = tail
+        self._next[slot] = -1
+        if tail >= 0:
+            self._next[tail] = slot
+        else:
+            self._head = slot
+        self._tail = slot
+
+    def _unlink(self, slot: int) -> None:
+        p, n = self._prev[slot], self._next[slot]
+        if p >= 0:
+            self._next[p] = n
+        else:
+            self._head = n
+        if n >= 0:
+            self._prev[n] = p
+        else:
+            self._tail = p
+
+    def _remove(self, slot: int) -> None:
+        """Empty ``slot`` (unlinked), moving back the keys after it that probed past it
+        (and relinking their neighbours to where they are now)."""
+        fps, times, prv, nxt, size = self._fps, self._times, self._prev, self._next, self._size
+        i = slot
+        j = i
+        while True:
+            j += 1
+            if j == size:
+                j = 0
+            f = fps[j]
+            if not f:
+                break
+            home = f % size
+            # move f to i unless its home lies cyclically in (i, j]
+            if (i < j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                fps[i] = f
+                times[i] = times[j]
+                p, n = prv[j], nxt[j]
+                prv[i] = p
+                nxt[i] = n
+                if p >= 0:
+                    nxt[p] = i
+                else:
+                    self._head = i
+                if n >= 0:
+                    prv[n] = i
+                else:
+                    self._tail = i
+                i = j
+        fps[i] = 0
+        self._count -= 1
+
+    def _grow(self) -> None:
+        """A larger table (half as large again, up to what the bound needs), the keys in
+        the same order."""
+        size = max(self._size + 1, self._size * 3 // 2)
+        if self._full_slots is not None and self._full_slots > self._size:
+            size = min(size, self._full_slots)
+        old_fps, old_times, old_next = self._fps, self._times, self._next
+        i = self._head
+        count = self._count
+        self._init(size)
+        fps, times, prv, nxt = self._fps, self._times, self._prev, self._next
+        last = -1
+        while i >= 0:
+            fp = old_fps[i]
+            j = fp % size
+            while fps[j]:
+                j += 1
+                if j == size:
+                    j = 0
+            fps[j] = fp
+            times[j] = old_times[i]
+            prv[j] = last
+            if last >= 0:
+                nxt[last] = j
+            else:
+                self._head = j
+            last = j
+            i = old_next[i]
+        if last >= 0:
+            nxt[last] = -1
+        self._tail = last
+        self._count = count
 
 
 class ObjectGhostTiers:

@@ -1,16 +1,26 @@
 """Ghost object tiers against the real bound they model: a :class:`FileTier` directory
 with ``max_bytes`` kept by its own :class:`DirectorySweep` on every write, driven by the same random
 writes and reads, holds exactly the keys the ghost of that bound holds, at every scale;
-an unbounded tier's ghosts: scales >= 1 never evict, 0.5 keeps half."""
+an unbounded tier's ghosts: scales >= 1 never evict, 0.5 keeps half; the ghosts (keys kept
+as fingerprints in flat arrays) equal the plain OrderedDict model they replaced, and a
+ghost entry costs at most 64 bytes."""
 
 from __future__ import annotations
 
 import os
 import random
+import tracemalloc
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvtier.host.ghosts import fingerprint
+from kvtier.objects import ghosts as ghosts_mod
 from kvtier.objects.ghosts import ObjectGhost, ObjectGhostTiers
 from kvtier.objects.tiers import file as file_mod
 from kvtier.objects.tiers.file import FileTier
@@ -34,6 +44,93 @@ class Clock:
     def stamp(self) -> float:
         self._last = max(self.t, self._last + 1e-4)
         return self._last
+
+
+def held(ghost: ObjectGhost, candidates: Iterable[bytes]) -> list[bytes]:
+    """The keys of ``candidates`` the ghost holds, least recently used first (the ghost
+    keeps fingerprints only); every key it holds must be among them."""
+    by_fp = {fingerprint(k): k for k in candidates}
+    return [by_fp[fp] for fp in ghost.fingerprints()]
+
+
+class RefObjectGhost:
+    """The plain model the ghost must equal: the keys themselves in an OrderedDict, key ->
+    when it was last made young (the implementation before fingerprints)."""
+
+    def __init__(
+        self,
+        chunk_bytes: int,
+        capacity: int | None,
+        *,
+        low_water: float,
+        touch_after_s: float,
+        clock: Callable[[], float],
+        fraction_of: tuple[float, RefObjectGhost] | None = None,
+    ) -> None:
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.capacity = capacity
+        self.low_water = low_water
+        self.touch_after_s = touch_after_s
+        self.clock = clock
+        self.fraction_of = fraction_of
+        self._lru: OrderedDict[bytes, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[bytes]:
+        return list(self._lru)
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self._lru) * self.chunk_bytes
+
+    def put(self, key: bytes) -> None:
+        if key in self._lru:
+            return
+        self._lru[key] = self.clock()
+        if self.fraction_of is not None:
+            share, of = self.fraction_of
+            self._evict_to(int(share * of.total_bytes))
+        elif self.capacity is not None and self.total_bytes > self.capacity:
+            self._evict_to(int(self.capacity * self.low_water), keep=1)
+
+    def read_run(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        now = self.clock()
+        lru = self._lru
+        i = start
+        while i < stop:
+            t = lru.get(keys[i])
+            if t is None:
+                break
+            if now - t > self.touch_after_s:
+                lru[keys[i]] = now
+                lru.move_to_end(keys[i])
+            i += 1
+        return i
+
+    def _evict_to(self, target: int, keep: int = 0) -> None:
+        lru = self._lru
+        while len(lru) > keep and len(lru) * self.chunk_bytes > target:
+            lru.popitem(last=False)
+
+
+def ref_tiers(
+    chunk_bytes: int, max_bytes: int | None, low_water: float, clock: Clock
+) -> ObjectGhostTiers:
+    """The same tiers, their ghosts the model's (:class:`RefObjectGhost`)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ghosts_mod, "ObjectGhost", RefObjectGhost)
+        ref = ObjectGhostTiers(
+            chunk_bytes, max_bytes, low_water=low_water, touch_after_s=30.0, clock=clock
+        )
+    assert all(isinstance(g, RefObjectGhost) for g in ref.ghosts)
+    return ref
+
+
+def ref_keys(ghost: object) -> list[bytes]:
+    assert isinstance(ghost, RefObjectGhost)
+    return ghost.keys()
 
 
 class SweptDirectory:
@@ -114,9 +211,14 @@ def test_ghosts_hold_what_the_swept_directory_holds(tmp_path: Path) -> None:
         for d in dirs.values():
             d.put(key)
         for s in ghosts.scales:  # (a write makes its room first)
-            want = {file_mod._place(k.hex())[1] for k in ghosts.ghost(s).keys()}
-            assert dirs[s].keys() == want, (step, s)
-        evicted = evicted or len(ghosts.ghost("1")) < len({*ghosts.ghost("8").keys()})
+            # the directory's objects, as the fingerprints of their keys: those the ghost holds
+            names = dirs[s].keys()
+            on_disk = [k for k in keys if file_mod._place(k.hex())[1] in names]
+            assert len(on_disk) == len(names), (step, s)
+            got = ghosts.ghost(s).fingerprints()
+            assert len(got) == len(ghosts.ghost(s)), (step, s)
+            assert sorted(got) == sorted(fingerprint(k) for k in on_disk), (step, s)
+        evicted = evicted or len(ghosts.ghost("1")) < len({*ghosts.ghost("8").fingerprints()})
     assert evicted  # the bound was reached: the sweep's order was exercised
     assert list(hits.values()) == sorted(hits.values()) and hits["8"] > hits["0.5"], hits
 
@@ -127,10 +229,10 @@ def test_a_young_object_is_not_made_young_by_a_read() -> None:
     g.put(b"a")
     g.put(b"b")
     g.read_run([b"a"], 0, 1)  # younger than TOUCH: the real tier leaves its mtime
-    assert g.keys() == [b"a", b"b"]
+    assert held(g, [b"a", b"b"]) == [b"a", b"b"]
     clock.t += TOUCH + 1
     g.read_run([b"a"], 0, 1)
-    assert g.keys() == [b"b", b"a"]
+    assert held(g, [b"a", b"b"]) == [b"b", b"a"]
 
 
 def test_unbounded_tier_scales() -> None:
@@ -140,6 +242,138 @@ def test_unbounded_tier_scales() -> None:
     # scales >= 1 are the tier itself (one ghost, never evicting); 0.5 keeps half, LRU
     assert len(ghosts.ghosts) == 2
     assert all(len(ghosts.ghost(s)) == 40 for s in ("1", "2", "4", "8"))
-    assert ghosts.ghost("0.5").keys() == keys[20:]
+    assert held(ghosts.ghost("0.5"), keys) == keys[20:]
     assert ghosts.lookup(keys, 0, 40) == (0, 40, 40, 40, 40)
     assert ghosts.lookup(keys, 30, 40) == (40, 40, 40, 40, 40)
+
+
+_POOL = [f"chunk-{i}".encode() for i in range(24)]
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.lists(st.integers(0, len(_POOL) - 1), max_size=6)),
+        st.tuples(
+            st.just("read"),
+            st.lists(st.integers(0, len(_POOL) - 1), min_size=1, max_size=8),
+            st.integers(0, 8),
+            st.integers(0, 8),
+        ),
+        st.tuples(st.just("tick"), st.sampled_from((0.0, 0.5, 1.0, 29.0, 30.0, 31.0, 100.0))),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunk_bytes=st.sampled_from((1, 7, 10)),
+    max_bytes=st.one_of(st.none(), st.integers(1, 120)),
+    low_water=st.sampled_from((0.0, 0.5, 0.9, 1.0)),
+    ops=_OPS,
+)
+def test_ghosts_equal_the_ordered_dict_model(
+    chunk_bytes: int, max_bytes: int | None, low_water: float, ops: list[tuple[Any, ...]]
+) -> None:
+    """Random uploads, lookups (duplicates in a run too) and clock steps (around
+    ``touch_after_s``): every scale's ghost holds the model's keys in its order, and the
+    lookups answer alike (every ghost: the model built by the same ObjectGhostTiers)."""
+    clock = Clock()
+    new = ObjectGhostTiers(
+        chunk_bytes, max_bytes, low_water=low_water, touch_after_s=30.0, clock=clock
+    )
+    ref = ref_tiers(chunk_bytes, max_bytes, low_water, clock)
+    assert [g.capacity for g in new.ghosts] == [g.capacity for g in ref.ghosts]
+    for op in ops:
+        if op[0] == "put":
+            batch = [_POOL[i] for i in op[1]]
+            new.uploaded(batch)
+            ref.uploaded(batch)
+        elif op[0] == "read":
+            run = [_POOL[i] for i in op[1]]
+            start, stop = min(op[2], len(run)), min(op[3], len(run))
+            assert new.lookup(run, start, stop) == ref.lookup(run, start, stop)
+        else:
+            clock.t += op[1]
+        for g, r in zip(new.ghosts, ref.ghosts, strict=True):
+            assert g.fingerprints() == [fingerprint(k) for k in ref_keys(r)]
+            assert len(g) == len(r) and g.total_bytes == r.total_bytes
+        held_ref = set(ref_keys(ref.ghosts[-1]))
+        assert all((k in new.ghosts[-1]) == (k in held_ref) for k in _POOL)
+
+
+def _churned_bytes_per_entry(make: Callable[[Callable[[], float]], ObjectGhost], n: int) -> float:
+    """tracemalloc bytes per entry of the ghost ``make`` builds, after at least ``n``
+    uploads of fresh keys (each dropped by the test at once: only what the ghost keeps
+    counts), with reads of recent ones made young across the clock's steps, stopped where
+    it keeps the most per entry: at the upload that made it evict (down to its low water)
+    or grow its table."""
+    clock = Clock()
+    rng = random.Random(3)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ghost = make(clock)
+        i = 0
+        while True:
+            held, size = len(ghost), ghost.memory_bytes()
+            ghost.put(f"chunk-{i}".encode())
+            if i >= n and (len(ghost) <= held or ghost.memory_bytes() > size):
+                break
+            if i % 4 == 0:
+                recent = [f"chunk-{i - rng.randrange(min(i + 1, 500))}".encode()]
+                ghost.read_run(recent, 0, 1)
+            clock.t += 1.0
+            i += 1
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    entries = len(ghost)
+    assert entries > 0 and ghost.memory_bytes() <= used
+    print(f"{used / entries:.1f} B per entry ({entries} entries, {used} B, {i + 1} puts)")
+    return used / entries
+
+
+@pytest.mark.parametrize("keys", [1000, 5000, 6000, 8192])
+def test_a_bounded_ghost_entry_costs_at_most_64_bytes(keys: int) -> None:
+    """A full bounded ghost, churned well past its bound (it evicted to its low water
+    many times) and measured as it just evicted, at several sizes (its table's size
+    follows the bound)."""
+
+    def make(clock: Callable[[], float]) -> ObjectGhost:
+        return ObjectGhost(OBJ, keys * OBJ, low_water=0.9, touch_after_s=10.0, clock=clock)
+
+    per_entry = _churned_bytes_per_entry(make, keys * 4)
+    assert per_entry <= 64, per_entry
+
+
+@pytest.mark.parametrize("n", [4000, 20000])
+def test_an_unbounded_ghost_entry_costs_at_most_64_bytes(n: int) -> None:
+    """Measured as its table just grew (the fewest keys per slot)."""
+
+    def make(clock: Callable[[], float]) -> ObjectGhost:
+        return ObjectGhost(OBJ, None, low_water=0.9, touch_after_s=10.0, clock=clock)
+
+    per_entry = _churned_bytes_per_entry(make, n)
+    assert per_entry <= 64, per_entry
+
+
+@pytest.mark.parametrize("max_bytes", [None, 700 * OBJ, 2500 * OBJ])
+def test_large_ghosts_equal_the_ordered_dict_model(max_bytes: int | None) -> None:
+    """As above with thousands of keys: tables that grow many times, long probe runs."""
+    clock = Clock()
+    new = ObjectGhostTiers(OBJ, max_bytes, low_water=0.9, touch_after_s=30.0, clock=clock)
+    ref = ref_tiers(OBJ, max_bytes, 0.9, clock)
+    rng = random.Random(11)
+    pool = [rng.randbytes(16) for _ in range(4000)]
+    for step in range(20000):
+        clock.t += rng.choice((0.0, 1.0, 10.0))
+        if rng.random() < 0.4:
+            k = rng.randrange(len(pool) - 8)
+            assert new.lookup(pool, k, k + 8) == ref.lookup(pool, k, k + 8), step
+        else:
+            batch = [pool[min(int(rng.paretovariate(0.5)), len(pool)) - 1] for _ in range(3)]
+            new.uploaded(batch)
+            ref.uploaded(batch)
+    for g, r in zip(new.ghosts, ref.ghosts, strict=True):
+        assert g.fingerprints() == [fingerprint(k) for k in ref_keys(r)]
+    sizes = [len(g) for g in new.ghosts]
+    assert max(sizes) > 1000 and min(sizes) < max(sizes)  # grown, and evicted
