@@ -149,14 +149,14 @@ class RemoteLookups:
             return
         remote = st.hit_sources.get("remote", 0)
         lk = st.lookup
-        if lk is None or not lk.whatif_end:
+        if lk is None or lk.whatif_end is None:
             ghosts.count([remote] * len(ghosts.scales))
             return
         lo = max(computed, lk.first_chunk * self.chunk_size)
         from_lookup = min(remote, max(0, computed + loaded - lo))
         held = remote - from_lookup
-        ghosts.count([held + max(0, min(cap, end * self.chunk_size) - lo) for end in lk.whatif_end])
-        lk.whatif_end = ()
+        ghosts.count_run(lk.whatif_end, held=held, lo=lo, cap=cap, chunk_size=self.chunk_size)
+        lk.whatif_end = None
 
     def _shared_end(self, st: RequestState, cap: int) -> int:
         """End of the chunks a lookup may ask the object tier for: the loadable ones the

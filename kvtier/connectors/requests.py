@@ -39,7 +39,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +72,9 @@ class Lookup:
     chunks: list[Entry] = field(default_factory=list)
     done: bool = False
     #: per what-if scale, the end of the chunks that object tier would have held
-    #: (kvtier.objects.ghosts); () once counted
-    whatif_end: tuple[int, ...] = ()
+    #: (kvtier.objects.ghosts: filled when their queue reaches the lookup); None once
+    #: counted
+    whatif_end: Sequence[int] | None = None
 
 
 @dataclass(slots=True)

@@ -158,8 +158,9 @@ class SchedulerSide:
         )  # fmt: skip
         if cfg.whatif and self.remote:  # the object tier's ghosts (kvtier.objects.ghosts)
             self.lookups.ghosts = ObjectGhostTiers(
-                self.slot_bytes * self.world_size, cfg.file_max_bytes, self.stats
-            )
+                self.slot_bytes * self.world_size, cfg.file_max_bytes, self.stats,
+                background=True,
+            )  # fmt: skip
         #: vLLM recomputes the blocks a load fails on (else it fails the request)
         self.recompute_failed_loads = shape.kv_load_failure_policy == "recompute"
         self.num_kv_groups = len(kv_cache.groups)
@@ -558,6 +559,8 @@ class SchedulerSide:
         # ghosts' thread
         if self.ghosts is not None:
             self.ghosts.close()
+        if self.lookups.ghosts is not None:
+            self.lookups.ghosts.close()
 
     # ---- helpers ----------------------------------------------------------------------
     def _state(self, request: Request) -> RequestState:

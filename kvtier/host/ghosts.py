@@ -12,11 +12,12 @@ ghosts hold it (``bench/ghost_cost.py`` measures it; the README states it).
 
 The index tells its changes as ``(event, key)`` (``ChunkIndex.ghost_events``: one
 ``append`` to a queue, on the scheduler's path, per settled store or fetch, load, touch,
-eviction or reset), and lookups queue theirs. A thread of the ghosts' own applies the
-queue, in order, every :data:`APPLY_EVERY_S` (in a real engine mostly while the
-scheduler's thread waits for the model): nothing else runs on the scheduler's path. The
-counters move when the queue is applied, every scale together, and reach ``/metrics``
-with the next step's stats; what is counted does not depend on when that happens.
+eviction or reset), and lookups queue theirs (:class:`~kvtier.ghost_queue.GhostQueue`:
+applied in order on a thread of its own every few tens of milliseconds, in a real engine
+mostly while the scheduler's thread waits for the model). Nothing else runs on the
+scheduler's path. The counters move when the queue is applied, every scale together,
+and reach ``/metrics`` with the next step's stats; what is counted does not depend on
+when that happens.
 
 Where the real tier is not plain LRU, the model chooses, and these are its
 approximations (each is exact when nothing fails and nothing is busy when an eviction
@@ -44,24 +45,18 @@ count as the host tier's.
 
 from __future__ import annotations
 
-import logging
 import re
-import threading
-import time
-import weakref
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import metrics
+from kvtier.ghost_queue import GhostQueue
 from kvtier.host import index
 from kvtier.host.index import Entry, State
 
 if TYPE_CHECKING:
     from kvtier.stats import StatsRecorder
-
-log = logging.getLogger(__name__)
 
 #: the ghost tiers' sizes, as multiples of the real tier's slots (the ``scale`` label)
 SCALES: tuple[str, ...] = metrics.WHATIF_SCALES
@@ -301,21 +296,12 @@ class GhostTiers:
         #: scale index -> its ghost in the stack
         self._ghost_of = {i: g for g, i in enumerate(order)}
         self._labels = tuple(("host", s) for s in self.scales)
-        #: bounded: a thread that fell this far behind resets the ghosts (``_overflowed``)
-        self._events: deque[tuple[Any, ...]] = deque(maxlen=MAX_QUEUED)
+        #: the events, applied in order (on a thread of their own with ``background``)
+        self.queue = GhostQueue(
+            self._apply_event, self.stack.clear, name="host ghost tiers", background=background
+        )
         #: the index's ``ghost_events``: one append per change, nothing else on its path
-        self.record: Callable[[tuple[int, bytes]], None] = self._events.append
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        self._broken = False
-        self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(
-                target=_apply_in_background, args=(weakref.ref(self), self._wake),
-                name="kvtier-whatif", daemon=True,
-            )  # fmt: skip
-            self._thread.start()
+        self.record: Callable[[tuple[int, bytes]], None] = self.queue.append
 
     def capacity(self, scale: str) -> int:
         return max(1, round(self.num_slots * float(scale)))
@@ -333,7 +319,7 @@ class GhostTiers:
         (those make the chunks the most recent in every ghost, as a tier of any size
         would once it served or computed them). :meth:`lookup` counts from it."""
         holder: list[list[bool]] = []
-        self._events.append((_PEEK, keys[first:], holder))
+        self.queue.append((_PEEK, keys[first:], holder))
         return holder
 
     def lookup(
@@ -364,50 +350,25 @@ class GhostTiers:
         tokens = _host_tokens(fetched, first, chunk_size, computed, cap)
         # counted with the other scales, when the queue reaches it: every scale's counter
         # moves at once
-        self._events.append((_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens))
+        self.queue.append((_LOOKUP, peek, first, stop, chunk_size, computed, cap, tokens))
 
     # ---- applying the queue --------------------------------------------------------------
-    def drain(self, limit: int | None = None) -> list[list[int]]:
-        """Apply every queued event (at most ``limit``), in order; returns each lookup's
-        tokens per scale (in :data:`SCALES` order)."""
-        counts: list[list[int]] = []
-        with self._lock:
-            events = self._events
-            left = -1 if limit is None else limit
-            while events and left != 0:
-                left -= 1
-                ev = events.popleft()
-                if self._broken:
-                    continue
-                try:
-                    if ev[0] == _LOOKUP:
-                        counts.append(self._count(*ev[1:]))
-                    elif ev[0] == _PEEK:
-                        ev[2][:] = self._runs(ev[1])
-                    else:
-                        self._apply(ev[0], ev[1])
-                except Exception:  # a what-if count must never fail a request
-                    self._broken = True
-                    log.exception("kvtier: the what-if ghost tiers stopped counting")
-        return counts
-
-    def _overflowed(self) -> None:
-        """The queue filled (its oldest events were dropped): the ghosts no longer see
-        what the real tier saw, so they start again empty, and say so."""
-        with self._lock:
-            self._events.clear()
-            self.stack.clear()
-        log.warning(
-            "kvtier: the what-if ghost tiers fell %d events behind (their thread was "
-            "starved of CPU) and start again empty: kvtier:whatif_hit_tokens undercounts "
-            "until they fill", MAX_QUEUED,
-        )  # fmt: skip
+    def drain(self) -> list[list[int]]:
+        """Apply every queued event now; returns each lookup's tokens per scale (in
+        :data:`SCALES` order)."""
+        return self.queue.drain()
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.queue.close()
+
+    def _apply_event(self, ev: tuple[Any, ...]) -> list[int] | None:
+        if ev[0] == _LOOKUP:
+            return self._count(*ev[1:])
+        if ev[0] == _PEEK:
+            ev[2][:] = self._runs(ev[1])
+        else:
+            self._apply(ev[0], ev[1])
+        return None
 
     def _apply(self, op: int, key: bytes) -> None:
         stack = self.stack
@@ -461,30 +422,6 @@ class GhostTiers:
                 self.stats.inc(metrics.WHATIF_HIT_TOKENS, tokens, self._labels[i])
             out.append(tokens)
         return out
-
-
-#: how often the ghosts' thread applies what was queued (the counters' lag at most)
-APPLY_EVERY_S = 0.05
-#: events queued at most (about 15 MB): seconds of a busy engine's stores
-MAX_QUEUED = 1 << 18
-
-
-def _apply_in_background(ref: weakref.ref[GhostTiers], wake: threading.Event) -> None:
-    """The ghosts' thread: applies the queue every :data:`APPLY_EVERY_S`, in short
-    slices that let the engine's other threads run between them, and ends with the
-    ghosts (``close``, or once nothing else refers to them). Nobody wakes it: the
-    scheduler step pays its appends and nothing else."""
-    while True:
-        wake.wait(APPLY_EVERY_S)
-        ghosts = ref()
-        if ghosts is None or ghosts._closed:
-            return
-        if len(ghosts._events) >= MAX_QUEUED:
-            ghosts._overflowed()
-        while ghosts._events:
-            ghosts.drain(64)
-            time.sleep(0)
-        del ghosts
 
 
 def _host_tokens(fetched: list[bool], first: int, chunk_size: int, computed: int, cap: int) -> int:

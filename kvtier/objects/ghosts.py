@@ -49,8 +49,10 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from kvtier import metrics
+from kvtier.ghost_queue import GhostQueue
 from kvtier.host.ghosts import fingerprint
 from kvtier.stats import StatsRecorder
 
@@ -138,10 +140,13 @@ class ObjectGhost:
         """What the ghost keeps: its table (allocated)."""
         return self._size * 24
 
-    def put(self, key: bytes) -> None:
-        """This engine uploads ``key``: a chunk the tier holds is not written again (and
-        stays as old as it was); a new one is written, the youngest, after the oldest
-        were evicted to ``low_water`` when it would take the tier past its bound."""
+    def put(self, key: bytes, now: float | None = None) -> None:
+        """This engine uploads ``key`` (at ``now``, else the clock's time): a chunk the
+        tier holds is not written again (and stays as old as it was); a new one is
+        written, the youngest, after the oldest were evicted to ``low_water`` when it
+        would take the tier past its bound."""
+        if now is None:
+            now = self.clock()
         fp = fingerprint(key)
         fps, size = self._fps, self._size
         i = fp % size
@@ -155,10 +160,10 @@ class ObjectGhost:
             if i == size:
                 i = 0
         if self._count + 1 > size * _MAX_LOAD:
-            self._add(fp, self.clock())
+            self._add(fp, now)
         else:
             fps[i] = fp
-            self._times[i] = self.clock()
+            self._times[i] = now
             self._count += 1
             self._link_last(i)
         if self.fraction_of is not None:
@@ -167,10 +172,14 @@ class ObjectGhost:
         elif self.capacity is not None and self.total_bytes > self.capacity:
             self._evict_to(int(self.capacity * self.low_water), keep=1)
 
-    def read_run(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+    def read_run(
+        self, keys: Sequence[bytes], start: int, stop: int, now: float | None = None
+    ) -> int:
         """End of the run of held chunks ``keys[start:stop]`` begins with; each one read
-        is made young as the real tier's read makes it (only when old enough)."""
-        now = self.clock()
+        (at ``now``, else the clock's time) is made young as the real tier's read makes
+        it (only when old enough)."""
+        if now is None:
+            now = self.clock()
         times = self._times
         i = start
         while i < stop:
@@ -319,7 +328,13 @@ class ObjectGhost:
 
 class ObjectGhostTiers:
     """The object ghosts of every scale in :data:`SCALES` and the
-    ``kvtier:whatif_hit_tokens{tier="remote"}`` they would have served."""
+    ``kvtier:whatif_hit_tokens{tier="remote"}`` they would have served.
+
+    With ``background`` (the scheduler's) every call only queues its event, with the
+    time it happened, for a :class:`~kvtier.ghost_queue.GhostQueue` thread to apply in
+    order: :meth:`lookup` then returns a list that is filled with the scale's run ends
+    when it is applied, which :meth:`count_run` (queued after it) reads. Without, each
+    call applies at once (tests)."""
 
     def __init__(
         self,
@@ -331,17 +346,32 @@ class ObjectGhostTiers:
         touch_after_s: float = 60.0,
         clock: Callable[[], float] = time.time,
         scales: Sequence[str] = SCALES,
+        background: bool = False,
     ) -> None:
         self.stats = stats
         self.scales = tuple(scales)
         self.max_bytes = max_bytes
+        self.clock = clock
+        self._shape = (chunk_bytes, low_water, touch_after_s)
+        self._build()
+        self._labels = tuple(("remote", s) for s in self.scales)
+        self.queue: GhostQueue | None = None
+        if background:
+            self.queue = GhostQueue(
+                self._apply_event, self._build, name="object ghost tiers", background=True
+            )
+
+    def _build(self) -> None:
+        """Every ghost, empty."""
+        chunk_bytes, low_water, touch_after_s = self._shape
+        max_bytes = self.max_bytes
 
         def make(
             cap: int | None, fraction_of: tuple[float, ObjectGhost] | None = None
         ) -> ObjectGhost:
             return ObjectGhost(
-                chunk_bytes, cap, low_water=low_water, touch_after_s=touch_after_s, clock=clock,
-                fraction_of=fraction_of,
+                chunk_bytes, cap, low_water=low_water, touch_after_s=touch_after_s,
+                clock=self.clock, fraction_of=fraction_of,
             )  # fmt: skip
 
         ghosts: list[ObjectGhost] = []
@@ -360,27 +390,90 @@ class ObjectGhostTiers:
                     ghosts.append(make(None, (float(s), whole)))
                     self._ghost_of.append(len(ghosts) - 1)
         self.ghosts = tuple(ghosts)
-        self._labels = tuple(("remote", s) for s in self.scales)
 
     def ghost(self, scale: str) -> ObjectGhost:
         return self.ghosts[self._ghost_of[self.scales.index(scale)]]
 
     def uploaded(self, keys: Iterable[bytes]) -> None:
         """Uploads planned this step (the object keys' block hashes)."""
-        for key in keys:
-            for g in self.ghosts:
-                g.put(key)
+        if self.queue is not None:
+            self.queue.append((_UPLOADED, list(keys), self.clock()))
+        else:
+            self._uploaded(keys, self.clock())
 
-    def lookup(self, keys: Sequence[bytes], start: int, stop: int) -> tuple[int, ...]:
+    def lookup(self, keys: Sequence[bytes], start: int, stop: int) -> Sequence[int]:
         """A lookup from chunk ``start`` (up to ``stop``): for each scale, the end of the
-        run of chunks that tier would have held (read, and so made young, once)."""
-        ends = [g.read_run(keys, start, stop) for g in self.ghosts]
-        return tuple(ends[i] for i in self._ghost_of)
+        run of chunks that tier would have held (read, and so made young, once); queued,
+        a list filled when the queue reaches it."""
+        if self.queue is None:
+            return self._lookup(keys, start, stop, self.clock())
+        ends: list[int] = []
+        self.queue.append((_LOOKUP, keys[start:stop], start, self.clock(), ends))
+        return ends
 
     def count(self, tokens: Sequence[int]) -> None:
         """The tokens each scale would have served to one request."""
+        if self.queue is not None:
+            self.queue.append((_COUNT, list(tokens)))
+        else:
+            self._count(tokens)
+
+    def count_run(
+        self, ends: Sequence[int], *, held: int, lo: int, cap: int, chunk_size: int
+    ) -> None:
+        """Count one request from its lookup's ``ends``: ``held`` tokens (the host tier
+        held them already) plus, per scale, the tokens from ``lo`` up to the end of the
+        run that scale held (at most ``cap``)."""
+        if self.queue is not None:
+            self.queue.append((_COUNT_RUN, ends, held, lo, cap, chunk_size))
+        else:
+            self._count_run(ends, held, lo, cap, chunk_size)
+
+    def drain(self) -> None:
+        """Apply what is queued now (tests)."""
+        if self.queue is not None:
+            self.queue.drain()
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+
+    # ---- applying (at once, or from the queue) --------------------------------------------
+    def _apply_event(self, ev: tuple[Any, ...]) -> None:
+        op = ev[0]
+        if op == _UPLOADED:
+            self._uploaded(ev[1], ev[2])
+        elif op == _LOOKUP:
+            keys, start, now, ends = ev[1], ev[2], ev[3], ev[4]
+            ends[:] = self._lookup(keys, 0, len(keys), now, offset=start)
+        elif op == _COUNT:
+            self._count(ev[1])
+        elif op == _COUNT_RUN:
+            self._count_run(*ev[1:])
+
+    def _uploaded(self, keys: Iterable[bytes], now: float) -> None:
+        for key in keys:
+            for g in self.ghosts:
+                g.put(key, now)
+
+    def _lookup(
+        self, keys: Sequence[bytes], start: int, stop: int, now: float, offset: int = 0
+    ) -> tuple[int, ...]:
+        ends = [offset + g.read_run(keys, start, stop, now) for g in self.ghosts]
+        return tuple(ends[i] for i in self._ghost_of)
+
+    def _count_run(
+        self, ends: Sequence[int], held: int, lo: int, cap: int, chunk_size: int
+    ) -> None:
+        self._count([held + max(0, min(cap, end * chunk_size) - lo) for end in ends])
+
+    def _count(self, tokens: Sequence[int]) -> None:
         if self.stats is None:
             return
         for labels, n in zip(self._labels, tokens, strict=True):
             if n:
                 self.stats.inc(metrics.WHATIF_HIT_TOKENS, n, labels)
+
+
+# the queued events
+_UPLOADED, _LOOKUP, _COUNT, _COUNT_RUN = range(4)

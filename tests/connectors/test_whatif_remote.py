@@ -30,6 +30,8 @@ MAX_BYTES = 20 * SLOT  # 5 of the 12 documents; the host tier (1 MiB) holds 4
 
 
 def whatif_remote(side: SchedulerSide) -> dict[str, int]:
+    assert side.lookups.ghosts is not None
+    side.lookups.ghosts.drain()  # what their thread has not applied yet
     return {
         s: side.totals[total_name(metrics.WHATIF_HIT_TOKENS, ("remote", s))]
         for s in metrics.WHATIF_SCALES

@@ -93,8 +93,9 @@ def index_report(llm) -> dict[str, Any]:
         invariants = True
     except AssertionError as exc:
         invariants = str(exc)
-    if side.ghosts is not None:
-        side.ghosts.drain()  # the what-if events their thread has not applied yet
+    for ghosts in (side.ghosts, side.lookups.ghosts):
+        if ghosts is not None:
+            ghosts.drain()  # the what-if events their thread has not applied yet
     return {
         "refs": idx.total_refs(),
         "invariants": invariants,

@@ -276,7 +276,7 @@ def test_the_thread_counts_what_draining_in_place_counts() -> None:
         threaded.drain()
     finally:
         threaded.close()
-    assert threaded._thread is not None and not threaded._thread.is_alive()
+    assert threaded.queue.thread is not None and not threaded.queue.thread.is_alive()
     assert dict(threaded_totals) == dict(inline_totals)
     assert threaded_totals["whatif_hit_tokens_host_8"] > threaded_totals["whatif_hit_tokens_host_1"]
 
@@ -291,16 +291,16 @@ def test_a_broken_ghost_stops_counting_and_never_raises(caplog: pytest.LogCaptur
     def boom(*args: object) -> None:
         raise RuntimeError("ghost bug")
 
-    ghosts._apply = boom  # type: ignore[method-assign]
-    with caplog.at_level(logging.ERROR, logger="kvtier.host.ghosts"):
+    ghosts.queue._apply = boom
+    with caplog.at_level(logging.ERROR, logger="kvtier.ghost_queue"):
         for k in (b"a", b"b"):
             idx.begin(k, State.STORING)
             idx.commit(k, True)
         ghosts.lookup([b"a"], 0, 1, chunk_size=16, computed=0, cap=16)
         assert ghosts.drain() == []
-    assert ghosts._broken and "stopped counting" in caplog.text
+    assert ghosts.queue.broken and "stopped counting" in caplog.text
     assert caplog.text.count("stopped counting") == 1
-    assert not ghosts._events  # the queue keeps emptying
+    assert not ghosts.queue.events  # the queue keeps emptying
 
 
 def test_memory_per_tracked_chunk_at_most_64_bytes() -> None:
@@ -334,7 +334,7 @@ def test_hooks_do_not_wait_for_the_thread() -> None:
     idx = ChunkIndex(64)
     ghosts = GhostTiers(64, idx.get, background=True)
     try:
-        with ghosts._lock:  # the thread busy applying
+        with ghosts.queue.lock:  # the thread busy applying
             done = threading.Event()
 
             def hooks() -> None:
@@ -356,7 +356,7 @@ def test_the_thread_ends_with_its_ghosts() -> None:
     import gc
 
     ghosts = GhostTiers(8, lambda k: None, background=True)
-    thread = ghosts._thread
+    thread = ghosts.queue.thread
     assert thread is not None and thread.is_alive()
     del ghosts
     gc.collect()
@@ -370,9 +370,9 @@ def test_a_starved_thread_resets_the_ghosts_and_says_so(
     """The queue is bounded: when the thread falls that far behind (its oldest events
     dropped), the ghosts start again empty, with a warning, instead of counting from a
     history with holes or growing without bound."""
-    from kvtier.host import ghosts as ghosts_mod
+    from kvtier import ghost_queue
 
-    monkeypatch.setattr(ghosts_mod, "MAX_QUEUED", 64)
+    monkeypatch.setattr(ghost_queue, "MAX_QUEUED", 64)
     idx = ChunkIndex(8)
     ghosts = GhostTiers(8, idx.get)
     idx.ghost_events = ghosts.record
@@ -383,8 +383,8 @@ def test_a_starved_thread_resets_the_ghosts_and_says_so(
     assert len(ghosts.stack) == 40
     for i in range(100):  # more than the queue holds, nothing applied meanwhile
         ghosts.record((STORED, bytes([100 + i])))
-    assert len(ghosts._events) == 64
-    with caplog.at_level(logging.WARNING, logger="kvtier.host.ghosts"):
-        ghosts._overflowed()
-    assert len(ghosts.stack) == 0 and not ghosts._events
+    assert len(ghosts.queue.events) == 64
+    with caplog.at_level(logging.WARNING, logger="kvtier.ghost_queue"):
+        ghosts.queue.overflowed()
+    assert len(ghosts.stack) == 0 and not ghosts.queue.events
     assert "fell 64 events behind" in caplog.text

@@ -85,18 +85,20 @@ class RefObjectGhost:
     def total_bytes(self) -> int:
         return len(self._lru) * self.chunk_bytes
 
-    def put(self, key: bytes) -> None:
+    def put(self, key: bytes, now: float | None = None) -> None:
         if key in self._lru:
             return
-        self._lru[key] = self.clock()
+        self._lru[key] = self.clock() if now is None else now
         if self.fraction_of is not None:
             share, of = self.fraction_of
             self._evict_to(int(share * of.total_bytes))
         elif self.capacity is not None and self.total_bytes > self.capacity:
             self._evict_to(int(self.capacity * self.low_water), keep=1)
 
-    def read_run(self, keys: Sequence[bytes], start: int, stop: int) -> int:
-        now = self.clock()
+    def read_run(
+        self, keys: Sequence[bytes], start: int, stop: int, now: float | None = None
+    ) -> int:
+        now = self.clock() if now is None else now
         lru = self._lru
         i = start
         while i < stop:
@@ -377,3 +379,46 @@ def test_large_ghosts_equal_the_ordered_dict_model(max_bytes: int | None) -> Non
         assert g.fingerprints() == [fingerprint(k) for k in ref_keys(r)]
     sizes = [len(g) for g in new.ghosts]
     assert max(sizes) > 1000 and min(sizes) < max(sizes)  # grown, and evicted
+
+
+@pytest.mark.parametrize("max_bytes", [None, 30 * 1000])
+def test_queued_ghosts_count_what_applying_at_once_counts(max_bytes: int | None) -> None:
+    """The scheduler's object ghosts only queue each upload, lookup and count with the
+    time it happened; their thread applies them later, while the clock has moved on:
+    every lookup's run ends and every total equal those of the same calls applied at
+    once."""
+    from kvtier import metrics
+    from kvtier.stats import StatsRecorder, Totals, total_name
+
+    names = [total_name(metrics.WHATIF_HIT_TOKENS, ("remote", s)) for s in metrics.WHATIF_SCALES]
+    clock = Clock()
+    now_totals, queued_totals = Totals(names), Totals(names)
+    now = ObjectGhostTiers(1000, max_bytes, StatsRecorder(now_totals), touch_after_s=TOUCH,
+                           clock=lambda: clock.t)  # fmt: skip
+    queued = ObjectGhostTiers(1000, max_bytes, StatsRecorder(queued_totals), touch_after_s=TOUCH,
+                              clock=lambda: clock.t, background=True)  # fmt: skip
+    rng = random.Random(4)
+    keys = [bytes([i]) * 8 for i in range(80)]
+    runs: list[tuple[Sequence[int], Sequence[int]]] = []
+    try:
+        for step in range(600):
+            clock.t += rng.choice((1.0, 30.0, 90.0))
+            doc = int(rng.paretovariate(1.0)) % 20
+            prompt = keys[doc * 4 : doc * 4 + 4]
+            a, b = now.lookup(prompt, 0, 4), queued.lookup(prompt, 0, 4)
+            runs.append((a, b))
+            for g, end in ((now, a), (queued, b)):
+                g.count_run(end, held=16, lo=0, cap=64, chunk_size=16)
+            if rng.random() < 0.5:
+                now.uploaded(prompt)
+                queued.uploaded(prompt)
+            if step % 50 == 0:
+                queued.count([1] * len(names))
+                now.count([1] * len(names))
+        clock.t += 10_000  # later still when the rest is applied
+        queued.drain()
+    finally:
+        queued.close()
+    assert all(list(a) == list(b) for a, b in runs)
+    assert dict(queued_totals) == dict(now_totals)
+    assert now_totals[names[-1]] > now_totals[names[0]] > 0
