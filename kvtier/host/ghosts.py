@@ -12,7 +12,7 @@ ghosts hold it (``bench/ghost_cost.py`` measures it; the README states it).
 
 The index tells its changes as ``(event, key)`` (``ChunkIndex.ghost_events``: one
 ``append`` to a queue, on the scheduler's path, per settled store or fetch, load, touch,
-eviction or reset), and lookups queue theirs (:class:`~kvtier.ghost_queue.GhostQueue`:
+eviction or reset), and lookups queue theirs (:class:`~kvtier.ghosts.GhostQueue`:
 applied in order on a thread of its own every few tens of milliseconds, in a real engine
 mostly while the scheduler's thread waits for the model). Nothing else runs on the
 scheduler's path. The counters move when the queue is applied, every scale together,
@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier import metrics
-from kvtier.ghost_queue import GhostQueue
+from kvtier.ghosts import GhostQueue, fingerprint
 from kvtier.host import index
 from kvtier.host.index import Entry, State
 
@@ -65,13 +65,6 @@ SCALES: tuple[str, ...] = metrics.WHATIF_SCALES
 _READY = 1
 _FETCHED = 2  # filled by a fetch from the object tier: a hit of that tier, not the host's
 _LIVE = re.compile(b"[^\x00]")
-
-
-def fingerprint(key: bytes) -> int:
-    """A chunk key's 8-byte fingerprint: its hash (cached in the bytes object, so free).
-    Two keys sharing one (one in 2**64 a pair) would share a ghost entry: a what-if count
-    off by a chunk, never KV served."""
-    return hash(key) or 1  # 0 marks an empty table slot
 
 
 class FingerprintTable:

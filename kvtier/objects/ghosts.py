@@ -52,8 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvtier import metrics
-from kvtier.ghost_queue import GhostQueue
-from kvtier.host.ghosts import fingerprint
+from kvtier.ghosts import GhostQueue, fingerprint
 from kvtier.stats import StatsRecorder
 
 #: the ghost tiers' sizes, as multiples of the real tier's bound (the ``scale`` label)
@@ -71,7 +70,7 @@ class ObjectGhost:
     """One what-if object tier: chunk keys in LRU order, ``capacity`` bytes (None: no
     bound; ``fraction_of``: a share of another ghost's current bytes).
 
-    A key is kept as its 8-byte :func:`~kvtier.host.ghosts.fingerprint` (the key's bytes
+    A key is kept as its 8-byte :func:`~kvtier.ghosts.fingerprint` (the key's bytes
     are not kept), in one open-addressing table (linear probing, backward-shift deletion)
     of flat arrays that is also the LRU list: per slot the fingerprint, when it was last
     made young and the slots of the keys used just before and after it, 24 bytes a slot,
@@ -122,7 +121,7 @@ class ObjectGhost:
         return self._find(fingerprint(key)) >= 0
 
     def fingerprints(self) -> list[int]:
-        """The keys held, as their :func:`~kvtier.host.ghosts.fingerprint`, least recently
+        """The keys held, as their :func:`~kvtier.ghosts.fingerprint`, least recently
         used first (tests)."""
         fps, nxt = self._fps, self._next
         out: list[int] = []
@@ -331,7 +330,7 @@ class ObjectGhostTiers:
     ``kvtier:whatif_hit_tokens{tier="remote"}`` they would have served.
 
     With ``background`` (the scheduler's) every call only queues its event, with the
-    time it happened, for a :class:`~kvtier.ghost_queue.GhostQueue` thread to apply in
+    time it happened, for a :class:`~kvtier.ghosts.GhostQueue` thread to apply in
     order: :meth:`lookup` then returns a list that is filled with the scale's run ends
     when it is applied, which :meth:`count_run` (queued after it) reads. Without, each
     call applies at once (tests)."""

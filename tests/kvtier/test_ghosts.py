@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.host.ghosts import FingerprintTable, GhostTiers, StackLRU, fingerprint
+from kvtier.ghosts import fingerprint
+from kvtier.host.ghosts import FingerprintTable, GhostTiers, StackLRU
 from kvtier.host.index import STORED, ChunkIndex, State
 from kvtier.stats import StatsRecorder, Totals
 
@@ -292,7 +293,7 @@ def test_a_broken_ghost_stops_counting_and_never_raises(caplog: pytest.LogCaptur
         raise RuntimeError("ghost bug")
 
     ghosts.queue._apply = boom
-    with caplog.at_level(logging.ERROR, logger="kvtier.ghost_queue"):
+    with caplog.at_level(logging.ERROR, logger="kvtier.ghosts"):
         for k in (b"a", b"b"):
             idx.begin(k, State.STORING)
             idx.commit(k, True)
@@ -370,9 +371,9 @@ def test_a_starved_thread_resets_the_ghosts_and_says_so(
     """The queue is bounded: when the thread falls that far behind (its oldest events
     dropped), the ghosts start again empty, with a warning, instead of counting from a
     history with holes or growing without bound."""
-    from kvtier import ghost_queue
+    from kvtier import ghosts as ghosts_mod
 
-    monkeypatch.setattr(ghost_queue, "MAX_QUEUED", 64)
+    monkeypatch.setattr(ghosts_mod, "MAX_QUEUED", 64)
     idx = ChunkIndex(8)
     ghosts = GhostTiers(8, idx.get)
     idx.ghost_events = ghosts.record
@@ -384,7 +385,7 @@ def test_a_starved_thread_resets_the_ghosts_and_says_so(
     for i in range(100):  # more than the queue holds, nothing applied meanwhile
         ghosts.record((STORED, bytes([100 + i])))
     assert len(ghosts.queue.events) == 64
-    with caplog.at_level(logging.WARNING, logger="kvtier.ghost_queue"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.ghosts"):
         ghosts.queue.overflowed()
     assert len(ghosts.stack) == 0 and not ghosts.queue.events
     assert "fell 64 events behind" in caplog.text

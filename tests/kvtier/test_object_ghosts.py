@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.host.ghosts import fingerprint
+from kvtier.ghosts import fingerprint
 from kvtier.objects import ghosts as ghosts_mod
 from kvtier.objects.ghosts import ObjectGhost, ObjectGhostTiers
 from kvtier.objects.tiers import file as file_mod

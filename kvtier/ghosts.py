@@ -1,5 +1,6 @@
-"""The queue the what-if ghost tiers' events wait in (:mod:`kvtier.host.ghosts`,
-:mod:`kvtier.objects.ghosts`), applied in order on a thread of its own.
+"""What the what-if ghost tiers of both kinds share (:mod:`kvtier.host.ghosts`,
+:mod:`kvtier.objects.ghosts`): chunk keys kept as 8-byte fingerprints, and the queue
+their events wait in, applied in order on a thread of its own.
 
 The scheduler step only appends an event; the thread applies what was queued every
 :data:`APPLY_EVERY_S`, in short slices that let the engine's other threads run between
@@ -28,6 +29,13 @@ APPLY_EVERY_S = 0.05
 MAX_QUEUED = 1 << 18
 
 Event = tuple[Any, ...]
+
+
+def fingerprint(key: bytes) -> int:
+    """A chunk key's 8-byte fingerprint: its hash (cached in the bytes object, so free).
+    Two keys sharing one (one in 2**64 a pair) would share a ghost entry: a what-if count
+    off by a chunk, never KV served."""
+    return hash(key) or 1  # 0 marks an empty table slot
 
 
 class GhostQueue:
