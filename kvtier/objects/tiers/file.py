@@ -11,8 +11,9 @@ mount such as s3fs or gcsfuse, a mount table that cannot be read, is treated as 
 and its reads stay on the I/O threads).
 
 The sweep's state lives in the files themselves (sizes, mtimes a hit refreshes), so the
-bound survives restarts and holds with several engines sharing the directory; a lock
-file keeps them from sweeping at once.
+bound survives restarts; a lock file keeps engines sharing the directory from sweeping at
+once, and a small ledger beside it (:class:`_Ledger`) holds the directory's byte count
+that all of them keep, so the bound holds for the directory, not for each engine.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import logging
 import os
 import secrets
 import stat
+import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -72,6 +74,21 @@ _MANIFEST_SUFFIX = "%2Fmanifest"
 #: the most objects a scan keeps in eviction order for the writes
 _MAX_CANDIDATES = 1 << 16
 _LOCK_NAME = ".sweep.lock"
+#: the shared count of a bounded directory (:class:`_Ledger`), at the root: never listed,
+#: counted as an object, evicted or removed (only the fan-out directories hold objects)
+_LEDGER_NAME = ".kvtier-usage"
+_LEDGER_MAGIC = b"KVTU"
+_LEDGER_VERSION = 1
+#: magic, version (u32), complete scans (u64), the layout's random id (u64), then one
+#: int64 per fan-out directory
+_LEDGER_HEAD = struct.Struct("<4sIQQ")
+_LEDGER_SLOTS = struct.Struct("<256q")
+_SLOT = struct.Struct("<q")
+#: the ledger's size: bookkeeping, like the lock file and the directories themselves,
+#: outside the bound (which counts the objects and the temp files of writes in flight)
+LEDGER_BYTES = _LEDGER_HEAD.size + _LEDGER_SLOTS.size
+#: the fan-out directories, in the ledger's slot order
+_FANOUT = [f"{i:02x}" for i in range(256)]
 #: the root (the operator's path: a symlink there is theirs, and followed)
 _OPEN_ROOT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 #: a fan-out directory, opened relative to the root's fd: O_NOFOLLOW refuses a symlink
@@ -104,6 +121,124 @@ class SweepStats:
     foreign: int = 0
 
 
+class _Ledger:
+    """What a bounded directory holds, shared by every engine writing into it: a small
+    file at the root (:data:`_LEDGER_NAME`) holding one byte count per fan-out
+    directory, read and changed under ``flock`` on it.
+
+    Every change to a fan-out directory's bytes is made together with its count, under
+    the lock: a write's temp file is created at its full size (+bytes), renamed over
+    what it replaces (-the bytes replaced) or removed when it fails (-bytes); an
+    eviction or a delete unlinks (-bytes). A scan counts a fan-out directory under the
+    lock too and sets its count to what it found, so the count is exact whenever the
+    lock is free, writes in flight included, and a crash between a change and its count
+    (or a writer that does not keep the ledger) is made good by the next scan of that
+    directory. Each change is a ``flock``, a ``pread`` of 2 KiB and a ``pwrite`` of 8
+    bytes. Raises OSError: the caller falls back to counting its own writes."""
+
+    def __init__(self, root: str) -> None:
+        # group-writable (less the umask): every engine of the group keeps the count;
+        # it holds counts, no KV
+        fd = os.open(os.path.join(root, _LEDGER_NAME),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)  # fmt: skip
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                self.fd = fd
+                self._read()  # a new (or foreign) file is laid out afresh
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(fd)
+            raise
+        #: one thread of this process at a time holds the flock (every thread shares the
+        #: fd, and a flock belongs to the open file, not to a thread)
+        self._mutex = threading.RLock()
+        self._depth = 0
+
+    def acquire(self) -> None:
+        """Lock the ledger for this thread (nests); raises OSError when it cannot."""
+        self._mutex.acquire()
+        try:
+            if self.fd < 0:
+                raise OSError(errno.EBADF, "ledger closed")
+            if self._depth == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._mutex.release()
+            raise
+        self._depth += 1
+
+    def release(self) -> None:
+        self._depth -= 1
+        try:
+            if self._depth == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+        except OSError:
+            pass  # closing the fd releases it
+        finally:
+            self._mutex.release()
+
+    def _read(self) -> tuple[int, int, tuple[int, ...]]:
+        """The complete scans counted, the layout's id and the counts (held); a file of
+        another size or layout (new, torn, foreign) is laid out afresh: no scan yet."""
+        data = os.pread(self.fd, LEDGER_BYTES + 1, 0)
+        if len(data) == LEDGER_BYTES:
+            magic, version, scans, layout = _LEDGER_HEAD.unpack_from(data)
+            if magic == _LEDGER_MAGIC and version == _LEDGER_VERSION:
+                return scans, layout, _LEDGER_SLOTS.unpack_from(data, _LEDGER_HEAD.size)
+        zeros = (0,) * 256
+        layout = secrets.randbits(64)
+        fresh = _LEDGER_HEAD.pack(_LEDGER_MAGIC, _LEDGER_VERSION, 0, layout)
+        os.ftruncate(self.fd, LEDGER_BYTES)
+        if os.pwrite(self.fd, fresh + _LEDGER_SLOTS.pack(*zeros), 0) != LEDGER_BYTES:
+            raise OSError(errno.EIO, "short write")
+        return 0, layout, zeros
+
+    def layout(self) -> int:
+        """The layout's id (held): a scan counts as complete only if it is unchanged."""
+        return self._read()[1]
+
+    def total(self) -> int | None:
+        """What the fan-out directories hold (held); None before the first complete scan
+        of any engine."""
+        scans, _, counts = self._read()
+        return sum(counts) if scans else None
+
+    def add(self, sub: str, delta: int) -> None:
+        """``sub``'s count moves by ``delta`` (held)."""
+        if delta:
+            at = _LEDGER_HEAD.size + _SLOT.size * int(sub, 16)
+            (count,) = _SLOT.unpack(os.pread(self.fd, _SLOT.size, at))
+            os.pwrite(self.fd, _SLOT.pack(max(0, count + delta)), at)
+
+    def set(self, sub: str, count: int) -> None:
+        """``sub``'s count is ``count`` (held: a scan of ``sub`` found it). A file laid
+        out afresh meanwhile (no scan counted) is counted by the scan's end."""
+        os.pwrite(self.fd, _SLOT.pack(count), _LEDGER_HEAD.size + _SLOT.size * int(sub, 16))
+
+    def scanned(self, layout: int) -> None:
+        """A complete scan set every count (held), unless the file was laid out afresh
+        (torn or foreign) while it ran (``layout``: the id at its start): then the
+        counts it set before are gone."""
+        scans, now, _ = self._read()
+        if now == layout:
+            os.pwrite(self.fd, _LEDGER_HEAD.pack(_LEDGER_MAGIC, _LEDGER_VERSION, scans + 1,
+                                                 layout), 0)  # fmt: skip
+
+    def close(self) -> None:
+        """Close the file, unless a thread stuck on a hung mount still holds it."""
+        if self._mutex.acquire(timeout=1.0):
+            try:
+                if self.fd >= 0:
+                    os.close(self.fd)
+                    self.fd = -1
+            finally:
+                self._mutex.release()
+
+
 class DirectorySweep:
     """The bound on a :class:`FileTier`'s directory: least recently used objects (oldest
     mtime) deleted down to ``low_water`` of ``max_bytes``, stale temp files removed,
@@ -114,7 +249,22 @@ class DirectorySweep:
     directory holds (the last scan's total, plus every byte admitted since) and, when
     that passes ``max_bytes``, deletes the oldest objects the last scan saw (a few
     unlinks; a full scan when it saw too few) on the writing thread before the write
-    starts. A sweep thread alone (:meth:`start`: when puts wrote a good part of the
+    starts.
+
+    Engines sharing the directory (replicas, tensor-parallel workers) keep one count
+    (:class:`_Ledger`, where the mount has ``flock``): each write's temp file is made
+    at its full size, counted, once the shared count has room for it (:meth:`reserve`),
+    and every rename, removal and eviction changes the count with the file, under the
+    ledger's lock; each scan sets each fan-out directory's count to what it holds. So
+    the directory, writes in flight included, stays within ``max_bytes`` whatever the
+    number of engines (a write goes past it only when nothing could be evicted). Each
+    engine evicts the oldest objects its own last scan saw; one another engine evicted
+    first is gone, and counted off once. Without the ledger (no ``flock`` on the mount,
+    a read-only directory: logged once) each engine counts its own writes between its
+    scans, as below, and engines together can take the directory past the bound until
+    their next scans.
+
+    A sweep thread alone (:meth:`start`: when puts wrote a good part of the
     headroom, but at most one sweep a second) let an engine that writes faster than
     that run the directory to several times its bound between sweeps. The thread still
     scans: it counts what other engines wrote, refreshes the eviction order, removes
@@ -165,6 +315,14 @@ class DirectorySweep:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        #: the count every engine sharing the directory keeps (None: this engine counts
+        #: alone, as above: no bound, or no ledger on this mount)
+        self._ledger: _Ledger | None = None
+        if max_bytes is not None:
+            try:
+                self._ledger = _Ledger(root)
+            except OSError as exc:
+                self._alone(exc)
 
     def start(self) -> None:
         """Sweep in the background from now on (at once, then as :meth:`_loop` says)."""
@@ -173,8 +331,73 @@ class DirectorySweep:
         self._thread.start()
 
     @property
+    def shared(self) -> bool:
+        """Whether the bound is kept with a count every engine shares (:class:`_Ledger`)."""
+        return self._ledger is not None
+
+    def _alone(self, exc: OSError, ledger: _Ledger | None = None) -> None:
+        """No shared count (``ledger``: the one that failed): from now on this engine
+        counts its own writes between its scans, from its next scan on."""
+        if ledger is not None:
+            if self._ledger is not ledger:
+                return  # another thread fell back already
+            self._ledger = None
+            with self._lock:
+                self._used = None  # counted again by the next scan
+        log.warning(
+            "file tier %s: no count shared with the other engines in the directory (%s: %s); "
+            "this engine counts only its own writes between its scans, so engines sharing "
+            "the directory can take it past file_max_bytes",
+            self.root, _LEDGER_NAME, exc.strerror or exc,
+        )  # fmt: skip
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The shared count locked for this thread (nests; nothing without one): a change
+        of a fan-out directory's bytes and of its count made inside are one, for every
+        engine's scans and writes."""
+        ledger = self._ledger
+        if ledger is not None:
+            try:
+                ledger.acquire()
+            except OSError as exc:
+                self._alone(exc, ledger)
+                ledger = None
+        try:
+            yield
+        finally:
+            if ledger is not None:
+                ledger.release()
+
+    def _count(self, sub: str, delta: int) -> None:
+        """``sub`` holds ``delta`` bytes more (under :meth:`held`)."""
+        ledger = self._ledger
+        if ledger is not None and delta:
+            try:
+                ledger.add(sub, delta)
+            except OSError as exc:
+                self._alone(exc, ledger)
+
+    def _total(self) -> int | None:
+        """The shared count of the directory (under :meth:`held`; None: none yet)."""
+        ledger = self._ledger
+        if ledger is None:
+            return None
+        try:
+            return ledger.total()
+        except OSError as exc:
+            self._alone(exc, ledger)
+            return None
+
+    @property
     def used_bytes(self) -> int | None:
-        """What the directory holds as this engine counts it (None: not scanned yet)."""
+        """What the directory holds as this engine counts it (None: not scanned yet);
+        with a shared count, that count (objects and temp files; not the ledger's own
+        :data:`LEDGER_BYTES`)."""
+        if self._ledger is not None:
+            with self.held():
+                if self._ledger is not None:
+                    return self._total()
         with self._lock:
             return self._used
 
@@ -191,21 +414,72 @@ class DirectorySweep:
             if self._used is not None:
                 self._used += nbytes
             over = self._used is None or self._used > self.max_bytes
-        if over and self.bound_writes and not self._stop.is_set():
+        if over and self._ledger is None and self.bound_writes and not self._stop.is_set():
             try:
                 self._make_room()
             except Exception:  # the write goes ahead: a failed eviction is not its failure
                 log.warning("file tier %s: making room failed", self.root, exc_info=True)
         return scans
 
+    def reserve(
+        self, nbytes: int, sub: str, create: Callable[[], tuple[int, str]]
+    ) -> tuple[int, str]:
+        """The temp file of a write of ``nbytes`` into ``sub``, made by ``create`` (its fd
+        and name). With a shared count, it is made at its full size once the count says
+        the directory has room for it (room is made first, as in :meth:`admit`) and
+        counted with it, under the lock: engines writing at once never take the count
+        past the bound together. The caller's next change of the file (rename, removal)
+        comes with :meth:`landed`, under :meth:`held`."""
+        if self._ledger is None or self.max_bytes is None:
+            return create()
+        force = not self.bound_writes
+        for _ in range(8):
+            with self.held():
+                if self._ledger is None:
+                    return create()
+                total = self._total()
+                if force or self._stop.is_set() or (
+                    total is not None and total + nbytes <= self.max_bytes
+                ):
+                    return self._create_counted(nbytes, sub, create)
+            try:
+                force = not self._make_room_shared(nbytes)
+            except Exception:  # the write goes ahead: a failed eviction is not its failure
+                log.warning("file tier %s: making room failed", self.root, exc_info=True)
+                force = True
+        with self.held():  # others took the room as fast as it was made: go ahead
+            return self._create_counted(nbytes, sub, create)
+
+    def _create_counted(
+        self, nbytes: int, sub: str, create: Callable[[], tuple[int, str]]
+    ) -> tuple[int, str]:
+        """``create`` a temp file, at its full size, and count it (under :meth:`held`)."""
+        fd, tmp = create()
+        try:
+            os.ftruncate(fd, nbytes)  # its bytes, for every scan, from now on
+        except OSError:
+            pass  # then it grows as it is written
+        self._count(sub, nbytes)
+        return fd, tmp
+
     def landed(
-        self, nbytes: int, where: tuple[str, str], scans: int, *, stored: bool, replaced: int = 0
+        self,
+        nbytes: int,
+        where: tuple[str, str],
+        scans: int,
+        *,
+        stored: bool,
+        replaced: int = 0,
+        freed: int = 0,
     ) -> None:
         """The write :meth:`admit` counted (``scans``: what it returned) is over:
         ``stored`` when it created or replaced the object (``replaced``: the bytes of the
-        object it replaced)."""
+        object it replaced); ``freed``: the bytes of its temp file, removed, when it was
+        not stored. With a shared count, called under :meth:`held` together with the
+        rename or removal."""
         if self.max_bytes is None:
             return
+        self._count(where[0], -(replaced if stored else freed))
         with self._lock:
             if scans != self._scans:
                 replaced = 0  # a scan counted the write in place of what it replaced
@@ -219,8 +493,10 @@ class DirectorySweep:
         if stored:
             self.wrote(nbytes)
 
-    def removed(self, nbytes: int) -> None:
-        """The tier deleted an object of ``nbytes``."""
+    def removed(self, nbytes: int, sub: str | None = None) -> None:
+        """The tier deleted an object of ``nbytes`` in ``sub`` (under :meth:`held`)."""
+        if sub is not None:
+            self._count(sub, -nbytes)
         with self._lock:
             if self._used is not None:
                 self._used -= nbytes
@@ -250,6 +526,12 @@ class DirectorySweep:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)  # bounded: a hung mount must not hang shutdown
+        ledger = self._ledger
+        if ledger is not None and (self._thread is None or not self._thread.is_alive()):
+            self._ledger = None  # a write after close counts alone
+            with self._lock:
+                self._used = None
+            ledger.close()
 
     def _make_room(self) -> None:
         """Evict the oldest objects the last scan saw until the count is at ``low_water``;
@@ -274,7 +556,7 @@ class DirectorySweep:
                 except OSError:
                     break
                 try:
-                    gone = _evict(root_fd, sub, name, mtime)
+                    gone, _ = _evict(root_fd, sub, name, mtime)
                 finally:
                     os.close(root_fd)
                 if gone is not None:
@@ -283,6 +565,52 @@ class DirectorySweep:
                             self._used -= size
                         self.evicted += gone == _EVICTED
             self._sweep(evict_over=limit)
+
+    def _make_room_shared(self, nbytes: int) -> bool:
+        """:meth:`_make_room` with the shared count: evict the oldest objects this
+        engine's last scan saw, each with its count (one another engine evicted first is
+        gone, and not counted twice), until a write of ``nbytes`` fits under
+        ``low_water``; else wait for another engine's sweep and sweep when it did not make
+        the room. False when no room could be made (the write goes ahead)."""
+        assert self.max_bytes is not None
+        target = int(self.max_bytes * self.low_water)
+        with self._room:
+            limit = self.max_bytes  # another thread may have made the room meanwhile
+            try:
+                root_fd = os.open(self.root, _OPEN_ROOT)
+            except OSError:
+                return False
+            try:
+                while True:
+                    with self.held():
+                        if self._ledger is None:
+                            return False
+                        total = self._total()
+                        if total is None:
+                            break  # no engine's scan has counted the directory yet
+                        if total + nbytes <= limit:
+                            return True
+                        with self._lock:
+                            cand = self._candidates.popleft() if self._candidates else None
+                        if cand is None:
+                            break
+                        limit = target
+                        self._evict_counted(root_fd, cand)
+            finally:
+                os.close(root_fd)
+            return not self._sweep(evict_over=limit, need=nbytes, wait=True).skipped
+
+    def _evict_counted(self, root_fd: int, obj: tuple[float, int, str, str]) -> int:
+        """Evict ``obj`` (its mtime, size, fan-out directory and name) with its count
+        (under :meth:`held`); the bytes evicted."""
+        mtime, _, sub, name = obj
+        gone, size = _evict(root_fd, sub, name, mtime)
+        if gone != _EVICTED:
+            return 0  # gone already (evicted and counted by another engine), or young
+        self._count(sub, -size)
+        with self._lock:
+            self.evicted += 1
+        return size
 
     def sweep(self) -> SweepStats:
         """One pass: remove stale temp files, then LRU objects while over ``max_bytes``.
@@ -294,21 +622,30 @@ class DirectorySweep:
         """
         return self._sweep(evict_over=self.max_bytes)
 
-    def _sweep(self, evict_over: int | None) -> SweepStats:
+    def _sweep(self, evict_over: int | None, need: int = 0, wait: bool = False) -> SweepStats:
         """:meth:`sweep`, evicting to ``low_water`` when the directory holds more than
-        ``evict_over`` (a write making room: already less than ``max_bytes``)."""
+        ``evict_over`` (a write making room: already less than ``max_bytes``) less
+        ``need`` (the write's bytes, with a shared count). ``wait``: for another engine's
+        sweep, rather than skip (a write making room with the shared count: that sweep
+        may make the room, which is then not made again)."""
         with self._room:
-            lock_fd = self._try_lock()
+            lock_fd = self._try_lock(wait and self._ledger is not None)
             if lock_fd == -2:
                 return SweepStats(skipped=True)
             try:
-                return self._sweep_locked(evict_over)
+                if wait and evict_over is not None:
+                    with self.held():
+                        total = self._total()
+                    if total is not None and total + need <= evict_over:
+                        return SweepStats()
+                return self._sweep_locked(evict_over, need)
             finally:
                 if lock_fd >= 0:
                     os.close(lock_fd)  # releases the flock
 
-    def _try_lock(self) -> int:
-        """An fd holding the sweep lock; -1 when locking is unsupported, -2 when it is held."""
+    def _try_lock(self, wait: bool = False) -> int:
+        """An fd holding the sweep lock; -1 when locking is unsupported, -2 when it is held
+        (``wait``: until it is free)."""
         path = os.path.join(self.root, _LOCK_NAME)
         base = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         fd = -1
@@ -321,7 +658,7 @@ class DirectorySweep:
         if fd < 0:
             return -1  # sweeping twice at once only wastes work; it stays correct
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return -2
@@ -330,7 +667,7 @@ class DirectorySweep:
             return -1
         return fd
 
-    def _sweep_locked(self, evict_over: int | None) -> SweepStats:
+    def _sweep_locked(self, evict_over: int | None, need: int = 0) -> SweepStats:
         stats = SweepStats()
         try:
             root_fd = os.open(self.root, _OPEN_ROOT)
@@ -340,6 +677,8 @@ class DirectorySweep:
         with self._lock:
             self._landed = []
         try:
+            if self._ledger is not None:
+                return self._sweep_shared(root_fd, stats, evict_over, need)
             return self._sweep_at(root_fd, stats, evict_over)
         finally:
             with self._lock:
@@ -410,7 +749,7 @@ class DirectorySweep:
                 if total + pending <= target or self._stop.is_set():
                     break
                 start += 1
-                gone = _evict(root_fd, sub, name, mtime)
+                gone, _ = _evict(root_fd, sub, name, mtime)
                 if gone is not None:
                     total -= size
                 if gone == _EVICTED:
@@ -421,6 +760,128 @@ class DirectorySweep:
         if self.max_bytes is not None and not self._stop.is_set():
             self._remember(objects[start:], seen, total)
         return stats
+
+    def _sweep_shared(
+        self, root_fd: int, stats: SweepStats, evict_over: int | None, need: int
+    ) -> SweepStats:
+        """:meth:`_sweep_at` with the shared count: each fan-out directory is counted
+        under the ledger's lock and its count set to what was found, writes in flight
+        included (their temp files are made at their full size, under the lock), so the
+        count needs nothing added for writes in flight or landing meanwhile. Then the
+        oldest objects are evicted, each with its count, while the directory holds more
+        than ``evict_over`` less ``need``."""
+        now = time.time()
+        objects: list[tuple[float, int, str, str]] = []
+        try:
+            for e in os.scandir(root_fd):
+                if len(e.name) == 2 and set(e.name) <= _HEX and not e.is_dir(follow_symlinks=False):
+                    stats.foreign += 1
+        except OSError as exc:
+            log.warning("file tier %s: cannot list for a sweep: %s", self.root, exc.strerror)
+            return stats
+        if stats.foreign:
+            log.warning(
+                "file tier %s: %d fan-out name(s) are not directories (symlinks or files "
+                "put there); kvtier never reads or writes through them",
+                self.root,
+                stats.foreign,
+            )
+        with self.held():
+            ledger = self._ledger
+            if ledger is None:
+                return stats
+            try:
+                layout = ledger.layout()
+            except OSError as exc:
+                self._alone(exc, ledger)
+                return stats
+        for sub in _FANOUT:
+            if self._stop.is_set():
+                return stats
+            with self.held():
+                ledger = self._ledger
+                if ledger is None:
+                    return stats  # counted alone from the next scan on
+                count = self._scan_sub(root_fd, sub, now, stats, objects)
+                if count is not None:
+                    try:
+                        ledger.set(sub, count)
+                    except OSError as exc:
+                        self._alone(exc, ledger)
+                        return stats
+        with self.held():
+            ledger = self._ledger
+            if ledger is None:
+                return stats
+            try:
+                ledger.scanned(layout)
+            except OSError as exc:
+                self._alone(exc, ledger)
+                return stats
+        with self._lock:
+            self._written_since_sweep = 0
+        objects.sort()
+        start = 0
+        if self.max_bytes is not None and evict_over is not None:
+            with self.held():
+                total = self._total()
+            if total is not None and total + need > evict_over:
+                target = int(self.max_bytes * self.low_water)
+                for obj in objects:
+                    if self._stop.is_set():
+                        break
+                    with self.held():
+                        total = self._total()
+                        if total is None or total + need <= target:
+                            break
+                        start += 1
+                        size = self._evict_counted(root_fd, obj)
+                    if size:
+                        stats.evicted += 1
+                        stats.evicted_bytes += size
+        if self.max_bytes is not None and not self._stop.is_set():
+            self._remember(objects[start:], {}, None)
+        return stats
+
+    def _scan_sub(
+        self, root_fd: int, sub: str, now: float, stats: SweepStats,
+        objects: list[tuple[float, int, str, str]],
+    ) -> int | None:  # fmt: skip
+        """The bytes the fan-out directory ``sub`` holds, objects and temp files of writes
+        in flight (each inode once); its objects go to ``stats`` and (but manifests)
+        ``objects``, its stale temp files are removed. 0 when there is no directory
+        ``sub`` (or a symlink or file is there: never counted); None when it cannot be
+        read (its count stays)."""
+        try:
+            sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
+        except OSError as exc:
+            return 0 if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR) else None
+        count = 0
+        inodes: set[int] = set()
+        try:
+            for entry in list(os.scandir(sub_fd)):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # vanished under us (a writer without the ledger)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if entry.name.startswith(_TMP_PREFIX):
+                    if now - st.st_mtime > self.tmp_max_age_s and _unlink(entry.name, sub_fd):
+                        stats.temp_removed += 1
+                        continue
+                else:
+                    stats.total_bytes += st.st_size
+                    if not _is_manifest(entry.name):  # counted, never evicted
+                        objects.append((st.st_mtime, st.st_size, sub, entry.name))
+                if st.st_ino not in inodes:  # a temp file being linked to its name
+                    inodes.add(st.st_ino)
+                    count += st.st_size
+        except OSError:
+            return None  # unreadable: next pass
+        finally:
+            os.close(sub_fd)
+        return count
 
     def _pending(self, seen: dict[tuple[str, str], int]) -> int:
         """What to add to the bytes a scan counted (``seen``: each object's size) for
@@ -433,11 +894,15 @@ class DirectorySweep:
         return landed + flight
 
     def _remember(
-        self, rest: list[tuple[float, int, str, str]], seen: dict[tuple[str, str], int], total: int
+        self,
+        rest: list[tuple[float, int, str, str]],
+        seen: dict[tuple[str, str], int],
+        total: int | None,
     ) -> None:
         """After a complete scan: the count of what the directory holds (``total``, what
-        the scan counted less what it evicted), and the oldest objects left, ``rest``
-        (enough for two evictions to ``low_water``), for the writes to evict."""
+        the scan counted less what it evicted; None: the count is shared), and the
+        oldest objects left, ``rest`` (enough for two evictions to ``low_water``), for
+        the writes to evict."""
         assert self.max_bytes is not None
         want = 2 * (self.max_bytes - int(self.max_bytes * self.low_water))
         cands: collections.deque[tuple[float, int, str, str]] = collections.deque()
@@ -448,7 +913,8 @@ class DirectorySweep:
             cands.append(obj)
             got += obj[1]
         with self._lock:
-            self._used = total + self._pending(seen)
+            if total is not None:
+                self._used = total + self._pending(seen)
             self._candidates = cands
             self._scans += 1
 
@@ -477,26 +943,27 @@ class DirectorySweep:
 _EVICTED, _GONE = "evicted", "gone"
 
 
-def _evict(root_fd: int, sub: str, name: str, mtime: float) -> str | None:
+def _evict(root_fd: int, sub: str, name: str, mtime: float) -> tuple[str | None, int]:
     """Unlink ``sub/name`` under the root when its mtime is still ``mtime``: _EVICTED when
     this call removed it, _GONE when it was gone already (another engine evicted it),
     None when it stays (read or rewritten since it was seen: young now; or it cannot be
-    removed)."""
+    removed); and the bytes removed."""
     try:
         sub_fd = os.open(sub, _OPEN_SUBDIR, dir_fd=root_fd)
     except FileNotFoundError:
-        return _GONE
+        return _GONE, 0
     except OSError:
-        return None
+        return None, 0
     try:
-        if os.stat(name, dir_fd=sub_fd, follow_symlinks=False).st_mtime != mtime:
-            return None
+        st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+        if st.st_mtime != mtime:
+            return None, 0
         os.unlink(name, dir_fd=sub_fd)
-        return _EVICTED
+        return _EVICTED, st.st_size
     except FileNotFoundError:
-        return _GONE
+        return _GONE, 0
     except OSError:
-        return None
+        return None, 0
     finally:
         os.close(sub_fd)
 
@@ -541,12 +1008,13 @@ class FileTier(SlotReader):
     ``max_bytes`` bounds the directory: a write that would take it past the
     bound first deletes the least recently used objects (oldest mtime; a hit
     refreshes it) down to ``low_water`` of the bound (:class:`DirectorySweep`),
-    so one engine's directory never holds more than the bound, writes in flight
-    included. A background sweep counts again what other engines wrote. State
-    lives in the files themselves, so the bound survives restarts and holds with
-    several engines sharing the directory (a lock file keeps them from sweeping
-    at the same time; files vanishing mid-sweep are expected; between two of its
-    scans an engine does not see the others' writes). Temp files of crashed
+    so the directory never holds more than the bound, writes in flight included,
+    however many engines share it: they keep one count of it, in a ledger at the
+    root (:class:`DirectorySweep`; without ``flock`` on the mount each engine
+    counts alone, and between two of its scans does not see the others' writes).
+    A background sweep counts the directory again. State lives in the files
+    themselves, so the bound survives restarts (a lock file keeps engines from
+    sweeping at the same time; files vanishing mid-sweep are expected). Temp files of crashed
     writers older than ``tmp_max_age_s`` are swept at open and then
     periodically, bounded or not. ``background_sweep=False`` (tests, tools):
     no sweep thread, and unless ``bound_writes`` the caller's :meth:`sweep`
@@ -851,34 +1319,37 @@ class FileTier(SlotReader):
         dir_fd: int | None = None
         tmp = None
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        stored, replaced, scans = False, 0, 0
+        scans = 0
+        sweeper = self.sweeper
         try:
-            scans = self.sweeper.admit(nbytes, (sub, name))
+            scans = sweeper.admit(nbytes, (sub, name))
             with self._errors("put"):
                 try:
                     dir_fd = self._subdir(sub, "put", create=True)
                     if dir_fd is None:  # removed again by another engine between mkdir and open
                         raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
-                    fd, tmp = self._create_temp(dir_fd)
+                    fd, tmp = sweeper.reserve(nbytes, sub, self._temp_maker(dir_fd))
                     self._write_parts(fd, parts)
-                    if self.max_bytes is not None:
-                        replaced = _size_at(name, dir_fd)  # a rewrite frees the old bytes
-                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                    tmp, stored = None, True
+                    with sweeper.held():  # the rename and its count are one
+                        # a rewrite frees the old bytes
+                        replaced = _size_at(name, dir_fd) if self.max_bytes is not None else 0
+                        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                        tmp = None
+                        sweeper.landed(nbytes, (sub, name), scans, stored=True,
+                                       replaced=replaced)  # fmt: skip
                 except OSError as exc:
                     if exc.errno in _DISK_FULL and self.max_bytes is not None:
-                        self.sweeper.wake()  # make room for the next writes
+                        sweeper.wake()  # make room for the next writes
                     raise
+        except BaseException:
+            with sweeper.held():  # the removal and its count are one
+                gone = tmp is not None and dir_fd is not None and _unlink(tmp, dir_fd)
+                freed = nbytes if gone else 0
+                sweeper.landed(nbytes, (sub, name), scans, stored=False, freed=freed)
+            raise
         finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp, dir_fd=dir_fd)
-                except OSError:
-                    pass
             if dir_fd is not None:
                 os.close(dir_fd)
-            self.sweeper.landed(nbytes, (sub, name), scans, stored=stored,
-                                replaced=replaced)  # fmt: skip
 
     def _write_parts(self, fd: int, parts: Parts) -> None:
         """Write ``parts`` to the new file ``fd`` (closed after), in the tier's group."""
@@ -893,6 +1364,10 @@ class FileTier(SlotReader):
         tmp = _TMP_PREFIX + secrets.token_hex(8)
         return os.open(tmp, _OPEN_TMP, self.file_mode, dir_fd=dir_fd), tmp
 
+    def _temp_maker(self, dir_fd: int) -> Callable[[], tuple[int, str]]:
+        """:meth:`_create_temp` in ``dir_fd``, for :meth:`DirectorySweep.reserve`."""
+        return lambda: self._create_temp(dir_fd)
+
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             sub, name = _place(key)
@@ -901,9 +1376,10 @@ class FileTier(SlotReader):
                 if dir_fd is None:
                     continue
                 try:
-                    size = _size_at(name, dir_fd) if self.max_bytes is not None else 0
-                    os.unlink(name, dir_fd=dir_fd)
-                    self.sweeper.removed(size)  # the bound's count frees it too
+                    with self.sweeper.held():  # the unlink and its count are one
+                        size = _size_at(name, dir_fd) if self.max_bytes is not None else 0
+                        os.unlink(name, dir_fd=dir_fd)
+                        self.sweeper.removed(size, sub)  # the bound's count frees it too
                 except FileNotFoundError:
                     pass
                 finally:
@@ -927,33 +1403,40 @@ class FileTier(SlotReader):
         tmp = None
         nbytes = sum(memoryview(p).nbytes for p in parts)
         created, scans = False, 0
+        sweeper = self.sweeper
         try:
             # counted like a put's: the bound holds for claims too
-            scans = self.sweeper.admit(nbytes, (sub, name))
+            scans = sweeper.admit(nbytes, (sub, name))
             with self._errors("create"):
                 dir_fd = self._subdir(sub, "create", create=True)
                 if dir_fd is None:  # removed again by another engine between mkdir and open
                     raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
-                fd, tmp = self._create_temp(dir_fd)
+                fd, tmp = sweeper.reserve(nbytes, sub, self._temp_maker(dir_fd))
                 self._write_parts(fd, parts)
-                try:
-                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
-                            follow_symlinks=False)  # fmt: skip
-                    created = True
-                except FileExistsError:
-                    return False
-                except OSError as exc:
-                    if exc.errno not in _NO_LINKS:
-                        raise
+                linked: bool | None = False
+                with sweeper.held():  # the link, the temp file's removal and the count are one
+                    try:
+                        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                                follow_symlinks=False)  # fmt: skip
+                        created = linked = True
+                        _unlink(tmp, dir_fd)  # the object keeps the temp file's bytes
+                        tmp = None
+                    except FileExistsError:
+                        pass
+                    except OSError as exc:
+                        if exc.errno not in _NO_LINKS:
+                            raise
+                        linked = None
+                if linked is None:  # its bytes count as the temp file's until it is removed
                     created = self._create_excl(dir_fd, name, parts)
-                    return created
+                return created
         finally:
-            if tmp is not None and dir_fd is not None:
-                _unlink(tmp, dir_fd)
+            with sweeper.held():  # the temp file's removal and its count are one
+                gone = tmp is not None and dir_fd is not None and _unlink(tmp, dir_fd)
+                sweeper.landed(nbytes, (sub, name), scans, stored=created,
+                               freed=nbytes if gone else 0)  # fmt: skip
             if dir_fd is not None:
                 os.close(dir_fd)
-            self.sweeper.landed(nbytes, (sub, name), scans, stored=created)
-        return True
 
     def _create_excl(self, dir_fd: int, name: str, parts: Parts) -> bool:
         """:meth:`create_if_absent` where the filesystem has no hard links: ``O_EXCL``."""
