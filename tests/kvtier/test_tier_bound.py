@@ -169,10 +169,10 @@ def _engine(root: str, worker: int, bound: int, puts: int, evicted) -> None:
 def test_engines_share_a_bounded_directory(tmp_path) -> None:
     """Engines writing, reading and sweeping one directory never break each other.
 
-    How far past the bound the directory gets between sweeps depends on how fast the
-    engines write against how fast they sweep (machine load), so this checks what does
-    not: reads see whole objects or nothing, the engines' sweeps evict, nothing is left
-    half-written, and one sweep after them brings the directory under the bound.
+    The bound itself across processes is tests/kvtier/test_tier_bound_shared.py's (the
+    engines' shared count); this checks the rest: reads see whole objects or nothing,
+    the engines' sweeps evict, nothing is left half-written, and one sweep after them
+    brings the directory under the bound.
     """
     root = str(tmp_path / "shared")
     bound, puts = 40 * OBJ, 150
