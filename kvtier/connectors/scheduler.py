@@ -291,7 +291,8 @@ class SchedulerSide:
         first = num_computed_tokens // self.chunk_size
         if self.ghosts is not None and st.ghost_peek_step != self._step:
             # what the ghosts hold before this lookup touches, fetches or loads a chunk
-            st.ghost_peek = self.ghosts.peek(st.chunk_hashes, first)
+            stop = loadable_chunks(st, cap, self.chunk_size)
+            st.ghost_peek = self.ghosts.peek(st.chunk_hashes, first, stop)
             st.ghost_peek_step = self._step
         end_chunk = self._ready_run(st, first, cap)
         if self.store_waits.should_wait(st, end_chunk, cap):

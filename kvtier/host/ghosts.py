@@ -306,13 +306,15 @@ class GhostTiers:
         return [(fp, bool(f & _FETCHED)) for fp, f in self.stack.keys(g)]
 
     # ---- lookups -----------------------------------------------------------------------
-    def peek(self, keys: Sequence[bytes], first: int) -> list[list[bool]]:
+    def peek(
+        self, keys: Sequence[bytes], first: int, stop: int | None = None
+    ) -> list[list[bool]]:
         """What the ghosts hold of a prompt's chunks ``first``.., read when the queue
         reaches this point: before the lookup loads, touches or fetches any of them
         (those make the chunks the most recent in every ghost, as a tier of any size
         would once it served or computed them). :meth:`lookup` counts from it."""
         holder: list[list[bool]] = []
-        self.queue.append((_PEEK, keys[first:], holder))
+        self.queue.append((_PEEK, keys[first:stop], holder))
         return holder
 
     def lookup(
@@ -331,7 +333,7 @@ class GhostTiers:
         the queue is applied, from ``peek`` (taken now when not given), and go to
         ``kvtier:whatif_hit_tokens``."""
         if peek is None:
-            peek = self.peek(keys, first)
+            peek = self.peek(keys, first, stop)
         real = self._real
         ready = State.READY
         fetched: list[bool] = []
