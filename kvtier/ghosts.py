@@ -40,8 +40,8 @@ def fingerprint(key: bytes) -> int:
 
 class GhostQueue:
     """Events for ``apply``, in order. ``reset`` empties the ghosts (after an overflow).
-    With ``background``, a daemon thread named ``name`` applies them; without, only
-    :meth:`drain` does (tests, benchmarks)."""
+    With ``background``, a daemon thread (``kvtier-`` and ``name``, as py-spy shows it)
+    applies them; without, only :meth:`drain` does (tests, benchmarks)."""
 
     def __init__(
         self,
@@ -65,7 +65,7 @@ class GhostQueue:
         if background:
             self.thread = threading.Thread(
                 target=_apply_in_background, args=(weakref.ref(self), self._wake),
-                name=name, daemon=True,
+                name="kvtier-" + name.replace(" ", "-"), daemon=True,
             )  # fmt: skip
             self.thread.start()
 
