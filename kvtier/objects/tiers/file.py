@@ -685,14 +685,12 @@ class DirectorySweep:
                 self._landed = None
             os.close(root_fd)
 
-    def _sweep_at(self, root_fd: int, stats: SweepStats, evict_over: int | None) -> SweepStats:
-        """The sweep through directory fds: like every read and write it never leaves the
-        root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
-        now = time.time()
-        objects: list[tuple[float, int, str, str]] = []
-        seen: dict[tuple[str, str], int] = {}  # every object counted, and its size
+    def _fanout_dirs(self, root_fd: int, stats: SweepStats) -> list[str] | None:
+        """The root's fan-out directories; names of them that are not directories
+        (symlinks, files) are counted in ``stats.foreign`` and warned of. None: the root
+        could not be listed (warned)."""
+        subdirs = []
         try:
-            subdirs = []
             for e in os.scandir(root_fd):
                 if len(e.name) != 2 or not set(e.name) <= _HEX:
                     continue
@@ -702,7 +700,7 @@ class DirectorySweep:
                     stats.foreign += 1
         except OSError as exc:
             log.warning("file tier %s: cannot list for a sweep: %s", self.root, exc.strerror)
-            return stats
+            return None
         if stats.foreign:
             log.warning(
                 "file tier %s: %d fan-out name(s) are not directories (symlinks or files "
@@ -710,6 +708,17 @@ class DirectorySweep:
                 self.root,
                 stats.foreign,
             )
+        return subdirs
+
+    def _sweep_at(self, root_fd: int, stats: SweepStats, evict_over: int | None) -> SweepStats:
+        """The sweep through directory fds: like every read and write it never leaves the
+        root (a symlinked fan-out name is neither listed, counted nor evicted through)."""
+        now = time.time()
+        objects: list[tuple[float, int, str, str]] = []
+        seen: dict[tuple[str, str], int] = {}  # every object counted, and its size
+        subdirs = self._fanout_dirs(root_fd, stats)
+        if subdirs is None:
+            return stats
         for sub in subdirs:
             if self._stop.is_set():
                 return stats
@@ -772,20 +781,10 @@ class DirectorySweep:
         than ``evict_over`` less ``need``."""
         now = time.time()
         objects: list[tuple[float, int, str, str]] = []
-        try:
-            for e in os.scandir(root_fd):
-                if len(e.name) == 2 and set(e.name) <= _HEX and not e.is_dir(follow_symlinks=False):
-                    stats.foreign += 1
-        except OSError as exc:
-            log.warning("file tier %s: cannot list for a sweep: %s", self.root, exc.strerror)
+        # every fan-out name is counted below (a removed directory's count is set to 0):
+        # the listing only finds, and warns of, names that are not directories
+        if self._fanout_dirs(root_fd, stats) is None:
             return stats
-        if stats.foreign:
-            log.warning(
-                "file tier %s: %d fan-out name(s) are not directories (symlinks or files "
-                "put there); kvtier never reads or writes through them",
-                self.root,
-                stats.foreign,
-            )
         with self.held():
             ledger = self._ledger
             if ledger is None:
