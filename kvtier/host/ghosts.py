@@ -283,8 +283,8 @@ class GhostTiers:
         caps = [max(1, round(num_slots * float(s))) for s in self.scales]
         #: the scales read from the real index (its own size), the others modelled
         self._is_real = [mirror and c == num_slots for c in caps]
-        self._modelled = [i for i, r in enumerate(self._is_real) if not r]
-        order = sorted(self._modelled, key=lambda i: caps[i])
+        modelled = [i for i, r in enumerate(self._is_real) if not r]
+        order = sorted(modelled, key=lambda i: caps[i])
         self.stack = StackLRU([caps[i] for i in order])
         #: scale index -> its ghost in the stack
         self._ghost_of = {i: g for g, i in enumerate(order)}

@@ -222,17 +222,22 @@ class ObjectGhost:
             if i == size:
                 i = 0
 
-    def _add(self, fp: int, t: float) -> None:
-        """``fp`` (not held) in, the most recently used, made young at ``t``."""
-        if (self._count + 1) > self._size * _MAX_LOAD:
-            self._grow()
+    def _empty_slot(self, fp: int) -> int:
+        """The first empty slot of ``fp``'s probe sequence (``fp`` not held)."""
         fps, size = self._fps, self._size
         i = fp % size
         while fps[i]:
             i += 1
             if i == size:
                 i = 0
-        fps[i] = fp
+        return i
+
+    def _add(self, fp: int, t: float) -> None:
+        """``fp`` (not held) in, the most recently used, made young at ``t``."""
+        if (self._count + 1) > self._size * _MAX_LOAD:
+            self._grow()
+        i = self._empty_slot(fp)
+        self._fps[i] = fp
         self._times[i] = t
         self._count += 1
         self._link_last(i)
@@ -305,11 +310,7 @@ class ObjectGhost:
         last = -1
         while i >= 0:
             fp = old_fps[i]
-            j = fp % size
-            while fps[j]:
-                j += 1
-                if j == size:
-                    j = 0
+            j = self._empty_slot(fp)
             fps[j] = fp
             times[j] = old_times[i]
             prv[j] = last

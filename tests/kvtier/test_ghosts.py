@@ -43,6 +43,18 @@ class BruteLRU:
             self.keys.remove(key)
 
 
+def _both(stack: StackLRU, brutes: list[BruteLRU], remove: bool, key: int) -> None:
+    """One use (or removal) of ``key``, in the stack and in every textbook LRU."""
+    if remove:
+        stack.remove(key)
+        for b in brutes:
+            b.remove(key)
+    else:
+        stack.use(key, 1)
+        for b in brutes:
+            b.use(key)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     size=st.integers(1, 40),
@@ -79,14 +91,7 @@ def test_stack_is_a_plain_lru_at_every_capacity(
     stack = StackLRU(caps)
     brutes = [BruteLRU(c) for c in caps]
     for op, key in ops:
-        if op == 0:
-            stack.remove(key)
-            for b in brutes:
-                b.remove(key)
-        else:
-            stack.use(key, 1)
-            for b in brutes:
-                b.use(key)
+        _both(stack, brutes, op == 0, key)
         for g, b in enumerate(brutes):
             assert [fp for fp, _ in stack.keys(g)] == b.keys
         assert len(stack) == len(brutes[-1].keys)
@@ -102,14 +107,7 @@ def test_the_log_is_compacted_and_keeps_every_ghost() -> None:
     longest = 0
     for _ in range(60_000):
         key = int(rng.paretovariate(0.8)) % 3000 + 1
-        if rng.random() < 0.02:
-            stack.remove(key)
-            for b in brutes:
-                b.remove(key)
-        else:
-            stack.use(key, 1)
-            for b in brutes:
-                b.use(key)
+        _both(stack, brutes, rng.random() < 0.02, key)
         longest = max(longest, len(stack.log))
     for g, b in enumerate(brutes):
         assert [fp for fp, _ in stack.keys(g)] == b.keys
