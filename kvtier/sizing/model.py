@@ -24,6 +24,22 @@ from kvtier.sizing.state import (
     state_spec,
 )
 
+def host_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16, as vLLM's CPU platform asks it (through torch)
+    before it moves a hybrid model's SSM state to float32; read from the kernel's CPU
+    flags where torch is not installed."""
+    try:
+        import torch
+
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except (ImportError, AttributeError):
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+        except OSError:
+            return False
+
+
 #: bytes per element of the dtype names found in configs and on the command line
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -115,15 +131,18 @@ class ModelShape:
 
     def engine_state(self, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1, *,
                      mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-                     cpu_build: bool = False) -> tuple[StateSpec | None, int]:
+                     cpu_build: bool = False,
+                     cpu_avx512_bf16: bool | None = None) -> tuple[StateSpec | None, int]:
         """The state per rank as the engine holds it and the block size it runs with: on
         a GPU blocks grow in steps of 16 tokens; vLLM's CPU build grows them in steps of
-        32 and (on a CPU with AVX512-BF16) keeps the SSM state in float32 unless a gated
-        delta-net model asks for float16/bfloat16 (``CpuPlatform``): the larger is
-        planned, never the smaller."""
+        32 and, on a CPU with AVX512-BF16 (``cpu_avx512_bf16``; None: this host's), keeps
+        the SSM state in float32 unless a gated delta-net model asks for float16/bfloat16
+        (``CpuPlatform``). Without AVX512-BF16 it keeps the dtype asked for."""
         ssm = mamba_ssm_cache_dtype
-        if cpu_build and self.state is not None and not (
-                ssm in ("float16", "bfloat16") and self.state.kind == GDN):
+        if cpu_avx512_bf16 is None:
+            cpu_avx512_bf16 = cpu_build and host_has_avx512_bf16()
+        if cpu_build and cpu_avx512_bf16 and self.state is not None and ssm != "float32" \
+                and not (ssm in ("float16", "bfloat16") and self.state.kind == GDN):
             ssm = "float32"
         spec = self.state_spec(tp, mamba_cache_dtype=mamba_cache_dtype,
                                mamba_ssm_cache_dtype=ssm)

@@ -33,13 +33,16 @@ def canary_prompts(
 ) -> dict[str, Any]:
     """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
     instead); what kvtier served it, the canary's counts and every comparison made.
-    ``extra`` None: vLLM without kvtier (the reference). ``engine_kw``: vLLM's own
+    ``extra`` None: vLLM without kvtier (the reference): each prompt computed whole
+    (``outs``), then again served by vLLM's own prefix cache (``hits``: the same split as
+    a kvtier hit of the prompt's full chunks, with 32-token blocks). ``engine_kw``: vLLM's own
     settings (e.g. a small ``max_num_batched_tokens``: chunked prefill). ``then_single``:
     after the batch, each prompt again alone with kvtier's host tier emptied."""
     llm = build_llm(model, extra, **(engine_kw or {}))
     prompts = [toks(s, PROMPT) for s in seeds]
     if extra is None:  # one at a time, as the engines with kvtier run them
-        return {"outs": [generate(llm, [p])[0] for p in prompts]}
+        outs = [generate(llm, [p])[0] for p in prompts]
+        return {"outs": outs, "hits": [generate(llm, [p])[0] for p in prompts]}
     seen = _record_comparisons()
     side = kvtier_side(llm)
     outs = []

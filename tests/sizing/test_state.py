@@ -168,8 +168,9 @@ def test_vllm_cpu_raises_the_block_and_pads_the_state_page_as_planned(
     models: dict[str, str],
 ) -> None:
     """vLLM's CPU platform over a real VllmConfig (prefix caching, align mode): the block
-    size it raises --block-size 16 to and the page it pads each state to are the plan's
-    (the CPU build keeps the SSM state in float32 on this host)."""
+    size it raises --block-size 16 to and the page it pads each state to are the plan's.
+    With AVX512-BF16 the CPU build keeps the SSM state in float32; without it (AVX2-only
+    CPUs) in the dtype asked for ("auto": the model's)."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -188,8 +189,19 @@ def test_vllm_cpu_raises_the_block_and_pads_the_state_page_as_planned(
     shape = load_shape(model)
     spec, block = shape.engine_state(16, cpu_build=True,
                                      mamba_ssm_cache_dtype="auto")  # fmt: skip
-    assert spec is not None and cache.mamba_ssm_cache_dtype == spec.dtypes[1] == "float32"
-    assert block == cache.block_size == cache.mamba_block_size == 800
+    assert spec is not None
+    if torch.cpu._is_avx512_bf16_supported():
+        assert cache.mamba_ssm_cache_dtype == spec.dtypes[1] == "float32"
+        assert block == cache.block_size == cache.mamba_block_size == 800
+    else:  # the state as the model asks: the plan's smaller state and block are vLLM's
+        assert cache.mamba_ssm_cache_dtype == "auto"
+        assert spec.dtypes == shape.engine_state(16, mamba_ssm_cache_dtype="auto")[0].dtypes
+        assert block == cache.block_size == cache.mamba_block_size < 800
+    # both branches, whatever this host has: the other CPU's plan is the other state
+    other, other_block = shape.engine_state(
+        16, cpu_build=True, cpu_avx512_bf16=not torch.cpu._is_avx512_bf16_supported())
+    assert other is not None and (other.dtypes[1] == "float32") != (spec.dtypes[1] == "float32")
+    assert {block, other_block} == {800, min(block, other_block)} and block != other_block
     plan = make_plan(PlanInputs(model=model, chunk_size=block, cpu_kv_space_bytes=2**30))
     assert plan["engine_block_size"] == block
     assert plan["state_padded_page_bytes"] == cache.mamba_page_size_padded
