@@ -30,18 +30,25 @@ def _record_comparisons() -> list[dict[str, Any]]:
 def canary_prompts(
     model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False,
     engine_kw: dict[str, Any] | None = None, then_single: bool = False,
+    hits_after: list[int] | None = None,
 ) -> dict[str, Any]:
     """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
     instead); what kvtier served it, the canary's counts and every comparison made.
     ``extra`` None: vLLM without kvtier (the reference): each prompt computed whole
     (``outs``), then again served by vLLM's own prefix cache (``hits``: the same split as
-    a kvtier hit of the prompt's full chunks, with 32-token blocks). ``engine_kw``: vLLM's own
+    a kvtier hit of the prompt's full chunks, with 32-token blocks) over the KV computed
+    as the writer of the chunks computed it (``hits_after``: these seeds' prompts at once,
+    in one batch, after vLLM's cache was emptied; a row's bits depend on its batch).
+    ``engine_kw``: vLLM's own
     settings (e.g. a small ``max_num_batched_tokens``: chunked prefill). ``then_single``:
     after the batch, each prompt again alone with kvtier's host tier emptied."""
     llm = build_llm(model, extra, **(engine_kw or {}))
     prompts = [toks(s, PROMPT) for s in seeds]
     if extra is None:  # one at a time, as the engines with kvtier run them
         outs = [generate(llm, [p])[0] for p in prompts]
+        if hits_after is not None:
+            assert llm.reset_prefix_cache()
+            generate(llm, [toks(s, PROMPT) for s in hits_after])
         return {"outs": outs, "hits": [generate(llm, [p])[0] for p in prompts]}
     seen = _record_comparisons()
     side = kvtier_side(llm)

@@ -46,10 +46,13 @@ def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):
     return LLM(**args)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None):
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None,
+             ignore_eos: bool = False):
+    """Greedy outputs; ``ignore_eos``: all ``max_tokens`` of them (a random-weight model
+    may greedily pick its end-of-sequence token, on one CPU and not on another)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, ignore_eos=ignore_eos)
     outs = llm.generate(token_prompts(prompts, salt), sp, use_tqdm=False)
     return [summary(o) for o in outs]
 
@@ -159,6 +162,26 @@ def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
         da, db = dict(la), dict(lb)
         for tok in set(da) & set(db):
             diff = max(diff, abs(da[tok] - db[tok]))
+    return diff
+
+
+def near_tie_diff(got: dict[str, Any], ref: dict[str, Any]) -> float:
+    """How far ``got`` strays from ``ref`` where a near tie may flip a greedy token: the
+    largest difference of a top logprob both list, at every position up to and including
+    the first where their tokens differ; at that position also the gap in ``ref`` between
+    its token and ``got``'s (a flip is legitimate only across a gap of bf16 rounding).
+    Past it the two continue from other tokens and are not compared. inf where ``got``'s
+    token is not among ``ref``'s top logprobs there."""
+    diff = 0.0
+    for i, (la, lb) in enumerate(zip(got["logprobs"], ref["logprobs"], strict=True)):
+        da, db = dict(la), dict(lb)
+        for tok in set(da) & set(db):
+            diff = max(diff, abs(da[tok] - db[tok]))
+        mine, theirs = got["tokens"][i], ref["tokens"][i]
+        if mine != theirs:
+            if mine not in db or theirs not in db:
+                return float("inf")
+            return max(diff, db[theirs] - db[mine])
     return diff
 
 
@@ -473,9 +496,9 @@ def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     alone = []
     for p in prompts:  # reference: one at a time, nothing preempted
         llm.reset_prefix_cache()
-        alone.append(generate(llm, [p], max_tokens=160)[0])
+        alone.append(generate(llm, [p], max_tokens=160, ignore_eos=True)[0])
     llm.reset_prefix_cache()
-    together = generate(llm, prompts, max_tokens=160)  # 4 x ~1,250 tokens > 72 blocks
+    together = generate(llm, prompts, max_tokens=160, ignore_eos=True)  # 4 x 1,250 > 72 blocks
     engine = llm.llm_engine
     sp = SamplingParams(max_tokens=64, temperature=0)
     for i in range(3):  # start requests and abort them part-way

@@ -16,6 +16,7 @@ import pytest
 from kit import chunk_files
 
 from tests.e2e.conftest import ENGINE, REPO, run_engine, start_outage
+from tests.e2e.engine import near_tie_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -233,10 +234,14 @@ def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) 
     totals = bad["index"]["totals"]
     assert totals["one_step_lookups"] >= 1 and totals["error_checksum"] >= 1, totals
     assert totals["load_failed"] >= 1, totals
-    for name in ("b", "a"):
-        assert (bad[name]["tokens"], bad[name]["logprobs"]) == (
-            ref[name]["tokens"], ref[name]["logprobs"]), name  # fmt: skip
-    assert bad["b"]["tokens"] == w["b_ref"]["tokens"]
+    # B: the same split over the same bytes (S's first two chunks loaded, the rest
+    # computed in one step): the same bits
+    assert (bad["b"]["tokens"], bad["b"]["logprobs"]) == (ref["b"]["tokens"], ref["b"]["logprobs"])
+    # A then loads S's last two chunks from whichever copy its host tier holds: B's own
+    # recompute, or the writer's (fetched by B's lookup and landed after it); which one
+    # depends on timing, and the two are bf16 rounding apart (a whole prefill against a
+    # split). Either is KV vLLM computed; the spoiled bytes are neither
+    assert near_tie_diff(bad["a"], ref["a"]) <= 0.05, (bad["a"], ref["a"])
     assert bad["index"]["refs"] == 0 and bad["index"]["invariants"] is True
     assert bad["index"]["pending_ops"] == 0
     # the chunks vLLM computed again were stored, and the spoiled object replaced

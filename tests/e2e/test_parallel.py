@@ -27,7 +27,7 @@ import pytest
 from kit import chunk_files
 
 from tests.e2e.conftest import run_engine
-from tests.e2e.engine import max_logprob_diff
+from tests.e2e.engine import max_logprob_diff, near_tie_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -152,10 +152,17 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     # vLLM's own prefix cache was emptied before the warm run: only kvtier serves it
     assert r["cold"]["cached"] == 0
     assert r["warm"]["cached"] >= 1024 and r["warm_host_hit_tokens"] == r["warm"]["cached"]
-    # cached against computed: the same tokens, logprobs within bf16 rounding
-    assert r["ref"]["cached"] in (0, 1024)  # computed cold, or vLLM's own hit
-    assert r["warm"]["tokens"] == r["ref"]["tokens"]
-    assert max_logprob_diff(r["warm"], r["ref"]) <= 0.05
+    if r["ref"]["cached"] == 1024:  # vLLM's own hit of the same split: the same tokens
+        assert r["warm"]["tokens"] == r["ref"]["tokens"]
+        assert max_logprob_diff(r["warm"], r["ref"]) <= 0.05
+    else:
+        # vLLM's reference CPU MLA backend (no AMX) keeps no prefix cache and never splits
+        # a prefill: the only reference is the prompt computed whole, and its rotary
+        # embedding of the strided k_pe depends on a token's row in the batch (a vLLM
+        # bug: tests/e2e/test_vllm_cpu_bugs.py), so any split moves the computed tokens'
+        # logprobs. The hit stays within bf16 rounding of it up to where a near tie flips
+        assert r["ref"]["cached"] == 0
+        assert near_tie_diff(r["warm"], r["ref"]) <= 0.05, (r["warm"], r["ref"])
     # every rank holds the whole latent (vLLM replicates it): one full copy per rank,
     # as the planner's per-rank figure says
     per_rank = plan(tiny_mla_model, 2)
@@ -179,8 +186,9 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     assert len(stored) == 4
     assert all(f.stat().st_size >= by_rank[0]["slot_bytes"] for f in stored)
     assert r["fetched_remote_hit_tokens"] == 1024
-    assert r["fetched"]["tokens"] == r["ref"]["tokens"]
-    assert max_logprob_diff(r["fetched"], r["ref"]) <= 0.05
+    # the object tier's hit is the host tier's split over the same bytes: the same bits
+    assert (r["fetched"]["tokens"], r["fetched"]["logprobs"]) == (
+        r["warm"]["tokens"], r["warm"]["logprobs"])
     if policy == "fail":
         # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
         # the four chunks

@@ -46,7 +46,7 @@ def window_reference(model: str, budget: int | None = None) -> dict[str, Any]:
     """vLLM without kvtier: S+U2, then P (decoded), then P's reread."""
     llm = build_llm(model, None, **_small_steps(budget))
     b = generate(llm, [S + U2])[0]
-    p = generate(llm, [P], max_tokens=P_DECODE)[0]
+    p = generate(llm, [P], max_tokens=P_DECODE, ignore_eos=True)[0]
     r = generate(llm, [reread(p["tokens"])])[0]
     return {"b": b, "p": p, "r": r}
 
@@ -58,7 +58,7 @@ def window_writer(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     from kvtier's host tier as far as kvtier stored P's chunks)."""
     llm = build_llm(model, extra)
     a = generate(llm, [S + U1])[0]
-    p = generate(llm, [P], max_tokens=P_DECODE)[0]
+    p = generate(llm, [P], max_tokens=P_DECODE, ignore_eos=True)[0]
     llm.reset_prefix_cache()
     r = generate(llm, [reread(p["tokens"])])[0]
     settle(llm)
