@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,20 +25,20 @@ from kvtier.sizing.state import (
     state_spec,
 )
 
+
 def host_has_avx512_bf16() -> bool:
     """Whether this CPU has AVX512-BF16, as vLLM's CPU platform asks it (through torch)
-    before it moves a hybrid model's SSM state to float32; read from the kernel's CPU
-    flags where torch is not installed."""
-    try:
-        import torch
-
+    before it moves a hybrid model's SSM state to float32. Asked of torch where it is
+    loaded already (inside an engine), else read from the kernel's CPU flags, so that
+    `kvtier size` does not load torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
         return bool(torch.cpu._is_avx512_bf16_supported())
-    except (ImportError, AttributeError):
-        try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-                return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-        except OSError:
-            return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 #: bytes per element of the dtype names found in configs and on the command line

@@ -60,6 +60,7 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
+@pytest.mark.isa
 def test_other_weights_under_a_pinned_fingerprint_are_refused(
     weights: dict[str, str], tmp_path: Path
 ) -> None:
@@ -162,6 +163,7 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
         assert x["tokens"] == y["tokens"]
 
 
+@pytest.mark.isa
 def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     weights: dict[str, str], tmp_path: Path
 ) -> None:

@@ -197,6 +197,7 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     assert [o["tokens"] for o in r["rounds"][0]] == [o["tokens"] for o in w["rounds"][0][:3]]
 
 
+@pytest.mark.isa
 def test_one_step_lookups_on_a_local_directory(tiny_model: str, tmp_path: Path) -> None:
     """Under ``kv_load_failure_policy: recompute`` a local directory's lookups are answered
     in their own step (connectors.one_step_lookups): the restart hit loads the same bits; a

@@ -134,6 +134,7 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.isa
 def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     tiny_mla_model: str, tmp_path: Path, policy: str
 ) -> None:

@@ -41,6 +41,7 @@ def close(got: dict, ref: dict) -> bool:
     return got["tokens"] == ref["tokens"] and max_logprob_diff(got, ref) <= CLOSE
 
 
+@pytest.mark.isa
 def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss(
     sliding_window_model: str, tmp_path: Path,  # noqa: F811
 ) -> None:

@@ -164,6 +164,7 @@ def test_a_state_tp_vllm_cannot_divide_is_refused(tmp_path: Path) -> None:
         divide(6, 4)
 
 
+@pytest.mark.isa
 def test_vllm_cpu_raises_the_block_and_pads_the_state_page_as_planned(
     models: dict[str, str],
 ) -> None:
