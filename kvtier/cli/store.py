@@ -112,7 +112,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_te
                         "its layout; report the bad ones by kind.")
     common(v)
     v.add_argument("--sample", metavar="N", type=_count, help="check N chunks at random")
-    v.add_argument("--delete-bad", action="store_true", help="delete the chunks that fail")
+    v.add_argument("--delete-bad", action="store_true",
+                   help="delete the chunks that are corrupt (checksum, truncated, malformed, "
+                   "wrong_key); manifests and objects failing for a key reason (signature, "
+                   "sealed) are kept, and nothing is deleted when more than half of those "
+                   "checked fail for a key reason. Run it with --dry-run first")
+    v.add_argument("--dry-run", action="store_true", help="with --delete-bad: print what "
+                   "it would delete; delete nothing")
     v.set_defaults(func=_verify)
 
 
@@ -155,7 +161,8 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
             root = cfg.remote.directory
             if not os.path.isdir(root):
                 raise _Refused(f"{root}: no such directory")
-            return FileTier(root, background_sweep=False), signer
+            # the engines' ledger (a bounded directory) counts what gc and verify delete
+            return FileTier(root, background_sweep=False, keep_ledger=True), signer
         return open_tier(cfg), signer
     except KVTierError as exc:
         raise _Refused(str(exc)) from None
@@ -248,6 +255,21 @@ def _gc(args: argparse.Namespace) -> int:
     return _run(args, "gc", body)
 
 
+def verify_summary(doc: dict[str, Any], delete_bad: bool) -> str:
+    """``verify``'s last line: what was checked, found bad by kind, deleted and kept."""
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(doc["by_kind"].items()))
+    line = f"checked {doc['checked']} objects: {doc['bad']} bad" + (f" ({kinds})" if kinds
+                                                                   else "")  # fmt: skip
+    if delete_bad:
+        done = len(doc["to_delete"])
+        line += f"; would delete {done}" if doc["dry_run"] else f"; {done} deleted"
+        kept = doc["bad"] - done
+        if kept and not doc["delete_refused"]:
+            line += (f", {kept} kept (manifests, and failures for a key reason or of the "
+                     "backend, are not corruption)")  # fmt: skip
+    return line
+
+
 def _verify(args: argparse.Namespace) -> int:
     from kvtier.objects import store_admin
 
@@ -257,20 +279,23 @@ def _verify(args: argparse.Namespace) -> int:
         nonlocal bad
         shown = store_admin.progress_printer()
         report = store_admin.verify(tier, signer, sample=args.sample,
-                                    delete_bad=args.delete_bad, seed=int(time.time()),
-                                    progress=shown)  # fmt: skip
+                                    delete_bad=args.delete_bad, dry_run=args.dry_run,
+                                    seed=int(time.time()), progress=shown)  # fmt: skip
         if shown is not None:
             shown(0)
         doc = report.to_json()
         bad = bool(report.bad)
         if args.json:
             print(json.dumps(doc, indent=2))
-            return
-        for key, kind in doc["bad_keys"].items():
-            print(f"bad ({kind}): {key}")
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(doc["by_kind"].items()))
-        print(f"checked {doc['checked']} objects: {doc['bad']} bad" + (f" ({kinds})" if kinds
-              else "") + (f"; {doc['deleted']} deleted" if args.delete_bad else ""))  # fmt: skip
+        else:
+            for key, kind in doc["bad_keys"].items():
+                print(f"bad ({kind}): {key}")
+            if args.dry_run:
+                for key in doc["to_delete"]:
+                    print(f"would delete: {key}")
+            print(verify_summary(doc, args.delete_bad))
+        if report.refused:
+            raise store_admin.StoreError(f"--delete-bad: {report.refused}")
 
     rc = _run(args, "verify", body)
     return rc if rc else (1 if bad else 0)

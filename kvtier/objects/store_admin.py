@@ -57,6 +57,16 @@ _GEN_RE = re.compile(re.escape(GENERATION_PREFIX) + r"([0-9a-f]{16})/(.+)", re.A
 S3_DELETE_BATCH = 1000
 #: keys per Redis SCAN page and per pipeline (below the tier's reply bounds)
 REDIS_BATCH = 256
+#: error kinds of an object whose bytes, frame or name are damaged: all that ``verify
+#: --delete-bad`` deletes. Every other kind is kept: a key reason (below), an object the
+#: backend failed to serve this once (``unreachable``, ``object``, ``oversize``), one in
+#: a form this version cannot read (``format``)
+CORRUPT_KINDS = frozenset({"checksum", "truncated", "malformed", "wrong_key"})
+#: the kinds a wrong or missing key gives every object it checks: no corruption
+KEY_KINDS = frozenset({"signature", "sealed"})
+#: more than this share of what was checked failing for a key reason means the keys
+#: given are not the engines': ``verify --delete-bad`` and ``gc`` then delete nothing
+KEY_FAILURE_SHARE = 0.5
 
 
 class StoreError(KVTierError):
@@ -564,8 +574,9 @@ def gc(
     """List, plan (:func:`plan_gc`), and delete unless ``dry_run``: dead generations'
     chunks before their manifest, so a run cut short leaves them still listed as such."""
     lister = lister if lister is not None else lister_for(tier)
-    plan = plan_gc(usage(tier, signer, lister=lister, progress=progress),
-                   dead_after_s=dead_after_s,
+    found = usage(tier, signer, lister=lister, progress=progress)
+    _refuse_wrong_keys(found, signer)
+    plan = plan_gc(found, dead_after_s=dead_after_s,
                    max_bytes=max_bytes, now=now, dry_run=dry_run)  # fmt: skip
     if not dry_run:
         for d in plan.deleted:
@@ -573,6 +584,28 @@ def gc(
             lister.delete(chunks)
             lister.delete([o.key for o in d.objects if o.key.endswith("/" + MANIFEST)])
     return plan
+
+
+def _refuse_wrong_keys(found: Usage, signer: codec.Signer | None) -> None:
+    """StoreError when the manifests say the keys given are not the engines': a sealed
+    manifest and no encryption key, or most manifests failing for a key reason. Each
+    such generation would be ``unknown`` and its chunks aged one by one, live or not."""
+    if signer is not None and signer.sealer is None and "sealed" in found.bad_manifests.values():
+        raise StoreError(
+            "the tier's manifests are sealed (encrypted) and no encryption key was given: "
+            "pass the engines' config with --config (encryption_key_env or "
+            "encryption_key_file) and its key variable; nothing was deleted"
+        )
+    checked = sum(1 for g in found.generations if g.manifest is not None)
+    checked += len(found.bad_manifests)
+    failed = sum(1 for kind in found.bad_manifests.values() if kind in KEY_KINDS)
+    if failed and failed > KEY_FAILURE_SHARE * checked:
+        raise StoreError(
+            f"{failed} of {checked} manifests fail for a key reason (signature/sealed): the "
+            "keys given are most likely not the engines' (check --config's hmac_key_env / "
+            "encryption_key_env and their variables); a wrong key is not a dead generation, "
+            "so nothing was deleted"
+        )
 
 
 # -- verify ------------------------------------------------------------------------------
@@ -586,13 +619,20 @@ class VerifyReport:
     #: key -> error kind (checksum, signature, sealed, truncated, wrong_key, malformed ...)
     bad: dict[str, str] = field(default_factory=dict)
     deleted: int = 0
+    #: why ``delete_bad`` deleted nothing (None: it deleted the corrupt chunks)
+    refused: str | None = None
+    #: what ``delete_bad`` deletes (or, ``dry_run``, would): the corrupt chunks
+    to_delete: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
         kinds: dict[str, int] = {}
         for kind in self.bad.values():
             kinds[kind] = kinds.get(kind, 0) + 1
         return {"checked": self.checked, "bad": len(self.bad), "by_kind": kinds,
-                "bad_keys": dict(sorted(self.bad.items())), "deleted": self.deleted}  # fmt: skip
+                "bad_keys": dict(sorted(self.bad.items())), "deleted": self.deleted,
+                "to_delete": self.to_delete, "dry_run": self.dry_run,
+                "delete_refused": self.refused}  # fmt: skip
 
 
 def verify(
@@ -601,13 +641,22 @@ def verify(
     *,
     sample: int | None = None,
     delete_bad: bool = False,
+    dry_run: bool = False,
     lister: Lister | None = None,
     seed: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Read ``sample`` chunks (all when None; a random sample otherwise) and check each
     as an engine would (frame, checksum, signature, decryption, its own key, its layout's
-    slot size when compressed); delete the bad ones with ``delete_bad``."""
+    slot size when compressed).
+
+    ``delete_bad`` deletes the chunks that are corrupt (:data:`CORRUPT_KINDS`), never a
+    manifest (gc decides on its generation) nor an object failing for a key reason or
+    for the backend's sake; and nothing at all when more than :data:`KEY_FAILURE_SHARE`
+    of those checked fail for a key reason (``refused`` says so): a wrong key is not
+    corruption. ``dry_run``: what it would delete (``to_delete``), nothing deleted.
+    Raises StoreError, before deleting anything, on a signed or sealed object when
+    ``signer`` lacks that key: it cannot be checked."""
     import random
 
     lister = lister if lister is not None else lister_for(tier)
@@ -619,16 +668,49 @@ def verify(
             objs.append(o)
     if sample is not None and sample < len(objs):
         objs = random.Random(seed).sample(objs, sample)
-    report = VerifyReport()
+    report = VerifyReport(dry_run=dry_run)
     for obj in objs:
         kind = _check(tier, obj, signer)
         report.checked += 1
         if kind is not None:
             report.bad[obj.key] = kind
     if delete_bad and report.bad:
-        lister.delete(sorted(report.bad))
-        report.deleted = len(report.bad)
+        by_key = sum(1 for kind in report.bad.values() if kind in KEY_KINDS)
+        if by_key > KEY_FAILURE_SHARE * report.checked:
+            report.refused = (
+                f"{by_key} of {report.checked} objects checked fail for a key reason "
+                "(signature/sealed): the keys given are most likely not the engines' (check "
+                "--config's hmac_key_env / encryption_key_env and their variables); a wrong "
+                "key is not corruption, so nothing was deleted"
+            )
+            return report
+        report.to_delete = sorted(k for k, kind in report.bad.items()
+                                  if kind in CORRUPT_KINDS and not _is_bookkeeping(k))  # fmt: skip
+        if not dry_run:
+            lister.delete(report.to_delete)
+            report.deleted = len(report.to_delete)
     return report
+
+
+def _is_bookkeeping(key: str) -> bool:
+    """A manifest or a re-claim's token: never deleted by verify."""
+    parsed = parse_object_key(key)
+    return parsed is None or parsed[1]
+
+
+def _missing_key(header: dict[str, Any], signer: codec.Signer | None) -> str | None:
+    """Why an object with this header cannot be checked with ``signer`` (None: it can),
+    naming the settings of every key it needs that ``signer`` lacks."""
+    missing = []
+    if "nonce" in header and (signer is None or signer.sealer is None):
+        missing.append(("sealed (encrypted)", "encryption_key_env or encryption_key_file"))
+    if "sig" in header and (signer is None or not signer.hmac):
+        missing.append(("signed", "hmac_key_env or hmac_key_file"))
+    if not missing:
+        return None
+    return (f"the tier's objects are {' and '.join(m[0] for m in missing)}, and the key to "
+            f"check that was not given ({'; '.join(m[1] for m in missing)}): pass the "
+            "engines' config with --config and its key variables; nothing was deleted")
 
 
 def _check(tier: ObjectTier, obj: StoredObject, signer: codec.Signer | None) -> str | None:
@@ -640,6 +722,9 @@ def _check(tier: ObjectTier, obj: StoredObject, signer: codec.Signer | None) -> 
         if blob is None:
             return None  # deleted meanwhile
         header = _header_of(blob)
+        missing = _missing_key(header, signer)
+        if missing is not None:
+            raise StoreError(missing)
         out = None
         if "z" in header:
             shape = header.get("shape")

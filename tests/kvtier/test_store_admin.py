@@ -19,7 +19,7 @@ from local_cluster import RedisCluster
 from store_kit import NS, NS_B, Engine, SeaweedS3, fetch, file_objects, hits, write_engine
 
 from kvtier.config import load_config
-from kvtier.errors import CodecError
+from kvtier.errors import CodecError, TierUnavailable
 from kvtier.keys import ANY_RANK, KeySpace
 from kvtier.objects import codec, store_admin
 from kvtier.objects.manifest import (
@@ -388,8 +388,8 @@ def test_verify_finds_corrupt_truncated_moved_and_foreign_chunks(one_node: Backe
         store_admin.verify(tier, signer, delete_bad=True)
     finally:
         tier.close()
-    assert set(one_node.objects()) == {*k, manifest_key(eng.generation)} - {k[0], k[1], k[3],
-                                                                             k[4]}  # fmt: skip
+    # the forged chunk fails for a key reason: reported, kept (an engine never loads it)
+    assert set(one_node.objects()) == {*k, manifest_key(eng.generation)} - {k[0], k[1], k[3]}
     assert hits(extra, [k[2], k[5]], environ=HMAC) == [True, True]
 
 
@@ -416,3 +416,50 @@ def test_a_long_listing_shows_its_progress_on_a_terminal_only() -> None:
     found = store_admin.usage(None, None, lister=Listing(), progress=show)  # type: ignore[arg-type]
     assert found.total_chunks == 2500 and found.total_bytes == 25000
     assert out.getvalue() == "\rlisted 1,000 objects\rlisted 2,000 objects"
+
+
+def test_verify_delete_bad_keeps_what_fails_for_no_fault_of_its_own(tmp_path: Path) -> None:
+    """Only corruption is deleted: an object the backend failed to serve this once
+    (unreachable, a timeout) or that fails for a key reason is reported and kept, and
+    a manifest is never deleted by verify (gc deals with its generation)."""
+    extra = {"remote_url": f"file://{tmp_path}", "hmac_key_env": HMAC_VAR}
+    eng = write_engine(extra, NS, seed=6, environ=HMAC)
+    signer = codec.Signer.from_config(load_config(extra, environ={}), HMAC)
+    k = eng.keys
+    tier = open_tier(load_config(extra, environ={}))
+    try:
+        real_get = tier.get
+
+        def flaky(key: str, max_bytes: int | None = None) -> bytes | None:
+            if key == k[0]:
+                raise TierUnavailable("file tier get: timed out")
+            return real_get(key, max_bytes)
+
+        tier.put(k[1], [(tier.get(k[1]) or b"")[:-100]])  # a torn write: deleted
+        tier.put(manifest_key(eng.generation),
+                 [(tier.get(manifest_key(eng.generation)) or b"")[:-5]])  # fmt: skip
+        tier.get = flaky  # type: ignore[method-assign]
+        report = store_admin.verify(tier, signer, delete_bad=True)
+    finally:
+        tier.close()
+    assert report.bad == {k[0]: "unreachable", k[1]: "truncated",
+                          manifest_key(eng.generation): "truncated"}  # fmt: skip
+    assert report.deleted == 1 and report.to_json()["deleted"] == 1
+    left = file_objects(tmp_path)
+    assert k[1] not in left and k[0] in left and manifest_key(eng.generation) in left
+
+
+def test_verify_refuses_a_signed_tier_without_its_key(tmp_path: Path) -> None:
+    """A signed chunk checked without the key passes its checksum with its signature
+    unchecked: that is no verification, so verify refuses (StoreError names the
+    setting) before it reads further or deletes anything."""
+    extra = {"remote_url": f"file://{tmp_path}", "hmac_key_env": HMAC_VAR}
+    write_engine(extra, NS, seed=7, environ=HMAC)
+    before = file_objects(tmp_path)
+    tier = open_tier(load_config({"remote_url": f"file://{tmp_path}"}, environ={}))
+    try:
+        with pytest.raises(StoreError, match="hmac_key_env"):
+            store_admin.verify(tier, None, delete_bad=True)
+    finally:
+        tier.close()
+    assert file_objects(tmp_path) == before

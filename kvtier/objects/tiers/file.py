@@ -87,6 +87,11 @@ _SLOT = struct.Struct("<q")
 #: the ledger's size: bookkeeping, like the lock file and the directories themselves,
 #: outside the bound (which counts the objects and the temp files of writes in flight)
 LEDGER_BYTES = _LEDGER_HEAD.size + _LEDGER_SLOTS.size
+#: the most one fan-out directory's count may be (4 PiB; 1 EiB for all 256): anyone who
+#: can write the directory can write the ledger, so a count outside 0..this (negative,
+#: INT64 extremes that sum to a small total, past any disk) is no count: the ledger is
+#: laid out afresh and the next scan counts the directory again
+_LEDGER_MAX_COUNT = 1 << 52
 #: the fan-out directories, in the ledger's slot order
 _FANOUT = [f"{i:02x}" for i in range(256)]
 #: the root (the operator's path: a symlink there is theirs, and followed)
@@ -134,19 +139,26 @@ class _Ledger:
     lock is free, writes in flight included, and a crash between a change and its count
     (or a writer that does not keep the ledger) is made good by the next scan of that
     directory. Each change is a ``flock``, a ``pread`` of 2 KiB and a ``pwrite`` of 8
-    bytes. Raises OSError: the caller falls back to counting its own writes."""
+    bytes. Nothing read is trusted: a file of another size or layout, or a count outside
+    ``0.._LEDGER_MAX_COUNT``, is laid out afresh (no count until the next scan). Raises
+    OSError (or, on a bug, anything else): the caller falls back to counting its own
+    writes. ``create``: False for a tool that only keeps a ledger the engines made
+    (FileNotFoundError when there is none)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, create: bool = True) -> None:
         # group-writable (less the umask): every engine of the group keeps the count;
         # it holds counts, no KV
-        fd = os.open(os.path.join(root, _LEDGER_NAME),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)  # fmt: skip
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        fd = os.open(os.path.join(root, _LEDGER_NAME), flags, 0o660)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 self.fd = fd
+                #: whether counts out of range were logged (once per engine: a hostile
+                #: writer could rewrite them before every write)
+                self._warned = False
                 self._read()  # a new (or foreign) file is laid out afresh
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -174,7 +186,7 @@ class _Ledger:
     def release(self) -> None:
         self._depth -= 1
         try:
-            if self._depth == 0:
+            if self._depth == 0 and self.fd >= 0:  # closed meanwhile: that released it
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
         except OSError:
             pass  # closing the fd releases it
@@ -183,12 +195,26 @@ class _Ledger:
 
     def _read(self) -> tuple[int, int, tuple[int, ...]]:
         """The complete scans counted, the layout's id and the counts (held); a file of
-        another size or layout (new, torn, foreign) is laid out afresh: no scan yet."""
+        another size or layout (new, torn, foreign) or with a count out of range
+        (:data:`_LEDGER_MAX_COUNT`) is laid out afresh: no scan yet."""
         data = os.pread(self.fd, LEDGER_BYTES + 1, 0)
         if len(data) == LEDGER_BYTES:
             magic, version, scans, layout = _LEDGER_HEAD.unpack_from(data)
             if magic == _LEDGER_MAGIC and version == _LEDGER_VERSION:
-                return scans, layout, _LEDGER_SLOTS.unpack_from(data, _LEDGER_HEAD.size)
+                counts = _LEDGER_SLOTS.unpack_from(data, _LEDGER_HEAD.size)
+                if min(counts) >= 0 and max(counts) <= _LEDGER_MAX_COUNT:
+                    return scans, layout, counts
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "%s: counts out of range (%d..%d; written by something other than "
+                        "kvtier?): laid out afresh, and counted again by the next scan",
+                        _LEDGER_NAME, min(counts), max(counts),
+                    )  # fmt: skip
+        return self._fresh()
+
+    def _fresh(self) -> tuple[int, int, tuple[int, ...]]:
+        """Lay the file out afresh (held): zero counts, no scan, a new layout id."""
         zeros = (0,) * 256
         layout = secrets.randbits(64)
         fresh = _LEDGER_HEAD.pack(_LEDGER_MAGIC, _LEDGER_VERSION, 0, layout)
@@ -208,15 +234,21 @@ class _Ledger:
         return sum(counts) if scans else None
 
     def add(self, sub: str, delta: int) -> None:
-        """``sub``'s count moves by ``delta`` (held)."""
+        """``sub``'s count moves by ``delta`` (held): read, and checked, with the whole
+        file (a torn or hostile one is laid out afresh first); a count that would leave
+        the range lays it out afresh too (unknown until the next scan)."""
         if delta:
-            at = _LEDGER_HEAD.size + _SLOT.size * int(sub, 16)
-            (count,) = _SLOT.unpack(os.pread(self.fd, _SLOT.size, at))
-            os.pwrite(self.fd, _SLOT.pack(max(0, count + delta)), at)
+            slot = int(sub, 16)
+            count = self._read()[2][slot] + delta
+            if count > _LEDGER_MAX_COUNT:
+                self._fresh()
+                return
+            os.pwrite(self.fd, _SLOT.pack(max(0, count)), _LEDGER_HEAD.size + _SLOT.size * slot)
 
     def set(self, sub: str, count: int) -> None:
         """``sub``'s count is ``count`` (held: a scan of ``sub`` found it). A file laid
         out afresh meanwhile (no scan counted) is counted by the scan's end."""
+        count = min(max(0, count), _LEDGER_MAX_COUNT)
         os.pwrite(self.fd, _SLOT.pack(count), _LEDGER_HEAD.size + _SLOT.size * int(sub, 16))
 
     def scanned(self, layout: int) -> None:
@@ -262,7 +294,12 @@ class DirectorySweep:
     first is gone, and counted off once. Without the ledger (no ``flock`` on the mount,
     a read-only directory: logged once) each engine counts its own writes between its
     scans, as below, and engines together can take the directory past the bound until
-    their next scans.
+    their next scans. Any fault of the ledger that is not an OSError (a bug) falls back
+    the same way: a count is bookkeeping, never worth a failed write.
+
+    ``keep_ledger`` (an unbounded tool's tier: ``kvtier store``): no bound of its own,
+    but where the engines' ledger exists, this tier's deletes change it as theirs do
+    (it is never created).
 
     A sweep thread alone (:meth:`start`: when puts wrote a good part of the
     headroom, but at most one sweep a second) let an engine that writes faster than
@@ -283,6 +320,7 @@ class DirectorySweep:
         tmp_max_age_s: float,
         interval_s: float,
         bound_writes: bool = True,
+        keep_ledger: bool = False,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -321,8 +359,17 @@ class DirectorySweep:
         if max_bytes is not None:
             try:
                 self._ledger = _Ledger(root)
-            except OSError as exc:
+            except Exception as exc:
                 self._alone(exc)
+        elif keep_ledger:
+            try:
+                self._ledger = _Ledger(root, create=False)
+            except FileNotFoundError:
+                pass  # no engine bounds the directory: nothing to keep
+            except Exception as exc:
+                log.warning("file tier %s: cannot keep %s (%s): the engines' next scans "
+                            "count what this run deletes", root, _LEDGER_NAME,
+                            getattr(exc, "strerror", None) or exc)  # fmt: skip
 
     def start(self) -> None:
         """Sweep in the background from now on (at once, then as :meth:`_loop` says)."""
@@ -335,20 +382,28 @@ class DirectorySweep:
         """Whether the bound is kept with a count every engine shares (:class:`_Ledger`)."""
         return self._ledger is not None
 
-    def _alone(self, exc: OSError, ledger: _Ledger | None = None) -> None:
-        """No shared count (``ledger``: the one that failed): from now on this engine
-        counts its own writes between its scans, from its next scan on."""
+    @property
+    def counting(self) -> bool:
+        """Whether the tier's writes and deletes must say their bytes: a bound of its own,
+        or a ledger kept (``keep_ledger``)."""
+        return self.max_bytes is not None or self._ledger is not None
+
+    def _alone(self, exc: Exception, ledger: _Ledger | None = None) -> None:
+        """No shared count (``ledger``: the one that failed; ``exc``: why, an OSError or
+        any other fault of the ledger): from now on this engine counts its own writes
+        between its scans, from its next scan on. Said once per ledger."""
         if ledger is not None:
             if self._ledger is not ledger:
                 return  # another thread fell back already
             self._ledger = None
             with self._lock:
                 self._used = None  # counted again by the next scan
+            ledger.close()  # its fd (a thread inside :meth:`held` releases nothing then)
         log.warning(
             "file tier %s: no count shared with the other engines in the directory (%s: %s); "
             "this engine counts only its own writes between its scans, so engines sharing "
             "the directory can take it past file_max_bytes",
-            self.root, _LEDGER_NAME, exc.strerror or exc,
+            self.root, _LEDGER_NAME, getattr(exc, "strerror", None) or repr(exc),
         )  # fmt: skip
 
     @contextmanager
@@ -360,7 +415,7 @@ class DirectorySweep:
         if ledger is not None:
             try:
                 ledger.acquire()
-            except OSError as exc:
+            except Exception as exc:
                 self._alone(exc, ledger)
                 ledger = None
         try:
@@ -375,7 +430,7 @@ class DirectorySweep:
         if ledger is not None and delta:
             try:
                 ledger.add(sub, delta)
-            except OSError as exc:
+            except Exception as exc:
                 self._alone(exc, ledger)
 
     def _total(self) -> int | None:
@@ -385,7 +440,7 @@ class DirectorySweep:
             return None
         try:
             return ledger.total()
-        except OSError as exc:
+        except Exception as exc:
             self._alone(exc, ledger)
             return None
 
@@ -422,44 +477,62 @@ class DirectorySweep:
         return scans
 
     def reserve(
-        self, nbytes: int, sub: str, create: Callable[[], tuple[int, str]]
+        self,
+        nbytes: int,
+        sub: str,
+        create: Callable[[], tuple[int, str]],
+        discard: Callable[[str], object],
     ) -> tuple[int, str]:
         """The temp file of a write of ``nbytes`` into ``sub``, made by ``create`` (its fd
         and name). With a shared count, it is made at its full size once the count says
         the directory has room for it (room is made first, as in :meth:`admit`) and
         counted with it, under the lock: engines writing at once never take the count
-        past the bound together. The caller's next change of the file (rename, removal)
-        comes with :meth:`landed`, under :meth:`held`."""
-        if self._ledger is None or self.max_bytes is None:
+        past the bound together. Whatever fails once it is made, its fd is closed and
+        ``discard`` removes it (by name) before the error goes on. The caller's next
+        change of the file (rename, removal) comes with :meth:`landed`, under
+        :meth:`held`."""
+        if self._ledger is None:
             return create()
-        force = not self.bound_writes
+        force = not self.bound_writes or self.max_bytes is None
         for _ in range(8):
             with self.held():
                 if self._ledger is None:
                     return create()
                 total = self._total()
                 if force or self._stop.is_set() or (
-                    total is not None and total + nbytes <= self.max_bytes
-                ):
-                    return self._create_counted(nbytes, sub, create)
+                    total is not None and self.max_bytes is not None
+                    and total + nbytes <= self.max_bytes
+                ):  # fmt: skip
+                    return self._create_counted(nbytes, sub, create, discard)
             try:
                 force = not self._make_room_shared(nbytes)
             except Exception:  # the write goes ahead: a failed eviction is not its failure
                 log.warning("file tier %s: making room failed", self.root, exc_info=True)
                 force = True
         with self.held():  # others took the room as fast as it was made: go ahead
-            return self._create_counted(nbytes, sub, create)
+            return self._create_counted(nbytes, sub, create, discard)
 
     def _create_counted(
-        self, nbytes: int, sub: str, create: Callable[[], tuple[int, str]]
+        self,
+        nbytes: int,
+        sub: str,
+        create: Callable[[], tuple[int, str]],
+        discard: Callable[[str], object],
     ) -> tuple[int, str]:
-        """``create`` a temp file, at its full size, and count it (under :meth:`held`)."""
+        """``create`` a temp file, at its full size, and count it (under :meth:`held`);
+        on any failure after the create, the fd is closed and the file removed (nothing
+        was counted: counting is the last step)."""
         fd, tmp = create()
         try:
-            os.ftruncate(fd, nbytes)  # its bytes, for every scan, from now on
-        except OSError:
-            pass  # then it grows as it is written
-        self._count(sub, nbytes)
+            try:
+                os.ftruncate(fd, nbytes)  # its bytes, for every scan, from now on
+            except OSError:
+                pass  # then it grows as it is written
+            self._count(sub, nbytes)
+        except BaseException:
+            os.close(fd)
+            discard(tmp)
+            raise
         return fd, tmp
 
     def landed(
@@ -477,9 +550,9 @@ class DirectorySweep:
         object it replaced); ``freed``: the bytes of its temp file, removed, when it was
         not stored. With a shared count, called under :meth:`held` together with the
         rename or removal."""
+        self._count(where[0], -(replaced if stored else freed))  # a kept ledger, unbounded
         if self.max_bytes is None:
             return
-        self._count(where[0], -(replaced if stored else freed))
         with self._lock:
             if scans != self._scans:
                 replaced = 0  # a scan counted the write in place of what it replaced
@@ -791,7 +864,7 @@ class DirectorySweep:
                 return stats
             try:
                 layout = ledger.layout()
-            except OSError as exc:
+            except Exception as exc:
                 self._alone(exc, ledger)
                 return stats
         for sub in _FANOUT:
@@ -805,7 +878,7 @@ class DirectorySweep:
                 if count is not None:
                     try:
                         ledger.set(sub, count)
-                    except OSError as exc:
+                    except Exception as exc:
                         self._alone(exc, ledger)
                         return stats
         with self.held():
@@ -814,7 +887,7 @@ class DirectorySweep:
                 return stats
             try:
                 ledger.scanned(layout)
-            except OSError as exc:
+            except Exception as exc:
                 self._alone(exc, ledger)
                 return stats
         with self._lock:
@@ -1017,7 +1090,8 @@ class FileTier(SlotReader):
     writers older than ``tmp_max_age_s`` are swept at open and then
     periodically, bounded or not. ``background_sweep=False`` (tests, tools):
     no sweep thread, and unless ``bound_writes`` the caller's :meth:`sweep`
-    calls alone keep the bound.
+    calls alone keep the bound. ``keep_ledger`` (``kvtier store``, unbounded): its
+    deletes change the engines' ledger, where one exists, as theirs do.
     """
 
     name = "file"
@@ -1033,6 +1107,7 @@ class FileTier(SlotReader):
         sweep_interval_s: float = 30.0,
         background_sweep: bool = True,
         bound_writes: bool | None = None,
+        keep_ledger: bool = False,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("FileTier max_bytes must not be negative")
@@ -1065,6 +1140,7 @@ class FileTier(SlotReader):
             tmp_max_age_s=tmp_max_age_s,
             interval_s=sweep_interval_s,
             bound_writes=background_sweep if bound_writes is None else bound_writes,
+            keep_ledger=keep_ledger,
         )
         if background_sweep:
             self.sweeper.start()
@@ -1327,11 +1403,11 @@ class FileTier(SlotReader):
                     dir_fd = self._subdir(sub, "put", create=True)
                     if dir_fd is None:  # removed again by another engine between mkdir and open
                         raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
-                    fd, tmp = sweeper.reserve(nbytes, sub, self._temp_maker(dir_fd))
+                    fd, tmp = sweeper.reserve(nbytes, sub, *self._temp_maker(dir_fd))
                     self._write_parts(fd, parts)
                     with sweeper.held():  # the rename and its count are one
                         # a rewrite frees the old bytes
-                        replaced = _size_at(name, dir_fd) if self.max_bytes is not None else 0
+                        replaced = _size_at(name, dir_fd) if sweeper.counting else 0
                         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                         tmp = None
                         sweeper.landed(nbytes, (sub, name), scans, stored=True,
@@ -1351,8 +1427,14 @@ class FileTier(SlotReader):
                 os.close(dir_fd)
 
     def _write_parts(self, fd: int, parts: Parts) -> None:
-        """Write ``parts`` to the new file ``fd`` (closed after), in the tier's group."""
-        with open(fd, "wb") as f:
+        """Write ``parts`` to the new file ``fd`` (closed after, whatever fails), in the
+        tier's group."""
+        try:
+            f = open(fd, "wb")  # noqa: SIM115 (closed by the with below)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
             self._own_group(fd)
             for part in parts:
                 f.write(part)
@@ -1363,9 +1445,12 @@ class FileTier(SlotReader):
         tmp = _TMP_PREFIX + secrets.token_hex(8)
         return os.open(tmp, _OPEN_TMP, self.file_mode, dir_fd=dir_fd), tmp
 
-    def _temp_maker(self, dir_fd: int) -> Callable[[], tuple[int, str]]:
-        """:meth:`_create_temp` in ``dir_fd``, for :meth:`DirectorySweep.reserve`."""
-        return lambda: self._create_temp(dir_fd)
+    def _temp_maker(
+        self, dir_fd: int
+    ) -> tuple[Callable[[], tuple[int, str]], Callable[[str], bool]]:
+        """:meth:`_create_temp` in ``dir_fd`` and the removal of what it made, for
+        :meth:`DirectorySweep.reserve`."""
+        return (lambda: self._create_temp(dir_fd)), (lambda tmp: _unlink(tmp, dir_fd))
 
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -1376,7 +1461,7 @@ class FileTier(SlotReader):
                     continue
                 try:
                     with self.sweeper.held():  # the unlink and its count are one
-                        size = _size_at(name, dir_fd) if self.max_bytes is not None else 0
+                        size = _size_at(name, dir_fd) if self.sweeper.counting else 0
                         os.unlink(name, dir_fd=dir_fd)
                         self.sweeper.removed(size, sub)  # the bound's count frees it too
                 except FileNotFoundError:
@@ -1410,7 +1495,7 @@ class FileTier(SlotReader):
                 dir_fd = self._subdir(sub, "create", create=True)
                 if dir_fd is None:  # removed again by another engine between mkdir and open
                     raise FileNotFoundError(errno.ENOENT, "fan-out directory vanished")
-                fd, tmp = sweeper.reserve(nbytes, sub, self._temp_maker(dir_fd))
+                fd, tmp = sweeper.reserve(nbytes, sub, *self._temp_maker(dir_fd))
                 self._write_parts(fd, parts)
                 linked: bool | None = False
                 with sweeper.held():  # the link, the temp file's removal and the count are one
@@ -1430,12 +1515,14 @@ class FileTier(SlotReader):
                     created = self._create_excl(dir_fd, name, parts)
                 return created
         finally:
-            with sweeper.held():  # the temp file's removal and its count are one
-                gone = tmp is not None and dir_fd is not None and _unlink(tmp, dir_fd)
-                sweeper.landed(nbytes, (sub, name), scans, stored=created,
-                               freed=nbytes if gone else 0)  # fmt: skip
-            if dir_fd is not None:
-                os.close(dir_fd)
+            try:
+                with sweeper.held():  # the temp file's removal and its count are one
+                    gone = tmp is not None and dir_fd is not None and _unlink(tmp, dir_fd)
+                    sweeper.landed(nbytes, (sub, name), scans, stored=created,
+                                   freed=nbytes if gone else 0)  # fmt: skip
+            finally:
+                if dir_fd is not None:
+                    os.close(dir_fd)
 
     def _create_excl(self, dir_fd: int, name: str, parts: Parts) -> bool:
         """:meth:`create_if_absent` where the filesystem has no hard links: ``O_EXCL``."""
