@@ -32,6 +32,8 @@ pytestmark = pytest.mark.e2e
 ENV = {"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.window_scenarios"}
 #: a prompt split at a token off a block boundary (32-token blocks): chunked prefill
 BUDGET = 63
+#: S, the prompts' shared prefix: 4 chunks of 256 tokens (tests/e2e/window_scenarios.py)
+S_CHUNKS = 4
 #: a hit and vLLM's own (another split of the same prompt) differ in the last bits of the
 #: logprobs, never more
 CLOSE = 0.02
@@ -82,7 +84,8 @@ def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss
     # Not a byte of the spoiled chunk was loaded: the outputs are the same bits (a
     # whole prefill, or another split, is other bf16 arithmetic, near ties included)
     Path(r["spoiled"][0]).unlink()
-    gone = run_engine("window_reader", model=model, extra=extra, budget=BUDGET, env=ENV)
+    gone = run_engine("window_reader", model=model, extra=extra, budget=BUDGET, env=ENV,
+                      spoil_chunk=S_CHUNKS)  # (no such chunk: nothing spoiled)
     assert gone["spoiled"] == [] and gone["index"]["totals"]["error_checksum"] == 0
     assert gone["b"]["cached"] == 768, gone["b"]
     assert (r["b"]["tokens"], r["b"]["logprobs"]) == (gone["b"]["tokens"], gone["b"]["logprobs"])
