@@ -74,16 +74,24 @@ class Namespace:
 
     def generation(self) -> str:
         """The generation this engine's chunks belong to (16 hex characters): the digest
-        of the namespace without rank, stage and layers, so every worker of one engine
-        (and every replica of the same model and settings) shares it, and any change that
-        makes old chunks useless (weights, dtypes, layout, ``namespace``) starts a new
-        one. Every object key names it (:func:`generation_key`): ``kvtier store`` counts
-        and deletes a generation by listing."""
+        of the namespace without rank and stage, so every worker of one engine (and every
+        replica of the same model and settings) shares it, and any change that makes old
+        chunks useless (weights, dtypes, layout, ``namespace``) starts a new one. Every
+        object key names it (:func:`generation_key`): ``kvtier store`` counts and deletes
+        a generation by listing, and its manifest is claimed once (the canary's first
+        writer). The worker's ``layers`` are in it too, as in every chunk key: engines
+        whose keys never meet never share a claim (else one would check for good, every
+        canary absent). TP ranks hold the same layers; pipeline stages do not, so with
+        ``pp_size`` > 1 they are left out (the stages would split the generation) and the
+        layout the manifest records (stage 0's) is compared instead
+        (:func:`kvtier.objects.manifest.reclaim_generation`)."""
         fields = [
             "kvtier-generation", self.layout_version, self.model, self.revision or "",
             self.dtype, self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size,
             self.namespace, self.pp_size, self.fingerprint,
         ]
+        if self.layers and self.pp_size == 1:  # "": the scheduler's, until workers say
+            fields.append(self.layers)
         return hashlib.blake2b(msgpack.packb(fields), digest_size=8).hexdigest()
 
     def after_weight_change(self, salt: bytes) -> Namespace:

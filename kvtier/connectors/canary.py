@@ -28,6 +28,7 @@ for, and never refreshes the manifest, so it does not keep a dead generation ali
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,8 @@ class CanaryChecks:
     def report(self, meta: KVTierWorkerMeta) -> None:
         """The workers' report: whether the generation is new (once, at startup), and the
         results of checks."""
+        if meta.layers is not None:
+            self.workers_layers(meta.layers)
         if meta.fresh_generation is not None:
             self.first_writer(meta.fresh_generation)
         for op_id, results in meta.checks.items():
@@ -179,6 +182,12 @@ class CanaryChecks:
                 self.index.unpin(entry.key)
             if not check.stale:
                 self._settle(canary.combine(check.results), meta.check_worst.get(op_id))
+
+    def workers_layers(self, layers: str) -> None:
+        """Rank 0 of stage 0's layers (``Namespace.layers``), which the generation id
+        covers: from now on this side names the generation the workers' keys do."""
+        if self.namespace.layers != layers:
+            self.namespace = dataclasses.replace(self.namespace, layers=layers)
 
     def first_writer(self, fresh: bool) -> None:
         """The workers said whether this engine's claim of the generation won at startup

@@ -110,6 +110,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     fresh_generation: bool | None = None
     #: a mismatch's worst layer and error, for the scheduler's log: op id -> (layer, error)
     check_worst: dict[int, tuple[str, float]] = field(default_factory=dict)
+    #: rank 0 of stage 0's ``Namespace.layers``, sent with ``fresh_generation``: the
+    #: generation id covers them, and the scheduler names the workers' generation
+    layers: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
@@ -129,4 +132,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors,
             reads_down_s=max(self.reads_down_s, other.reads_down_s), checks=checks,
             fresh_generation=fresh, check_worst={**self.check_worst, **other.check_worst},
+            layers=self.layers if self.layers is not None else other.layers,
         )

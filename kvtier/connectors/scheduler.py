@@ -243,6 +243,9 @@ class SchedulerSide:
         why."""
         if not self.remote:
             return
+        for w in workers:
+            if w.rank == 0 and w.stage == 0:  # the generation id covers its layers
+                self.canary.workers_layers(w.namespace.layers)
         said = [w.fresh_generation for w in workers if w.fresh_generation is not None]
         if said:  # before the first step: a first writer uploads from its first request on
             self.canary.first_writer(all(said))

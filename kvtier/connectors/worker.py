@@ -208,12 +208,18 @@ class WorkerSide:
         its generation writes its manifest at start and every minute, so a stored manifest
         means another engine wrote the generation (its first hit is checked); of engines
         starting at once on an empty generation exactly one wins, and its own KV defines
-        it. A tier that cannot answer is not fresh (the first hit is checked instead)."""
+        it. A missing manifest of a generation in use (a liveness record, or a chunk: one
+        listing, only when the manifest is missing) is lost, not new. A tier that cannot
+        answer is not fresh (the first hit is checked instead)."""
+        from kvtier.objects import store_admin
+
         assert self.remote is not None
+        tier = self.remote.tier
         gen = self.namespace.generation()
         try:
-            fresh = manifest.claim_generation(self.remote.tier, self.namespace,
-                                              self.remote.signer)  # fmt: skip
+            fresh = manifest.claim_generation(
+                tier, self.namespace, self.remote.signer,
+                holds_chunks=lambda: store_admin.holds_chunks(tier, gen))  # fmt: skip
         except Exception as exc:  # noqa: BLE001  any failure: check the first hit instead
             logger.warning("kvtier: could not claim generation %s in the object tier (%s): "
                            "its first hit is checked", gen, exc)  # fmt: skip
@@ -607,7 +613,8 @@ class WorkerSide:
                 fresh = True
         meta = KVTierWorkerMeta(steps=self._steps, results=self._results, errors=self._errors,
                                 reads_down_s=self.reads_down_s(), checks=self._checks,
-                                fresh_generation=fresh, check_worst=self._check_worst)
+                                fresh_generation=fresh, check_worst=self._check_worst,
+                                layers=None if fresh is None else self.namespace.layers)
         self._steps, self._results, self._errors = [], {}, {}
         self._checks, self._check_worst, self._fresh = {}, {}, None
         return meta

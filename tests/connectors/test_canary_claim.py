@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.canary import GenerationTrust, Trust
 from kvtier.config import load_config
-from kvtier.keys import Namespace
+from kvtier.keys import KeySpace, Namespace
 from kvtier.objects import manifest
 from kvtier.objects.tiers import FileTier, ObjectTier, open_tier
 from kvtier.objects.tiers.base import Parts
@@ -104,9 +104,11 @@ def test_two_engines_starting_at_once_on_an_empty_generation_give_one_first_writ
         states = [t.first_writer(bool(fresh)) for t, fresh in zip(trust, said, strict=True)]
         assert sorted(s.value for s in states) == [Trust.CHECKING.value, Trust.TRUSTED.value]
         # the claim is the generation's manifest: the winner's, readable as any manifest
+        gen = workers[0].namespace.generation()  # the workers' layers are in it
+        assert gen == workers[1].namespace.generation()
         with _tier(url) as tier:
-            stored = manifest.read_manifest(tier, NS.generation(), None)
-            assert stored is not None and stored.id == NS.generation()
+            stored = manifest.read_manifest(tier, gen, None)
+            assert stored is not None and stored.id == gen
     finally:
         landed.set()
         for w in workers:
@@ -173,3 +175,81 @@ def test_a_tier_that_cannot_claim_makes_the_engine_check(tmp_path) -> None:
             assert w.fresh_generation is False, cls.__name__
         finally:
             w.shutdown()
+
+
+# -- engines whose keys never meet never share a claim --------------------------------------
+
+
+def _layout_worker(url: str, shape: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    """A rank-0 worker whose KV caches have ``shape`` (2 layers), first hit checked."""
+    from copyfakes import make_caches
+
+    from kvtier.connectors.worker import WorkerSide
+    from kvtier.objects.remote import RemoteIO
+
+    cfg = load_config({"cpu_bytes": "16MiB", "chunk_size": BS * BPC, "remote_url": url,
+                       "canary_first_hit": True}, environ={})  # fmt: skip
+
+    def remote(c):  # type: ignore[no-untyped-def]
+        return RemoteIO(_tier(url), threads=1, queue_depth=8, timeout_s=5, signer=None)
+
+    w = WorkerSide(cfg, NS, 40, remote)
+    w.register_kv_caches(make_caches(shape, layers=2, seed=10), rank=0)
+    return w
+
+
+def test_engines_whose_layers_differ_never_share_a_claim(url: str) -> None:
+    """Two engines under one model_fingerprint whose KV layouts differ (here another
+    attention backend: blocks outermost instead of K/V outermost, the same bytes): every
+    chunk key names the worker's layers, so their keys never meet. Before, the generation
+    id left the layers out: the second engine found the first's manifest and checked for
+    good (every canary absent). Now each layout is a generation of its own, claimed by
+    its own first writer."""
+    from kvtier.host.layout import SlotLayout
+
+    kv_first, blocks_first = (2, 40, BS, 4, 16), (40, 2, BS, 4, 16)
+    layouts = []
+    for shape in (kv_first, blocks_first):
+        from copyfakes import make_caches
+
+        layouts.append(SlotLayout.from_kv_caches(make_caches(shape, layers=2), 40, BPC))
+    assert layouts[0].slot_bytes == layouts[1].slot_bytes
+    assert layouts[0].identity() != layouts[1].identity()
+    ns = [dataclasses.replace(NS, layers=lay.identity()) for lay in layouts]
+    assert ns[0].generation() != ns[1].generation()
+    # the TP ranks of one engine hold the same layers: one generation per engine
+    assert KeySpace.worker(ns[0], 0, 0).generation == KeySpace.worker(ns[0], 1, 0).generation
+    workers = [_layout_worker(url, shape) for shape in (kv_first, blocks_first)]
+    try:
+        assert [w.fresh_generation for w in workers] == [True, True]
+        gens = [w.namespace.generation() for w in workers]
+        assert gens == [n.generation() for n in ns]
+        with _tier(url) as tier:
+            for w, gen in zip(workers, gens, strict=True):
+                stored = manifest.read_manifest(tier, gen, None)
+                assert stored is not None and stored.layout.endswith(w.namespace.layers)
+        # an engine of the first layout still checks the first's generation
+        third = _layout_worker(url, kv_first)
+        try:
+            assert third.fresh_generation is False
+        finally:
+            third.shutdown()
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_a_pipeline_keeps_one_generation_across_its_stages_and_compares_layouts(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Pipeline stages hold other layers, so the layers cannot name a pipeline engine's
+    generation (its stages would split): there the layout the manifest records (stage
+    0's) is compared, and a checking engine of another layout says why it waits."""
+    pp = dataclasses.replace(NS, pp_size=2)
+    a, b = (dataclasses.replace(pp, layers=x) for x in ("stage-0-of-a", "stage-0-of-b"))
+    assert a.generation() == dataclasses.replace(pp, layers="stage-1").generation()
+    assert a.generation() == b.generation()
+    with FileTier(str(tmp_path / "kv")) as tier:
+        assert manifest.claim_generation(tier, a, None)
+        got = manifest.reclaim_generation(tier, b, None, lambda: False)
+        assert not got.won and "another KV layout" in got.reason, got

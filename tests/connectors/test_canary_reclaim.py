@@ -244,6 +244,15 @@ def test_never_while_the_generation_holds_a_chunk(
     for p in range(10, 10 + canary.RECLAIM_AFTER):
         b.prompt(p)
         b.reclaim_done()
+    # its manifest went with them: claimed once seen missing for STALE_S (passed here)
+    assert b.side.canary.trust.state is Trust.CHECKING
+    with FileTier(root) as tier:
+        assert manifest.missing_since(tier, gen, None) is not None
+        key = manifest.liveness_key(gen)
+        tier.put(key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None,
+                                       missing=True)])  # fmt: skip
+    b.prompt(20)
+    b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED
 
 
@@ -331,7 +340,10 @@ def test_holds_chunks_lists_one_generation_and_counts_only_chunks(url: str) -> N
         assert not got.won and "gone but it holds chunks" in got.reason
         assert manifest.read_manifest(tier, gen, None) is None, "nothing claimed"
         tier.delete([f"gen-{gen}/{'b' * 40}"])
-        assert manifest.reclaim_generation(tier, ns, None, holds).won
+        got = manifest.reclaim_generation(tier, ns, None, holds)
+        assert not got.won and "missing" in got.reason, "missing is not stale at once"
+        later = time.time() + manifest.STALE_S + 1
+        assert manifest.reclaim_generation(tier, ns, None, holds, now=later).won
 
 
 def test_a_late_fresh_answer_trusts_only_a_checking_generation() -> None:
@@ -366,7 +378,8 @@ def test_an_engine_whose_startup_claim_failed_claims_the_empty_generation_later(
 ) -> None:
     """The same lock from another side: the tier failed the startup claim, so the engine
     checks a generation nobody wrote (no manifest, no chunk). Before, it checked for good
-    (and wrote the manifest that kept it so); now its absent checks claim it."""
+    (and wrote the manifest that kept it so); now its absent checks claim it, once its
+    manifest was seen missing for STALE_S."""
     from kvtier.errors import TierUnavailable
 
     real = FileTier.create_if_absent
@@ -383,9 +396,268 @@ def test_an_engine_whose_startup_claim_failed_claims_the_empty_generation_later(
     assert b.worker.fresh_generation is False
     with FileTier(root) as tier:
         assert manifest.read_manifest(tier, b.gen, None) is None, "a checking engine writes none"
+    b.worker.reclaim_every_s = 0.0
     for p in range(1, canary.RECLAIM_AFTER + 1):
         b.prompt(p)
+    b.reclaim_done()
+    # it cannot tell a manifest never written from one lost: claimed once seen missing
+    # for STALE_S (here that time has passed)
+    assert b.side.canary.trust.state is Trust.CHECKING
+    with FileTier(root) as tier:
+        assert manifest.missing_since(tier, b.gen, None) is not None
+        key = manifest.liveness_key(b.gen)
+        tier.put(key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None,
+                                       missing=True)])  # fmt: skip
+    b.prompt(canary.RECLAIM_AFTER + 1)
     b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED
     with FileTier(root) as tier:
         assert manifest.read_manifest(tier, b.gen, None) is not None
+
+
+# -- a missing manifest is not a free claim ------------------------------------------------
+
+
+def test_a_live_writers_missing_manifest_is_not_claimed(
+    root: str, engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The defect: engine A (the first writer, alive, its manifest refreshed a moment ago,
+    no chunk stored yet) loses its manifest (deleted from the directory). Engine B, other
+    weights under the same name, checking, found the generation empty and claimed it at
+    once: both trusted, B's KV stored where A loads. Now the missing manifest counts as
+    stale only once seen missing for STALE_S, and A writes it again within seconds."""
+    a = engines()
+    assert a.worker.fresh_generation is True and a.worker.manifests is not None
+    b = engines(seed=11)
+    assert b.worker.fresh_generation is False
+    b.worker.reclaim_every_s = 0.0  # try at every absent chunk
+    a.worker.manifests.check_s = 1e9  # A reads its manifest back below, by hand
+    with FileTier(root) as tier:
+        tier.delete([manifest.manifest_key(a.gen)])
+        assert manifest.read_manifest(tier, a.gen, None) is None
+    caplog.set_level(logging.INFO, logger="kvtier")
+    for p in range(1, 2 * canary.RECLAIM_AFTER + 1):
+        hit, meta = b.prompt(p)
+        b.reclaim_done()
+        assert hit == 0 and not any(s.upload_op_id for s in meta.stores)
+        assert b.side.canary.trust.state is Trust.CHECKING, "a lost manifest claimed at once"
+    said = [r.getMessage() for r in caplog.records if "not claimed afresh" in r.getMessage()]
+    assert said and "missing" in said[0], said
+    assert _chunks(root, a.gen) == 0, "B stored nothing there"
+    # A's writer finds its manifest missing and writes it again at once
+    assert a.worker.manifests.check() is True
+    with FileTier(root) as tier:
+        m = manifest.read_manifest(tier, a.gen, None)
+        assert m is not None and time.time() - m.last_seen < 60
+        assert manifest.missing_since(tier, a.gen, None) is None, "A's refresh ended B's clock"
+    # an engine starting while the manifest is seen missing is not a first writer either
+    with FileTier(root) as tier:
+        tier.delete([manifest.manifest_key(a.gen)])
+        got = manifest.reclaim_generation(tier, b.worker.namespace, None, lambda: False)
+        assert not got.won and "missing" in got.reason
+    c = engines(seed=12)
+    assert c.worker.fresh_generation is False
+
+
+def test_a_missing_manifest_is_stale_only_when_seen_missing_for_the_stale_time(
+    url: str,
+) -> None:
+    """The rule, on every backend: a generation whose manifest is missing and that holds
+    no chunk is claimed only once seen missing, continuously, for STALE_S: the first
+    check records since when (in the tier: a restart of the checking engine keeps it),
+    every live writer's refresh overwrites that record (so a manifest lost, written again
+    and lost again starts the clock again), and the claim itself is created only if
+    absent (one winner)."""
+    from kvtier.objects.manifest import STALE_S, ManifestWriter, missing_since
+
+    ns = dataclasses.replace(_namespace(), fingerprint="build-11")
+    gen = ns.generation()
+    t0 = time.time()
+    now = [t0]
+    with _tier(url) as tier:
+        assert manifest.claim_generation(tier, ns, None, now=t0)
+        # A, alive: refreshed by hand here, on the test's clock
+        writer = ManifestWriter(tier, None, lambda: ns, clock=lambda: now[0])
+
+        def lost() -> None:
+            tier.delete([manifest.manifest_key(gen)])
+
+        def reclaim(at: float, holds: bool = False) -> manifest.Reclaim:
+            now[0] = at
+            return manifest.reclaim_generation(tier, ns, None, lambda: holds, now=at)
+
+        lost()
+        got = reclaim(t0 + 1)
+        assert not got.won and "missing" in got.reason, got
+        assert missing_since(tier, gen, None) == t0 + 1
+        assert not reclaim(t0 + STALE_S - 1).won
+        assert not reclaim(t0 + 2 * STALE_S, holds=True).won, "holds a chunk"
+        # the chunk went (gc): the clock started again when it was seen
+        assert not reclaim(t0 + 2 * STALE_S + 1).won
+        # A is alive: its refresh writes the manifest and ends the count of its absence
+        assert writer.refresh() is not None
+        assert missing_since(tier, gen, None) is None
+        assert not reclaim(t0 + 2 * STALE_S + 2).won, "fresh manifest"
+        lost()  # lost again: the time it was missing before does not count
+        assert not reclaim(t0 + 3 * STALE_S).won
+        assert not reclaim(t0 + 4 * STALE_S - 1).won
+        # an engine starting meanwhile does not take the missing manifest for a new one
+        assert manifest.claim_generation(tier, ns, None, now=t0 + 4 * STALE_S) is False
+        # missing, and the generation empty, for STALE_S: no writer is alive
+        got = reclaim(t0 + 4 * STALE_S + 1)
+        assert got.won, got
+        m = manifest.read_manifest(tier, gen, None)
+        assert m is not None and m.last_seen == t0 + 4 * STALE_S + 1
+        assert not reclaim(t0 + 4 * STALE_S + 2).won, "claimed once"
+
+
+def test_an_engine_starting_on_a_generation_whose_manifest_is_gone_but_chunks_stay(
+    root: str, engines: Callable[..., Engine]
+) -> None:
+    """The same rule at startup: the manifest is gone (deleted, evicted) but a chunk is
+    stored: someone's KV, so the engine starting now checks its first hit instead of
+    trusting itself as the generation's first writer (and loading that chunk unchecked)."""
+    first = engines()
+    first.prompt(99)
+    gen = first.gen
+    first.close()
+    with FileTier(root) as tier:
+        tier.delete([manifest.manifest_key(gen)])
+    b = engines(seed=11)
+    assert b.worker.fresh_generation is False
+    req = request("stored", 99, 2 * CHUNK + 10)
+    assert b.side.get_num_new_matched_tokens(req, 0) == (0, False), "unchecked: not loaded"
+
+
+def test_an_evicted_manifest_under_allkeys_lru_is_not_a_free_claim(services: Any) -> None:
+    """The Helm chart's Redis evicts any key, least recently used first (maxmemory-policy
+    allkeys-lru). A first writer's manifest evicted by other keys' traffic is no claim for
+    a checking engine; the writer reads its manifest back every few seconds (a GET: the
+    key's LRU clock is touched, so it is never the least recently used while it lives)
+    and writes it again when it is gone."""
+    from kvtier.objects.manifest import ManifestWriter
+
+    server = services.redis()
+    raw = server.client()
+    raw.config_set("maxmemory", "2mb")
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    ns = dataclasses.replace(_namespace(), fingerprint="build-lru")
+    gen = ns.generation()
+    key = manifest.manifest_key(gen)
+    a_tier, b_tier = _tier(server.url), _tier(server.url)
+    writer: ManifestWriter | None = None
+    try:
+        assert manifest.claim_generation(a_tier, ns, None)
+        filler = b"x" * 32 * 1024
+        n = 0
+        while raw.exists(key):  # other keys' traffic, the manifest untouched meanwhile
+            raw.set(f"other:{n}", filler)
+            n += 1
+            assert n < 5000, "never evicted"
+
+        def holds() -> bool:
+            return store_admin.holds_chunks(b_tier, gen)
+
+        got = manifest.reclaim_generation(b_tier, ns, None, holds)
+        assert not got.won and "missing" in got.reason, got
+        writer = ManifestWriter(a_tier, None, lambda: ns, interval_s=3600.0, check_s=0.1)
+        assert writer.check() is True, "the live writer writes it again"
+        assert raw.exists(key)
+        assert not manifest.reclaim_generation(b_tier, ns, None, holds).won
+        # running: the writer reads the manifest back every check_s, so under steady
+        # traffic it stays among the most recently used keys
+        writer.start()
+        for i in range(60):
+            raw.set(f"more:{i}", filler)
+            time.sleep(0.05)
+            assert not manifest.reclaim_generation(b_tier, ns, None, holds).won
+        assert raw.object("idletime", key) <= 1
+        deadline = time.monotonic() + 5
+        while not raw.exists(key):
+            assert time.monotonic() < deadline, "the writer did not write it again"
+            time.sleep(0.05)
+    finally:
+        if writer is not None:
+            writer.close()
+        a_tier.close()
+        b_tier.close()
+        raw.close()
+
+
+# -- a re-claim cut short does not lock the generation --------------------------------------
+
+
+def test_a_reclaim_cut_between_its_token_and_its_manifest_does_not_lock_for_good(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The defect: the re-claim's token was created, then the manifest write failed (or
+    the engine died between the two): every later re-claim named the same token and
+    lost, for good. Now a token whose manifest was not written within
+    RECLAIM_TOKEN_VOID_S is void while the manifest is still the stale one, and the next
+    token (created only if absent) decides; one winner among engines racing for it."""
+    from kvtier.errors import TierUnavailable
+
+    ns = dataclasses.replace(_namespace(), fingerprint="build-12")
+    gen = ns.generation()
+    tiers = [_tier(url) for _ in range(8)]
+    try:
+        assert manifest.claim_generation(tiers[0], ns, None, now=time.time() - 3600)
+        t = time.time()
+        real = manifest.write_manifest
+
+        def dies(*args: Any, **kw: Any) -> None:
+            raise TierUnavailable("the engine died here")
+
+        monkeypatch.setattr(manifest, "write_manifest", dies)
+        with pytest.raises(TierUnavailable):
+            manifest.reclaim_generation(tiers[0], ns, None, lambda: False, now=t)
+        monkeypatch.setattr(manifest, "write_manifest", real)
+        got = manifest.reclaim_generation(tiers[1], ns, None, lambda: False, now=t + 1)
+        assert not got.won and "re-claimed it first" in got.reason, "young: its writer may live"
+        late = t + manifest.RECLAIM_TOKEN_VOID_S + 1
+        won: list[Any] = [None] * 8
+        gate = threading.Barrier(8)
+
+        def run(i: int) -> None:
+            gate.wait(10)
+            won[i] = manifest.reclaim_generation(tiers[i], ns, None, lambda: False, now=late)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert [g.won for g in won].count(True) == 1, won
+        m = manifest.read_manifest(tiers[0], gen, None)
+        assert m is not None and m.last_seen == late
+        # the winner's manifest is not stale: its token is not void, whatever its age
+        again = manifest.reclaim_generation(tiers[2], ns, None, lambda: False,
+                                            now=late + manifest.RECLAIM_TOKEN_VOID_S + 1)
+        assert not again.won and "refreshed its manifest" in again.reason
+        # tokens are bookkeeping: no chunk, gc'd with the generation
+        assert store_admin.holds_chunks(tiers[0], gen) is False
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
+def test_a_token_void_by_age_is_kept_when_its_manifest_was_written(url: str) -> None:
+    """A token older than the bound whose re-claim did write the manifest (the winner is
+    trusted now, the manifest no longer the stale one) is never voided by an engine that
+    judged the old manifest stale long before (its listing was slow)."""
+    ns = dataclasses.replace(_namespace(), fingerprint="build-13")
+    gen = ns.generation()
+    with _tier(url) as tier:
+        assert manifest.claim_generation(tier, ns, None, now=time.time() - 3600)
+        t = time.time()
+        late = t + manifest.RECLAIM_TOKEN_VOID_S + 1
+        first: list[manifest.Reclaim] = []
+
+        def slow_listing() -> bool:  # meanwhile another engine re-claims it
+            first.append(manifest.reclaim_generation(tier, ns, None, lambda: False, now=t))
+            return False
+
+        got = manifest.reclaim_generation(tier, ns, None, slow_listing, now=late)
+        assert first[0].won and not got.won, (first, got)
+        m = manifest.read_manifest(tier, gen, None)
+        assert m is not None and m.last_seen == t

@@ -149,8 +149,11 @@ def test_every_key_of_an_engine_names_one_generation_across_ranks_and_stages() -
     keys = {KeySpace.worker(NS, r, s).key(h) for r in (0, 1) for s in (0, 1)}
     assert len(keys) == 4, "ranks and stages keep their own objects"
     assert all(parse_object_key(k) == (gen, False) for k in keys)
-    # the layers a worker holds, and the scheduler's stand-in rank, are the same generation
-    assert dataclasses.replace(NS, layers="other").generation() == gen
+    # the layers a worker holds are in it, as in every chunk key (keys that never meet
+    # never share a claim), but not a pipeline's: its stages hold other layers
+    assert dataclasses.replace(NS, layers="other").generation() != gen
+    pp = dataclasses.replace(NS, pp_size=2)
+    assert dataclasses.replace(pp, layers="other").generation() == pp.generation()
     assert KeySpace(NS.digest(ANY_RANK, ANY_RANK), gen).key(h).startswith(f"gen-{gen}/")
     # what makes old chunks useless starts another one
     for change in ({"fingerprint": "c" * 32}, {"namespace": "tenant-2"}, {"dtype": "float16"},
