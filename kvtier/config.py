@@ -14,6 +14,8 @@ kvtier imports it.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -30,8 +32,8 @@ from kvtier.config_urls import parse_endpoint_url
 from kvtier.config_urls import parse_remote as parse_remote
 from kvtier.config_values import MAX_SIZE_BYTES as MAX_SIZE_BYTES
 from kvtier.config_values import SIZE_HELP as SIZE_HELP
-from kvtier.config_values import format_size as format_size
 from kvtier.config_values import (
+    describe_size,
     one_of,
     parse_bool,
     parse_cpu_bytes,
@@ -42,13 +44,27 @@ from kvtier.config_values import (
     parse_path,
     parse_text,
 )
+from kvtier.config_values import format_size as format_size
 from kvtier.config_values import parse_size as parse_size
-from kvtier.errors import ConfigError
-from kvtier.redact import redact_setting, redacted_placeholder
+from kvtier.errors import ConfigError, UnknownKeyError
+from kvtier.redact import redact_setting
 from kvtier.redact import redact_url as redact_url  # the tiers and the facade read it here
+
+log = logging.getLogger("kvtier.config")
 
 ENV_PREFIX = "KVTIER_"
 WRITE_POLICIES = ("write_through", "write_back", "none")
+
+#: the ``KVTIER_*`` variables that are not settings, and who reads them: the one list of
+#: them. Every other ``KVTIER_*`` variable that names no setting is warned about at load
+#: (a misspelt override, ignored). A name ending in ``*`` is a prefix. Not listed, and not
+#: warned about either: whatever variable a ``*_env`` setting names (``hmac_key_env:
+#: KVTIER_HMAC_KEY``), since that one holds the key.
+NON_KEY_ENV: dict[str, str] = {
+    "KVTIER_TEST_CPU_ISA": "make test: tests/isa_mask masks the CPU's AVX-512/AMX from torch",
+    "KVTIER_TEST_SCENARIO_MODULES": "tests/e2e/engine.py: the scenario modules it loads",
+    "KVTIER_TEST_*": "the test suite's other hooks and the key variables its engines read",
+}
 
 #: settings that turn authentication or encryption on: an empty value is a mistake (an
 #: unset template variable, ``KVTIER_HMAC_KEY_ENV=""``), never a quiet way to switch it off
@@ -63,6 +79,13 @@ KEY_SETTINGS = (
 )  # fmt: skip
 #: settings an empty ``KVTIER_<KEY>`` must not blank out when the JSON sets them
 _NO_EMPTY_OVERRIDE = (*KEY_SETTINGS, "namespace")
+#: settings that name an environment variable (which is then no typo of a setting)
+ENV_NAME_KEYS = tuple(k for k in KEY_SETTINGS if k.endswith("_env"))
+#: settings that take a size string ("8GiB", "8 GB"): how one was read is logged once
+SIZE_KEYS = ("cpu_bytes", "cpu_headroom_bytes", "file_max_bytes")
+#: what this process has logged already: a config is loaded several times per process
+_ENV_WARNED: set[str] = set()
+_SIZES_NOTED: set[tuple[str, str]] = set()
 
 
 def redact_value(key: object, value: object) -> object:
@@ -103,6 +126,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "whatif": parse_bool,
     "canary_first_hit": parse_bool,
     "canary_rate": lambda k, v: parse_float(k, v, 0.0, 1.0),
+    "canary_check_tokens": lambda k, v: parse_int(k, v, 1, 2**31 - 1),
 }
 #: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
 #: that makes reads faster, or as fp8 (kvtier.objects.compress)
@@ -191,6 +215,9 @@ class KVTierConfig:
     canary_first_hit: bool = True
     #: the fraction of later requests recomputed (no kvtier hit) and checked the same way
     canary_rate: float = 0.0
+    #: tokens of computed chunks that must match before a generation of another engine is
+    #: trusted (one chunk is thin evidence: weights can differ on some tokens only)
+    canary_check_tokens: int = 1024
 
     def __post_init__(self) -> None:
         # load_config hands ``remote`` in; a config built or replaced otherwise reads its URL
@@ -288,7 +315,10 @@ def load_config(
     """Validate ``kv_connector_extra_config`` and apply ``KVTIER_<KEY>`` overrides.
 
     Environment variables win over the dict, so an operator can change one
-    setting of a packaged deployment without editing its JSON.
+    setting of a packaged deployment without editing its JSON. Every mistake of the
+    keys and values is found in one pass: the first is raised, the others ride on it
+    (``ConfigError.more``) to be logged beside it. A ``KVTIER_*`` variable that names
+    no setting is warned about, and how a decimal or spaced size was read is logged.
     """
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError("kv_connector_extra_config", extra, "a JSON object of kvtier settings")
@@ -299,32 +329,39 @@ def load_config(
         (k for k in raw if k not in _PARSERS),
         key=lambda k: (k, "") if isinstance(k, str) else ("\uffff", type(k).__name__),
     )
-    if unknown:  # its value is not shown: a password under a misspelt key is still one
-        first = unknown[0]
-        raise ConfigError(
-            first, redacted_placeholder(raw[first]), "known keys are " + ", ".join(KEYS)
-        )
+    errors: list[ConfigError] = [unknown_key_error(k, raw.pop(k)) for k in unknown]
     for key in KEYS:
         env_value = env.get(ENV_PREFIX + key.upper())
         if env_value is None:
             continue
         if key in _NO_EMPTY_OVERRIDE and not env_value.strip() and raw.get(key):
-            raise ConfigError(
+            errors.append(ConfigError(
                 key,
                 f"{ENV_PREFIX}{key.upper()}=",
                 "an empty environment override would switch this setting off without a word; "
                 f"unset {ENV_PREFIX}{key.upper()}, or remove {key} from the config",
-            )
+            ))  # fmt: skip
+            continue
         raw[key] = env_value
+    warn_unknown_env(env, raw)
     for key in KEY_SETTINGS:
         if key in raw and (raw[key] is None or isinstance(raw[key], str) and not raw[key].strip()):
             what = "null" if raw[key] is None else "empty"
-            raise ConfigError(
+            errors.append(ConfigError(
                 key,
-                raw[key],
+                raw.pop(key),
                 f"a name ({what} would turn it off silently); to run without it, leave it out",
-            )
-    values = {key: _PARSERS[key](key, value) for key, value in raw.items()}
+            ))  # fmt: skip
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            values[key] = _PARSERS[key](key, value)
+        except ConfigError as exc:
+            errors.append(exc)
+    if errors:
+        first = errors[0]
+        first.more = tuple(errors[1:])
+        raise first
     remote: RemoteURL | None = values.pop("remote_url", None)
     weak = remote.weak_tls if remote else ()
     if remote and weak and not values.get("remote_tls_insecure"):
@@ -345,4 +382,53 @@ def load_config(
             values["file_max_bytes"],
             "only with a file:// remote_url (S3 and Redis have their own expiry and limits)",
         )
+    note_sizes(raw, values)
     return KVTierConfig(**values, remote_url=remote.text if remote else None, remote=remote)
+
+
+def unknown_key_error(key: object, value: object) -> UnknownKeyError:
+    """The error for a key kvtier does not read: the nearest known key when one is close
+    (``cpu_byte`` -> ``cpu_bytes``), else every key."""
+    near = difflib.get_close_matches(key.lower(), KEYS, n=1) if isinstance(key, str) else []
+    allowed = f"did you mean {near[0]!r}?" if near else "known keys are " + ", ".join(KEYS)
+    return UnknownKeyError(key, value, allowed)
+
+
+def is_known_non_key_env(name: str) -> bool:
+    """Whether ``name`` is on :data:`NON_KEY_ENV` (by name, or under a ``*`` prefix)."""
+    return name in NON_KEY_ENV or any(
+        p.endswith("*") and name.startswith(p[:-1]) for p in NON_KEY_ENV
+    )
+
+
+def warn_unknown_env(env: Mapping[str, str], raw: Mapping[str, Any]) -> None:
+    """Warn, once per process, of each ``KVTIER_*`` variable that names no setting: an
+    override kvtier ignores (``KVTIER_CPU_BYTE``), with the nearest setting's variable.
+    Its value is not shown: a key under a misspelt name is still a key. Exempt: the
+    variables on :data:`NON_KEY_ENV`, and those the ``*_env`` settings in ``raw`` name."""
+    settings = {ENV_PREFIX + k.upper() for k in KEYS}
+    named = {raw[k] for k in ENV_NAME_KEYS if isinstance(raw.get(k), str)}
+    for name in sorted(env):
+        if (not name.startswith(ENV_PREFIX) or name in settings or name in named
+                or name in _ENV_WARNED or is_known_non_key_env(name)):  # fmt: skip
+            continue
+        _ENV_WARNED.add(name)
+        near = difflib.get_close_matches(name.removeprefix(ENV_PREFIX).lower(), KEYS, n=1)
+        if near:
+            hint = f"; did you mean {ENV_PREFIX}{near[0].upper()}?"
+        else:
+            hint = f" (a setting's variable is {ENV_PREFIX} and its key in capitals)"
+        log.warning("kvtier: environment variable %s names no kvtier setting and is "
+                    "ignored%s", name, hint)  # fmt: skip
+
+
+def note_sizes(raw: Mapping[str, object], values: Mapping[str, object]) -> None:
+    """Log once per process how a size string one may misread was taken (``describe_size``:
+    "8 GB" is 8,000,000,000 bytes, not 8 GiB)."""
+    for key in SIZE_KEYS:
+        text, n = raw.get(key), values.get(key)
+        if not isinstance(text, str) or not isinstance(n, int) or (key, text) in _SIZES_NOTED:
+            continue
+        _SIZES_NOTED.add((key, text))
+        if (line := describe_size(key, text, n)) is not None:
+            log.info("kvtier: %s", line)

@@ -20,7 +20,10 @@ from kvtier.errors import ConfigError
 #: the largest size accepted (1 EiB): past it a typo, not a machine
 MAX_SIZE_BYTES = 2**60
 
-_UNITS = {
+#: every unit a size string may carry (any case, right after its number or after spaces):
+#: decimal kB..TB are 1000-based, IEC KiB..TiB and the bare K..T 1024-based. Kubernetes'
+#: "Gi" is refused rather than guessed. docs/configuration.md ("Sizes") lists the same.
+SIZE_UNITS = {
     "": 1,
     "b": 1,
     "kb": 10**3,
@@ -45,7 +48,10 @@ _FLOAT_RE = re.compile(
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}", re.ASCII)
 #: ASCII control characters (urlparse drops tabs and newlines silently)
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-SIZE_HELP = 'a byte count or a size string such as "512MiB", "8GiB" or "1.5GB"'
+SIZE_HELP = (
+    'a byte count or a size string such as "8GiB", "512MiB" (KiB, MiB, GiB, TiB: '
+    '1024-based) or "1.5GB" (kB, MB, GB, TB: 1000-based)'
+)
 
 
 def parse_size(key: str, value: object) -> int:
@@ -66,10 +72,10 @@ def parse_size(key: str, value: object) -> int:
     elif isinstance(value, str):
         m = _SIZE_RE.fullmatch(value.strip())
         unit = m.group(2).lower() if m else ""
-        if not m or unit not in _UNITS:
+        if not m or unit not in SIZE_UNITS:
             raise ConfigError(key, value, SIZE_HELP)
-        exact = Fraction(m.group(1)) * _UNITS[unit]
-        if _UNITS[unit] == 1 and exact.denominator != 1:
+        exact = Fraction(m.group(1)) * SIZE_UNITS[unit]
+        if SIZE_UNITS[unit] == 1 and exact.denominator != 1:
             raise ConfigError(key, value, SIZE_HELP + " (a whole number of bytes)")
         n = int(exact)  # a fraction of a larger unit rounds down to whole bytes
     else:
@@ -79,6 +85,30 @@ def parse_size(key: str, value: object) -> int:
     if n > MAX_SIZE_BYTES:
         raise ConfigError(key, value, bound)
     return n
+
+
+def describe_size(key: str, text: str, n: int) -> str | None:
+    """How the size string ``text`` of ``key`` was read (``n`` bytes), for a log line, when
+    it is a form one may misread: a decimal unit ("8 GB" is not 8 GiB), a bare K/M/G/T
+    (1024-based, unlike GB) or a space before the unit. None for a byte count or an IEC
+    unit against its number ("8GiB"), which say what they mean."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if not m:
+        return None
+    number, unit = m.group(1), m.group(2).lower()
+    spaced = m.end(1) != m.start(2)
+    head = f"{key} {text!r} = {n:,} bytes"
+    if unit in ("kb", "mb", "gb", "tb"):
+        other = int(Fraction(number) * SIZE_UNITS[unit[0] + "ib"])
+        return f"{head} (decimal; {number} {unit[0].upper()}iB is {other:,})"
+    if unit in ("k", "m", "g", "t"):
+        letter = unit.upper()
+        other = int(Fraction(number) * SIZE_UNITS[unit + "b"])
+        decimal = "kB" if unit == "k" else f"{letter}B"
+        return f"{head} (binary: {letter} is {letter}iB; {number} {decimal} is {other:,})"
+    if spaced and unit:
+        return head + (" (binary)" if unit.endswith("ib") else "")
+    return None
 
 
 def format_size(n: int) -> str:

@@ -1,7 +1,8 @@
 """Secrets never shown: what errors, logs, reprs and reports print instead of them.
 
 One home for redaction. :class:`~kvtier.errors.ConfigError` hides the value of a
-secret-named key and anything that looks like a credential (:func:`error_value`);
+secret-named key and anything that looks like a credential (:func:`error_value`), but
+shows the name of a variable a ``*_env`` key names (:func:`shows_variable_name`);
 the config's ``redacted()`` and ``kvtier doctor`` show settings through
 :func:`redact_setting`; the tiers name their URL through :func:`redact_url`.
 Nothing here raises, whatever it is given.
@@ -127,11 +128,30 @@ def redact_key(key: object) -> object:
     return Redacted(f"<a {type(key).__name__} key>")
 
 
+#: what an environment variable is conventionally named (POSIX: upper case, digits, _)
+_VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,254}", re.ASCII)
+
+
+def shows_variable_name(key: object, value: object) -> bool:
+    """Whether an error about ``key`` shows ``value`` although the key is secret-named: a
+    ``*_env`` setting (``hmac_key_env``) holds the *name* of the variable with the key,
+    and that name is what the operator must see to set it ("hmac_key_env names
+    KVTIER_HMAC, which is not set"). Only an upper-case variable name that does not look
+    generated is shown; a key pasted there (hex, base64, a password) stays hidden."""
+    return (
+        isinstance(key, str) and not isinstance(key, Redacted) and key.endswith("_env")
+        and isinstance(value, str) and not isinstance(value, Redacted)
+        and bool(_VARIABLE_NAME.fullmatch(value)) and redact_text(value) == value
+    )  # fmt: skip
+
+
 def error_value(key: object, value: object) -> tuple[object, str]:
     """The value an error keeps and the text its message shows, both free of secrets."""
     if isinstance(value, Redacted):
         return value, str(value)
     if value is None or isinstance(value, bool):
+        return value, repr(value)
+    if shows_variable_name(key, value):
         return value, repr(value)
     if is_secret_name(key) or not isinstance(key, str) or isinstance(key, Redacted):
         hidden = redacted_placeholder(value)

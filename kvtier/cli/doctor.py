@@ -12,9 +12,10 @@ from kvtier.cli.engine_flags import add_plan_args, plan_inputs
 DOCTOR_EPILOG = """\
 vLLM logs the UVA offload in GiB and the prefetch offload in GB; both are shown as
 printed and converted. Warning codes are the same as `kvtier size`, plus
-host-out-of-memory, gpu-out-of-memory, worker-killed and worker-died from the log.
+host-out-of-memory, gpu-out-of-memory, worker-killed, worker-died and startup-failed
+from the log. A server that never came up is named first, in one line, with its cause.
 Exit status: 0 no warning, 1 warnings, 2 no log (a terminal on stdin), a log that
-cannot be read, or input with no vLLM log line."""
+cannot be read, or input with no vLLM log line, 3 the server did not start."""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_text: str) -> None:
@@ -84,4 +85,6 @@ def _doctor(args: argparse.Namespace) -> int:
             return 2
     rep = doctor.report(facts, proc, plan)
     print(json.dumps(rep, indent=2) if args.json else doctor.format_report(rep))
+    if rep["startup_failure"]:  # stronger than a warning: nothing was served at all
+        return 3
     return 1 if rep["warnings"] else 0

@@ -10,15 +10,18 @@ Load it with::
 A thin facade: the scheduler process gets a :class:`SchedulerSide` (keys,
 index, plans), each worker a :class:`WorkerSide` (bytes). Config errors raise
 :class:`kvtier.errors.ConfigError` here, so a wrong key stops the engine at
-startup.
+startup; each is logged first as one ERROR line of its own (:func:`config_errors_logged`),
+since vLLM shows it only deep in a traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import load_config, secret_in_config
+from kvtier.errors import config_errors_logged
 from kvtier.host.layout import KVGroup
 from kvtier.sizing.validate import ATTENTION_FREE_REASON, SSM_REASON, model_refused
 
@@ -81,6 +85,30 @@ def log_where_vllm_logs() -> None:
         ours.addHandler(handler)
     if ours.level == logging.NOTSET:
         ours.setLevel(theirs.getEffectiveLevel())
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def logs_config_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Where vLLM calls kvtier at startup: a ConfigError leaving ``func`` is logged first,
+    one ERROR line each, in vLLM's log (:func:`~kvtier.errors.config_errors_logged`)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        log_where_vllm_logs()
+        with config_errors_logged():
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+@logs_config_errors
+def check_config_at_import() -> None:
+    """:func:`check_config_being_built`, its refusal logged by kvtier: vLLM 0.32 runs it
+    inside its pydantic config, which buries the error under its own traceback."""
+    check_config_being_built()
 
 
 def worker_position() -> tuple[int, int]:
@@ -133,6 +161,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with kvtier, and kvtier
     stores and loads every KV cache group (:mod:`.groups`)."""
 
+    @logs_config_errors
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -226,6 +255,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @classmethod
+    @logs_config_errors
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         """vLLM >= 0.33 asks before it starts with ``enable_sleep_mode``.
 
@@ -246,6 +276,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return not load_config(extra).remote_url
 
     # ---- worker side ------------------------------------------------------------------------
+    @logs_config_errors  # a host slab that does not fit is a ConfigError (slots.allocate_slab)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         # the weights are loaded now: the worker's keys carry their fingerprint
@@ -467,4 +498,4 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
 # vLLM 0.32 imports this module while it builds its config, before any engine process
 # starts: a config kvtier refuses stops startup there, once (kvtier.connectors.startup)
-check_config_being_built()
+check_config_at_import()

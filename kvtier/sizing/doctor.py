@@ -41,7 +41,12 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
 _CONNECTOR = re.compile(r"Creating v1 connector with name: (\w+)")
 _KVTIER_CONFIG = re.compile(r"kvtier config: (\{.*\})\s*$")
-_KVTIER_ERROR = re.compile(r"(kvtier config '\w+': got .*)$")
+#: kvtier's ConfigError, logged by kvtier or quoted in vLLM's traceback: a key's mistake
+#: ("kvtier config 'chunk_size': got 0; ...") or an unknown key ("kvtier config: unknown
+#: key 'cpu_byte': did you mean 'cpu_bytes'?"); the key may show as a placeholder
+_KVTIER_ERROR = re.compile(r"(kvtier config(?: (?:'[^']*'|<[^>]*>|\S+): got |: unknown key ).*)$")
+#: what pydantic appends to the error it wraps: "[type=value_error, input_value=...]"
+_PYDANTIC_TAIL = re.compile(r" \[type=\w+.*$")
 #: kvtier's startup warning (connectors/shutdown.py) that vLLM's stop cuts its flush short
 _KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queued .*)$")
 #: kvtier's refusal of recurrent state held in another mode (connectors/groups.py)
@@ -83,6 +88,36 @@ _WORKER_ERROR = re.compile(r"\((?:Worker|VllmWorker)[^)]*\) ERROR ")
 _VLLM_LINE = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d")
 #: the most lines of one kind a report quotes
 _QUOTED = 3
+#: the longest cause of a failed start the report quotes
+_CAUSE_CHARS = 300
+
+# ---- did the server start? -------------------------------------------------------------
+#: where a run of ``vllm serve`` begins (a container's log may hold several)
+_NEW_RUN = _NON_DEFAULT
+#: a line of vLLM's API server (a log of the offline engine has none)
+_SERVER_LINE = re.compile(r"\(APIServer pid=|vLLM (?:API )?server version|non-default args: ")
+#: the server is up and listening (vLLM's own line, then uvicorn's)
+_SERVER_UP = re.compile(r"Starting vLLM (?:API )?server|Application startup complete")
+#: the engine is up: what tells an offline engine's log that it started
+_ENGINE_UP = "init engine ("
+#: vLLM's prefix of a line: "(EngineCore pid=8) ERROR 12-06 10:00:03 [core.py:1510] "
+_PREFIX = re.compile(
+    r"(?:\([^)]*\)\s+)?(?:(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d "
+    r"\d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\]\s?)?"
+)
+#: the last line of a Python traceback: the exception's (qualified) name and message
+_EXCEPTION = re.compile(
+    r"(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit)|Exception|KeyboardInterrupt)"
+    r"(?::\s.*)?"
+)
+#: what pydantic says under its ValidationError: the error vLLM's own validation raised
+_PYDANTIC_ERROR = re.compile(r"\s*(?:Value error|Assertion failed), (.*)")
+#: an exception that only passes another one on ("See root cause above"): the cause of
+#: last resort, after every other error of the run
+_WRAPPER = re.compile(
+    r"root cause|See stack trace|EngineDeadError|Executor failed|encountered an issue|"
+    r"initialization failed|failed to start|ValidationError"
+)
 _BOTH_SET = "Both UVA and prefetch offload fields are set"
 _UVA_IGNORED = "UVA offload fields are set but offload_backend='prefetch'"
 _PREFETCH_IGNORED = "Prefetch offload fields are set but offload_backend='uva'"
@@ -181,9 +216,12 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         "offload_validation_error": None, "kvtier_shutdown": None,
         "host_oom": [], "gpu_oom": [], "died": [], "exit_codes": [], "sigkill": False,
         "worker_error": False, "vllm_lines": 0, "state_mode": None, "state_step": None,
+        "started": False, "startup_failure": None,
     }  # fmt: skip
+    startup = _Startup()
     for line in lines:
         line = line.rstrip("\n")
+        startup.read(line)
         if _VLLM_LINE.search(line):
             facts["vllm_lines"] += 1
         for key, rx in (("host_oom", _HOST_OOM), ("gpu_oom", _GPU_OOM), ("died", _DIED)):
@@ -240,8 +278,10 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
             facts["kvtier_config"] = safe_config(config)
         if m := _KVTIER_SHUTDOWN.search(line):
             facts["kvtier_shutdown"] = m.group(1)
-        if m := _KVTIER_ERROR.search(line):
-            facts["kvtier_errors"].append(safe_error(m.group(1)))
+        if (m := _KVTIER_ERROR.search(line)) and (
+            err := kvtier_error(m.group(1))
+        ) not in facts["kvtier_errors"]:  # logged by kvtier, then quoted by vLLM
+            facts["kvtier_errors"].append(err)
         for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
             if marker in line and marker not in facts["python_warnings"]:
                 facts["python_warnings"].append(marker)
@@ -251,7 +291,85 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
             facts["state_step"] = (int(m.group(1)), int(m.group(2)))
         if m := _NUM_IN_GROUP.search(line):
             facts["offload_validation_error"] = (int(m.group(1)), int(m.group(2)))
+    facts["started"], facts["startup_failure"] = startup.started, startup.cause()
     return facts
+
+
+def kvtier_error(text: str) -> str:
+    """A logged ConfigError as the doctor quotes it: no secret, no pydantic tail."""
+    return safe_error(_PYDANTIC_TAIL.sub("", text.strip()))
+
+
+class _Startup:
+    """Whether the last run of the server in a log came up, and if not, the one line that
+    says why: kvtier's own config error first, then the first error of the run that is
+    not only a wrapper of another ("See root cause above"), then the host or GPU out of
+    memory, a process that died, and last such a wrapper. Errors after the server came
+    up are another matter (the other warnings); a new run starts the watch over."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.server = self.server_up = self.engine_up = False
+        self.kvtier: list[str] = []
+        self.errors: list[str] = []
+        self.memory: list[str] = []
+        self.died: list[str] = []
+        self.wrappers: list[str] = []
+
+    @property
+    def started(self) -> bool:
+        """The server listens, or (a log of the offline engine) the engine came up."""
+        return self.server_up or (self.engine_up and not self.server)
+
+    def read(self, line: str) -> None:
+        if _NEW_RUN.search(line):
+            self._reset()
+        if _SERVER_LINE.search(line):
+            self.server = True
+        if _SERVER_UP.search(line):
+            self.server_up = True
+        if _ENGINE_UP in line:
+            self.engine_up = True
+        prefix = _PREFIX.match(line)
+        level = prefix.group(1) if prefix else None
+        if self.started or level not in (None, "ERROR", "CRITICAL"):
+            return
+        body = line[prefix.end() if prefix else 0 :].strip()
+        if m := _KVTIER_ERROR.search(line):
+            self.kvtier.append(kvtier_error(m.group(1)))
+        elif m := _PYDANTIC_ERROR.fullmatch(body):
+            self.errors.append(_PYDANTIC_TAIL.sub("", m.group(1)))
+        elif _EXCEPTION.fullmatch(body):
+            if _WRAPPER.search(body):  # ("Engine core initialization failed": not a death)
+                self.wrappers.append(body)
+                return
+            self.errors.append(body)
+        if _HOST_OOM.search(line) or _GPU_OOM.search(line):
+            self.memory.append(body)
+        if _DIED.search(line) or _SIGKILL.search(line.strip()):
+            self.died.append(body)
+
+    def cause(self) -> str | None:
+        """The one line naming why the last run did not start; None when it started or
+        the log shows no error (it may have been cut before the server came up)."""
+        if self.started:
+            return None
+        for found in (self.kvtier, self.errors, self.memory, self.died, self.wrappers):
+            if found:
+                cause = _safe_cause(found[0])
+                return cause if len(cause) <= _CAUSE_CHARS else cause[: _CAUSE_CHARS - 3] + "..."
+        return None
+
+
+def _safe_cause(line: str) -> str:
+    """``line`` without secrets. An exception's name is kept as it is: redaction takes a
+    CamelCase name (``torch.OutOfMemoryError``) for a generated token."""
+    name, sep, message = line.partition(": ")
+    if sep and _EXCEPTION.fullmatch(name):
+        return f"{name}: {safe_error(message)}"
+    return safe_error(line)
 
 
 def read_anything(facts: dict[str, Any]) -> bool:
@@ -275,6 +393,8 @@ def read_proc_status(pid: int) -> dict[str, int]:
 def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
     """Turn the facts into warnings with the same codes ``kvtier size`` uses."""
     w: list[dict[str, str]] = []
+    if facts["startup_failure"]:
+        w.append(warning("startup-failed", f"the server did not start: {facts['startup_failure']}"))
     args = facts["args"]
     gb = float(args.get("cpu_offload_gb", 0) or 0)
     group = int(args.get("offload_group_size", 0) or 0)
@@ -462,7 +582,9 @@ def format_report(rep: dict[str, Any]) -> str:
 
     pf = rep["prefetch"]
     gib = rep["uva_offloaded_gib"]
-    lines = [
+    failure = rep["startup_failure"]  # the one line that matters, before everything else
+    lines = [f"the server did not start: {failure}"] if failure else []
+    lines += [
         "vLLM",
         row("version", rep["vllm_version"]),
         row("V2 model runner", "yes" if rep["v2_model_runner"] else "not logged"),

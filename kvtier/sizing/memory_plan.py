@@ -52,6 +52,8 @@ CODES: dict[str, str] = {
     "worker-killed": "a vLLM process was killed (SIGKILL, or gone with no error of its own): "
     "on a host short of memory, the kernel's OOM killer",
     "worker-died": "a vLLM process died after an error of its own",
+    "startup-failed": "the server never came up: the log's first error names why (a kvtier "
+    "config error, vLLM's own validation, an engine or worker that died at startup)",
     "state-needs-align-mode": "a hybrid model with recurrent state runs without "
     "--mamba-cache-mode align: vLLM keeps no state at chunk boundaries, kvtier refuses it",
     "state-chunks-not-stored": "a hybrid model with recurrent state computed chunks in "

@@ -29,7 +29,7 @@ def test_sizes(text: object, n: int) -> None:
 @pytest.mark.parametrize(
     ("extra", "key", "hint"),
     [
-        ({"chunk_sise": 256}, "chunk_sise", "known keys are"),
+        ({"chunk_sise": 256}, "chunk_sise", "did you mean 'chunk_size'?"),
         ({"cpu_bytes": "lots"}, "cpu_bytes", "size string"),
         ({"cpu_bytes": -1}, "cpu_bytes", "not negative"),
         ({"chunk_size": 0}, "chunk_size", "integer >= 1"),
