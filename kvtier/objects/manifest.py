@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvtier import __version__
 from kvtier.errors import CodecError, TierError
@@ -203,7 +203,7 @@ def _strict_json(data: bytes | memoryview, what: str) -> dict[str, Any]:
     return raw
 
 
-def _is_time(value: object) -> bool:
+def _is_time(value: object) -> TypeGuard[int | float]:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value) and 0.0 <= value < _MAX_TIME)  # fmt: skip
 
