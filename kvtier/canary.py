@@ -17,8 +17,11 @@ Two pure parts, no vLLM (the connector wires them, :mod:`kvtier.connectors.canar
   weights differ by the layer's whole range (about 1 and above).
 - :class:`GenerationTrust`: one engine's trust in its generation (UNKNOWN until the
   workers said whether this engine's claim of it won, then TRUSTED as its first writer,
-  or CHECKING until a computed chunk matched the stored one, or REFUSED after a mismatch),
-  and the sample of later hits recomputed (``canary_rate``).
+  or CHECKING until computed chunks of ``canary_check_tokens`` tokens in all matched the
+  stored ones, or REFUSED after a mismatch), and the sample of later hits recomputed
+  (``canary_rate``). One chunk is thin evidence: weights that differ only on some tokens
+  (an added token's embedding row, a LoRA on a few modules) can match on one chunk and
+  not on the next.
 """
 
 from __future__ import annotations
@@ -45,10 +48,14 @@ TOLERANCE = 0.1
 #: was not stored (try again on another chunk)
 MATCH, MISMATCH, ABSENT, ERROR = CANARY_RESULTS
 RESULTS = CANARY_RESULTS
-#: a checking engine whose checks found the stored chunk absent this many times in a row
-#: tries to claim its generation afresh (:func:`kvtier.objects.manifest.reclaim_generation`:
-#: won only if the generation holds no chunk and no engine that trusts it is alive)
+#: a checking engine whose checks found the stored chunk absent for this many requests in a
+#: row (a request's first checked chunk counts: its other chunks are absent with it, a
+#: prompt no engine stored) tries to claim its generation afresh
+#: (:func:`kvtier.objects.manifest.reclaim_generation`: won only if the generation holds no
+#: chunk and no engine that trusts it is alive)
 RECLAIM_AFTER = 3
+#: ``canary_check_tokens``' default: 4 chunks of the default 256-token ``chunk_size``
+CHECK_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +124,9 @@ def compare_chunk(
 class Trust(enum.Enum):
     #: the workers have not said yet whether the tier holds this generation
     UNKNOWN = "unknown"
-    #: the tier holds it: nothing is loaded or stored until a computed chunk matched (or
-    #: the generation, holding no chunk and no live trusted engine, was claimed afresh)
+    #: the tier holds it: nothing is loaded or stored until computed chunks of the check
+    #: budget matched (or the generation, holding no chunk and no live trusted engine, was
+    #: claimed afresh)
     CHECKING = "checking"
     TRUSTED = "trusted"
     #: a computed chunk differed from the stored one: never loaded from or stored into
@@ -130,18 +138,30 @@ class GenerationTrust:
     """One engine's trust in the generation its object keys name.
 
     ``first_hit``: check before trusting (``canary_first_hit``; off, the generation is
-    trusted at once). ``rate``: the fraction of later requests recomputed and checked
-    (``canary_rate``). At most one check is in flight at a time (:meth:`wants_check`):
-    while untrusted every stored chunk is a candidate, and one read per check bounds the
-    cost to one object-tier read per step.
+    trusted at once). ``check_tokens``: the tokens whose computed chunks (of
+    ``chunk_tokens`` each) must match before an untrusted generation is trusted
+    (``canary_check_tokens``). ``rate``: the fraction of later requests recomputed and
+    checked (``canary_rate``). While untrusted, every stored chunk is a candidate and
+    several checks may be in flight, never more than the budget still needs
+    (:meth:`checks_wanted`): the matches can never pass the budget, and each check costs
+    one object-tier read. A sampled request of a trusted generation is one check, one at
+    a time.
     """
 
     def __init__(self, *, first_hit: bool = True, rate: float = 0.0,
+                 check_tokens: int = CHECK_TOKENS, chunk_tokens: int = 256,
                  draw: Callable[[], float] = random.random) -> None:  # fmt: skip
+        if check_tokens < 1 or chunk_tokens < 1:
+            raise ValueError(f"check_tokens {check_tokens} and chunk_tokens {chunk_tokens} "
+                             "must be >= 1")  # fmt: skip
         self.state = Trust.UNKNOWN if first_hit else Trust.TRUSTED
         self.rate = rate
+        self.check_tokens = check_tokens
+        self.chunk_tokens = chunk_tokens
         self._draw = draw
         self.in_flight = 0
+        #: tokens of the chunks matched while untrusted (trusted at ``check_tokens``)
+        self.matched = 0
         #: the last mismatch's comparison (for the log and tests)
         self.last: Comparison | None = None
 
@@ -169,13 +189,28 @@ class GenerationTrust:
         fresh salt): its first writer by construction."""
         self.state = Trust.TRUSTED
         self.in_flight = 0
+        self.matched = 0
+
+    @property
+    def check_chunks(self) -> int:
+        """Chunks of matches the budget takes (``check_tokens`` rounded up to chunks)."""
+        return -(-self.check_tokens // self.chunk_tokens)
+
+    def checks_wanted(self, sampled: bool = False) -> int:
+        """How many chunks just computed may be checked now: while untrusted, the chunks
+        the budget still needs less the checks in flight (an absent or failed check frees
+        its place for another chunk); once trusted, one for a sampled request when no
+        check is in flight; never once refused."""
+        if self.state is Trust.REFUSED:
+            return 0
+        if self.state in (Trust.UNKNOWN, Trust.CHECKING):
+            left = -(-max(0, self.check_tokens - self.matched) // self.chunk_tokens)
+            return max(0, left - self.in_flight)
+        return 1 if sampled and not self.in_flight else 0
 
     def wants_check(self, sampled: bool = False) -> bool:
-        """Whether a chunk just computed should be checked: while untrusted (or for a
-        sampled request once trusted), one check at a time, never once refused."""
-        if self.in_flight or self.state is Trust.REFUSED:
-            return False
-        return sampled or self.state in (Trust.UNKNOWN, Trust.CHECKING)
+        """Whether a chunk just computed should be checked (:meth:`checks_wanted`)."""
+        return self.checks_wanted(sampled) > 0
 
     def sample(self) -> bool:
         """Whether a request of a trusted generation is recomputed and checked."""
@@ -186,14 +221,17 @@ class GenerationTrust:
 
     def checked(self, result: str, comparison: Comparison | None = None) -> Trust:
         """A check's result (one of :data:`RESULTS`); returns the state after it. A match
-        trusts an untrusted generation; a mismatch refuses it for good; an absent chunk
-        or an error changes nothing (the next computed chunk is checked)."""
+        counts its chunk's tokens, and trusts an untrusted generation once they reach
+        ``check_tokens``; a mismatch refuses it for good, whatever matched before; an
+        absent chunk or an error changes nothing (the next computed chunk is checked)."""
         self.in_flight = max(0, self.in_flight - 1)
         if result == MISMATCH:
             self.state = Trust.REFUSED
             self.last = comparison
         elif result == MATCH and self.state in (Trust.UNKNOWN, Trust.CHECKING):
-            self.state = Trust.TRUSTED
+            self.matched += self.chunk_tokens
+            if self.matched >= self.check_tokens:
+                self.state = Trust.TRUSTED
         return self.state
 
 

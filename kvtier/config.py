@@ -210,8 +210,9 @@ class KVTierConfig:
     #: less memory would give, as kvtier:whatif_hit_tokens (kvtier.host.ghosts)
     whatif: bool = True
     #: a generation already in the object tier is trusted only once this engine computed
-    #: one of its chunks and found it equal to the stored one (kvtier.canary); until then
-    #: its lookups answer 0 and it stores nothing there, after a mismatch never again
+    #: chunks of it (canary_check_tokens) and found them equal to the stored ones
+    #: (kvtier.canary); until then its lookups answer 0 and it stores nothing there, after a
+    #: mismatch never again
     canary_first_hit: bool = True
     #: the fraction of later requests recomputed (no kvtier hit) and checked the same way
     canary_rate: float = 0.0

@@ -106,12 +106,15 @@ class CheckOp:
     """A canary (:mod:`kvtier.canary`): read the object of ``block_hash`` into scratch memory
     and compare it with ``slot``, which holds the KV vLLM computed for it (stored in the
     same step by ``store_op_id``; the check is skipped, as an error, if that store failed).
-    Not a mover's op: the worker reads through RemoteIO and compares itself."""
+    Not a mover's op: the worker reads through RemoteIO and compares itself. ``first``:
+    the first chunk checked of its request, the one whose absence counts toward
+    :data:`kvtier.canary.RECLAIM_AFTER` (its other chunks are absent with it)."""
 
     op_id: int
     slot: int
     block_hash: bytes
     store_op_id: int = 0
+    first: bool = True
 
 
 CopyOp = LoadOp | StoreOp

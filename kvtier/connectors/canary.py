@@ -2,13 +2,16 @@
 and what a check's result does to the engine's trust in its generation.
 
 The scheduler only plans: while the generation is untrusted its lookups answer 0, so vLLM
-computes the prefix and the normal store path copies it into a host slot; the first such
+computes the prefix and the normal store path copies it into a host slot; each such
 stored chunk a request may share is checked in the same step (a
-:class:`~kvtier.ops.CheckOp`: the worker reads the stored object into scratch memory and
-compares it with the slot, :meth:`kvtier.connectors.worker.WorkerSide._check`), its slot
-held until every worker's result is in. A sampled request (``canary_rate``) is answered 0
-and checked the same way once the generation is trusted. A checked chunk is never
-uploaded (its upload would overwrite the object the check reads with this engine's own).
+:class:`~kvtier.ops.CheckOp` per chunk: the worker reads the stored object into scratch
+memory and compares it with the slot, :meth:`kvtier.connectors.worker.WorkerSide._check`),
+its slot held until every worker's result is in, as many at once as the budget
+(``canary_check_tokens``) still needs; the generation is trusted once that many tokens
+matched (one chunk is thin evidence: weights that differ on some tokens only match on
+others). A sampled request (``canary_rate``) is answered 0 and one of its chunks checked
+the same way once the generation is trusted. A checked chunk is never uploaded (its
+upload would overwrite the object the check reads with this engine's own).
 
 On a mismatch the engine forks: the scheduler draws it an identity no other engine
 shares (the weight-change salt, :meth:`SchedulerSide._new_identity`), whose generation it
@@ -18,8 +21,10 @@ generation, which keep using it.
 
 A generation can hold nothing to check against: its first writer stopped before storing,
 or every chunk expired or was deleted. Then every check finds the chunk absent, and an
-engine would check for as long as it runs. The workers' rank 0 counts absent chunks and,
-after :data:`~kvtier.canary.RECLAIM_AFTER` in a row, claims the generation afresh if no
+engine would check for as long as it runs. The workers' rank 0 counts requests whose
+first checked chunk was absent (:attr:`~kvtier.ops.CheckOp.first`: a request's other
+chunks are absent with it) and, after :data:`~kvtier.canary.RECLAIM_AFTER` in a row
+with no chunk found between them, claims the generation afresh if no
 engine that trusts it is alive and it holds no chunk
 (:func:`kvtier.objects.manifest.reclaim_generation`); a win is reported as a fresh
 generation (:meth:`CanaryChecks.first_writer`). A checking engine says once what it waits
@@ -80,11 +85,19 @@ class CanaryChecks:
         self.world_size = world_size
         self.namespace = namespace
         self.changed = changed
-        self.trust = trust or GenerationTrust(first_hit=cfg.canary_first_hit,
-                                              rate=cfg.canary_rate)  # fmt: skip
+        self.trust = trust or GenerationTrust(
+            first_hit=cfg.canary_first_hit, rate=cfg.canary_rate,
+            check_tokens=cfg.canary_check_tokens, chunk_tokens=cfg.chunk_size,
+        )  # fmt: skip
         #: requests recomputed as canaries (no kvtier hit), until one of their chunks is
         #: checked; every request's draw, made once (request id -> sampled)
         self._sampled: dict[str, bool] = {}
+        #: requests with a chunk checked already (their later checks' absence is not
+        #: counted toward RECLAIM_AFTER: CheckOp.first)
+        self._checked_requests: set[str] = set()
+        #: chunks matched while untrusted: each counts once toward the budget (a chunk
+        #: evicted and computed again is the same evidence)
+        self._matched: set[bytes] = set()
         self._pending: dict[int, _Check] = {}
         #: the forks this engine made after mismatches: (fork id, refused generation, new
         #: generation), logged; the fork id is the salt's first 8 bytes in hex
@@ -125,8 +138,9 @@ class CanaryChecks:
         return self.trust.trusted and not self._sampled.get(st.request.request_id, False)
 
     def stores_planned(self, st: RequestState, stores: list[StoreOp]) -> None:
-        """This step's stores of ``st``: check the first one it may share when a check is
-        wanted (the generation untrusted, or ``st`` a canary)."""
+        """This step's stores of ``st``: check those it may share while checks are wanted
+        (the generation untrusted: as many as the budget still needs; ``st`` a canary:
+        its first one)."""
         rid = st.request.request_id
         sampled = self._sampled.get(rid, False)
         if sampled:
@@ -134,9 +148,10 @@ class CanaryChecks:
                 entry = self.index.get(self._index_key(st, op))
                 if entry is not None:
                     entry.remote = True
-        if not stores or not self.trust.wants_check(sampled):
-            return
+        wanted = self.trust.checks_wanted(sampled) if stores else 0
         for op in stores:
+            if wanted <= 0:
+                return
             try:
                 c = st.chunk_hashes.index(op.block_hash)
             except ValueError:
@@ -144,17 +159,20 @@ class CanaryChecks:
             if c >= st.shared_chunks or op.upload_op_id is not None:
                 continue  # host-only (not under object keys), or being uploaded
             entry = self.index.get(self.keys.key(st, c))
-            if entry is None or entry.slot != op.slot:
+            if entry is None or entry.slot != op.slot or entry.key in self._matched:
                 continue
             entry.remote = True  # write-back never uploads it over the object it reads
             self.index.hold(entry)  # the slot keeps the computed chunk until checked
             op_id = self.ledger.new_id()
-            self.plan.checks.append(CheckOp(op_id, op.slot, op.block_hash, op.op_id))
+            first = rid not in self._checked_requests
+            self._checked_requests.add(rid)
+            self.plan.checks.append(CheckOp(op_id, op.slot, op.block_hash, op.op_id, first))
             self._pending[op_id] = _Check(entry)
             self.trust.began()
+            wanted -= 1
             if sampled:
                 self._sampled[rid] = False  # one check per canary request
-            return
+                return
 
     def _index_key(self, st: RequestState, op: StoreOp) -> bytes:
         try:
@@ -181,7 +199,10 @@ class CanaryChecks:
             if self.index.get(entry.key) is entry and entry.refs > 0:
                 self.index.unpin(entry.key)
             if not check.stale:
-                self._settle(canary.combine(check.results), meta.check_worst.get(op_id))
+                result = canary.combine(check.results)
+                if result == canary.MATCH and not self.trust.trusted:
+                    self._matched.add(entry.key)
+                self._settle(result, meta.check_worst.get(op_id))
 
     def workers_layers(self, layers: str) -> None:
         """Rank 0 of stage 0's layers (``Namespace.layers``), which the generation id
@@ -198,18 +219,21 @@ class CanaryChecks:
         state = self.trust.first_writer(fresh)
         if state is before:
             return
+        if state is Trust.TRUSTED:
+            self._matched.clear()
         gen = self.namespace.generation()
         if state is Trust.CHECKING:
             logger.warning(
                 "kvtier: generation %s (model_fingerprint %r) is in the object tier, written "
                 "by another engine: this engine loads nothing from it and stores nothing "
-                "into it until a chunk it computes is found there and matches (its first "
-                "hit, checked). It waits for a prompt whose chunk the generation holds; if "
-                "the generation holds no chunk and no engine that trusts it refreshed its "
-                "manifest for %.0f s, this engine claims it afresh after %d chunks found "
-                "absent in a row (kvtier:canary_checks_total{outcome=\"absent\"} counts "
-                "them)", gen, self.cfg.model_fingerprint, manifest.STALE_S,
-                canary.RECLAIM_AFTER,
+                "into it until chunks it computes, %d tokens in all (canary_check_tokens: "
+                "%d chunks), are found there and match (its first hits, checked). It waits "
+                "for a prompt whose chunks the generation holds; if the generation holds no "
+                "chunk and no engine that trusts it refreshed its manifest for %.0f s, this "
+                "engine claims it afresh after %d prompts whose chunks were found absent "
+                "in a row (kvtier:canary_checks_total{outcome=\"absent\"} counts the "
+                "chunks)", gen, self.cfg.model_fingerprint, self.trust.check_tokens,
+                self.trust.check_chunks, manifest.STALE_S, canary.RECLAIM_AFTER,
             )  # fmt: skip
         elif state is Trust.TRUSTED and before is Trust.CHECKING:
             logger.warning(
@@ -227,8 +251,11 @@ class CanaryChecks:
             return
         gen = self.namespace.generation()
         if state is Trust.TRUSTED:
-            logger.info("kvtier: generation %s checked: a chunk vLLM computed matches the "
-                        "stored one; loads and stores there begin", gen)  # fmt: skip
+            logger.info("kvtier: generation %s checked: %d chunks vLLM computed (%d tokens, "
+                        "canary_check_tokens %d) match the stored ones; loads and stores "
+                        "there begin", gen, len(self._matched), self.trust.matched,
+                        self.trust.check_tokens)  # fmt: skip
+            self._matched.clear()
         elif state is Trust.REFUSED:
             layer, err = worst if worst is not None else ("?", float("nan"))
             logger.error(
@@ -251,6 +278,7 @@ class CanaryChecks:
         before = self.namespace.generation()
         self.namespace = self.namespace.after_weight_change(salt)
         self.trust.new_generation()
+        self._matched.clear()
         for check in self._pending.values():  # their slots are released as they report
             check.stale = True
         if fork:
@@ -268,3 +296,4 @@ class CanaryChecks:
 
     def forget(self, request_id: str) -> None:
         self._sampled.pop(request_id, None)
+        self._checked_requests.discard(request_id)

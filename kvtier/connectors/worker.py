@@ -123,8 +123,9 @@ class WorkerSide:
         self.stats = StatsRecorder()
         self._seals_counted = 0  # the RemoteIO's seals already added to the stats
         #: canaries being read: op id -> (the slot vLLM's KV was stored into, the scratch
-        #: buffer the stored object is read into); their results for the scheduler
-        self._pending_checks: dict[int, tuple[int, torch.Tensor]] = {}
+        #: buffer the stored object is read into, CheckOp.first); their results for the
+        #: scheduler
+        self._pending_checks: dict[int, tuple[int, torch.Tensor, bool]] = {}
         self._checks: dict[int, list[str]] = {}
         self._check_worst: dict[int, tuple[str, float]] = {}
         #: rank 0 of stage 0: whether its claim of this generation won at startup,
@@ -135,7 +136,7 @@ class WorkerSide:
         #: the engine trusts its generation (the scheduler says so every step): rank 0
         #: refreshes its manifest only then, and re-claims it only while it does not
         self.trusted = not cfg.canary_first_hit
-        #: rank 0's canaries that found the stored chunk absent in a row (checking)
+        #: rank 0's requests whose first checked chunk was absent, in a row (checking)
         self.absent_streak = 0
         #: rank 0's re-claim in flight (a listing), when the last began, its win to report
         self.reclaim_every_s = manifest.REFRESH_S
@@ -469,7 +470,7 @@ class WorkerSide:
         assert self.layout is not None
         dtype, shape = self.layout.describe()
         scratch = torch.empty(self.layout.slot_bytes, dtype=torch.uint8)
-        self._pending_checks[op.op_id] = (op.slot, scratch)
+        self._pending_checks[op.op_id] = (op.slot, scratch, op.first)
         dest = memoryview(scratch.numpy())  # type: ignore[arg-type]  # a buffer
         run = GetRun([(op.op_id, self._object_key(op.block_hash), dest)], dtype, shape)
         for res in self.remote.submit([run]):
@@ -477,11 +478,11 @@ class WorkerSide:
 
     def _checked(self, res: OpResult) -> None:
         """A canary's read is over: compare what it read with the slot, layer by layer."""
-        slot, scratch = self._pending_checks.pop(res.op_id)
+        slot, scratch, first = self._pending_checks.pop(res.op_id)
         if not res.ok:
             if res.error_kind:
                 self._error(res.error_kind)
-            else:
+            elif first:
                 self._absent()
             self._checks[res.op_id] = [canary.ERROR if res.error_kind else canary.ABSENT]
             return
@@ -501,10 +502,11 @@ class WorkerSide:
                     "layer %s)", self.rank, slot, cmp.result, cmp.worst, name)  # fmt: skip
 
     def _absent(self) -> None:
-        """A canary found no stored chunk. Rank 0 of a checking engine counts them: after
-        :data:`~kvtier.canary.RECLAIM_AFTER` in a row (at most once per
-        ``reclaim_every_s``) it tries to claim the generation afresh in the background, won
-        only when it holds no chunk and no engine that trusts it is alive
+        """A request's first canary found no stored chunk (its other chunks' absence says
+        nothing more: CheckOp.first). Rank 0 of a checking engine counts them: after
+        :data:`~kvtier.canary.RECLAIM_AFTER` in a row, no chunk found between them (at most
+        once per ``reclaim_every_s``) it tries to claim the generation afresh in the
+        background, won only when it holds no chunk and no engine that trusts it is alive
         (:func:`kvtier.objects.manifest.reclaim_generation`); a win is reported as a fresh
         generation. Else a generation whose chunks are all gone stays locked for good."""
         if self.manifests is None or self.trusted or self.remote is None:
@@ -539,7 +541,7 @@ class WorkerSide:
             self._reclaimed.append(gen)
         elif got.reason != self._reclaim_said:  # each new reason once, then quieter
             logger.warning("kvtier worker: generation %s stays checked before it is trusted: "
-                           "its stored chunks were absent for %d canaries in a row, and it "
+                           "its stored chunks were absent for %d requests in a row, and it "
                            "is not claimed afresh: %s", gen, self.absent_streak, got.reason)
         else:
             logger.info("kvtier worker: generation %s not claimed afresh: %s", gen, got.reason)

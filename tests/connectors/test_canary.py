@@ -40,36 +40,44 @@ def say(side: SchedulerSide, *, meta=None, checks=None, fresh=None, ok=True) -> 
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
 
 
-def new(side: SchedulerSide, rid: str, prefix: int, first_block: int = 100):  # type: ignore[no-untyped-def]
-    """A prompt of two full chunks, asked about, allocated and computed in one step."""
-    req = request(rid, prefix, 2 * CHUNK + 10)
+def new(side: SchedulerSide, rid: str, prefix: int, first_block: int = 100,  # type: ignore[no-untyped-def]
+        chunks: int = 2):
+    """A prompt of ``chunks`` full chunks, asked about, allocated and computed in one step."""
+    req = request(rid, prefix, chunks * CHUNK + 10)
     side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, SimpleNamespace(), 0)
-    return schedule_new(side, req, 0, 2 * CHUNK + 10, first_block)
+    return schedule_new(side, req, 0, chunks * CHUNK + 10, first_block)
 
 
 def upload_ids(meta) -> list[int]:  # type: ignore[no-untyped-def]
     return [op.upload_op_id for op in meta.stores if op.upload_op_id is not None]
 
 
-def test_before_the_workers_answer_nothing_is_loaded_or_uploaded_and_a_check_is_planned() -> None:
+def test_before_the_workers_answer_nothing_is_loaded_or_uploaded_and_checks_are_planned() -> None:
+    """Every chunk of the first prompt is checked in its one step (4 chunks: the default
+    1024-token budget), each slot held until checked; trusted once all four matched."""
     side = side_of()
     assert side.canary.trust.state is Trust.UNKNOWN
-    req = request("a", 1, 2 * CHUNK + 10)
+    req = request("a", 1, 4 * CHUNK + 10)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False), "no object-tier lookup"
     assert not side.may_load_async(req)
     side.update_state_after_alloc(req, SimpleNamespace(), 0)
-    meta = schedule_new(side, req, 0, 2 * CHUNK + 10)
-    assert len(meta.stores) == 2 and upload_ids(meta) == [] and meta.uploads == []
-    [check] = meta.checks
-    assert (check.slot, check.block_hash, check.store_op_id) == (
-        meta.stores[0].slot, meta.stores[0].block_hash, meta.stores[0].op_id)
-    entry = side.index.get(side._reqs["a"].chunk_hashes[0])
-    assert entry is not None and entry.refs == 1, "the slot is held until checked"
-    assert side.pending_ops() == 3
-    say(side, meta=meta, checks={check.op_id: "match"})
-    assert side.canary.trust.state is Trust.TRUSTED and entry.refs == 0
-    assert side.totals["canary_checks_match"] == 1 and side.pending_ops() == 0
+    meta = schedule_new(side, req, 0, 4 * CHUNK + 10)
+    assert len(meta.stores) == 4 and upload_ids(meta) == [] and meta.uploads == []
+    assert [(c.slot, c.block_hash, c.store_op_id) for c in meta.checks] == [
+        (s.slot, s.block_hash, s.op_id) for s in meta.stores]
+    assert [c.first for c in meta.checks] == [True, False, False, False], \
+        "only the request's first check counts toward RECLAIM_AFTER when absent"
+    entries = [side.index.get(h) for h in side._reqs["a"].chunk_hashes[:4]]
+    assert all(e is not None and e.refs == 1 for e in entries), "held until checked"
+    assert side.pending_ops() == 8
+    first, *rest = meta.checks
+    say(side, meta=meta, checks={first.op_id: "match"})
+    assert side.canary.trust.state is Trust.UNKNOWN and side.canary.pending == 3
+    say(side, checks={c.op_id: "match" for c in rest})
+    assert side.canary.trust.state is Trust.TRUSTED
+    assert all(e is not None and e.refs == 0 for e in entries)
+    assert side.totals["canary_checks_match"] == 4 and side.pending_ops() == 0
 
 
 def test_a_first_writer_is_trusted_from_the_handshake_on() -> None:
@@ -84,22 +92,55 @@ def test_a_first_writer_is_trusted_from_the_handshake_on() -> None:
 
 
 def test_an_existing_generation_is_checked_absent_chunks_move_on_a_mismatch_refuses() -> None:
+    """Prompts of two chunks: the first two prompts' chunks are the budget's four checks
+    in flight, a third prompt gets none; absent chunks free their places, matched ones
+    count, and a mismatch refuses whatever matched before."""
     side = side_of()
     say(side, fresh=False)
     assert side.canary.trust.state is Trust.CHECKING
     m1 = new(side, "a", 1)
-    [c1] = m1.checks
     m2 = new(side, "b", 2, 200)
-    assert m2.checks == [], "one check at a time"
-    say(side, meta=m1, checks={c1.op_id: "absent"})
-    say(side, meta=m2)
-    assert side.canary.trust.state is Trust.CHECKING and side.totals["canary_checks_absent"] == 1
+    assert len(m1.checks) == len(m2.checks) == 2
+    assert [c.first for c in m1.checks + m2.checks] == [True, False, True, False]
     m3 = new(side, "c", 3, 300)
-    [c3] = m3.checks
+    assert m3.checks == [], "no more checks in flight than the budget needs"
+    say(side, meta=m1, checks={c.op_id: "absent" for c in m1.checks})
+    say(side, meta=m2, checks={c.op_id: "match" for c in m2.checks})
+    say(side, meta=m3)
+    assert side.canary.trust.state is Trust.CHECKING, "512 of 1024 tokens matched"
+    assert side.totals["canary_checks_absent"] == 2 and side.totals["canary_checks_match"] == 2
+    for h in side._reqs["b"].chunk_hashes[:2]:  # b's chunks leave the host tier
+        assert side.index.evict(h)
+    again = new(side, "b2", 2, 500)  # computed again: the same evidence, counted once
+    assert len(again.stores) == 2 and again.checks == []
+    say(side, meta=again)
+    m4 = new(side, "c2", 4, 600)
+    c4a, c4b = m4.checks
     refused = side.canary.namespace.generation()
-    say(side, meta=m3, checks={c3.op_id: "mismatch"})
+    say(side, meta=m4, checks={c4a.op_id: "match", c4b.op_id: "mismatch"})
     assert side.totals["canary_checks_mismatch"] == 1
     assert side.index.used_slots == 0, "the host tier's chunks of it are dropped"
+    _assert_forked(side, refused)
+
+
+def test_one_matching_chunk_is_not_enough_a_mismatch_on_the_third_refuses() -> None:
+    """Weights that differ only on some tokens (an added token's embedding row, a LoRA on
+    a few modules) can match on one chunk and not on the next: every chunk of the first
+    prompt is checked in its one step (the 1024-token budget: 4 chunks), two matches
+    trust nothing, and the third chunk's mismatch refuses the generation."""
+    side = side_of()
+    say(side, fresh=False)
+    m = new(side, "a", 1, chunks=4)
+    assert [c.block_hash for c in m.checks] == [s.block_hash for s in m.stores], \
+        "every stored chunk checked, in one step"
+    c1, c2, c3, c4 = m.checks
+    say(side, meta=m, checks={c1.op_id: "match", c2.op_id: "match"})
+    assert side.canary.trust.state is Trust.CHECKING, "512 tokens matched: not trusted yet"
+    assert side.totals["canary_checks_match"] == 2
+    refused = side.canary.namespace.generation()
+    say(side, checks={c3.op_id: "mismatch", c4.op_id: "match"})
+    assert side.totals["canary_checks_mismatch"] == 1
+    assert side.totals["canary_checks_match"] == 2, "the fork's stale check is not counted"
     _assert_forked(side, refused)
 
 
@@ -130,9 +171,9 @@ def test_with_tp_a_check_settles_once_every_worker_answered_and_any_mismatch_ref
     side.canary.world_size = 2
     say(side, fresh=False)
     m = new(side, "a", 1)
-    [c] = m.checks
+    c, _ = m.checks
     say(side, checks={c.op_id: "match"})
-    assert side.canary.trust.state is Trust.CHECKING and side.canary.pending == 1
+    assert side.canary.trust.state is Trust.CHECKING and side.canary.pending == 2
     refused = side.canary.namespace.generation()
     say(side, checks={c.op_id: "mismatch"})
     assert side.totals["canary_checks_mismatch"] == 1
@@ -167,6 +208,24 @@ def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
     assert side.canary.trusted and side.totals["canary_checks_match"] == 1
     side.request_finished(req, [])
     assert side.canary._sampled == {}
+
+
+def test_canary_check_tokens_sets_the_budget_and_a_sample_stays_one_chunk() -> None:
+    """``canary_check_tokens: 256`` (one chunk): one check, one match trusts; a sampled
+    request of a trusted generation (``canary_rate``) is one chunk checked, whatever its
+    length."""
+    side = side_of(canary_check_tokens=CHUNK, canary_rate=1.0)
+    assert (side.canary.trust.check_tokens, side.canary.trust.chunk_tokens) == (CHUNK, CHUNK)
+    say(side, fresh=False)
+    m = new(side, "a", 1, chunks=4)
+    [c] = m.checks
+    assert c.block_hash == m.stores[0].block_hash
+    say(side, meta=m, checks={c.op_id: "match"})
+    assert side.canary.trusted and side.totals["canary_checks_match"] == 1
+    sampled = new(side, "b", 2, 300, chunks=4)
+    assert len(sampled.stores) == 4 and len(sampled.checks) == 1, "one chunk per sample"
+    say(side, meta=sampled, checks={sampled.checks[0].op_id: "match"})
+    assert side.totals["canary_checks_match"] == 2 and side.pending_ops() == 0
 
 
 def test_a_host_tier_hit_is_not_sampled_its_recompute_would_check_nothing() -> None:

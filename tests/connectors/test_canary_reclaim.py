@@ -66,12 +66,15 @@ def _worker(root: str, seed: int = 10) -> WorkerSide:
 
 
 class Engine:
-    """One engine: its scheduler side and its rank-0 worker, stepped as vLLM steps them."""
+    """One engine: its scheduler side and its rank-0 worker, stepped as vLLM steps them.
+    Its check budget is one prompt's two chunks (``canary_check_tokens``), as the e2e
+    scenarios' prompts of four chunks meet the default's."""
 
     def __init__(self, root: str, seed: int = 10) -> None:
         self.worker = _worker(root, seed)
         self.side: SchedulerSide = make_side("4MiB", {"remote_url": f"file://{root}",
-                                                      "write_policy": "write_through"})
+                                                      "write_policy": "write_through",
+                                                      "canary_check_tokens": 2 * CHUNK})
         self.gen = self.worker.namespace.generation()
         self._n = 0
         self.settle()  # the workers' first report: whether the claim won (as the handshake)
@@ -169,13 +172,17 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     for p in range(1, canary.RECLAIM_AFTER):
         hit, meta = b.prompt(p)
         assert hit == 0 and meta.uploads == [] and not any(s.upload_op_id for s in meta.stores)
+        assert len(meta.checks) == 2, "both chunks of the prompt checked"
         assert b.side.canary.trust.state is Trust.CHECKING
+    # absent chunks count per request: 4 chunks absent, 2 requests, no re-claim tried yet
+    assert b.side.totals["canary_checks_absent"] == 2 * (canary.RECLAIM_AFTER - 1)
+    assert b.worker.absent_streak == canary.RECLAIM_AFTER - 1 and b.worker._reclaim is None
     b.prompt(canary.RECLAIM_AFTER)
     b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED, "not locked for good"
     waiting = [r for r in caplog.records if "waits for a prompt whose chunk" in r.getMessage()]
     assert len(waiting) == 1 and gen in waiting[0].getMessage(), "never silent, said once"
-    assert b.side.totals["canary_checks_absent"] == canary.RECLAIM_AFTER
+    assert b.side.totals["canary_checks_absent"] == 2 * canary.RECLAIM_AFTER
     assert any("claimed afresh" in r.getMessage() for r in caplog.records)
     with FileTier(root) as tier:
         m = manifest.read_manifest(tier, gen, None)
@@ -188,7 +195,7 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     assert c.worker.fresh_generation is False
     c.prompt(50)
     assert c.side.canary.trust.state is Trust.TRUSTED
-    assert c.side.totals["canary_checks_match"] == 1
+    assert c.side.totals["canary_checks_match"] == 2, "the budget: both of B's chunks"
 
 
 def test_never_while_an_engine_that_trusts_the_generation_is_alive(

@@ -2,11 +2,17 @@
 
 Engine A (weights M1) fills a directory tier under ``model_fingerprint: "build-7"``.
 Engine B runs other weights (M2) under the same pinned fingerprint: without the canary
-it would load A's chunks and answer wrongly. With it, B's first chunk computed is
-compared with A's stored one, differs, and B neither loads nor stores anything under the
-shared name: it forks to a generation of its own, where its repeated prompts hit its own
-KV; its outputs are M2's own, and an engine C on M1 still hits A's chunks (never B's)
-and answers as vLLM alone does. C itself checks its first hit (it matches) before loading.
+it would load A's chunks and answer wrongly. With it, the chunks B computes for its first
+prompt are compared with A's stored ones, differ, and B neither loads nor stores anything
+under the shared name: it forks to a generation of its own, where its repeated prompts
+hit its own KV; its outputs are M2's own, and an engine C on M1 still hits A's chunks
+(never B's) and answers as vLLM alone does. C itself checks its first hits (they match)
+before loading.
+
+The check budget is ``canary_check_tokens``' default, 1024 tokens: every prompt here has
+4 full chunks of 256 (PROMPT = 1044 tokens), all stored in the one step that prefills it,
+so the first prompt an engine checks is checked whole, 4 chunks at once, and meets the
+budget alone.
 """
 
 from __future__ import annotations
@@ -73,8 +79,10 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     assert a["state"] == "trusted" and a["comparisons"] == [], a["totals"]
     assert len(chunk_files(tier)) == len(SEEDS) * CHUNKS
 
-    # B: other weights, same name. Its first computed chunk differs from A's: B forks to
-    # a generation of its own. Then every prompt again, its host tier emptied
+    # B: other weights, same name. Its first prompt's 4 chunks are checked at once and
+    # differ from A's: B forks to a generation of its own at the first result in (the
+    # other 3 are then of the refused generation, stale: compared, not counted). Then
+    # every prompt again, its host tier emptied
     b = run(model=weights["m2"], extra=extra, seeds=[*SEEDS, NEW], then_single=True)
     ref_m2 = run(model=weights["m2"], extra=None, seeds=[*SEEDS, NEW])
     assert b["totals"]["canary_checks_mismatch"] == 1 and b["totals"]["canary_checks_match"] == 0
@@ -101,20 +109,26 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     files.close()
     assert fork_manifest is not None, "B's fork has a manifest of its own"
     assert (fork_manifest.forked_from, fork_manifest.fork_id) == (shared, fork_id)
-    [mismatch] = b["comparisons"]
-    assert min(mismatch["errors"]) > 5 * TOLERANCE, mismatch  # every layer far off
+    mismatches = b["comparisons"]  # the first prompt's chunks, all checked in its step
+    assert [m["result"] for m in mismatches] == ["mismatch"] * CHUNKS, mismatches
+    for mismatch in mismatches:
+        assert min(mismatch["errors"]) > 5 * TOLERANCE, mismatch  # every layer far off
 
-    # C: M1 again. Its first chunk computed matches A's; then A's chunks are loaded
+    # C: M1 again. The 4 chunks it computes for its first prompt match A's (the budget:
+    # 1024 tokens); then A's chunks are loaded
     c = run(model=weights["m1"], extra=extra, seeds=[*SEEDS, NEW])
     ref_m1 = run(model=weights["m1"], extra=None, seeds=[*SEEDS, NEW], hits_after=SEEDS)
     assert c["state"] == "trusted", c["totals"]
-    assert c["totals"]["canary_checks_match"] == 1 and c["totals"]["canary_checks_mismatch"] == 0
+    assert c["totals"]["canary_checks_match"] == CHUNKS, c["totals"]
+    assert c["totals"]["canary_checks_mismatch"] == 0
     hits = [o["hit_remote"] for o in c["outs"]]
     assert hits == [0, PREFIX, PREFIX, 0], hits  # the first checked; NEW only in B's fork
     assert len(c["outs"]) == len(ref_m1["outs"])
     assert_as_vllm_computes(c["outs"], ref_m1)
-    [match] = c["comparisons"]
-    assert max(match["errors"]) < TOLERANCE / 5, match  # same weights, another batch
+    matches = c["comparisons"]
+    assert [m["result"] for m in matches] == ["match"] * CHUNKS, matches
+    for match in matches:
+        assert max(match["errors"]) < TOLERANCE / 5, match  # same weights, another batch
     m1, m2 = ref_m1["outs"][0], ref_m2["outs"][0]
     assert (m1["tokens"], m1["logprobs"]) != (m2["tokens"], m2["logprobs"]), (
         "the two weights compute differently (else this test proves nothing)")
@@ -124,13 +138,15 @@ def test_sampled_hits_are_checked_and_first_hit_check_can_be_turned_off(
     weights: dict[str, str], tmp_path: Path
 ) -> None:
     """canary_rate 1: every later request is recomputed and checked (counted, all match,
-    no hit served); canary_first_hit false: the first engine after the writer loads at
-    once, checks nothing."""
+    no hit served): the first prompt's 4 chunks (the generation untrusted: the budget),
+    then one chunk of each later, sampled, prompt; canary_first_hit false: the first
+    engine after the writer loads at once, checks nothing."""
     tier = tmp_path / "kv"
     extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}", "canary_first_hit": True}
     run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)
     sampled = run(model=weights["m1"], extra={**extra, "canary_rate": 1.0}, seeds=SEEDS)
-    assert sampled["totals"]["canary_checks_match"] == len(SEEDS), sampled["totals"]
+    want = CHUNKS + len(SEEDS) - 1  # the budget's 4 chunks, then one per sampled prompt
+    assert sampled["totals"]["canary_checks_match"] == want, sampled["totals"]
     assert sampled["totals"]["canary_checks_mismatch"] == 0
     assert [o["hit_remote"] for o in sampled["outs"]] == [0] * len(SEEDS)
     off = run(model=weights["m1"], extra={**extra, "canary_first_hit": False}, seeds=SEEDS)
@@ -142,8 +158,10 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
     tiny_model: str, tmp_path: Path
 ) -> None:
     """The same weights at TP=2 (each rank compares its own heads), the checked prompt
-    prefilled in pieces of 128 tokens beside the other prompts of its batch: the check
-    matches, and the prompts are then served from the tier."""
+    prefilled in pieces of 128 tokens beside the other prompts of its batch: its chunks
+    are checked as each is completed, until the budget's 4 matched (never more: no more
+    checks are in flight than the budget still needs), and the prompts are then served
+    from the tier."""
     tier = tmp_path / "kv"
     extra = {"cpu_bytes": "32MiB", "remote_url": f"file://{tier}", "canary_first_hit": True}
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -156,7 +174,8 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
                    batch=True, then_single=True,
                    engine_kw={**tp2, "max_num_batched_tokens": 128})  # fmt: skip
     assert b["state"] == "trusted", b["totals"]
-    assert b["totals"]["canary_checks_match"] == 1 and b["totals"]["canary_checks_mismatch"] == 0
+    assert b["totals"]["canary_checks_match"] == CHUNKS, b["totals"]
+    assert b["totals"]["canary_checks_mismatch"] == 0
     batch, single = b["outs"][: len(seeds)], b["outs"][len(seeds):]
     assert [o["hit_remote"] for o in single] == [PREFIX] * len(seeds), single
     for x, y in zip(batch, single, strict=True):
@@ -170,9 +189,10 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     """Engine A claims the generation and stops without storing a chunk (long ago: its
     manifest is aged). Engine B checks it, and every check finds the chunk absent: before,
     B stayed checking for as long as it ran, storing nothing and never getting a hit. Now
-    after RECLAIM_AFTER absent chunks B claims the generation afresh (it holds no chunk,
-    no engine that trusts it is alive), stores its later prompts there and gets hits on
-    them, answering as vLLM alone does."""
+    after RECLAIM_AFTER prompts whose chunks were absent (all 4 of each checked; the
+    streak counts each prompt once) B claims the generation afresh (it holds no chunk, no
+    engine that trusts it is alive), stores its later prompts there and gets hits on them,
+    answering as vLLM alone does."""
     import dataclasses
     import time
 
@@ -196,7 +216,7 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     b = run(model=weights["m1"], extra=extra, seeds=seeds, then_single=True)
     ref = run(model=weights["m1"], extra=None, seeds=seeds)
     assert b["state"] == "trusted", b["totals"]
-    assert b["totals"]["canary_checks_absent"] >= RECLAIM_AFTER, b["totals"]
+    assert b["totals"]["canary_checks_absent"] >= RECLAIM_AFTER * CHUNKS, b["totals"]
     assert b["totals"]["canary_checks_mismatch"] == 0 and b["forks"] == []
     first, again = b["outs"][: len(seeds)], b["outs"][len(seeds):]
     assert [o["hit_remote"] for o in first] == [0] * len(seeds)

@@ -70,21 +70,72 @@ def test_fp8_kv_and_its_rounding_compare_as_float() -> None:
     assert not compare_chunk(rounded, [t.to(torch.float8_e4m3fn) for t in _chunk(1)]).matches
 
 
-def test_first_writer_is_trusted_at_once_else_its_first_check_decides() -> None:
+def test_first_writer_is_trusted_at_once_else_its_checks_decide() -> None:
     fresh = GenerationTrust()
     assert fresh.state is Trust.UNKNOWN and not fresh.trusted and fresh.wants_check()
+    assert fresh.checks_wanted() == 4, "the default budget: 1024 tokens, 4 chunks of 256"
     assert fresh.first_writer(True) is Trust.TRUSTED and fresh.trusted
     assert not fresh.wants_check()  # nothing more to check at rate 0
 
-    t = GenerationTrust()
+    t = GenerationTrust(check_tokens=256)  # a budget of one chunk: its match decides
     assert t.first_writer(False) is Trust.CHECKING and not t.trusted
     t.began()
-    assert not t.wants_check(), "one check at a time"
+    assert not t.wants_check(), "no more checks in flight than the budget needs"
     assert t.checked(canary.ABSENT) is Trust.CHECKING and t.wants_check()
     t.began()
     assert t.checked(canary.ERROR) is Trust.CHECKING
     t.began()
     assert t.checked(canary.MATCH) is Trust.TRUSTED and t.trusted
+
+
+def test_an_untrusted_generation_is_trusted_only_once_the_budget_matched() -> None:
+    """One matching chunk is thin evidence: checks run several at once, up to the chunks
+    the budget still needs; absent and failed checks free their place; trusted at the
+    budget's last match."""
+    t = GenerationTrust(check_tokens=1024, chunk_tokens=256)
+    t.first_writer(False)
+    assert t.check_chunks == 4 and t.checks_wanted() == 4
+    for _ in range(3):
+        t.began()
+    assert t.checks_wanted() == 1
+    assert t.checked(canary.MATCH) is Trust.CHECKING and t.matched == 256
+    assert t.checks_wanted() == 1, "3 chunks left, 2 in flight"
+    assert t.checked(canary.ABSENT) is Trust.CHECKING and t.matched == 256
+    assert t.checked(canary.ERROR) is Trust.CHECKING and t.checks_wanted() == 3
+    for _ in range(3):
+        t.began()
+    assert not t.wants_check()
+    assert t.checked(canary.MATCH) is Trust.CHECKING
+    assert t.checked(canary.MATCH) is Trust.CHECKING and t.matched == 768
+    assert t.checked(canary.MATCH) is Trust.TRUSTED and t.matched == 1024
+    assert t.checks_wanted() == 0 and t.checks_wanted(sampled=True) == 1
+
+
+def test_a_budget_between_chunks_takes_the_next_whole_chunk() -> None:
+    t = GenerationTrust(check_tokens=300, chunk_tokens=256)
+    t.first_writer(False)
+    assert t.check_chunks == 2 and t.checks_wanted() == 2
+    t.began()
+    assert t.checked(canary.MATCH) is Trust.CHECKING, "256 of 300 tokens"
+    t.began()
+    assert t.checked(canary.MATCH) is Trust.TRUSTED
+    with pytest.raises(ValueError, match="check_tokens"):
+        GenerationTrust(check_tokens=0)
+
+
+def test_a_mismatch_after_matches_refuses_and_a_sample_is_one_check() -> None:
+    t = GenerationTrust(check_tokens=1024, chunk_tokens=256)
+    t.first_writer(False)
+    for _ in range(4):
+        t.began()
+    assert t.checked(canary.MATCH) is Trust.CHECKING
+    assert t.checked(canary.MATCH) is Trust.CHECKING
+    assert t.checked(canary.MISMATCH) is Trust.REFUSED, "two matches first change nothing"
+    assert t.checked(canary.MATCH) is Trust.REFUSED and t.checks_wanted() == 0
+    s = GenerationTrust(first_hit=False, rate=1.0)
+    assert s.checks_wanted() == 0 and s.checks_wanted(sampled=True) == 1
+    s.began()
+    assert s.checks_wanted(sampled=True) == 0, "one sampled check at a time"
 
 
 def test_a_later_fresh_answer_trusts_a_checking_generation_never_a_refused_one() -> None:
@@ -149,3 +200,16 @@ def test_a_chunk_computed_with_another_kv_dtype_under_the_same_name_is_caught() 
     as_bf16 = [raw.view(torch.bfloat16).view(t.shape)
                for raw, t in zip(fp8_bytes, computed, strict=True)]
     assert not compare_chunk(computed, as_bf16).matches
+
+
+def test_canary_check_tokens_is_a_setting_of_at_least_one_token() -> None:
+    from kvtier.config import load_config
+    from kvtier.errors import ConfigError
+
+    assert load_config({}, environ={}).canary_check_tokens == canary.CHECK_TOKENS == 1024
+    assert load_config({"canary_check_tokens": 512}, environ={}).canary_check_tokens == 512
+    env = {"KVTIER_CANARY_CHECK_TOKENS": "300"}
+    assert load_config({}, environ=env).canary_check_tokens == 300
+    for bad in (0, -1, 1.5, "many", True, None):
+        with pytest.raises(ConfigError, match="canary_check_tokens.*an integer >= 1"):
+            load_config({"canary_check_tokens": bad}, environ={})
