@@ -24,8 +24,10 @@ class Redacted(str):
         return str(self)
 
 
-#: a key whose value is a credential or names one: its value is never shown
-_SECRET_NAME = re.compile(r"pass|pwd|secret|token|hmac|cred|auth|private|signature|key", re.I)
+#: a key whose value is a credential or names one: its value is never shown (a count of
+#: tokens, ``canary_check_tokens``, is a number of the model's tokens, not a credential)
+_SECRET_NAME = re.compile(
+    r"pass|pwd|secret|token(?!s(?:$|_))|hmac|cred|auth|private|signature|key", re.I)
 _MAX_SHOWN = 200  # characters of a (safe) value shown in a message
 _MAX_SCANNED = 4096  # characters redaction looks into; a longer value is hidden whole
 

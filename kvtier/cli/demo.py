@@ -210,9 +210,9 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if spec["phase"] == 2:
         before = dict(side.totals) if side else {}
         llm.generate([check], sp, use_tqdm=False)
-        for _ in range(50):  # the workers report the comparison in a later step
-            if side is None or any(side.totals[checks(r)] > before.get(checks(r), 0)
-                                   for r in canary):
+        for _ in range(50):  # the workers report the comparisons in later steps
+            if side is None or (side.canary.pending == 0 and any(
+                    side.totals[checks(r)] > before.get(checks(r), 0) for r in canary)):
                 break
             llm.generate([TokensPrompt(prompt_token_ids=_tokens(8, 16))], sp, use_tqdm=False)
         if side is not None:
