@@ -62,11 +62,14 @@ def serve_until_exit(model: str, extra: dict[str, object], tmp_path: Path,
 
 
 def assert_refused_before_workers(rc: int, log: str, key: str) -> str:
-    """One report naming ``key``, from the process that parsed the command line, and no
+    """One report naming ``key``, kvtier's ERROR line from the process that parsed the
+    command line (vLLM then repeats its text once in pydantic's "Value error"), and no
     engine or worker process started. Returns the report's line."""
     assert rc != 0, log[-4000:]
-    reports = [line for line in log.splitlines() if f"kvtier config '{key}'" in line]
-    assert len(reports) == 1, "\n".join(reports) or log[-4000:]
+    named = [line for line in log.splitlines() if f"kvtier config '{key}'" in line]
+    reports = [line for line in named if "Value error" not in line]
+    assert len(reports) == 1 and " ERROR " in reports[0], "\n".join(named) or log[-4000:]
+    assert len(named) <= 2, "\n".join(named)
     for started in WORKER_STARTED:
         assert started not in log, f"{started!r}: startup went past the config\n{log[-4000:]}"
     assert "Errno 12" not in log and "Cannot allocate memory" not in log
