@@ -161,9 +161,12 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
         # a prefill: the only reference is the prompt computed whole, and its rotary
         # embedding of the strided k_pe depends on a token's row in the batch (a vLLM
         # bug: tests/e2e/test_vllm_cpu_bugs.py), so any split moves the computed tokens'
-        # logprobs. The hit stays within bf16 rounding of it up to where a near tie flips
+        # logprobs. The hit stays within bf16 rounding of it up to where a near tie flips:
+        # measured 0.0039 on an AVX2-only EPYC, against 0.039 with one 16-token block of
+        # each loaded chunk zeroed (wrong KV), which this bound catches
         assert r["ref"]["cached"] == 0
-        assert near_tie_diff(r["warm"], r["ref"]) <= 0.05, (r["warm"], r["ref"])
+        diff = near_tie_diff(r["warm"], r["ref"])
+        assert diff <= 0.02, (diff, r["warm"], r["ref"])
     # every rank holds the whole latent (vLLM replicates it): one full copy per rank,
     # as the planner's per-rank figure says
     per_rank = plan(tiny_mla_model, 2)
