@@ -158,6 +158,24 @@ def _chunks(root: str, gen: str) -> int:
                    if store_admin.parse_object_key(o.key) == (gen, False))  # fmt: skip
 
 
+def _race(n: int, call: Callable[[int], Any]) -> list[Any]:
+    """``call(i)`` on ``n`` threads released at once (engines re-claiming together): each
+    one's answer, in thread order."""
+    got: list[Any] = [None] * n
+    gate = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        gate.wait(10)
+        got[i] = call(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
 def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     root: str, engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -292,19 +310,8 @@ def test_engines_reclaiming_at_once_give_one_writer(url: str) -> None:
     tiers = [_tier(url) for _ in range(8)]
     try:
         assert manifest.claim_generation(tiers[0], ns, None, now=time.time() - 3600)
-        got: list[Any] = [None] * 8
-        gate = threading.Barrier(8)
-
-        def run(i: int) -> None:
-            gate.wait(10)
-            got[i] = manifest.reclaim_generation(
-                tiers[i], ns, None, lambda i=i: store_admin.holds_chunks(tiers[i], gen))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        got = _race(8, lambda i: manifest.reclaim_generation(
+            tiers[i], ns, None, lambda: store_admin.holds_chunks(tiers[i], gen)))
         assert [g.won for g in got].count(True) == 1, got
         lost = [g.reason for g in got if not g.won]
         assert all("another engine re-claimed it first" in r or "refreshed its manifest" in r
@@ -622,18 +629,8 @@ def test_a_reclaim_cut_between_its_token_and_its_manifest_does_not_lock_for_good
         got = manifest.reclaim_generation(tiers[1], ns, None, lambda: False, now=t + 1)
         assert not got.won and "re-claimed it first" in got.reason, "young: its writer may live"
         late = t + manifest.RECLAIM_TOKEN_VOID_S + 1
-        won: list[Any] = [None] * 8
-        gate = threading.Barrier(8)
-
-        def run(i: int) -> None:
-            gate.wait(10)
-            won[i] = manifest.reclaim_generation(tiers[i], ns, None, lambda: False, now=late)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
+        won = _race(8, lambda i: manifest.reclaim_generation(
+            tiers[i], ns, None, lambda: False, now=late))
         assert [g.won for g in won].count(True) == 1, won
         m = manifest.read_manifest(tiers[0], gen, None)
         assert m is not None and m.last_seen == late
