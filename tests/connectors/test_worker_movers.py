@@ -178,6 +178,8 @@ def test_a_local_directorys_run_is_read_in_its_own_step(tmp_path, monkeypatch, l
     monkeypatch.setattr("kvtier.objects.tiers.file.is_local", lambda path: local)
     w, _, guards = build(tmp_path, monkeypatch, "cpu")
     assert w.inline_read_s == (0.02 if local else 0.0)
+    if local:  # the budget is wall-clock: a loaded CI machine may spend 20 ms elsewhere
+        w.inline_read_s = 30.0
     got = settle(w, step(w, 1, stores=[StoreOp(1, 0, [5, 6, 7, 8], b"h" * 32, upload_op_id=2)]),
                  {1, 2})  # fmt: skip
     assert got == {1: [True], 2: [True]}

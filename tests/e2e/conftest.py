@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import forkserver
+
 ENGINE = Path(__file__).with_name("engine.py")
 REPO = Path(__file__).resolve().parents[2]
 #: ``kvtier doctor``'s warnings for vLLM's own defaults, which the test engines run with:
@@ -35,7 +37,10 @@ def run_engine(
     timeout: float = 600,
     **args: Any,
 ) -> dict[str, Any]:
-    """Run one scenario of tests/e2e/engine.py in a fresh process; return its RESULT."""
+    """Run one scenario of tests/e2e/engine.py in a fresh process; return its RESULT.
+
+    The process is forked from a server that has imported vLLM already
+    (tests/e2e/forkserver.py) unless ``env`` changes what is read at import."""
     full_env = dict(os.environ)
     full_env.update(
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -46,19 +51,26 @@ def run_engine(
         # runs two engines at once it would refuse the small explicit tiers tests use
         KVTIER_CPU_HEADROOM_BYTES="512MiB",
     )
+    base_env = dict(full_env)
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE), scenario, json.dumps(args)],
-        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO),
-    )
-    for line in proc.stdout.splitlines():
+    argv = [scenario, json.dumps(args)]
+    server = forkserver.shared(base_env, str(REPO))
+    if server is not None and not forkserver.import_time_keys(server.env, full_env):
+        rc, stdout, stderr = server.run(argv, full_env, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, str(ENGINE), *argv],
+            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO),
+        )
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-            result["_log"] = proc.stdout[-20000:] + proc.stderr[-20000:]
+            result["_log"] = stdout[-20000:] + stderr[-20000:]
             return result
     raise AssertionError(
-        f"scenario {scenario} ended without a result (exit {proc.returncode}):\n"
-        f"{proc.stdout[-6000:]}\n{proc.stderr[-12000:]}"
+        f"scenario {scenario} ended without a result (exit {rc}):\n"
+        f"{stdout[-6000:]}\n{stderr[-12000:]}"
     )
 
 

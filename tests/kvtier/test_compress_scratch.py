@@ -77,16 +77,20 @@ def test_sealed_read_only_chunk_opens_without_a_buffer_per_read(raw_form: bool) 
         blob = chunk(raw, signer)
     slot = memoryview(bytearray(len(raw)))
     decode(blob, key=KEY, signer=signer, out=slot)  # the first read makes the buffer
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        for _ in range(5):
-            got = decode(blob, key=KEY, signer=signer, out=slot)
-            assert got == raw  # compared in place, no copy
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-    assert peak < len(raw) // 8, peak
+    peaks = []
+    # tracemalloc sees every thread: an earlier test's background thread may allocate
+    # during one window. A buffer per read shows in every window, so the least counts.
+    for _attempt in range(3):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(5):
+                got = decode(blob, key=KEY, signer=signer, out=slot)
+                assert got == raw  # compared in place, no copy
+            peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        finally:
+            tracemalloc.stop()
+    assert min(peaks) < len(raw) // 8, peaks
 
 
 def test_fp8_dequantise_allocates_no_buffer_per_read() -> None:
