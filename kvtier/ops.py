@@ -60,6 +60,10 @@ class LoadOp:
             raise ValueError(f"cannot trim {k} of {len(self.gpu_blocks)} blocks")
         return replace(self, first=self.first + k, gpu_blocks=self.gpu_blocks[k:])
 
+    def all_gpu_blocks(self) -> list[int]:
+        """Every paged block this load writes, all groups together."""
+        return [*self.gpu_blocks, *(b for _, blocks in self.more for b in blocks)]
+
 
 @dataclass(slots=True)
 class StoreOp:

@@ -169,6 +169,10 @@ class SchedulerSide:
         self.sliding_window = has_sliding_window(kv_cache)
         self.stats.set(metrics.HOST_BYTES_CAPACITY, num_slots * self.slot_bytes * self.world_size)
         self._kv_cache_manager: KVCacheManager | None = None
+        #: vLLM blocks kvtier has loaded into, since start or the last canary mismatch:
+        #: after a mismatch they leave vLLM's prefix cache (:meth:`_forget_loaded_blocks`).
+        #: Block ids, so at most the pool's size
+        self._loaded_blocks: set[int] = set()
         self._reqs: dict[str, RequestState] = {}
         #: a lookup that reaches a chunk still being stored waits for its store
         self.store_waits = StoreWaits(
@@ -221,7 +225,23 @@ class SchedulerSide:
             dropped = self.index.clear()
             logger.error("kvtier: host tier emptied (%d chunks dropped) after a canary "
                          "mismatch", dropped)
+            self._forget_loaded_blocks()
             self._new_identity(fork=True)  # carries on under a generation of its own
+
+    def _forget_loaded_blocks(self) -> None:
+        """After a mismatch, vLLM's own prefix cache must not serve what kvtier loaded:
+        every block kvtier loaded into since start (or the last mismatch) leaves it, and
+        the next request with that prefix computes it. Conservative, as the host tier's
+        emptying is: a block that vLLM has since reused for KV it computed is dropped too
+        (one recompute). A request running on such blocks now finishes on them."""
+        blocks, self._loaded_blocks = self._loaded_blocks, set()
+        manager = self._kv_cache_manager
+        if not blocks or manager is None:
+            return
+        null = self.null_block
+        manager.evict_blocks({b for b in blocks if b != null})
+        logger.error("kvtier: %d blocks kvtier loaded left vLLM's prefix cache after the "
+                     "canary mismatch", len(blocks))
 
     def attach_events(self, events: ChunkEvents) -> None:
         """Turn the host tier's changes into vLLM KV events: ``events`` listens to the
@@ -370,7 +390,10 @@ class SchedulerSide:
         st.hit_sources = {}
         if num_external_tokens > 0 and offer is not None:
             start, end = offer[0], offer[0] + num_external_tokens
+            planned = len(self.plan.loads)
             self.planner.plan_loads(st, self._block_ids(request.request_id), start, end)
+            for op in self.plan.loads[planned:]:
+                self._loaded_blocks.update(op.all_gpu_blocks())
             if st.fetching_now:  # a one-step lookup's answer, allocated: it is done
                 self.lookups.finish(st)
         st.fetching_now = {}

@@ -79,3 +79,32 @@ def canary_prompts(
     shutdown(llm)
     return {"outs": outs, "totals": totals, "state": state, "comparisons": seen,
             "forks": forks}  # fmt: skip
+
+
+@register
+def refused_after_loading(model: str, extra: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """A generation trusted at once (``canary_first_hit`` off) serves the first prompt;
+    then every request is sampled, and the second prompt's check mismatches; then the
+    first prompt again, vLLM's own prefix cache *not* emptied in between: what vLLM
+    serves it from (``cached``) after the mismatch."""
+    import time
+
+    llm = build_llm(model, extra)
+    side = kvtier_side(llm)
+    first_prompt, second_prompt = (toks(s, PROMPT) for s in seeds)
+    first = generate(llm, [first_prompt])[0]
+    settle(llm)
+    loaded = side.totals["hit_tokens_remote"]
+    side.canary.trust.rate = 1.0  # the next request is a canary
+    generate(llm, [second_prompt])
+    deadline = time.time() + 60
+    while side.canary.pending and time.time() < deadline:
+        settle(llm)
+    side.canary.trust.rate = 0.0
+    again = generate(llm, [first_prompt])[0]
+    settle(llm)
+    result = {"first": first, "loaded": loaded, "again": again, "totals": dict(side.totals),
+              "state": side.canary.trust.state.value,
+              "forks": [list(f) for f in side.canary.forks]}  # fmt: skip
+    shutdown(llm)
+    return result

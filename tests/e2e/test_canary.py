@@ -230,3 +230,30 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     after = read_manifest(files, gen, None)
     files.close()
     assert after is not None and time.time() - after.last_seen < STALE_S, "B refreshes it"
+
+
+def test_a_sampled_mismatch_takes_what_kvtier_loaded_out_of_vllms_prefix_cache(
+    weights: dict[str, str], tmp_path: Path
+) -> None:
+    """B (other weights, same pinned fingerprint, ``canary_first_hit`` off: trusted at
+    once) loads A's KV for its first prompt: wrong for B, the risk the first-hit check
+    exists for. A sampled check (``canary_rate``) of its next prompt mismatches; kvtier
+    empties its host tier and forks, and the blocks it loaded leave vLLM's own prefix
+    cache too: the first prompt again, vLLM's cache not emptied, is computed whole by B's
+    own weights, not served the refused KV."""
+    tier = tmp_path / "kv"
+    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
+             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+    run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)  # A writes
+    b = run_engine("refused_after_loading", env=ENV, model=weights["m2"],
+                   extra={**extra, "canary_first_hit": False}, seeds=SEEDS[:2])  # fmt: skip
+    ref = run(model=weights["m2"], extra=None, seeds=SEEDS[:1])
+    assert b["loaded"] == PREFIX, b["totals"]  # A's chunks, unchecked
+    first, want = b["first"], ref["outs"][0]
+    assert (first["tokens"], first["logprobs"]) != (want["tokens"], want["logprobs"]), (
+        "A's KV under B's weights answers otherwise (else this test proves nothing)")
+    assert b["totals"]["canary_checks_mismatch"] == 1, b["totals"]
+    assert len(b["forks"]) == 1 and b["state"] == "trusted", b["forks"]  # in its own fork
+    again = b["again"]
+    assert again["cached"] == 0, "vLLM's prefix cache still served the refused KV"
+    assert (again["tokens"], again["logprobs"]) == (want["tokens"], want["logprobs"])
