@@ -24,8 +24,11 @@ def _selectors(values: list[str] | None) -> tuple[str, ...]:
 
 def add_plan_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
     m = p.add_argument_group("model")
-    m.add_argument("--model", required=model_required, metavar="PATH",
-                   help="model directory (config.json, optional *.safetensors) or a config.json")
+    m.add_argument("--model", required=model_required, metavar="MODEL",
+                   help="model directory (config.json, optional *.safetensors), a config.json, "
+                   "or a Hugging Face hub id (org/name[@revision]): its config.json and "
+                   "safetensors index only, never weights, through huggingface_hub and its "
+                   "cache (HF_TOKEN for gated models; HF_HUB_OFFLINE=1 reads the cache alone)")
     m.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, metavar="N",
                    help="tensor-parallel size (default 1)")
     m.add_argument("--dtype", default=None,

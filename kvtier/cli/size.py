@@ -21,6 +21,8 @@ unknown without them. Exit status: 0, or 1 when the plan does not fit, 2 on bad 
 
 examples:
   kvtier size --model /models/Llama-3-8B --gpu-memory 24 --host-memory 128 --warm-sessions 200
+  kvtier size --model meta-llama/Meta-Llama-3-8B --gpu-memory 24   (a hub id: config and
+      safetensors index fetched once and cached; offline, from the cache)
   kvtier size --model config.json --cpu-offload-gb 10 --cpu-offload-params experts --json
   kvtier size --model /models/m --gpu-memory 80 --warm-sessions 100 --emit helm-values
   kvtier size --model /models/m --gpu-memory 80 --trace requests.jsonl --plot curves.png"""
@@ -260,7 +262,8 @@ def _size_trace(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     else:
         gpu_tokens, source = 0, "unknown, taken as 0: pass --gpu-memory or --gpu-kv-tokens"
     host_tier = args.cpu_bytes if args.cpu_bytes is not None else plan.get("host_tier_bytes")
-    tokenizer = args.tokenizer or (args.model if _is_dir(args.model) else None)
+    tokenizer = args.tokenizer or (args.model if _is_dir(args.model) or _is_hub_id(args.model)
+                                   else None)
     try:
         sim, stats = tr.plan_trace(
             args.trace, tokenizer=tokenizer, block_size=args.block_size,
@@ -319,3 +322,10 @@ def _is_dir(path: str) -> bool:
     import os
 
     return os.path.isdir(path)
+
+
+def _is_hub_id(model: str) -> bool:
+    """A hub id names the tokenizer too (transformers fetches it the same way)."""
+    from kvtier.sizing.hub import is_hub_id
+
+    return is_hub_id(model)

@@ -41,6 +41,8 @@ CODES: dict[str, str] = {
     "host-over-limit": "the plan needs more host RAM than the host has",
     "weights-exceed-gpu": "resident weights leave no GPU memory for KV cache",
     "kv-heads-replicated": "TP is larger than the KV head count; KV heads are replicated",
+    "weights-estimate-differs": "the weights estimated from config.json differ from the "
+    "checkpoint's size by over 10 % (a float32 checkpoint is cast; a quantized one may be missed)",
     "offload-not-applied": "weight offload was requested but vLLM logged none",
     "kv-load-failure-fails-requests": "kv_load_failure_policy 'fail': a KV load that fails "
     "fails its request, and a local directory tier's lookups take a step of their own",
@@ -285,6 +287,13 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     version = parse_version(inp.vllm_version)
     pin = off.resolve_pin(inp.disable_pin_memory, inp.environ)
     result = _offload(inp, weights, pin, warns)
+    ckpt = weights.checkpoint_bytes
+    if ckpt and abs(weights.total_bytes - ckpt) * 10 > ckpt:
+        warns.append(warning("weights-estimate-differs", (
+            f"the plan takes the weights as {gib(weights.total_bytes)}, estimated from "
+            f"config.json, but the checkpoint holds {gib(ckpt)} (its safetensors index): a "
+            "float32 checkpoint is cast to the model dtype, a quantized one the estimate may "
+            "miss; for exact figures pass a local directory with the safetensors files")))
     if result.backend != "none" and version is not None and version[:2] < OLDEST_OFFLOAD_SAFE_VLLM:
         warns.append(warning("offload-ignored-old-vllm", (
             f"vLLM {inp.vllm_version} silently ignores weight offload on the V2 model runner "
@@ -455,6 +464,7 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         "session_kv_bytes_per_rank": session_rank,
         "weights_source": weights.source,
         "weight_bytes": weights.total_bytes,
+        "checkpoint_bytes": weights.checkpoint_bytes,
         "weight_bytes_per_rank": weight_rank,
         "offload_backend": result.backend,
         "pin_memory": pin,

@@ -261,14 +261,24 @@ def kv_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
         raise ModelConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}") from None
 
 
+def local_model(path: str) -> str:
+    """``path`` itself, or for a hub id (``org/name``) its cached snapshot directory,
+    holding config.json and the safetensors index (fetched by :mod:`kvtier.sizing.hub`)."""
+    from kvtier.sizing import hub
+
+    return hub.fetch(path).directory if hub.is_hub_id(path) else path
+
+
 def read_config(path: str) -> dict[str, Any]:
-    """Read ``config.json`` from a file path or a model directory."""
+    """Read ``config.json`` from a file path, a model directory or a hub id."""
+    path = local_model(path)
     cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise ModelConfigError(f"no config.json at {cfg_path}") from None
+        raise ModelConfigError(f"no config.json at {cfg_path}: pass a model directory, its "
+                               "config.json or a hub id (org/name)") from None
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
     except OSError as e:

@@ -80,6 +80,8 @@ def format_plan(p: dict[str, Any]) -> str:
         (f"one {p['context']:,}-token session", _b(p["session_kv_bytes_per_rank"]) + " per rank"),
         "weights",
         ("weights (" + p["weights_source"] + ")", _b(p["weight_bytes"])),
+        *([("checkpoint (index)", _b(p["checkpoint_bytes"]))]
+          if p.get("checkpoint_bytes") is not None else []),
         ("weights per rank", _b(p["weight_bytes_per_rank"])),
         ("offload backend", p["offload_backend"]),
         ("moved off GPU", _b(p["weight_offload_gpu_bytes"])

@@ -15,7 +15,7 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.sizing.model import DTYPE_BYTES, ModelConfigError, ModelShape
@@ -82,6 +82,9 @@ class Weights:
     layers: tuple[tuple[WeightTensor, ...], ...]
     other: tuple[WeightTensor, ...]
     source: str  # "safetensors" or "config"
+    #: the checkpoint's bytes as the hub or the safetensors index gives them, beside a
+    #: "config" estimate (quantized or float32 checkpoints differ from it); None unknown
+    checkpoint_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -143,7 +146,10 @@ def safetensors_files(model_dir: str) -> list[str]:
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
-        return sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+        files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+        # a hub snapshot kvtier size fetched holds the index without the shards: their
+        # headers are not there to read, and a part of them would undercount
+        return files if all(os.path.isfile(f) for f in files) else []
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
@@ -335,7 +341,16 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
 
 
 def load_weights(path: str, shape: ModelShape, tp: int = 1) -> Weights:
-    """Safetensors headers when ``path`` is a directory holding them, else the config."""
+    """Safetensors headers when ``path`` is a directory holding them, else the config
+    (with the checkpoint's size from the safetensors index or the hub, when known)."""
+    from kvtier.sizing import hub
+
+    hub_model = hub.fetch(path) if hub.is_hub_id(path) else None
+    path = hub_model.directory if hub_model else path
     model_dir = path if os.path.isdir(path) else os.path.dirname(path)
     found = weights_from_safetensors(model_dir, shape, tp) if model_dir else None
-    return found if found is not None else weights_from_config(shape, tp)
+    if found is not None:
+        return found
+    checkpoint = hub_model.checkpoint_bytes if hub_model else (
+        hub.index_total_size(os.path.join(model_dir or ".", hub.INDEX)))
+    return replace(weights_from_config(shape, tp), checkpoint_bytes=checkpoint)
