@@ -132,6 +132,12 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
 #: that makes reads faster, or as fp8 (kvtier.objects.compress)
 COMPRESSIONS = ("none", "lossless", "auto", "fp8")
 _PARSERS["compression"] = one_of(COMPRESSIONS)
+#: whether object-tier lookups are priced against recomputing (kvtier.costs): "cost" asks
+#: the tier only for the chunks predicted to arrive before vLLM would have computed them,
+#: with a deadline; "always" loads whatever the tier holds, waiting up to lookup_timeout_ms
+LOAD_POLICIES = ("cost", "always")
+_PARSERS["load_policy"] = one_of(LOAD_POLICIES)
+_PARSERS["load_margin"] = lambda k, v: parse_float(k, v, 0.1, 10.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
@@ -219,6 +225,13 @@ class KVTierConfig:
     #: tokens of computed chunks that must match before a generation of another engine is
     #: trusted (one chunk is thin evidence: weights can differ on some tokens only)
     canary_check_tokens: int = 1024
+    #: "cost": an object-tier lookup loads the leading chunks that shorten the request's
+    #: predicted time to first token, and waits for them until a deadline (kvtier.costs);
+    #: "always": every chunk the tier holds, waiting up to lookup_timeout_ms
+    load_policy: str = "cost"
+    #: how many times its recompute a load may take and still be worth it (1.0: load when
+    #: no slower than recomputing; more loads more); also scales the fetch's deadline
+    load_margin: float = 1.0
 
     def __post_init__(self) -> None:
         # load_config hands ``remote`` in; a config built or replaced otherwise reads its URL

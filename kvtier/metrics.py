@@ -64,6 +64,11 @@ MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail"
 #: chunk vLLM computed matched the stored one or did not; "absent": the tier does not hold
 #: it; "error": it could not be read or verified, or the computed chunk was not stored
 CANARY_RESULTS = ("match", "mismatch", "absent", "error")
+#: why a lookup asked the object tier for fewer chunks than it could (``load_policy: cost``,
+#: kvtier.costs): "slower_than_prefill": reading them was predicted to take longer than
+#: computing them; "queued": they would have been worth it but for the fetches already in
+#: flight ahead of them
+DECLINE_REASONS = ("slower_than_prefill", "queued")
 
 
 def error_kind_label(kind: str) -> str:
@@ -230,10 +235,36 @@ CANARY = MetricSpec(
     "under a generation of its own (a fork).",
     ("outcome",),
 )
+LOADS_DECLINED = MetricSpec(
+    PREFIX + "loads_declined_tokens", "counter",
+    "Prompt tokens an object-tier lookup did not ask the tier for because loading them was "
+    "predicted to be slower than computing them (load_policy: cost), by tier and why; the "
+    "tier may not have held them all.",
+    ("tier", "reason"),
+)
+FETCH_DEADLINE_MISSED = MetricSpec(
+    PREFIX + "fetch_deadline_missed", "counter",
+    "Lookups whose fetch was still running at its deadline (the predicted fetch or the "
+    "recompute it replaces, whichever is shorter): the request went on with the chunks that "
+    "had landed.",
+    ("tier",),
+)
+TIER_READ_BPS = MetricSpec(
+    PREFIX + "tier_read_bytes_per_second", "gauge",
+    "Read throughput of a tier as lookups see it (median of recent fetch runs, all workers' "
+    "bytes); 0 until measured.",
+    ("tier",),
+)
+PREFILL_SPT = MetricSpec(
+    PREFIX + "prefill_seconds_per_token", "gauge",
+    "This engine's compute per prompt token (median of recent steps that scheduled at least a "
+    "chunk of tokens); 0 until measured.",
+)
 #: label values of one metric where they differ from :data:`LABEL_VALUES` (the canary's
 #: ``outcome`` is not a lookup's): (metric name, label) -> values
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (CANARY.name, "outcome"): CANARY_RESULTS,
+    (LOADS_DECLINED.name, "reason"): DECLINE_REASONS,
 }
 
 
@@ -247,7 +278,8 @@ ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
     STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
-    WHATIF_HIT_TOKENS, CANARY,
+    WHATIF_HIT_TOKENS, CANARY, LOADS_DECLINED, FETCH_DEADLINE_MISSED, TIER_READ_BPS,
+    PREFILL_SPT,
 )
 
 

@@ -10,6 +10,7 @@ store superseded frees the slot it was reading into.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +61,9 @@ class OpLedger:
         self.uploads = uploads
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
+        #: told every settled fetch (op id, ok): its timing feeds the tier's cost model
+        #: (kvtier.costs, through RemoteLookups)
+        self.fetch_settled: Callable[[int, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -90,7 +94,10 @@ class OpLedger:
         if len(pending.reports) < self.world_size:
             return
         del self._pending[op_id]
-        self._settle(pending, all(pending.reports))
+        ok = all(pending.reports)
+        self._settle(pending, ok)
+        if pending.kind is OpKind.FETCH and self.fetch_settled is not None:
+            self.fetch_settled(op_id, ok)
 
     def _settle(self, pending: Pending, ok: bool) -> None:
         kind, entry = pending.kind, pending.entry

@@ -21,13 +21,24 @@ when it does not (no room yet), the run goes out as a plain lookup's and vLLM's 
 ask waits for it like any other.
 Chunks a request may not share (``RequestState.shared_chunks``: a LoRA adapter kvtier
 could not fingerprint, client-named images) are never looked up.
+
+Priced lookups (``load_policy: cost``, :mod:`kvtier.costs`): before a lookup claims
+anything it prices its chunks against recomputing them, asks the tier only for the
+leading chunks that shorten the request's predicted time to first token (the rest are
+counted in ``kvtier:loads_declined_tokens``), and stops waiting at the fetch's deadline
+(``Lookup.deadline_s``, counted in ``kvtier:fetch_deadline_missed``): the request goes on
+with the chunks that landed, the late ones still land in the host tier. Every run's
+reports (through the ledger) and every engine step (:attr:`RemoteLookups.steps`) feed the
+estimates, whatever the policy.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvtier import metrics
+from kvtier.costs import FetchTimes, PrefillCosts, StepTimes, TierCosts, price_load
 from kvtier.host.index import ChunkIndex, State
 from kvtier.objects.ghosts import ObjectGhostTiers
 from kvtier.ops import FetchOp, OpKind
@@ -49,6 +60,9 @@ class RemoteLookups:
         chunk_size: int,
         slot_bytes: int,
         timeout_s: float,
+        world_size: int = 1,
+        load_policy: str = "always",
+        load_margin: float = 1.0,
     ) -> None:
         self.index = index
         self.ledger = ledger
@@ -63,6 +77,20 @@ class RemoteLookups:
         self.probe: LocalProbe | None = None
         #: what an object tier of another size would serve (kvtier.objects.ghosts)
         self.ghosts: ObjectGhostTiers | None = None
+        #: the clock of lookups, deadlines and cost samples (tests give their own)
+        self.clock: Callable[[], float] = time.monotonic
+        #: "cost": lookups priced against recomputing (kvtier.costs); "always": not
+        self.priced = load_policy == "cost"
+        self.margin = load_margin
+        #: bytes one chunk's fetch reads, every worker's part together
+        self.chunk_bytes = slot_bytes * world_size
+        #: the object tier's reads and this engine's prefill as lookups see them
+        self.tier_costs = TierCosts()
+        self.fetch_times = FetchTimes(self.tier_costs)
+        self.prefill = PrefillCosts(chunk_size)
+        #: engine steps from plan to report (SchedulerSide feeds it): the prefill's samples
+        self.steps = StepTimes(self.prefill)
+        ledger.fetch_settled = self._fetch_settled
 
     def take_runs(self) -> list[list[FetchOp]]:
         """The fetch runs queued since the last call, one per lookup (for the metadata)."""
@@ -96,7 +124,7 @@ class RemoteLookups:
 
         Chunks another request is fetching are waited on, not fetched twice.
         """
-        now = time.monotonic()
+        now = self.clock()
         lk = st.lookup
         if lk is None:
             lk = st.lookup = Lookup(started=now, first_chunk=first)
@@ -116,8 +144,10 @@ class RemoteLookups:
                 self.finish(st)
                 return False
             return True
-        if now - lk.started > self.timeout_s:
+        waited = now - lk.started
+        if waited > self.timeout_s:
             self.stats.inc(metrics.ERRORS, 1, ("timeout",))
+            self.fetch_times.cut(lk.fetch_ops, now)
             self.finish(st)
             return False
         for entry in lk.chunks:
@@ -125,6 +155,12 @@ class RemoteLookups:
             if held is None or (held is not entry and held.state is not State.STORING):
                 break  # missing, failed or evicted: the usable prefix ends here
             if held.state in (State.FETCHING, State.STORING):
+                if lk.deadline_s is not None and waited > lk.deadline_s:
+                    # past the recompute it replaces: go on with what landed (the rest
+                    # still lands in the host tier, for the next request)
+                    self.stats.inc(metrics.FETCH_DEADLINE_MISSED, 1, ("remote",))
+                    self.fetch_times.cut(lk.fetch_ops, now)
+                    break
                 # (a store, maybe one that superseded this fetch, settles within a step)
                 return True
         self.finish(st)
@@ -135,7 +171,37 @@ class RemoteLookups:
         if lk is None or lk.done:
             return
         lk.done = True
-        self.stats.observe(metrics.LOOKUP_DELAY, time.monotonic() - lk.started, ("async",))
+        self.stats.observe(metrics.LOOKUP_DELAY, self.clock() - lk.started, ("async",))
+
+    def export_costs(self) -> None:
+        """The estimates as gauges (0 until measured)."""
+        now = self.clock()
+        bps = self.tier_costs.bytes_per_second(now)
+        self.stats.set(metrics.TIER_READ_BPS, bps or 0.0, ("remote",))
+        self.stats.set(metrics.PREFILL_SPT, self.prefill.seconds_per_token(now) or 0.0)
+
+    def _fetch_settled(self, op_id: int, ok: bool) -> None:
+        self.fetch_times.settled(op_id, ok, self.clock())
+
+    def _price(self, st: RequestState, lk: Lookup, first: int, end: int, cap: int) -> int:
+        """Priced lookups: the end of the chunks from ``first`` worth asking the tier for
+        (``end`` under ``load_policy: always``), the lookup's deadline set, declined
+        tokens counted. A chunk the host tier holds or is fetching already costs no read."""
+        if not self.priced or end <= first:
+            return end
+        key, size = self.keys.key, self.chunk_size
+        chunks = [
+            (0 if self.index.get(key(st, c)) is not None else self.chunk_bytes,
+             max(0, min((c + 1) * size, cap) - max(c * size, st.local_hit)))
+            for c in range(first, end)
+        ]  # fmt: skip
+        price = price_load(chunks, tier=self.tier_costs, prefill=self.prefill,
+                           margin=self.margin, now=self.clock())  # fmt: skip
+        lk.deadline_s = price.deadline_s
+        if price.declined_tokens and price.reason is not None:
+            self.stats.inc(metrics.LOADS_DECLINED, price.declined_tokens,
+                           ("remote", price.reason))  # fmt: skip
+        return first + price.load
 
     def count_whatif(self, st: RequestState, computed: int, loaded: int, cap: int) -> None:
         """After vLLM allocated ``loaded`` tokens from ``computed`` on: the object-tier tokens
@@ -171,8 +237,9 @@ class RemoteLookups:
         loaded in this step), and queue their fetches as a run read before the loads."""
         self._keep_host_part(st, first)
         stored = probe.stored_run(st.chunk_hashes[first : self._shared_end(st, cap)])
+        end = self._price(st, lk, first, first + stored, cap)
         run: list[FetchOp] = []
-        for c in range(first, first + stored):
+        for c in range(first, end):
             entry = self.index.begin(self.keys.key(st, c), State.FETCHING)
             if entry is None:  # held by another op, or every slot is busy
                 break
@@ -195,7 +262,7 @@ class RemoteLookups:
         key = self.keys.key
         self._keep_host_part(st, first)
         run: list[FetchOp] = []
-        for c in range(first, self._shared_end(st, cap)):
+        for c in range(first, self._price(st, lk, first, self._shared_end(st, cap), cap)):
             entry = self.index.get(key(st, c))
             if entry is None:
                 entry = self.index.begin(key(st, c), State.FETCHING)
@@ -206,3 +273,5 @@ class RemoteLookups:
             lk.chunks.append(entry)
         if run:
             self._runs.append(run)
+            lk.fetch_ops = [op.op_id for op in run]
+            self.fetch_times.started([(op.op_id, self.chunk_bytes) for op in run], lk.started)

@@ -75,6 +75,12 @@ class Lookup:
     #: (kvtier.objects.ghosts: filled when their queue reaches the lookup); None once
     #: counted
     whatif_end: Sequence[int] | None = None
+    #: seconds after ``started`` the request stops waiting for chunks still fetching and
+    #: goes on with those that landed (load_policy: cost, kvtier.costs); None: only
+    #: lookup_timeout_ms
+    deadline_s: float | None = None
+    #: the ids of the fetches this lookup planned (its run), in order
+    fetch_ops: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

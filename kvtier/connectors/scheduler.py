@@ -155,6 +155,7 @@ class SchedulerSide:
         self.lookups = RemoteLookups(
             self.index, self.ledger, self.keys, self.stats, chunk_size=self.chunk_size,
             slot_bytes=self.slot_bytes, timeout_s=Timeouts.from_ms(cfg.lookup_timeout_ms).lookup_s,
+            world_size=self.world_size, load_policy=cfg.load_policy, load_margin=cfg.load_margin,
         )  # fmt: skip
         if cfg.whatif and self.remote:  # the object tier's ghosts (kvtier.objects.ghosts)
             self.lookups.ghosts = ObjectGhostTiers(
@@ -436,6 +437,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
         self._step += 1
+        if self.remote:  # the prefill's cost per token, timed to the step's report
+            self.lookups.steps.began(self._step, sum(so.num_scheduled_tokens.values()),
+                                     self.lookups.clock())  # fmt: skip
         self.plan.fetches.extend(self.lookups.take_runs())
         now, later = self.lookups.take_runs_now({op.fetch_op for op in self.plan.loads})
         self.plan.fetches_now.extend(now)
@@ -504,6 +508,10 @@ class SchedulerSide:
                 self.totals[f"error_{metrics.error_kind_label(kind)}"] += n
             down_s = meta.reads_down_s
             self.reads_down_until = time.monotonic() + down_s if down_s else 0.0
+            if self.remote:
+                clock = self.lookups.clock()
+                for step in meta.steps:
+                    self.lookups.steps.reported(step, clock)
             now = time.time()
             for step in meta.steps:
                 for arrival, outcome in self._ttft_by_step.pop(step, ()):
@@ -536,6 +544,8 @@ class SchedulerSide:
         if self._sync_lookup_s:
             delays, self._sync_lookup_s = self._sync_lookup_s, []
             self.stats.observe_many(metrics.LOOKUP_DELAY, delays, ("sync",))
+        if self.remote:
+            self.lookups.export_costs()
         return self.stats.take()
 
     def reset_cache(self) -> bool:

@@ -46,6 +46,13 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
     # their end (the state block no longer holds the state at the chunk's end)
     "stores_state_gone",
     *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
+    # priced lookups (load_policy: cost, kvtier.costs): tokens not asked for, fetches cut
+    *(
+        total_name(metrics.LOADS_DECLINED, (tier, r))
+        for tier in metrics.TIERS
+        for r in metrics.DECLINE_REASONS
+    ),
+    *(total_name(metrics.FETCH_DEADLINE_MISSED, (tier,)) for tier in metrics.TIERS),
     "write_back",
     "weights_changes",  # weights replaced while the engine ran (weights_changed)
     # lookups answered in their own step that found chunks to load (connectors.one_step_lookups)

@@ -43,3 +43,14 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(request.getfixturevalue("s3_bucket").url)
     request.getfixturevalue("redis_server").flush()
     return str(request.getfixturevalue("redis_url"))
+
+
+@pytest.fixture(autouse=True)
+def load_policy_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector tests drive the scheduler with fake steps a few microseconds long, which
+    would measure a prefill of microseconds and give priced lookups (``load_policy: cost``,
+    kvtier.costs) deadlines that a slow test machine misses: they run with ``load_policy:
+    always`` unless they ask for ``cost`` (tests/connectors/test_load_pricing.py)."""
+    from kvtier.config import KVTierConfig
+
+    monkeypatch.setitem(KVTierConfig.__init__.__kwdefaults__, "load_policy", "always")

@@ -537,6 +537,20 @@ kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="match"} 2
 kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="mismatch"} 0
 kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="absent"} 1
 kvtier:canary_checks_total{model_name="tiny-llama",engine="0",outcome="error"} 0
+# HELP kvtier:loads_declined_tokens_total Prompt tokens a lookup did not ask the object tier for.
+# TYPE kvtier:loads_declined_tokens_total counter
+kvtier:loads_declined_tokens_total{model_name="tiny-llama",engine="0",tier="remote",reason="slower_than_prefill"} 2048
+kvtier:loads_declined_tokens_total{model_name="tiny-llama",engine="0",tier="remote",reason="queued"} 0
+# HELP kvtier:fetch_deadline_missed_total Lookups whose fetch was still running at its deadline.
+# TYPE kvtier:fetch_deadline_missed_total counter
+kvtier:fetch_deadline_missed_total{model_name="tiny-llama",engine="0",tier="remote"} 1
+# HELP kvtier:tier_read_bytes_per_second Read throughput of a tier as lookups see it.
+# TYPE kvtier:tier_read_bytes_per_second gauge
+kvtier:tier_read_bytes_per_second{model_name="tiny-llama",engine="0",tier="host"} 0
+kvtier:tier_read_bytes_per_second{model_name="tiny-llama",engine="0",tier="remote"} 1e+08
+# HELP kvtier:prefill_seconds_per_token This engine's compute per prompt token.
+# TYPE kvtier:prefill_seconds_per_token gauge
+kvtier:prefill_seconds_per_token{model_name="tiny-llama",engine="0"} 0.00046
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.config import COMPRESSIONS, WRITE_POLICIES, ConfigError, load_config
+from kvtier.config import COMPRESSIONS, LOAD_POLICIES, WRITE_POLICIES, ConfigError, load_config
 
 SCHEMA = Path(__file__).parents[2] / "deploy" / "helm" / "kvtier" / "values.schema.json"
 
@@ -33,6 +33,7 @@ def test_choice_keys_match_the_config() -> None:
     schema = json.loads(SCHEMA.read_text())
     assert enums_named(schema, "compression") == [list(COMPRESSIONS)]
     assert enums_named(schema, "writePolicy") == [list(WRITE_POLICIES)]
+    assert enums_named(schema, "load_policy") == [list(LOAD_POLICIES)]
     for value in COMPRESSIONS:
         assert load_config({"compression": value}).compression == value
 

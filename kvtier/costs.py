@@ -1,0 +1,337 @@
+"""What a hit costs against the prefill it replaces: loads priced, fetches given a deadline.
+
+A hit is worth loading only if its bytes arrive before vLLM would have computed the same
+tokens. On a GPU a 2,048-token prefill of an 8B model takes tens of milliseconds while
+its 256 MiB of KV take seconds from S3 at 100 MB/s; on a throttled bucket or a busy
+network the same happens anywhere. So every object-tier lookup is priced (``load_policy:
+cost``): from live estimates of the tier's reads and of this engine's prefill, it asks
+only for the leading chunks that shorten the request's predicted time to first token, and
+gives that fetch a deadline past which the request goes on with what landed.
+
+The estimates (:class:`TierCosts`, :class:`PrefillCosts`) are medians over a window of
+recent samples (:class:`WindowedMedian`): one outlier cannot swing them, and samples
+older than :data:`MAX_AGE_S` drop out, so a tier that recovers is measured again.
+
+The prior (nothing measured yet, or every sample aged out): a tier without
+:data:`MIN_SAMPLES` measured fetches is loaded whole, as ``load_policy: always`` does, so
+a fresh engine on a fast tier hits at once (its first fetches measure the tier); without
+a measured prefill there is no deadline but ``lookup_timeout_ms``. Host-tier chunks are
+always loaded (they are never priced: copying host memory is faster than any prefill).
+
+Nothing here imports vLLM or knows a request: the scheduler side (kvtier.connectors.lookup)
+feeds samples and asks :func:`price_load`. Clocks are passed in (``now``), never read.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.metrics import DECLINE_REASONS
+
+#: samples each estimate keeps (the median of the last 16: one or two outliers move it
+#: by at most a rank or two)
+WINDOW = 16
+#: samples an estimate needs before it is used (before that: the prior)
+MIN_SAMPLES = 3
+#: seconds after which a sample no longer counts; a tier whose loads were all declined is
+#: unmeasured again after this long, loaded whole once, and so measured afresh
+MAX_AGE_S = 120.0
+#: added to every deadline: the scheduler sees reports once per engine step, so a fetch
+#: on time can look late by a step
+DEADLINE_SLACK_S = 0.02
+
+
+class WindowedMedian:
+    """The median of the last :data:`WINDOW` samples younger than :data:`MAX_AGE_S`."""
+
+    __slots__ = ("_samples", "max_age_s", "min_samples")
+
+    def __init__(
+        self, window: int = WINDOW, *, min_samples: int = MIN_SAMPLES, max_age_s: float = MAX_AGE_S
+    ) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.max_age_s = max_age_s
+
+    def add(self, value: float, now: float) -> None:
+        self._samples.append((now, value))
+
+    def count(self, now: float) -> int:
+        """Samples that still count at ``now``."""
+        return sum(1 for t, _ in self._samples if now - t <= self.max_age_s)
+
+    def value(self, now: float) -> float | None:
+        """The median of the samples that count, or None with fewer than ``min_samples``."""
+        live = [v for t, v in self._samples if now - t <= self.max_age_s]
+        if len(live) < self.min_samples:
+            return None
+        return statistics.median(live)
+
+
+class TierCosts:
+    """One tier's reads as a request waiting for them sees them: a per-request latency
+    (to a run's first report) and a throughput (bytes/s of the rest), each a windowed
+    median; and the bytes of fetches in flight, which a new fetch queues behind."""
+
+    def __init__(self, *, max_age_s: float = MAX_AGE_S) -> None:
+        self.latency = WindowedMedian(max_age_s=max_age_s)
+        self.throughput = WindowedMedian(max_age_s=max_age_s)
+        #: op id -> (when planned, bytes): fetches not reported yet, oldest first
+        self._inflight: dict[int, tuple[float, int]] = {}
+        self._inflight_bytes = 0
+
+    def observe(self, *, latency_s: float | None, nbytes: int, seconds: float, now: float) -> None:
+        """One run's reads: ``latency_s`` to its first report (None: not measured), and
+        ``nbytes`` read in ``seconds`` after that latency."""
+        if latency_s is not None:
+            self.latency.add(max(0.0, latency_s), now)
+        if nbytes > 0:
+            # a run whose reports all came in one step says its bytes took at most that
+            # step: 1 ms stands for "no time" (the median keeps one such sample harmless)
+            self.throughput.add(nbytes / max(seconds, 1e-3), now)
+
+    def bytes_per_second(self, now: float) -> float | None:
+        return self.throughput.value(now)
+
+    def measured(self, now: float) -> bool:
+        return self.latency.value(now) is not None and self.throughput.value(now) is not None
+
+    def fetch_seconds(self, nbytes: int, now: float, *, queued: bool = True) -> float | None:
+        """Predicted seconds until ``nbytes`` of a new run landed (its latency, the bytes
+        in flight ahead of it with ``queued``, its own bytes); None while unmeasured."""
+        latency, bps = self.latency.value(now), self.throughput.value(now)
+        if latency is None or bps is None:
+            return None
+        ahead = self.inflight_bytes(now) if queued else 0
+        return latency + (ahead + nbytes) / bps
+
+    # ---- fetches in flight ------------------------------------------------------------
+    def planned(self, op_id: int, nbytes: int, now: float) -> None:
+        self._inflight[op_id] = (now, nbytes)
+        self._inflight_bytes += nbytes
+
+    def settled(self, op_id: int) -> None:
+        held = self._inflight.pop(op_id, None)
+        if held is not None:
+            self._inflight_bytes -= held[1]
+
+    def inflight_bytes(self, now: float) -> int:
+        """Bytes of fetches in flight; one older than ``max_age_s`` (a read stuck in its
+        backend call, never reported) no longer counts."""
+        age = self.latency.max_age_s
+        while self._inflight:
+            op_id = next(iter(self._inflight))
+            if now - self._inflight[op_id][0] <= age:
+                break
+            self.settled(op_id)
+        return self._inflight_bytes
+
+
+class PrefillCosts:
+    """This engine's compute per token: a windowed median of step seconds over the tokens
+    the step scheduled, from steps that scheduled at least ``min_tokens`` (a decode step's
+    token costs far more than a prefill's: it would make every load look cheap)."""
+
+    def __init__(self, min_tokens: int, *, max_age_s: float = MAX_AGE_S) -> None:
+        self.min_tokens = max(1, min_tokens)
+        self.per_token = WindowedMedian(max_age_s=max_age_s)
+
+    def observe_step(self, seconds: float, tokens: int, now: float) -> None:
+        if tokens >= self.min_tokens and seconds > 0:
+            self.per_token.add(seconds / tokens, now)
+
+    def seconds_per_token(self, now: float) -> float | None:
+        return self.per_token.value(now)
+
+
+class StepTimes:
+    """Engine steps from the scheduler's plan to the workers' report: the time each took,
+    with the tokens it scheduled, fed to a :class:`PrefillCosts`. At most ``keep`` steps
+    wait for their report (one never reported is forgotten)."""
+
+    def __init__(self, prefill: PrefillCosts, keep: int = 64) -> None:
+        self.prefill = prefill
+        self.keep = keep
+        self._began: dict[int, tuple[float, int]] = {}
+
+    def began(self, step: int, tokens: int, now: float) -> None:
+        if tokens >= self.prefill.min_tokens:
+            self._began[step] = (now, tokens)
+            if len(self._began) > self.keep:
+                del self._began[next(iter(self._began))]
+
+    def reported(self, step: int, now: float) -> None:
+        began = self._began.pop(step, None)
+        if began is not None:
+            self.prefill.observe_step(now - began[0], began[1], now)
+
+
+@dataclass(slots=True)
+class _Run:
+    started: float
+    ops: dict[int, int]  # op id -> bytes, not reported yet
+    first: float | None = None  # when its first report came
+    last_ok: float | None = None
+    ok_bytes: int = 0
+    first_ok_bytes: int = 0
+
+
+@dataclass(slots=True)
+class FetchTimes:
+    """Runs of fetches from plan to report, turned into samples of a :class:`TierCosts`.
+    A run whose reports came over several steps: the throughput is the bytes that landed
+    after its first report over the time they took, the latency the time to that first
+    report less that chunk's own read. A run reported at once: its whole time counts as
+    its bytes' (latency 0). A run of misses: its time to the first report is latency."""
+
+    tier: TierCosts
+    _runs: dict[int, _Run] = field(default_factory=dict)  # run id (its first op id) -> run
+    _run_of: dict[int, int] = field(default_factory=dict)  # op id -> run id
+
+    def started(self, ops: Sequence[tuple[int, int]], now: float) -> None:
+        """A run of fetches planned at ``now``: ``(op id, bytes)`` each, in order."""
+        if not ops:
+            return
+        rid = ops[0][0]
+        self._runs[rid] = _Run(now, dict(ops))
+        for op_id, nbytes in ops:
+            self._run_of[op_id] = rid
+            self.tier.planned(op_id, nbytes, now)
+
+    def settled(self, op_id: int, ok: bool, now: float) -> None:
+        """An op's report (any op: those of no run are ignored)."""
+        rid = self._run_of.pop(op_id, None)
+        if rid is None:
+            return
+        self.tier.settled(op_id)
+        run = self._runs.get(rid)
+        if run is None:
+            return
+        nbytes = run.ops.pop(op_id, 0)
+        if run.first is None:
+            run.first = now
+            run.first_ok_bytes = nbytes if ok else 0
+        if ok:
+            run.ok_bytes += nbytes
+            run.last_ok = now
+        if not run.ops:
+            del self._runs[rid]
+            self._sample(run, now)
+
+    def cut(self, op_ids: Sequence[int], now: float) -> None:
+        """A lookup stopped waiting (its deadline) with these ops unreported: the run's
+        bytes so far plus the next chunk's would have needed more than the time waited,
+        a bound that pulls the throughput down (and, with no report at all, the latency was
+        at least the time waited); its late reports are not sampled."""
+        for op_id in op_ids:
+            rid = self._run_of.get(op_id)
+            run = self._runs.pop(rid, None) if rid is not None else None
+            if run is None:
+                continue
+            nxt = next(iter(run.ops.values()), 0)
+            # no report yet: the latency was at least the time waited (a stalled tier is
+            # measured so, not left unmeasured and loaded whole again)
+            first = run.first if run.first is not None else now
+            self.tier.observe(latency_s=first - run.started, nbytes=run.ok_bytes + nxt,
+                              seconds=now - run.started, now=now)  # fmt: skip
+            return
+
+    def _sample(self, run: _Run, now: float) -> None:
+        assert run.first is not None
+        to_first = run.first - run.started
+        if run.last_ok is None:  # nothing landed: the tier answered "absent" (latency only)
+            self.tier.observe(latency_s=to_first, nbytes=0, seconds=0.0, now=now)
+            return
+        rest = run.ok_bytes - run.first_ok_bytes
+        if rest > 0 and run.last_ok > run.first:
+            # reports over several steps: the bytes after the first report over their time,
+            # and the latency is the time to the first report less that chunk's own read
+            bps = rest / (run.last_ok - run.first)
+            latency = to_first - run.first_ok_bytes / bps
+            self.tier.observe(latency_s=latency, nbytes=rest, seconds=run.last_ok - run.first,
+                              now=now)  # fmt: skip
+            return
+        # one report (or one chunk): no split between latency and bytes; all of it counts as
+        # the bytes' time (a lower bound of the throughput: predicts this run's time again)
+        self.tier.observe(latency_s=0.0, nbytes=run.ok_bytes, seconds=run.last_ok - run.started,
+                          now=now)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """What a lookup asks the tier for: the first ``load`` chunks; ``deadline_s`` after
+    it starts the request goes on with what landed (None: ``lookup_timeout_ms`` alone)."""
+
+    load: int
+    deadline_s: float | None
+    #: predicted seconds until the loaded chunks landed (None: unmeasured)
+    predicted_s: float | None = None
+    #: tokens of the chunks not asked for, and why (one of DECLINE_REASONS)
+    declined_tokens: int = 0
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.reason is None or self.reason in DECLINE_REASONS
+
+
+def price_load(
+    chunks: Sequence[tuple[int, int]],
+    *,
+    tier: TierCosts,
+    prefill: PrefillCosts,
+    margin: float,
+    now: float,
+) -> Price:
+    """How many leading ``chunks`` (``(bytes to read, tokens)`` each, in prompt order; 0
+    bytes: already held) to load, and the fetch's deadline.
+
+    The prefix chosen minimises the predicted time to first token: the fetch of what is
+    loaded (the tier's latency, the bytes in flight ahead, its own bytes) plus the prefill
+    of the rest, the prefill counted ``margin`` times (1.0: load when no slower than
+    recomputing; above 1 loads more). Ties load more. The deadline is ``margin`` times
+    the recompute of the loaded tokens plus :data:`DEADLINE_SLACK_S`: a tier that stalls
+    mid-transfer costs about one prefill, never ``lookup_timeout_ms``. Unmeasured tier:
+    every chunk is loaded, with that deadline; unmeasured prefill: every chunk, no
+    deadline (the prior).
+    """
+    n = len(chunks)
+    spt = prefill.seconds_per_token(now)
+    if spt is None:
+        return Price(n, None)
+    if not tier.measured(now):
+        tokens = sum(t for _, t in chunks)
+        return Price(n, margin * spt * tokens + DEADLINE_SLACK_S)
+    best, best_fetch = _best_prefix(chunks, tier, spt, margin, now, queued=True)
+    loaded_tokens = sum(t for _, t in chunks[:best])
+    declined = sum(t for _, t in chunks[best:])
+    reason = None
+    if declined:
+        unqueued = _best_prefix(chunks, tier, spt, margin, now, queued=False)[0]
+        reason = "queued" if unqueued > best else "slower_than_prefill"
+    deadline = margin * spt * loaded_tokens + DEADLINE_SLACK_S if best else None
+    return Price(best, deadline, best_fetch if best else 0.0, declined, reason)
+
+
+def _best_prefix(
+    chunks: Sequence[tuple[int, int]], tier: TierCosts, spt: float, margin: float, now: float,
+    *, queued: bool,
+) -> tuple[int, float]:
+    """(k, fetch seconds) of the prefix whose fetch less ``margin`` times its recompute is
+    least (the prefill of the rest is the same for every k but for that). The estimates are
+    read once: a lookup of a long prompt prices each of its chunks in a few operations."""
+    latency, bps = tier.latency.value(now), tier.throughput.value(now)
+    assert latency is not None and bps is not None  # measured: the caller checked
+    start = latency + (tier.inflight_bytes(now) if queued else 0) / bps
+    best, best_cost, best_fetch = 0, 0.0, 0.0
+    nbytes = tokens = 0
+    for k, (b, t) in enumerate(chunks, 1):
+        nbytes += b
+        tokens += t
+        fetch = start + nbytes / bps if nbytes else 0.0
+        cost = fetch - margin * spt * tokens
+        if cost <= best_cost:
+            best, best_cost, best_fetch = k, cost, fetch
+    return best, best_fetch

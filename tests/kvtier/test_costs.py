@@ -1,0 +1,193 @@
+"""kvtier.costs: the estimates of a tier's reads and of the prefill, and the price of a load.
+
+Why: a hit is worth loading only if its bytes arrive before vLLM would have computed the
+same tokens (issue 59). These pin the arithmetic with an injected clock: which prefix a
+lookup loads, the deadline it gets, what the prior does before anything is measured, and
+that one outlier cannot swing an estimate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.costs import (
+    DEADLINE_SLACK_S,
+    MAX_AGE_S,
+    MIN_SAMPLES,
+    WINDOW,
+    FetchTimes,
+    PrefillCosts,
+    StepTimes,
+    TierCosts,
+    WindowedMedian,
+    price_load,
+)
+
+MB = 1_000_000
+
+
+def tier_of(latency_s: float, bps: float, now: float = 0.0) -> TierCosts:
+    tier = TierCosts()
+    for _ in range(MIN_SAMPLES):
+        tier.observe(latency_s=latency_s, nbytes=int(bps), seconds=1.0, now=now)
+    return tier
+
+
+def prefill_of(spt: float, now: float = 0.0, tokens: int = 2048) -> PrefillCosts:
+    prefill = PrefillCosts(256)
+    for _ in range(MIN_SAMPLES):
+        prefill.observe_step(spt * tokens, tokens, now)
+    return prefill
+
+
+def test_a_median_needs_its_samples_and_one_outlier_does_not_move_it() -> None:
+    m = WindowedMedian()
+    for i in range(MIN_SAMPLES - 1):
+        m.add(1.0, float(i))
+    assert m.value(10.0) is None, "the prior holds until MIN_SAMPLES are in"
+    m.add(1.0, 10.0)
+    assert m.value(10.0) == 1.0
+    m.add(1000.0, 11.0)  # one fetch that stalled
+    assert m.value(11.0) == 1.0
+    for i in range(WINDOW):  # the tier really got slower: the window follows it
+        m.add(5.0, 12.0 + i)
+    assert m.value(40.0) == 5.0
+
+
+def test_old_samples_stop_counting() -> None:
+    m = WindowedMedian()
+    for _ in range(MIN_SAMPLES):
+        m.add(2.0, 0.0)
+    assert m.value(MAX_AGE_S) == 2.0
+    assert m.value(MAX_AGE_S + 1) is None and m.count(MAX_AGE_S + 1) == 0
+
+
+def test_a_fetch_costs_latency_plus_bytes_plus_the_bytes_in_flight_ahead() -> None:
+    tier = tier_of(0.05, 100 * MB)
+    assert tier.fetch_seconds(200 * MB, 0.0) == pytest.approx(2.05)
+    tier.planned(1, 100 * MB, 0.0)
+    assert tier.fetch_seconds(200 * MB, 0.0) == pytest.approx(3.05)
+    assert tier.fetch_seconds(200 * MB, 0.0, queued=False) == pytest.approx(2.05)
+    tier.settled(1)
+    assert tier.inflight_bytes(0.0) == 0
+    tier.planned(2, 100 * MB, 0.0)  # never reported (a read stuck in its backend call)
+    assert tier.inflight_bytes(MAX_AGE_S + 1) == 0
+    assert TierCosts().fetch_seconds(1, 0.0) is None
+
+
+def test_prefill_counts_steps_of_at_least_a_chunk_from_plan_to_report() -> None:
+    prefill = PrefillCosts(256)
+    steps = StepTimes(prefill, keep=4)
+    for step in range(1, 4):
+        steps.began(step, 2048, now=float(step))
+        steps.began(100 + step, 8, now=float(step))  # a decode step: not a prefill's cost
+        steps.reported(step, now=step + 0.5)
+        steps.reported(100 + step, now=step + 5.0)
+    assert prefill.seconds_per_token(10.0) == pytest.approx(0.5 / 2048)
+    for step in range(10, 20):  # never reported: at most `keep` wait
+        steps.began(step, 2048, now=0.0)
+    assert len(steps._began) == 4
+
+
+def test_a_run_over_several_steps_splits_latency_from_throughput() -> None:
+    tier = TierCosts()
+    times = FetchTimes(tier)
+    for r in range(MIN_SAMPLES):
+        base = 10 * r
+        ops = [(100 * r + i, 10 * MB) for i in range(5)]
+        times.started(ops, now=base)
+        # the first chunk after 0.15 s (0.05 latency + 0.1 s of read), then one per 0.1 s
+        for i, (op_id, _) in enumerate(ops):
+            times.settled(op_id, True, now=base + 0.15 + 0.1 * i)
+    assert tier.bytes_per_second(30.0) == pytest.approx(100 * MB)
+    assert tier.latency.value(30.0) == pytest.approx(0.05)
+    assert tier.inflight_bytes(30.0) == 0
+
+
+def test_a_run_reported_at_once_counts_all_its_time_as_its_bytes() -> None:
+    tier = TierCosts()
+    times = FetchTimes(tier)
+    for r in range(MIN_SAMPLES):
+        times.started([(10 * r + i, 10 * MB) for i in range(4)], now=0.0)
+        for i in range(4):
+            times.settled(10 * r + i, True, now=0.4)
+    assert tier.fetch_seconds(40 * MB, 1.0) == pytest.approx(0.4)
+
+
+def test_a_miss_measures_latency_and_a_cut_run_bounds_the_throughput() -> None:
+    tier = TierCosts()
+    times = FetchTimes(tier)
+    times.started([(1, 10 * MB), (2, 10 * MB)], now=0.0)
+    times.settled(1, False, now=0.03)
+    times.settled(2, False, now=0.03)
+    assert list(tier.latency._samples) == [(0.03, 0.03)]
+    assert not tier.throughput._samples
+    # a tier that stops sending: nothing reported by the deadline, 1 s after the start
+    times.started([(3, 10 * MB), (4, 10 * MB)], now=1.0)
+    times.cut([3, 4], now=2.0)
+    assert list(tier.latency._samples)[-1] == (2.0, 1.0)
+    assert list(tier.throughput._samples) == [(2.0, 10 * MB / 1.0)]
+    times.settled(3, True, now=9.0)  # late: lands, not sampled again
+    times.settled(4, True, now=9.0)
+    assert len(tier.throughput._samples) == 1 and tier.inflight_bytes(9.0) == 0
+
+
+def chunks(n: int, nbytes: int, tokens: int = 256) -> list[tuple[int, int]]:
+    return [(nbytes, tokens)] * n
+
+
+def test_the_prior_loads_everything_until_both_sides_are_measured() -> None:
+    slow = tier_of(1.0, 1 * MB)
+    price = price_load(chunks(8, 32 * MB), tier=slow, prefill=PrefillCosts(256), margin=1.0,
+                       now=0.0)
+    assert (price.load, price.deadline_s, price.declined_tokens) == (8, None, 0)
+    # the prefill measured, the tier not: load it all, but no longer than its recompute
+    price = price_load(chunks(8, 32 * MB), tier=TierCosts(), prefill=prefill_of(1e-3),
+                       margin=1.0, now=0.0)
+    assert price.load == 8
+    assert price.deadline_s == pytest.approx(8 * 256 * 1e-3 + DEADLINE_SLACK_S)
+
+
+def test_a_fast_tier_loads_all_a_slow_one_none() -> None:
+    n = chunks(8, 256 * 131_072)  # Llama-3-8B bf16: 32 MiB per 256-token chunk
+    h100 = prefill_of(0.1 / 2048)  # a 2,048-token prefill in ~100 ms
+    s3 = tier_of(0.03, 100 * MB)
+    price = price_load(n, tier=s3, prefill=h100, margin=1.0, now=0.0)
+    assert (price.load, price.deadline_s) == (0, None)
+    assert (price.declined_tokens, price.reason) == (2048, "slower_than_prefill")
+    local = tier_of(0.001, 5_000 * MB)
+    price = price_load(n, tier=local, prefill=h100, margin=1.0, now=0.0)
+    assert price.load == 8 and price.declined_tokens == 0
+    assert price.predicted_s == pytest.approx(0.001 + 8 * 32 * 2**20 / (5_000 * MB))
+    assert price.deadline_s == pytest.approx(0.1 + DEADLINE_SLACK_S)
+
+
+def test_the_margin_tips_a_break_even_tier_and_scales_the_deadline() -> None:
+    # 1 s per chunk of reading against 0.9 s of computing it
+    tier, prefill = tier_of(0.0, 10 * MB), prefill_of(0.9 / 256)
+    n = chunks(4, 10 * MB)
+    assert price_load(n, tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 0
+    price = price_load(n, tier=tier, prefill=prefill, margin=1.5, now=0.0)
+    assert price.load == 4
+    assert price.deadline_s == pytest.approx(1.5 * 4 * 0.9 + DEADLINE_SLACK_S)
+
+
+def test_fetches_in_flight_ahead_can_make_a_load_not_worth_it() -> None:
+    tier, prefill = tier_of(0.0, 10 * MB), prefill_of(2.0 / 256)  # 1 s to read, 2 to compute
+    n = chunks(2, 10 * MB)
+    assert price_load(n, tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 2
+    tier.planned(1, 50 * MB, 0.0)  # 5 s of reads queued ahead
+    price = price_load(n, tier=tier, prefill=prefill, margin=1.0, now=0.0)
+    assert (price.load, price.declined_tokens, price.reason) == (0, 512, "queued")
+
+
+def test_the_latency_makes_the_shortest_prefix_the_dearest() -> None:
+    """Each chunk pays off (0.1 s read, 0.2 s compute) but the first carries 0.5 s of
+    latency: one chunk is not worth it, three are; a chunk held already costs no read."""
+    tier, prefill = tier_of(0.5, 10 * MB), prefill_of(0.2 / 256)
+    assert price_load(chunks(1, 1 * MB), tier=tier, prefill=prefill, margin=1.0,
+                      now=0.0).load == 0
+    assert price_load(chunks(6, 1 * MB), tier=tier, prefill=prefill, margin=1.0,
+                      now=0.0).load == 6
+    held = [(0, 256)] * 2 + chunks(1, 1 * MB)
+    assert price_load(held, tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 2
