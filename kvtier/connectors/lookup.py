@@ -73,6 +73,10 @@ class RemoteLookups:
         self.timeout_s = timeout_s
         self._runs: list[list[FetchOp]] = []
         self._runs_now: list[list[FetchOp]] = []
+        #: priced one-step lookups' deadlines, by their run's first op id
+        self._now_deadlines: dict[int, float] = {}
+        #: the least deadline of the runs the last take_runs_now read in its step (0: none)
+        self.now_deadline_s = 0.0
         #: answers lookups in their own step (:mod:`.one_step_lookups`); None: lookups are reads
         self.probe: LocalProbe | None = None
         #: what an object tier of another size would serve (kvtier.objects.ghosts)
@@ -104,13 +108,19 @@ class RemoteLookups:
         lookup's are (they must not hold up the step)."""
         now: list[list[FetchOp]] = []
         later: list[list[FetchOp]] = []
+        deadlines: list[float] = []
         for run in self._runs_now:
             k = 0
             while k < len(run) and run[k].op_id in loaded:
                 k += 1
             now += [run[:k]] if k else []
             later += [run[k:]] if k < len(run) else []
+            deadline = self._now_deadlines.get(run[0].op_id) if run else None
+            if k and deadline is not None:
+                deadlines.append(deadline)
         self._runs_now = []
+        self._now_deadlines = {}
+        self.now_deadline_s = min(deadlines, default=0.0)
         return now, later
 
     def wants(self, st: RequestState, end_chunk: int, cap: int) -> bool:
@@ -249,6 +259,8 @@ class RemoteLookups:
             st.fetching_now[c] = op_id
         if run:
             self._runs_now.append(run)
+            if lk.deadline_s is not None:  # the workers' reads before the loads end there
+                self._now_deadlines[run[0].op_id] = lk.deadline_s
 
     def _keep_host_part(self, st: RequestState, first: int) -> None:
         """The host tier's part of this prompt stays: claims after it must not evict it."""

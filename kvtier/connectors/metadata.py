@@ -33,6 +33,10 @@ class KVTierMetadata(KVConnectorMetadata):
     #: one-step lookups' runs (the same shape): read before this step's loads, which
     #: copy their slots (``LoadOp.fetch_op``)
     fetches_now: list[list[FetchOp]] = field(default_factory=list)
+    #: seconds the workers may read ``fetches_now`` before the step's loads give up on what
+    #: is still being read (the least deadline of their priced lookups, kvtier.costs; the
+    #: late chunks still land in their slots); 0: lookup_timeout_ms
+    fetches_now_s: float = 0.0
     uploads: list[UploadOp] = field(default_factory=list)
     #: vLLM's null block (stands for blocks a request no longer needs: a sliding-window
     #: layer's outside its window); loads skip it. None until a KV cache manager is bound
@@ -54,7 +58,8 @@ class StepPlan:
     cleaning of the oldest chunks begins one), and what the scheduler hands to vLLM as
     the step's :class:`KVTierMetadata` (:meth:`take`), starting the next step's empty."""
 
-    __slots__ = ("checks", "fetches", "fetches_now", "loads", "stores", "uploads")
+    __slots__ = ("checks", "fetches", "fetches_now", "fetches_now_s", "loads", "stores",
+                 "uploads")
 
     def __init__(self) -> None:
         self.loads: list[LoadOp] = []
@@ -63,6 +68,9 @@ class StepPlan:
         self.fetches: list[list[FetchOp]] = []
         #: one-step lookups' runs, read before the step's loads
         self.fetches_now: list[list[FetchOp]] = []
+        #: how long the workers may read them (KVTierMetadata.fetches_now_s; 0: no bound of
+        #: the step's own)
+        self.fetches_now_s = 0.0
         self.uploads: list[UploadOp] = []
         #: canaries of this step's stores (read and compared after them)
         self.checks: list[CheckOp] = []
@@ -81,11 +89,13 @@ class StepPlan:
         meta = KVTierMetadata(
             step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
             fetches=self.fetches, fetches_now=self.fetches_now, uploads=self.uploads,
+            fetches_now_s=self.fetches_now_s,
             null_block=null_block, weights_epoch=weights_epoch, weights_salt=weights_salt,
             checks=self.checks, trusted=trusted,
         )
         self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
         self.fetches_now, self.checks = [], []
+        self.fetches_now_s = 0.0
         return meta
 
 

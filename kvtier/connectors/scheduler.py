@@ -443,6 +443,7 @@ class SchedulerSide:
         self.plan.fetches.extend(self.lookups.take_runs())
         now, later = self.lookups.take_runs_now({op.fetch_op for op in self.plan.loads})
         self.plan.fetches_now.extend(now)
+        self.plan.fetches_now_s = self.lookups.now_deadline_s
         self.plan.fetches.extend(later)
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs

@@ -294,8 +294,13 @@ class WorkerSide:
         inline_until = time.monotonic() + self.inline_read_s if self.inline_read_s else 0.0
         for run in meta.fetches:
             self._fetch_run(slab, run, inline_until)
-        for run in meta.fetches_now:  # the step's loads copy these slots: read them now
-            self._fetch_run(slab, run, time.monotonic() + self.fetch_now_s)
+        # the step's loads copy these slots: read them now, at most until the least deadline
+        # of their priced lookups (kvtier.costs), else lookup_timeout_ms
+        now_s = self.fetch_now_s
+        if meta.fetches_now_s > 0:
+            now_s = min(now_s, meta.fetches_now_s)
+        for run in meta.fetches_now:
+            self._fetch_run(slab, run, time.monotonic() + now_s)
         for op in meta.uploads:
             self._upload(slab, op)
 

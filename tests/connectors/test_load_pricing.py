@@ -143,3 +143,63 @@ def _only(ops):
     from kvtier.connectors.metadata import KVTierMetadata
 
     return KVTierMetadata(step=0, fetches=[list(ops)])
+
+
+def test_a_one_step_lookup_is_priced_and_its_reads_bounded_by_the_deadline(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local directory tier under ``kv_load_failure_policy: recompute``: the stored run is
+    answered in the lookup's own step, its reads bounded by the priced deadline (the
+    step's ``fetches_now_s``); once the tier is measured slower than the prefill, the same
+    lookup answers 0 at once, its tokens counted as declined."""
+    from kvtier.config import KVTierConfig
+    from tests.connectors.test_one_step_lookups import keys_of, prompt_on, side_on
+
+    monkeypatch.setitem(KVTierConfig.__init__.__kwdefaults__, "load_policy", "cost")
+    side = side_on(tmp_path)
+    side.set_worker_keys([keys_of()])
+    assert side.lookups.probe is not None and side.lookups.priced
+    clock = Clock()
+    side.lookups.clock = clock
+    measure_prefill(side, clock)
+    req, _ = prompt_on(side, tmp_path, PROMPT, {keys_of(): 3})
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # the prior: load
+    side._kv_cache_manager.blocks["a"] = list(range(100, 100 + 4 * 8 + 1))
+    side.update_state_after_alloc(req, None, 3 * CHUNK)
+    meta = schedule_new(side, req, 3 * CHUNK, PROMPT - 3 * CHUNK)
+    assert len(meta.fetches_now) == 1
+    assert meta.fetches_now_s == pytest.approx(3 * CHUNK * SPT + DEADLINE_SLACK_S)
+    report(side, meta)
+    side.request_finished(req, [])
+    assert empty_step(side).fetches_now_s == 0.0, "a step without one-step reads: no bound"
+
+    for _ in range(MIN_SAMPLES):  # the tier measured: 0.1 MB/s
+        side.lookups.tier_costs.observe(latency_s=0.0, nbytes=100_000, seconds=1.0, now=clock.t)
+    side.index.clear()
+    req = request("b", 1, PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.totals["loads_declined_tokens_remote_slower_than_prefill"] == 3 * CHUNK
+    assert side.index.used_slots == 0, "nothing claimed"
+
+
+def test_the_worker_reads_one_step_runs_until_the_steps_deadline(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fetches_now_s`` bounds the reads before the step's loads (the worker's own bound,
+    lookup_timeout_ms, when it is 0 or longer); the lookups' plain runs keep theirs."""
+    import kvtier.connectors.worker as worker_mod
+    from kvtier.connectors.metadata import FetchOp
+    from tests.connectors.test_worker_side import _pp_worker, step_meta
+
+    w, _caches, _results = _pp_worker(tmp_path / "kv", 0, seed=1, layer_offset=0)
+    assert w.fetch_now_s == 2.0
+    bounds: list[float] = []
+    monkeypatch.setattr(w, "_fetch_run", lambda slab, run, until: bounds.append(until))
+    monkeypatch.setattr(worker_mod.time, "monotonic", lambda: 100.0)
+    for step, priced in enumerate((0.25, 0.0, 5.0), 1):
+        meta = step_meta(step, w.layout.slot_bytes)
+        meta.fetches_now = [[FetchOp(10 * step, 0, b"\x01" * 32)]]
+        meta.fetches_now_s = priced
+        w.begin_step(meta)
+    assert bounds == [100.25, 102.0, 102.0]
+    w.shutdown()
