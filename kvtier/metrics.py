@@ -58,8 +58,11 @@ ERROR_KINDS = (
 #: reset, a write-back eviction); "tail": the prompt past its last full chunk, up to the
 #: token vLLM computes itself (kvtier holds whole chunks only); "load_failed": offered and
 #: loaded, but the load failed (a one-step lookup's fetch that failed, a copy error) and
-#: vLLM computed them
-MISS_REASONS = ("absent", "tier_down", "storing", "fetching", "evicting", "tail", "load_failed")
+#: vLLM computed them; "declined": a priced lookup did not ask the object tier for them,
+#: loading was predicted slower than computing (``load_policy: cost``, kvtier.costs)
+MISS_REASONS = (
+    "absent", "tier_down", "storing", "fetching", "evicting", "tail", "load_failed", "declined",
+)
 #: what a canary found (the ``outcome`` of ``kvtier:canary_checks``, kvtier.canary): the
 #: chunk vLLM computed matched the stored one or did not; "absent": the tier does not hold
 #: it; "error": it could not be read or verified, or the computed chunk was not stored

@@ -208,6 +208,8 @@ class RemoteLookups:
         price = price_load(chunks, tier=self.tier_costs, prefill=self.prefill,
                            margin=self.margin, now=self.clock())  # fmt: skip
         lk.deadline_s = price.deadline_s
+        if price.declined_tokens:
+            lk.declined_from = first + price.load
         if price.declined_tokens and price.reason is not None:
             self.stats.inc(metrics.LOADS_DECLINED, price.declined_tokens,
                            ("remote", price.reason))  # fmt: skip

@@ -81,6 +81,9 @@ class Lookup:
     deadline_s: float | None = None
     #: the ids of the fetches this lookup planned (its run), in order
     fetch_ops: list[int] = field(default_factory=list)
+    #: the first chunk a priced lookup did not ask the tier for (None: none declined);
+    #: its misses count as "declined", not "absent"
+    declined_from: int | None = None
 
 
 @dataclass(slots=True)

@@ -78,13 +78,18 @@ def count_misses(
 ) -> None:
     """Count the prompt tokens kvtier was asked about and did not serve, by reason: the
     state of the first chunk not served decides for the full chunks after it (absent
-    while the object tier's reads fail fast, ``tier_down``: "tier_down"), the part past
-    the last full chunk is the "tail"."""
+    while the object tier's reads fail fast, ``tier_down``: "tier_down"; absent where a
+    priced lookup declined to ask the tier: "declined"), the part past the last full chunk
+    is the "tail"."""
     if served_end < reusable:
-        entry = index.get(keys.key(st, served_end // chunk_size))
+        first = served_end // chunk_size
+        entry = index.get(keys.key(st, first))
         reason = "absent" if entry is None else MISS_BY_STATE[entry.state]
         if reason == "absent" and tier_down:
             reason = "tier_down"  # (the lookup was answered at once: reads fail fast)
+        declined = st.lookup.declined_from if st.lookup is not None else None
+        if reason == "absent" and declined is not None and first >= declined:
+            reason = "declined"  # (the tier was never asked: it may hold them)
         stats.inc(metrics.MISS_TOKENS, reusable - served_end, (reason,))
     tail = cap - max(reusable, served_end)
     if tail > 0:

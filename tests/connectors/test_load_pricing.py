@@ -86,6 +86,9 @@ def test_a_tier_slower_than_the_prefill_is_not_asked(policy: str) -> None:
     assert empty_step(side).fetches == []
     assert declined == 4 * CHUNK
     assert side.totals["loads_declined_tokens_remote_queued"] == 0
+    side.update_state_after_alloc(req, None, 0)  # misses of their own reason, not "absent"
+    assert side.totals["miss_tokens_declined"] == 4 * CHUNK
+    assert side.totals["miss_tokens_absent"] == 0
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
@@ -130,6 +133,9 @@ def test_at_the_deadline_the_request_goes_on_with_what_landed(policy: str) -> No
         return
     assert answer == (2 * CHUNK, False)
     assert missed == 1
+    side._kv_cache_manager.blocks["a"] = list(range(100, 100 + 4 * 8 + 1))
+    side.update_state_after_alloc(req, None, 2 * CHUNK)
+    assert side.totals["miss_tokens_fetching"] == 2 * CHUNK
     report(side, _only(run[2:]))  # late: into the host tier for the next request
     keys = side._reqs["a"].chunk_hashes
     assert all(side.index.is_ready(k) for k in keys)

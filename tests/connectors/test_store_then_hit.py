@@ -173,7 +173,8 @@ def test_misses_by_reason_add_up_to_the_tokens_kvtier_was_asked_about(load_ok: b
     hits = total_name(metrics.HIT_TOKENS, ("host",))
     store_prompt(side, request("a", 1, 4 * CHUNK + 40))  # cold: 4 chunks absent
     assert misses(side) == {"absent": 4 * CHUNK, "tier_down": 0, "storing": 0, "fetching": 0,
-                            "evicting": 0, "tail": 32, "load_failed": 0}  # fmt: skip
+                            "evicting": 0, "tail": 32, "load_failed": 0,
+                            "declined": 0}  # fmt: skip
     b = request("b", 1, 4 * CHUNK + 40)
     assert side.get_num_new_matched_tokens(b, 0) == (4 * CHUNK, False)
     alloc(side, b, 4 * CHUNK)
