@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, workdir, progress)
     except KeyboardInterrupt:
+        progress.close()
         progress.say("stopped (Ctrl-C)" + (f"; {workdir} removed" if temporary else ""))
         return INTERRUPTED
     finally:
@@ -112,10 +113,10 @@ def _run(args: argparse.Namespace, workdir: Path, progress: Progress) -> int:
         return 1
     progress.close()
     _report(first, second)
-    estimate = progress.estimate
-    progress.say(f"done in {duration(time.monotonic() - t0)}"
-                 + (f" (estimated {duration(estimate)} after engine 1's start)"
-                    if estimate is not None else ""))  # fmt: skip
+    now, estimate, at = time.monotonic(), progress.estimate, progress.estimate_at
+    progress.say(f"done in {duration(now - t0)}" + (
+        f"; the rest after engine 1's start took {duration(now - at)}, estimated "
+        f"{duration(estimate)}" if estimate is not None and at is not None else ""))
     return 0
 
 
@@ -156,9 +157,10 @@ class Progress:
         self.label = ""
         self.since = self.last = clock()
         self.spins = 0
-        #: seconds engine 1 took to start, and the estimate said after its warm-up
+        #: seconds engine 1 took to start, and the estimate said after its warm-up (when)
         self.started_s: float | None = None
         self.estimate: float | None = None
+        self.estimate_at: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -231,6 +233,7 @@ class Progress:
         if what == "warm" and phase == 1 and self.started_s is not None and len(words) > 1:
             self.estimate = estimate_rest(self.started_s, float(words[1]), spec["docs"],
                                           spec["questions"])  # fmt: skip
+            self.estimate_at = self.clock()
             self.say(f"engine 1 started in {duration(self.started_s)} and ran its first "
                      f"{WARM_TOKENS} tokens in {float(words[1]):.1f} s: the rest of the demo "
                      f"takes about {duration(self.estimate)} (engine 2 starts the same way)")
