@@ -34,10 +34,12 @@ estimates, whatever the policy.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from kvtier import metrics
+from kvtier.config import format_size
 from kvtier.costs import FetchTimes, PrefillCosts, StepTimes, TierCosts, price_load
 from kvtier.host.index import ChunkIndex, State
 from kvtier.objects.ghosts import ObjectGhostTiers
@@ -47,6 +49,11 @@ from kvtier.stats import StatsRecorder
 from .ledger import OpLedger
 from .one_step_lookups import LocalProbe
 from .requests import ChunkKeys, Lookup, RequestState, loadable_chunks
+
+logger = logging.getLogger("kvtier.scheduler")
+
+#: at most one warning per this many seconds that the object tier is slower than prefill
+SLOW_TIER_LOG_S = 300.0
 
 
 class RemoteLookups:
@@ -95,6 +102,8 @@ class RemoteLookups:
         #: engine steps from plan to report (SchedulerSide feeds it): the prefill's samples
         self.steps = StepTimes(self.prefill)
         ledger.fetch_settled = self._fetch_settled
+        #: when the last "slower than prefill" warning was logged (None: never)
+        self._slow_logged: float | None = None
 
     def take_runs(self) -> list[list[FetchOp]]:
         """The fetch runs queued since the last call, one per lookup (for the metadata)."""
@@ -213,7 +222,28 @@ class RemoteLookups:
         if price.declined_tokens and price.reason is not None:
             self.stats.inc(metrics.LOADS_DECLINED, price.declined_tokens,
                            ("remote", price.reason))  # fmt: skip
+            if price.reason == "slower_than_prefill":
+                self._warn_slow()
         return first + price.load
+
+    def _warn_slow(self) -> None:
+        """Say, at most every SLOW_TIER_LOG_S, that the tier is slower than prefill and
+        what it would take: an operator sees hits stop without a word otherwise."""
+        now = self.clock()
+        if self._slow_logged is not None and now - self._slow_logged < SLOW_TIER_LOG_S:
+            return
+        self._slow_logged = now
+        bps = self.tier_costs.bytes_per_second(now) or 0.0
+        latency = self.tier_costs.latency.value(now) or 0.0
+        spt = self.prefill.seconds_per_token(now) or 0.0
+        even = self.chunk_bytes / self.chunk_size / (spt * self.margin) if spt else 0.0
+        logger.warning(
+            "kvtier: the object tier reads %s/s (%.0f ms to a first chunk) and this engine "
+            "computes a token in %.1f us: loading its chunks is slower than computing them "
+            "(break-even about %s/s at load_margin %g), so lookups there are declined "
+            "(kvtier:loads_declined_tokens_total; load_policy, load_margin)",
+            format_size(int(bps)), latency * 1e3, spt * 1e6, format_size(int(even)), self.margin,
+        )  # fmt: skip
 
     def count_whatif(self, st: RequestState, computed: int, loaded: int, cap: int) -> None:
         """After vLLM allocated ``loaded`` tokens from ``computed`` on: the object-tier tokens

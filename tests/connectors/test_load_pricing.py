@@ -68,10 +68,13 @@ def slow_hit(side: SchedulerSide, clock: Clock, prefix: int, seconds: float) -> 
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
-def test_a_tier_slower_than_the_prefill_is_not_asked(policy: str) -> None:
+def test_a_tier_slower_than_the_prefill_is_not_asked(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="kvtier.scheduler")
     side, clock = priced_side(policy)
     measure_prefill(side, clock)
-    for i in range(MIN_SAMPLES):  # 4 chunks in 10 s: 0.1 MB/s, against 0.05 s of compute
+    for i in range(MIN_SAMPLES):  # 4 chunks (256 KiB) in 10 s, against 0.05 s of compute
         slow_hit(side, clock, 10 + i, seconds=10.0)
     req = request("priced", 20, PROMPT)
     answer = side.get_num_new_matched_tokens(req, 0)
@@ -89,6 +92,11 @@ def test_a_tier_slower_than_the_prefill_is_not_asked(policy: str) -> None:
     side.update_state_after_alloc(req, None, 0)  # misses of their own reason, not "absent"
     assert side.totals["miss_tokens_declined"] == 4 * CHUNK
     assert side.totals["miss_tokens_absent"] == 0
+    # said once (not per lookup), with the figures an operator needs
+    warned = [r.getMessage() for r in caplog.records if "slower than computing" in r.getMessage()]
+    assert len(warned) == 1 and "25.60 KiB/s" in warned[0], warned
+    assert side.get_num_new_matched_tokens(request("again", 21, PROMPT), 0) == (0, False)
+    assert len([r for r in caplog.records if "slower than computing" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
