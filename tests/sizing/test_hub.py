@@ -1,7 +1,8 @@
 """``kvtier size --model org/name``: config.json and the safetensors index through the real
 huggingface_hub client, from a hub cache the test lays out (the hub's documented layout:
 models--org--name/refs/main, blobs/, snapshots/<commit>/ links), or from a loopback
-"hub" that answers as huggingface.co does for an unknown or gated repository."""
+"hub" (HF_ENDPOINT) that answers as huggingface.co does: files with the headers the client
+caches by, EntryNotFound, RepoNotFound, GatedRepo."""
 
 from __future__ import annotations
 
@@ -107,19 +108,51 @@ def test_an_uncached_hub_id_offline_is_one_line_that_says_what_to_do(tmp_path, c
         assert hint in line
 
 
-class _Hub(http.server.BaseHTTPRequestHandler):
-    """Answers every request as huggingface.co answers for the repository in the path:
-    ``gated/...`` 403 GatedRepo, anything else 404 RepoNotFound."""
+#: what the loopback hub serves: repo -> file -> bytes (a file absent is EntryNotFound);
+#: the weights' bytes are never served, only their size (HEAD), as the hub's LFS answers
+HUB_FILES: dict[str, dict[str, bytes]] = {}
+#: the requests it answered, "METHOD /path"
+HUB_LOG: list[str] = []
 
-    def _answer(self) -> None:
-        gated = self.path.lstrip("/").startswith("gated/")
-        self.send_response(403 if gated else 404)
-        self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
-        self.send_header("X-Error-Message", "Access restricted" if gated else "Not found")
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """Answers as huggingface.co does: ``/<org>/<name>/resolve/<rev>/<file>`` of a repo in
+    HUB_FILES, with the commit and ETag headers the hub client caches by; ``gated/...``
+    403 GatedRepo; any other repository 404 RepoNotFound."""
+
+    def _answer(self, body: bool) -> None:
+        HUB_LOG.append(f"{self.command} {self.path}")
+        parts = self.path.lstrip("/").split("/")
+        repo, name = "/".join(parts[:2]), "/".join(parts[4:])
+        if repo in HUB_FILES:
+            files = HUB_FILES[repo]
+            if name not in files:
+                return self._error(404, "EntryNotFound")
+            data = files[name]
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{abs(hash(data)):x}"')
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+            return None
+        if repo.startswith("gated/"):
+            return self._error(403, "GatedRepo")
+        return self._error(404, "RepoNotFound")
+
+    def _error(self, status: int, code: str) -> None:
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", code)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    do_HEAD = do_GET = _answer
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -130,11 +163,45 @@ def fake_hub() -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    HUB_LOG.clear()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+        HUB_FILES.clear()
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_online_once_then_offline_from_the_cache(tmp_path, fake_hub, sharded):
+    """The first run asks the hub for config.json and the index (or, for one file, the
+    size of model.safetensors: a HEAD, never a GET); a second run with HF_HUB_OFFLINE=1
+    plans from the hub cache the first one filled, and fetches nothing."""
+    repo = "org/sharded" if sharded else "org/single"
+    config = Path(model("llama3-8b"), "config.json").read_bytes()
+    HUB_FILES[repo] = {"config.json": config}
+    if sharded:
+        HUB_FILES[repo]["model.safetensors.index.json"] = index_json(LLAMA3_8B_BYTES).encode()
+    else:
+        HUB_FILES[repo]["model.safetensors"] = b"\0" * 4096  # its size stands for 15 GiB
+    cache = str(tmp_path / "cache")
+    online = kvtier(tmp_path, "size", "--model", repo, "--json", HF_ENDPOINT=fake_hub,
+                    HF_HUB_CACHE=cache)
+    assert online.returncode == 0, online.stderr
+    plan = json.loads(online.stdout)
+    assert plan["kv_bytes_per_token"] == 131_072
+    assert plan["checkpoint_bytes"] == (LLAMA3_8B_BYTES if sharded else 4096)
+    assert not [r for r in HUB_LOG if r.startswith("GET") and r.endswith(".safetensors")]
+    assert any(r.startswith("GET") and r.endswith("/config.json") for r in HUB_LOG)
+    HUB_LOG.clear()
+    offline = kvtier(tmp_path, "size", "--model", repo, "--json", HF_ENDPOINT=fake_hub,
+                     HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 0, offline.stderr
+    assert HUB_LOG == []
+    again = json.loads(offline.stdout)
+    assert again["kv_bytes_per_token"] == plan["kv_bytes_per_token"]
+    # offline, the single file's size is not asked for: the index is cached, a size is not
+    assert again["checkpoint_bytes"] == (LLAMA3_8B_BYTES if sharded else None)
 
 
 @pytest.mark.parametrize(("repo", "says"), [
