@@ -1,5 +1,6 @@
 # kvtier: `make demo` runs the local demo, `make test` the whole test suite.
-# Both create or refresh .venv (Python 3.11) first.
+# `make test` creates or refreshes .venv (Python 3.11) first; `make demo` uses .venv where it
+# exists, else .venv-demo (kvtier[cpu] alone).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
