@@ -81,17 +81,18 @@ def fetch(model: str) -> HubModel:
             "check the id, or pass a local model directory or config.json") from None
     except errors.RevisionNotFoundError:
         raise ModelConfigError(
-            f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
+            f"{repo_id} has no revision {revision!r} on the Hugging Face hub: check it, or "
+            "pass a local model directory or config.json") from None
     except errors.EntryNotFoundError as e:
         if not isinstance(e, errors.LocalEntryNotFoundError):
             raise ModelConfigError(
                 f"{repo_id} has no config.json on the Hugging Face hub: pass a local model "
                 "directory or config.json") from None
         raise ModelConfigError(_not_cached(repo_id)) from None
-    except (errors.OfflineModeIsEnabled, OSError, ValueError) as e:
-        # HFValidationError is a ValueError; connection failures are OSErrors
-        if isinstance(e, OSError) and not isinstance(e, errors.HfHubHTTPError):
-            raise ModelConfigError(_not_cached(repo_id)) from None
+    except errors.OfflineModeIsEnabled:
+        raise ModelConfigError(_not_cached(repo_id)) from None
+    except (OSError, ValueError) as e:
+        # another HTTP status, a cache it cannot write, an id it refuses (HFValidationError)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelConfigError(
             f"cannot read {repo_id} from the Hugging Face hub ({first}): pass a local model "
