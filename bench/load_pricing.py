@@ -1,0 +1,237 @@
+"""Loads priced against recomputing (issue 59): restart hits through a throttled Redis.
+
+On the tiny Llama of ``bench/ttft.py`` and ``--tokens``-token prompts, one engine stores
+the prompts in a real redis-server; then, for each case, a restarted engine (empty host
+tier) serves them through a loopback proxy (tests/faultproxy.py) that shapes what Redis
+sends, under ``load_policy: cost`` and ``always``; an engine without a connector gives
+the cold prefill of the same prompts. The link is set from the prefill measured in the
+same run (prefill speed differs 20x between CPUs):
+
+  fast   unthrottled;
+  slow   a prompt's KV takes 5x its prefill to arrive;
+  even   about break-even: the KV in one prefill;
+  stall  unthrottled, but Redis stops sending halfway through each prompt's chunks.
+
+Each restarted engine first serves ``--warm`` stored prompts (its estimates measured:
+kvtier.costs needs 3 samples of each), then the ``--samples`` timed ones. The issue's
+goals are printed beside the medians:
+
+  slow   TTFT <= 1.05x the engine without a connector;
+  fast   >= 7/8 of the tokens cached, TTFT <= 0.6x the engine without a connector;
+  even   TTFT <= 1.05x the better of "load all" (load_policy: always) and the cold prefill;
+  stall  TTFT <= 1.2x the engine without a connector.
+
+Run it with ``python bench/load_pricing.py`` (about 10 minutes on 2 cores: 10 engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import omp_cpus, start_redis
+from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
+
+CASES = ("fast", "slow", "even", "stall")
+POLICIES = ("cost", "always")
+#: a prompt's KV takes this many times its prefill to arrive in the "slow" case
+SLOW = 5.0
+#: the timed prompts' seeds start here; the warm-up ones after them
+SEED0 = 700
+
+
+def kv_bytes_per_token(layers: int, hidden: int, heads: int = 16, kv_heads: int = 8) -> int:
+    """KV bytes per token of llm_engine.tiny_model's Llama (bf16: K and V, every layer)."""
+    return 2 * layers * kv_heads * (hidden // heads) * 2
+
+
+def shaping(case: str, prompt_bytes: int, prefill_s: float) -> dict[str, float | int | None]:
+    """The proxy's settings for ``case``: ``link_bps`` (None: unthrottled) and
+    ``stall_bytes`` (None: no stall; else Redis stops after that many bytes per prompt)."""
+    if case not in CASES:
+        raise ValueError(f"case {case!r}: one of {', '.join(CASES)}")
+    if case == "slow":
+        return {"link_bps": prompt_bytes / (SLOW * prefill_s), "stall_bytes": None}
+    if case == "even":
+        return {"link_bps": prompt_bytes / prefill_s, "stall_bytes": None}
+    if case == "stall":
+        return {"link_bps": None, "stall_bytes": prompt_bytes // 2}
+    return {"link_bps": None, "stall_bytes": None}
+
+
+def verdicts(result: dict) -> dict[str, dict]:
+    """Each case's goal against the medians in ``result`` (``cold_s``: the engine without
+    a connector; ``cases[case][policy]``: ``ttft_s`` and ``cached`` lists, ``tokens``)."""
+    cold = result["cold_s"]
+    out: dict[str, dict] = {}
+    for case, runs in result["cases"].items():
+        cost = statistics.median(runs["cost"]["ttft_s"])
+        always = statistics.median(runs["always"]["ttft_s"])
+        cached = min(runs["cost"]["cached"])
+        if case == "slow":
+            ratio, goal, ok = cost / cold, 1.05, cost <= 1.05 * cold
+        elif case == "fast":
+            want = result["tokens"] * 7 // 8
+            ratio, goal = cost / cold, 0.6
+            ok = cost <= 0.6 * cold and cached >= want
+        elif case == "even":
+            better = min(always, cold)
+            ratio, goal, ok = cost / better, 1.05, cost <= 1.05 * better
+        else:
+            ratio, goal, ok = cost / cold, 1.2, cost <= 1.2 * cold
+        out[case] = {"cost_s": cost, "always_s": always, "ratio": ratio, "goal": goal,
+                     "ok": ok, "cached_min": cached}  # fmt: skip
+    return out
+
+
+def table(result: dict) -> str:
+    """The result as text: one line per case, its goal and whether it was met."""
+    lines = [
+        f"{result['tokens']}-token prompts, prefill (no connector) "
+        f"{result['cold_s'] * 1000:.0f} ms, KV {result['prompt_bytes'] / 2**20:.1f} MiB",
+        "case    link MB/s  cost ms  always ms  ratio  goal  cached  met",
+    ]
+    for case, v in verdicts(result).items():
+        link = result["cases"][case]["shaping"]["link_bps"]
+        mbps = f"{link / 1e6:9.2f}" if link else "        -"
+        base = "best" if case == "even" else "cold"
+        lines.append(
+            f"{case:6s} {mbps} {v['cost_s'] * 1000:8.0f} {v['always_s'] * 1000:10.0f} "
+            f"{v['ratio']:6.2f} {v['goal']:5.2f}x{base[0]} {v['cached_min']:6d}  "
+            f"{'yes' if v['ok'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+# ---- engines (each in a process of its own) -----------------------------------------------
+def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--phase", phase, "--extra", json.dumps(extra),
+           "--proxy", json.dumps(proxy or {}), "--tokens", str(args.tokens),
+           "--samples", str(args.samples), "--warm", str(args.warm),
+           "--layers", str(args.layers), "--hidden", str(args.hidden),
+           "--model-dir", args.model_dir]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{phase} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _plain_llm(model: Path, max_len: int):
+    from llm_engine import BLOCK_SIZE
+    from vllm import LLM
+
+    return LLM(model=str(model), enforce_eager=True, block_size=BLOCK_SIZE,
+               max_model_len=max_len, seed=0)  # fmt: skip
+
+
+def _engine(args: argparse.Namespace) -> dict:
+    """--phase cold: no connector; write: store every prompt; read: serve them through
+    the proxy (started here, in front of the Redis of ``--extra``)."""
+    model, max_len = tiny_model([args.tokens], args.layers, args.hidden, args.model_dir)
+    timed_s = seeds(SEED0, args.samples)
+    warm_s = seeds(SEED0 + 1000, args.warm, avoid=(999, *timed_s))
+    extra = json.loads(args.extra)
+    shape = json.loads(args.proxy)
+    proxy = None
+    if args.phase == "cold":
+        llm = _plain_llm(model, max_len)
+    else:
+        if args.phase == "read":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from faultproxy import FaultProxy
+
+            host, port = extra["remote_url"].removeprefix("redis://").split("/")[0].split(":")
+            proxy = FaultProxy((host, int(port))).start()
+            proxy.link_bps = shape.get("link_bps")
+            extra = {**extra, "remote_url": f"redis://127.0.0.1:{proxy.port}/0"}
+        llm = kvtier_llm(model, max_len, extra)
+    timed_request(llm, prompt(999, args.tokens))  # first-run kernel setup, nothing stored
+    for s in warm_s:  # (read: the estimates measured on these, cold: warm-up)
+        timed_request(llm, prompt(s, args.tokens))
+    ttft, cached = [], []
+    for s in timed_s:
+        if proxy is not None and shape.get("stall_bytes"):
+            proxy.stall_after_bytes = int(shape["stall_bytes"])
+        t, c = timed_request(llm, prompt(s, args.tokens))
+        if proxy is not None:
+            proxy.stall_after_bytes = None
+        ttft.append(t)
+        cached.append(c)
+    if args.phase != "cold":
+        llm.llm_engine.engine_core.shutdown()  # write: flushes the queued uploads
+    if proxy is not None:
+        proxy.close()
+    return {"ttft_s": ttft, "cached": cached}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
+    parser.add_argument("--samples", type=int, default=5, help="timed prompts per engine")
+    parser.add_argument("--warm", type=int, default=4,
+                        help="stored prompts each restarted engine serves before the timed "
+                        "ones (its estimates need 3 samples)")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument("--model-dir", default="", help="where to build the model")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", help="also write the result JSON to this file")
+    parser.add_argument("--phase", choices=["cold", "write", "read"], help=argparse.SUPPRESS)
+    parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--proxy", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    bad = set(args.cases.split(",")) - set(CASES)
+    if bad:
+        parser.error(f"--cases takes {', '.join(CASES)}; not {', '.join(sorted(bad))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase:
+        print("RESULT " + json.dumps(_engine(args)), flush=True)
+        os._exit(0)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-pricing-"))
+    args.model_dir = args.model_dir or str(work / "model")
+    redis, url = start_redis(work)
+    try:
+        t0 = time.monotonic()
+        cold = _phase(args, "cold", {})
+        cold_s = statistics.median(cold["ttft_s"])
+        _phase(args, "write", {"remote_url": url, "write_policy": "write_through"})
+        prompt_bytes = args.tokens * kv_bytes_per_token(args.layers, args.hidden)
+        cases: dict[str, dict] = {}
+        for case in args.cases.split(","):
+            shape = shaping(case, prompt_bytes, cold_s)
+            cases[case] = {"shaping": shape}
+            for policy in POLICIES:
+                cases[case][policy] = _phase(args, "read",
+                                             {"remote_url": url, "load_policy": policy}, shape)
+                print(f"[{case} {policy}: {time.monotonic() - t0:.0f} s]", file=sys.stderr,
+                      flush=True)  # fmt: skip
+    finally:
+        redis.stop()
+    result = {"tokens": args.tokens, "samples": args.samples, "cold_s": cold_s,
+              "cold_all_s": cold["ttft_s"], "prompt_bytes": prompt_bytes, "cases": cases,
+              "model": f"{args.layers} layers x {args.hidden}", "cpus": os.cpu_count()}
+    result["verdicts"] = verdicts(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else table(result), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
