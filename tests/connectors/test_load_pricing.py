@@ -217,3 +217,22 @@ def test_the_worker_reads_one_step_runs_until_the_steps_deadline(
         w.begin_step(meta)
     assert bounds == [100.25, 102.0, 102.0]
     w.shutdown()
+
+
+def test_a_steps_tokens_are_vllms_total_for_it() -> None:
+    """vLLM's SchedulerOutput says how many tokens the step scheduled
+    (``total_num_scheduled_tokens``): the prefill's sample is the step's time over it."""
+    from types import SimpleNamespace
+
+    side, clock = priced_side("cost")
+    for _ in range(MIN_SAMPLES):
+        so = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+            total_num_scheduled_tokens=1000,
+        )  # fmt: skip
+        meta = side.build_connector_meta(so)
+        clock.t += 0.1
+        report(side, meta)
+    assert side.lookups.prefill.seconds_per_token(clock.t) == pytest.approx(0.1 / 1000)
