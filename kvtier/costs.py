@@ -13,9 +13,10 @@ recent samples (:class:`WindowedMedian`): one outlier cannot swing them, and sam
 older than :data:`MAX_AGE_S` drop out, so a tier that recovers is measured again.
 
 The prior (nothing measured yet, or every sample aged out): a tier without
-:data:`MIN_SAMPLES` measured fetches is loaded whole, as ``load_policy: always`` does, so
-a fresh engine on a fast tier hits at once (its first fetches measure the tier); without
-a measured prefill there is no deadline but ``lookup_timeout_ms``. Host-tier chunks are
+:data:`MIN_SAMPLES` samples of latency and of throughput is loaded whole, as ``load_policy:
+always`` does, so a fresh engine on a fast tier hits at once (its first fetches measure
+the tier), its fetch cut at the recompute it replaces once the prefill is measured;
+without a measured prefill there is no deadline but ``lookup_timeout_ms``. Host-tier chunks are
 always loaded (they are never priced: copying host memory is faster than any prefill).
 
 Nothing here imports vLLM or knows a request: the scheduler side (kvtier.connectors.lookup)
@@ -88,9 +89,7 @@ class TierCosts:
         ``nbytes`` read in ``seconds`` after that latency."""
         if latency_s is not None:
             self.latency.add(max(0.0, latency_s), now)
-        if nbytes > 0:
-            # a run whose reports all came in one step says its bytes took at most that
-            # step: 1 ms stands for "no time" (the median keeps one such sample harmless)
+        if nbytes > 0:  # (an interval of no time counts as 1 ms)
             self.throughput.add(nbytes / max(seconds, 1e-3), now)
 
     def bytes_per_second(self, now: float) -> float | None:
@@ -184,8 +183,10 @@ class FetchTimes:
     """Runs of fetches from plan to report, turned into samples of a :class:`TierCosts`.
     A run whose reports came over several steps: the throughput is the bytes that landed
     after its first report over the time they took, the latency the time to that first
-    report less that chunk's own read. A run reported at once: its whole time counts as
-    its bytes' (latency 0). A run of misses: its time to the first report is latency."""
+    report less that chunk's own read. A run reported at once, and a run of misses:
+    latency only (less its bytes' time at the throughput known). A run cut at its
+    deadline: a bound of both (:meth:`cut`). A tier so fast that every run is reported at
+    once keeps no throughput: it stays at the prior, loaded whole."""
 
     tier: TierCosts
     _runs: dict[int, _Run] = field(default_factory=dict)  # run id (its first op id) -> run
@@ -254,10 +255,15 @@ class FetchTimes:
             self.tier.observe(latency_s=latency, nbytes=rest, seconds=run.last_ok - run.first,
                               now=now)  # fmt: skip
             return
-        # one report (or one chunk): no split between latency and bytes; all of it counts as
-        # the bytes' time (a lower bound of the throughput: predicts this run's time again)
-        self.tier.observe(latency_s=0.0, nbytes=run.ok_bytes, seconds=run.last_ok - run.started,
-                          now=now)  # fmt: skip
+        # one report (or one chunk): no split between latency and bytes. The time is mostly
+        # the engine steps before the report, a cost per lookup, not per byte: it counts as
+        # latency (less the bytes' time at the throughput known), and says nothing of the
+        # throughput (counted as bytes/s, one step's lag over one chunk would make every
+        # longer prompt look slow)
+        known = self.tier.bytes_per_second(now)
+        took = run.last_ok - run.started
+        self.tier.observe(latency_s=took - (run.ok_bytes / known if known else 0.0), nbytes=0,
+                          seconds=0.0, now=now)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

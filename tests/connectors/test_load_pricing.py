@@ -56,13 +56,14 @@ def measure_prefill(side: SchedulerSide, clock: Clock) -> None:
 
 
 def slow_hit(side: SchedulerSide, clock: Clock, prefix: int, seconds: float) -> None:
-    """A lookup whose four chunks the tier sends in one report after ``seconds``."""
+    """A lookup whose four chunks the tier sends one per report, ``seconds`` apart."""
     req = request(f"warm-{prefix}", prefix, PROMPT)
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)
-    meta = empty_step(side)
-    assert len(meta.fetches) == 1 and len(meta.fetches[0]) == 4
-    clock.t += seconds
-    report(side, meta)
+    run = empty_step(side).fetches[0]
+    assert len(run) == 4
+    for op in run:
+        clock.t += seconds
+        report(side, _only([op]))
     assert side.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, False)
     side.request_finished(req, [])
 
@@ -74,8 +75,8 @@ def test_a_tier_slower_than_the_prefill_is_not_asked(
     caplog.set_level("WARNING", logger="kvtier.scheduler")
     side, clock = priced_side(policy)
     measure_prefill(side, clock)
-    for i in range(MIN_SAMPLES):  # 4 chunks (256 KiB) in 10 s, against 0.05 s of compute
-        slow_hit(side, clock, 10 + i, seconds=10.0)
+    for i in range(MIN_SAMPLES):  # 64 KiB per 2.5 s, against 0.05 s of compute for 1,024
+        slow_hit(side, clock, 10 + i, seconds=2.5)
     req = request("priced", 20, PROMPT)
     answer = side.get_num_new_matched_tokens(req, 0)
     declined = side.totals["loads_declined_tokens_remote_slower_than_prefill"]
@@ -103,13 +104,13 @@ def test_a_tier_slower_than_the_prefill_is_not_asked(
 def test_a_fast_tier_is_still_loaded_and_the_estimates_are_exported(policy: str) -> None:
     side, clock = priced_side(policy)
     measure_prefill(side, clock)
-    for i in range(MIN_SAMPLES):  # 4 chunks in 10 ms
-        slow_hit(side, clock, 10 + i, seconds=0.01)
-    slow_hit(side, clock, 20, seconds=0.01)
+    for i in range(MIN_SAMPLES):  # a chunk every 2.5 ms
+        slow_hit(side, clock, 10 + i, seconds=0.0025)
+    slow_hit(side, clock, 20, seconds=0.0025)
     assert side.totals["loads_declined_tokens_remote_slower_than_prefill"] == 0
     gauges = side.get_stats()["gauges"]
     bps = gauges[series_id(metrics.TIER_READ_BPS, ("remote",))]
-    assert bps == pytest.approx(4 * side.slot_bytes / 0.01)
+    assert bps == pytest.approx(side.slot_bytes / 0.0025)
     assert gauges[series_id(metrics.PREFILL_SPT)] == pytest.approx(SPT)
 
 

@@ -104,14 +104,23 @@ def test_a_run_over_several_steps_splits_latency_from_throughput() -> None:
     assert tier.inflight_bytes(30.0) == 0
 
 
-def test_a_run_reported_at_once_counts_all_its_time_as_its_bytes() -> None:
+def test_a_run_reported_at_once_is_latency_and_says_nothing_of_the_throughput() -> None:
+    """Its time is mostly the engine steps before the report, a cost per lookup: as bytes/s
+    it would make a longer prompt look slower by that lag per chunk. A tier this fast stays
+    at the prior (loaded whole); once a throughput is known, its bytes' share comes off."""
     tier = TierCosts()
     times = FetchTimes(tier)
     for r in range(MIN_SAMPLES):
         times.started([(10 * r + i, 10 * MB) for i in range(4)], now=0.0)
         for i in range(4):
             times.settled(10 * r + i, True, now=0.4)
-    assert tier.fetch_seconds(40 * MB, 1.0) == pytest.approx(0.4)
+    assert tier.latency.value(1.0) == pytest.approx(0.4)
+    assert tier.bytes_per_second(1.0) is None and not tier.measured(1.0)
+    for _ in range(MIN_SAMPLES):
+        tier.throughput.add(100 * MB, 1.0)
+    times.started([(100, 10 * MB)], now=2.0)
+    times.settled(100, True, now=2.3)
+    assert list(tier.latency._samples)[-1] == (2.3, pytest.approx(0.2))
 
 
 def test_a_miss_measures_latency_and_a_cut_run_bounds_the_throughput() -> None:
