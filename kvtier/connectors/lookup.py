@@ -54,6 +54,13 @@ logger = logging.getLogger("kvtier.scheduler")
 
 #: at most one warning per this many seconds that the object tier is slower than prefill
 SLOW_TIER_LOG_S = 300.0
+#: that warning (``kvtier doctor`` reads it from a log: tier-slower-than-prefill)
+SLOW_TIER_MSG = (
+    "kvtier: the object tier reads %s/s (%.0f ms to a first chunk) and this engine "
+    "computes a token in %.1f us: loading its chunks is slower than computing them "
+    "(break-even about %s/s at load_margin %g), so lookups there are declined "
+    "(kvtier:loads_declined_tokens_total; load_policy, load_margin)"
+)
 
 
 class RemoteLookups:
@@ -237,13 +244,8 @@ class RemoteLookups:
         latency = self.tier_costs.latency.value(now) or 0.0
         spt = self.prefill.seconds_per_token(now) or 0.0
         even = self.chunk_bytes / self.chunk_size / (spt * self.margin) if spt else 0.0
-        logger.warning(
-            "kvtier: the object tier reads %s/s (%.0f ms to a first chunk) and this engine "
-            "computes a token in %.1f us: loading its chunks is slower than computing them "
-            "(break-even about %s/s at load_margin %g), so lookups there are declined "
-            "(kvtier:loads_declined_tokens_total; load_policy, load_margin)",
-            format_size(int(bps)), latency * 1e3, spt * 1e6, format_size(int(even)), self.margin,
-        )  # fmt: skip
+        logger.warning(SLOW_TIER_MSG, format_size(int(bps)), latency * 1e3, spt * 1e6,
+                       format_size(int(even)), self.margin)  # fmt: skip
 
     def count_whatif(self, st: RequestState, computed: int, loaded: int, cap: int) -> None:
         """After vLLM allocated ``loaded`` tokens from ``computed`` on: the object-tier tokens
@@ -282,7 +284,7 @@ class RemoteLookups:
         end = self._price(st, lk, first, first + stored, cap)
         run: list[FetchOp] = []
         for c in range(first, end):
-            entry = self.index.begin(self.keys.key(st, c), State.FETCHING)
+            entry = self.index.begin(self.keys.key(st, c), State.FETCHING, tenant=st.tenant)
             if entry is None:  # held by another op, or every slot is busy
                 break
             op_id = self.ledger.add(OpKind.FETCH, entry, nbytes=self.slot_bytes)
@@ -309,7 +311,7 @@ class RemoteLookups:
         for c in range(first, self._price(st, lk, first, self._shared_end(st, cap), cap)):
             entry = self.index.get(key(st, c))
             if entry is None:
-                entry = self.index.begin(key(st, c), State.FETCHING)
+                entry = self.index.begin(key(st, c), State.FETCHING, tenant=st.tenant)
                 if entry is None:  # every slot is busy: fetch what fits
                     break
                 op_id = self.ledger.add(OpKind.FETCH, entry, nbytes=self.slot_bytes)

@@ -49,6 +49,9 @@ _KVTIER_ERROR = re.compile(r"(kvtier config(?: (?:'[^']*'|<[^>]*>|\S+): got |: u
 _PYDANTIC_TAIL = re.compile(r" \[type=\w+.*$")
 #: kvtier's startup warning (connectors/shutdown.py) that vLLM's stop cuts its flush short
 _KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queued .*)$")
+#: kvtier's warning (connectors/lookup.py SLOW_TIER_MSG) that the object tier is slower
+#: than this engine's prefill
+_SLOW_TIER = re.compile(r"kvtier: (the object tier reads .* slower than computing them.*)$")
 #: kvtier's refusal of recurrent state held in another mode (connectors/groups.py)
 _STATE_MODE = re.compile(r"Mamba/SSM state.*mamba_cache_mode \[([^\]]*)\]")
 #: kvtier's once-logged warning that a chunk with recurrent state was not stored
@@ -213,7 +216,7 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
         "available_kv_cache_gib": None, "kv_cache_pool": None, "kv_cache_tokens": None,
         "max_model_len": None, "max_concurrency": None, "connector": None,
         "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
-        "offload_validation_error": None, "kvtier_shutdown": None,
+        "offload_validation_error": None, "kvtier_shutdown": None, "slow_tier": None,
         "host_oom": [], "gpu_oom": [], "died": [], "exit_codes": [], "sigkill": False,
         "worker_error": False, "vllm_lines": 0, "state_mode": None, "state_step": None,
         "started": False, "startup_failure": None,
@@ -278,6 +281,8 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
             facts["kvtier_config"] = safe_config(config)
         if m := _KVTIER_SHUTDOWN.search(line):
             facts["kvtier_shutdown"] = m.group(1)
+        if m := _SLOW_TIER.search(line):
+            facts["slow_tier"] = m.group(1)  # the last one: the tier as it was last seen
         if (m := _KVTIER_ERROR.search(line)) and (
             err := kvtier_error(m.group(1))
         ) not in facts["kvtier_errors"]:  # logged by kvtier, then quoted by vLLM
@@ -473,6 +478,8 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
             "sizes'; vLLM's CPU build needs it for these models anyway) or to chunk_size.")))
     if facts["kvtier_shutdown"]:
         w.append(warning("shutdown-loses-queued-writes", facts["kvtier_shutdown"]))
+    if facts["slow_tier"]:
+        w.append(warning("tier-slower-than-prefill", facts["slow_tier"]))
     w += _memory_warnings(facts)
     if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
         w.append(warning("offload-params-ignored", (

@@ -48,6 +48,8 @@ CODES: dict[str, str] = {
     "fails its request, and a local directory tier's lookups take a step of their own",
     "shutdown-loses-queued-writes": "vLLM's stop kills its engine before kvtier flushes the "
     "object-tier writes still queued (--shutdown-timeout, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)",
+    "tier-slower-than-prefill": "the object tier was measured slower than this engine's "
+    "prefill: its lookups are declined (load_policy cost) and it serves no hits",
     "host-out-of-memory": "the log shows the host out of memory (Cannot allocate memory, "
     "MemoryError, the kernel's OOM killer)",
     "gpu-out-of-memory": "the log shows the GPU out of memory",

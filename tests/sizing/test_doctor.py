@@ -355,3 +355,18 @@ def test_read_anything_tells_a_log_from_junk():
     assert not doctor.read_anything(doctor.parse_log(["hello", "", "\x00\x01"]))
     assert doctor.read_anything(doctor.parse_log([W + "x"]))
     assert doctor.read_anything(doctor.parse_log(["Killed"]))
+
+
+def test_a_tier_logged_slower_than_prefill_is_named() -> None:
+    """kvtier's warning that the object tier reads slower than the engine computes
+    (connectors/lookup.py, as logged) becomes ``tier-slower-than-prefill``, quoting the
+    last such line; a log without it, nothing."""
+    from kvtier.connectors.lookup import SLOW_TIER_MSG
+
+    msgs = [SLOW_TIER_MSG % (size, 40.0, 2.5, "3.4 GiB", 1.0) for size in ("99 MiB", "12 MiB")]
+    lines = [f"(EngineCore pid=7) WARNING 12-05 07:27:13 [lookup.py:240] {m}" for m in msgs]
+    rep = doctor.report(doctor.parse_log([*_args_line("recompute", "KVTierConnector"), *lines]))
+    found = [w for w in rep["warnings"] if w["code"] == "tier-slower-than-prefill"]
+    assert [w["message"] for w in found] == [msgs[-1].removeprefix("kvtier: ")]
+    rep = doctor.report(doctor.parse_log(_args_line("recompute", "KVTierConnector")))
+    assert not [w for w in rep["warnings"] if w["code"] == "tier-slower-than-prefill"]
