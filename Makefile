@@ -57,7 +57,8 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
-# the engines (e2e) run E2E_WORKERS at a time (each is mostly one busy core); then the
+# the engines (e2e) run E2E_WORKERS at a time (each is mostly one busy core; a module
+# whose fixture starts engines for all its tests is one xdist_group, made once); then the
 # rest, UNIT_WORKERS at a time; whatever asserts how long a call takes runs alone last
 E2E_WORKERS ?= 2
 UNIT_WORKERS ?= 2
@@ -65,7 +66,7 @@ UNIT_WORKERS ?= 2
 # on a CPU with AVX-512 or AMX the tests whose vLLM paths depend on the ISA run once more
 # with the AVX2-only paths forced (tests/isa_mask): what an AVX2-only host runs
 test: venv lint typecheck $(CHECKOV)
-	$(PY) -m pytest -q -n $(E2E_WORKERS) -m "e2e and not timing" tests; e2e=$$?; \
+	$(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadgroup -m "e2e and not timing" tests; e2e=$$?; \
 	$(PY) -m pytest -q -n $(UNIT_WORKERS) -m "not e2e and not timing" tests || exit 1; \
 	$(PY) -m pytest -q -m timing tests || exit 1; \
 	if grep -qwE 'avx512f|amx_tile' /proc/cpuinfo; then $(MAKE) test-avx2-paths || exit 1; fi; \
@@ -73,7 +74,7 @@ test: venv lint typecheck $(CHECKOV)
 
 test-avx2-paths: venv
 	KVTIER_TEST_CPU_ISA=avx2 PYTHONPATH=$(CURDIR)/tests/isa_mask \
-	  $(PY) -m pytest -q -n $(E2E_WORKERS) -m isa tests
+	  $(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadgroup -m isa tests
 
 test-fast: venv $(CHECKOV)
 	$(PY) -m pytest -q tests -m "not e2e"

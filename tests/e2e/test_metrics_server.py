@@ -35,7 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.metrics import ALL, exported_names
 from kvtier.sizing.emit import connector_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+# one worker runs the module: its server, Prometheus and workload start once
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), pytest.mark.xdist_group("metrics_server")]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"

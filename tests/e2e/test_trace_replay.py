@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# one worker runs the module: its replay (three engines, minutes) is made once, not once
+# per worker that a test of it lands on (make test: --dist loadgroup)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("trace_replay")]
 
 ROOT = Path(__file__).resolve().parents[2]
 
