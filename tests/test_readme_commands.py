@@ -78,6 +78,8 @@ class Block:
             return "install"
         if "vllm.entrypoints.openai.api_server" in t or re.search(r"\bvllm serve\b", t):
             return "server"
+        if "/reset_prefix_cache" in t:
+            return "host-hit"
         if "/v1/completions" in t:
             return "request"
         if re.search(r"^\s*kvtier size\b", t, re.M):
@@ -181,7 +183,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_the_readme_marks_what_a_user_runs() -> None:
     """Each command a user runs first is marked, so CI cannot stop running it unnoticed."""
     kinds = [b.kind() for b in marked_blocks(README)]
-    for kind in ("install", "server", "request", "size", "demo", "make-test"):
+    for kind in ("install", "server", "request", "host-hit", "size", "demo", "make-test"):
         assert kind in kinds, f"README.md has no marked {kind} block"
     assert all(b.text.strip() for b in all_blocks())
 
@@ -308,8 +310,10 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @pytest.mark.e2e
 def test_cpu_server_serves_and_restart_hits(tiny_model: str, tmp_path: Path) -> None:
-    """The CPU build's server block and the request block, twice with a restart between:
-    the restarted server checks the first document against the model (the canary: its
+    """The CPU build's server block and the request block, twice with a restart between
+    (the first time also the host-hit block: vLLM's own cache emptied, kvtier's host tier
+    serves the document again); the restarted server checks the first document against
+    the model (the canary: its
     first 4 chunks, ``canary_check_tokens``' 1024 tokens; the document has about 4,200
     with the tiny model's tokenizer) and reads the second back from the directory tier."""
     (server,) = readme_block("server")
@@ -323,10 +327,16 @@ def test_cpu_server_serves_and_restart_hits(tiny_model: str, tmp_path: Path) -> 
         assert "kvtier:lookup_tokens_total" in out, out[-2000:]  # the metrics grep
         return out
 
+    (host_hit,) = readme_block("host-hit")
     with Server(server, s, log):
         first = ask()
+        # vLLM's own cache emptied (the server block's dev mode), document 1 again: kvtier's
+        # host tier serves its full chunks
+        again = ok(run(s.apply(host_hit.text), tmp_path, shell_env(), timeout=300), host_hit)
     assert metric(first, "kvtier:lookup_tokens_total") > 0, first
     assert metric(first, "kvtier:hit_tokens_total") == 0, first
+    assert '"choices"' in again, again[-2000:]
+    assert metric(again, "kvtier:hit_tokens_total", tier="host") >= 1024, again
     stored = [p for p in s.cache.rglob("*") if p.is_file()]
     assert stored, f"nothing in the directory tier after the stop:\n{log.read_text()[-4000:]}"
 
