@@ -72,6 +72,10 @@ CANARY_RESULTS = ("match", "mismatch", "absent", "error")
 #: computing them; "queued": they would have been worth it but for the fetches already in
 #: flight ahead of them
 DECLINE_REASONS = ("slower_than_prefill", "queued")
+#: what became of the hot chunks the object tier lacked when the engine drained
+#: (``kvtier:handoff_chunks``): "written" by the flush, or "left" (not written in time,
+#: refused or failed)
+HANDOFF_OUTCOMES = ("written", "left")
 
 
 def error_kind_label(kind: str) -> str:
@@ -268,6 +272,7 @@ PREFILL_SPT = MetricSpec(
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (CANARY.name, "outcome"): CANARY_RESULTS,
     (LOADS_DECLINED.name, "reason"): DECLINE_REASONS,
+    (PREFIX + "handoff_chunks", "outcome"): HANDOFF_OUTCOMES,
 }
 
 
@@ -276,13 +281,23 @@ def label_values(spec: MetricSpec, label: str) -> tuple[str, ...]:
     return METRIC_LABEL_VALUES.get((spec.name, label)) or LABEL_VALUES[label]
 
 
+HANDOFF_CHUNKS = MetricSpec(
+    PREFIX + "handoff_chunks", "counter",
+    "Hot host-tier chunks the object tier lacked when the engine drained (write_back), by "
+    "outcome: written first by the shutdown flush, hottest first, or left (not written "
+    "within shutdown_flush_s, refused or failed). Recorded at the stop: seen only if vLLM "
+    "still reports the workers' stats then; the log line says it always.",
+    ("outcome",),
+)
+
+
 #: every metric kvtier exports (the dashboards and rules are checked against it)
 ALL: tuple[MetricSpec, ...] = (
     LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
     STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
     WHATIF_HIT_TOKENS, CANARY, LOADS_DECLINED, FETCH_DEADLINE_MISSED, TIER_READ_BPS,
-    PREFILL_SPT,
+    PREFILL_SPT, HANDOFF_CHUNKS,
 )
 
 

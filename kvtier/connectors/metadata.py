@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.hotset import HotList
 from kvtier.ops import CheckOp, FetchOp, LoadOp, StoreOp, UploadOp
 
 __all__ = [
@@ -49,6 +50,12 @@ class KVTierMetadata(KVConnectorMetadata):
     checks: list[CheckOp] = field(default_factory=list)
     #: the engine trusts its generation (kvtier.canary): its manifest is refreshed only then
     trusted: bool = True
+    #: every kvtier.hotset.SEND_S (connectors/hot.py): the hits since the last send, for
+    #: rank 0's manifest writer (None: none this step)
+    heat: HotList | None = None
+    #: the hot chunks the object tier lacks, (key, slot) hottest first, written first at
+    #: drain (None: unchanged)
+    handoff: tuple[tuple[bytes, int], ...] | None = None
 
 
 class StepPlan:

@@ -122,6 +122,7 @@ class Planner:
         slot_bytes: int,
         write_through: bool,
         groups: tuple[KVGroup, ...] = (),
+        hit: Callable[[bytes], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.keys = keys
@@ -141,6 +142,8 @@ class Planner:
         self.null_block: int | None = None
         #: a group of recurrent state (Mamba/SSM, gated delta-net, short conv)
         self.has_state = any(g.kind == STATE for g in groups)
+        #: told the key of every chunk a load is planned of (connectors/hot.py: what is hot)
+        self.hit = hit
 
     @property
     def index(self) -> ChunkIndex:
@@ -161,6 +164,8 @@ class Planner:
             parts = self._load_parts(block_ids, c, b_from, b_to) if self.groups else None
             fetch_op = st.fetching_now.get(c, 0)
             entry = self._hold_fetching(st, c) if fetch_op else self.index.pin(self.keys.key(st, c))
+            if self.hit is not None:
+                self.hit(entry.key)
             nbytes = self.slot_bytes * (b_to - b_from) // bpc
             tokens = (b_to - b_from) * bs
             tier = "remote" if entry.fetched or fetch_op else "host"

@@ -40,6 +40,7 @@ from .canary import CanaryChecks
 from .engine_shape import EngineShape
 from .events import ChunkEvents
 from .groups import has_sliding_window, kv_groups
+from .hot import HotChunks
 from .ledger import OpLedger
 from .lookup import RemoteLookups
 from .metadata import KVTierMetadata, KVTierWorkerMeta, StepPlan
@@ -137,11 +138,13 @@ class SchedulerSide:
             self.index, self.world_size, self.stats, self.totals, uploads=self.write_back
         )
         self.write_back.record_in(self.ledger)  # the index and the ledger, wired both ways
+        #: hits per chunk key, for the generation's hot list and the hand-off at drain
+        self.hot = HotChunks(self.index, self.write_back.needed)
         self.planner = Planner(
             self.ledger, self.keys, self.stats, self.totals, self.plan,
             block_size=self.block_size, chunk_size=self.chunk_size, slot_bytes=self.slot_bytes,
             write_through=self.remote and cfg.write_policy == "write_through",
-            groups=self.groups,
+            groups=self.groups, hit=self.hot.hit if self.remote else None,
         )  # fmt: skip
         #: whether this engine trusts its generation yet (kvtier.canary): until then no
         #: object-tier lookups and no uploads (the flags below follow its state)
@@ -483,6 +486,8 @@ class SchedulerSide:
             weights_epoch=self.weights_epoch, weights_salt=self.weights_salt,
             trusted=self.canary.trusted,
         )
+        if self.remote:
+            meta.heat, meta.handoff = self.hot.report()
         if self.lookups.ghosts is not None:
             self.lookups.ghosts.uploaded(
                 [op.block_hash for op in meta.stores if op.upload_op_id is not None]

@@ -6,15 +6,29 @@ vLLM only calls it if it lets the engine wind down: with its default
 executor gives worker processes ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s) before
 it kills them. A rolling restart then loses the chunks of the last requests before it,
 exactly the ones the next replica would hit. Startup says so, with the flags to set.
+
+Within that flush the engine hands off first (:func:`hand_off`): the hot chunks its host
+tier holds that the object tier lacks (``write_back``: not uploaded yet), hottest first,
+as the scheduler last listed them (:mod:`.hot`), so a replica that leaves takes none of
+the fleet's working set with it. Uploads queued before the stop are ahead of them in the
+write queue (they are not reordered); the queued rest is flushed after, in what is left
+of ``shutdown_flush_s``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, KVTierConfig
+from kvtier.ops import DROPPED, Put
 
 from .engine_shape import EngineShape
+
+if TYPE_CHECKING:
+    from kvtier.objects.remote import RemoteIO
 
 #: vLLM's default for ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
 VLLM_WORKER_SHUTDOWN_DEFAULT_S = 5.0
@@ -48,3 +62,60 @@ def shutdown_window_warning(
         f"{VLLM_WORKER_SHUTDOWN_ENV}={need}, and give it at least that long to stop (Kubernetes: "
         f"terminationGracePeriodSeconds); the Helm chart and `kvtier size --emit` set both"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReport:
+    """What became of the chunks :func:`hand_off` was given: written, or left (not
+    written within the time, refused at submit or failed)."""
+
+    chunks: int
+    written: int
+    failed: int
+    seconds: float
+
+    @property
+    def left(self) -> int:
+        return self.chunks - self.written
+
+    def describe(self) -> str:
+        return (f"handed off {self.written} of {self.chunks} hot chunks the object tier "
+                f"lacked, hottest first, in {self.seconds:.1f} s; {self.left} left "
+                f"({self.failed} failed, {self.left - self.failed} not written in time)")
+
+
+def hand_off(
+    remote: RemoteIO, puts: Sequence[Put], deadline: float, *,
+    clock: Callable[[], float] = time.monotonic,
+    wait: Callable[[float], None] = time.sleep, window: int = 0,
+) -> HandoffReport:
+    """Write ``puts`` (hottest first) through ``remote`` until each is reported or
+    ``deadline`` (``clock()``) passes. At most ``window`` (default: twice the write
+    threads) are in the queue at once, so they go in order and a full queue refuses
+    none; one refused anyway is offered again. Results of other ops polled meanwhile are
+    dropped (the engine is stopping: the flush counts those)."""
+    began = clock()
+    window = window or 2 * max(1, remote.write_threads)
+    ids = {p.op_id for p in puts}
+    written = failed = 0
+    reported: set[int] = set()
+    i = 0
+    while len(reported) < len(puts):
+        while i < len(puts) and i - len(reported) < window:  # queued, not yet reported
+            refused = remote.submit([puts[i]])
+            if refused and refused[0].error_kind == DROPPED:
+                break  # the queue is full: offered again once a write is done
+            for res in refused:  # (a refusal of another kind is the op's failure)
+                reported.add(res.op_id)
+                failed += 1
+            i += 1
+        for res in remote.poll():
+            if res.op_id in ids and res.op_id not in reported:
+                reported.add(res.op_id)
+                written += res.ok
+                failed += not res.ok
+        left = deadline - clock()
+        if len(reported) >= len(puts) or left <= 0:
+            break
+        wait(min(0.005, left))
+    return HandoffReport(len(puts), written, failed, clock() - began)

@@ -48,6 +48,7 @@ from kvtier.stats import StatsRecorder
 
 from .groups import flatten_states
 from .metadata import KVTierMetadata, KVTierWorkerMeta
+from .shutdown import HandoffReport, hand_off
 from .slots import allocate_slab
 
 if TYPE_CHECKING:
@@ -144,6 +145,13 @@ class WorkerSide:
         self._reclaim_at = -float("inf")
         self._reclaimed: list[str] = []
         self._reclaim_said = ""
+        #: slot -> the key of the chunk its last store wrote, while no fetch, failed store
+        #: or upload of the slot came since: what a hand-off may write from it
+        self._stored_keys: dict[int, bytes] = {}
+        #: the scheduler's last hand-off list (connectors/hot.py): written first at drain
+        self.handoff: tuple[tuple[bytes, int], ...] = ()
+        #: what the last drain's hand-off wrote (None: it had nothing to write)
+        self.last_handoff: HandoffReport | None = None
 
     # ---- setup ------------------------------------------------------------------------------
     def register_kv_caches(
@@ -285,6 +293,10 @@ class WorkerSide:
         if meta.weights_epoch != self.weights_epoch:
             self._follow_weights(meta.weights_epoch, meta.weights_salt)
         self.trusted = meta.trusted
+        if meta.heat is not None and self.manifests is not None:
+            self.manifests.add_heat(meta.heat)  # rank 0: into its generation's hot list
+        if meta.handoff is not None:
+            self.handoff = meta.handoff
         self._steps.append(meta.step)
         slab = self._ensure_slab(meta)
         assert self.copier is not None
@@ -314,6 +326,8 @@ class WorkerSide:
         self.namespace = self.namespace.after_weight_change(salt)
         self._keys = KeySpace.worker(self.namespace, self.rank, self.stage)
         self.absent_streak = 0
+        self._stored_keys.clear()  # the bytes in the slots are the old identity's
+        self.handoff = ()
         logger.info("kvtier worker rank %d: object keys follow weight change %d",
                     self.rank, epoch)
 
@@ -457,6 +471,10 @@ class WorkerSide:
                 # this chunk's bytes in the slot are not its KV
                 res = OpResult(op.op_id, OpKind.STORE, False)
             self._record(res)
+            if res.ok and op.block_hash:
+                self._stored_keys[op.slot] = op.block_hash
+            else:
+                self._stored_keys.pop(op.slot, None)
             if op.upload_op_id is not None:
                 if res.ok:
                     self._upload(slab, UploadOp(op.upload_op_id, op.slot, op.block_hash))
@@ -590,12 +608,15 @@ class WorkerSide:
             return
         assert self.layout is not None
         dtype, shape = self.layout.describe()
+        for op in run:  # the slot holds the object tier's copy from now on
+            self._stored_keys.pop(op.slot, None)
         gets = [(op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot))
                 for op in run]  # fmt: skip
         for res in self.remote.submit([GetRun(gets, dtype, shape, inline_until)]):
             self._remote_result(res)
 
     def _upload(self, slab: HostSlab, op: UploadOp) -> None:
+        self._stored_keys.pop(op.slot, None)  # on its way to the object tier
         if self.remote is None:
             self._results[op.op_id] = [False]
             return
@@ -669,6 +690,35 @@ class WorkerSide:
     def get_stats(self) -> dict[str, Any]:
         return self.stats.take()
 
+    def handoff_puts(self) -> list[Put]:
+        """The scheduler's hand-off list, hottest first, as uploads of the slots that
+        still hold those chunks as stored (a slot fetched, uploaded or stored into
+        since is not its chunk's to write); op ids below 0, never the scheduler's."""
+        if self.slab is None or self.layout is None or not self.uploads:
+            return []
+        dtype, shape = self.layout.describe()
+        puts: list[Put] = []
+        for key, slot in self.handoff:
+            if self._stored_keys.get(slot) == key:
+                puts.append(Put(-1 - len(puts), self._object_key(key),
+                                self.slab.slot_memoryview(slot), dtype, shape))  # fmt: skip
+        return puts
+
+    def _hand_off(self, deadline: float) -> None:
+        """At drain, before the queued writes' flush: the hot chunks the object tier
+        lacks, hottest first (:func:`.shutdown.hand_off`), counted and logged."""
+        assert self.remote is not None
+        puts = self.handoff_puts()
+        if not puts:
+            return
+        report = hand_off(self.remote, puts, deadline)
+        self.stats.inc(metrics.HANDOFF_CHUNKS, report.written, ("written",))
+        self.stats.inc(metrics.HANDOFF_CHUNKS, report.left, ("left",))
+        self.last_handoff = report
+        log = logger.warning if report.left else logger.info
+        log("kvtier worker rank %d: %s (shutdown_flush_s=%.1f)", self.rank, report.describe(),
+            self.cfg.shutdown_flush_s)
+
     def shutdown(self) -> None:
         if self.copier is not None:
             self.copier.close()
@@ -678,7 +728,9 @@ class WorkerSide:
             self._reclaim.join(2.0)
         if self.manifests is not None:  # last_seen once more, before the tier closes
             self.manifests.close()
-        left = self.remote.flush(self.cfg.shutdown_flush_s)
+        deadline = time.monotonic() + self.cfg.shutdown_flush_s
+        self._hand_off(deadline)
+        left = self.remote.flush(max(0.0, deadline - time.monotonic()))
         if left:
             logger.warning(
                 "kvtier: %d queued object-tier writes were not written at shutdown "

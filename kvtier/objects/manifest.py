@@ -24,6 +24,12 @@ generation whose manifest no trusted engine refreshed for :data:`STALE_S` and th
 no chunk is claimed afresh by one checking engine (else it would stay locked for good,
 every new engine checking with nothing left to check against).
 
+Each manifest also holds its generation's hot list (:mod:`kvtier.hotset`): the chunk keys
+the engines sharing it hit most, decayed hit counts, at most :data:`kvtier.hotset.LIMIT`.
+Each refresh reads the stored manifest and adds the hits the engine's scheduler sent since
+its last write (:meth:`ManifestWriter.add_heat`), so the list is the fleet's without a
+server of its own; what concurrent writers may lose is in :mod:`kvtier.hotset`.
+
 A manifest can vanish under a live engine (deleted; evicted by a Redis under
 ``allkeys-lru``). Missing is not stale: the writer reads it back every :data:`CHECK_S`
 (on Redis the GET keeps the key recently used, so LRU evicts it last) and writes it again
@@ -44,10 +50,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
-from kvtier import __version__
+from kvtier import __version__, hotset
 from kvtier.errors import CodecError, TierError
 from kvtier.keys import Namespace, generation_key
 from kvtier.objects import codec
@@ -64,8 +70,9 @@ log = logging.getLogger("kvtier.manifest")
 MANIFEST = "manifest"
 #: the dtype a manifest's frame records: never a chunk's, so neither loads as the other
 MANIFEST_DTYPE = "kvtier-manifest"
-#: the most bytes a manifest may have (it holds a few hundred)
-MAX_MANIFEST = 64 * 1024
+#: the most bytes a manifest may have (a few hundred, plus its hot list: ~230 KB for
+#: hotset.LIMIT keys of 32 bytes, 64-byte keys ~410 KB)
+MAX_MANIFEST = 512 * 1024
 #: how often a running engine refreshes ``last_seen``
 REFRESH_S = 60.0
 #: a manifest no trusted engine refreshed for this long: no engine whose KV the generation
@@ -121,9 +128,14 @@ class Manifest:
     #: while the engine ran, or a canary mismatch's fork), and that fork's id; "": none
     forked_from: str = ""
     fork_id: str = ""
+    #: the chunk keys the engines sharing the generation hit most (kvtier.hotset)
+    hot: hotset.HotList = field(default_factory=hotset.HotList)
 
     @classmethod
-    def of(cls, ns: Namespace, now: float, first_seen: float | None = None) -> Manifest:
+    def of(
+        cls, ns: Namespace, now: float, first_seen: float | None = None,
+        hot: hotset.HotList | None = None,
+    ) -> Manifest:
         return cls(
             id=ns.generation(), model=ns.model or ns.label, revision=ns.revision or "",
             fingerprint=ns.fingerprint, layout=_layout(ns),
@@ -131,11 +143,12 @@ class Manifest:
             tp_size=ns.tp_size, pp_size=ns.pp_size, chunk_size=ns.chunk_size,
             kvtier_version=__version__, first_seen=now if first_seen is None else first_seen,
             last_seen=now, host=socket.gethostname(), forked_from=ns.forked_from,
-            fork_id=ns.fork_id,
+            fork_id=ns.fork_id, hot=hot if hot is not None else hotset.HotList(),
         )  # fmt: skip
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self) | {"hot": self.hot.to_json(), "hot_at": self.hot.at}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> Manifest:
@@ -161,6 +174,10 @@ class Manifest:
             if not isinstance(value, str):
                 raise CodecError(f"manifest field {name!r} is not a str")
             fields[name] = value
+        try:  # absent from manifests written before it: no hot list
+            fields["hot"] = hotset.HotList.from_json(raw.get("hot", []), raw.get("hot_at", 0.0))
+        except ValueError as exc:
+            raise CodecError(f"manifest field 'hot': {exc}") from None
         return cls(**fields)
 
 
@@ -536,6 +553,10 @@ class ManifestWriter:
         self.writes = 0
         #: failures already logged in full (each kind once: the thread never stops)
         self._said: set[str] = set()
+        #: hits the scheduler sent since the last write that landed (add_heat), kept under
+        #: a lock of their own: the worker's thread adds while a refresh waits on the tier
+        self._heat = hotset.HotList()
+        self._heat_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-manifest", daemon=True)
@@ -544,27 +565,46 @@ class ManifestWriter:
         self._thread.start()
         return self
 
+    def add_heat(self, delta: hotset.HotList) -> None:
+        """Hits the scheduler counted (:class:`kvtier.hotset.HitCounter`), added to the
+        manifest's hot list at the next refresh; bounded, never waits on the tier."""
+        with self._heat_lock:
+            self._heat = hotset.merge(self._heat, delta, now=max(delta.at, self._heat.at))
+
+    def _take_heat(self) -> hotset.HotList:
+        with self._heat_lock:
+            heat, self._heat = self._heat, hotset.HotList()
+            return heat
+
     def refresh(self) -> Manifest | None:
-        """Write the current generation's manifest now, and stamp its liveness record;
-        None when it failed (logged) or the engine does not trust its generation (not
-        ``active``)."""
+        """Write the current generation's manifest now, its hot list the stored one plus
+        the hits sent since the last write, and stamp its liveness record; None when it
+        failed (logged: the hits wait for the next) or the engine does not trust its
+        generation (not ``active``)."""
         with self._lock:
             gen = "?"
+            heat: hotset.HotList | None = None
             try:
                 if not self.active():
                     return None
                 ns = self.namespace()
                 gen = ns.generation()
+                stored = self._stored(gen)
                 first = self._first.get(gen)
-                if first is None:
-                    first = self._stored_first_seen(gen)
+                if first is None and stored is not None:
+                    first = stored.first_seen
                 now = self.clock()
-                manifest = Manifest.of(ns, now, first_seen=min(first or now, now))
+                heat = self._take_heat()
+                hot = hotset.merge(stored.hot if stored is not None else hotset.HotList(),
+                                   heat, now=now)  # fmt: skip
+                manifest = Manifest.of(ns, now, first_seen=min(first or now, now), hot=hot)
                 write_manifest(self.tier, manifest, self.signer)
             except TierError as exc:
+                self._keep_heat(heat)
                 log.warning("kvtier: manifest of generation %s not written: %s", gen, exc)
                 return None
             except Exception as exc:  # noqa: BLE001  a bug or a forgery: never the thread's end
+                self._keep_heat(heat)
                 self._failed(exc)
                 return None
             self._first[gen] = manifest.first_seen
@@ -630,13 +670,20 @@ class ManifestWriter:
     def _state(self) -> tuple[str, bool]:
         return self.namespace().generation(), self.active()
 
-    def _stored_first_seen(self, gen: str) -> float | None:
-        """The first_seen of the manifest another engine (or an earlier run) stored."""
+    def _keep_heat(self, heat: hotset.HotList | None) -> None:
+        """A write that did not land: its hits go back for the next."""
+        if heat:
+            self.add_heat(heat)
+
+    def _stored(self, gen: str) -> Manifest | None:
+        """The manifest another engine (or an earlier run, or this writer) stored; None
+        when there is none or it does not verify (written over with this engine's).
+        Raises TierError: a refresh that cannot read the fleet's hot list does not write
+        over it."""
         try:
-            stored = read_manifest(self.tier, gen, self.signer)
-        except (TierError, CodecError):
-            return None  # unreadable or forged: written over with this engine's
-        return stored.first_seen if stored is not None else None
+            return read_manifest(self.tier, gen, self.signer)
+        except CodecError:
+            return None
 
     def _loop(self) -> None:
         """Refresh every ``interval_s``, and at once when the generation changed or the
