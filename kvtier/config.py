@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from kvtier.config_tenants import parse_tenant, parse_tenant_list, parse_tenant_quotas
 from kvtier.config_urls import CLUSTER_SCHEMES as CLUSTER_SCHEMES
 from kvtier.config_urls import REMOTE_SCHEMES as REMOTE_SCHEMES
 from kvtier.config_urls import RemoteKind as RemoteKind
@@ -138,6 +139,12 @@ _PARSERS["compression"] = one_of(COMPRESSIONS)
 LOAD_POLICIES = ("cost", "always")
 _PARSERS["load_policy"] = one_of(LOAD_POLICIES)
 _PARSERS["load_margin"] = lambda k, v: parse_float(k, v, 0.1, 10.0)
+# tenants (kvtier.host.tenants, kvtier.config_tenants): quotas and soft pins of the host tier
+_PARSERS["default_tenant"] = parse_tenant
+_PARSERS["pin_tenants"] = parse_tenant_list
+_PARSERS["tenant_quotas"] = parse_tenant_quotas
+_PARSERS["pin_max_fraction"] = lambda k, v: parse_float(k, v, 0.0, 1.0)
+_PARSERS["tenant_metrics_max"] = lambda k, v: parse_int(k, v, 1, 1000)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
@@ -232,6 +239,25 @@ class KVTierConfig:
     #: how many times its recompute a load may take and still be worth it (1.0: load when
     #: no slower than recomputing; more loads more); also scales the fetch's deadline
     load_margin: float = 1.0
+    #: the tenant of requests that name none in kv_transfer_params ({"kvtier": {"tenant":
+    #: ...}}); None: they run untagged (under tenant_quotas' "*")
+    default_tenant: str | None = None
+    #: the tenants whose requests may soft-pin chunks ({"kvtier": {"pin_ttl_s": ...}}); "*":
+    #: every tenant
+    pin_tenants: tuple[str, ...] = ()
+    #: host tier per worker each tenant may hold, ("*": each tenant not named): a tenant at
+    #: its quota replaces its own oldest chunks, no store takes a chunk of a tenant within
+    #: its quota (kvtier.host.tenants)
+    tenant_quotas: tuple[tuple[str, int], ...] = ()
+    #: the most of the host tier's slots soft pins may hold; the oldest pin yields first
+    pin_max_fraction: float = 0.5
+    #: tenants named on kvtier's tenant metrics; later ones are "other"
+    tenant_metrics_max: int = 20
+
+    @property
+    def tenants(self) -> bool:
+        """Whether tenants are on: quotas, pins, or a default tenant configured."""
+        return bool(self.default_tenant or self.pin_tenants or self.tenant_quotas)
 
     def __post_init__(self) -> None:
         # load_config hands ``remote`` in; a config built or replaced otherwise reads its URL

@@ -101,6 +101,21 @@ class NodeAddresses(tuple[str, ...]):
 #: distinct node addresses one process labels on its own (the rest are "other")
 NODE_LABELS = 32
 
+#: why a chunk left the host tier to make room (``kvtier:evictions``): "lru": the least
+#: recently used chunk no tenant's quota protects; "tenant_quota": a tenant at (or over)
+#: its quota lost its own oldest chunk; "pinned": a soft pin, when no unpinned chunk could go
+EVICTION_REASONS = ("lru", "tenant_quota", "pinned")
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+class TenantLabels(tuple[str, ...]):
+    """The values of the ``tenant`` label: a tenant's name (kvtier.config_tenants), known
+    only at run time, "untagged", or "other" past ``tenant_metrics_max`` tenants. Iterating
+    it gives the series created up front."""
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, str) and _TENANT.fullmatch(value) is not None
+
 
 #: every value each label takes (children are created up front, so dashboards see zeros)
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
@@ -113,6 +128,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": MISS_REASONS,
     "node": NodeAddresses(("other",)),
     "scale": WHATIF_SCALES,
+    "tenant": TenantLabels(("untagged", "other")),
 }
 
 
@@ -165,7 +181,9 @@ HOST_BYTES_CAPACITY = MetricSpec(
     PREFIX + "host_bytes_capacity", "gauge", "Size of the host tier (its one slab), bytes.",
 )
 EVICTIONS = MetricSpec(
-    PREFIX + "evictions", "counter", "Chunks evicted from the host tier to make room.",
+    PREFIX + "evictions", "counter",
+    "Chunks evicted from the host tier to make room, by reason (EVICTION_REASONS).",
+    ("reason",),
 )
 WRITES_DROPPED = MetricSpec(
     PREFIX + "writes_dropped", "counter",
@@ -267,11 +285,34 @@ PREFILL_SPT = MetricSpec(
     "This engine's compute per prompt token (median of recent steps that scheduled at least a "
     "chunk of tokens); 0 until measured.",
 )
+TENANT_BYTES = MetricSpec(
+    PREFIX + "tenant_bytes", "gauge",
+    "Bytes of a tier holding a tenant's chunks (a chunk counts once, to the tenant that "
+    "stored it); at most tenant_metrics_max tenants, the rest 'other'.",
+    ("tier", "tenant"),
+)
+TENANT_HIT_TOKENS = MetricSpec(
+    PREFIX + "tenant_hit_tokens", "counter",
+    "Prompt tokens kvtier offered a tenant's requests and vLLM took (planned loads), by "
+    "tenant; at most tenant_metrics_max tenants, the rest 'other'.",
+    ("tenant",),
+)
+TENANT_LOOKUP_TOKENS = MetricSpec(
+    PREFIX + "tenant_lookup_tokens", "counter",
+    "Prompt tokens kvtier was asked about for a tenant's requests (lookup_tokens by tenant).",
+    ("tenant",),
+)
+PINNED_BYTES = MetricSpec(
+    PREFIX + "pinned_bytes", "gauge",
+    "Bytes of the host tier holding soft-pinned chunks (at most pin_max_fraction of it).",
+)
 #: label values of one metric where they differ from :data:`LABEL_VALUES` (the canary's
 #: ``outcome`` is not a lookup's): (metric name, label) -> values
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (CANARY.name, "outcome"): CANARY_RESULTS,
     (LOADS_DECLINED.name, "reason"): DECLINE_REASONS,
+    (EVICTIONS.name, "reason"): EVICTION_REASONS,
+    (TENANT_BYTES.name, "tier"): ("host",),
     (PREFIX + "handoff_chunks", "outcome"): HANDOFF_OUTCOMES,
 }
 
@@ -297,6 +338,7 @@ ALL: tuple[MetricSpec, ...] = (
     HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
     STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
     WHATIF_HIT_TOKENS, CANARY, LOADS_DECLINED, FETCH_DEADLINE_MISSED, TIER_READ_BPS,
+    TENANT_BYTES, TENANT_HIT_TOKENS, TENANT_LOOKUP_TOKENS, PINNED_BYTES,
     PREFILL_SPT, HANDOFF_CHUNKS,
 )
 

@@ -316,9 +316,9 @@ class Planner:
                 # a fetch not reported yet (behind a lookup's miss, or past its timeout):
                 # this request computed the chunk, so it is stored now, into a new slot;
                 # waiting for the fetch would lose it when the request has no later step
-                entry = self.index.supersede(key)
+                entry = self.index.supersede(key, st.tenant)
             else:
-                entry = self.index.begin(key, State.STORING)
+                entry = self.index.begin(key, State.STORING, tenant=st.tenant)
             if entry is None:  # every slot is busy loading or uploading: skip this chunk
                 self.stats.inc(metrics.STORES_SKIPPED)  # (and its total)
                 continue

@@ -118,6 +118,10 @@ class RequestState:
     #: step (kvtier.host.ghosts: GhostTiers.peek)
     ghost_peek: list[list[bool]] | None = None
     ghost_peek_step: int = -1
+    #: who the request is (kv_transfer_params' kvtier.tenant, kvtier.host.tenants' id; 0:
+    #: untagged) and how long it asks its chunks to stay pinned (0: no pin)
+    tenant: int = 0
+    pin_ttl_s: float = 0.0
 
 
 def loadable_chunks(st: RequestState, cap: int, chunk_size: int) -> int:

@@ -30,6 +30,7 @@ from kvtier.config import KVTierConfig, format_size
 from kvtier.errors import TierError
 from kvtier.host.ghosts import GhostTiers
 from kvtier.host.index import ChunkIndex
+from kvtier.host.tenants import Tenancy
 from kvtier.keys import Namespace
 from kvtier.objects.ghosts import ObjectGhostTiers
 from kvtier.objects.tiers import FileTier, file_tier_root
@@ -55,6 +56,7 @@ from .requests import (
 )
 from .slots import host_slots, resolve_host_bytes, slot_size
 from .stats import SCHEDULER_TOTALS
+from .tenants import RequestTenants
 from .waits_and_misses import StoreWaits, count_misses
 
 if TYPE_CHECKING:
@@ -123,6 +125,18 @@ class SchedulerSide:
             num_slots, write_back_needed=self.write_back.needed,
             begin_write_back=self.write_back.begin,
         )  # fmt: skip
+        #: who keeps the host tier (kvtier.host.tenants): quotas and soft pins, when
+        #: configured; requests tagged from their kv_transfer_params (.tenants)
+        self.tenancy: Tenancy | None = None
+        self.tenants: RequestTenants | None = None
+        if cfg.tenants:
+            self.tenancy = Tenancy(
+                num_slots, quotas={n: max(1, b // self.slot_bytes) for n, b in cfg.tenant_quotas},
+                pin_tenants=frozenset(cfg.pin_tenants), pin_max_fraction=cfg.pin_max_fraction,
+                metrics_max=cfg.tenant_metrics_max,
+            )  # fmt: skip
+            self.index.tenancy = self.tenancy
+            self.tenants = RequestTenants(cfg, self.tenancy)
         #: what more (or less) memory would serve (kvtier.host.ghosts), fed by the index
         self.ghosts: GhostTiers | None = None
         if cfg.whatif:
@@ -198,7 +212,7 @@ class SchedulerSide:
         self._sync_lookup_s: list[float] = []
         self._step = 0
         self._ttft_by_step: dict[int, list[tuple[float, str]]] = {}
-        self._last_evictions = 0
+        self._last_evicted = dict(self.index.evicted_by)
         #: KV events for routers (.events), when vLLM publishes them (--kv-events-config)
         self.events: ChunkEvents | None = None
         if shape.kv_events:
@@ -400,9 +414,17 @@ class SchedulerSide:
                 self._loaded_blocks.update(op.all_gpu_blocks())
             if st.fetching_now:  # a one-step lookup's answer, allocated: it is done
                 self.lookups.finish(st)
+            if st.pin_ttl_s:  # a pinning request's hits are pinned (renewed) too
+                cs = self.chunk_size
+                for c in range(start // cs, -(-end // cs)):
+                    self.index.soft_pin(self.keys.key(st, c), st.pin_ttl_s, st.tenant)
         st.fetching_now = {}
         lookup = max(0, cap - local)
         self.stats.inc(metrics.LOOKUP_TOKENS, lookup)
+        if self.tenancy is not None:
+            label = (self.tenancy.label(st.tenant),)
+            self.stats.inc(metrics.TENANT_LOOKUP_TOKENS, lookup, label)
+            self.stats.inc(metrics.TENANT_HIT_TOKENS, num_external_tokens, label)
         # a canary request (canary_rate) gets no hit from the real tier: nor from the ghosts
         if self.ghosts is not None and not (self.remote and self.canary.recompute(st)):
             self.ghosts.lookup(
@@ -476,6 +498,9 @@ class SchedulerSide:
                 # steps cost this comparison, not a key refresh per running request
                 self.planner.write_through = self._write_through and self.canary.may_upload(st)
                 stores = self.planner.plan_stores(st, self._block_ids, computed_after)
+                if st.pin_ttl_s:  # pinned as they turn ready (kvtier.host.tenants)
+                    for op in stores:
+                        self.index.soft_pin(op.block_hash, st.pin_ttl_s, st.tenant)
                 self.canary.stores_planned(st, stores)
                 if self.events is not None:
                     self.events.record_stores(st, stores)
@@ -497,9 +522,14 @@ class SchedulerSide:
             self.events.watch_uploads(meta)
         used = (self.index.used_slots) * self.slot_bytes * self.world_size
         self.stats.set(metrics.HOST_BYTES_USED, used)
-        if self.index.evictions != self._last_evictions:
-            self.stats.inc(metrics.EVICTIONS, self.index.evictions - self._last_evictions)
-            self._last_evictions = self.index.evictions
+        if self.index.evicted_by != self._last_evicted:
+            for reason, n in self.index.evicted_by.items():
+                if n != self._last_evicted[reason]:
+                    self.stats.inc(metrics.EVICTIONS, n - self._last_evicted[reason], (reason,))
+                    self.totals["evictions"] += n - self._last_evicted[reason]
+            self._last_evicted = dict(self.index.evicted_by)
+        if self.tenancy is not None:
+            self._tenant_gauges(self.tenancy)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -608,10 +638,21 @@ class SchedulerSide:
             self.lookups.ghosts.close()
 
     # ---- helpers ----------------------------------------------------------------------
+    def _tenant_gauges(self, tenancy: Tenancy) -> None:
+        """kvtier:tenant_bytes per tenant label and kvtier:pinned_bytes (once a step: the
+        tenants seen, bounded by MAX_TENANTS, not the chunks)."""
+        tenancy.expire()
+        per_slot = self.slot_bytes * self.world_size
+        for label, slots in tenancy.usage_by_label().items():
+            self.stats.set(metrics.TENANT_BYTES, slots * per_slot, ("host", label))
+        self.stats.set(metrics.PINNED_BYTES, tenancy.pinned * per_slot)
+
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = self.keys.new_state(request)
+            if self.tenants is not None:
+                self.tenants.tag(st)
             if st.host_only is not None and self.remote:
                 self.totals[f"host_only_{st.host_only}"] += 1
             self._reqs[request.request_id] = st

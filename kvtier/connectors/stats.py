@@ -37,7 +37,8 @@ SCHEDULER_TOTALS: tuple[str, ...] = (
         for tier in metrics.TIERS
         for s in metrics.WHATIF_SCALES
     ),
-    total_name(metrics.EVICTIONS),
+    total_name(metrics.EVICTIONS),  # every reason (kept by the scheduler side itself)
+    *(total_name(metrics.EVICTIONS, (r,)) for r in metrics.EVICTION_REASONS),
     total_name(metrics.STORES_SKIPPED),
     # hybrid models: chunks not stored because vLLM had already dropped blocks of a
     # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)

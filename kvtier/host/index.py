@@ -17,6 +17,10 @@ An :class:`IndexListener` (``ChunkIndex.listener``) hears every chunk that turns
 ready and every chunk that leaves the index, whatever the reason (LRU eviction,
 a write-back that finished, ``clear``, a failed store or fetch): the KV events
 that cache-aware routers read are built from these two calls.
+
+With tenants configured (``tenant_quotas``, ``pin_tenants``, ``default_tenant``) the index
+asks its :class:`TenantHooks` (``ChunkIndex.tenancy``, :mod:`kvtier.host.tenants`) which
+chunk a store may evict: per-tenant quotas and soft pins. Without them it is one LRU.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Entry:
     state: State
     refs: int = 0
     _flags: int = 0
+    #: who stored (or fetched) it: a tenant id of :mod:`kvtier.host.tenants` (0: untagged)
+    tenant: int = 0
 
     #: the chunk is known to be in the object tier
     remote = _Flag(1)
@@ -87,6 +93,23 @@ class IndexListener(Protocol):
     def chunk_dropped(self, entry: Entry) -> None:
         """``entry`` left the index and its slot is free or reused. Called for every
         entry that leaves, ready or not (a failed store drops one that never was)."""
+
+
+class TenantHooks(Protocol):
+    """What the index asks and tells its tenants' accounting (kvtier.host.tenants.Tenancy):
+    a slot taken and freed, a chunk turning ready and leaving ready, a hit, and where to
+    find a victim for a store."""
+
+    def charge(self, entry: Entry) -> None: ...
+    def uncharge(self, entry: Entry) -> None: ...
+    def ready(self, entry: Entry) -> None: ...
+    def unready(self, entry: Entry) -> None: ...
+    def touch(self, entry: Entry) -> None: ...
+    def pin(self, entry: Entry, ttl_s: float, by: int) -> bool: ...
+    def expire(self) -> None: ...
+    def at_quota(self, tid: int) -> bool: ...
+    def own_victims(self, tid: int) -> Iterator[tuple[Entry, str]]: ...
+    def victims(self, tid: int) -> Iterator[tuple[Entry, str]]: ...
 
 
 # What the index tells the ghost tiers (kvtier.host.ghosts) as ``(event, key)``: the
@@ -125,6 +148,10 @@ class ChunkIndex:
         # taken until the fetch is reported (a read may be writing into it)
         self._superseded: dict[int, Entry] = {}
         self.evictions = 0
+        #: evictions by reason ("lru", "tenant_quota", "pinned"), adding up to ``evictions``
+        self.evicted_by: dict[str, int] = {"lru": 0, "tenant_quota": 0, "pinned": 0}
+        #: per-tenant quotas and soft pins (None: one LRU for everybody)
+        self.tenancy: TenantHooks | None = None
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
         #: where the changes a tier of another size would see go (the what-if ghosts'
@@ -172,25 +199,30 @@ class ChunkIndex:
         return sum(e.refs for e in self._entries.values())
 
     # ---- allocation ------------------------------------------------------------------
-    def begin(self, key: bytes, state: State, *, evict_ok: bool = True) -> Entry | None:
-        """Reserve a slot for ``key`` in ``state`` (storing or fetching).
+    def begin(
+        self, key: bytes, state: State, *, evict_ok: bool = True, tenant: int = 0
+    ) -> Entry | None:
+        """Reserve a slot for ``key`` in ``state`` (storing or fetching), charged to
+        ``tenant`` (with tenants configured: a tenant at its quota evicts its own).
 
         Returns None when the key is already present or no slot can be freed.
         """
         if key in self._entries:
             return None
-        slot = self._take_slot(evict_ok)
+        slot = self._take_slot(evict_ok, tenant)
         if slot is None:
             if self.ghost_events is not None:  # a larger tier would have stored it
                 skipped = SKIPPED_FETCH if state is State.FETCHING else SKIPPED_STORE
                 self.ghost_events((skipped, key))
             return None
-        entry = Entry(key=key, slot=slot, state=state)
+        entry = Entry(key=key, slot=slot, state=state, tenant=tenant)
         untrack(entry)  # it holds atomic values only (kvtier.host.gc_untrack)
         self._entries[key] = entry
+        if self.tenancy is not None:
+            self.tenancy.charge(entry)
         return entry
 
-    def supersede(self, key: bytes) -> Entry | None:
+    def supersede(self, key: bytes, tenant: int = 0) -> Entry | None:
         """A store of ``key`` while its fetch is unreported: a new slot, ``storing``.
 
         The request computing the chunk stores it now (it may have no later step in
@@ -203,15 +235,18 @@ class ChunkIndex:
         old = self._entries.get(key)
         if old is None or old.state is not State.FETCHING:
             return None
-        slot = self._take_slot(True)
+        slot = self._take_slot(True, tenant)
         if slot is None:
             return None
         del self._entries[key]
         old.state = State.EVICTING  # (never ready: the ready set is unchanged)
         self._superseded[old.slot] = old
-        entry = Entry(key=key, slot=slot, state=State.STORING)
+        entry = Entry(key=key, slot=slot, state=State.STORING, tenant=tenant)
         untrack(entry)
         self._entries[key] = entry
+        if self.tenancy is not None:  # the fetch's slot is no tenant's any more
+            self.tenancy.uncharge(old)
+            self.tenancy.charge(entry)
         return entry
 
     def release_superseded(self, entry: Entry) -> bool:
@@ -264,6 +299,8 @@ class ChunkIndex:
             raise ValueError(f"cannot pin chunk in state {entry.state.value}")
         entry.refs += 1
         self._entries.move_to_end(key)
+        if self.tenancy is not None:
+            self.tenancy.touch(entry)
         if self.ghost_events is not None:
             self.ghost_events((TOUCHED, key))
         return entry
@@ -279,8 +316,18 @@ class ChunkIndex:
     def touch(self, key: bytes) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
+            if self.tenancy is not None:
+                self.tenancy.touch(self._entries[key])
             if self.ghost_events is not None:
                 self.ghost_events((TOUCHED, key))
+
+    def soft_pin(self, key: bytes, ttl_s: float, tenant: int) -> bool:
+        """Soft-pin ``key``'s chunk for ``ttl_s`` seconds, asked by a request of ``tenant``
+        (:mod:`kvtier.host.tenants`: only ``pin_tenants`` may). False when nothing pins."""
+        entry = self._entries.get(key)
+        if entry is None or self.tenancy is None or entry.state is State.EVICTING:
+            return False
+        return self.tenancy.pin(entry, ttl_s, tenant)
 
     def evict(self, key: bytes) -> bool:
         """Evict one chunk now (or as soon as its refs drop). Returns False if absent."""
@@ -311,11 +358,13 @@ class ChunkIndex:
         return len(victims)
 
     # ---- internals ---------------------------------------------------------------------
-    def _take_slot(self, evict_ok: bool) -> int | None:
+    def _take_slot(self, evict_ok: bool, tenant: int = 0) -> int | None:
         """A free slot, else the least recently used idle chunk's slot. Chunks that must be
         written back first are passed over; the oldest of them begins its write-back (one
         per call), and when nothing else can go the caller gets None (the store is skipped,
         the slot frees once that upload is done)."""
+        if self.tenancy is not None:
+            return self._take_tenant_slot(self.tenancy, evict_ok, tenant)
         if self._free:
             return self._free.pop()
         if not evict_ok:
@@ -328,27 +377,81 @@ class ChunkIndex:
                 if not began:
                     began = True
                     self.evictions += 1
+                    self.evicted_by["lru"] += 1
                     self._become(entry, State.EVICTING)
                     entry.refs += 1
                     if self._begin_write_back is not None:
                         self._begin_write_back(entry)
                 continue
             self.evictions += 1
+            self.evicted_by["lru"] += 1
             self._drop(entry)
             return self._free.pop()  # the slot _drop just freed
         return None
+
+    def _take_tenant_slot(self, tenancy: TenantHooks, evict_ok: bool, tenant: int) -> int | None:
+        """:meth:`_take_slot` under tenants (kvtier.host.tenants): a tenant at its quota
+        replaces its own chunks, free slots or not; else a free slot; else a victim in the
+        order :meth:`TenantHooks.victims` gives (never another tenant's within its quota)."""
+        tenancy.expire()
+        if tenancy.at_quota(tenant):
+            return self._evict_first(tenancy.own_victims(tenant))
+        if self._free:
+            return self._free.pop()
+        if not evict_ok:
+            return None
+        return self._evict_first(tenancy.victims(tenant))
+
+    def _evict_first(self, candidates: Iterator[tuple[Entry, str]]) -> int | None:
+        """The first idle ready candidate's slot, counted under its reason. As in
+        :meth:`_take_slot`, the first one that must be written back first begins its
+        write-back instead (one per call); the lists change only after the walk."""
+        write_back: tuple[Entry, str] | None = None
+        victim: tuple[Entry, str] | None = None
+        for entry, reason in candidates:
+            if entry.state is not State.READY or entry.refs:
+                continue
+            if self._write_back_needed is not None and self._write_back_needed(entry):
+                write_back = write_back or (entry, reason)
+                continue
+            victim = (entry, reason)
+            break
+        if write_back is not None:
+            entry, reason = write_back
+            self.evictions += 1
+            self.evicted_by[reason] += 1
+            self._become(entry, State.EVICTING)
+            entry.refs += 1
+            if self._begin_write_back is not None:
+                self._begin_write_back(entry)
+        if victim is None:
+            return None
+        entry, reason = victim
+        self.evictions += 1
+        self.evicted_by[reason] += 1
+        self._drop(entry)
+        return self._free.pop()
 
     def _become(self, entry: Entry, state: State) -> None:
         """Every state change of an entry in the index goes through here (the ready set)."""
         if state is State.READY:
             self._ready.add(entry.key)
+            if self.tenancy is not None and entry.state is not State.READY:
+                entry.state = state
+                self.tenancy.ready(entry)
         elif entry.state is State.READY:
             self._ready.discard(entry.key)
+            if self.tenancy is not None:
+                self.tenancy.unready(entry)
         entry.state = state
 
     def _drop(self, entry: Entry) -> None:
         del self._entries[entry.key]
         self._ready.discard(entry.key)
+        if self.tenancy is not None:
+            if entry.state is State.READY:
+                self.tenancy.unready(entry)
+            self.tenancy.uncharge(entry)
         self._free.append(entry.slot)
         if self.listener is not None:
             self.listener.chunk_dropped(entry)

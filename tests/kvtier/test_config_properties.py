@@ -54,6 +54,13 @@ def conforms(value: object, hint: object) -> bool:
         return any(type(value) is type(arg) and value == arg for arg in get_args(hint))
     if hint is type(None):
         return value is None
+    if origin is tuple:  # tuple[X, ...] or tuple[X, Y]
+        args = get_args(hint)
+        if type(value) is not tuple:
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(conforms(v, args[0]) for v in value)
+        return len(args) == len(value) and all(map(conforms, value, args))
     if hint is float:
         return type(value) is float and math.isfinite(value)
     return isinstance(hint, type) and type(value) is hint
