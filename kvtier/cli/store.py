@@ -194,15 +194,19 @@ def usage_table(doc: dict[str, Any]) -> str:
     """``usage``'s JSON as the table printed on a terminal."""
     from kvtier.config_values import format_size
 
-    rows = [["GENERATION", "MODEL", "NAMESPACE", "BYTES", "CHUNKS", "FIRST SEEN", "LAST SEEN"]]
+    # HOT: the keys of the generation's hot list (kvtier.hotset), what a warm start fetches
+    rows = [["GENERATION", "MODEL", "NAMESPACE", "BYTES", "CHUNKS", "HOT", "FIRST SEEN",
+             "LAST SEEN"]]  # fmt: skip
     for g in doc["generations"]:
+        hot = g.get("hot_chunks")
         rows.append([g["id"], g["model"] or "-", g["namespace"] or "-", format_size(g["bytes"]),
-                     str(g["chunks"]), _when(g["first_seen"]), _when(g["last_seen"])])
+                     str(g["chunks"]), "-" if hot is None else str(hot),
+                     _when(g["first_seen"]), _when(g["last_seen"])])  # fmt: skip
     rows.append(["total", "", "", format_size(doc["total_bytes"]), str(doc["total_chunks"]),
-                 "", ""])  # fmt: skip
+                 "", "", ""])  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.rjust(w) if i in (3, 4) else c.ljust(w) for i, (c, w) in
+        "  ".join(c.rjust(w) if i in (3, 4, 5) else c.ljust(w) for i, (c, w) in
                   enumerate(zip(r, widths, strict=True))).rstrip()
         for r in rows
     )  # fmt: skip

@@ -346,6 +346,7 @@ class Generation:
             "namespace": m.namespace if m else None, "bytes": self.bytes,
             "chunks": len(self.chunks), "first_seen": _iso(m.first_seen) if m else None,
             "last_seen": _iso(m.last_seen) if m else None,
+            "hot_chunks": len(m.hot) if m else None,
         }  # fmt: skip
 
 

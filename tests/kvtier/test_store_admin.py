@@ -236,7 +236,8 @@ def test_usage_shows_each_generation_as_the_backend_holds_it(backend: Backend) -
     for eng, model in ((a, "org/tiny-a"), (b, "org/tiny-b")):
         row = rows[eng.generation]
         assert set(row) == {"id", "model", "namespace", "bytes", "chunks", "first_seen",
-                            "last_seen"}  # fmt: skip
+                            "last_seen", "hot_chunks"}  # fmt: skip
+        assert row["hot_chunks"] == 0, "no engine counted a hit"
         assert row["model"] == model and row["namespace"] == ""
         assert row["chunks"] == 8 and row["bytes"] == _gen_bytes(held, eng.generation)
     assert rows[a.generation]["last_seen"] < rows[b.generation]["last_seen"]
