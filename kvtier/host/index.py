@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
@@ -108,8 +108,8 @@ class TenantHooks(Protocol):
     def pin(self, entry: Entry, ttl_s: float, by: int) -> bool: ...
     def expire(self) -> None: ...
     def at_quota(self, tid: int) -> bool: ...
-    def own_victims(self, tid: int) -> Iterator[tuple[Entry, str]]: ...
-    def victims(self, tid: int) -> Iterator[tuple[Entry, str]]: ...
+    def own_victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]: ...
+    def victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]: ...
 
 
 # What the index tells the ghost tiers (kvtier.host.ghosts) as ``(event, key)``: the
@@ -402,20 +402,26 @@ class ChunkIndex:
             return None
         return self._evict_first(tenancy.victims(tenant))
 
-    def _evict_first(self, candidates: Iterator[tuple[Entry, str]]) -> int | None:
-        """The first idle ready candidate's slot, counted under its reason. As in
-        :meth:`_take_slot`, the first one that must be written back first begins its
-        write-back instead (one per call); the lists change only after the walk."""
+    def _evict_first(self, groups: Iterator[tuple[Iterable[Entry], str]]) -> int | None:
+        """The first idle ready candidate's slot (groups of candidates in order, each with
+        its reason), counted under its reason. As in :meth:`_take_slot`, the first one that
+        must be written back first begins its write-back instead (one per call); the lists
+        change only after the walk."""
         write_back: tuple[Entry, str] | None = None
         victim: tuple[Entry, str] | None = None
-        for entry, reason in candidates:
-            if entry.state is not State.READY or entry.refs:
-                continue
-            if self._write_back_needed is not None and self._write_back_needed(entry):
-                write_back = write_back or (entry, reason)
-                continue
-            victim = (entry, reason)
-            break
+        needed = self._write_back_needed
+        ready = State.READY
+        for entries, reason in groups:
+            for entry in entries:
+                if entry.state is not ready or entry.refs:
+                    continue
+                if needed is not None and needed(entry):
+                    write_back = write_back or (entry, reason)
+                    continue
+                victim = (entry, reason)
+                break
+            if victim is not None:
+                break
         if write_back is not None:
             entry, reason = write_back
             self.evictions += 1

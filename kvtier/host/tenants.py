@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from kvtier.host.index import Entry, State
 
@@ -86,6 +86,10 @@ class Tenancy:
         self.used: list[int] = []
         self._lru: list[OrderedDict[bytes, Entry]] = []
         self.may_pin: list[bool] = []
+        #: per tenant id its metrics label, and slots held per label (kept as slots are
+        #: taken and freed, so the step's gauges cost the labels, not the tenants)
+        self._label_of: list[str] = []
+        self._label_used: dict[str, int] = {}
         self._pool: OrderedDict[bytes, Entry] = OrderedDict()
         #: tenants with a quota holding more than it (a quota met by fetches in flight)
         self._over: set[int] = set()
@@ -120,6 +124,9 @@ class Tenancy:
         self.used.append(0)
         self._lru.append(OrderedDict() if self.quota[tid] is not None else self._pool)
         self.may_pin.append(bool(name) and (self._pin_any or name in self._pin_tenants))
+        label = self.label(tid)
+        self._label_of.append(label)
+        self._label_used.setdefault(label, 0)
         return tid
 
     def label(self, tid: int) -> str:
@@ -130,12 +137,9 @@ class Tenancy:
         return self.names[tid] if tid <= self.metrics_max else OTHER_LABEL
 
     def usage_by_label(self) -> dict[str, int]:
-        """Slots held per ``tenant`` label (every label seen so far, 0 included)."""
-        out: dict[str, int] = {}
-        for tid, n in enumerate(self.used):
-            label = self.label(tid)
-            out[label] = out.get(label, 0) + n
-        return out
+        """Slots held per ``tenant`` label (every label seen so far, 0 included): at most
+        ``metrics_max`` + 2 of them."""
+        return dict(self._label_used)
 
     @property
     def pinned(self) -> int:
@@ -145,6 +149,7 @@ class Tenancy:
     def charge(self, entry: Entry) -> None:
         t = entry.tenant
         self.used[t] += 1
+        self._label_used[self._label_of[t]] += 1
         q = self.quota[t]
         if q is not None and self.used[t] > q:
             self._over.add(t)
@@ -152,6 +157,7 @@ class Tenancy:
     def uncharge(self, entry: Entry) -> None:
         t = entry.tenant
         self.used[t] -= 1
+        self._label_used[self._label_of[t]] -= 1
         q = self.quota[t]
         if q is not None and self.used[t] <= q:
             self._over.discard(t)
@@ -239,30 +245,26 @@ class Tenancy:
         q = self.quota[tid]
         return q is not None and self.used[tid] >= q
 
-    def own_victims(self, tid: int) -> Iterator[tuple[Entry, str]]:
-        """A tenant at its quota: its own chunks, unpinned oldest first, then its pins."""
-        for entry in self._lru[tid].values():
-            yield entry, TENANT_QUOTA
-        for entry in self._pinned.values():
-            if entry.tenant == tid:
-                yield entry, TENANT_QUOTA
+    def own_victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]:
+        """A tenant at its quota: its own chunks, unpinned oldest first, then its pins
+        (groups of candidates, oldest first, each with its eviction reason)."""
+        yield self._lru[tid].values(), TENANT_QUOTA
+        yield (e for e in self._pinned.values() if e.tenant == tid), TENANT_QUOTA
 
-    def victims(self, tid: int) -> Iterator[tuple[Entry, str]]:
+    def victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]:
         """A tenant within its quota and no slot free: over-quota tenants' chunks, the
         unquota'd tenants' LRU, its own chunks, then pins (oldest renewed first) of tenants
         not protected by a quota. Never a chunk of another tenant within its quota."""
         for other in list(self._over):
-            for entry in self._lru[other].values():
-                yield entry, TENANT_QUOTA
-        for entry in self._pool.values():
-            yield entry, LRU
+            yield self._lru[other].values(), TENANT_QUOTA
+        yield self._pool.values(), LRU
         if self.quota[tid] is not None:
-            for entry in self._lru[tid].values():
-                yield entry, LRU
-        for entry in self._pinned.values():
-            owner = entry.tenant
-            if owner == tid or self.quota[owner] is None or owner in self._over:
-                yield entry, PINNED
+            yield self._lru[tid].values(), LRU
+        quota, over = self.quota, self._over
+        yield (
+            e for e in self._pinned.values()
+            if e.tenant == tid or quota[e.tenant] is None or e.tenant in over
+        ), PINNED  # fmt: skip
 
     def check(self) -> None:
         """Assert the accounting (tests): lists hold ready chunks once, usage adds up."""
@@ -272,3 +274,7 @@ class Tenancy:
             seen |= lru.keys()
         assert set(self._pin_times) == set(self._pinned), "pin times out of step"
         assert len(self._pinned) <= max(0, self.max_pins), "pins over their fraction"
+        by_label: dict[str, int] = dict.fromkeys(self._label_used, 0)
+        for tid, n in enumerate(self.used):
+            by_label[self._label_of[tid]] += n
+        assert by_label == self._label_used, "usage by label out of step"
