@@ -83,7 +83,9 @@ _NO_EMPTY_OVERRIDE = (*KEY_SETTINGS, "namespace")
 #: settings that name an environment variable (which is then no typo of a setting)
 ENV_NAME_KEYS = tuple(k for k in KEY_SETTINGS if k.endswith("_env"))
 #: settings that take a size string ("8GiB", "8 GB"): how one was read is logged once
-SIZE_KEYS = ("cpu_bytes", "cpu_headroom_bytes", "file_max_bytes")
+SIZE_KEYS = ("cpu_bytes", "cpu_headroom_bytes", "file_max_bytes", "warmup_bytes")
+#: warm-up's share of the host tier when ``warmup_bytes`` is not set
+WARMUP_SHARE = 0.5
 #: what this process has logged already: a config is loaded several times per process
 _ENV_WARNED: set[str] = set()
 _SIZES_NOTED: set[tuple[str, str]] = set()
@@ -128,6 +130,9 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "canary_first_hit": parse_bool,
     "canary_rate": lambda k, v: parse_float(k, v, 0.0, 1.0),
     "canary_check_tokens": lambda k, v: parse_int(k, v, 1, 2**31 - 1),
+    "warmup": parse_bool,
+    "warmup_bytes": lambda k, v: None if v is None else parse_size(k, v),
+    "warmup_timeout_s": lambda k, v: parse_float(k, v, 0.0, 86_400.0),
 }
 #: how chunks are stored in the object tier: raw, compressed losslessly, losslessly only where
 #: that makes reads faster, or as fp8 (kvtier.objects.compress)
@@ -232,6 +237,14 @@ class KVTierConfig:
     #: tokens of computed chunks that must match before a generation of another engine is
     #: trusted (one chunk is thin evidence: weights can differ on some tokens only)
     canary_check_tokens: int = 1024
+    #: a starting engine fetches its generation's hottest chunks (the manifest's hot list,
+    #: kvtier.hotset) into its host tier before it serves (issue 61: the planner is
+    #: kvtier.hotset.plan_warmup; the engine does not run it yet)
+    warmup: bool = False
+    #: how much warm-up may fetch; None: WARMUP_SHARE of the host tier (warmup_budget)
+    warmup_bytes: int | None = None
+    #: warm-up gives up after this long and the engine serves
+    warmup_timeout_s: float = 60.0
     #: "cost": an object-tier lookup loads the leading chunks that shorten the request's
     #: predicted time to first token, and waits for them until a deadline (kvtier.costs);
     #: "always": every chunk the tier holds, waiting up to lookup_timeout_ms
@@ -263,6 +276,15 @@ class KVTierConfig:
         # load_config hands ``remote`` in; a config built or replaced otherwise reads its URL
         if (self.remote.text if self.remote else None) != (self.remote_url or None):
             object.__setattr__(self, "remote", parse_remote("remote_url", self.remote_url))
+
+    def warmup_budget(self, host_bytes: int) -> int:
+        """Bytes a warm start may fetch into a host tier of ``host_bytes``: ``warmup_bytes``
+        (never more than the tier), else :data:`WARMUP_SHARE` of it; 0 without warm-up."""
+        if not self.warmup:
+            return 0
+        if self.warmup_bytes is None:
+            return int(host_bytes * WARMUP_SHARE)
+        return min(self.warmup_bytes, host_bytes)
 
     def vllm_shutdown_timeout_s(self) -> int | None:
         """How long vLLM must give its engine on SIGTERM for the object-tier writes still
@@ -422,6 +444,8 @@ def load_config(
             values["file_max_bytes"],
             "only with a file:// remote_url (S3 and Redis have their own expiry and limits)",
         )
+    if values.get("warmup") and remote is None:
+        raise ConfigError("warmup", values["warmup"], "a remote_url to warm the host tier from")
     note_sizes(raw, values)
     return KVTierConfig(**values, remote_url=remote.text if remote else None, remote=remote)
 

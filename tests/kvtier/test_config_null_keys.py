@@ -58,7 +58,7 @@ def test_left_out_it_is_off_and_set_it_is_read() -> None:
 
 @pytest.mark.parametrize(
     "key", ["remote_url", "model_fingerprint", "s3_endpoint_url", "remote_ttl_s",
-            "file_max_bytes", "namespace"],
+            "file_max_bytes", "namespace", "warmup_bytes"],
 )
 def test_null_elsewhere_is_the_default_as_documented(key: str) -> None:
     """Settings whose null is their documented default (no object tier, kvtier's own

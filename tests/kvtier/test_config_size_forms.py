@@ -75,13 +75,13 @@ def test_a_plain_byte_count_or_iec_unit_is_not_remarked_on(caplog, value: object
 
 def test_the_note_is_logged_once_and_covers_every_size_key(caplog) -> None:
     extra = {"cpu_bytes": "8 GB", "cpu_headroom_bytes": "2GB", "remote_url": "file:///kv",
-             "file_max_bytes": "100 GB"}  # fmt: skip
+             "file_max_bytes": "100 GB", "warmup_bytes": "4 GB"}  # fmt: skip
     for _ in range(3):
         load_config(extra, environ={})
     got = notes(caplog)
-    assert len(got) == 3
+    assert len(got) == 4
     assert {line.split(" ")[1] for line in got} == {
-        "cpu_bytes", "cpu_headroom_bytes", "file_max_bytes"}
+        "cpu_bytes", "cpu_headroom_bytes", "file_max_bytes", "warmup_bytes"}
 
 
 def test_an_environment_override_is_noted_too(caplog) -> None:
