@@ -98,6 +98,8 @@ RECORD_DTYPE = "kvtier-reclaim"
 _MAX_TIME = float(2**33)
 #: the largest count a manifest may hold (sizes, ranks)
 _MAX_INT = 2**31
+#: hit deltas a writer keeps as sent before it folds them into one (ManifestWriter.add_heat)
+_MAX_DELTAS = 8
 
 
 def manifest_key(generation: str) -> str:
@@ -555,7 +557,7 @@ class ManifestWriter:
         self._said: set[str] = set()
         #: hits the scheduler sent since the last write that landed (add_heat), kept under
         #: a lock of their own: the worker's thread adds while a refresh waits on the tier
-        self._heat = hotset.HotList()
+        self._heat: list[hotset.HotList] = []
         self._heat_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -567,14 +569,19 @@ class ManifestWriter:
 
     def add_heat(self, delta: hotset.HotList) -> None:
         """Hits the scheduler counted (:class:`kvtier.hotset.HitCounter`), added to the
-        manifest's hot list at the next refresh; bounded, never waits on the tier."""
+        manifest's hot list at the next refresh. Kept as sent (the worker's thread calls
+        it: the refresh's thread merges them), folded into one only past
+        :data:`_MAX_DELTAS` (refreshes not writing: the engine does not trust its
+        generation yet, or the tier is down); never waits on the tier."""
         with self._heat_lock:
-            self._heat = hotset.merge(self._heat, delta, now=max(delta.at, self._heat.at))
+            self._heat.append(delta)
+            if len(self._heat) > _MAX_DELTAS:
+                self._heat = [hotset.merge(*self._heat, now=max(h.at for h in self._heat))]
 
     def _take_heat(self) -> hotset.HotList:
         with self._heat_lock:
-            heat, self._heat = self._heat, hotset.HotList()
-            return heat
+            deltas, self._heat = self._heat, []
+        return hotset.merge(*deltas, now=max((h.at for h in deltas), default=0.0))
 
     def refresh(self) -> Manifest | None:
         """Write the current generation's manifest now, its hot list the stored one plus

@@ -215,3 +215,25 @@ def test_warmup_fetches_the_hottest_that_fit_hottest_first() -> None:
     assert plan_warmup(HotList(), chunk_bytes=10, host_bytes=1000, warmup_bytes=100) == []
     with pytest.raises(ValueError):
         plan_warmup(hot, chunk_bytes=0, host_bytes=1, warmup_bytes=1)
+
+
+def test_hits_kept_while_nothing_is_written_stay_bounded_and_add_up(tmp_path: Path) -> None:
+    """An engine that does not trust its generation yet writes nothing: the deltas its
+    scheduler sends are folded into one past a few, and none is lost once it writes."""
+    from kvtier.objects import manifest
+
+    clock = [T0]
+    trusted = [False]
+    with FileTier(str(tmp_path)) as tier:
+        w = ManifestWriter(tier, None, lambda: NS, clock=lambda: clock[0],
+                           active=lambda: trusted[0])  # fmt: skip
+        for i in range(3 * manifest._MAX_DELTAS):
+            w.add_heat(HotList(T0, ((k(i % 5), 1.0),)))
+            assert w.refresh() is None
+            assert len(w._heat) <= manifest._MAX_DELTAS
+        trusted[0] = True
+        assert w.refresh() is not None
+        stored = read_manifest(tier, NS.generation(), None)
+        assert stored is not None
+        n = 3 * manifest._MAX_DELTAS
+        assert heats(stored.hot) == {k(i): float(len(range(i, n, 5))) for i in range(5)}
