@@ -192,7 +192,7 @@ class Tenancy:
         """Soft-pin ``entry`` for ``ttl_s`` seconds from now (renewed by each hit) for
         tenant ``by``, if it may pin (``pin_tenants``); a chunk not ready yet is pinned when
         it turns ready. Pins past ``max_pins``: the least recently renewed yields."""
-        if not self.may_pin[by] or ttl_s <= 0:
+        if not self.may_pin[by] or ttl_s <= 0 or self.max_pins <= 0:
             return False
         self._pin(entry, ttl_s)
         return True

@@ -10,7 +10,13 @@ import pytest
 from kvtier import metrics
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.stats import series_id
-from tests.connectors.test_scheduler_side import make_side, request, store_prompt
+from tests.connectors.test_scheduler_side import (
+    make_side,
+    report,
+    request,
+    schedule_new,
+    store_prompt,
+)
 
 PROMPT = 1024  # four 256-token chunks; a slot is 64 KiB (make_side)
 
@@ -150,3 +156,34 @@ def test_without_tenant_settings_kv_transfer_params_are_not_read() -> None:
     store_prompt(side, req("a", 1, "team-a", ttl=60))
     assert side.tenancy is None and side.index.tenancy is None
     assert side.get_stats()["counters"].get(series_id(metrics.EVICTIONS, ("lru",))) is None
+
+
+def test_a_pin_expires_unless_a_hit_renews_it() -> None:
+    """The clock is the tenancy's (injected): a hit within the TTL renews it, a pin left
+    alone past its TTL is an ordinary chunk, which the next flood takes."""
+    side = make_side("1MiB", {"pin_tenants": ["sys"]})
+    assert side.tenancy is not None
+    now = [100.0]
+    side.tenancy.clock = lambda: now[0]
+    store_prompt(side, req("s1", 1, "sys", ttl=60))
+    store_prompt(side, req("s2", 2, "sys", ttl=60))
+    assert side.tenancy.pinned == 8
+    now[0] += 50
+    h = req("h", 1)
+    assert take_hit(side, h) == PROMPT - 32  # an untagged hit renews s1's pins
+    report(side, schedule_new(side, h, PROMPT - 32, 32))  # its loads done: no refs held
+    side.request_finished(h, [])
+    assert side.index.total_refs() == 0
+    now[0] += 20  # s2's pins expired, s1's have 40 s left
+    for i in range(8):
+        store_prompt(side, req(f"a{i}", 100 + i, "a"))
+    assert side.tenancy.pinned == 4
+    assert hit_tokens(side, req("s3", 1)) == PROMPT - 32
+    assert hit_tokens(side, req("s4", 2)) == 0
+
+
+def test_pin_max_fraction_zero_pins_nothing() -> None:
+    side = make_side("1MiB", {"pin_tenants": ["*"], "pin_max_fraction": 0})
+    store_prompt(side, req("s1", 1, "sys", ttl=60))
+    assert side.tenancy is not None and side.tenancy.pinned == 0
+    assert not side.tenancy._pending
