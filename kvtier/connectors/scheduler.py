@@ -129,6 +129,8 @@ class SchedulerSide:
         #: configured; requests tagged from their kv_transfer_params (.tenants)
         self.tenancy: Tenancy | None = None
         self.tenants: RequestTenants | None = None
+        #: the slots per tenant label (and pinned) last exported as gauges
+        self._tenant_usage: dict[str, int] = {}
         if cfg.tenants:
             self.tenancy = Tenancy(
                 num_slots, quotas={n: max(1, b // self.slot_bytes) for n, b in cfg.tenant_quotas},
@@ -639,13 +641,22 @@ class SchedulerSide:
 
     # ---- helpers ----------------------------------------------------------------------
     def _tenant_gauges(self, tenancy: Tenancy) -> None:
-        """kvtier:tenant_bytes per tenant label and kvtier:pinned_bytes (once a step: the
-        tenants seen, bounded by MAX_TENANTS, not the chunks)."""
+        """kvtier:tenant_bytes per tenant label and kvtier:pinned_bytes, those that changed
+        since the last step (at most tenant_metrics_max + 2 labels, never per chunk)."""
         tenancy.expire()
         per_slot = self.slot_bytes * self.world_size
-        for label, slots in tenancy.usage_by_label().items():
-            self.stats.set(metrics.TENANT_BYTES, slots * per_slot, ("host", label))
-        self.stats.set(metrics.PINNED_BYTES, tenancy.pinned * per_slot)
+        usage = tenancy.usage_by_label()
+        usage["\0pinned"] = tenancy.pinned
+        if usage == self._tenant_usage:
+            return
+        for label, slots in usage.items():
+            if self._tenant_usage.get(label) == slots:
+                continue
+            if label == "\0pinned":
+                self.stats.set(metrics.PINNED_BYTES, slots * per_slot)
+            else:
+                self.stats.set(metrics.TENANT_BYTES, slots * per_slot, ("host", label))
+        self._tenant_usage = usage
 
     def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)

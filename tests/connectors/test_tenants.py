@@ -11,6 +11,7 @@ from kvtier import metrics
 from kvtier.connectors.scheduler import SchedulerSide
 from kvtier.stats import series_id
 from tests.connectors.test_scheduler_side import (
+    empty_step,
     make_side,
     report,
     request,
@@ -76,6 +77,8 @@ def test_a_tenant_over_its_quota_loses_its_own_oldest_counted_by_reason() -> Non
     gauges = stats["gauges"]
     assert gauges[series_id(metrics.TENANT_BYTES, ("host", "a"))] == 4 * per_slot
     assert gauges[series_id(metrics.TENANT_BYTES, ("host", "b"))] == 4 * per_slot
+    empty_step(side)  # nothing changed: no gauge is sent again
+    assert not [g for g in side.get_stats()["gauges"] if "tenant" in g or "pinned" in g]
 
 
 def test_a_pinned_prompt_survives_a_flood_of_ten_times_the_tier() -> None:
