@@ -10,9 +10,9 @@ exactly the ones the next replica would hit. Startup says so, with the flags to 
 Within that flush the engine hands off first (:func:`hand_off`): the hot chunks its host
 tier holds that the object tier lacks (``write_back``: not uploaded yet), hottest first,
 as the scheduler last listed them (:mod:`.hot`), so a replica that leaves takes none of
-the fleet's working set with it. Uploads queued before the stop are ahead of them in the
-write queue (they are not reordered); the queued rest is flushed after, in what is left
-of ``shutdown_flush_s``.
+the fleet's working set with it. They go ahead of the uploads queued before the stop
+(``first``: :class:`kvtier.objects.io_queue.WriteQueue`), which are flushed after, in what
+is left of ``shutdown_flush_s``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.config import VLLM_WORKER_SHUTDOWN_ENV, KVTierConfig
-from kvtier.ops import DROPPED, Put
+from kvtier.ops import Put
 
 from .engine_shape import EngineShape
 
@@ -89,11 +89,12 @@ def hand_off(
     clock: Callable[[], float] = time.monotonic,
     wait: Callable[[float], None] = time.sleep, window: int = 0,
 ) -> HandoffReport:
-    """Write ``puts`` (hottest first) through ``remote`` until each is reported or
-    ``deadline`` (``clock()``) passes. At most ``window`` (default: twice the write
-    threads) are in the queue at once, so they go in order and a full queue refuses
-    none; one refused anyway is offered again. Results of other ops polled meanwhile are
-    dropped (the engine is stopping: the flush counts those)."""
+    """Write ``puts`` (hottest first) through ``remote``, ahead of the uploads queued
+    already, until each is reported or ``deadline`` (``clock()``) passes. At most
+    ``window`` (default: twice the write threads) are queued at once, so the hottest go
+    first; one a full queue refuses is offered again once a write is done. Results of
+    other ops polled meanwhile are dropped (the engine is stopping: the flush counts
+    those)."""
     began = clock()
     window = window or 2 * max(1, remote.write_threads)
     ids = {p.op_id for p in puts}
@@ -102,12 +103,10 @@ def hand_off(
     i = 0
     while len(reported) < len(puts):
         while i < len(puts) and i - len(reported) < window:  # queued, not yet reported
-            refused = remote.submit([puts[i]])
-            if refused and refused[0].error_kind == DROPPED:
+            put = puts[i]
+            if not remote.submit_put(put.op_id, put.key, put.payload, dtype=put.dtype,
+                                     shape=put.shape, first=True):  # fmt: skip
                 break  # the queue is full: offered again once a write is done
-            for res in refused:  # (a refusal of another kind is the op's failure)
-                reported.add(res.op_id)
-                failed += 1
             i += 1
         for res in remote.poll():
             if res.op_id in ids and res.op_id not in reported:

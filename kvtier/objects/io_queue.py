@@ -74,7 +74,7 @@ class QueuedOp:
 
     __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
                  "done", "seq", "started", "stall_at", "stuck", "run", "pos",
-                 "queued", "taken")  # fmt: skip
+                 "queued", "taken", "first")  # fmt: skip
 
     def __init__(
         self,
@@ -115,6 +115,8 @@ class QueuedOp:
         #: taken off the read queue (by an I/O thread, or the submitter reading inline):
         #: set as it leaves the queue, under the queue's lock (:class:`ReadQueue`)
         self.taken = False
+        #: an upload written ahead of the queued ones (a drain's hand-off: WriteQueue)
+        self.first = False
 
 
 class ReadQueue(queue.Queue["QueuedOp | None"]):
@@ -125,6 +127,28 @@ class ReadQueue(queue.Queue["QueuedOp | None"]):
         op: QueuedOp | None = super()._get()
         if op is not None:
             op.taken = True
+        return op
+
+
+class WriteQueue(queue.Queue["QueuedOp | None"]):
+    """The write queue: uploads marked ``first`` (a drain's hand-off of hot chunks) go
+    ahead of the others, in the order they came among themselves."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self._firsts = 0  # ``first`` ops at the head of the deque
+
+    def _put(self, item: QueuedOp | None) -> None:
+        if item is not None and item.first:
+            self.queue.insert(self._firsts, item)
+            self._firsts += 1
+        else:
+            self.queue.append(item)
+
+    def _get(self) -> QueuedOp | None:
+        op: QueuedOp | None = self.queue.popleft()
+        if op is not None and op.first:
+            self._firsts -= 1
         return op
 
 
@@ -160,7 +184,7 @@ class OpQueue:
         self.write_stall_s = write_stall_s
         self.backoff = backoff
         self._rq: queue.Queue[QueuedOp | None] = ReadQueue(maxsize=queue_depth)
-        self._wq: queue.Queue[QueuedOp | None] = queue.Queue(maxsize=queue_depth)
+        self._wq: queue.Queue[QueuedOp | None] = WriteQueue(maxsize=queue_depth)
         self._results: collections.deque[OpResult] = collections.deque()
         self._writes_idle = threading.Condition(self._lock)
         self._read_done = threading.Condition(self._lock)  # a fetch was reported
@@ -335,13 +359,16 @@ class OpQueue:
                                      timeout=max(0.0, hold_until - time.monotonic()))
 
     def submit_put(
-        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
+        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int],
+        first: bool = False,
     ) -> bool:
-        """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
+        """Queue an upload (``first``: ahead of the queued ones, :class:`WriteQueue`); False
+        when the write queue is full (dropped, counted, not reported)."""
         op = QueuedOp(
             next(self._seq), op_id, OpKind.UPLOAD, key, self.timeout_s, byte_view(payload), dtype,
             shape,
         )
+        op.first = first
         with self._lock:
             if self._closed:
                 self.counts.add("writes_dropped", 1)

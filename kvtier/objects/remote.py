@@ -143,10 +143,12 @@ class RemoteIO:
         self.queue.submit_get_run([(op_id, key, dest)], dtype=dtype, shape=shape)
 
     def submit_put(
-        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int]
+        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int],
+        first: bool = False,
     ) -> bool:
-        """Queue an upload; False when the write queue is full (dropped, counted, not reported)."""
-        return self.queue.submit_put(op_id, key, payload, dtype=dtype, shape=shape)
+        """Queue an upload (``first``: ahead of the queued ones); False when the write queue
+        is full (dropped, counted, not reported)."""
+        return self.queue.submit_put(op_id, key, payload, dtype=dtype, shape=shape, first=first)
 
     def poll(self) -> list[OpResult]:
         """Results completed since the last poll (:meth:`OpQueue.poll`)."""

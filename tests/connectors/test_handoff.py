@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from kvtier.host.index import ChunkIndex, Entry, State
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import FileTier
-from kvtier.ops import DROPPED, OpKind, OpResult, Put
+from kvtier.ops import OpKind, OpResult, Put
 from kvtier.stats import series_id
 
 NUM_BLOCKS, BS, BPC = 40, 32, 4
@@ -198,14 +199,16 @@ class SlowQueue:
         self.refused = 0
         self.busy_until = clock[0]
 
-    def submit(self, ops: list[Put]) -> list[OpResult]:
+    def submit_put(self, op_id: int, key: str, payload: memoryview, *, dtype: str,
+                   shape: list[int], first: bool = False) -> bool:  # fmt: skip
+        assert first, "a hand-off goes ahead of the queued uploads"
         if len(self.queue) >= self.depth:
             self.refused += 1
-            return [OpResult(ops[0].op_id, OpKind.UPLOAD, False, error_kind=DROPPED)]
+            return False
         if not self.queue:
             self.busy_until = self.clock[0] + self.per_put_s
-        self.queue.append(ops[0])
-        return []
+        self.queue.append(Put(op_id, key, payload, dtype, shape))
+        return True
 
     def poll(self) -> list[OpResult]:
         out = []
@@ -246,3 +249,64 @@ def test_a_full_queue_is_offered_again_and_a_failed_write_is_left() -> None:
     assert q.order == ["k0", "k1", "k2", "k3"]
     assert (report.written, report.failed, report.left) == (3, 1, 1)
     assert report.seconds < 100.0, "it stops once every write is reported"
+
+
+# ---- ahead of the queued uploads -----------------------------------------------------------
+
+
+def test_the_write_queue_takes_first_uploads_ahead_in_their_order() -> None:
+    from kvtier.objects.io_queue import QueuedOp, WriteQueue
+
+    def op(name: str, first: bool = False) -> QueuedOp:
+        o = QueuedOp(0, 0, OpKind.UPLOAD, name, 5.0)
+        o.first = first
+        return o
+
+    q = WriteQueue(maxsize=8)
+    for o in (op("a"), op("b"), op("h1", True), op("h2", True), op("c")):
+        q.put_nowait(o)
+    got = [q.get_nowait().key for _ in range(2)]  # type: ignore[union-attr]
+    q.put_nowait(op("h3", True))
+    q.put(None)  # close()'s stop request: an ordinary item
+    rest = [q.get_nowait() for _ in range(q.qsize())]
+    assert got + [o.key if o else None for o in rest] == ["h1", "h2", "h3", "a", "b", "c", None]
+
+
+class Gate(Recording):
+    """A directory whose first chunk write waits until the test opens the gate."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        import threading
+
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def put(self, key: str, parts: Any) -> None:
+        if not self.puts and "manifest" not in key and "reclaim" not in key:
+            self.waiting.set()
+            assert self.gate.wait(10)
+        super().put(key, parts)
+
+
+def test_a_hand_off_goes_ahead_of_the_uploads_already_queued(tmp_path: Path) -> None:
+    tier = Gate(str(tmp_path))
+    rio = RemoteIO(tier, threads=2, queue_depth=8, timeout_s=5, signer=None)
+    data = memoryview(bytearray(64))
+    try:
+        for i in range(3):  # the first holds the one write thread, two stay queued
+            assert rio.submit_put(i + 1, f"cold{i}", data, dtype="u8", shape=[64])
+        assert tier.waiting.wait(10)
+
+        def wait(s: float) -> None:  # first called once both hot puts are queued
+            tier.gate.set()
+            time.sleep(s)
+
+        report = hand_off(rio, [Put(-1 - i, f"hot{i}", data, "u8", [64]) for i in range(2)],
+                          float("inf"), wait=wait)  # fmt: skip
+        assert report.written == 2
+        assert rio.flush(10) == 0
+    finally:
+        rio.close()
+    assert tier.puts.index("hot1") < tier.puts.index("cold1"), tier.puts
+    assert tier.puts[0] == "cold0" and tier.puts.index("hot0") < tier.puts.index("hot1")
