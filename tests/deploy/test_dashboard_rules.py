@@ -551,6 +551,25 @@ kvtier:tier_read_bytes_per_second{model_name="tiny-llama",engine="0",tier="remot
 # HELP kvtier:prefill_seconds_per_token This engine's compute per prompt token.
 # TYPE kvtier:prefill_seconds_per_token gauge
 kvtier:prefill_seconds_per_token{model_name="tiny-llama",engine="0"} 0.00046
+# HELP kvtier:handoff_chunks_total Hot host-tier chunks the object tier lacked when the engine drained.
+# TYPE kvtier:handoff_chunks_total counter
+kvtier:handoff_chunks_total{model_name="tiny-llama",engine="0",outcome="written"} 12
+kvtier:handoff_chunks_total{model_name="tiny-llama",engine="0",outcome="left"} 1
+# HELP kvtier:tenant_bytes Bytes of a tier holding a tenant's chunks.
+# TYPE kvtier:tenant_bytes gauge
+kvtier:tenant_bytes{model_name="tiny-llama",engine="0",tier="host",tenant="team-a"} 8388608
+kvtier:tenant_bytes{model_name="tiny-llama",engine="0",tier="host",tenant="untagged"} 2097152
+# HELP kvtier:pinned_bytes Bytes of the host tier holding soft-pinned chunks.
+# TYPE kvtier:pinned_bytes gauge
+kvtier:pinned_bytes{model_name="tiny-llama",engine="0"} 1048576
+# HELP kvtier:tenant_hit_tokens_total Prompt tokens kvtier offered a tenant's requests and vLLM took.
+# TYPE kvtier:tenant_hit_tokens_total counter
+kvtier:tenant_hit_tokens_total{model_name="tiny-llama",engine="0",tenant="team-a"} 1024
+kvtier:tenant_hit_tokens_total{model_name="tiny-llama",engine="0",tenant="untagged"} 0
+# HELP kvtier:tenant_lookup_tokens_total Prompt tokens kvtier was asked about for a tenant's requests.
+# TYPE kvtier:tenant_lookup_tokens_total counter
+kvtier:tenant_lookup_tokens_total{model_name="tiny-llama",engine="0",tenant="team-a"} 2048
+kvtier:tenant_lookup_tokens_total{model_name="tiny-llama",engine="0",tenant="untagged"} 1024
 """  # noqa: E501 (exposition lines are as long as vLLM writes them)
 
 _GAUGES = frozenset(s.name for s in ALL if s.kind == "gauge")
