@@ -490,6 +490,11 @@ def test_slow_object_store_never_blocks_the_scheduler(
         "s3_endpoint_url": f"http://{proxy.address}",
         "lookup_timeout_ms": 10000,
         "hmac_key_env": HMAC_VAR,
+        # what is under test is that the scheduler is never made to wait for such a tier,
+        # while every lookup waits its round trips: priced (load_policy cost), 200 ms is
+        # slower than this model's prefill and the lookups would be cut or declined
+        # (tests/e2e/test_load_pricing.py)
+        "load_policy": "always",
     }
     env = {**_aws_env(f"http://{proxy.address}"), HMAC_VAR: SECRETS["hmac_k1"]}
     r = run_logged(
