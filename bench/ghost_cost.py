@@ -1,4 +1,4 @@
-"""What the host tier's what-if ghosts (kvtier.host.ghosts) cost, without vLLM.
+"""What the host tier's what-if ghosts (kvtier.whatif.host) cost, without vLLM.
 
 Three figures per host-tier size, on a full index (every store evicts, as in a busy
 server):
@@ -26,8 +26,8 @@ import random
 import time
 import tracemalloc
 
-from kvtier.host.ghosts import GhostTiers
 from kvtier.host.index import STORED, ChunkIndex, State
+from kvtier.whatif.host import GhostTiers
 
 
 def _p10(samples: list[float]) -> float:

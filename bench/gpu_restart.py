@@ -105,8 +105,8 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
     shape = (2, blocks, args.block_size, args.heads, args.head_dim)  # FlashAttention's
     kv = [torch.randn(shape, device=dev).to(torch.bfloat16) for _ in range(args.layers)]
     layout = SlotLayout.from_kv_caches(
-        {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)}, blocks,
-        args.chunk_blocks)  # fmt: skip
+        {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)}, blocks, args.chunk_blocks
+    )
     slab = HostSlab(layout.slot_bytes * n, layout, pin=dev.type == "cuda", commit=True)
     copier = make_copier(kv, layout, slab)
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(tokens)).tolist()
@@ -128,8 +128,14 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
     paths = [tier.path(k) for k in keys]
     os.sync()
 
-    rio = RemoteIO(FileTier(root), threads=args.threads, queue_depth=n + 1, timeout_s=120.0,
-                   signer=None, backoff=ConstantBackoff(0.1))  # fmt: skip
+    rio = RemoteIO(
+        FileTier(root),
+        threads=args.threads,
+        queue_depth=n + 1,
+        timeout_s=120.0,
+        signer=None,
+        backoff=ConstantBackoff(0.1),
+    )
     rio.switches.interval_s = args.fetch_switch_us / 1e6
     busy = args.engine_thread == "busy"
     read_threads = rio.read_threads
@@ -155,8 +161,12 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         sync(dev)
         t0 = time.perf_counter()
         until = time.monotonic() + inline_ms / 1000 if inline_ms else 0.0
-        rio.submit_get_run([(i, keys[i], views[i]) for i in range(n)], dtype="bfloat16",
-                           shape=elem, inline_until=until)  # fmt: skip
+        rio.submit_get_run(
+            [(i, keys[i], views[i]) for i in range(n)],
+            dtype="bfloat16",
+            shape=elem,
+            inline_until=until,
+        )
         got = poll_busy(rio, n) if busy else poll_results(rio, n)
         t_read = time.perf_counter() - t0
         if not all(r.ok for r in got):
@@ -178,6 +188,7 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
         cold()
         sync(dev)
         t0 = time.perf_counter()
+
         def read(i: int) -> None:
             with open(paths[i], "rb", buffering=0) as f:
                 readinto_all(f, memoryview(raw_host[i].numpy()))
@@ -191,12 +202,14 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
 
     def pooled(read_one: Any) -> Any:
         """A read-only side for ``--split``: ``read_one(i)`` for every chunk on the pool."""
+
         def side() -> tuple[float, float]:
             cold()
             t0 = time.perf_counter()
             wait_all([pool.submit(read_one, i) for i in range(n)], busy)
             t = time.perf_counter() - t0
             return t, t
+
         return side
 
     def tier_read(i: int) -> None:
@@ -208,11 +221,17 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
     def hash_slot(i: int) -> None:
         codec.payload_crc32(views[i])
 
-    sides = {"raw": raw_hit, "kvtier_inline": lambda: kvtier_hit(args.inline_ms),
-             "kvtier_threads": lambda: kvtier_hit(0)}  # fmt: skip
+    sides = {
+        "raw": raw_hit,
+        "kvtier_inline": lambda: kvtier_hit(args.inline_ms),
+        "kvtier_threads": lambda: kvtier_hit(0),
+    }
     if args.split:
-        sides |= {"tier_read": pooled(tier_read), "tier_read_hashed": pooled(tier_hashed),
-                  "hash_only": pooled(hash_slot)}  # fmt: skip
+        sides |= {
+            "tier_read": pooled(tier_read),
+            "tier_read_hashed": pooled(tier_hashed),
+            "hash_only": pooled(hash_slot),
+        }
     times: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
     order = list(sides)
     for r in range(args.repeats + 1):  # the first round warms up, sides rotate
@@ -230,8 +249,13 @@ def run_length(args: argparse.Namespace, dev: torch.device, tokens: int) -> dict
     def med(s: str, k: int) -> float:
         return statistics.median(t[k] for t in times[s]) * 1000
 
-    row: dict[str, Any] = {"tokens": tokens, "chunks": n, "chunk_mib": layout.slot_bytes / MiB,
-                           "read_threads": read_threads, "file_cache": args.file_cache}  # fmt: skip
+    row: dict[str, Any] = {
+        "tokens": tokens,
+        "chunks": n,
+        "chunk_mib": layout.slot_bytes / MiB,
+        "read_threads": read_threads,
+        "file_cache": args.file_cache,
+    }
     for s in sides:
         row[f"{s}_read_ms"] = med(s, 0)
         row[f"{s}_ms"] = med(s, 1)
@@ -255,20 +279,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--file-cache", choices=["warm", "cold"], default="warm")
     ap.add_argument("--dir", default=None, help="where the directory tier lives (a temp dir)")
-    ap.add_argument("--hash-piece-kib", type=int, default=codec.HASH_PIECE >> 10,
-                    help="the directory tier's read-and-hash piece (KiB; kvtier's default "
-                         "%(default)s): a larger piece, fewer Python calls per chunk")
-    ap.add_argument("--engine-thread", choices=["idle", "busy"], default="idle",
-                    help="what the thread waiting for the reads does: idle (sleeps between "
-                         "polls) or busy (runs Python between them, as an engine's loop "
-                         "does while a lookup waits), on both sides")
-    ap.add_argument("--fetch-switch-us", type=int, default=round(FETCH_SWITCH_S * 1e6),
-                    help="kvtier's fetch_switch_us (0: Python's switch interval as it is)")
-    ap.add_argument("--split", action="store_true",
-                    help="also time the parts of kvtier's read on the same read threads, "
-                         "without its queue: the directory tier's one-preadv read into the "
-                         "slot (tier_read), its read hashed piece by piece as kvtier reads "
-                         "(tier_read_hashed) and the CRC-32 over the slots alone (hash_only)")
+    ap.add_argument(
+        "--hash-piece-kib",
+        type=int,
+        default=codec.HASH_PIECE >> 10,
+        help="the directory tier's read-and-hash piece (KiB; kvtier's default "
+        "%(default)s): a larger piece, fewer Python calls per chunk",
+    )
+    ap.add_argument(
+        "--engine-thread",
+        choices=["idle", "busy"],
+        default="idle",
+        help="what the thread waiting for the reads does: idle (sleeps between "
+        "polls) or busy (runs Python between them, as an engine's loop "
+        "does while a lookup waits), on both sides",
+    )
+    ap.add_argument(
+        "--fetch-switch-us",
+        type=int,
+        default=round(FETCH_SWITCH_S * 1e6),
+        help="kvtier's fetch_switch_us (0: Python's switch interval as it is)",
+    )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the parts of kvtier's read on the same read threads, "
+        "without its queue: the directory tier's one-preadv read into the "
+        "slot (tier_read), its read hashed piece by piece as kvtier reads "
+        "(tier_read_hashed) and the CRC-32 over the slots alone (hash_only)",
+    )
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     if args.hash_piece_kib < 4:
@@ -279,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     where = args.dir or tempfile.gettempdir()
     fs = filesystem_type(where)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no CUDA)"
-    print(f"device {name}; directory tier on {fs}; io_threads {args.threads}; "
-          f"file cache {args.file_cache}; hash piece {args.hash_piece_kib} KiB; engine "
-          f"thread {args.engine_thread}; fetch_switch_us {args.fetch_switch_us}; switch "
-          f"interval {sys.getswitchinterval() * 1e3:g} ms")  # fmt: skip
+    print(
+        f"device {name}; directory tier on {fs}; io_threads {args.threads}; "
+        f"file cache {args.file_cache}; hash piece {args.hash_piece_kib} KiB; engine "
+        f"thread {args.engine_thread}; fetch_switch_us {args.fetch_switch_us}; switch "
+        f"interval {sys.getswitchinterval() * 1e3:g} ms"
+    )
     rows = []
     for tokens in args.tokens:
         row = run_length(args, dev, tokens)
@@ -297,10 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if args.split:
-            print(f"{'':>6}  split on {row['read_threads']} threads: preadv into the slots "
-                  f"{row['tier_read_ms']:.1f} | read and hashed in pieces "
-                  f"{row['tier_read_hashed_ms']:.1f} | CRC-32 alone {row['hash_only_ms']:.1f}"
-                  f" | kvtier's queue and checks {row['kvtier_threads_read_ms']:.1f}", flush=True)
+            print(
+                f"{'':>6}  split on {row['read_threads']} threads: preadv into the slots "
+                f"{row['tier_read_ms']:.1f} | read and hashed in pieces "
+                f"{row['tier_read_hashed_ms']:.1f} | CRC-32 alone {row['hash_only_ms']:.1f}"
+                f" | kvtier's queue and checks {row['kvtier_threads_read_ms']:.1f}",
+                flush=True,
+            )
     result = {"device": name, "filesystem": fs, "args": vars(args), "rows": rows}
     print("RESULT " + json.dumps(result))
     if args.json:

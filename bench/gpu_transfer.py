@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = layer_shape(args.layout, args.blocks, args.block_size, args.heads, args.head_dim)
     kv = [
-        torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
-        for _ in range(args.layers)
+        torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_() for _ in range(args.layers)
     ]
     names = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)}
     layout = SlotLayout.from_kv_caches(names, args.blocks, args.chunk_blocks)
@@ -206,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         best, med = best_of(fn, args.repeats)
         figures[name] = {"gbps_best": moved / best / GB, "gbps_median": moved / med / GB}
     for d in ("d2h", "h2d"):
-        peak = max(figures[f"{d}_raw_hostalloc"]["gbps_best"],
-                   figures[f"{d}_raw_registered"]["gbps_best"])
+        peak = max(
+            figures[f"{d}_raw_hostalloc"]["gbps_best"], figures[f"{d}_raw_registered"]["gbps_best"]
+        )
         k = figures[f"{d}_kvtier"]["gbps_best"]
         figures[f"{d}_ratio"] = {"kvtier_over_raw_peak": k / peak}
         print(
@@ -219,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy"] = {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in figures.items()}
     del flat, host_alloc
 
-    result["overlap"] = overlap(
-        copier, loads, stores, args.layers, dev, args.repeats, args.matmul
-    )
+    result["overlap"] = overlap(copier, loads, stores, args.layers, dev, args.repeats, args.matmul)
     for d, o in result["overlap"].items():
         print(
             f"overlap {d}: compute {o['compute_ms']:.1f} ms, copies {o['copy_ms']:.1f} ms, "

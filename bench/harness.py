@@ -29,6 +29,17 @@ class Unavailable(Exception):
     """A configuration cannot run here; the message says why."""
 
 
+def positive_int(text: str) -> int:
+    """``--flag 4``: an integer >= 1 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 def int_list(text: str, minimum: int = 1) -> list[int]:
     """``--flag 1,2,4``: comma-separated integers, each at least ``minimum`` (argparse type)."""
     try:
@@ -69,8 +80,9 @@ def failure_reason(log: Path) -> str:
 class Proc:
     """A child process in its own session, stopped by its process-group id."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
+    ) -> None:
         self.name, self.argv, self.env, self.log, self.cwd = name, argv, env, log, cwd
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -78,14 +90,20 @@ class Proc:
         """Start and wait until ``ready()``; :class:`Unavailable` if it dies or times out."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
-                                         stderr=subprocess.STDOUT, cwd=self.cwd,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise Unavailable(f"{self.name} exited ({self.proc.returncode}): "
-                                  f"{failure_reason(self.log)}")
+                raise Unavailable(
+                    f"{self.name} exited ({self.proc.returncode}): {failure_reason(self.log)}"
+                )
             try:
                 if ready():
                     return
@@ -93,8 +111,9 @@ class Proc:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise Unavailable(f"{self.name} not ready in {timeout:.0f} s: "
-                                  f"{failure_reason(self.log)}")
+                raise Unavailable(
+                    f"{self.name} not ready in {timeout:.0f} s: {failure_reason(self.log)}"
+                )
             time.sleep(0.5)
 
     @property
@@ -147,12 +166,25 @@ def _http_ok(url: str) -> bool:
 class VLLMServer:
     """vLLM's OpenAI server (CPU build) on a free loopback port."""
 
-    def __init__(self, *, python: str, model: Path, log: Path, kv_transfer: dict[str, Any] | None,
-                 kv_cache_bytes: int, max_model_len: int, env: dict[str, str] | None = None,
-                 served_name: str = "bench", args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        python: str,
+        model: Path,
+        log: Path,
+        kv_transfer: dict[str, Any] | None,
+        kv_cache_bytes: int,
+        max_model_len: int,
+        env: dict[str, str] | None = None,
+        served_name: str = "bench",
+        args: list[str] | None = None,
+    ) -> None:
         self.python, self.model, self.log = python, model, log
         self.kv_transfer, self.kv_cache_bytes, self.max_model_len = (
-            kv_transfer, kv_cache_bytes, max_model_len)
+            kv_transfer,
+            kv_cache_bytes,
+            max_model_len,
+        )
         self.extra_env = env or {}
         self.served_name = served_name
         self.extra_args = args or []  # more `vllm serve` flags
@@ -167,19 +199,39 @@ class VLLMServer:
     def start(self, timeout: float = 420.0) -> None:
         self.port = free_port()
         argv = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--served-model-name", self.served_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--block-size", "32", "--max-model-len", str(self.max_model_len),
-            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-            "--enable-prompt-tokens-details", "--max-num-seqs", "8",
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--enable-prompt-tokens-details",
+            "--max-num-seqs",
+            "8",
         ]
         if self.kv_transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         argv += self.extra_args
-        env = {**os.environ, **LOOPBACK_ENV, "VLLM_SERVER_DEV_MODE": "1",
-               "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": omp_cpus(),
-               **self.extra_env}
+        env = {
+            **os.environ,
+            **LOOPBACK_ENV,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_CPU_OMP_THREADS_BIND": omp_cpus(),
+            **self.extra_env,
+        }
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the explicit byte count decides
         t0 = time.monotonic()
         self.proc = Proc("vLLM", argv, env, self.log)
@@ -195,12 +247,19 @@ def start_moto(workdir: Path) -> tuple[Proc, str, dict[str, str]]:
     """moto's S3 server on loopback; returns it, its endpoint and the AWS env for clients."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    aws = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
-    proc = Proc("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                         str(port)], {**os.environ, **LOOPBACK_ENV, **aws},
-                workdir / "moto.log")
+    aws = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    proc = Proc(
+        "moto",
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        {**os.environ, **LOOPBACK_ENV, **aws},
+        workdir / "moto.log",
+    )
     proc.start(lambda: _http_ok(endpoint + "/moto-api/"), 60)
     return proc, endpoint, aws
 
@@ -209,8 +268,11 @@ def create_bucket(endpoint: str, name: str) -> None:
     import boto3
 
     boto3.session.Session().client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id="test", aws_secret_access_key="test",
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
     ).create_bucket(Bucket=name)
 
 
@@ -222,9 +284,26 @@ def start_redis(workdir: Path) -> tuple[Proc, str]:
     port = free_port()
     rdir = workdir / "redis"
     rdir.mkdir(parents=True, exist_ok=True)
-    proc = Proc("redis-server", [binary, "--port", str(port), "--bind", "127.0.0.1",
-                                 "--save", "", "--appendonly", "no", "--dir", str(rdir),
-                                 "--protected-mode", "no"], dict(os.environ), workdir / "redis.log")
+    proc = Proc(
+        "redis-server",
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(rdir),
+            "--protected-mode",
+            "no",
+        ],
+        dict(os.environ),
+        workdir / "redis.log",
+    )
 
     def ready() -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
@@ -251,11 +330,23 @@ def ensure_lmcache_venv(venv: Path, log: Path, install: bool = True) -> Path:
         steps.append([str(py), "-m", "pip", "install", "-q", *LMCACHE_PINS])
         for argv in steps:
             if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                raise Unavailable(f"cannot install {' '.join(LMCACHE_PINS)}: "
-                                  f"{failure_reason(log)}")
+                raise Unavailable(f"cannot install {' '.join(LMCACHE_PINS)}: {failure_reason(log)}")
         # the registry's torchvision does not load beside the CPU torch and breaks transformers
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
-                        "torchaudio", "torchcodec"], stdout=out, stderr=subprocess.STDOUT)
+        subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "uninstall",
+                "-q",
+                "-y",
+                "torchvision",
+                "torchaudio",
+                "torchcodec",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     check = subprocess.run([str(py), "-c", "import lmcache, vllm"], capture_output=True, text=True)
     if check.returncode != 0:
         raise Unavailable(f"lmcache venv does not import: {check.stderr.strip()[-300:]}")
@@ -269,12 +360,31 @@ def start_lmcache_server(venv: Path, workdir: Path, chunk_size: int = 256) -> tu
     if not binary.exists():
         raise Unavailable(f"{binary} missing")
     port = free_port()
-    proc = Proc("lmcache server", [str(binary), "server", "--host", "127.0.0.1",
-                                   "--port", str(port), "--chunk-size", str(chunk_size),
-                                   "--http-host", "127.0.0.1", "--http-port", str(free_port()),
-                                   "--l1-size-gb", "1", "--eviction-policy", "LRU",
-                                   "--supported-transfer-mode", "auto"],
-                {**os.environ, **LOOPBACK_ENV}, workdir / "lmcache-server.log")
+    proc = Proc(
+        "lmcache server",
+        [
+            str(binary),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--chunk-size",
+            str(chunk_size),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(free_port()),
+            "--l1-size-gb",
+            "1",
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "auto",
+        ],
+        {**os.environ, **LOOPBACK_ENV},
+        workdir / "lmcache-server.log",
+    )
 
     def ready() -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=1):

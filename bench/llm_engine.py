@@ -47,8 +47,19 @@ def timed_request(llm: Any, tokens: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out.num_cached_tokens or 0
 
 
-def tiny_model(lengths: list[int], layers: int, hidden: int,
-               model_dir: str | None = None) -> tuple[Path, int]:
+def kv_bytes_per_token(layers: int, hidden: int, heads: int = 16, kv_heads: int = 8) -> int:
+    """KV bytes per token of :func:`tiny_model`'s Llama (bf16: K and V, every layer)."""
+    return 2 * layers * kv_heads * (hidden // heads) * 2
+
+
+def tiny_model(
+    lengths: list[int],
+    layers: int,
+    hidden: int,
+    model_dir: str | None = None,
+    heads: int = 16,
+    kv_heads: int = 8,
+) -> tuple[Path, int]:
     """The tiny Llama (built once per directory) whose positions cover the longest prompt
     of ``lengths`` and its output token, and the engine's ``max_model_len`` for it."""
     from kvtier.cli.tinymodel import build_tiny_llama
@@ -58,14 +69,24 @@ def tiny_model(lengths: list[int], layers: int, hidden: int,
     positions = 8192 if max_len <= 8192 else 1 << (max_len - 1).bit_length()
     default_dir = "kvtier-bench-model" + ("" if positions == 8192 else f"-{positions}")
     model = build_tiny_llama(
-        model_dir or os.path.join(tempfile.gettempdir(), default_dir), layers=layers,
-        hidden=hidden, heads=16, kv_heads=8, max_positions=positions,
+        model_dir or os.path.join(tempfile.gettempdir(), default_dir),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_positions=positions,
     )
     return model, max_len
 
 
-def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
-               in_process: bool = False, failure_policy: str = "recompute") -> Any:
+def kvtier_llm(
+    model: Path,
+    max_len: int,
+    extra: dict[str, Any],
+    *,
+    in_process: bool = False,
+    failure_policy: str = "recompute",
+) -> Any:
     """An ``LLM`` with kvtier (1 GiB host tier, 256-token chunks, ``extra`` on top);
     ``in_process``: the scheduler, the worker and kvtier's I/O threads all in this process
     (what a profile of them needs); ``failure_policy``: vLLM's ``kv_load_failure_policy``
@@ -78,7 +99,9 @@ def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB", "chunk_size": CHUNK_TOKENS,
+            "cpu_bytes": "1GiB",
+            "cpu_headroom_bytes": "1GiB",
+            "chunk_size": CHUNK_TOKENS,
             # the benches time the load path: with the first-hit canary on, a restarted
             # engine's first hit is computed and checked instead (one chunk's prefill per
             # engine start, not a hit's cost)
@@ -88,5 +111,12 @@ def kvtier_llm(model: Path, max_len: int, extra: dict[str, Any], *,
         "kv_load_failure_policy": failure_policy,
     }
     inproc = {"distributed_executor_backend": "uni"} if in_process else {}
-    return LLM(model=str(model), enforce_eager=True, block_size=BLOCK_SIZE,
-               max_model_len=max_len, seed=0, kv_transfer_config=ktc, **inproc)
+    return LLM(
+        model=str(model),
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=max_len,
+        seed=0,
+        kv_transfer_config=ktc,
+        **inproc,
+    )

@@ -12,8 +12,9 @@ same run (prefill speed differs 20x between CPUs):
   even   about break-even: the KV in one prefill;
   stall  unthrottled, but Redis stops sending halfway through each prompt's chunks.
 
-Each restarted engine first serves ``--warm`` stored prompts (its estimates measured:
-kvtier.costs needs 3 samples of each), then the ``--samples`` timed ones. The issue's
+Each restarted engine first computes ``--warm`` prompts stored nowhere (its prefill
+measured) and serves ``--warm`` stored ones (the tier measured: kvtier.costs needs 3
+samples of each), then the ``--samples`` timed ones. The issue's
 goals are printed beside the medians:
 
   slow   TTFT <= 1.05x the engine without a connector;
@@ -21,7 +22,9 @@ goals are printed beside the medians:
   even   TTFT <= 1.05x the better of "load all" (load_policy: always) and the cold prefill;
   stall  TTFT <= 1.2x the engine without a connector.
 
-Run it with ``python bench/load_pricing.py`` (about 10 minutes on 2 cores: 10 engines).
+Run it with ``python bench/load_pricing.py`` (10 engines: about 10 minutes on 2 cores with
+AVX-512; on an AVX2-only CPU, where the bf16 prefill is ~50x slower, the tiny model of the
+tests: ``--layers 4 --hidden 256 --heads 4 --kv-heads 2``, about 20 minutes).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 
 from harness import omp_cpus, start_redis
-from llm_engine import kvtier_llm, prompt, seeds, timed_request, tiny_model
+from llm_engine import kv_bytes_per_token, kvtier_llm, prompt, seeds, timed_request, tiny_model
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
@@ -48,11 +51,6 @@ POLICIES = ("cost", "always")
 SLOW = 5.0
 #: the timed prompts' seeds start here; the warm-up ones after them
 SEED0 = 700
-
-
-def kv_bytes_per_token(layers: int, hidden: int, heads: int = 16, kv_heads: int = 8) -> int:
-    """KV bytes per token of llm_engine.tiny_model's Llama (bf16: K and V, every layer)."""
-    return 2 * layers * kv_heads * (hidden // heads) * 2
 
 
 def shaping(case: str, prompt_bytes: int, prefill_s: float) -> dict[str, float | int | None]:
@@ -89,8 +87,14 @@ def verdicts(result: dict) -> dict[str, dict]:
             ratio, goal, ok = cost / better, 1.05, cost <= 1.05 * better
         else:
             ratio, goal, ok = cost / cold, 1.2, cost <= 1.2 * cold
-        out[case] = {"cost_s": cost, "always_s": always, "ratio": ratio, "goal": goal,
-                     "ok": ok, "cached_min": cached}  # fmt: skip
+        out[case] = {
+            "cost_s": cost,
+            "always_s": always,
+            "ratio": ratio,
+            "goal": goal,
+            "ok": ok,
+            "cached_min": cached,
+        }
     return out
 
 
@@ -115,11 +119,32 @@ def table(result: dict) -> str:
 
 # ---- engines (each in a process of its own) -----------------------------------------------
 def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, "--extra", json.dumps(extra),
-           "--proxy", json.dumps(proxy or {}), "--tokens", str(args.tokens),
-           "--samples", str(args.samples), "--warm", str(args.warm),
-           "--layers", str(args.layers), "--hidden", str(args.hidden),
-           "--model-dir", args.model_dir]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        phase,
+        "--extra",
+        json.dumps(extra),
+        "--proxy",
+        json.dumps(proxy or {}),
+        "--tokens",
+        str(args.tokens),
+        "--samples",
+        str(args.samples),
+        "--warm",
+        str(args.warm),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--model-dir",
+        args.model_dir,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -127,20 +152,46 @@ def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None
     raise RuntimeError(f"{phase} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
+def _fault_proxy() -> type:
+    """tests/faultproxy.py's FaultProxy, loaded from its file: with tests/ on sys.path, its
+    kvtier/ folder (tests, no __init__.py) would shadow an editable install of kvtier in
+    the engine's processes."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "faultproxy.py"
+    spec = importlib.util.spec_from_file_location("kvtier_bench_faultproxy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.FaultProxy
+
+
 def _plain_llm(model: Path, max_len: int):
     from llm_engine import BLOCK_SIZE
     from vllm import LLM
 
-    return LLM(model=str(model), enforce_eager=True, block_size=BLOCK_SIZE,
-               max_model_len=max_len, seed=0)  # fmt: skip
+    return LLM(
+        model=str(model), enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=max_len, seed=0
+    )
 
 
 def _engine(args: argparse.Namespace) -> dict:
     """--phase cold: no connector; write: store every prompt; read: serve them through
     the proxy (started here, in front of the Redis of ``--extra``)."""
-    model, max_len = tiny_model([args.tokens], args.layers, args.hidden, args.model_dir)
+    model, max_len = tiny_model(
+        [args.tokens],
+        args.layers,
+        args.hidden,
+        args.model_dir,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+    )
     timed_s = seeds(SEED0, args.samples)
     warm_s = seeds(SEED0 + 1000, args.warm, avoid=(999, *timed_s))
+    # stored nowhere: a restarted engine computes these, and so measures its prefill (the
+    # stored warm prompts are hits: they measure the tier, not the prefill)
+    fresh_s = seeds(SEED0 + 2000, args.warm, avoid=(999, *timed_s, *warm_s))
     extra = json.loads(args.extra)
     shape = json.loads(args.proxy)
     proxy = None
@@ -148,15 +199,15 @@ def _engine(args: argparse.Namespace) -> dict:
         llm = _plain_llm(model, max_len)
     else:
         if args.phase == "read":
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from faultproxy import FaultProxy
-
+            FaultProxy = _fault_proxy()
             host, port = extra["remote_url"].removeprefix("redis://").split("/")[0].split(":")
             proxy = FaultProxy((host, int(port))).start()
             proxy.link_bps = shape.get("link_bps")
             extra = {**extra, "remote_url": f"redis://127.0.0.1:{proxy.port}/0"}
         llm = kvtier_llm(model, max_len, extra)
     timed_request(llm, prompt(999, args.tokens))  # first-run kernel setup, nothing stored
+    for s in fresh_s if args.phase == "read" else ():
+        timed_request(llm, prompt(s, args.tokens))
     for s in warm_s:  # (read: the estimates measured on these, cold: warm-up)
         timed_request(llm, prompt(s, args.tokens))
     ttft, cached = [], []
@@ -168,8 +219,9 @@ def _engine(args: argparse.Namespace) -> dict:
             proxy.stall_after_bytes = None
         ttft.append(t)
         cached.append(c)
-    if args.phase != "cold":
-        llm.llm_engine.engine_core.shutdown()  # write: flushes the queued uploads
+    # every phase: the engine's processes hold this process's stdout, which the parent
+    # reads to its end (write: this also flushes the queued uploads)
+    llm.llm_engine.engine_core.shutdown()
     if proxy is not None:
         proxy.close()
     return {"ttft_s": ttft, "cached": cached}
@@ -179,11 +231,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
     parser.add_argument("--samples", type=int, default=5, help="timed prompts per engine")
-    parser.add_argument("--warm", type=int, default=4,
-                        help="stored prompts each restarted engine serves before the timed "
-                        "ones (its estimates need 3 samples)")  # fmt: skip
+    parser.add_argument(
+        "--warm",
+        type=int,
+        default=4,
+        help="stored prompts each restarted engine serves before the timed "
+        "ones (its estimates need 3 samples)",
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=16,
+        help="attention heads (hidden / heads: a head size vLLM's CPU attention takes, 32 or more)",
+    )
+    parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
     parser.add_argument("--model-dir", default="", help="where to build the model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -210,22 +273,39 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         cold = _phase(args, "cold", {})
         cold_s = statistics.median(cold["ttft_s"])
+        print(
+            f"[cold prefill {cold_s * 1000:.0f} ms: {time.monotonic() - t0:.0f} s]",
+            file=sys.stderr,
+            flush=True,
+        )
         _phase(args, "write", {"remote_url": url, "write_policy": "write_through"})
-        prompt_bytes = args.tokens * kv_bytes_per_token(args.layers, args.hidden)
+        print(f"[stored: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
+        prompt_bytes = args.tokens * kv_bytes_per_token(
+            args.layers, args.hidden, args.heads, args.kv_heads
+        )
         cases: dict[str, dict] = {}
         for case in args.cases.split(","):
             shape = shaping(case, prompt_bytes, cold_s)
             cases[case] = {"shaping": shape}
             for policy in POLICIES:
-                cases[case][policy] = _phase(args, "read",
-                                             {"remote_url": url, "load_policy": policy}, shape)
-                print(f"[{case} {policy}: {time.monotonic() - t0:.0f} s]", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                cases[case][policy] = _phase(
+                    args, "read", {"remote_url": url, "load_policy": policy}, shape
+                )
+                print(
+                    f"[{case} {policy}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True
+                )
     finally:
         redis.stop()
-    result = {"tokens": args.tokens, "samples": args.samples, "cold_s": cold_s,
-              "cold_all_s": cold["ttft_s"], "prompt_bytes": prompt_bytes, "cases": cases,
-              "model": f"{args.layers} layers x {args.hidden}", "cpus": os.cpu_count()}
+    result = {
+        "tokens": args.tokens,
+        "samples": args.samples,
+        "cold_s": cold_s,
+        "cold_all_s": cold["ttft_s"],
+        "prompt_bytes": prompt_bytes,
+        "cases": cases,
+        "model": f"{args.layers} layers x {args.hidden}",
+        "cpus": os.cpu_count(),
+    }
     result["verdicts"] = verdicts(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

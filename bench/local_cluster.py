@@ -71,8 +71,10 @@ def node_command(port: int, *args: str, timeout: float = 2.0) -> str:
     """One command to a node through redis-cli (text reply)."""
     out = subprocess.run(
         [_binary("redis-cli"), "-h", "127.0.0.1", "-p", str(port), *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return out.stdout
 
 
@@ -81,9 +83,14 @@ class RedisCluster:
     ``cluster-node-timeout`` (how long a dead primary goes unnoticed before a failover)."""
 
     def __init__(
-        self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
-        password: str | None = None, full_coverage: bool = False, tls: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        primaries: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+        password: str | None = None,
+        full_coverage: bool = False,
+        tls: bool = False,
+    ) -> None:
         self.server = _binary("redis-server")
         self.cli = _binary("redis-cli")
         self.primaries, self.replicas = primaries, replicas
@@ -96,12 +103,29 @@ class RedisCluster:
         self.key_path = os.path.join(self.workdir, "key.pem")
         if tls:  # a self-signed certificate for 127.0.0.1, also the CA clients trust
             subprocess.run(
-                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                 "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", self.key_path,
-                 "-out", self.cert_path],
-                check=True, capture_output=True,
-            )  # fmt: skip
+                [
+                    "openssl",
+                    "req",
+                    "-x509",
+                    "-newkey",
+                    "ec",
+                    "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1",
+                    "-nodes",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                    "-addext",
+                    "subjectAltName=IP:127.0.0.1",
+                    "-keyout",
+                    self.key_path,
+                    "-out",
+                    self.cert_path,
+                ],
+                check=True,
+                capture_output=True,
+            )
         self.ports = [_free_pair() for _ in range(primaries * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -120,22 +144,53 @@ class RedisCluster:
         node_dir = os.path.join(self.workdir, str(port))
         os.makedirs(node_dir, exist_ok=True)
         argv = [
-            self.server, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-            "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
-            "--cluster-node-timeout", str(self.node_timeout_ms),
+            self.server,
+            "--bind",
+            "127.0.0.1",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            os.path.join(node_dir, "nodes.conf"),
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
             # the surviving primaries serve their slots while one is being failed over, and
             # a replica takes over however long ago it last heard from its primary
-            "--cluster-require-full-coverage", "yes" if self.full_coverage else "no",
-            "--cluster-replica-validity-factor", "0",
-            "--save", "",
-            "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
-            "--dir", node_dir, "--loglevel", "warning",
-        ]  # fmt: skip
+            "--cluster-require-full-coverage",
+            "yes" if self.full_coverage else "no",
+            "--cluster-replica-validity-factor",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            node_dir,
+            "--loglevel",
+            "warning",
+        ]
         if self.tls:
-            argv += ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes",
-                     "--tls-replication", "yes", "--tls-auth-clients", "no",
-                     "--tls-cert-file", self.cert_path, "--tls-key-file", self.key_path,
-                     "--tls-ca-cert-file", self.cert_path]  # fmt: skip
+            argv += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(port),
+                "--tls-cluster",
+                "yes",
+                "--tls-replication",
+                "yes",
+                "--tls-auth-clients",
+                "no",
+                "--tls-cert-file",
+                self.cert_path,
+                "--tls-key-file",
+                self.key_path,
+                "--tls-ca-cert-file",
+                self.cert_path,
+            ]
         else:
             argv += ["--port", str(port)]
         if self.password:
@@ -148,17 +203,28 @@ class RedisCluster:
         tls = ["--tls", "--cacert", self.cert_path] if self.tls else []
         return tls + (["-a", self.password, "--no-auth-warning"] if self.password else [])
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 90.0) -> None:
+        """Start the nodes, create the cluster, wait for its state ok (``timeout`` for each
+        step: 30 s ran out on a 2-core machine at load 10)."""
         for port in self.ports:
             self._start_node(port)
         for i in range(len(self.ports)):
             self._wait_node(i)
         subprocess.run(
-            [self.cli, *self._auth(), "--cluster", "create",
-             *(f"127.0.0.1:{p}" for p in self.ports),
-             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            check=True, capture_output=True, timeout=timeout,
-        )  # fmt: skip
+            [
+                self.cli,
+                *self._auth(),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         _wait(self._ready, timeout, "cluster state ok on every node")
 
     def _wait_node(self, i: int, tries: int = 3) -> None:
@@ -244,8 +310,9 @@ class RedisCluster:
             info = dict(ln.strip().split(":", 1) for ln in text.splitlines() if ":" in ln)
             offsets = [
                 int(dict(kv.split("=", 1) for kv in v.split(","))["offset"])
-                for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()
-            ]  # fmt: skip
+                for k, v in info.items()
+                if k.startswith("slave") and k[5:].isdigit()
+            ]
             top = int(info.get("master_repl_offset", "-1"))
             return bool(offsets) and min(offsets) >= top >= 0
 
@@ -262,8 +329,9 @@ class RedisCluster:
         """Until every slot is served again and ``dead`` is no primary any more."""
         _wait(
             lambda: self._ready() and dead not in self.primary_ports(),
-            timeout, f"failover of {dead}",
-        )  # fmt: skip
+            timeout,
+            f"failover of {dead}",
+        )
 
     def cleanup(self) -> None:
         for proc in self.procs.values():

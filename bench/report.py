@@ -96,19 +96,33 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         }
     kr = k.get("ratios", {})
     goals = [
-        _goal("host-tier hit ÷ in-engine hit (2,048-token prompt)",
-              kr.get("hit_vs_engine"), "<=", 1.10),
-        _goal("file-tier hit after restart ÷ in-engine hit",
-              kp.get("ratios", {}).get("restart_vs_engine"), "<=", 1.5),
+        _goal(
+            "host-tier hit ÷ in-engine hit (2,048-token prompt)",
+            kr.get("hit_vs_engine"),
+            "<=",
+            1.10,
+        ),
+        _goal(
+            "file-tier hit after restart ÷ in-engine hit",
+            kp.get("ratios", {}).get("restart_vs_engine"),
+            "<=",
+            1.5,
+        ),
         _goal("75 %-shared workload: TTFT ÷ cold", kr.get("shared_vs_cold"), "<=", 0.35),
-        _goal("multi-turn, small device cache: req/s ÷ no connector",
-              kr.get("mt_rps_vs_none"), ">=", 2.0),
+        _goal(
+            "multi-turn, small device cache: req/s ÷ no connector",
+            kr.get("mt_rps_vs_none"),
+            ">=",
+            2.0,
+        ),
     ]
     for peer, pr in peers.items():
-        for key, what, op in (("hit", "connector-hit TTFT", ">="),
-                              ("restart", "after-restart TTFT", ">="),
-                              ("shared", "75 %-shared TTFT", ">="),
-                              ("mt_rps", "multi-turn req/s", "<=")):
+        for key, what, op in (
+            ("hit", "connector-hit TTFT", ">="),
+            ("restart", "after-restart TTFT", ">="),
+            ("shared", "75 %-shared TTFT", ">="),
+            ("mt_rps", "multi-turn req/s", "<="),
+        ):
             goals.append(_goal(f"{rows[peer]['label']} ÷ kvtier, {what}", pr.get(key), op, 1.0))
     return {"rows": rows, "ref": ref, "peers": peers, "goals": goals}
 
@@ -133,8 +147,11 @@ def _pct(v: float | None) -> str:
 
 
 def _loads(results: dict[str, Any]) -> str:
-    parts = [f"{name} {la[0]:.1f}/{la[1]:.1f}" for name, rec in results["configs"].items()
-             if (la := rec.get("load_avg_1m"))]
+    parts = [
+        f"{name} {la[0]:.1f}/{la[1]:.1f}"
+        for name, rec in results["configs"].items()
+        if (la := rec.get("load_avg_1m"))
+    ]
     return ", ".join(parts) or "not recorded"
 
 
@@ -167,58 +184,89 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
     for g in summary["goals"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[g["met"]]
         out.append(f"| {g['goal']} | {_x(g['value'])} | {g['op']} {g['target']:.2f} | {met} |")
-    out += ["", "## Median TTFT and multi-turn throughput", "",
-            "| configuration | " + " | ".join(h for _, h in COLUMNS)
-            + " | multi-turn req/s | failed / requests |",
-            "|---" * (len(COLUMNS) + 3) + "|"]
+    out += [
+        "",
+        "## Median TTFT and multi-turn throughput",
+        "",
+        "| configuration | "
+        + " | ".join(h for _, h in COLUMNS)
+        + " | multi-turn req/s | failed / requests |",
+        "|---" * (len(COLUMNS) + 3) + "|",
+    ]
     for r in rows.values():
         if r["unavailable"] and not r["requests"]:
-            out.append(f"| {r['label']} | unavailable: {r['unavailable'][:160]} "
-                       + "| " * (len(COLUMNS) + 1) + "|")
+            out.append(
+                f"| {r['label']} | unavailable: {r['unavailable'][:160]} "
+                + "| " * (len(COLUMNS) + 1)
+                + "|"
+            )
             continue
         cells = [_s(r[k]) for k, _ in COLUMNS]
         rps = "–" if r["mt_rps"] is None else f"{r['mt_rps']:.2f}"
-        out.append(f"| {r['label']} | " + " | ".join(cells)
-                   + f" | {rps} | {r['failed']} / {r['requests']} |")
-    out += ["", "## Ratios", "",
-            "References are vLLM without a connector on the same server settings: in-engine hit "
-            "= the repeated prompt served from vLLM's own prefix cache; cold = distinct "
-            "prompts of the same length; 75 % cold = the 75 %-shared prompts with the prefix "
-            "cache reset. *Own in-engine* divides by the same server's in-engine hit, measured "
-            "a few seconds earlier, and *own cold* by the same server's cold 2,048-token prompts "
-            "(which, for a connector, include the cost of storing them); both are less exposed "
-            "to load from other processes than the cross-server ratios.", "",
-            "| configuration | hit ÷ in-engine | hit ÷ own in-engine | hit ÷ cold "
-            "| restart ÷ in-engine | 75 % shared ÷ cold | 75 % shared ÷ own cold "
-            "| 75 % shared ÷ in-engine | multi-turn req/s ÷ no connector |",
-            "|---|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {r['label']} | "
+            + " | ".join(cells)
+            + f" | {rps} | {r['failed']} / {r['requests']} |"
+        )
+    out += [
+        "",
+        "## Ratios",
+        "",
+        "References are vLLM without a connector on the same server settings: in-engine hit "
+        "= the repeated prompt served from vLLM's own prefix cache; cold = distinct "
+        "prompts of the same length; 75 % cold = the 75 %-shared prompts with the prefix "
+        "cache reset. *Own in-engine* divides by the same server's in-engine hit, measured "
+        "a few seconds earlier, and *own cold* by the same server's cold 2,048-token prompts "
+        "(which, for a connector, include the cost of storing them); both are less exposed "
+        "to load from other processes than the cross-server ratios.",
+        "",
+        "| configuration | hit ÷ in-engine | hit ÷ own in-engine | hit ÷ cold "
+        "| restart ÷ in-engine | 75 % shared ÷ cold | 75 % shared ÷ own cold "
+        "| 75 % shared ÷ in-engine | multi-turn req/s ÷ no connector |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows.values():
         if r["unavailable"] and not r["requests"]:
             continue
         q = r["ratios"]
-        out.append(f"| {r['label']} | {_x(q['hit_vs_engine'])} | {_x(q['hit_vs_own_engine'])} | "
-                   f"{_x(q['hit_vs_cold'])} | "
-                   f"{_x(q['restart_vs_engine'])} | {_x(q['shared_vs_cold'])} | "
-                   f"{_x(q['shared_vs_own_cold'])} | {_x(q['shared_vs_engine'])} | "
-                   f"{_x(q['mt_rps_vs_none'])} |")
+        out.append(
+            f"| {r['label']} | {_x(q['hit_vs_engine'])} | {_x(q['hit_vs_own_engine'])} | "
+            f"{_x(q['hit_vs_cold'])} | "
+            f"{_x(q['restart_vs_engine'])} | {_x(q['shared_vs_cold'])} | "
+            f"{_x(q['shared_vs_own_cold'])} | {_x(q['shared_vs_engine'])} | "
+            f"{_x(q['mt_rps_vs_none'])} |"
+        )
     if summary["peers"]:
-        out += ["", "## Each peer ÷ kvtier", "",
-                "TTFT columns: above 1 means kvtier is faster. Throughput column: below 1 means "
-                "kvtier serves more. Restart is compared with kvtier's file tier, the rest with "
-                "its host tier.", "",
-                "| peer | connector-hit TTFT | after-restart TTFT | 75 %-shared TTFT "
-                "| multi-turn TTFT | multi-turn req/s |", "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "## Each peer ÷ kvtier",
+            "",
+            "TTFT columns: above 1 means kvtier is faster. Throughput column: below 1 means "
+            "kvtier serves more. Restart is compared with kvtier's file tier, the rest with "
+            "its host tier.",
+            "",
+            "| peer | connector-hit TTFT | after-restart TTFT | 75 %-shared TTFT "
+            "| multi-turn TTFT | multi-turn req/s |",
+            "|---|---|---|---|---|---|",
+        ]
         for peer, pr in summary["peers"].items():
-            out.append(f"| {rows[peer]['label']} | {_x(pr['hit'])} | {_x(pr['restart'])} | "
-                       f"{_x(pr['shared'])} | {_x(pr['mt_ttft'])} | {_x(pr['mt_rps'])} |")
-    out += ["", "## Hit rates", "",
-            "Token hit rates from each server's `/metrics` before and after the phase: "
-            "**kvtier** = `kvtier:hit_tokens_total` ÷ `kvtier:lookup_tokens_total` (tokens beyond "
-            "vLLM's own hit); **local** = `vllm:prefix_cache_hits_total` ÷ "
-            "`vllm:prefix_cache_queries_total`; **ext** = vLLM's "
-            "`vllm:external_prefix_cache_hits_total` ÷ `..._queries_total` (any connector).", "",
-            "| configuration | connector hit | restart | 75 % shared | multi-turn |",
-            "|---|---|---|---|---|"]
+            out.append(
+                f"| {rows[peer]['label']} | {_x(pr['hit'])} | {_x(pr['restart'])} | "
+                f"{_x(pr['shared'])} | {_x(pr['mt_ttft'])} | {_x(pr['mt_rps'])} |"
+            )
+    out += [
+        "",
+        "## Hit rates",
+        "",
+        "Token hit rates from each server's `/metrics` before and after the phase: "
+        "**kvtier** = `kvtier:hit_tokens_total` ÷ `kvtier:lookup_tokens_total` (tokens beyond "
+        "vLLM's own hit); **local** = `vllm:prefix_cache_hits_total` ÷ "
+        "`vllm:prefix_cache_queries_total`; **ext** = vLLM's "
+        "`vllm:external_prefix_cache_hits_total` ÷ `..._queries_total` (any connector).",
+        "",
+        "| configuration | connector hit | restart | 75 % shared | multi-turn |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows.values():
         if r["unavailable"] and not r["requests"]:
             continue
@@ -228,9 +276,15 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
             if rates is None:
                 cells.append("–")
                 continue
-            parts = [f"{name} {_pct(rates.get(key))}"
-                     for name, key in (("kvtier", "kvtier"), ("local", "vllm_prefix_cache"),
-                                       ("ext", "vllm_external")) if rates.get(key) is not None]
+            parts = [
+                f"{name} {_pct(rates.get(key))}"
+                for name, key in (
+                    ("kvtier", "kvtier"),
+                    ("local", "vllm_prefix_cache"),
+                    ("ext", "vllm_external"),
+                )
+                if rates.get(key) is not None
+            ]
             cells.append(", ".join(parts) or "–")
         out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     missing = [(r["label"], r["unavailable"]) for r in rows.values() if r["unavailable"]]
@@ -238,9 +292,12 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         out += ["", "## Unavailable here", ""]
         out += [f"- {label}: unavailable: {why}" for label, why in missing]
     out += [
-        "", "## Workloads", "",
+        "",
+        "## Workloads",
+        "",
         "Driven by `kvtier bench` (streamed `/v1/completions`, temperature 0), one request "
-        "at a time unless noted:", "",
+        "at a time unless noted:",
+        "",
         "1. **2,048-token prompt.** *cold*: distinct prompts; *in-engine hit*: one prompt "
         "repeated (first request excluded); *connector hit*: the same prompt with "
         "`POST /reset_prefix_cache` before each request, so vLLM's own cache is empty and only "
@@ -252,8 +309,13 @@ def markdown(results: dict[str, Any], summary: dict[str, Any]) -> str:
         "256 shared + 256 new tokens per turn, 8 output tokens, 2 in flight; a turn's prompt is "
         "the previous prompt + answer + new text, and sessions interleave turn by turn, so the "
         "histories (several times the device cache) are evicted between a session's turns.",
-        "", "## Plots", "", "![TTFT by configuration](ttft.png)", "",
-        "![multi-turn throughput](multiturn.png)", "",
+        "",
+        "## Plots",
+        "",
+        "![TTFT by configuration](ttft.png)",
+        "",
+        "![multi-turn throughput](multiturn.png)",
+        "",
     ]
     for name, r in rows.items():
         if r["mt_rps"] is not None:
@@ -273,18 +335,22 @@ def console(summary: dict[str, Any]) -> str:
             f"  {r['label']:<34} hit/in-engine {_x(q['hit_vs_engine']):>7}  "
             f"hit/cold {_x(q['hit_vs_cold']):>7}  restart/in-engine "
             f"{_x(q['restart_vs_engine']):>7}  75%/cold {_x(q['shared_vs_cold']):>7}  "
-            f"multi-turn {_x(q['mt_rps_vs_none']):>7}")
+            f"multi-turn {_x(q['mt_rps_vs_none']):>7}"
+        )
     if summary["peers"]:
         lines.append("each peer ÷ kvtier (TTFT >1 and req/s <1: kvtier ahead):")
         for peer, pr in summary["peers"].items():
-            lines.append(f"  {summary['rows'][peer]['label']:<34} hit {_x(pr['hit'])}  restart "
-                         f"{_x(pr['restart'])}  75% {_x(pr['shared'])}  multi-turn req/s "
-                         f"{_x(pr['mt_rps'])}")
+            lines.append(
+                f"  {summary['rows'][peer]['label']:<34} hit {_x(pr['hit'])}  restart "
+                f"{_x(pr['restart'])}  75% {_x(pr['shared'])}  multi-turn req/s "
+                f"{_x(pr['mt_rps'])}"
+            )
     lines.append("goals:")
     for g in summary["goals"]:
         met = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
-        lines.append(f"  [{met:^12}] {g['goal']}: {_x(g['value'])} (target {g['op']} "
-                     f"{g['target']:.2f})")
+        lines.append(
+            f"  [{met:^12}] {g['goal']}: {_x(g['value'])} (target {g['op']} {g['target']:.2f})"
+        )
     return "\n".join(lines)
 
 
@@ -332,8 +398,9 @@ def plots(results: dict[str, Any], summary: dict[str, Any], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" /
-                "results.json")
+    path = Path(
+        sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results" / "results.json"
+    )
     data = json.loads(path.read_text())
     summ = summarize(data)
     (path.parent / "results.md").write_text(markdown(data, summ))

@@ -45,8 +45,14 @@ def object_tier(kind: str, workdir: str) -> Iterator[tuple[dict, dict]]:
 def _s3_client(endpoint: str, **kw: Any) -> Any:
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id="test", aws_secret_access_key="test", **kw)
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        **kw,
+    )
 
 
 def copy_objects(src_root: str, kind: str, extra: dict) -> int:
@@ -92,8 +98,9 @@ def set_file_cache(extra: dict, state: str) -> int:
     if not (remote and remote.is_local):
         return 0
     root = remote.directory
-    return set_page_cache([os.path.join(d, f) for d, _s, files in os.walk(root) for f in files],
-                          state)  # fmt: skip
+    return set_page_cache(
+        [os.path.join(d, f) for d, _s, files in os.walk(root) for f in files], state
+    )
 
 
 def set_page_cache(paths: list[str], state: str) -> int:
@@ -120,8 +127,16 @@ def set_page_cache(paths: list[str], state: str) -> int:
     return n
 
 
-def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int = 256,
-                threads: int = 2, reps: int = 5, file_cache: str = "warm") -> dict:
+def raw_client(
+    kind: str,
+    extra: dict,
+    lengths: list[int],
+    *,
+    chunk_tokens: int = 256,
+    threads: int = 2,
+    reps: int = 5,
+    file_cache: str = "warm",
+) -> dict:
     """What the backend's own client takes for one prompt's chunks, read as kvtier reads
     them: stored objects of the run (as many as a prompt of each length loads), each into
     a buffer of its size, on ``threads`` threads (kvtier's read threads at io_threads=4).
@@ -138,8 +153,12 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
 
     if kind == "file":
         root = RemoteURL.parse(extra["remote_url"]).directory
-        keys = sorted(os.path.join(d, f) for d, _s, files in os.walk(root) for f in files
-                      if not f.startswith((".", "h-")))  # fmt: skip
+        keys = sorted(
+            os.path.join(d, f)
+            for d, _s, files in os.walk(root)
+            for f in files
+            if not f.startswith((".", "h-"))
+        )
 
         def get(k: str) -> int:
             with open(k, "rb", buffering=0) as f:
@@ -159,8 +178,11 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
 
         client = _s3_client(extra["s3_endpoint_url"], config=client_config(threads * 2, 2000))
         paginator = client.get_paginator("list_objects_v2")
-        keys = sorted(o["Key"] for page in paginator.paginate(Bucket=BUCKET, Prefix="kv/")
-                      for o in page.get("Contents", []))  # fmt: skip
+        keys = sorted(
+            o["Key"]
+            for page in paginator.paginate(Bucket=BUCKET, Prefix="kv/")
+            for o in page.get("Contents", [])
+        )
 
         def get(k: str) -> int:
             return len(client.get_object(Bucket=BUCKET, Key=k)["Body"].read())
@@ -183,7 +205,11 @@ def raw_client(kind: str, extra: dict, lengths: list[int], *, chunk_tokens: int 
                 get(chunks[0])
                 list(pool_.map(get, chunks[1:]))
                 seq.append(time.perf_counter() - t1)
-            out[str(n)] = {"objects": len(chunks), "bytes": nbytes, "threads": threads,
-                           "parallel_s": statistics.median(par),
-                           "first_then_rest_s": statistics.median(seq)}  # fmt: skip
+            out[str(n)] = {
+                "objects": len(chunks),
+                "bytes": nbytes,
+                "threads": threads,
+                "parallel_s": statistics.median(par),
+                "first_then_rest_s": statistics.median(seq),
+            }
     return out

@@ -82,10 +82,12 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan(cold=8, repeat=8, connector=8, shared=6, mt_sessions=8, mt_turns=6,
-                 restart_all=True),
-    "quick": Plan(cold=2, repeat=4, connector=4, shared=4, mt_sessions=8, mt_turns=4,
-                  restart_all=False),
+    "full": Plan(
+        cold=8, repeat=8, connector=8, shared=6, mt_sessions=8, mt_turns=6, restart_all=True
+    ),
+    "quick": Plan(
+        cold=2, repeat=4, connector=4, shared=4, mt_sessions=8, mt_turns=4, restart_all=False
+    ),
 }
 
 
@@ -159,8 +161,9 @@ def kv_bytes_per_token(shape: dict[str, int]) -> int:
 class Setup:
     """Servers and settings a configuration needs besides vLLM itself."""
 
-    def __init__(self, cfg: Config, workdir: Path, args: argparse.Namespace,
-                 plan: Plan = PLANS["full"]) -> None:
+    def __init__(
+        self, cfg: Config, workdir: Path, args: argparse.Namespace, plan: Plan = PLANS["full"]
+    ) -> None:
         self.cfg, self.workdir, self.args, self.plan = cfg, workdir / cfg.name, args, plan
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = sys.executable
@@ -189,21 +192,28 @@ class Setup:
 
     def _setup_example(self) -> None:
         self.kv_transfer = {
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(self.workdir / "kv")},
         }
 
     def _setup_lmcache(self) -> None:
         venv = HERE / ".venv-lmcache"
-        self.python = str(harness.ensure_lmcache_venv(venv, self.workdir / "install.log",
-                                                      install=not self.args.no_install))
+        self.python = str(
+            harness.ensure_lmcache_venv(
+                venv, self.workdir / "install.log", install=not self.args.no_install
+            )
+        )
         proc, port = harness.start_lmcache_server(venv, self.workdir, CHUNK)
         self._procs.append(proc)
         self.kv_transfer = {
-            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                          "lmcache.mp.port": port,
-                                          "lmcache.mp.mq_timeout": 30},
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": port,
+                "lmcache.mp.mq_timeout": 30,
+            },
         }
 
     def _setup_kvtier(self) -> None:
@@ -238,17 +248,22 @@ class Setup:
         # the restart row times the load path: with the first-hit canary on, the restarted
         # engine's first hit is computed and checked instead (once per engine start)
         extra.setdefault("canary_first_hit", False)
-        log(f"{self.cfg.name}: host tier {cpu / 2**20:.0f} MiB (the workloads fill "
-            f"{need / 2**20:.0f} MiB), headroom {headroom / 2**20:.0f} MiB")
-        # as kvtier advises: stopping vLLM writes the chunks still queued (connectors.shutdown)
+        log(
+            f"{self.cfg.name}: host tier {cpu / 2**20:.0f} MiB (the workloads fill "
+            f"{need / 2**20:.0f} MiB), headroom {headroom / 2**20:.0f} MiB"
+        )
+        # as kvtier advises: stopping vLLM writes the chunks still queued
+        # (connectors.worker.shutdown)
         env, self.vllm_args = shutdown_flags(extra)
         self.env |= env
         self.kv_transfer = {
-            "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
             # a chunk that fails to load is recomputed, not the request failed: and with a
             # local directory tier, lookups then answer in their own step
-            # (connectors.one_step_lookups)
+            # (connectors.scheduler.one_step_lookups)
             "kv_load_failure_policy": self.args.kv_load_failure_policy,
         }
 
@@ -274,15 +289,43 @@ def _check_kvtier_config(extra: dict[str, Any], env: dict[str, str]) -> None:
                 os.environ[k] = v
 
 
-def bench_phase(url: str, *, seed: int, sessions: int, shared: int, turn: int, turns: int = 1,
-                output: int = 2, concurrency: int = 1, reset: bool = False,
-                plot: str | None = None) -> dict[str, Any]:
+def bench_phase(
+    url: str,
+    *,
+    seed: int,
+    sessions: int,
+    shared: int,
+    turn: int,
+    turns: int = 1,
+    output: int = 2,
+    concurrency: int = 1,
+    reset: bool = False,
+    plot: str | None = None,
+) -> dict[str, Any]:
     """One ``kvtier bench`` run against ``url``; its --json result."""
-    argv = ["--url", url, "--model", "bench", "--json", "--seed", str(seed),
-            "--sessions", str(sessions), "--turns", str(turns),
-            "--shared-prefix-tokens", str(shared), "--turn-tokens", str(turn),
-            "--output-tokens", str(output), "--concurrency", str(concurrency),
-            "--timeout", "120"]
+    argv = [
+        "--url",
+        url,
+        "--model",
+        "bench",
+        "--json",
+        "--seed",
+        str(seed),
+        "--sessions",
+        str(sessions),
+        "--turns",
+        str(turns),
+        "--shared-prefix-tokens",
+        str(shared),
+        "--turn-tokens",
+        str(turn),
+        "--output-tokens",
+        str(output),
+        "--concurrency",
+        str(concurrency),
+        "--timeout",
+        "120",
+    ]
     if reset:
         argv.append("--reset-prefix-cache")
     if plot:
@@ -294,16 +337,30 @@ def bench_phase(url: str, *, seed: int, sessions: int, shared: int, turn: int, t
     return res
 
 
-def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Path,
-               out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_config(
+    cfg: Config,
+    plan: Plan,
+    model: Path,
+    kv_bytes: int,
+    workdir: Path,
+    out: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """Start the configuration's servers, run every phase, stop them."""
     phases: dict[str, Any] = {}
     record: dict[str, Any] = {"label": cfg.label, "phases": phases}
     try:
         with Setup(cfg, workdir, args, plan) as st:
-            server = VLLMServer(python=st.python, model=model, kv_transfer=st.kv_transfer,
-                                kv_cache_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN,
-                                env=st.env, log=st.workdir / "vllm.log", args=st.vllm_args)
+            server = VLLMServer(
+                python=st.python,
+                model=model,
+                kv_transfer=st.kv_transfer,
+                kv_cache_bytes=kv_bytes,
+                max_model_len=MAX_MODEL_LEN,
+                env=st.env,
+                log=st.workdir / "vllm.log",
+                args=st.vllm_args,
+            )
             try:
                 server.start()
                 record["server_start_s"] = server.start_s
@@ -314,8 +371,9 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
                     server.log = st.workdir / "vllm-restarted.log"
                     server.start()
                     log(f"{cfg.name}: restarted vLLM in {server.start_s:.0f} s")
-                    phases["restart"] = bench_phase(server.url, seed=11, sessions=plan.cold,
-                                                    shared=0, turn=PROMPT_TOKENS)
+                    phases["restart"] = bench_phase(
+                        server.url, seed=11, sessions=plan.cold, shared=0, turn=PROMPT_TOKENS
+                    )
                     _say(cfg, "restart", phases["restart"])
             finally:
                 server.stop()
@@ -330,34 +388,42 @@ def run_config(cfg: Config, plan: Plan, model: Path, kv_bytes: int, workdir: Pat
     return record
 
 
-def _phases(cfg: Config, plan: Plan, server: VLLMServer, phases: dict[str, Any],
-            out: Path) -> None:
+def _phases(cfg: Config, plan: Plan, server: VLLMServer, phases: dict[str, Any], out: Path) -> None:
     def phase(name: str, **kw: Any) -> None:
         if server.proc is None or not server.proc.alive:
-            raise RuntimeError(f"vLLM died before {name}: "
-                               f"{harness.failure_reason(server.log)}")
+            raise RuntimeError(f"vLLM died before {name}: {harness.failure_reason(server.log)}")
         phases[name] = bench_phase(server.url, **kw)
         _say(cfg, name, phases[name])
 
     # workload 1: a 2,048-token prompt
     phase("cold", seed=11, sessions=plan.cold, shared=0, turn=PROMPT_TOKENS)
     phase("repeat", seed=12, sessions=plan.repeat, shared=PROMPT_TOKENS, turn=0)
-    phase("connector", seed=12, sessions=plan.connector, shared=PROMPT_TOKENS, turn=0,
-          reset=True)
+    phase("connector", seed=12, sessions=plan.connector, shared=PROMPT_TOKENS, turn=0, reset=True)
     # workload 2: 75 % shared
     phase("shared75", seed=13, sessions=plan.shared, shared=1536, turn=512, reset=True)
     if cfg.kind == "vllm":
         phase("shared75_engine", seed=15, sessions=plan.shared, shared=1536, turn=512)
     # workload 3: interleaved multi-turn sessions, histories >> device cache
-    phase("multiturn", seed=14, sessions=plan.mt_sessions, turns=plan.mt_turns, shared=256,
-          turn=256, output=8, concurrency=2, plot=str(out / f"multiturn-{cfg.name}.png"))
+    phase(
+        "multiturn",
+        seed=14,
+        sessions=plan.mt_sessions,
+        turns=plan.mt_turns,
+        shared=256,
+        turn=256,
+        output=8,
+        concurrency=2,
+        plot=str(out / f"multiturn-{cfg.name}.png"),
+    )
 
 
 def _say(cfg: Config, phase: str, res: dict[str, Any]) -> None:
     hr = res["hit_rate"]
-    log(f"{cfg.name}/{phase}: {res['requests']} req, {res['failed']} failed, "
+    log(
+        f"{cfg.name}/{phase}: {res['requests']} req, {res['failed']} failed, "
         f"TTFT p50 {_ms(res['ttft_p50_s'])}, {res['throughput_rps']:.2f} req/s, "
-        f"hit {'-' if hr is None else f'{hr:.0%}'} [{res['hit_rate_source'].split(' ')[0]}]")
+        f"hit {'-' if hr is None else f'{hr:.0%}'} [{res['hit_rate_source'].split(' ')[0]}]"
+    )
 
 
 def _ms(v: float | None) -> str:
@@ -370,20 +436,37 @@ def _ms(v: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests, fewer restarts")
-    ap.add_argument("--only", default=None,
-                    help="comma-separated configurations: " + ",".join(c.name for c in CONFIGS))
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated configurations: " + ",".join(c.name for c in CONFIGS),
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
-    ap.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
-                    default="recompute",
-                    help="vLLM's kv_load_failure_policy for the kvtier rows (recompute, as "
-                         "kvtier advises: a local directory tier's lookups then answer in "
-                         "their own step; fail: they take a step of their own)")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="models, logs and stores (default: a directory under the system temp)")
-    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="bench",
-                    help="'tiny' only for smoke-testing the runner")
-    ap.add_argument("--no-install", action="store_true",
-                    help="do not create bench/.venv-lmcache; report LMCache unavailable instead")
+    ap.add_argument(
+        "--kv-load-failure-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="vLLM's kv_load_failure_policy for the kvtier rows (recompute, as "
+        "kvtier advises: a local directory tier's lookups then answer in "
+        "their own step; fail: they take a step of their own)",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="models, logs and stores (default: a directory under the system temp)",
+    )
+    ap.add_argument(
+        "--model-shape",
+        choices=sorted(SHAPES),
+        default="bench",
+        help="'tiny' only for smoke-testing the runner",
+    )
+    ap.add_argument(
+        "--no-install",
+        action="store_true",
+        help="do not create bench/.venv-lmcache; report LMCache unavailable instead",
+    )
     args = ap.parse_args(argv)
 
     t0 = time.monotonic()
@@ -408,13 +491,17 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "make bench" + (" (--quick)" if args.quick else ""),
             "argv": sys.argv[1:] if argv is None else argv,
-            "plan": plan.__dict__, "model_shape": shape,
-            "device_cache_tokens": DEVICE_CACHE_TOKENS, "kv_cache_memory_bytes": kv_bytes,
-            "max_model_len": MAX_MODEL_LEN, "chunk_size": CHUNK,
+            "plan": plan.__dict__,
+            "model_shape": shape,
+            "device_cache_tokens": DEVICE_CACHE_TOKENS,
+            "kv_cache_memory_bytes": kv_bytes,
+            "max_model_len": MAX_MODEL_LEN,
+            "chunk_size": CHUNK,
             "omp_threads_bind": harness.omp_cpus(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"{platform.processor() or platform.platform()}",
-            "vllm": _version("vllm"), "python": platform.python_version(),
+            f"{platform.processor() or platform.platform()}",
+            "vllm": _version("vllm"),
+            "python": platform.python_version(),
         },
         "configs": {},
     }
@@ -423,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         log(f"=== {cfg.name}: {cfg.label}")
         load_before = os.getloadavg()[0]
-        results["configs"][cfg.name] = run_config(cfg, plan, model, kv_bytes, workdir,
-                                                  args.out, args)
+        results["configs"][cfg.name] = run_config(
+            cfg, plan, model, kv_bytes, workdir, args.out, args
+        )
         # other processes on the machine skew every timing; say how busy it was
         results["configs"][cfg.name]["load_avg_1m"] = [load_before, os.getloadavg()[0]]
         for store in ("kv", "store"):  # KV dumps are big; the logs stay for a post-mortem
@@ -437,8 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.md").write_text(md)
     report.plots(results, summary, args.out)
     print(report.console(summary))
-    log(f"done in {results['meta']['duration_s'] / 60:.1f} min; wrote {args.out / 'results.md'}; "
-        f"server logs in {workdir}")
+    log(
+        f"done in {results['meta']['duration_s'] / 60:.1f} min; wrote {args.out / 'results.md'}; "
+        f"server logs in {workdir}"
+    )
     return 0
 
 

@@ -75,14 +75,19 @@ def run_lookups(plan: Plan, n_index: int, bar: Any, prof: Any = None) -> list[di
                 matched.append(n)
                 conn.request_finished(req, [])
             lat.sort()
-            out.append({
-                "connector": variant, "index_chunks": n_index, "prompt_tokens": prompt_len,
-                "outcome": outcome, "samples": len(lat),
-                "p50_us": round(statistics.median(lat), 1),
-                "p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
-                "matched_tokens": int(statistics.median([m or 0 for m in matched])),
-                "index_chunks_actual": index_len(variant, sched),
-            })
+            out.append(
+                {
+                    "connector": variant,
+                    "index_chunks": n_index,
+                    "prompt_tokens": prompt_len,
+                    "outcome": outcome,
+                    "samples": len(lat),
+                    "p50_us": round(statistics.median(lat), 1),
+                    "p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+                    "matched_tokens": int(statistics.median([m or 0 for m in matched])),
+                    "index_chunks_actual": index_len(variant, sched),
+                }
+            )
             bar.update(1)
         sched.shutdown()
         del sched, conn
@@ -118,12 +123,17 @@ def run_may_load_async(plan: Plan, n_index: int) -> list[dict[str, Any]]:
                 answers.add(conn.may_load_async(req))
                 lat.append((time.perf_counter() - t0) * 1e6)
             lat.sort()
-            out.append({
-                "index_chunks": n_index, "prompt_tokens": prompt_len, "outcome": outcome,
-                "answer": sorted(answers), "samples": len(lat),
-                "p50_us": round(statistics.median(lat), 2),
-                "p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
-            })
+            out.append(
+                {
+                    "index_chunks": n_index,
+                    "prompt_tokens": prompt_len,
+                    "outcome": outcome,
+                    "answer": sorted(answers),
+                    "samples": len(lat),
+                    "p50_us": round(statistics.median(lat), 2),
+                    "p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
+                }
+            )
         sched.shutdown()
         del sched, conn
     gc.collect()
@@ -144,7 +154,7 @@ def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]
     from kvtier.config import load_config
     from kvtier.connectors.metadata import KVTierMetadata
     from kvtier.connectors.vllm import KVTierConnector
-    from kvtier.connectors.worker import WorkerSide
+    from kvtier.connectors.worker.side import WorkerSide
     from kvtier.keys import Namespace
 
     out = []
@@ -154,8 +164,10 @@ def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]
         ns = Namespace("m", None, "bfloat16", "auto", BLOCK, CHUNK, 1)
         worker = WorkerSide(cfg, ns, num_blocks)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        caches = {n: torch.zeros((2, num_blocks, BLOCK, 1, HEAD_SIZE), dtype=torch.bfloat16)
-                  for n in names}
+        caches = {
+            n: torch.zeros((2, num_blocks, BLOCK, 1, HEAD_SIZE), dtype=torch.bfloat16)
+            for n in names
+        }
         worker.register_kv_caches(caches, rank=0)
         assert worker.layout is not None
         facade = KVTierConnector.__new__(KVTierConnector)  # the worker role's plumbing only
@@ -165,8 +177,9 @@ def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]
         times = []
         meta_bytes = 0
         for i in range(steps + 10):
-            wire = pickle.dumps(KVTierMetadata(step=i, host_bytes=host_bytes),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            wire = pickle.dumps(
+                KVTierMetadata(step=i, host_bytes=host_bytes), protocol=pickle.HIGHEST_PROTOCOL
+            )
             meta_bytes = len(wire)
             t0 = time.perf_counter()
             facade.bind_connector_metadata(pickle.loads(wire))
@@ -181,9 +194,15 @@ def worker_steps(layer_counts: Iterable[int], steps: int) -> list[dict[str, Any]
             facade.clear_connector_metadata()
             if i >= 10:  # the first steps allocate the host slab
                 times.append((time.perf_counter() - t0) * 1e6)
-        out.append({"layers": layers, "steps": steps, "meta_bytes": meta_bytes,
-                    "worker_step_us": round(statistics.median(times), 1),
-                    "worker_step_p99_us": round(sorted(times)[int(len(times) * 0.99)], 1)})
+        out.append(
+            {
+                "layers": layers,
+                "steps": steps,
+                "meta_bytes": meta_bytes,
+                "worker_step_us": round(statistics.median(times), 1),
+                "worker_step_p99_us": round(sorted(times)[int(len(times) * 0.99)], 1),
+            }
+        )
         facade.shutdown()
     return out
 
@@ -233,11 +252,17 @@ def index_memory(plan: Plan, n: int) -> list[dict[str, Any]]:
         gc.collect()
         heap = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.stop()
-        out.append({"connector": variant, "index_chunks": n, "rss_growth_bytes": grown,
-                    "bytes_per_chunk": round(grown / n, 1),
-                    "heap_bytes_per_chunk": round(heap / n, 1),
-                    "gc_tracked_per_chunk": round(tracked / n, 2),
-                    "full_gc_ms": round(statistics.median(full_gc_ms), 1)})
+        out.append(
+            {
+                "connector": variant,
+                "index_chunks": n,
+                "rss_growth_bytes": grown,
+                "bytes_per_chunk": round(grown / n, 1),
+                "heap_bytes_per_chunk": round(heap / n, 1),
+                "gc_tracked_per_chunk": round(tracked / n, 2),
+                "full_gc_ms": round(statistics.median(full_gc_ms), 1),
+            }
+        )
         sched.shutdown()
         del sched
         gc.collect()

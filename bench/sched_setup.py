@@ -68,17 +68,26 @@ def _model_dir() -> str:
     path = Path(tempfile.gettempdir()) / "kvtier-sched-bench-model"
     path.mkdir(exist_ok=True)
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
-        "num_key_value_heads": 1, "vocab_size": VOCAB, "max_position_embeddings": 65536,
-        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 65536,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
     (path / "config.json").write_text(json.dumps(cfg))
     return str(path)
 
 
-def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: int,
-                   remote_url: str | None = None) -> Any:
+def make_scheduler(
+    variant: str, index_chunks: int, max_seqs: int, num_blocks: int, remote_url: str | None = None
+) -> Any:
     """vLLM's v1 Scheduler as vLLM's tests build it (tests/v1/core/utils.py
     ``create_scheduler``), with ``variant``'s connector in the scheduler role (kvtier's
     with an object tier at ``remote_url``: the scheduler plans for it, never opens it)."""
@@ -106,13 +115,13 @@ def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: i
             kv_connector_module_path="kvtier.connectors.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "cpu_bytes": index_chunks * chunk_bytes, "cpu_headroom_bytes": 0,
+                "cpu_bytes": index_chunks * chunk_bytes,
+                "cpu_headroom_bytes": 0,
                 "chunk_size": CHUNK,
                 # the what-if ghosts off: their cost is this variant's difference to "kvtier"
                 **({"whatif": False} if variant == "kvtier-whatif-off" else {}),
                 # no weights to fingerprint in the bench's model directory: name them
-                **({"remote_url": remote_url, "model_fingerprint": "bench"}
-                   if remote_url else {}),
+                **({"remote_url": remote_url, "model_fingerprint": "bench"} if remote_url else {}),
             },
         )
     elif variant == "offloading":
@@ -125,29 +134,40 @@ def make_scheduler(variant: str, index_chunks: int, max_seqs: int, num_blocks: i
             },
         )
     model = ModelConfig(
-        model=_model_dir(), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+        model=_model_dir(),
+        dtype="bfloat16",
+        seed=0,
+        skip_tokenizer_init=True,
         max_model_len=MAX_LEN,
     )
     sched_cfg = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN,
-        enable_chunked_prefill=True, is_encoder_decoder=False,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=MAX_LEN,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
     )
     cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
     vllm_config = VllmConfig(
-        model_config=model, scheduler_config=sched_cfg, cache_config=cache,
+        model_config=model,
+        scheduler_config=sched_cfg,
+        cache_config=cache,
         kv_transfer_config=ktc,
     )
     # the same cache manager in every variant (a connector turns the hybrid one off)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
     )
     cache.num_gpu_blocks = num_blocks
     return Scheduler(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK, log_stats=True,
+        block_size=BLOCK,
+        log_stats=True,
     )
 
 
@@ -172,8 +192,11 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 100_000) -> Any:
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(
-        request_id=rid, prompt_token_ids=list(tokens), sampling_params=params,
-        pooling_params=None, block_hasher=block_hasher(),
+        request_id=rid,
+        prompt_token_ids=list(tokens),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=block_hasher(),
     )
 
 
@@ -199,8 +222,9 @@ def prefill_kvtier(sched: Any, n: int, rng: random.Random, hashes: Iterable[byte
         raise RuntimeError(f"kvtier's index holds {len(index)} chunks, not {n}")
 
 
-def prefill_offloading(sched: Any, n: int, rng: random.Random,
-                       hashes: Iterable[bytes] = ()) -> None:
+def prefill_offloading(
+    sched: Any, n: int, rng: random.Random, hashes: Iterable[bytes] = ()
+) -> None:
     """Put ``n`` stored chunks into the OffloadingConnector's CPU manager."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
@@ -269,8 +293,10 @@ def model_output(sched: Any, so: Any, variant: str) -> Any:
         req = sched.requests[rid]
         sampled.append([] if req.is_prefill_chunk else [2 + req.num_tokens % (VOCAB - 2)])
     return ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled, kv_connector_output=worker_output(variant, so),
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=worker_output(variant, so),
     )
 
 

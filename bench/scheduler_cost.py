@@ -142,8 +142,9 @@ def step(
 
 
 # ---- the step benchmark -------------------------------------------------------------------
-def run_case(plan: Plan, running: int, n_index: int, bar: Any,
-             profile_variant: str | None = None) -> tuple[list[dict[str, Any]], Any]:
+def run_case(
+    plan: Plan, running: int, n_index: int, bar: Any, profile_variant: str | None = None
+) -> tuple[list[dict[str, Any]], Any]:
     """Both phases for one (running, index) pair; returns one record per phase."""
     rng = random.Random(f"{plan.seed}-{running}-{n_index}")
     arrivals = [rng.randint(8192, 32768) for _ in range(plan.prefill_steps)]
@@ -155,8 +156,9 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
             prefill_kvtier(s, n_index, random.Random(fill_rng.random()))
         elif v == "offloading":
             prefill_offloading(s, n_index, random.Random(fill_rng.random()))
-    decode_prompts = [[rng.randrange(2, VOCAB) for _ in range(DECODE_PROMPT)]
-                      for _ in range(running)]
+    decode_prompts = [
+        [rng.randrange(2, VOCAB) for _ in range(DECODE_PROMPT)] for _ in range(running)
+    ]
     for s in scheds.values():
         for i, toks in enumerate(decode_prompts):
             s.add_request(make_request(f"d{i}", toks))
@@ -232,8 +234,10 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
         rec["vllm_p90_us"] = round(statistics.quantiles(logs["vllm"].us, n=10)[-1], 1)
         if "kvtier-whatif-off" in logs:
             # the ghosts' cost, step by step: both ran the same step, side by side
-            paired = [on - off for on, off in
-                      zip(logs["kvtier"].us, logs["kvtier-whatif-off"].us, strict=True)]
+            paired = [
+                on - off
+                for on, off in zip(logs["kvtier"].us, logs["kvtier-whatif-off"].us, strict=True)
+            ]
             rec["whatif_added_us_paired_median"] = round(statistics.median(paired), 1)
         records.append(rec)
     for s in scheds.values():
@@ -246,16 +250,21 @@ def run_case(plan: Plan, running: int, n_index: int, bar: Any,
 def whatif_cost_table(steps: list[dict[str, Any]]) -> str:
     """The what-if ghosts' cost per step: kvtier's step with them over without (same
     lockstep, same requests), median step times in µs."""
-    lines = ["", "what-if ghosts (whatif: true vs false, same lockstep; paired: the median of "
-             "the per-step differences, each step run by both side by side):",
-             f"{'running':>8} {'chunks':>10} {'phase':>8} {'off µs':>9} {'on µs':>9} "
-             f"{'on/off':>7} {'paired µs':>10} {'paired %':>9}"]
+    lines = [
+        "",
+        "what-if ghosts (whatif: true vs false, same lockstep; paired: the median of "
+        "the per-step differences, each step run by both side by side):",
+        f"{'running':>8} {'chunks':>10} {'phase':>8} {'off µs':>9} {'on µs':>9} "
+        f"{'on/off':>7} {'paired µs':>10} {'paired %':>9}",
+    ]
     for r in steps:
         on, off = r["kvtier_step_us"], r["kvtier-whatif-off_step_us"]
         paired = r["whatif_added_us_paired_median"]
-        lines.append(f"{r['running_requests']:>8} {r['index_chunks']:>10,} {r['phase']:>8} "
-                     f"{off:>9.1f} {on:>9.1f} {on / off:>7.3f} {paired:>10.1f} "
-                     f"{100 * paired / off:>8.2f}%")
+        lines.append(
+            f"{r['running_requests']:>8} {r['index_chunks']:>10,} {r['phase']:>8} "
+            f"{off:>9.1f} {on:>9.1f} {on / off:>7.3f} {paired:>10.1f} "
+            f"{100 * paired / off:>8.2f}%"
+        )
     return "\n".join(lines)
 
 
@@ -269,8 +278,14 @@ def profile_report(prof: Any, top: int) -> list[dict[str, Any]]:
         norm = filename.replace(os.sep, "/")
         if "/connectors/" in norm or "/kvtier/" in norm:
             where = "/".join(norm.split("/")[-2:])
-            rows.append({"function": f"{where}:{line}({name})", "calls": nc,
-                         "tottime_ms": round(tt * 1000, 2), "cumtime_ms": round(ct * 1000, 2)})
+            rows.append(
+                {
+                    "function": f"{where}:{line}({name})",
+                    "calls": nc,
+                    "tottime_ms": round(tt * 1000, 2),
+                    "cumtime_ms": round(ct * 1000, 2),
+                }
+            )
     rows.sort(key=lambda r: -r["tottime_ms"])
     return rows[:top]
 
@@ -292,30 +307,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true",
-                   help="small run: 16/64 running, 1k/4k chunks, 10+10 steps (< 1 min)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small run: 16/64 running, 1k/4k chunks, 10+10 steps (< 1 min)",
+    )
     p.add_argument("--running", help="comma-separated running-request counts (overrides)")
     p.add_argument("--index", help="comma-separated index sizes in chunks, e.g. 1e4,1e6")
     p.add_argument("--steps", type=int, help="measured steps per phase (default 60, quick 10)")
-    p.add_argument("--no-offloading", action="store_true",
-                   help="leave vLLM's OffloadingConnector out")
-    p.add_argument("--whatif-off", action="store_true",
-                   help="also run kvtier with whatif: false in the same lockstep (the "
-                   "kvtier-whatif-off columns): the what-if ghosts' cost is the difference")
-    p.add_argument("--forward-ms", type=float, default=0.0,
-                   help="a model forward pass between schedule() and update_from_output() "
-                   "(a sleep, not timed; default 0): threads such as the what-if ghosts' "
-                   "run then, as in a real engine")
-    p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"),
-                   help="JSON results file (default: bench/results/scheduler.json)")
+    p.add_argument(
+        "--no-offloading", action="store_true", help="leave vLLM's OffloadingConnector out"
+    )
+    p.add_argument(
+        "--whatif-off",
+        action="store_true",
+        help="also run kvtier with whatif: false in the same lockstep (the "
+        "kvtier-whatif-off columns): the what-if ghosts' cost is the difference",
+    )
+    p.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="a model forward pass between schedule() and update_from_output() "
+        "(a sleep, not timed; default 0): threads such as the what-if ghosts' "
+        "run then, as in a real engine",
+    )
+    p.add_argument(
+        "--out",
+        default=str(HERE / "results" / "scheduler.json"),
+        help="JSON results file (default: bench/results/scheduler.json)",
+    )
     p.add_argument("--plot", metavar="PNG", help="write a plot of the curves to this PNG")
-    p.add_argument("--profile", action="store_true",
-                   help="only cProfile kvtier's scheduler in the worst case (largest running "
-                   "count and index) and print where its time goes, function by function")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only cProfile kvtier's scheduler in the worst case (largest running "
+        "count and index) and print where its time goes, function by function",
+    )
     p.add_argument("--top", type=int, default=25, help="functions shown by --profile")
-    p.add_argument("--may-load-async", action="store_true",
-                   help="only time may_load_async against each index size and print it "
-                   "(writes no results file)")
+    p.add_argument(
+        "--may-load-async",
+        action="store_true",
+        help="only time may_load_async against each index size and print it "
+        "(writes no results file)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -330,32 +365,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         running, n = max(plan.running), max(plan.index_sizes)
         plan.variants = ("vllm", "kvtier")
-        with tqdm(total=plan.decode_steps + plan.prefill_steps, disable=args.no_progress,
-                  desc="profile") as bar:
+        with tqdm(
+            total=plan.decode_steps + plan.prefill_steps, disable=args.no_progress, desc="profile"
+        ) as bar:
             recs, prof = run_case(plan, running, n, bar, profile_variant="kvtier")
         for r in recs:
-            print(f"{r['phase']}: vLLM {r['vllm_step_us']:.0f} µs, kvtier "
-                  f"{r['kvtier_step_us']:.0f} µs ({r['kvtier_ratio']:.2f}x, profiled)")
-        print(f"kvtier functions, {running} running, {n:,} chunks, "
-              f"{plan.decode_steps}+{plan.prefill_steps} steps:")
+            print(
+                f"{r['phase']}: vLLM {r['vllm_step_us']:.0f} µs, kvtier "
+                f"{r['kvtier_step_us']:.0f} µs ({r['kvtier_ratio']:.2f}x, profiled)"
+            )
+        print(
+            f"kvtier functions, {running} running, {n:,} chunks, "
+            f"{plan.decode_steps}+{plan.prefill_steps} steps:"
+        )
         print(f"{'own ms':>9} {'cum ms':>9} {'calls':>8}  function")
         for row in profile_report(prof, args.top):
-            print(f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
-                  f"{row['function']}")
+            print(
+                f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
+                f"{row['function']}"
+            )
         import cProfile
 
         lprof = cProfile.Profile()
         with tqdm(total=3, disable=args.no_progress, desc="profile lookups") as bar:
             looks = run_lookups(plan, n, bar, lprof)
-        print(f"\nget_num_new_matched_tokens, 32k-token prompt, {n:,} chunks, "
-              f"{plan.lookup_samples} x hit/partial/miss:")
+        print(
+            f"\nget_num_new_matched_tokens, 32k-token prompt, {n:,} chunks, "
+            f"{plan.lookup_samples} x hit/partial/miss:"
+        )
         for r in looks:
-            print(f"  {r['outcome']}: p50 {r['p50_us']:.0f} µs, "
-                  f"p99 {r['p99_us']:.0f} µs (profiled)")
+            print(
+                f"  {r['outcome']}: p50 {r['p50_us']:.0f} µs, p99 {r['p99_us']:.0f} µs (profiled)"
+            )
         print(f"{'own ms':>9} {'cum ms':>9} {'calls':>8}  function")
         for row in profile_report(lprof, args.top):
-            print(f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
-                  f"{row['function']}")
+            print(
+                f"{row['tottime_ms']:9.1f} {row['cumtime_ms']:9.1f} {row['calls']:8d}  "
+                f"{row['function']}"
+            )
         return 0
 
     if args.may_load_async:
@@ -370,16 +417,29 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "scheduler_cost",
         "command": " ".join(["bench/scheduler_cost.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "variants": list(plan.variants),
-        "settings": {"block_size": BLOCK, "chunk_size": CHUNK, "max_num_batched_tokens": BUDGET,
-                     "decode_prompt_tokens": DECODE_PROMPT, "arriving_prompt_tokens": [8192, 32768],
-                     "decode_steps": plan.decode_steps, "prefill_steps": plan.prefill_steps,
-                     "lookup_samples": plan.lookup_samples,
-                     "index_prefill": "direct (ChunkIndex.begin/commit; manager prepare/complete)",
-                     "metadata_serialization": "pickle.HIGHEST_PROTOCOL (vLLM MessageQueue)"},
-        "steps": [], "lookups": [], "memory": [], "worker": [], "may_load_async": [],
+        "settings": {
+            "block_size": BLOCK,
+            "chunk_size": CHUNK,
+            "max_num_batched_tokens": BUDGET,
+            "decode_prompt_tokens": DECODE_PROMPT,
+            "arriving_prompt_tokens": [8192, 32768],
+            "decode_steps": plan.decode_steps,
+            "prefill_steps": plan.prefill_steps,
+            "lookup_samples": plan.lookup_samples,
+            "index_prefill": "direct (ChunkIndex.begin/commit; manager prepare/complete)",
+            "metadata_serialization": "pickle.HIGHEST_PROTOCOL (vLLM MessageQueue)",
+        },
+        "steps": [],
+        "lookups": [],
+        "memory": [],
+        "worker": [],
+        "may_load_async": [],
     }
     try:
         import vllm

@@ -48,8 +48,12 @@ def poll_results(rio: RemoteIO, n: int) -> list[OpResult]:
 
 
 def time_restart_runs(
-    rios: dict[str, RemoteIO], key_prefix: str, slots: list[memoryview], shape: list[int],
-    reps: int, check: Callable[[], None],
+    rios: dict[str, RemoteIO],
+    key_prefix: str,
+    slots: list[memoryview],
+    shape: list[int],
+    reps: int,
+    check: Callable[[], None],
 ) -> dict[str, list[float]]:
     """Time one run of fetches of every slot, as a restart hit's lookup asks for it, per
     side of ``rios``, ``reps`` times after two warm-up runs each; the sides alternate
@@ -61,8 +65,11 @@ def time_restart_runs(
         for side in sides if r % 2 == 0 else sides[::-1]:
             rio = rios[side]
             t0 = time.perf_counter()
-            rio.submit_get_run([(i, f"{key_prefix}-{side}-{i}", slots[i]) for i in range(n)],
-                               dtype="bfloat16", shape=shape)  # fmt: skip
+            rio.submit_get_run(
+                [(i, f"{key_prefix}-{side}-{i}", slots[i]) for i in range(n)],
+                dtype="bfloat16",
+                shape=shape,
+            )
             got = poll_results(rio, n)
             elapsed = time.perf_counter() - t0
             if any(not x.ok for x in got):
@@ -159,8 +166,14 @@ def file_case(args: argparse.Namespace) -> Case:
         with open(tier.path(key), "rb", buffering=0) as f:  # type: ignore[attr-defined]
             readinto_all(f, buf)
 
-    return Case("file", lambda _threads: FileTier(root), raw_put, raw_get, raw_read_object,
-                "readinto (page cache)")  # fmt: skip
+    return Case(
+        "file",
+        lambda _threads: FileTier(root),
+        raw_put,
+        raw_get,
+        raw_read_object,
+        "readinto (page cache)",
+    )
 
 
 def s3_case(args: argparse.Namespace) -> Case:
@@ -200,8 +213,9 @@ def s3_case(args: argparse.Namespace) -> Case:
         data = c.get_object(Bucket=bucket, Key=tier.object_key(key))["Body"].read()  # type: ignore[attr-defined]
         assert len(data) == buf.nbytes
 
-    return Case("s3 (moto)", open_tier, raw_put, raw_get, raw_read_object,
-                "boto3 get_object().read()")  # fmt: skip
+    return Case(
+        "s3 (moto)", open_tier, raw_put, raw_get, raw_read_object, "boto3 get_object().read()"
+    )
 
 
 def redis_case(args: argparse.Namespace) -> Case:
@@ -231,8 +245,7 @@ def redis_case(args: argparse.Namespace) -> Case:
     def open_tier(threads: int) -> ObjectTier:
         return RedisTier(args.redis_url, io_threads=threads)
 
-    return Case("redis", open_tier, raw_put, raw_get, raw_read_object,
-                "redis-py GET")  # fmt: skip
+    return Case("redis", open_tier, raw_put, raw_get, raw_read_object, "redis-py GET")
 
 
 def open_case(case: Case, threads: int) -> ObjectTier:
@@ -279,8 +292,14 @@ def cluster_case(ports: list[int], threads: int) -> Case:
         data = client.get(key)
         assert data is not None and len(data) == buf.nbytes
 
-    case = Case(f"cluster x{len(ports)}", lambda t: RedisClusterTier(url, io_threads=t),
-                raw_put, raw_get, raw_read_object, "redis-py RedisCluster GET")  # fmt: skip
+    case = Case(
+        f"cluster x{len(ports)}",
+        lambda t: RedisClusterTier(url, io_threads=t),
+        raw_put,
+        raw_get,
+        raw_read_object,
+        "redis-py RedisCluster GET",
+    )
     case.client = client  # type: ignore[attr-defined]
     case.raw_key = lambda key: f"raw/{{{key}}}"  # type: ignore[attr-defined]
     return case
@@ -300,6 +319,10 @@ def key_spread(client, n: int) -> dict:
         node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
         counts[node.name] += 1
     per = sorted(counts.values())
-    return {"keys": n, "per_primary": dict(sorted(counts.items())),
-            "min_share": per[0] / n, "max_share": per[-1] / n,
-            "max_over_mean": per[-1] / (n / len(per))}  # fmt: skip
+    return {
+        "keys": n,
+        "per_primary": dict(sorted(counts.items())),
+        "min_share": per[0] / n,
+        "max_share": per[-1] / n,
+        "max_over_mean": per[-1] / (n / len(per)),
+    }

@@ -37,8 +37,10 @@ def aes_gcm_speed(size: int, rounds: int) -> dict[str, float]:
         open_t.append(time.perf_counter() - t2)
         seal_t.append(t1 - t0)
     assert bytes(buf) == bytes(plain)
-    return {"seal_gbps": size / statistics.median(seal_t) / 1e9,
-            "open_gbps": size / statistics.median(open_t) / 1e9}  # fmt: skip
+    return {
+        "seal_gbps": size / statistics.median(seal_t) / 1e9,
+        "open_gbps": size / statistics.median(open_t) / 1e9,
+    }
 
 
 def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[dict]:
@@ -55,9 +57,14 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
     sources = [memoryview(bytearray(c)) for c in chunks]
     tier = open_case(case, args.putget_threads)
     rios = {
-        side: RemoteIO(open_case(case, args.putget_threads), threads=args.putget_threads,
-                       queue_depth=len(chunks) + 1, timeout_s=60.0, signer=signer,
-                       backoff=ConstantBackoff(0.1))  # fmt: skip
+        side: RemoteIO(
+            open_case(case, args.putget_threads),
+            threads=args.putget_threads,
+            queue_depth=len(chunks) + 1,
+            timeout_s=60.0,
+            signer=signer,
+            backoff=ConstantBackoff(0.1),
+        )
         for side, signer in sides.items()
     }
 
@@ -67,8 +74,8 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
     def put_sync(side: str) -> Callable[[], None]:
         def run() -> None:
             for k, src in zip(keys(side), sources, strict=True):
-                tier.put(k, codec.encode(k, src, dtype="bfloat16", shape=shape,
-                                         signer=sides[side]))  # fmt: skip
+                tier.put(k, codec.encode(k, src, dtype="bfloat16", shape=shape, signer=sides[side]))
+
         return run
 
     def get_sync(side: str) -> Callable[[], None]:
@@ -76,8 +83,8 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
             for k, slot in zip(keys(side), slots, strict=True):
                 head = tier.read_into(k, slot, MAX_FRAME)
                 assert head is not None
-                codec.verify(head, slot, key=k, dtype="bfloat16", shape=shape,
-                             signer=sides[side])  # fmt: skip
+                codec.verify(head, slot, key=k, dtype="bfloat16", shape=shape, signer=sides[side])
+
         return run
 
     def put_async(side: str) -> Callable[[], None]:
@@ -86,6 +93,7 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
             for i, (k, src) in enumerate(zip(keys(side), sources, strict=True)):
                 assert rio.submit_put(i, k, src, dtype="bfloat16", shape=shape)
             wait_for_results(rio, len(chunks))
+
         return run
 
     def get_async(side: str) -> Callable[[], None]:
@@ -94,6 +102,7 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
             for i, (k, slot) in enumerate(zip(keys(side), slots, strict=True)):
                 rio.submit_get_into(i, k, slot, dtype="bfloat16", shape=shape)
             wait_for_results(rio, len(chunks))
+
         return run
 
     ops = [
@@ -114,12 +123,17 @@ def run_encryption(case: Case, args: argparse.Namespace, chunks: list[bytes]) ->
             if op == "get":
                 assert [bytes(s) for s in slots] == chunks, "a sealed chunk did not open"
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({
-            "backend": case.name, "mode": mode, "op": op, "chunk_mib": size / MiB,
-            "plain_gbps_median": total / med["plain"] / 1e9,
-            "sealed_gbps_median": total / med["sealed"] / 1e9,
-            "sealed_over_plain": med["plain"] / med["sealed"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "backend": case.name,
+                "mode": mode,
+                "op": op,
+                "chunk_mib": size / MiB,
+                "plain_gbps_median": total / med["plain"] / 1e9,
+                "sealed_gbps_median": total / med["sealed"] / 1e9,
+                "sealed_over_plain": med["plain"] / med["sealed"],
+            }
+        )
     for rio in rios.values():
         rio.close()  # closes its tier too
     tier.close()
@@ -169,8 +183,10 @@ def compression_speed(chunks: list[bytes], rounds: int) -> list[dict]:
     def unshuffle(c: bytes, d: memoryview) -> None:
         compress.decompress_into("blosc2", memoryview(c), d)
 
-    cands["blosc2 shuffle+zstd-1 (kvtier)"] = (lambda b: comp.compress(memoryview(b), 2)[0],
-                                               unshuffle)  # fmt: skip
+    cands["blosc2 shuffle+zstd-1 (kvtier)"] = (
+        lambda b: comp.compress(memoryview(b), 2)[0],
+        unshuffle,
+    )
     fp8 = compress.Fp8Compressor()
 
     def quantise(b: bytes) -> bytes:
@@ -214,8 +230,14 @@ def compression_speed(chunks: list[bytes], rounds: int) -> list[dict]:
                 dfn(b, slot[: len(c)])
             best_d = min(best_d, time.perf_counter() - t0)
         assert "lossy" in name or bytes(slot[: len(chunks[-1])]) == chunks[-1], name
-        rows.append({"codec": name, "ratio": stored / raw, "compress_gbps": raw / best_c / 1e9,
-                     "decompress_gbps": raw / best_d / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "codec": name,
+                "ratio": stored / raw,
+                "compress_gbps": raw / best_c / 1e9,
+                "decompress_gbps": raw / best_d / 1e9,
+            }
+        )
     return rows
 
 
@@ -269,7 +291,10 @@ def auto_learn_rounds(n: int) -> int:
 
 
 def auto_replica(
-    reader: Callable[[], ObjectTier], args: argparse.Namespace, chunks: list[bytes], n: int,
+    reader: Callable[[], ObjectTier],
+    args: argparse.Namespace,
+    chunks: list[bytes],
+    n: int,
     prefix: str = "z",
 ) -> tuple[RemoteIO, compress.AutoCompressor]:
     """A replica with ``compression: auto`` through the same link: it uploads rounds of
@@ -279,8 +304,15 @@ def auto_replica(
     size = len(chunks[0])
     rounds = auto_learn_rounds(n)
     z = compress.AutoCompressor(compress.Compressor())
-    rio = RemoteIO(reader(), threads=args.putget_threads, queue_depth=2 * n + 1, timeout_s=60.0,
-                   signer=None, backoff=ConstantBackoff(0.1), compressor=z)  # fmt: skip
+    rio = RemoteIO(
+        reader(),
+        threads=args.putget_threads,
+        queue_depth=2 * n + 1,
+        timeout_s=60.0,
+        signer=None,
+        backoff=ConstantBackoff(0.1),
+        compressor=z,
+    )
     slots = [memoryview(bytearray(size)) for _ in range(n)]
     seq = 0
 
@@ -288,16 +320,24 @@ def auto_replica(
         nonlocal seq
         for i in range(n):
             seq += 1
-            rio.submit_put(seq, f"{name}-{i}", memoryview(chunks[i % len(chunks)]),
-                           dtype="bfloat16", shape=[size // 2])  # fmt: skip
+            rio.submit_put(
+                seq,
+                f"{name}-{i}",
+                memoryview(chunks[i % len(chunks)]),
+                dtype="bfloat16",
+                shape=[size // 2],
+            )
         if rio.flush(60.0):
             raise RuntimeError("auto replica: uploads left unwritten")
         rio.poll()
 
     for r in range(rounds):
         upload(f"{prefix}-learn-{r}")
-        rio.submit_get_run([(i, f"{prefix}-learn-{r}-{i}", slots[i]) for i in range(n)],
-                           dtype="bfloat16", shape=[size // 2])  # fmt: skip
+        rio.submit_get_run(
+            [(i, f"{prefix}-learn-{r}-{i}", slots[i]) for i in range(n)],
+            dtype="bfloat16",
+            shape=[size // 2],
+        )
         wait_for_results(rio, n)
     upload(f"{prefix}-auto")
     return rio, z
@@ -326,15 +366,23 @@ def run_compression_hit(
             stored[side] += codec.encoded_size(parts)
             writer.put(k, parts)
     writer.close()
+
     def reader() -> ObjectTier:
         tier = open_case(case, args.putget_threads)
         return tier if link_gbit is None else LinkTier(tier, link_gbit)
 
-    rios = {side: RemoteIO(reader(), threads=args.putget_threads,
-                           queue_depth=n + 1, timeout_s=60.0, signer=None,
-                           backoff=ConstantBackoff(0.1),
-                           compressor=comp if side == "lossless" else None)
-            for side in stored}  # fmt: skip
+    rios = {
+        side: RemoteIO(
+            reader(),
+            threads=args.putget_threads,
+            queue_depth=n + 1,
+            timeout_s=60.0,
+            signer=None,
+            backoff=ConstantBackoff(0.1),
+            compressor=comp if side == "lossless" else None,
+        )
+        for side in stored
+    }
     slots = [memoryview(bytearray(size)) for _ in range(n)]
     reps = max(args.rounds, 3) * 5
 
@@ -350,10 +398,17 @@ def run_compression_hit(
         rio.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     name = case.name if link_gbit is None else f"{case.name} @ {link_gbit:g} Gbit/s"
-    return {"backend": name, "chunks": n, "chunk_mib": size / MiB, "runs": reps,
-            "stored_over_raw": stored["lossless"] / stored["none"],
-            "none_ms_median": med["none"] * 1000, "lossless_ms_median": med["lossless"] * 1000,
-            "lossless_over_none": med["lossless"] / med["none"],
-            "auto_ms_median": med["auto"] * 1000, "auto_over_none": med["auto"] / med["none"],
-            "auto_compressing": auto_compressed,
-            "auto_stored_over_raw": auto_stored / auto_raw}
+    return {
+        "backend": name,
+        "chunks": n,
+        "chunk_mib": size / MiB,
+        "runs": reps,
+        "stored_over_raw": stored["lossless"] / stored["none"],
+        "none_ms_median": med["none"] * 1000,
+        "lossless_ms_median": med["lossless"] * 1000,
+        "lossless_over_none": med["lossless"] / med["none"],
+        "auto_ms_median": med["auto"] * 1000,
+        "auto_over_none": med["auto"] / med["none"],
+        "auto_compressing": auto_compressed,
+        "auto_stored_over_raw": auto_stored / auto_raw,
+    }

@@ -116,9 +116,15 @@ def run_case(
                     tier.delete(raw_keys if fn is raw_fn else keys)
                 times.append(timed(fn))
         rows.append(
-            (case.name, mode, op, mbps(total, min(kv_t)), mbps(total, min(raw_t)),
-             statistics.median(raw_t) / statistics.median(kv_t))
-        )  # fmt: skip
+            (
+                case.name,
+                mode,
+                op,
+                mbps(total, min(kv_t)),
+                mbps(total, min(raw_t)),
+                statistics.median(raw_t) / statistics.median(kv_t),
+            )
+        )
     for slot, c in zip(slots, chunks, strict=True):
         assert bytes(slot) == c, "a fetched chunk differs from what was written"
     rio.close()  # closes the tier too
@@ -186,14 +192,19 @@ def _measure_into(
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     return {
-        "backend": case.name, "raw_reader": case.raw_reader, "io_threads": rio_threads(rio),
-        "read_threads": rio.read_threads, "concurrency": conc, "chunk_mib": size / MiB,
-        "bytes_per_round": nbytes, "rounds": args.rounds,
+        "backend": case.name,
+        "raw_reader": case.raw_reader,
+        "io_threads": rio_threads(rio),
+        "read_threads": rio.read_threads,
+        "concurrency": conc,
+        "chunk_mib": size / MiB,
+        "bytes_per_round": nbytes,
+        "rounds": args.rounds,
         **{f"{k}_gbps_best": nbytes / best[k] / 1e9 for k in best},
         **{f"{k}_gbps_median": nbytes / med[k] / 1e9 for k in med},
         "async_over_raw": med["raw"] / med["async"],
         "sync_over_raw": med["raw"] / med["sync"],
-    }  # fmt: skip
+    }
 
 
 def rio_threads(rio: RemoteIO) -> int:
@@ -218,8 +229,14 @@ def run_into(case: Case, args: argparse.Namespace, chunks: list[bytes]) -> list[
     for threads in args.threads:
         tier = open_case(case, threads)
         depth = max(args.concurrency) + 1
-        rio = RemoteIO(tier, threads=threads, queue_depth=depth, timeout_s=60.0, signer=signer,
-                       backoff=ConstantBackoff(0.1))  # fmt: skip
+        rio = RemoteIO(
+            tier,
+            threads=threads,
+            queue_depth=depth,
+            timeout_s=60.0,
+            signer=signer,
+            backoff=ConstantBackoff(0.1),
+        )
         n_read = rio.read_threads
         pool = ThreadPoolExecutor(max_workers=n_read)
         for conc in args.concurrency:
@@ -235,19 +252,32 @@ def run_hit_latency(case: Case, args: argparse.Namespace, chunks: list[bytes]) -
     shape = [size // 2]
     n = args.hit_chunks
     hmac_key = b"bench-key" if args.hmac else None
-    sides = {"plain": codec.Signer(hmac_key) if hmac_key else None,
-             "sealed": codec.Signer(hmac_key, sealer=Sealer(os.urandom(32)))}  # fmt: skip
+    sides = {
+        "plain": codec.Signer(hmac_key) if hmac_key else None,
+        "sealed": codec.Signer(hmac_key, sealer=Sealer(os.urandom(32))),
+    }
     writer = open_case(case, args.putget_threads)
     for side, signer in sides.items():
         for i in range(n):
             k = f"hit-{side}-{i}"
-            writer.put(k, codec.encode(k, chunks[i % len(chunks)], dtype="bfloat16",
-                                       shape=shape, signer=signer))  # fmt: skip
+            writer.put(
+                k,
+                codec.encode(
+                    k, chunks[i % len(chunks)], dtype="bfloat16", shape=shape, signer=signer
+                ),
+            )
     writer.close()
-    rios = {side: RemoteIO(open_case(case, args.putget_threads), threads=args.putget_threads,
-                           queue_depth=n + 1, timeout_s=60.0, signer=signer,
-                           backoff=ConstantBackoff(0.1))
-            for side, signer in sides.items()}  # fmt: skip
+    rios = {
+        side: RemoteIO(
+            open_case(case, args.putget_threads),
+            threads=args.putget_threads,
+            queue_depth=n + 1,
+            timeout_s=60.0,
+            signer=signer,
+            backoff=ConstantBackoff(0.1),
+        )
+        for side, signer in sides.items()
+    }
     slots = [memoryview(bytearray(size)) for _ in range(n)]
     reps = max(args.rounds, 3) * 5
 
@@ -259,10 +289,17 @@ def run_hit_latency(case: Case, args: argparse.Namespace, chunks: list[bytes]) -
     for rio in rios.values():
         rio.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"backend": case.name, "chunks": n, "chunk_mib": size / MiB, "runs": reps,
-            "io_threads": args.putget_threads, "read_threads": rios["plain"].read_threads,
-            "plain_ms_median": med["plain"] * 1000, "sealed_ms_median": med["sealed"] * 1000,
-            "added_ms": (med["sealed"] - med["plain"]) * 1000}  # fmt: skip
+    return {
+        "backend": case.name,
+        "chunks": n,
+        "chunk_mib": size / MiB,
+        "runs": reps,
+        "io_threads": args.putget_threads,
+        "read_threads": rios["plain"].read_threads,
+        "plain_ms_median": med["plain"] * 1000,
+        "sealed_ms_median": med["sealed"] * 1000,
+        "added_ms": (med["sealed"] - med["plain"]) * 1000,
+    }
 
 
 def run_cluster(args: argparse.Namespace, chunks: list[bytes]) -> tuple[list[tuple], dict]:

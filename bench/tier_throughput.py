@@ -122,45 +122,85 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--s3-endpoint", help="use this S3 endpoint instead of starting moto")
     parser.add_argument("--bucket", default="kvtier-bench", help="S3 bucket (created if missing)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="chunk size in MiB")
-    parser.add_argument("--chunks", type=int, default=16,
-                        help="chunks of the put/get table, objects stored for reads")  # fmt: skip
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        default=16,
+        help="chunks of the put/get table, objects stored for reads",
+    )
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure")
-    parser.add_argument("--threads", type=int_list, default=[1, 2, 4, 8],
-                        help="io_threads values of the read-into table (RemoteIO reads on "
-                        "ceil(n/2) of them), comma-separated")  # fmt: skip
-    parser.add_argument("--concurrency", type=int_list, default=[4, 16],
-                        help="chunks in flight (read-into table), comma-separated")  # fmt: skip
-    parser.add_argument("--round-mib", type=float, default=64.0,
-                        help="MiB read per round of the read-into table")  # fmt: skip
-    parser.add_argument("--putget-threads", type=int, default=4,
-                        help="io_threads of the put/get table (RemoteIO splits it)")  # fmt: skip
-    parser.add_argument("--only", type=_backends, default=list(BACKENDS),
-                        help="backends, comma-separated (file, s3, redis)")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int_list,
+        default=[1, 2, 4, 8],
+        help="io_threads values of the read-into table (RemoteIO reads on "
+        "ceil(n/2) of them), comma-separated",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[4, 16],
+        help="chunks in flight (read-into table), comma-separated",
+    )
+    parser.add_argument(
+        "--round-mib", type=float, default=64.0, help="MiB read per round of the read-into table"
+    )
+    parser.add_argument(
+        "--putget-threads",
+        type=int,
+        default=4,
+        help="io_threads of the put/get table (RemoteIO splits it)",
+    )
+    parser.add_argument(
+        "--only",
+        type=_backends,
+        default=list(BACKENDS),
+        help="backends, comma-separated (file, s3, redis)",
+    )
     parser.add_argument("--skip-putget", action="store_true", help="only the read-into table")
     parser.add_argument("--skip-into", action="store_true", help="no read-into table")
-    parser.add_argument("--skip-encryption", action="store_true",
-                        help="no encryption (sealed ÷ plain) table")  # fmt: skip
-    parser.add_argument("--only-encryption", action="store_true",
-                        help="only the encryption tables")  # fmt: skip
-    parser.add_argument("--hit-chunks", type=int, default=8,
-                        help="chunks of the restart-hit fetch (8 x 4 MiB: a 2,048-token "
-                        "prompt of bench/ttft.py's model)")  # fmt: skip
-    parser.add_argument("--skip-compression", action="store_true",
-                        help="no compression table")  # fmt: skip
-    parser.add_argument("--only-compression", action="store_true",
-                        help="only the compression tables")  # fmt: skip
-    parser.add_argument("--link-gbit", type=float_list, default=[1.0, 5.0, 10.0, 25.0],
-                        help="also fetch the compression table's file tier through a link "
-                        "of these Gbit/s (shared by the read threads), comma-separated")
-    parser.add_argument("--kv-dir", help="a file:// tier directory an engine wrote (raw "
-                        "chunks): compress its chunks instead of synthetic KV-like ones")
-    parser.add_argument("--skip-cluster", action="store_true",
-                        help="no Redis Cluster table (1 node vs 3 primaries)")  # fmt: skip
-    parser.add_argument("--only-cluster", action="store_true",
-                        help="only the Redis Cluster table (starts redis-server and a "
-                        "3-primary cluster on loopback)")  # fmt: skip
-    parser.add_argument("--spread-keys", type=int, default=100_000,
-                        help="random chunk keys mapped to primaries (key spread)")  # fmt: skip
+    parser.add_argument(
+        "--skip-encryption", action="store_true", help="no encryption (sealed ÷ plain) table"
+    )
+    parser.add_argument("--only-encryption", action="store_true", help="only the encryption tables")
+    parser.add_argument(
+        "--hit-chunks",
+        type=int,
+        default=8,
+        help="chunks of the restart-hit fetch (8 x 4 MiB: a 2,048-token "
+        "prompt of bench/ttft.py's model)",
+    )
+    parser.add_argument("--skip-compression", action="store_true", help="no compression table")
+    parser.add_argument(
+        "--only-compression", action="store_true", help="only the compression tables"
+    )
+    parser.add_argument(
+        "--link-gbit",
+        type=float_list,
+        default=[1.0, 5.0, 10.0, 25.0],
+        help="also fetch the compression table's file tier through a link "
+        "of these Gbit/s (shared by the read threads), comma-separated",
+    )
+    parser.add_argument(
+        "--kv-dir",
+        help="a file:// tier directory an engine wrote (raw "
+        "chunks): compress its chunks instead of synthetic KV-like ones",
+    )
+    parser.add_argument(
+        "--skip-cluster", action="store_true", help="no Redis Cluster table (1 node vs 3 primaries)"
+    )
+    parser.add_argument(
+        "--only-cluster",
+        action="store_true",
+        help="only the Redis Cluster table (starts redis-server and a "
+        "3-primary cluster on loopback)",
+    )
+    parser.add_argument(
+        "--spread-keys",
+        type=int,
+        default=100_000,
+        help="random chunk keys mapped to primaries (key spread)",
+    )
     parser.add_argument("--hmac", action="store_true", help="sign and verify chunks (HMAC)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
@@ -249,12 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         keys = ("backend", "mode", "op", "kvtier_mbps_best", "raw_mbps_best", "ratio_median")
         with open(args.json, "w") as f:
-            json.dump({"putget": [dict(zip(keys, r, strict=True)) for r in rows],
-                       "into": into, "encryption": enc, "aes_gcm": speed,
-                       "restart_hit_fetch": hits, "compression": zspeed,
-                       "compression_restart_hit_fetch": zhits,
-                       "cluster": [dict(zip(keys, r, strict=True)) for r in cluster_rows],
-                       "cluster_key_spread": spread}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "putget": [dict(zip(keys, r, strict=True)) for r in rows],
+                    "into": into,
+                    "encryption": enc,
+                    "aes_gcm": speed,
+                    "restart_hit_fetch": hits,
+                    "compression": zspeed,
+                    "compression_restart_hit_fetch": zhits,
+                    "cluster": [dict(zip(keys, r, strict=True)) for r in cluster_rows],
+                    "cluster_key_spread": spread,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -73,9 +73,22 @@ from traces import (
 )
 
 #: what tests and the e2e replay read from here
-__all__ = ["HASH_QUICK", "QUICK", "TOKEN_HI", "TOKEN_LO", "HashTraceShape", "corpus",
-           "expand_trace", "generate_hash_trace", "generate_trace", "lru_hits_per_request",
-           "max_request_chunks", "pick_slots", "planner_served", "rate_at"]
+__all__ = [
+    "HASH_QUICK",
+    "QUICK",
+    "TOKEN_HI",
+    "TOKEN_LO",
+    "HashTraceShape",
+    "corpus",
+    "expand_trace",
+    "generate_hash_trace",
+    "generate_trace",
+    "lru_hits_per_request",
+    "max_request_chunks",
+    "pick_slots",
+    "planner_served",
+    "rate_at",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 32
@@ -85,12 +98,28 @@ FRACTIONS = (0.2, 0.5, 0.9)
 # ----------------------------------------------------------------------- prediction
 
 
-def planner_curve(model: str, trace: Path, chunk_size: int,
-                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def planner_curve(
+    model: str, trace: Path, chunk_size: int, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``kvtier size --trace --json`` as a user runs it, vLLM's cache taken as empty."""
-    argv = [sys.executable, "-m", "kvtier.cli.main", "size", "--model", model,
-            "--trace", str(trace), "--gpu-kv-tokens", "0", "--chunk-size", str(chunk_size),
-            "--block-size", str(BLOCK_SIZE), "--json", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvtier.cli.main",
+        "size",
+        "--model",
+        model,
+        "--trace",
+        str(trace),
+        "--gpu-kv-tokens",
+        "0",
+        "--chunk-size",
+        str(chunk_size),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--json",
+        *extra,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"kvtier size failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -98,26 +127,36 @@ def planner_curve(model: str, trace: Path, chunk_size: int,
     return rep
 
 
-def planner_served(trace: Path, chunk_size: int,
-                   trace_block_size: int | None = None) -> tuple[list[int], int]:
+def planner_served(
+    trace: Path, chunk_size: int, trace_block_size: int | None = None
+) -> tuple[list[int], int]:
     """served[s] (tokens a tier of s chunks serves) and the prompt tokens, from the
     planner's own simulation (the CLI prints 40 points of it)."""
     from kvtier.sizing.trace import TraceFormat, plan_trace
 
-    sim, _ = plan_trace(str(trace), tokenizer=None, block_size=BLOCK_SIZE,
-                        chunk_size=chunk_size, gpu_kv_tokens=0,
-                        form=TraceFormat(block_size=trace_block_size))
+    sim, _ = plan_trace(
+        str(trace),
+        tokenizer=None,
+        block_size=BLOCK_SIZE,
+        chunk_size=chunk_size,
+        gpu_kv_tokens=0,
+        form=TraceFormat(block_size=trace_block_size),
+    )
     return sim.served(), sim.prompt_tokens
 
 
 def max_request_chunks(trace: Path, chunk_size: int) -> int:
     """Full chunks of the trace's longest prompt."""
-    return max(len(json.loads(ln)["prompt_token_ids"]) // chunk_size
-               for ln in trace.read_text().splitlines() if ln.strip())
+    return max(
+        len(json.loads(ln)["prompt_token_ids"]) // chunk_size
+        for ln in trace.read_text().splitlines()
+        if ln.strip()
+    )
 
 
-def pick_slots(served: list[int], floor: int,
-               fractions: tuple[float, ...] = FRACTIONS) -> list[int]:
+def pick_slots(
+    served: list[int], floor: int, fractions: tuple[float, ...] = FRACTIONS
+) -> list[int]:
     """The smallest tier (in slots) reaching each fraction of the curve's range, at least
     ``floor`` slots (below the longest prompt's chunks the model is not exact: see
     docs/sizing.md, Sizing from a request trace)."""
@@ -143,8 +182,9 @@ def lru_hits_per_request(trace: Path, slots: int, chunk_size: int) -> list[int]:
             continue
         r = json.loads(ln)
         ids = r["prompt_token_ids"]
-        keys = chunk_block_hashes(token_block_hashes(ids, BLOCK_SIZE, r.get("cache_salt")),
-                                  chunk_size // BLOCK_SIZE)
+        keys = chunk_block_hashes(
+            token_block_hashes(ids, BLOCK_SIZE, r.get("cache_salt")), chunk_size // BLOCK_SIZE
+        )
         cap = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
         hit = 0
         for c, k in enumerate(keys):
@@ -167,8 +207,9 @@ def rate_at(served: list[int], prompt_tokens: int, slots: int) -> float:
 # ------------------------------------------------------------------------- replay
 
 
-def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
-           batch: int = 1) -> dict[str, Any]:
+def replay(
+    model: str, trace: Path, cpu_bytes: int, chunk_size: int, batch: int = 1
+) -> dict[str, Any]:
     """One engine, this host-tier size: every request of the trace, one at a time (or
     ``batch`` consecutive requests at once; then the hits are per batch)."""
     from vllm import LLM, SamplingParams
@@ -178,11 +219,20 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes": cpu_bytes, "chunk_size": chunk_size,
-                                      "cpu_headroom_bytes": "256MiB"},
+        "kv_connector_extra_config": {
+            "cpu_bytes": cpu_bytes,
+            "chunk_size": chunk_size,
+            "cpu_headroom_bytes": "256MiB",
+        },
     }
-    llm = LLM(model=model, enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=4096,
-              seed=0, kv_transfer_config=ktc)
+    llm = LLM(
+        model=model,
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=4096,
+        seed=0,
+        kv_transfer_config=ktc,
+    )
     # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's
     # scheduler side and its counters are at hand
     core: Any = llm.llm_engine.engine_core
@@ -198,7 +248,7 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
             resets_failed += 1
         before = side.totals["hit_tokens_host"]
         prompts = []
-        for r in requests[i:i + batch]:
+        for r in requests[i : i + batch]:
             tp = TokensPrompt(prompt_token_ids=r["prompt_token_ids"])
             if r.get("cache_salt"):
                 tp["cache_salt"] = r["cache_salt"]
@@ -232,34 +282,59 @@ def replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int,
     return result
 
 
-def run_replay(model: str, trace: Path, cpu_bytes: int, chunk_size: int, batch: int = 1,
-               timeout: float = 900) -> dict[str, Any]:
+def run_replay(
+    model: str, trace: Path, cpu_bytes: int, chunk_size: int, batch: int = 1, timeout: float = 900
+) -> dict[str, Any]:
     """:func:`replay` in a fresh process (one engine per process, engine core inside it)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_cpus()),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, __file__, "--phase-replay", json.dumps(
-        {"model": model, "trace": str(trace), "cpu_bytes": cpu_bytes, "chunk_size": chunk_size,
-         "batch": batch})]
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_cpus()),
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    argv = [
+        sys.executable,
+        __file__,
+        "--phase-replay",
+        json.dumps(
+            {
+                "model": model,
+                "trace": str(trace),
+                "cpu_bytes": cpu_bytes,
+                "chunk_size": chunk_size,
+                "batch": batch,
+            }
+        ),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            out: dict[str, Any] = json.loads(line[len("RESULT "):])
+            out: dict[str, Any] = json.loads(line[len("RESULT ") :])
             out["engine_s"] = time.monotonic() - t0
             return out
-    raise RuntimeError(f"replay at cpu_bytes={cpu_bytes} ended without a result "
-                       f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    raise RuntimeError(
+        f"replay at cpu_bytes={cpu_bytes} ended without a result "
+        f"(exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
 
 
 # ---------------------------------------------------------------------- the check
 
 
-def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
-        slots: list[int] | None = None, below: bool = False, batch: int = 1,
-        parallel: int = 1, hash_shape: HashTraceShape | None = None) -> dict[str, Any]:
+def run(
+    model_dir: Path,
+    workdir: Path,
+    shape: TraceShape,
+    chunk_size: int,
+    slots: list[int] | None = None,
+    below: bool = False,
+    batch: int = 1,
+    parallel: int = 1,
+    hash_shape: HashTraceShape | None = None,
+) -> dict[str, Any]:
     """Generate the trace, predict, replay at three sizes (and with ``below`` at one size
     under the longest prompt's chunks, with ``batch`` > 1 at the largest size with that
     many requests at a time): the whole comparison. With ``hash_shape`` the trace is a
@@ -291,8 +366,11 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
     # the hit rates do not depend on timing (one request at a time in each engine), so
     # the engines may run side by side: their start-up is mostly one core's work
     with ThreadPoolExecutor(max(1, parallel)) as pool:
-        runs = list(pool.map(lambda sz: run_replay(model, trace, sz[0] * slot_bytes, chunk_size,
-                                                   sz[2]), sizes))
+        runs = list(
+            pool.map(
+                lambda sz: run_replay(model, trace, sz[0] * slot_bytes, chunk_size, sz[2]), sizes
+            )
+        )
     points = []
     for (s, is_below, _), m in zip(sizes, runs, strict=True):
         cpu_bytes = s * slot_bytes
@@ -301,30 +379,51 @@ def run(model_dir: Path, workdir: Path, shape: TraceShape, chunk_size: int,
         differ: list[int] = []
         if m["batch"] == 1:  # batched, the hits are per batch
             model_hits = lru_hits_per_request(trace, s, chunk_size)
-            differ = [i for i, (a, b) in enumerate(zip(model_hits, m["per_request_hits"],
-                                                        strict=True)) if a != b]
-        points.append({
-            "slots": s, "cpu_bytes": cpu_bytes, "below_longest_prompt": is_below,
-            "predicted_hit_rate": predicted, "measured_hit_rate": measured,
-            "difference_pp": (measured - predicted) * 100,
-            "requests_differing": len(differ), "first_differing": differ[:10],
-            **m,
-        })
-        print(f"[cpu_bytes {cpu_bytes} ({s} slots): predicted {predicted * 100:.1f} %, "
-              f"measured {measured * 100:.1f} %, {len(differ)} requests differ, "
-              f"engine {m['engine_s']:.0f} s]", file=sys.stderr, flush=True)
+            differ = [
+                i
+                for i, (a, b) in enumerate(zip(model_hits, m["per_request_hits"], strict=True))
+                if a != b
+            ]
+        points.append(
+            {
+                "slots": s,
+                "cpu_bytes": cpu_bytes,
+                "below_longest_prompt": is_below,
+                "predicted_hit_rate": predicted,
+                "measured_hit_rate": measured,
+                "difference_pp": (measured - predicted) * 100,
+                "requests_differing": len(differ),
+                "first_differing": differ[:10],
+                **m,
+            }
+        )
+        print(
+            f"[cpu_bytes {cpu_bytes} ({s} slots): predicted {predicted * 100:.1f} %, "
+            f"measured {measured * 100:.1f} %, {len(differ)} requests differ, "
+            f"engine {m['engine_s']:.0f} s]",
+            file=sys.stderr,
+            flush=True,
+        )
     return {
-        "trace": {**curve["trace"], "path": plan_from.name, "generated_requests": n,
-                  "max_request_chunks": k_max,
-                  "shape": asdict(hash_shape if hash_shape is not None else shape)},
-        "format": fmt, "planned_from_ids_as_from_tokens": same_as_tokens,
-        "chunk_size": chunk_size, "block_size": BLOCK_SIZE,
+        "trace": {
+            **curve["trace"],
+            "path": plan_from.name,
+            "generated_requests": n,
+            "max_request_chunks": k_max,
+            "shape": asdict(hash_shape if hash_shape is not None else shape),
+        },
+        "format": fmt,
+        "planned_from_ids_as_from_tokens": same_as_tokens,
+        "chunk_size": chunk_size,
+        "block_size": BLOCK_SIZE,
         "planner_slot_bytes": slot_bytes,
         "max_hit_rate": served[-1] / prompt_tokens,
         "curve": curve["host_tier"],
         "points": points,
-        "machine": {"cpus": len(os.sched_getaffinity(0)),
-                    "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())},
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_cpus()),
+        },
     }
 
 
@@ -332,17 +431,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the small trace the e2e test runs")
     p.add_argument("--chunk-size", type=int, default=128)
-    p.add_argument("--slots", type=int_list, help="host-tier sizes in slots (default: the "
-                   "sizes at 20, 50 and 90 %% of the curve's range)")
-    p.add_argument("--no-below", action="store_true", help="skip the extra replay at half "
-                   "the longest prompt's chunks (where the model is known not to be exact)")
-    p.add_argument("--batched", type=int, help="also replay the largest size this many "
-                   "requests at a time (default 4; 1: not; --quick: not)")
-    p.add_argument("--parallel", type=int, default=1, help="engines run at once (the hit "
-                   "rates do not depend on it; the start-ups overlap)")
+    p.add_argument(
+        "--slots",
+        type=int_list,
+        help="host-tier sizes in slots (default: the "
+        "sizes at 20, 50 and 90 %% of the curve's range)",
+    )
+    p.add_argument(
+        "--no-below",
+        action="store_true",
+        help="skip the extra replay at half "
+        "the longest prompt's chunks (where the model is known not to be exact)",
+    )
+    p.add_argument(
+        "--batched",
+        type=int,
+        help="also replay the largest size this many "
+        "requests at a time (default 4; 1: not; --quick: not)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="engines run at once (the hit rates do not depend on it; the start-ups overlap)",
+    )
     p.add_argument("--seed", type=int, default=0, help="trace seed")
-    p.add_argument("--hash-ids", action="store_true", help="a hash-id (Mooncake-format) "
-                   "trace instead: planned from the ids, replayed as each id's tokens")
+    p.add_argument(
+        "--hash-ids",
+        action="store_true",
+        help="a hash-id (Mooncake-format) "
+        "trace instead: planned from the ids, replayed as each id's tokens",
+    )
     p.add_argument("--model-dir", help="where to build the tiny model (default: a temp dir)")
     p.add_argument("--workdir", help="where the trace goes (default: a temp dir)")
     p.add_argument("--plot", help="draw the curve and the measured points into this PNG")
@@ -367,10 +486,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-trace-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir or os.path.join(tempfile.gettempdir(), "kvtier-tiny4"))
-    res = run(model_dir, workdir, shape, args.chunk_size, args.slots,
-              below=not args.quick and not args.no_below,
-              batch=args.batched if args.batched is not None else (1 if args.quick else 4),
-              parallel=args.parallel, hash_shape=hash_shape)
+    res = run(
+        model_dir,
+        workdir,
+        shape,
+        args.chunk_size,
+        args.slots,
+        below=not args.quick and not args.no_below,
+        batch=args.batched if args.batched is not None else (1 if args.quick else 4),
+        parallel=args.parallel,
+        hash_shape=hash_shape,
+    )
     print_trace_replay(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")

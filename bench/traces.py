@@ -63,12 +63,14 @@ def generate_trace(path: Path, shape: TraceShape) -> int:
     active: list[dict[str, Any]] = []
     while started < shape.sessions or active:
         while started < shape.sessions and len(active) < shape.concurrent:
-            doc = (rng.choices(docs, weights)[0] if rng.random() < shape.doc_share else [])
-            active.append({
-                "history": systems[rng.randrange(len(systems))] + doc,
-                "turns": rng.randint(1, shape.max_turns),
-                "salt": "tenant-b" if rng.random() < shape.salted_share else None,
-            })
+            doc = rng.choices(docs, weights)[0] if rng.random() < shape.doc_share else []
+            active.append(
+                {
+                    "history": systems[rng.randrange(len(systems))] + doc,
+                    "turns": rng.randint(1, shape.max_turns),
+                    "salt": "tenant-b" if rng.random() < shape.salted_share else None,
+                }
+            )
             started += 1
         s = active[rng.randrange(len(active))]
         prompt = s["history"] + _tokens(rng, shape.user_tokens)
@@ -111,15 +113,31 @@ class HashTraceShape:
 
 #: the hash-id replay of `make bench-trace` (``--hash-ids``): Mooncake-format lines with
 #: 32-token blocks (the engine's block size), prompts the tiny model takes
-HASH_REPLAY = HashTraceShape(requests=240, block_size=32, concurrent=16, system_prompts=4,
-                             system_tokens=(64, 320), first_user_tokens=(40, 240),
-                             turn_tokens=(20, 120), max_turns=5, output_tokens=(1, 8),
-                             gap_ms=400.0)
+HASH_REPLAY = HashTraceShape(
+    requests=240,
+    block_size=32,
+    concurrent=16,
+    system_prompts=4,
+    system_tokens=(64, 320),
+    first_user_tokens=(40, 240),
+    turn_tokens=(20, 120),
+    max_turns=5,
+    output_tokens=(1, 8),
+    gap_ms=400.0,
+)
 #: what tests/e2e/test_trace_replay.py replays with ``--quick --hash-ids``
-HASH_QUICK = HashTraceShape(requests=60, block_size=32, concurrent=8, system_prompts=3,
-                            system_tokens=(64, 256), first_user_tokens=(40, 200),
-                            turn_tokens=(20, 100), max_turns=4, output_tokens=(1, 4),
-                            gap_ms=200.0)
+HASH_QUICK = HashTraceShape(
+    requests=60,
+    block_size=32,
+    concurrent=8,
+    system_prompts=3,
+    system_tokens=(64, 256),
+    first_user_tokens=(40, 200),
+    turn_tokens=(20, 100),
+    max_turns=4,
+    output_tokens=(1, 4),
+    gap_ms=200.0,
+)
 
 
 def expand_trace(hash_trace: Path, path: Path, block_size: int) -> int:
@@ -131,8 +149,14 @@ def expand_trace(hash_trace: Path, path: Path, block_size: int) -> int:
     lines = []
     for ln in hash_trace.read_text().splitlines():
         req = parse_line(ln, None, TraceFormat(block_size=block_size))
-        lines.append(json.dumps({"timestamp": req.timestamp,
-                                 "prompt_token_ids": expand_tokens(req, TOKEN_LO, TOKEN_HI)}))
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": req.timestamp,
+                    "prompt_token_ids": expand_tokens(req, TOKEN_LO, TOKEN_HI),
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
 
@@ -160,17 +184,31 @@ def generate_hash_trace(path: Path, shape: HashTraceShape) -> int:
         for _ in range(shape.requests):
             while len(active) < shape.concurrent:
                 n_sys, ids_sys = systems[rng.randrange(len(systems))]
-                active.append({"full": list(ids_sys), "n": n_sys + rng.randint(
-                    *shape.first_user_tokens), "turns": rng.randint(1, shape.max_turns)})
+                active.append(
+                    {
+                        "full": list(ids_sys),
+                        "n": n_sys + rng.randint(*shape.first_user_tokens),
+                        "turns": rng.randint(1, shape.max_turns),
+                    }
+                )
             s = active[rng.randrange(len(active))]
             n, full = s["n"], s["full"]
             need = -(-n // bs)
             full += new_ids(n // bs - len(full))  # new whole blocks
             ids = full + new_ids(need - len(full))  # and the partial last one
             ts += rng.expovariate(1.0 / shape.gap_ms)
-            f.write(json.dumps({"timestamp": int(ts), "input_length": n,
-                                "output_length": rng.randint(*shape.output_tokens),
-                                "hash_ids": ids}, separators=(",", ":")) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": int(ts),
+                        "input_length": n,
+                        "output_length": rng.randint(*shape.output_tokens),
+                        "hash_ids": ids,
+                    },
+                    separators=(",", ":"),
+                )
+                + "\n"
+            )
             total += n
             s["n"] = n + rng.randint(*shape.turn_tokens)
             s["turns"] -= 1

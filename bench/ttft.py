@@ -72,14 +72,34 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
 
 
 def _phase(
-    args: argparse.Namespace, phase: str, extra: dict, env: dict, profile: str = "",
+    args: argparse.Namespace,
+    phase: str,
+    extra: dict,
+    env: dict,
+    profile: str = "",
     baseline: bool = False,
 ) -> dict:
     """Run one engine of the restart measurement in its own process."""
-    cmd = [sys.executable, __file__, "--phase", phase, "--extra", json.dumps(extra),
-           "--lengths", ",".join(map(str, args.lengths)), "--samples", str(args.samples),
-           "--layers", str(args.layers), "--hidden", str(args.hidden),
-           "--compression", args.compression, "--io-threads", str(args.io_threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        phase,
+        "--extra",
+        json.dumps(extra),
+        "--lengths",
+        ",".join(map(str, args.lengths)),
+        "--samples",
+        str(args.samples),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--compression",
+        args.compression,
+        "--io-threads",
+        str(args.io_threads),
+    ]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     if baseline:
@@ -94,8 +114,12 @@ def _phase(
             return json.loads(line[7:])
     # the engine core's own traceback comes before the client's: keep its error lines too
     cause = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "signal" in ln]
-    raise RuntimeError(f"{phase} engine failed (exit {proc.returncode}):\n"
-                       + "\n".join(cause[:20]) + "\n...\n" + proc.stderr[-4000:])
+    raise RuntimeError(
+        f"{phase} engine failed (exit {proc.returncode}):\n"
+        + "\n".join(cause[:20])
+        + "\n...\n"
+        + proc.stderr[-4000:]
+    )
 
 
 def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
@@ -108,12 +132,16 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
     # the engine's first request; in --phase read a restart hit (--phase write stored it)
     first_s, first_cached = timed_request(llm, prompt(999, min(args.lengths)))
     plan_seeds = seeds(500, args.samples * len(args.lengths))
-    plan = [(n, plan_seeds[li * args.samples + i]) for i in range(args.samples)
-            for li, n in enumerate(args.lengths)]  # fmt: skip
+    plan = [
+        (n, plan_seeds[li * args.samples + i])
+        for i in range(args.samples)
+        for li, n in enumerate(args.lengths)
+    ]
     if args.phase == "write":
-        base: dict[int, dict[str, list]] = {n: {"cold": [], "engine": [], "host": [],
-                                                "cached_engine": [], "cached_host": []}
-                                            for n in args.lengths}  # fmt: skip
+        base: dict[int, dict[str, list]] = {
+            n: {"cold": [], "engine": [], "host": [], "cached_engine": [], "cached_host": []}
+            for n in args.lengths
+        }
         for n, seed in plan:
             p = prompt(seed, n)
             t = timed_request(llm, p)[0]
@@ -129,14 +157,19 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
         llm.llm_engine.engine_core.shutdown()  # flushes queued uploads
         if not args.baseline:
             return {}
-        return {str(n): {"cold_ttft_s": statistics.median(b["cold"]),
-                         "engine_hit_ttft_s": statistics.median(b["engine"]),
-                         "kvtier_hit_ttft_s": statistics.median(b["host"]),
-                         "cold_all_s": b["cold"], "engine_hit_all_s": b["engine"],
-                         "kvtier_hit_all_s": b["host"],
-                         "cached_tokens_engine": b["cached_engine"][0],
-                         "cached_tokens_kvtier": b["cached_host"][0]}
-                for n, b in base.items()}  # fmt: skip
+        return {
+            str(n): {
+                "cold_ttft_s": statistics.median(b["cold"]),
+                "engine_hit_ttft_s": statistics.median(b["engine"]),
+                "kvtier_hit_ttft_s": statistics.median(b["host"]),
+                "cold_all_s": b["cold"],
+                "engine_hit_all_s": b["engine"],
+                "kvtier_hit_all_s": b["host"],
+                "cached_tokens_engine": b["cached_engine"][0],
+                "cached_tokens_kvtier": b["cached_host"][0],
+            }
+            for n, b in base.items()
+        }
     prof = Profiler(cprofile=not args.timeline_only) if args.profile_out else None
     restart_hit: dict[int, list] = {n: [] for n in args.lengths}
     engine_hit: dict[int, list] = {n: [] for n in args.lengths}
@@ -154,12 +187,21 @@ def _restart_engine(args: argparse.Namespace, llm_factory) -> dict:
     llm.llm_engine.engine_core.shutdown()  # stops the engine's processes
     if prof:
         prof.write(args.profile_out)  # after the I/O threads stopped and saved their profiles
-    return {str(n): {"restart_hit_ttft_s": statistics.median(restart_hit[n]),
-                     "engine_hit_ttft_s": statistics.median(engine_hit[n]),
-                     "restart_hit_all_s": restart_hit[n], "engine_hit_all_s": engine_hit[n],
-                     "cached": cached[n], "first_request": {
-                         "tokens": min(args.lengths), "ttft_s": first_s,
-                         "cached": first_cached}} for n in args.lengths}  # fmt: skip
+    return {
+        str(n): {
+            "restart_hit_ttft_s": statistics.median(restart_hit[n]),
+            "engine_hit_ttft_s": statistics.median(engine_hit[n]),
+            "restart_hit_all_s": restart_hit[n],
+            "engine_hit_all_s": engine_hit[n],
+            "cached": cached[n],
+            "first_request": {
+                "tokens": min(args.lengths),
+                "ttft_s": first_s,
+                "cached": first_cached,
+            },
+        }
+        for n in args.lengths
+    }
 
 
 def _lengths(text: str) -> list[int]:
@@ -173,37 +215,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--model-dir", help="where to build the model (default: a temp dir)")
-    parser.add_argument("--compression", choices=["none", "lossless", "auto"], default="none",
-                        help="kvtier's compression of object-tier chunks (both engines)")
-    parser.add_argument("--io-threads", type=int, default=4,
-                        help="kvtier's io_threads (half of them read; the raw client's "
-                        "baseline reads on as many threads)")  # fmt: skip
-    parser.add_argument("--file-cache", choices=["warm", "cold"], default="warm",
-                        help="the file tier's objects in the page cache before its restart "
-                        "hits and each raw-client read (warm: a vLLM restarted on the node "
-                        "that wrote them) or out of it (cold: read from the device)")
+    parser.add_argument(
+        "--compression",
+        choices=["none", "lossless", "auto"],
+        default="none",
+        help="kvtier's compression of object-tier chunks (both engines)",
+    )
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=4,
+        help="kvtier's io_threads (half of them read; the raw client's "
+        "baseline reads on as many threads)",
+    )
+    parser.add_argument(
+        "--file-cache",
+        choices=["warm", "cold"],
+        default="warm",
+        help="the file tier's objects in the page cache before its restart "
+        "hits and each raw-client read (warm: a vLLM restarted on the node "
+        "that wrote them) or out of it (cold: read from the device)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--restart", default="",
+        "--restart",
+        default="",
         help="comma-separated object tiers to measure a hit after an engine restart on "
         "(file, s3, redis)",
     )
-    parser.add_argument("--sweep", type=_lengths,
-                        help="comma-separated prompt lengths: every case at each of them "
-                        "(--restart defaults to file,s3,redis)")  # fmt: skip
+    parser.add_argument(
+        "--sweep",
+        type=_lengths,
+        help="comma-separated prompt lengths: every case at each of them "
+        "(--restart defaults to file,s3,redis)",
+    )
     parser.add_argument("--plot", help="with --sweep: draw the sweep into this PNG")
     parser.add_argument("--out", help="also write the result JSON to this file")
-    parser.add_argument("--profile", help="profile a restart hit per tier into this directory "
-                        "(an extra in-process engine per tier)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        help="profile a restart hit per tier into this directory "
+        "(an extra in-process engine per tier)",
+    )
     parser.add_argument("--phase", choices=["write", "read"], help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=_lengths, help=argparse.SUPPRESS)
     parser.add_argument("--profile-out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--load-copy-threads", type=int, default=0,
-                        help="with --profile: the loads' copies on this many OpenMP threads "
-                        "(an experiment on the copier; 0: as the engine runs them)")
-    parser.add_argument("--timeline-only", action="store_true",
-                        help="with --profile: the timeline alone, without cProfile's overhead")
+    parser.add_argument(
+        "--load-copy-threads",
+        type=int,
+        default=0,
+        help="with --profile: the loads' copies on this many OpenMP threads "
+        "(an experiment on the copier; 0: as the engine runs them)",
+    )
+    parser.add_argument(
+        "--timeline-only",
+        action="store_true",
+        help="with --profile: the timeline alone, without cProfile's overhead",
+    )
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     canary_cost.add_args(parser)
     args = parser.parse_args(argv)
@@ -234,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_llm(extra: dict):
         # profiled: scheduler, worker and kvtier's I/O threads all in this process
-        return kvtier_llm(model, max_len, {"compression": args.compression,
-                                           "io_threads": args.io_threads, **extra},
-                          in_process=bool(args.profile_out))  # fmt: skip
+        return kvtier_llm(
+            model,
+            max_len,
+            {"compression": args.compression, "io_threads": args.io_threads, **extra},
+            in_process=bool(args.profile_out),
+        )
 
     if args.phase:
         print("RESULT " + json.dumps(_restart_engine(args, make_llm)), flush=True)
@@ -250,10 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:  # one engine stores every prompt (and measures a, b, c) for all tiers
             written = os.path.join(tempfile.mkdtemp(prefix="kvtier-bench-"), "tier")
             t0 = time.monotonic()
-            baseline = _phase(args, "write", {"remote_url": f"file://{written}"}, {},
-                              baseline=True)  # fmt: skip
-            print(f"[write + baseline: {time.monotonic() - t0:.0f} s]", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            baseline = _phase(args, "write", {"remote_url": f"file://{written}"}, {}, baseline=True)
+            print(f"[write + baseline: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
         for kind in kinds:
             t0 = time.monotonic()
             with object_tier(kind, tempfile.mkdtemp(prefix="kvtier-bench-")) as (extra, env):
@@ -266,8 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                 set_file_cache(extra, args.file_cache)  # (a no-op on other tiers)
                 restarts[kind] = _phase(args, "read", extra, env)
                 # the backend's own client on the same chunks: the bytes' share of a hit
-                raw = raw_client(kind, extra, args.lengths, threads=(args.io_threads + 1) // 2,
-                                 file_cache=args.file_cache)  # fmt: skip
+                raw = raw_client(
+                    kind,
+                    extra,
+                    args.lengths,
+                    threads=(args.io_threads + 1) // 2,
+                    file_cache=args.file_cache,
+                )
                 for n, v in raw.items():
                     restarts[kind][n]["raw"] = v
                 if args.profile:
@@ -276,12 +350,19 @@ def main(argv: list[str] | None = None) -> int:
                     inproc = _phase(args, "read", extra, env, profile=where)
                     for n, v in inproc.items():  # the same hits, engine in this process
                         restarts[kind][n]["inprocess"] = {
-                            k: v[k] for k in ("restart_hit_ttft_s", "engine_hit_ttft_s")}
-                        print(f"[{kind} {n} tokens, in-process engine: restart hit "
-                              f"{v['restart_hit_ttft_s'] * 1000:.1f} ms, in-engine hit "
-                              f"{v['engine_hit_ttft_s'] * 1000:.1f} ms]", file=sys.stderr)
-                    print(f"\n[profile of the {kind} tier: {where}]\n" + profile_summary(where),
-                          file=sys.stderr, flush=True)  # fmt: skip
+                            k: v[k] for k in ("restart_hit_ttft_s", "engine_hit_ttft_s")
+                        }
+                        print(
+                            f"[{kind} {n} tokens, in-process engine: restart hit "
+                            f"{v['restart_hit_ttft_s'] * 1000:.1f} ms, in-engine hit "
+                            f"{v['engine_hit_ttft_s'] * 1000:.1f} ms]",
+                            file=sys.stderr,
+                        )
+                    print(
+                        f"\n[profile of the {kind} tier: {where}]\n" + profile_summary(where),
+                        file=sys.stderr,
+                        flush=True,
+                    )
             print(f"[{kind}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
         if written:  # the one writing engine's file tier (GiB at long prompts)
             shutil.rmtree(os.path.dirname(written), ignore_errors=True)
@@ -307,11 +388,16 @@ def main(argv: list[str] | None = None) -> int:
             t, c = timed_request(llm, p)
             kvtier_hit[n].append(t)
             cached[n]["kvtier"].append(c)
-    base = {n: {"cold_ttft_s": statistics.median(cold[n]),
-                "engine_hit_ttft_s": statistics.median(engine_hit[n]),
-                "kvtier_hit_ttft_s": statistics.median(kvtier_hit[n]),
-                "cached_tokens_engine": cached[n]["engine"][0],
-                "cached_tokens_kvtier": cached[n]["kvtier"][0]} for n in args.lengths}  # fmt: skip
+    base = {
+        n: {
+            "cold_ttft_s": statistics.median(cold[n]),
+            "engine_hit_ttft_s": statistics.median(engine_hit[n]),
+            "kvtier_hit_ttft_s": statistics.median(kvtier_hit[n]),
+            "cached_tokens_engine": cached[n]["engine"][0],
+            "cached_tokens_kvtier": cached[n]["kvtier"][0],
+        }
+        for n in args.lengths
+    }
     _report(args, base, restarts)
     llm.llm_engine.engine_core.shutdown()  # stop the engine core and worker processes
     os._exit(0)  # then skip the interpreter's slow teardown
@@ -329,17 +415,29 @@ def _report(args: argparse.Namespace, base: dict[int, dict], restarts: dict[str,
             "kvtier_over_cold": c / a,
             "restart": {k: _breakdown(v[str(n)]) for k, v in restarts.items()},
         }
-    machine = {"cpus": os.cpu_count(), "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
-               # other work on the CPUs slows every OpenMP step (the load's copies most)
-               "loadavg_1m_at_end": os.getloadavg()[0], "file_cache": args.file_cache}  # fmt: skip
+    machine = {
+        "cpus": os.cpu_count(),
+        "omp_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+        # other work on the CPUs slows every OpenMP step (the load's copies most)
+        "loadavg_1m_at_end": os.getloadavg()[0],
+        "file_cache": args.file_cache,
+    }
     if args.sweep:
-        result = {"samples": args.samples, "model": f"{args.layers} layers x {args.hidden}",
-                  "machine": machine, "sweep": [by_len[n] for n in args.lengths],
-                  "note": "(a), (b), (c) measured in the engine that stored the prompts "
-                  "(file tier configured); S3 and Redis hold copies of its objects"}  # fmt: skip
+        result = {
+            "samples": args.samples,
+            "model": f"{args.layers} layers x {args.hidden}",
+            "machine": machine,
+            "sweep": [by_len[n] for n in args.lengths],
+            "note": "(a), (b), (c) measured in the engine that stored the prompts "
+            "(file tier configured); S3 and Redis hold copies of its objects",
+        }
     else:
-        result = {**by_len[args.tokens], "samples": args.samples, "machine": machine,
-                  "model": f"{args.layers} layers x {args.hidden}"}  # fmt: skip
+        result = {
+            **by_len[args.tokens],
+            "samples": args.samples,
+            "machine": machine,
+            "model": f"{args.layers} layers x {args.hidden}",
+        }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -7,7 +7,7 @@ vLLM some way kvtier cannot fingerprint, a kernel or layout change. Then a chunk
 passes every check is the KV of other weights. The canary catches that by comparing
 what vLLM computed for a prefix with what the tier holds under its name.
 
-Two pure parts, no vLLM (the connector wires them, :mod:`kvtier.connectors.canary`):
+Two pure parts, no vLLM (the connector wires them, :mod:`kvtier.connectors.scheduler.canary`):
 
 - :func:`compare_chunk`: the metric. Per layer, the largest absolute difference between
   the computed and the stored KV, divided by the largest magnitude of the stored layer
@@ -117,8 +117,9 @@ def compare_chunk(
     slot holds them). A different number of layers is a mismatch."""
     if len(computed) != len(stored):
         return Comparison((math.inf,), tolerance)
-    return Comparison(tuple(layer_error(a, b) for a, b in zip(computed, stored, strict=True)),
-                      tolerance)  # fmt: skip
+    return Comparison(
+        tuple(layer_error(a, b) for a, b in zip(computed, stored, strict=True)), tolerance
+    )
 
 
 class Trust(enum.Enum):
@@ -148,12 +149,19 @@ class GenerationTrust:
     a time.
     """
 
-    def __init__(self, *, first_hit: bool = True, rate: float = 0.0,
-                 check_tokens: int = CHECK_TOKENS, chunk_tokens: int = 256,
-                 draw: Callable[[], float] = random.random) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        first_hit: bool = True,
+        rate: float = 0.0,
+        check_tokens: int = CHECK_TOKENS,
+        chunk_tokens: int = 256,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
         if check_tokens < 1 or chunk_tokens < 1:
-            raise ValueError(f"check_tokens {check_tokens} and chunk_tokens {chunk_tokens} "
-                             "must be >= 1")  # fmt: skip
+            raise ValueError(
+                f"check_tokens {check_tokens} and chunk_tokens {chunk_tokens} must be >= 1"
+            )
         self.state = Trust.UNKNOWN if first_hit else Trust.TRUSTED
         self.rate = rate
         self.check_tokens = check_tokens

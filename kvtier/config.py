@@ -75,9 +75,11 @@ SECURITY_KEYS = ("hmac_key_env", "hmac_key_file", "encryption_key_env", "encrypt
 #: refused, naming it; leaving the key out is how to run without it
 KEY_SETTINGS = (
     *SECURITY_KEYS,
-    "hmac_verify_keys_env", "hmac_verify_keys_file",
-    "encryption_decrypt_keys_env", "encryption_decrypt_keys_file",
-)  # fmt: skip
+    "hmac_verify_keys_env",
+    "hmac_verify_keys_file",
+    "encryption_decrypt_keys_env",
+    "encryption_decrypt_keys_file",
+)
 #: settings an empty ``KVTIER_<KEY>`` must not blank out when the JSON sets them
 _NO_EMPTY_OVERRIDE = (*KEY_SETTINGS, "namespace")
 #: settings that name an environment variable (which is then no typo of a setting)
@@ -225,7 +227,7 @@ class KVTierConfig:
     #: reads every form, whatever its own setting
     compression: str = "none"
     #: ghost host tiers at 0.5x to 8x cpu_bytes (chunk keys only): the hit rate more or
-    #: less memory would give, as kvtier:whatif_hit_tokens (kvtier.host.ghosts)
+    #: less memory would give, as kvtier:whatif_hit_tokens (kvtier.whatif.host)
     whatif: bool = True
     #: a generation already in the object tier is trusted only once this engine computed
     #: chunks of it (canary_check_tokens) and found them equal to the stored ones
@@ -397,23 +399,27 @@ def load_config(
         if env_value is None:
             continue
         if key in _NO_EMPTY_OVERRIDE and not env_value.strip() and raw.get(key):
-            errors.append(ConfigError(
-                key,
-                f"{ENV_PREFIX}{key.upper()}=",
-                "an empty environment override would switch this setting off without a word; "
-                f"unset {ENV_PREFIX}{key.upper()}, or remove {key} from the config",
-            ))  # fmt: skip
+            errors.append(
+                ConfigError(
+                    key,
+                    f"{ENV_PREFIX}{key.upper()}=",
+                    "an empty environment override would switch this setting off without a word; "
+                    f"unset {ENV_PREFIX}{key.upper()}, or remove {key} from the config",
+                )
+            )
             continue
         raw[key] = env_value
     warn_unknown_env(env, raw)
     for key in KEY_SETTINGS:
         if key in raw and (raw[key] is None or isinstance(raw[key], str) and not raw[key].strip()):
             what = "null" if raw[key] is None else "empty"
-            errors.append(ConfigError(
-                key,
-                raw.pop(key),
-                f"a name ({what} would turn it off silently); to run without it, leave it out",
-            ))  # fmt: skip
+            errors.append(
+                ConfigError(
+                    key,
+                    raw.pop(key),
+                    f"a name ({what} would turn it off silently); to run without it, leave it out",
+                )
+            )
     values: dict[str, Any] = {}
     for key, value in raw.items():
         try:
@@ -473,8 +479,13 @@ def warn_unknown_env(env: Mapping[str, str], raw: Mapping[str, Any]) -> None:
     settings = {ENV_PREFIX + k.upper() for k in KEYS}
     named = {raw[k] for k in ENV_NAME_KEYS if isinstance(raw.get(k), str)}
     for name in sorted(env):
-        if (not name.startswith(ENV_PREFIX) or name in settings or name in named
-                or name in _ENV_WARNED or is_known_non_key_env(name)):  # fmt: skip
+        if (
+            not name.startswith(ENV_PREFIX)
+            or name in settings
+            or name in named
+            or name in _ENV_WARNED
+            or is_known_non_key_env(name)
+        ):
             continue
         _ENV_WARNED.add(name)
         near = difflib.get_close_matches(name.removeprefix(ENV_PREFIX).lower(), KEYS, n=1)
@@ -482,8 +493,9 @@ def warn_unknown_env(env: Mapping[str, str], raw: Mapping[str, Any]) -> None:
             hint = f"; did you mean {ENV_PREFIX}{near[0].upper()}?"
         else:
             hint = f" (a setting's variable is {ENV_PREFIX} and its key in capitals)"
-        log.warning("kvtier: environment variable %s names no kvtier setting and is "
-                    "ignored%s", name, hint)  # fmt: skip
+        log.warning(
+            "kvtier: environment variable %s names no kvtier setting and is ignored%s", name, hint
+        )
 
 
 def note_sizes(raw: Mapping[str, object], values: Mapping[str, object]) -> None:

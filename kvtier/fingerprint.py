@@ -71,8 +71,10 @@ def weights_fingerprint(model_dir: str | os.PathLike[str]) -> str:
         elif name.endswith(".py"):
             h.update(b"P" + rel.encode() + b"\0")
             h.update(path.read_bytes())
-        elif name.endswith(".json") and path.parent == root and not name.startswith(
-            _SKIP_JSON_PREFIXES
+        elif (
+            name.endswith(".json")
+            and path.parent == root
+            and not name.startswith(_SKIP_JSON_PREFIXES)
         ):
             h.update(b"J" + rel.encode() + b"\0")
             h.update(path.read_bytes())

@@ -34,8 +34,18 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-__all__ = ["HALF_LIFE_S", "LIMIT", "MAX_HEAT", "MAX_KEY_BYTES", "MIN_HEAT", "SEND_S",
-           "HitCounter", "HotList", "merge", "plan_warmup"]  # fmt: skip
+__all__ = [
+    "HALF_LIFE_S",
+    "LIMIT",
+    "MAX_HEAT",
+    "MAX_KEY_BYTES",
+    "MIN_HEAT",
+    "SEND_S",
+    "HitCounter",
+    "HotList",
+    "merge",
+    "plan_warmup",
+]
 
 #: the most keys a hot list holds (a manifest's list: ~57 bytes of JSON per 32-byte key,
 #: so ~230 KB at most)
@@ -78,8 +88,10 @@ class HotList:
         :data:`LIMIT`, an entry not a ``[key, heat]`` pair, a key not base64 of 1 to
         :data:`MAX_KEY_BYTES` bytes, a heat not a finite number in (0, MAX_HEAT], a key
         twice, or a time not a finite number >= 0."""
-        if not isinstance(at, int | float) or isinstance(at, bool) or not (
-            math.isfinite(at) and at >= 0.0
+        if (
+            not isinstance(at, int | float)
+            or isinstance(at, bool)
+            or not (math.isfinite(at) and at >= 0.0)
         ):
             raise ValueError("hot list time is not a time")
         if not isinstance(raw, list):
@@ -100,8 +112,10 @@ class HotList:
                 raise ValueError("hot list key is not base64") from None
             if not 0 < len(key) <= MAX_KEY_BYTES:
                 raise ValueError(f"hot list key of {len(key)} bytes")
-            if not isinstance(heat, int | float) or isinstance(heat, bool) or not (
-                math.isfinite(heat) and 0.0 < heat <= MAX_HEAT
+            if (
+                not isinstance(heat, int | float)
+                or isinstance(heat, bool)
+                or not (math.isfinite(heat) and 0.0 < heat <= MAX_HEAT)
             ):
                 raise ValueError("hot list heat is not a number in range")
             if key in seen:
@@ -162,6 +176,11 @@ class HitCounter:
     def __len__(self) -> int:
         return len(self._counts)
 
+    def recent(self) -> list[bytes]:
+        """The keys hit since the last :meth:`take`, most hit first (ties in key order)."""
+        counts = self._counts
+        return sorted(counts, key=lambda k: (-counts[k], k))
+
     def take(self, now: float) -> HotList | None:
         """The hits since the last take as a delta as of ``now`` (Unix seconds), folded
         into :attr:`own`; None when there was none."""
@@ -169,13 +188,16 @@ class HitCounter:
             return None
         counts, self._counts = self._counts, {}
         delta = top({k: float(n) for k, n in counts.items()}, now, self.limit)
-        self.own = merge(self.own, delta, now=now, limit=self.limit,
-                         half_life_s=self.half_life_s)  # fmt: skip
+        self.own = merge(self.own, delta, now=now, limit=self.limit, half_life_s=self.half_life_s)
         return delta
 
 
 def plan_warmup(
-    hot: HotList, *, chunk_bytes: int, host_bytes: int, warmup_bytes: int,
+    hot: HotList,
+    *,
+    chunk_bytes: int,
+    host_bytes: int,
+    warmup_bytes: int,
     have: Sequence[bytes] | frozenset[bytes] = frozenset(),
 ) -> list[bytes]:
     """The keys a starting engine fetches into its host tier, hottest first: as many of

@@ -66,9 +66,21 @@ class Namespace:
         """16-byte digest of this namespace for one worker: its TP rank and pipeline stage
         (ANY_RANK for both in the scheduler's index, which stands for all workers)."""
         fields = [
-            "kvtier", self.layout_version, self.model, self.revision or "", self.dtype,
-            self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size, rank,
-            self.namespace, self.pp_size, stage, self.fingerprint, self.layers,
+            "kvtier",
+            self.layout_version,
+            self.model,
+            self.revision or "",
+            self.dtype,
+            self.kv_cache_dtype,
+            self.block_size,
+            self.chunk_size,
+            self.tp_size,
+            rank,
+            self.namespace,
+            self.pp_size,
+            stage,
+            self.fingerprint,
+            self.layers,
         ]
         return hashlib.blake2b(msgpack.packb(fields), digest_size=16).digest()
 
@@ -86,9 +98,18 @@ class Namespace:
         layout the manifest records (stage 0's) is compared instead
         (:func:`kvtier.objects.manifest.reclaim_generation`)."""
         fields = [
-            "kvtier-generation", self.layout_version, self.model, self.revision or "",
-            self.dtype, self.kv_cache_dtype, self.block_size, self.chunk_size, self.tp_size,
-            self.namespace, self.pp_size, self.fingerprint,
+            "kvtier-generation",
+            self.layout_version,
+            self.model,
+            self.revision or "",
+            self.dtype,
+            self.kv_cache_dtype,
+            self.block_size,
+            self.chunk_size,
+            self.tp_size,
+            self.namespace,
+            self.pp_size,
+            self.fingerprint,
         ]
         if self.layers and self.pp_size == 1:  # "": the scheduler's, until workers say
             fields.append(self.layers)
@@ -98,8 +119,12 @@ class Namespace:
         """This namespace once the weights changed while the engine ran (``salt``: drawn at
         the change, :func:`after_weight_change`). Every process that follows a change (each
         worker, and the scheduler's probe of their keys) derives the same new identity."""
-        return dataclasses.replace(self, fingerprint=after_weight_change(self.fingerprint, salt),
-                                   forked_from=self.generation(), fork_id=salt[:8].hex())
+        return dataclasses.replace(
+            self,
+            fingerprint=after_weight_change(self.fingerprint, salt),
+            forked_from=self.generation(),
+            fork_id=salt[:8].hex(),
+        )
 
 
 def chunk_key(ns_digest: bytes, block_hash: bytes) -> str:
@@ -129,7 +154,7 @@ class KeySpace:
     (``Namespace.replicated_kv``: MLA): all ranks of a stage use rank 0's keys, only
     rank 0 writes (:meth:`writes`), and every rank reads the one copy. The scheduler's
     host-tier index, which is one engine's, is keyed by vLLM's block hash itself
-    (:class:`kvtier.connectors.requests.ChunkKeys`).
+    (:class:`kvtier.connectors.scheduler.requests.ChunkKeys`).
     """
 
     digest: bytes

@@ -18,17 +18,64 @@ PREFIX = "kvtier:"
 
 #: lookup-delay buckets: 0.1 ms to 10 s
 LOOKUP_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 #: time-to-first-token buckets, seconds (the same as vLLM's own TTFT histogram)
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 #: per-chunk transfer buckets, seconds
 TRANSFER_BUCKETS = (
-    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 
 TIERS = ("host", "remote")
@@ -36,7 +83,7 @@ OUTCOMES = ("hit", "partial", "miss")
 LOOKUP_MODES = ("sync", "async")
 DIRECTIONS = ("read", "write")
 TRANSFER_OPS = ("store", "load", "fetch", "upload")
-#: the what-if tiers' sizes as multiples of the real tier's (kvtier.host.ghosts.SCALES)
+#: the what-if tiers' sizes as multiples of the real tier's (kvtier.whatif.host.SCALES)
 WHATIF_SCALES = ("0.5", "1", "2", "4", "8")
 #: "object": one object could not be read or written (disk full, a Redis key of the wrong
 #: type, not a regular file) while the tier works; "oversize": an object larger than its slot,
@@ -44,8 +91,20 @@ WHATIF_SCALES = ("0.5", "1", "2", "4", "8")
 #: node of a Redis Cluster could not be reached (its slots miss, the other nodes serve);
 #: "format": a chunk stored in a compressed form this engine cannot read
 ERROR_KINDS = (
-    "checksum", "truncated", "signature", "sealed", "wrong_key", "malformed",
-    "timeout", "unreachable", "tier", "load", "object", "oversize", "node", "format",
+    "checksum",
+    "truncated",
+    "signature",
+    "sealed",
+    "wrong_key",
+    "malformed",
+    "timeout",
+    "unreachable",
+    "tier",
+    "load",
+    "object",
+    "oversize",
+    "node",
+    "format",
 )
 
 
@@ -61,7 +120,14 @@ ERROR_KINDS = (
 #: vLLM computed them; "declined": a priced lookup did not ask the object tier for them,
 #: loading was predicted slower than computing (``load_policy: cost``, kvtier.costs)
 MISS_REASONS = (
-    "absent", "tier_down", "storing", "fetching", "evicting", "tail", "load_failed", "declined",
+    "absent",
+    "tier_down",
+    "storing",
+    "fetching",
+    "evicting",
+    "tail",
+    "load_failed",
+    "declined",
 )
 #: what a canary found (the ``outcome`` of ``kvtier:canary_checks``, kvtier.canary): the
 #: chunk vLLM computed matched the stored one or did not; "absent": the tier does not hold
@@ -117,6 +183,10 @@ class TenantLabels(tuple[str, ...]):
         return isinstance(value, str) and _TENANT.fullmatch(value) is not None
 
 
+#: what a priced lookup's wait is (``kvtier:priced_fetch_seconds``): the cost model's
+#: prediction, or the wait the request had
+PRICED_FETCH_VALUES = ("predicted", "measured")
+
 #: every value each label takes (children are created up front, so dashboards see zeros)
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS,
@@ -129,6 +199,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "node": NodeAddresses(("other",)),
     "scale": WHATIF_SCALES,
     "tenant": TenantLabels(("untagged", "other")),
+    "value": PRICED_FETCH_VALUES,
 }
 
 
@@ -144,75 +215,95 @@ class MetricSpec:
 
 
 LOOKUP_TOKENS = MetricSpec(
-    PREFIX + "lookup_tokens", "counter",
+    PREFIX + "lookup_tokens",
+    "counter",
     "Prompt tokens kvtier was asked about (beyond vLLM's own prefix-cache hit).",
 )
 HIT_TOKENS = MetricSpec(
-    PREFIX + "hit_tokens", "counter",
+    PREFIX + "hit_tokens",
+    "counter",
     "Prompt tokens served from kvtier instead of being recomputed, by the tier that held them.",
     ("tier",),
 )
 TTFT = MetricSpec(
-    PREFIX + "ttft_seconds", "histogram",
+    PREFIX + "ttft_seconds",
+    "histogram",
     "Time from a request's arrival to the end of its prefill, by kvtier outcome.",
-    ("outcome",), TTFT_BUCKETS,
+    ("outcome",),
+    TTFT_BUCKETS,
 )
 LOOKUP_DELAY = MetricSpec(
-    PREFIX + "lookup_delay_seconds", "histogram",
+    PREFIX + "lookup_delay_seconds",
+    "histogram",
     "Lookup delay: 'sync' is time spent inside the scheduler call, 'async' is how long a "
     "request waited for an object-tier lookup and prefetch.",
-    ("mode",), LOOKUP_BUCKETS,
+    ("mode",),
+    LOOKUP_BUCKETS,
 )
 BYTES = MetricSpec(
-    PREFIX + "bytes", "counter",
+    PREFIX + "bytes",
+    "counter",
     "KV bytes moved, by tier and direction (read = into vLLM's cache or host tier).",
     ("tier", "direction"),
 )
 TRANSFER_SECONDS = MetricSpec(
-    PREFIX + "transfer_seconds", "histogram",
+    PREFIX + "transfer_seconds",
+    "histogram",
     "Time to move one chunk: store (GPU->host), load (host->GPU), fetch (object->host), "
     "upload (host->object).",
-    ("op",), TRANSFER_BUCKETS,
+    ("op",),
+    TRANSFER_BUCKETS,
 )
 HOST_BYTES_USED = MetricSpec(
-    PREFIX + "host_bytes_used", "gauge", "Bytes of the host tier holding chunks.",
+    PREFIX + "host_bytes_used",
+    "gauge",
+    "Bytes of the host tier holding chunks.",
 )
 HOST_BYTES_CAPACITY = MetricSpec(
-    PREFIX + "host_bytes_capacity", "gauge", "Size of the host tier (its one slab), bytes.",
+    PREFIX + "host_bytes_capacity",
+    "gauge",
+    "Size of the host tier (its one slab), bytes.",
 )
 EVICTIONS = MetricSpec(
-    PREFIX + "evictions", "counter",
+    PREFIX + "evictions",
+    "counter",
     "Chunks evicted from the host tier to make room, by reason (EVICTION_REASONS).",
     ("reason",),
 )
 WRITES_DROPPED = MetricSpec(
-    PREFIX + "writes_dropped", "counter",
+    PREFIX + "writes_dropped",
+    "counter",
     "Object-tier writes dropped because the write queue was full (backpressure).",
 )
 STORES_SKIPPED = MetricSpec(
-    PREFIX + "stores_skipped", "counter",
+    PREFIX + "stores_skipped",
+    "counter",
     "Chunks not stored because every host slot was busy loading, fetching or uploading.",
 )
 ERRORS = MetricSpec(
-    PREFIX + "errors", "counter",
+    PREFIX + "errors",
+    "counter",
     "Chunks or operations that failed and became misses, by kind.",
     ("kind",),
 )
 STUCK_OPS = MetricSpec(
-    PREFIX + "stuck_ops", "gauge",
+    PREFIX + "stuck_ops",
+    "gauge",
     "Object-tier reads past their deadline (writes past their stall bound) whose backend "
     "call has not returned; each holds an I/O thread, a read also its host slot.",
     ("direction",),
 )
 SEALS = MetricSpec(
-    PREFIX + "seals", "counter",
+    PREFIX + "seals",
+    "counter",
     "Chunks sealed (AES-GCM, one random 96-bit nonce each) with the engine's encryption "
     "key; summed over every engine that shares a key, keep it far below 2**32.",
 )
 
 
 MISS_TOKENS = MetricSpec(
-    PREFIX + "miss_tokens", "counter",
+    PREFIX + "miss_tokens",
+    "counter",
     "Prompt tokens kvtier was asked about and did not serve, by why (MISS_REASONS); with "
     "hit_tokens they add up to lookup_tokens.",
     ("reason",),
@@ -220,40 +311,46 @@ MISS_TOKENS = MetricSpec(
 
 
 NODE_ERRORS = MetricSpec(
-    PREFIX + "node_errors", "counter",
+    PREFIX + "node_errors",
+    "counter",
     "Object-tier calls that failed because one Redis Cluster node could not be reached, by "
     "node address (at most 32 per process, the rest 'other'); also in errors{kind=\"node\"}.",
     ("node",),
 )
 
 COMPRESS_RAW_BYTES = MetricSpec(
-    PREFIX + "compress_raw_bytes", "counter",
+    PREFIX + "compress_raw_bytes",
+    "counter",
     "KV bytes of the chunks the object tier wrote (write) or served (read), before "
     "compression; with compress_stored_bytes the tier's compression ratio.",
     ("direction",),
 )
 COMPRESS_STORED_BYTES = MetricSpec(
-    PREFIX + "compress_stored_bytes", "counter",
+    PREFIX + "compress_stored_bytes",
+    "counter",
     "The same chunks' payload bytes as stored in the object tier (compressed, or raw where "
     "compression is off or did not pay).",
     ("direction",),
 )
 COMPRESS_SECONDS = MetricSpec(
-    PREFIX + "compress_seconds", "counter",
+    PREFIX + "compress_seconds",
+    "counter",
     "Seconds the object-tier I/O threads spent compressing (write) and decompressing (read).",
     ("direction",),
 )
 WHATIF_HIT_TOKENS = MetricSpec(
-    PREFIX + "whatif_hit_tokens", "counter",
+    PREFIX + "whatif_hit_tokens",
+    "counter",
     "Prompt tokens a tier of scale times today's size would have served (ghost tiers of "
-    "chunk keys fed by the real tier's lookups, stores and evictions): tier=\"host\" scales "
+    'chunk keys fed by the real tier\'s lookups, stores and evictions): tier="host" scales '
     "the host tier's slots, tier=\"remote\" the object tier's file_max_bytes (unbounded: "
     "scales >= 1 are the tier itself, 0.5 half its current size), as this engine sees it. "
     "The denominator is lookup_tokens; scale 1 equals hit_tokens of the same tier.",
     ("tier", "scale"),
 )
 CANARY = MetricSpec(
-    PREFIX + "canary_checks", "counter",
+    PREFIX + "canary_checks",
+    "counter",
     "Chunks vLLM computed and compared with the object tier's chunk of the same name "
     "(canary_first_hit, canary_rate), by outcome; a mismatch means the generation holds "
     "other weights' KV (a stale model_fingerprint): this engine refused it and carries on "
@@ -261,49 +358,66 @@ CANARY = MetricSpec(
     ("outcome",),
 )
 LOADS_DECLINED = MetricSpec(
-    PREFIX + "loads_declined_tokens", "counter",
+    PREFIX + "loads_declined_tokens",
+    "counter",
     "Prompt tokens an object-tier lookup did not ask the tier for because loading them was "
     "predicted to be slower than computing them (load_policy: cost), by tier and why; the "
     "tier may not have held them all.",
     ("tier", "reason"),
 )
 FETCH_DEADLINE_MISSED = MetricSpec(
-    PREFIX + "fetch_deadline_missed", "counter",
+    PREFIX + "fetch_deadline_missed",
+    "counter",
     "Lookups whose fetch was still running at its deadline (the predicted fetch or the "
     "recompute it replaces, whichever is shorter): the request went on with the chunks that "
     "had landed.",
     ("tier",),
 )
+PRICED_FETCH_SECONDS = MetricSpec(
+    PREFIX + "priced_fetch_seconds",
+    "histogram",
+    "Priced lookups that asked the tier for chunks (load_policy: cost): the wait the cost "
+    "model predicted ('predicted') and the wait the request had ('measured', until its chunks "
+    "landed, its deadline or lookup_timeout_ms), by tier.",
+    ("tier", "value"),
+    LOOKUP_BUCKETS,
+)
 TIER_READ_BPS = MetricSpec(
-    PREFIX + "tier_read_bytes_per_second", "gauge",
+    PREFIX + "tier_read_bytes_per_second",
+    "gauge",
     "Read throughput of a tier as lookups see it (median of recent fetch runs, all workers' "
     "bytes); 0 until measured.",
     ("tier",),
 )
 PREFILL_SPT = MetricSpec(
-    PREFIX + "prefill_seconds_per_token", "gauge",
+    PREFIX + "prefill_seconds_per_token",
+    "gauge",
     "This engine's compute per prompt token (median of recent steps that scheduled at least a "
     "chunk of tokens); 0 until measured.",
 )
 TENANT_BYTES = MetricSpec(
-    PREFIX + "tenant_bytes", "gauge",
+    PREFIX + "tenant_bytes",
+    "gauge",
     "Bytes of a tier holding a tenant's chunks (a chunk counts once, to the tenant that "
     "stored it); at most tenant_metrics_max tenants, the rest 'other'.",
     ("tier", "tenant"),
 )
 TENANT_HIT_TOKENS = MetricSpec(
-    PREFIX + "tenant_hit_tokens", "counter",
+    PREFIX + "tenant_hit_tokens",
+    "counter",
     "Prompt tokens kvtier offered a tenant's requests and vLLM took (planned loads), by "
     "tenant; at most tenant_metrics_max tenants, the rest 'other'.",
     ("tenant",),
 )
 TENANT_LOOKUP_TOKENS = MetricSpec(
-    PREFIX + "tenant_lookup_tokens", "counter",
+    PREFIX + "tenant_lookup_tokens",
+    "counter",
     "Prompt tokens kvtier was asked about for a tenant's requests (lookup_tokens by tenant).",
     ("tenant",),
 )
 PINNED_BYTES = MetricSpec(
-    PREFIX + "pinned_bytes", "gauge",
+    PREFIX + "pinned_bytes",
+    "gauge",
     "Bytes of the host tier holding soft-pinned chunks (at most pin_max_fraction of it).",
 )
 #: label values of one metric where they differ from :data:`LABEL_VALUES` (the canary's
@@ -323,23 +437,70 @@ def label_values(spec: MetricSpec, label: str) -> tuple[str, ...]:
 
 
 HANDOFF_CHUNKS = MetricSpec(
-    PREFIX + "handoff_chunks", "counter",
+    PREFIX + "handoff_chunks",
+    "counter",
     "Hot host-tier chunks the object tier lacked when the engine drained (write_back), by "
     "outcome: written first by the shutdown flush, hottest first, or left (not written "
     "within shutdown_flush_s, refused or failed). Recorded at the stop: seen only if vLLM "
     "still reports the workers' stats then; the log line says it always.",
     ("outcome",),
 )
+WARMUP_BYTES = MetricSpec(
+    PREFIX + "warmup_bytes",
+    "counter",
+    "Bytes a starting engine's warm-up (warmup: true) fetched from the object tier into its "
+    "host tier before it served, every worker's together.",
+)
+WARMUP_SECONDS = MetricSpec(
+    PREFIX + "warmup_seconds",
+    "gauge",
+    "How long the engine's warm-up took (the slowest worker's; at most warmup_timeout_s plus "
+    "one read). 0 when the engine did not warm up.",
+)
+WARMUP_HIT_TOKENS = MetricSpec(
+    PREFIX + "warmup_hit_tokens",
+    "counter",
+    "Prompt tokens loaded from host-tier chunks that warm-up brought in (a part of "
+    'hit_tokens{tier="host"}, counted as the loads are planned).',
+)
 
 
 #: every metric kvtier exports (the dashboards and rules are checked against it)
 ALL: tuple[MetricSpec, ...] = (
-    LOOKUP_TOKENS, HIT_TOKENS, MISS_TOKENS, TTFT, LOOKUP_DELAY, BYTES, TRANSFER_SECONDS,
-    HOST_BYTES_USED, HOST_BYTES_CAPACITY, EVICTIONS, WRITES_DROPPED, STORES_SKIPPED, ERRORS,
-    STUCK_OPS, SEALS, NODE_ERRORS, COMPRESS_RAW_BYTES, COMPRESS_STORED_BYTES, COMPRESS_SECONDS,
-    WHATIF_HIT_TOKENS, CANARY, LOADS_DECLINED, FETCH_DEADLINE_MISSED, TIER_READ_BPS,
-    TENANT_BYTES, TENANT_HIT_TOKENS, TENANT_LOOKUP_TOKENS, PINNED_BYTES,
-    PREFILL_SPT, HANDOFF_CHUNKS,
+    LOOKUP_TOKENS,
+    HIT_TOKENS,
+    MISS_TOKENS,
+    TTFT,
+    LOOKUP_DELAY,
+    BYTES,
+    TRANSFER_SECONDS,
+    HOST_BYTES_USED,
+    HOST_BYTES_CAPACITY,
+    EVICTIONS,
+    WRITES_DROPPED,
+    STORES_SKIPPED,
+    ERRORS,
+    STUCK_OPS,
+    SEALS,
+    NODE_ERRORS,
+    COMPRESS_RAW_BYTES,
+    COMPRESS_STORED_BYTES,
+    COMPRESS_SECONDS,
+    WHATIF_HIT_TOKENS,
+    CANARY,
+    LOADS_DECLINED,
+    FETCH_DEADLINE_MISSED,
+    PRICED_FETCH_SECONDS,
+    TIER_READ_BPS,
+    TENANT_BYTES,
+    TENANT_HIT_TOKENS,
+    TENANT_LOOKUP_TOKENS,
+    PINNED_BYTES,
+    PREFILL_SPT,
+    HANDOFF_CHUNKS,
+    WARMUP_BYTES,
+    WARMUP_SECONDS,
+    WARMUP_HIT_TOKENS,
 )
 
 

@@ -27,7 +27,8 @@ class Redacted(str):
 #: a key whose value is a credential or names one: its value is never shown (a count of
 #: tokens, ``canary_check_tokens``, is a number of the model's tokens, not a credential)
 _SECRET_NAME = re.compile(
-    r"pass|pwd|secret|token(?!s(?:$|_))|hmac|cred|auth|private|signature|key", re.I)
+    r"pass|pwd|secret|token(?!s(?:$|_))|hmac|cred|auth|private|signature|key", re.I
+)
 _MAX_SHOWN = 200  # characters of a (safe) value shown in a message
 _MAX_SCANNED = 4096  # characters redaction looks into; a longer value is hidden whole
 
@@ -141,10 +142,14 @@ def shows_variable_name(key: object, value: object) -> bool:
     KVTIER_HMAC, which is not set"). Only an upper-case variable name that does not look
     generated is shown; a key pasted there (hex, base64, a password) stays hidden."""
     return (
-        isinstance(key, str) and not isinstance(key, Redacted) and key.endswith("_env")
-        and isinstance(value, str) and not isinstance(value, Redacted)
-        and bool(_VARIABLE_NAME.fullmatch(value)) and redact_text(value) == value
-    )  # fmt: skip
+        isinstance(key, str)
+        and not isinstance(key, Redacted)
+        and key.endswith("_env")
+        and isinstance(value, str)
+        and not isinstance(value, Redacted)
+        and bool(_VARIABLE_NAME.fullmatch(value))
+        and redact_text(value) == value
+    )
 
 
 def error_value(key: object, value: object) -> tuple[object, str]:

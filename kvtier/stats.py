@@ -98,7 +98,8 @@ class StatsRecorder:
             total = total_name(spec, labels)
             declared = self.totals is not None and total in self.totals
             names = self._names[(spec.name, labels)] = (
-                series_id(spec, labels), total if declared else None
+                series_id(spec, labels),
+                total if declared else None,
             )
         return names
 

@@ -14,8 +14,9 @@ from typing import Any
 log = logging.getLogger("kvtier.remote")
 
 
-def stop_within(threads: Sequence[threading.Thread], queues: Sequence[queue.Queue[Any]],
-                deadline: float) -> int:
+def stop_within(
+    threads: Sequence[threading.Thread], queues: Sequence[queue.Queue[Any]], deadline: float
+) -> int:
     """Ask each thread to stop (``None`` into its queue, ``queues[i]`` for ``threads[i]``)
     and wait for them until ``deadline`` (``time.monotonic()``); returns how many are
     still running (stuck in a backend call: daemons, left behind)."""

@@ -62,8 +62,6 @@ S3_ENV = {
 }
 
 
-
-
 def _wait(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -163,12 +161,29 @@ class RedisServer(_Process):
         if tls:  # a self-signed certificate for 127.0.0.1, which is also the CA clients trust
             key_path = os.path.join(self.workdir, "key.pem")
             subprocess.run(
-                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                 "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key_path,
-                 "-out", self.cert_path],
-                check=True, capture_output=True,
-            )  # fmt: skip
+                [
+                    "openssl",
+                    "req",
+                    "-x509",
+                    "-newkey",
+                    "ec",
+                    "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1",
+                    "-nodes",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                    "-addext",
+                    "subjectAltName=IP:127.0.0.1",
+                    "-keyout",
+                    key_path,
+                    "-out",
+                    self.cert_path,
+                ],
+                check=True,
+                capture_output=True,
+            )
 
     @property
     def url(self) -> str:
@@ -180,14 +195,37 @@ class RedisServer(_Process):
 
     def _argv(self) -> list[str]:
         argv = [
-            self.binary, "--bind", self.host, "--save", "",
-            "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
-            "--dir", self.workdir, "--loglevel", "warning",
-        ]  # fmt: skip
+            self.binary,
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            self.workdir,
+            "--loglevel",
+            "warning",
+        ]
         if self.tls:
-            argv += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
-                     "--tls-cert-file", self.cert_path, "--tls-ca-cert-file", self.cert_path,
-                     "--tls-key-file", os.path.join(self.workdir, "key.pem")]  # fmt: skip
+            argv += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-auth-clients",
+                "no",
+                "--tls-cert-file",
+                self.cert_path,
+                "--tls-ca-cert-file",
+                self.cert_path,
+                "--tls-key-file",
+                os.path.join(self.workdir, "key.pem"),
+            ]
         else:
             argv += ["--port", str(self.port)]
         if self.password:

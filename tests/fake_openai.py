@@ -25,15 +25,19 @@ TTFT_LE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0
 class FakeServer:
     """State and counters of the fake OpenAI-compatible server."""
 
-    def __init__(self, *, fail_every: int = 0, kvtier_metrics: bool = True,
-                 by_source: bool = False) -> None:
+    def __init__(
+        self, *, fail_every: int = 0, kvtier_metrics: bool = True, by_source: bool = False
+    ) -> None:
         self.fail_every = fail_every
         self.kvtier_metrics = kvtier_metrics
         #: vLLM's prompt_tokens_by_source: 100 per request, 10 from the GPU prefix cache,
         #: kvtier's 30 through the connector, 60 computed
         self.by_source = by_source
-        self.sources = {"local_cache_hit": 700.0, "external_kv_transfer": 300.0,
-                        "local_compute": 5000.0}
+        self.sources = {
+            "local_cache_hit": 700.0,
+            "external_kv_transfer": 300.0,
+            "local_compute": 5000.0,
+        }
         self.lock = threading.Lock()
         self.completions = 0
         self.prompts: list[str] = []
@@ -56,8 +60,11 @@ class FakeServer:
         self.kv_lookup += LOOKUP_PER_REQUEST
         self.vllm_hit += 10
         self.vllm_query += 100
-        for source, n_tokens in (("local_cache_hit", 10), ("external_kv_transfer", 30),
-                                 ("local_compute", 60)):
+        for source, n_tokens in (
+            ("local_cache_hit", 10),
+            ("external_kv_transfer", 30),
+            ("local_compute", 60),
+        ):
             self.sources[source] += n_tokens
         outcome = "hit" if n % 2 == 0 else "miss"
         self.ttft_obs[outcome].append(0.05 if outcome == "hit" else 0.3)
@@ -176,15 +183,23 @@ def _handler(state: FakeServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             time.sleep(FIRST_TOKEN_DELAY)
             for i in range(body["max_tokens"]):
-                chunk = {"choices": [{"index": 0, "delta": {"content": f" tok{n}_{i}"}}
-                                     if chat else {"index": 0, "text": f" tok{n}_{i}"}]}
+                chunk = {
+                    "choices": [
+                        {"index": 0, "delta": {"content": f" tok{n}_{i}"}}
+                        if chat
+                        else {"index": 0, "text": f" tok{n}_{i}"}
+                    ]
+                }
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
                 time.sleep(TOKEN_DELAY)
-            usage = {"prompt_tokens": (_chat_tokens(body["messages"]) if chat
-                                       else _tokens(body["prompt"])),
-                     "completion_tokens": body["max_tokens"],
-                     "prompt_tokens_details": {"cached_tokens": 3}}
+            usage = {
+                "prompt_tokens": (
+                    _chat_tokens(body["messages"]) if chat else _tokens(body["prompt"])
+                ),
+                "completion_tokens": body["max_tokens"],
+                "prompt_tokens_details": {"cached_tokens": 3},
+            }
             # the counters move before the last chunk goes out, as in vLLM, whose output
             # handler records a step's stats before the API server streams that step's
             # outputs; after it, a scrape right after [DONE] could miss this request
@@ -213,6 +228,21 @@ def serving(state: FakeServer) -> Iterator[str]:
 
 def bench_args(url: str, *extra: str) -> Any:
     return bench.build_parser().parse_args(
-        ["--url", url, "--sessions", "4", "--turns", "2", "--shared-prefix-tokens", "50",
-         "--turn-tokens", "10", "--output-tokens", "5", "--concurrency", "2", *extra]
+        [
+            "--url",
+            url,
+            "--sessions",
+            "4",
+            "--turns",
+            "2",
+            "--shared-prefix-tokens",
+            "50",
+            "--turn-tokens",
+            "10",
+            "--output-tokens",
+            "5",
+            "--concurrency",
+            "2",
+            *extra,
+        ]
     )

@@ -24,8 +24,9 @@ WAIT = 5.0  # bound on every wait for another thread; never reached when things 
 
 
 def frame(key: str, seed: int, signer: codec.Signer | None = None) -> bytes:
-    return b"".join(bytes(p) for p in codec.encode(key, payload(seed), dtype=DT, shape=SHAPE,
-                                                      signer=signer))  # fmt: skip
+    return b"".join(
+        bytes(p) for p in codec.encode(key, payload(seed), dtype=DT, shape=SHAPE, signer=signer)
+    )
 
 
 class FakeTier(ObjectTier):

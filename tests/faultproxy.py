@@ -179,7 +179,7 @@ class FaultProxy:
         if len(head) < len(data):
             with self._link:
                 self._link.wait_for(lambda: self._stall_after is None or self._stopped)
-            yield data[len(head):]
+            yield data[len(head) :]
 
     @property
     def address(self) -> str:

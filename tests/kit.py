@@ -43,8 +43,11 @@ def chunk_files(root: Path) -> list[Path]:
     """The chunk objects a file:// tier holds: its own bookkeeping (the sweep lock, temp
     files of writes in flight) is dot-named, and a generation's manifest
     (``gen-<id>/manifest``, quoted into one file name) is not a chunk."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
-                  and not p.name.endswith("%2Fmanifest"))
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith("%2Fmanifest")
+    )
 
 
 def xxh3_framed(
@@ -53,8 +56,14 @@ def xxh3_framed(
     """A chunk as kvtier framed it before CRC-32 (an ``xxh`` field: its xxh3-128), signed
     with ``signer``'s HMAC key when given: its head and its payload."""
     digest = xxhash.xxh3_128_digest(payload)
-    header = {"v": codec.FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
-              "len": len(payload), "xxh": digest}  # fmt: skip
+    header = {
+        "v": codec.FORMAT_VERSION,
+        "key": key,
+        "dtype": dtype,
+        "shape": shape,
+        "len": len(payload),
+        "xxh": digest,
+    }
     if signer is not None:
         canon = _canonical(codec.FORMAT_VERSION, key, dtype, shape, len(payload), digest)
         header["sig"] = signer.sign(canon, memoryview(payload))

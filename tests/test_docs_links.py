@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([
-    ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-    *(ROOT / "deploy" / "helm").glob("*/README.md"),
-])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "deploy" / "helm").glob("*/README.md"),
+    ]
+)
 #: [text](target) and ![alt](target); the target ends at whitespace or ')'
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -117,7 +120,8 @@ def test_the_checker_finds_what_is_broken(tmp_path: Path) -> None:
     finally:
         ROOT = saved
     assert [b.split(": ", 1)[1] for b in bad] == [
-        "missing.md (no such file)", "other.md#nowhere (no such heading)",
+        "missing.md (no such file)",
+        "other.md#nowhere (no such heading)",
         "#nowhere (no such heading)",
     ]
 
@@ -132,8 +136,9 @@ def test_readme_is_a_readme() -> None:
     assert '"kv_connector_module_path": "kvtier.connectors.vllm"' in first
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if "helm" not in p.parts],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if "helm" not in p.parts], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_no_install_from_an_index_that_lacks_kvtier(page: Path) -> None:
     """kvtier is not on PyPI: `pip install kvtier` (or `'kvtier[s3]'`) fails for a user."""
     text = page.read_text()

@@ -99,7 +99,7 @@ def marked_blocks(page: Path) -> list[Block]:
         assert m, f"{page}:{i + 1}: {MARK} is not followed by a fenced block"
         assert m.group(2) in ("bash", "sh", "shell", ""), f"{page}:{i + 2}: not a shell block"
         end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith(m.group(1)))
-        blocks.append(Block(page, i + 2, "\n".join(lines[i + 2:end]) + "\n"))
+        blocks.append(Block(page, i + 2, "\n".join(lines[i + 2 : end]) + "\n"))
     return blocks
 
 
@@ -143,11 +143,18 @@ def shell_env(extra_path: list[Path] | None = None) -> dict[str, str]:
     return env
 
 
-def run(text: str, cwd: Path, env: dict[str, str], timeout: float = TIMEOUT
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    text: str, cwd: Path, env: dict[str, str], timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess[str]:
     """A block in bash, stopping at its first failing command (a user would see it)."""
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", text],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(done: subprocess.CompletedProcess[str], block: Block) -> str:
@@ -160,10 +167,16 @@ def ok(done: subprocess.CompletedProcess[str], block: Block) -> str:
 
 def checkout_copy(dest: Path) -> Path:
     """The checkout's files as a clone would have them (tracked and new, never ignored)."""
-    names = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         src = ROOT / name
         if src.is_file():
@@ -196,12 +209,16 @@ def test_marks_are_read_as_written(tmp_path: Path) -> None:
     )
     blocks = marked_blocks(page)
     assert [(b.line, b.text) for b in blocks] == [
-        (4, "make demo\n"), (12, "kvtier size --model MODEL\ncurl localhost:8000/metrics\n")]
+        (4, "make demo\n"),
+        (12, "kvtier size --model MODEL\ncurl localhost:8000/metrics\n"),
+    ]
     assert [b.kind() for b in blocks] == ["demo", "size"]
     s = Subst("/m/tiny", 4321, tmp_path / "c")
     assert s.apply(blocks[1].text) == "kvtier size --model /m/tiny\ncurl localhost:4321/metrics\n"
-    assert s.apply('"file:///tmp/kvtier-cache", MODELS, --port 8000') == \
-        f'"file://{tmp_path}/c", MODELS, --port 4321'
+    assert (
+        s.apply('"file:///tmp/kvtier-cache", MODELS, --port 8000')
+        == f'"file://{tmp_path}/c", MODELS, --port 4321'
+    )
     page.write_text("<!-- ci: run -->\nplain text\n")
     with pytest.raises(AssertionError, match="not followed by a fenced block"):
         marked_blocks(page)
@@ -222,7 +239,8 @@ def test_install_from_a_checkout_and_from_a_wheel(tmp_path: Path) -> None:
     env["VIRTUAL_ENV"] = str(env_dir)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     (env_dir / "bin" / "pip").write_text(
-        f"#!/bin/sh\nexec {env_dir / 'bin' / 'python'} -m pip \"$@\"\n")
+        f'#!/bin/sh\nexec {env_dir / "bin" / "python"} -m pip "$@"\n'
+    )
     (env_dir / "bin" / "pip").chmod(0o755)
     readme_block("install")
     for block in [b for b in all_blocks() if b.kind() == "install"]:  # the chart's too
@@ -230,11 +248,20 @@ def test_install_from_a_checkout_and_from_a_wheel(tmp_path: Path) -> None:
     assert list((src / "dist").glob("kvtier-*.whl")), "the wheel block built no wheel"
     where = subprocess.run(
         [env_dir / "bin" / "python", "-c", "import kvtier, sys; print(kvtier.__file__)"],
-        capture_output=True, text=True, check=True, env=env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=tmp_path,
     ).stdout.strip()
     assert where.startswith(str(env_dir)), f"kvtier imported from {where}, not the install"
-    helped = subprocess.run([env_dir / "bin" / "kvtier", "--help"], capture_output=True,
-                            text=True, env=env, cwd=tmp_path)  # fmt: skip
+    helped = subprocess.run(
+        [env_dir / "bin" / "kvtier", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert helped.returncode == 0 and "kvtier size" not in helped.stderr, helped.stderr
     assert "size" in helped.stdout and "demo" in helped.stdout
 
@@ -247,7 +274,7 @@ def test_size_examples_plan(tiny_model: str, tmp_path: Path) -> None:
         out = ok(run(s.apply(block.text), tmp_path, shell_env()), block)
         assert re.search(r"^\s*fits\s+yes$", out, re.M), out
         if "--emit kv-transfer-config" in block.text:
-            config = json.loads(out[out.index("{\n"):])
+            config = json.loads(out[out.index("{\n") :])
             assert config["kv_connector_module_path"] == "kvtier.connectors.vllm", config
 
 
@@ -260,15 +287,21 @@ class Server:
     def __enter__(self) -> Server:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                ["bash", "-e", "-c", self.s.apply(self.block.text)], cwd=self.log.parent,
-                env=shell_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                ["bash", "-e", "-c", self.s.apply(self.block.text)],
+                cwd=self.log.parent,
+                env=shell_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + 600
         url = f"http://127.0.0.1:{self.s.port}/health"
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"{self.block.where}: the server exited {self.proc.returncode}:\n"
-                            f"{self.log.read_text(errors='replace')[-6000:]}")
+                pytest.fail(
+                    f"{self.block.where}: the server exited {self.proc.returncode}:\n"
+                    f"{self.log.read_text(errors='replace')[-6000:]}"
+                )
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
                     return self
@@ -276,8 +309,10 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"{self.block.where}: not healthy in 600 s:\n"
-                            f"{self.log.read_text(errors='replace')[-6000:]}")
+                pytest.fail(
+                    f"{self.block.where}: not healthy in 600 s:\n"
+                    f"{self.log.read_text(errors='replace')[-6000:]}"
+                )
             time.sleep(1)
 
     def stop(self) -> None:
@@ -369,8 +404,11 @@ def test_make_test_is_marked_but_not_run() -> None:
 def test_other_marked_blocks_exit_zero(tiny_model: str, tmp_path: Path) -> None:
     """Blocks the rules above do not know (the chart README may mark its own) run in a copy
     of the checkout with the same substitutions, and must succeed."""
-    others = [b for b in all_blocks()
-              if b.kind() == "other" or (b.page != README and b.kind() != "install")]
+    others = [
+        b
+        for b in all_blocks()
+        if b.kind() == "other" or (b.page != README and b.kind() != "install")
+    ]
     if not others:
         return
     src = checkout_copy(tmp_path / "kvtier")

@@ -44,11 +44,45 @@ from .bench_trace import DEFAULT_MAX_GAP_S, execute_trace
 #: Everyday words that are one token each in common BPE vocabularies (and in the
 #: tiny test tokenizer), so that word counts track token counts.
 WORDS: tuple[str, ...] = (
-    "across", "agent", "an", "and", "are", "brown", "cache", "cached", "cheap",
-    "documents", "dog", "fox", "histories", "host", "in", "is", "jumps", "keeps",
-    "keys", "lazy", "link", "loading", "long", "memory", "next", "object", "of",
-    "over", "plans", "prompts", "quick", "retrieved", "reused", "scheduler",
-    "shared", "the", "values", "when", "while",
+    "across",
+    "agent",
+    "an",
+    "and",
+    "are",
+    "brown",
+    "cache",
+    "cached",
+    "cheap",
+    "documents",
+    "dog",
+    "fox",
+    "histories",
+    "host",
+    "in",
+    "is",
+    "jumps",
+    "keeps",
+    "keys",
+    "lazy",
+    "link",
+    "loading",
+    "long",
+    "memory",
+    "next",
+    "object",
+    "of",
+    "over",
+    "plans",
+    "prompts",
+    "quick",
+    "retrieved",
+    "reused",
+    "scheduler",
+    "shared",
+    "the",
+    "values",
+    "when",
+    "while",
 )
 
 
@@ -58,84 +92,192 @@ WORDS: tuple[str, ...] = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the bench's flags."""
     p = parser
-    p.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="server base URL (a trailing /v1 is accepted)")
-    p.add_argument("--model", default=None,
-                   help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--sessions", type=int, default=8,
-                   help="independent sessions (each has its own user text)")
-    p.add_argument("--turns", type=int, default=1,
-                   help="turns per session; a turn's prompt = last prompt + answer + new text")
-    p.add_argument("--shared-prefix-tokens", type=int, default=1024,
-                   help="tokens of text every session's first prompt starts with")
-    p.add_argument("--turn-tokens", type=int, default=128,
-                   help="tokens of new user text per turn (0: the prompt is the shared prefix)")
+    p.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server base URL (a trailing /v1 is accepted)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model name to request (default: the first of /v1/models)"
+    )
+    p.add_argument(
+        "--sessions", type=int, default=8, help="independent sessions (each has its own user text)"
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="turns per session; a turn's prompt = last prompt + answer + new text",
+    )
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=1024,
+        help="tokens of text every session's first prompt starts with",
+    )
+    p.add_argument(
+        "--turn-tokens",
+        type=int,
+        default=128,
+        help="tokens of new user text per turn (0: the prompt is the shared prefix)",
+    )
     p.add_argument("--output-tokens", type=int, default=16, help="max_tokens per request")
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
-    p.add_argument("--request-rate", type=float, default=0.0,
-                   help="Poisson arrival rate, requests/s (0: as fast as concurrency allows)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrival rate, requests/s (0: as fast as concurrency allows)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same prompts)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
-    p.add_argument("--metrics-url", default=None,
-                   help="Prometheus endpoint (default: URL/metrics; 'none' to skip)")
-    p.add_argument("--metrics-interval", type=float, default=1.0,
-                   help="seconds between /metrics scrapes for the hit-rate-over-time plot")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="do not ask the server's /tokenize how many tokens a word is")
-    p.add_argument("--reset-prefix-cache", action="store_true",
-                   help="POST /reset_prefix_cache before each request (vLLM with "
-                        "VLLM_SERVER_DEV_MODE=1), so hits must come from the connector")
+    p.add_argument(
+        "--metrics-url",
+        default=None,
+        help="Prometheus endpoint (default: URL/metrics; 'none' to skip)",
+    )
+    p.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /metrics scrapes for the hit-rate-over-time plot",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="do not ask the server's /tokenize how many tokens a word is",
+    )
+    p.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="POST /reset_prefix_cache before each request (vLLM with "
+        "VLLM_SERVER_DEV_MODE=1), so hits must come from the connector",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="write TTFT per outcome and hit rate over time to this PNG")
-    p.add_argument("--trace-out", metavar="FILE.jsonl", default=None,
-                   help="write the requests sent as a trace for `kvtier size --trace`")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="write TTFT per outcome and hit rate over time to this PNG",
+    )
+    p.add_argument(
+        "--trace-out",
+        metavar="FILE.jsonl",
+        default=None,
+        help="write the requests sent as a trace for `kvtier size --trace`",
+    )
     t = p.add_argument_group(
-        "trace replay (--trace: send a trace's requests instead of generated sessions)")
-    t.add_argument("--trace", metavar="FILE.jsonl", default=None,
-                   help="replay this trace: every format `kvtier size --trace` reads; hash-id "
-                   "lines (Mooncake, Bailian) become tokens, the same id always the same "
-                   "tokens; token-id, text and chat lines are sent as they are")
-    t.add_argument("--trace-format", default="auto",
-                   choices=("auto", "tokens", "text", "messages", "mooncake", "bailian"),
-                   help="as `kvtier size --trace-format` (default: per line)")
-    t.add_argument("--trace-block-size", type=int, default=None, metavar="N",
-                   help="tokens per hash id (default 512 for Mooncake lines, 16 for Bailian)")
-    t.add_argument("--speedup", type=float, default=1.0, metavar="F",
-                   help="send at F times the trace's rate (its timestamps divided by F)")
-    t.add_argument("--max-gap", type=float, default=DEFAULT_MAX_GAP_S, metavar="S",
-                   help="wait at most S seconds between two requests (after --speedup; "
-                   "default 60, at most 86400): a longer gap in the trace is cut to S; a "
-                   "line timestamped before an earlier one is sent at once (more than S "
-                   "before: the replay keeps time from it); both counted in the report")
-    t.add_argument("--max-requests", type=int, default=None, metavar="N",
-                   help="replay only the first N requests")
-    t.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
-                   help="cut token-id and hash-id prompts to their first N tokens (shared "
-                   "prefixes stay shared); text and chat prompts are sent whole. Without "
-                   "it, a prompt longer than the server's max_model_len (from /v1/models; "
-                   "1048576 tokens when it does not say) is not sent, as the server would "
-                   "refuse it, and counted; a line over 2**24 prompt tokens is a bad line")
-    t.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
-                   help="cap a line's output_length (lines without one ask --output-tokens)")
-    t.add_argument("--max-concurrency", type=int, default=32, metavar="N",
-                   help="requests in flight at most; a request due while N are in flight "
-                   "waits and counts as late (default 32)")
-    t.add_argument("--token-range", default="100:30000", metavar="LO:HI",
-                   help="token ids a hash id expands to, in [LO, HI) (default 100:30000; "
-                   "inside the model's vocabulary)")
-    t.add_argument("--plan-model", metavar="PATH", default=None,
-                   help="the served model's directory or config.json: with it the trace's "
-                   "predicted host-tier hit rate (kvtier size --trace) is shown beside what "
-                   "the server delivered, at the tier size /metrics reports")
-    t.add_argument("--plan-chunk-size", type=int, default=256, metavar="N",
-                   help="the server's kvtier chunk_size, for the prediction (default 256)")
-    t.add_argument("--plan-tp", type=int, default=1, metavar="N",
-                   help="the server's tensor-parallel size, for the prediction (default 1)")
-    t.add_argument("--gpu-kv-tokens", type=int, default=None, metavar="N",
-                   help="vLLM's GPU KV tokens, for the prediction (default: from /metrics' "
-                   "vllm:cache_config_info)")
+        "trace replay (--trace: send a trace's requests instead of generated sessions)"
+    )
+    t.add_argument(
+        "--trace",
+        metavar="FILE.jsonl",
+        default=None,
+        help="replay this trace: every format `kvtier size --trace` reads; hash-id "
+        "lines (Mooncake, Bailian) become tokens, the same id always the same "
+        "tokens; token-id, text and chat lines are sent as they are",
+    )
+    t.add_argument(
+        "--trace-format",
+        default="auto",
+        choices=("auto", "tokens", "text", "messages", "mooncake", "bailian"),
+        help="as `kvtier size --trace-format` (default: per line)",
+    )
+    t.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per hash id (default 512 for Mooncake lines, 16 for Bailian)",
+    )
+    t.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="send at F times the trace's rate (its timestamps divided by F)",
+    )
+    t.add_argument(
+        "--max-gap",
+        type=float,
+        default=DEFAULT_MAX_GAP_S,
+        metavar="S",
+        help="wait at most S seconds between two requests (after --speedup; "
+        "default 60, at most 86400): a longer gap in the trace is cut to S; a "
+        "line timestamped before an earlier one is sent at once (more than S "
+        "before: the replay keeps time from it); both counted in the report",
+    )
+    t.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay only the first N requests",
+    )
+    t.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cut token-id and hash-id prompts to their first N tokens (shared "
+        "prefixes stay shared); text and chat prompts are sent whole. Without "
+        "it, a prompt longer than the server's max_model_len (from /v1/models; "
+        "1048576 tokens when it does not say) is not sent, as the server would "
+        "refuse it, and counted; a line over 2**24 prompt tokens is a bad line",
+    )
+    t.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cap a line's output_length (lines without one ask --output-tokens)",
+    )
+    t.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=32,
+        metavar="N",
+        help="requests in flight at most; a request due while N are in flight "
+        "waits and counts as late (default 32)",
+    )
+    t.add_argument(
+        "--token-range",
+        default="100:30000",
+        metavar="LO:HI",
+        help="token ids a hash id expands to, in [LO, HI) (default 100:30000; "
+        "inside the model's vocabulary)",
+    )
+    t.add_argument(
+        "--plan-model",
+        metavar="PATH",
+        default=None,
+        help="the served model's directory or config.json: with it the trace's "
+        "predicted host-tier hit rate (kvtier size --trace) is shown beside what "
+        "the server delivered, at the tier size /metrics reports",
+    )
+    t.add_argument(
+        "--plan-chunk-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="the server's kvtier chunk_size, for the prediction (default 256)",
+    )
+    t.add_argument(
+        "--plan-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the server's tensor-parallel size, for the prediction (default 1)",
+    )
+    t.add_argument(
+        "--gpu-kv-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's GPU KV tokens, for the prediction (default: from /metrics' "
+        "vllm:cache_config_info)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,8 +346,9 @@ def make_workload(
     scale = scale or TokenScale()
     shared = ""
     if shared_prefix_tokens > 0:
-        shared = _lead_text(random.Random(f"kvtier-bench:{seed}:shared"), shared_prefix_tokens,
-                            scale)
+        shared = _lead_text(
+            random.Random(f"kvtier-bench:{seed}:shared"), shared_prefix_tokens, scale
+        )
     out = []
     for s in range(sessions):
         rng = random.Random(f"kvtier-bench:{seed}:session:{s}")
@@ -247,14 +390,16 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
     base = base_url(args.url)
     metrics_url = args.metrics_url or base + "/metrics"
     with http_client(args, args.concurrency) as client:
-
         scrape = scraper(client, metrics_url)
 
         model = args.model or first_model(client, base)
         scale = TokenScale() if args.no_calibrate else _token_scale(client, base, model)
         sessions = make_workload(
-            seed=args.seed, sessions=args.sessions, turns=args.turns,
-            shared_prefix_tokens=args.shared_prefix_tokens, turn_tokens=args.turn_tokens,
+            seed=args.seed,
+            sessions=args.sessions,
+            turns=args.turns,
+            shared_prefix_tokens=args.shared_prefix_tokens,
+            turn_tokens=args.turn_tokens,
             scale=scale,
         )
         before = scrape()
@@ -269,12 +414,17 @@ def execute(args: argparse.Namespace, *, progress: bool | None = None) -> dict[s
         after = scrape()
     if getattr(args, "trace_out", None):
         write_trace(results[0], args.trace_out)
-    return summarize(args, model, scale, results, before, after,
-                     poller.snapshots if poller else [])
+    return summarize(args, model, scale, results, before, after, poller.snapshots if poller else [])
 
 
-def _drive(client: Any, base: str, model: str, sessions: list[Session],
-           args: argparse.Namespace, progress: bool | None) -> tuple[list[RequestResult], float]:
+def _drive(
+    client: Any,
+    base: str,
+    model: str,
+    sessions: list[Session],
+    args: argparse.Namespace,
+    progress: bool | None,
+) -> tuple[list[RequestResult], float]:
     """Send every turn with ``concurrency`` workers; returns the results and the wall time.
 
     Turns are served from one FIFO queue: a session's next turn joins the back
@@ -287,8 +437,14 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
     total = len(sessions) * args.turns
     if progress is None:
         progress = not args.json and sys.stderr.isatty()
-    bar = tqdm(total=total, desc="kvtier bench", unit="req", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        desc="kvtier bench",
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     pacer = Pacer(args.request_rate, args.seed)
     ready: queue.Queue[tuple[Session, int, str] | None] = queue.Queue()
     for sess in sessions:
@@ -320,8 +476,9 @@ def _drive(client: Any, base: str, model: str, sessions: list[Session],
                     for _ in range(args.concurrency):
                         ready.put(None)
 
-    threads = [threading.Thread(target=worker, daemon=True)
-               for _ in range(min(args.concurrency, total))]
+    threads = [
+        threading.Thread(target=worker, daemon=True) for _ in range(min(args.concurrency, total))
+    ]
     try:
         for t in threads:
             t.start()
@@ -340,8 +497,17 @@ def write_trace(results: Sequence[RequestResult], path: str) -> None:
     bench run can be planned and replayed."""
     with open(path, "w", encoding="utf-8") as f:
         for r in sorted(results, key=lambda r: r.start_s):
-            f.write(json.dumps({"timestamp": round(r.start_s, 6), "prompt": r.prompt,
-                                "session": r.session, "turn": r.turn}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": round(r.start_s, 6),
+                        "prompt": r.prompt,
+                        "session": r.session,
+                        "turn": r.turn,
+                    }
+                )
+                + "\n"
+            )
 
 
 def _token_scale(client: Any, base: str, model: str) -> TokenScale:
@@ -358,8 +524,9 @@ def _token_scale(client: Any, base: str, model: str) -> TokenScale:
     for n in (200, 400):
         prompt = " ".join([LEAD_WORD, *words[:n]])
         try:
-            r = client.post(base + "/tokenize", json={"model": model, "prompt": prompt},
-                            timeout=30.0)
+            r = client.post(
+                base + "/tokenize", json={"model": model, "prompt": prompt}, timeout=30.0
+            )
             r.raise_for_status()
             counts.append(int(r.json()["count"]))
         except (httpx.HTTPError, KeyError, ValueError, TypeError):

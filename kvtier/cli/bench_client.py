@@ -21,17 +21,27 @@ class BenchError(Exception):
     """The bench cannot start (bad flags, server unreachable)."""
 
 
-def stream_completion(client: Any, base: str, model: str, prompt: str | list[int],
-                      max_tokens: int, result: RequestResult, *,
-                      messages: list[dict[str, Any]] | None = None,
-                      cache_salt: str | None = None) -> None:
+def stream_completion(
+    client: Any,
+    base: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    result: RequestResult,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    cache_salt: str | None = None,
+) -> None:
     """POST one streamed completion (a chat completion with ``messages``), filling
     ``result``; never raises for server errors. ``prompt`` may be token ids."""
     import httpx
 
     body: dict[str, Any] = {
-        "model": model, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     if messages is not None:
         body["messages"], path = messages, "/v1/chat/completions"
@@ -63,8 +73,9 @@ def stream_completion(client: Any, base: str, model: str, prompt: str | list[int
                         result.ttft_s = time.perf_counter() - t0
                     chunks += 1
                     choice = obj["choices"][0]
-                    parts.append(choice.get("text") or (choice.get("delta") or {}).get(
-                        "content") or "")
+                    parts.append(
+                        choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    )
                 usage = obj.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")

@@ -36,21 +36,29 @@ def base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-
-
-
 def _trace_workload(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     return {
-        "trace": info["path"], "format": info["format"], "formats": info["formats"],
-        "block_size": info["block_size"], "speedup": args.speedup,
-        "max_requests": args.max_requests, "max_input_tokens": args.max_input_tokens,
-        "max_output_tokens": args.max_output_tokens, "max_concurrency": args.max_concurrency,
-        "reset_prefix_cache": bool(args.reset_prefix_cache), "token_range": args.token_range,
+        "trace": info["path"],
+        "format": info["format"],
+        "formats": info["formats"],
+        "block_size": info["block_size"],
+        "speedup": args.speedup,
+        "max_requests": args.max_requests,
+        "max_input_tokens": args.max_input_tokens,
+        "max_output_tokens": args.max_output_tokens,
+        "max_concurrency": args.max_concurrency,
+        "reset_prefix_cache": bool(args.reset_prefix_cache),
+        "token_range": args.token_range,
     }
 
 
-def _replay(results: list[RequestResult], info: dict[str, Any], sources: dict[str, float] | None,
-            after: Snapshot | None, before: Snapshot | None) -> dict[str, Any]:
+def _replay(
+    results: list[RequestResult],
+    info: dict[str, Any],
+    sources: dict[str, float] | None,
+    after: Snapshot | None,
+    before: Snapshot | None,
+) -> dict[str, Any]:
     """What a trace replay adds: lateness against the trace's clock, the lines skipped,
     and the planner's prediction beside what the server delivered."""
     lags = [max(0.0, r.start_s - r.due_s) for r in results if r.due_s is not None]
@@ -59,8 +67,10 @@ def _replay(results: list[RequestResult], info: dict[str, Any], sources: dict[st
     if sources:
         total = sum(sources.values())
         if total > 0:
-            delivered = {"host_hit_rate": sources["kvtier_host"] / total,
-                         "gpu_hit_rate": sources["gpu_prefix_cache"] / total}
+            delivered = {
+                "host_hit_rate": sources["kvtier_host"] / total,
+                "gpu_hit_rate": sources["gpu_prefix_cache"] / total,
+            }
     elif sent:
         host = counter_delta(before, after, KVTIER_HIT, tier="host")
         delivered["host_hit_rate"] = None if host is None else host / sent
@@ -69,20 +79,30 @@ def _replay(results: list[RequestResult], info: dict[str, Any], sources: dict[st
     if pred.get("host_hit_rate") is not None and delivered["host_hit_rate"] is not None:
         diff = (delivered["host_hit_rate"] - pred["host_hit_rate"]) * 100
     return {
-        "bad_lines": info["bad_lines"], "bad_examples": info["bad_examples"],
+        "bad_lines": info["bad_lines"],
+        "bad_examples": info["bad_examples"],
         "late_requests": sum(lag > 0.1 for lag in lags),
-        "lag_p50_s": quantile(lags, 0.5), "lag_p99_s": quantile(lags, 0.99),
+        "lag_p50_s": quantile(lags, 0.5),
+        "lag_p99_s": quantile(lags, 0.99),
         "prompt_tokens_sent": sent,
-        "predicted": pred, "delivered": delivered, "host_difference_pp": diff,
+        "predicted": pred,
+        "delivered": delivered,
+        "host_difference_pp": diff,
         #: the replay's bounds and how often each acted (bench_trace.Bounds)
         "bounds": info.get("bounds"),
     }
 
 
-def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
-              run: tuple[list[RequestResult], float], before: Snapshot | None,
-              after: Snapshot | None, timeline: list[Snapshot],
-              trace_info: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    model: str,
+    scale: TokenScale,
+    run: tuple[list[RequestResult], float],
+    before: Snapshot | None,
+    after: Snapshot | None,
+    timeline: list[Snapshot],
+    trace_info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The numbers the table, --json and --plot show (``trace_info``: a trace replay's)."""
     results, duration = run
     ok = [r for r in results if r.ok]
@@ -109,17 +129,28 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
-    workload = _trace_workload(args, trace_info) if trace_info is not None else {
-        "sessions": args.sessions, "turns": args.turns,
-        "shared_prefix_tokens": args.shared_prefix_tokens, "turn_tokens": args.turn_tokens,
-        "output_tokens": args.output_tokens, "concurrency": args.concurrency,
-        "request_rate": args.request_rate, "seed": args.seed,
-        "reset_prefix_cache": bool(args.reset_prefix_cache),
-        "tokens_per_word": round(scale.per_word, 4),
-        "lead_tokens": round(scale.lead, 2),
-    }
-    extra = ({"trace_replay": _replay(results, trace_info, sources, after, before)}
-             if trace_info is not None else {})
+    workload = (
+        _trace_workload(args, trace_info)
+        if trace_info is not None
+        else {
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "shared_prefix_tokens": args.shared_prefix_tokens,
+            "turn_tokens": args.turn_tokens,
+            "output_tokens": args.output_tokens,
+            "concurrency": args.concurrency,
+            "request_rate": args.request_rate,
+            "seed": args.seed,
+            "reset_prefix_cache": bool(args.reset_prefix_cache),
+            "tokens_per_word": round(scale.per_word, 4),
+            "lead_tokens": round(scale.lead, 2),
+        }
+    )
+    extra = (
+        {"trace_replay": _replay(results, trace_info, sources, after, before)}
+        if trace_info is not None
+        else {}
+    )
     return {
         "url": base_url(args.url),
         "model": model,
@@ -144,14 +175,19 @@ def summarize(args: argparse.Namespace, model: str, scale: TokenScale,
         "hit_rates": rates,
         "metrics_deltas": {
             name: counter_delta(before, after, name)
-            for name in (KVTIER_HIT, KVTIER_LOOKUP, VLLM_HIT, VLLM_QUERY, VLLM_EXT_HIT,
-                         VLLM_EXT_QUERY)
+            for name in (
+                KVTIER_HIT,
+                KVTIER_LOOKUP,
+                VLLM_HIT,
+                VLLM_QUERY,
+                VLLM_EXT_HIT,
+                VLLM_EXT_QUERY,
+            )
         },
         "hit_rate_timeline": _timeline(before, timeline, after, source),
         "errors": errors,
         "samples": [
-            {k: v for k, v in asdict(r).items() if k not in ("text", "prompt")}
-            for r in results
+            {k: v for k, v in asdict(r).items() if k not in ("text", "prompt")} for r in results
         ],
     }
 
@@ -160,11 +196,17 @@ def _outcome_order(outcome: str) -> tuple[int, str]:
     return (OUTCOMES.index(outcome) if outcome in OUTCOMES else len(OUTCOMES), outcome)
 
 
-def _timeline(before: Snapshot | None, mids: list[Snapshot], after: Snapshot | None,
-              source: str) -> list[dict[str, float | None]]:
+def _timeline(
+    before: Snapshot | None, mids: list[Snapshot], after: Snapshot | None, source: str
+) -> list[dict[str, float | None]]:
     """Hit rate in each scrape interval, by the same source the summary uses."""
-    key = ("any_cache" if source == ANY_CACHE
-           else "kvtier" if source.startswith("kvtier:") else "vllm_prefix_cache")
+    key = (
+        "any_cache"
+        if source == ANY_CACHE
+        else "kvtier"
+        if source.startswith("kvtier:")
+        else "vllm_prefix_cache"
+    )
     snaps = [s for s in (before, *mids, after) if s is not None]
     snaps.sort(key=lambda s: s.t)
     if len(snaps) < 2:
@@ -190,21 +232,43 @@ def format_table(result: dict[str, Any]) -> str:
         ("workload", _workload_line(w)),
         ("requests", f"{result['requests']} ({result['failed']} failed)"),
         ("duration", f"{result['duration_s']:.2f} s"),
-        ("throughput", f"{result['throughput_rps']:.3f} req/s  "
-                       f"({result['output_tokens_per_s']:.1f} output tok/s)"),
-        ("TTFT p50 / p99", f"{_fmt_s(result['ttft_p50_s'])} / {_fmt_s(result['ttft_p99_s'])}"
-                           "  (client, streamed)"),
+        (
+            "throughput",
+            f"{result['throughput_rps']:.3f} req/s  "
+            f"({result['output_tokens_per_s']:.1f} output tok/s)",
+        ),
+        (
+            "TTFT p50 / p99",
+            f"{_fmt_s(result['ttft_p50_s'])} / {_fmt_s(result['ttft_p99_s'])}  (client, streamed)",
+        ),
     ]
     for outcome, d in result["ttft_by_outcome"].items():
-        rows.append((f"  TTFT {outcome}", f"{_fmt_s(d['p50_s'])} / {_fmt_s(d['p99_s'])}"
-                                         f"  (n={d['count']}, server {KVTIER_TTFT})"))
+        rows.append(
+            (
+                f"  TTFT {outcome}",
+                f"{_fmt_s(d['p50_s'])} / {_fmt_s(d['p99_s'])}"
+                f"  (n={d['count']}, server {KVTIER_TTFT})",
+            )
+        )
     hr = result["hit_rate"]
-    rows.append(("hit rate", ("-" if hr is None else f"{hr * 100:.1f} %")
-                 + f"  ({result['hit_rate_source']})"))
+    rows.append(
+        (
+            "hit rate",
+            ("-" if hr is None else f"{hr * 100:.1f} %") + f"  ({result['hit_rate_source']})",
+        )
+    )
     shares = result.get("hit_rate_by_source")
     if shares:
-        rows.append(("  from", ", ".join(f"{k.replace('_', ' ')} {v * 100:.1f} %"
-                                         for k, v in shares.items() if k != "computed")))
+        rows.append(
+            (
+                "  from",
+                ", ".join(
+                    f"{k.replace('_', ' ')} {v * 100:.1f} %"
+                    for k, v in shares.items()
+                    if k != "computed"
+                ),
+            )
+        )
         rows.append(("  computed", f"{shares['computed'] * 100:.1f} %"))
     for err, n in list(result["errors"].items())[:5]:
         rows.append(("error", f"{n} x {err}"))
@@ -220,11 +284,15 @@ def _workload_line(w: dict[str, Any]) -> str:
         if w.get("block_size"):
             kind += f", {w['block_size']} tokens per hash id"
         cut = f", prompts cut to {w['max_input_tokens']} tokens" if w["max_input_tokens"] else ""
-        return (f"trace {w['trace']} ({kind}) at {w['speedup']:g}x its rate, at most "
-                f"{w['max_concurrency']} in flight{cut}")
-    return (f"{w['sessions']} sessions x {w['turns']} turns, shared "
-            f"{w['shared_prefix_tokens']} + {w['turn_tokens']}/turn tokens, "
-            f"{w['output_tokens']} out, concurrency {w['concurrency']}")
+        return (
+            f"trace {w['trace']} ({kind}) at {w['speedup']:g}x its rate, at most "
+            f"{w['max_concurrency']} in flight{cut}"
+        )
+    return (
+        f"{w['sessions']} sessions x {w['turns']} turns, shared "
+        f"{w['shared_prefix_tokens']} + {w['turn_tokens']}/turn tokens, "
+        f"{w['output_tokens']} out, concurrency {w['concurrency']}"
+    )
 
 
 def _pct(v: float | None) -> str:
@@ -239,40 +307,63 @@ def _bounds_rows(b: dict[str, Any] | None) -> list[tuple[str, str]]:
     if b["inputs_cut"]:
         acted.append(f"{b['inputs_cut']} prompts cut to {b['input_tokens']} tokens")
     if b["inputs_not_sent"]:
-        acted.append(f"{b['inputs_not_sent']} prompts over {b['input_tokens']} tokens "
-                     f"({b['input_source']}) not sent")
+        acted.append(
+            f"{b['inputs_not_sent']} prompts over {b['input_tokens']} tokens "
+            f"({b['input_source']}) not sent"
+        )
     if b["over_cap_lines"]:
-        acted.append(f"{b['over_cap_lines']} lines over {b['reader_input_tokens']} prompt "
-                     "tokens (or a bound on output_length or line bytes) skipped")
+        acted.append(
+            f"{b['over_cap_lines']} lines over {b['reader_input_tokens']} prompt "
+            "tokens (or a bound on output_length or line bytes) skipped"
+        )
     if b["outputs_capped"]:
         acted.append(f"{b['outputs_capped']} output lengths capped")
     if b["gaps_cut"]:
         acted.append(f"{b['gaps_cut']} gaps cut to {b['max_gap_s']:g} s (--max-gap)")
     if b["timestamps_backwards"]:
-        acted.append(f"{b['timestamps_backwards']} lines timestamped before an earlier one "
-                     "sent at once")
+        acted.append(
+            f"{b['timestamps_backwards']} lines timestamped before an earlier one sent at once"
+        )
     return [("bounds", "; ".join(acted))] if acted else []
 
 
 def _replay_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [("late", f"{r['late_requests']} requests started > 0.1 s after their time "
-                     f"(lag p50 {_fmt_s(r['lag_p50_s'])}, p99 {_fmt_s(r['lag_p99_s'])})")]
+    rows = [
+        (
+            "late",
+            f"{r['late_requests']} requests started > 0.1 s after their time "
+            f"(lag p50 {_fmt_s(r['lag_p50_s'])}, p99 {_fmt_s(r['lag_p99_s'])})",
+        )
+    ]
     if r["bad_lines"]:
-        rows.append(("bad lines", f"{r['bad_lines']} skipped; "
-                                  + "; ".join(r["bad_examples"][:3])))
+        rows.append(("bad lines", f"{r['bad_lines']} skipped; " + "; ".join(r["bad_examples"][:3])))
     rows += _bounds_rows(r.get("bounds"))
     p, d = r["predicted"], r["delivered"]
     if p.get("host_hit_rate") is not None:
         size = f"{p['host_tier_chunks']} chunks of {p['chunk_size']}"
-        rows.append(("host tier", f"predicted {_pct(p['host_hit_rate'])} (kvtier size --trace, "
-                                  f"{size}), delivered {_pct(d['host_hit_rate'])}"))
+        rows.append(
+            (
+                "host tier",
+                f"predicted {_pct(p['host_hit_rate'])} (kvtier size --trace, "
+                f"{size}), delivered {_pct(d['host_hit_rate'])}",
+            )
+        )
     else:
-        rows.append(("host tier", f"delivered {_pct(d['host_hit_rate'])}; no prediction: "
-                                  f"{p.get('why_none')}"))
+        rows.append(
+            (
+                "host tier",
+                f"delivered {_pct(d['host_hit_rate'])}; no prediction: {p.get('why_none')}",
+            )
+        )
     if p.get("gpu_hit_rate") is not None:
-        rows.append(("vLLM cache", f"predicted {_pct(p['gpu_hit_rate'])} ({p['gpu_kv_tokens']} "
-                                   f"tokens, {p['gpu_kv_source']}), delivered "
-                                   f"{_pct(d['gpu_hit_rate'])}"))
+        rows.append(
+            (
+                "vLLM cache",
+                f"predicted {_pct(p['gpu_hit_rate'])} ({p['gpu_kv_tokens']} "
+                f"tokens, {p['gpu_kv_source']}), delivered "
+                f"{_pct(d['gpu_hit_rate'])}",
+            )
+        )
     return rows
 
 
@@ -302,9 +393,13 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         # only the buckets where this outcome's CDF moves, so the x axis stays readable
         lo = max((i for i, (_, c) in enumerate(finite) if c == 0), default=0)
         hi = min((i for i, (_, c) in enumerate(finite) if c >= total), default=len(finite) - 1)
-        finite = finite[lo:hi + 1]
-        ax1.step([le for le, _ in finite], [c / total for _, c in finite], where="post",
-                 label=f"server, {outcome} (n={int(total)})")
+        finite = finite[lo : hi + 1]
+        ax1.step(
+            [le for le, _ in finite],
+            [c / total for _, c in finite],
+            where="post",
+            label=f"server, {outcome} (n={int(total)})",
+        )
     ax1.set_xscale("log")
     ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax1.set_xlabel("time to first token (s)")
@@ -316,26 +411,41 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     if tl:
         ax2.plot([p["t_s"] for p in tl], [p["hit_rate"] * 100 for p in tl], marker=".")
     else:
-        ax2.text(0.5, 0.5, "no hit-rate counters on /metrics", ha="center", va="center",
-                 transform=ax2.transAxes)
+        ax2.text(
+            0.5,
+            0.5,
+            "no hit-rate counters on /metrics",
+            ha="center",
+            va="center",
+            transform=ax2.transAxes,
+        )
     ax2.set_ylim(-2, 102)
     ax2.set_xlabel("time since start (s)")
     ax2.set_ylabel("hit rate per scrape interval (%)")
-    what = ("prompt tokens from any cache" if result["hit_rate_source"] == ANY_CACHE
-            else result["hit_rate_source"].split(" ")[0])
+    what = (
+        "prompt tokens from any cache"
+        if result["hit_rate_source"] == ANY_CACHE
+        else result["hit_rate_source"].split(" ")[0]
+    )
     ax2.set_title(f"hit rate ({what})")
     ax2.grid(True, alpha=0.3)
     shares = result.get("hit_rate_by_source")
     if shares:  # the whole run's split, beside the curve
-        ax2.text(0.02, 0.02, "whole run:\n" + "\n".join(
-                     f"{k.replace('_', ' ')}: {v * 100:.1f} %" for k, v in shares.items()),
-                 transform=ax2.transAxes, fontsize=8, va="bottom",
-                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"})
+        ax2.text(
+            0.02,
+            0.02,
+            "whole run:\n"
+            + "\n".join(f"{k.replace('_', ' ')}: {v * 100:.1f} %" for k, v in shares.items()),
+            transform=ax2.transAxes,
+            fontsize=8,
+            va="bottom",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"},
+        )
     w = result["workload"]
-    what = (f"trace {w['trace']}" if "trace" in w
-            else f"{w['sessions']}x{w['turns']} turns")
-    fig.suptitle(f"kvtier bench: {result['model']}, {what}, "
-                 f"{result['requests']} requests", fontsize=10)
+    what = f"trace {w['trace']}" if "trace" in w else f"{w['sessions']}x{w['turns']} turns"
+    fig.suptitle(
+        f"kvtier bench: {result['model']}, {what}, {result['requests']} requests", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -155,16 +155,19 @@ def _validate_trace(args: argparse.Namespace) -> tuple[int, int]:
         if v is not None and v < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_input_tokens is not None and args.max_input_tokens > MAX_INPUT_TOKENS:
-        raise BenchError(f"--max-input-tokens must be at most {MAX_INPUT_TOKENS} (the trace "
-                         "reader's bound on one prompt)")
+        raise BenchError(
+            f"--max-input-tokens must be at most {MAX_INPUT_TOKENS} (the trace "
+            "reader's bound on one prompt)"
+        )
     for name in ("max_concurrency", "plan_chunk_size", "plan_tp", "output_tokens"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
     if args.trace_block_size is not None and not 1 <= args.trace_block_size <= 2**20:
         raise BenchError("--trace-block-size must be from 1 to 1048576")
     if args.trace_out:
-        raise BenchError("--trace-out writes generated sessions; with --trace the trace is "
-                         "already the record")
+        raise BenchError(
+            "--trace-out writes generated sessions; with --trace the trace is already the record"
+        )
     if not os.path.isfile(args.trace):
         raise BenchError(f"cannot read the trace {args.trace}")
     return _token_range(args.token_range)
@@ -194,11 +197,14 @@ class Prediction:
         self.chunk_size = args.plan_chunk_size
         self.sim: Any = None
         if self.chunk_size % self.block_size:
-            self.reason = (f"--plan-chunk-size {self.chunk_size} is not a multiple of the "
-                           f"server's block size {self.block_size}")
+            self.reason = (
+                f"--plan-chunk-size {self.chunk_size} is not a multiple of the "
+                f"server's block size {self.block_size}"
+            )
         else:
-            self.sim = tr.Simulation(self.block_size, self.chunk_size,
-                                     gpu_tokens // self.block_size)
+            self.sim = tr.Simulation(
+                self.block_size, self.chunk_size, gpu_tokens // self.block_size
+            )
         self.skipped = 0
         self.checked: set[int] = set()
 
@@ -216,11 +222,15 @@ class Prediction:
         self.sim.add(req)
 
     def result(self, args: argparse.Namespace, after: Snapshot | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"host_hit_rate": None, "gpu_hit_rate": None,
-                               "chunk_size": self.chunk_size, "block_size": self.block_size,
-                               "gpu_kv_tokens": self.gpu_tokens,
-                               "gpu_kv_source": self.gpu_source,
-                               "requests_not_modelled": self.skipped}
+        out: dict[str, Any] = {
+            "host_hit_rate": None,
+            "gpu_hit_rate": None,
+            "chunk_size": self.chunk_size,
+            "block_size": self.block_size,
+            "gpu_kv_tokens": self.gpu_tokens,
+            "gpu_kv_source": self.gpu_source,
+            "requests_not_modelled": self.skipped,
+        }
         sim = self.sim
         if sim is None or not sim.prompt_tokens:
             out["why_none"] = self.reason or "no token-id or hash-id request to model"
@@ -245,15 +255,18 @@ class Prediction:
             return out
         slot = self.tr.slot_bytes(int(plan["kv_bytes_per_token_per_rank"]), self.chunk_size)
         chunks = int(capacity) // (slot * args.plan_tp)
-        out.update(host_tier_bytes=int(capacity), host_tier_chunks=chunks,
-                   host_hit_rate=served[min(chunks, len(served) - 1)] / total,
-                   max_hit_rate=(sim.gpu_hit_tokens + served[-1]) / total)
+        out.update(
+            host_tier_bytes=int(capacity),
+            host_tier_chunks=chunks,
+            host_hit_rate=served[min(chunks, len(served) - 1)] / total,
+            max_hit_rate=(sim.gpu_hit_tokens + served[-1]) / total,
+        )
         return out
 
 
 def _cache_config(snap: Snapshot | None) -> dict[str, str]:
     """The labels of vLLM's ``vllm:cache_config_info`` (block_size, num_gpu_blocks)."""
-    for name, labels, _ in (snap.samples if snap is not None else []):
+    for name, labels, _ in snap.samples if snap is not None else []:
         if name == "vllm:cache_config_info":
             return labels
     return {}
@@ -289,8 +302,7 @@ def input_bounds(args: argparse.Namespace, max_model_len: int | None) -> Bounds:
     return Bounds(n, source, max_gap_s=float(args.max_gap))
 
 
-def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
-                  ) -> dict[str, Any]:
+def execute_trace(args: argparse.Namespace, *, progress: bool | None = None) -> dict[str, Any]:
     """Replay ``args.trace`` against the server, open loop at the trace's timestamps
     (divided by ``--speedup``, gaps at most ``--max-gap``), at most ``--max-concurrency``
     in flight; the summary."""
@@ -302,12 +314,15 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
     form = tr.TraceFormat(args.trace_format, args.trace_block_size)
     stats = tr.TraceStats()
     with http_client(args, args.max_concurrency) as client:
-
         scrape = scraper(client, metrics_url)
 
         model = args.model or first_model(client, base)
-        bounds = input_bounds(args, None if args.max_input_tokens is not None
-                              else server_max_model_len(client, base, model))
+        bounds = input_bounds(
+            args,
+            None
+            if args.max_input_tokens is not None
+            else server_max_model_len(client, base, model),
+        )
         before = scrape()
         prediction = Prediction(args, before)
         poller = MetricsPoller(scrape, args.metrics_interval) if args.plot else None
@@ -315,29 +330,54 @@ def execute_trace(args: argparse.Namespace, *, progress: bool | None = None
             poller.start()
         try:
             reqs = tr.read_trace(args.trace, None, stats, False, form)
-            run_ = _drive_trace(client, base, model, reqs, args, (lo, hi), prediction,
-                                progress, bounds)
+            run_ = _drive_trace(
+                client, base, model, reqs, args, (lo, hi), prediction, progress, bounds
+            )
         finally:
             if poller:
                 poller.stop()
         after = scrape()
     trace_info = {
-        "path": os.path.basename(args.trace), "format": stats.format,
+        "path": os.path.basename(args.trace),
+        "format": stats.format,
         "formats": stats.formats,
-        "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
-                       else sorted(stats.block_sizes) or None),
-        "bad_lines": stats.bad_lines, "bad_examples": stats.bad_examples,
+        "block_size": (
+            min(stats.block_sizes)
+            if len(stats.block_sizes) == 1
+            else sorted(stats.block_sizes) or None
+        ),
+        "bad_lines": stats.bad_lines,
+        "bad_examples": stats.bad_examples,
         "prediction": prediction.result(args, after),
-        "bounds": {**bounds.as_dict(), "over_cap_lines": stats.over_cap,
-                   "reader_input_tokens": MAX_INPUT_TOKENS},
+        "bounds": {
+            **bounds.as_dict(),
+            "over_cap_lines": stats.over_cap,
+            "reader_input_tokens": MAX_INPUT_TOKENS,
+        },
     }
-    return summarize(args, model, TokenScale(), run_, before, after,
-                     poller.snapshots if poller else [], trace_info)
+    return summarize(
+        args,
+        model,
+        TokenScale(),
+        run_,
+        before,
+        after,
+        poller.snapshots if poller else [],
+        trace_info,
+    )
 
 
-def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.Namespace,
-                 token_range: tuple[int, int], prediction: Prediction,
-                 progress: bool | None, bounds: Bounds) -> tuple[list[RequestResult], float]:
+def _drive_trace(
+    client: Any,
+    base: str,
+    model: str,
+    reqs: Any,
+    args: argparse.Namespace,
+    token_range: tuple[int, int],
+    prediction: Prediction,
+    progress: bool | None,
+    bounds: Bounds,
+) -> tuple[list[RequestResult], float]:
     """Open loop: each request starts at its due time (:class:`Schedule`), or as soon as
     fewer than ``--max-concurrency`` are in flight (then it is late: ``start_s - due_s``).
     A prompt is checked against ``bounds`` before its tokens are made."""
@@ -360,8 +400,14 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
 
     if progress is None:
         progress = not args.json and sys.stderr.isatty()
-    bar = tqdm(total=args.max_requests, desc="kvtier bench --trace", unit="req",
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=args.max_requests,
+        desc="kvtier bench --trace",
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     slots = threading.BoundedSemaphore(args.max_concurrency)
     lock = threading.Lock()
     results: list[RequestResult] = []
@@ -374,8 +420,16 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
                 reset_prefix_cache(client, base)
             res = RequestResult(i, 0, time.perf_counter() - t_start, due_s=due)
             try:
-                stream_completion(client, base, model, prompt, max_tokens, res,
-                                  messages=req.messages, cache_salt=req.cache_salt)
+                stream_completion(
+                    client,
+                    base,
+                    model,
+                    prompt,
+                    max_tokens,
+                    res,
+                    messages=req.messages,
+                    cache_salt=req.cache_salt,
+                )
             except Exception as exc:  # noqa: BLE001 - a bad response must not stop the replay
                 res.ok, res.error = False, f"{type(exc).__name__}: {exc}"[:240]
             with lock:
@@ -404,8 +458,7 @@ def _drive_trace(client: Any, base: str, model: str, reqs: Any, args: argparse.N
                 if args.max_output_tokens is not None and out_tokens > args.max_output_tokens:
                     out_tokens = args.max_output_tokens
                     bounds.outputs_capped += 1
-                prompt: str | list[int] = (req.text if req.text is not None
-                                           else tokens(req))
+                prompt: str | list[int] = req.text if req.text is not None else tokens(req)
                 delay = due - (time.perf_counter() - t_start)
                 if delay > 0:  # the schedule keeps every gap within --max-gap
                     sleep(min(delay, bounds.max_gap_s))

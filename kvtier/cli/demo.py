@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--questions", type=int, default=3, help="questions per document (default 3)"
     )
     parser.add_argument(
-        "--small", action="store_true",
+        "--small",
+        action="store_true",
         help="a 4-layer, 256-wide model: faster, but prefill is too cheap to show savings",
     )
 
@@ -93,15 +94,19 @@ def _run(args: argparse.Namespace, workdir: Path, progress: Progress) -> int:
     model_dir = workdir / ("model-small" if args.small else "model")
     tier_dir = workdir / "object-tier"
     shape = dict(layers=4, hidden=256) if args.small else dict(layers=8, hidden=1024)
-    progress.say("two vLLM engines start one after the other; how long a start takes "
-                 "depends on the CPU (30 s to 2 min): the first is timed, and the rest of "
-                 "the demo estimated from it")
-    progress.stage(f"building a {shape['layers']}-layer, {shape['hidden']}-wide Llama in "
-                   f"{model_dir}")
+    progress.say(
+        "two vLLM engines start one after the other; how long a start takes "
+        "depends on the CPU (30 s to 2 min): the first is timed, and the rest of "
+        "the demo estimated from it"
+    )
+    progress.stage(
+        f"building a {shape['layers']}-layer, {shape['hidden']}-wide Llama in {model_dir}"
+    )
     from kvtier.cli.tinymodel import build_tiny_llama
 
-    build_tiny_llama(model_dir, heads=16 if not args.small else 4,
-                     kv_heads=8 if not args.small else 2, **shape)
+    build_tiny_llama(
+        model_dir, heads=16 if not args.small else 4, kv_heads=8 if not args.small else 2, **shape
+    )
     common = {"model": str(model_dir), "tier": str(tier_dir), "docs": args.docs}
     progress.say("engine 1: host tier 1 GiB + local-directory object tier")
     first = _phase({**common, "phase": 1, "questions": args.questions}, workdir, progress)
@@ -114,9 +119,15 @@ def _run(args: argparse.Namespace, workdir: Path, progress: Progress) -> int:
     progress.close()
     _report(first, second)
     now, estimate, at = time.monotonic(), progress.estimate, progress.estimate_at
-    progress.say(f"done in {duration(now - t0)}" + (
-        f"; the rest after engine 1's start took {duration(now - at)}, estimated "
-        f"{duration(estimate)}" if estimate is not None and at is not None else ""))
+    progress.say(
+        f"done in {duration(now - t0)}"
+        + (
+            f"; the rest after engine 1's start took {duration(now - at)}, estimated "
+            f"{duration(estimate)}"
+            if estimate is not None and at is not None
+            else ""
+        )
+    )
     return 0
 
 
@@ -147,9 +158,14 @@ class Progress:
 
     SPIN = "|/-\\"
 
-    def __init__(self, stream: TextIO, *, tty: bool | None = None,
-                 every: float = PROGRESS_EVERY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        tty: bool | None = None,
+        every: float = PROGRESS_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream
         self.tty = stream.isatty() if tty is None else tty
         self.every = every
@@ -175,8 +191,9 @@ class Progress:
                 self.since = now
             self.last = now
         if self._thread is None:
-            self._thread = threading.Thread(target=self._tick_forever, daemon=True,
-                                            name="kvtier-demo-progress")  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._tick_forever, daemon=True, name="kvtier-demo-progress"
+            )
             self._thread.start()
 
     def _tick_forever(self) -> None:
@@ -231,15 +248,21 @@ class Progress:
         if what == "ready" and phase == 1:
             self.started_s = self.clock() - self.since
         if what == "warm" and phase == 1 and self.started_s is not None and len(words) > 1:
-            self.estimate = estimate_rest(self.started_s, float(words[1]), spec["docs"],
-                                          spec["questions"])  # fmt: skip
+            self.estimate = estimate_rest(
+                self.started_s, float(words[1]), spec["docs"], spec["questions"]
+            )
             self.estimate_at = self.clock()
-            self.say(f"engine 1 started in {duration(self.started_s)} and ran its first "
-                     f"{WARM_TOKENS} tokens in {float(words[1]):.1f} s: the rest of the demo "
-                     f"takes about {duration(self.estimate)} (engine 2 starts the same way)")
-        labels = {"ready": "warming up", "warm": "running requests",
-                  "request": f"request {' of '.join(words[1:3])}",
-                  "stopping": "stopping (flushing uploads to the directory tier)"}
+            self.say(
+                f"engine 1 started in {duration(self.started_s)} and ran its first "
+                f"{WARM_TOKENS} tokens in {float(words[1]):.1f} s: the rest of the demo "
+                f"takes about {duration(self.estimate)} (engine 2 starts the same way)"
+            )
+        labels = {
+            "ready": "warming up",
+            "warm": "running requests",
+            "request": f"request {' of '.join(words[1:3])}",
+            "stopping": "stopping (flushing uploads to the directory tier)",
+        }
         if what in labels:
             self.stage(f"engine {phase}: {labels[what]}", restart=False)
 
@@ -255,8 +278,7 @@ def _read_lines(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def _phase(spec: dict[str, Any], workdir: Path,
-           progress: Progress) -> list[dict[str, Any]] | None:
+def _phase(spec: dict[str, Any], workdir: Path, progress: Progress) -> list[dict[str, Any]] | None:
     """Run one engine process; its rows, or None when it failed (its log shown)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -267,8 +289,14 @@ def _phase(spec: dict[str, Any], workdir: Path,
     other: collections.deque[str] = collections.deque(maxlen=50)
     progress.stage(f"engine {spec['phase']}: starting vLLM")
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(_engine_command(spec), stdout=subprocess.PIPE, stderr=log,
-                                stdin=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            _engine_command(spec),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         assert proc.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
@@ -300,7 +328,11 @@ def stop_quietly(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
     then SIGTERM, then SIGKILL. Its shutdown messages stay in its log, unshown; a second
     Ctrl-C skips to the next step instead of leaving a traceback."""
     steps: list[tuple[signal.Signals | None, float]] = [
-        (None, 1.0), (signal.SIGINT, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)]
+        (None, 1.0),
+        (signal.SIGINT, grace),
+        (signal.SIGTERM, 5.0),
+        (signal.SIGKILL, 5.0),
+    ]
     for sig, wait in steps:
         if proc.poll() is not None:
             return
@@ -315,8 +347,9 @@ def stop_quietly(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
 
 def _source(r: dict[str, Any]) -> str:
     """Which of kvtier's tiers served the row: host, disk, both, or "-"."""
-    parts = [name for name, key in (("host", "host_tokens"), ("disk", "remote_tokens"))
-             if r.get(key)]
+    parts = [
+        name for name, key in (("host", "host_tokens"), ("disk", "remote_tokens")) if r.get(key)
+    ]
     return "+".join(parts) or "-"
 
 
@@ -328,22 +361,30 @@ def _missed(r: dict[str, Any]) -> str:
 
 def _report(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
     print()
-    print(f"{'engine':>6} {'doc':>4} {'q':>3} {'prompt':>7} {'kvtier':>7} {'source':>9} "
-          f"{'vllm':>6} {'missed':>14} {'TTFT ms':>8}")
+    print(
+        f"{'engine':>6} {'doc':>4} {'q':>3} {'prompt':>7} {'kvtier':>7} {'source':>9} "
+        f"{'vllm':>6} {'missed':>14} {'TTFT ms':>8}"
+    )
     for phase, rows in ((1, first), (2, second)):
         for r in rows:
             vllm = f"{r['vllm_tokens']}{'' if r['reset'] else '!'}"
-            print(f"{phase:>6} {r['doc']:>4} {r['q']:>3} {r['prompt_tokens']:>7} "
-                  f"{r['kvtier_tokens']:>7} {_source(r):>9} {vllm:>6} {_missed(r):>14} "
-                  f"{r['ttft_s'] * 1000:>8.1f}")
+            print(
+                f"{phase:>6} {r['doc']:>4} {r['q']:>3} {r['prompt_tokens']:>7} "
+                f"{r['kvtier_tokens']:>7} {_source(r):>9} {vllm:>6} {_missed(r):>14} "
+                f"{r['ttft_s'] * 1000:>8.1f}"
+            )
     rows = first + second
     print()
-    print("kvtier: tokens kvtier's host tier or disk tier served; vllm: tokens vLLM's own "
-          "prefix cache served; missed: tokens kvtier lacked, by reason")
+    print(
+        "kvtier: tokens kvtier's host tier or disk tier served; vllm: tokens vLLM's own "
+        "prefix cache served; missed: tokens kvtier lacked, by reason"
+    )
     unreset = sum(not r["reset"] for r in rows)
     if unreset:
-        print(f"! vLLM's prefix cache could not be flushed before {unreset} request(s): "
-              "its own hits there stand in for kvtier's")
+        print(
+            f"! vLLM's prefix cache could not be flushed before {unreset} request(s): "
+            "its own hits there stand in for kvtier's"
+        )
     cold = [r["ttft_s"] for r in rows if r["kvtier_tokens"] == 0 and r["vllm_tokens"] == 0]
     host = [r["ttft_s"] for r in first if r["kvtier_tokens"] > 0]
     remote = [r["ttft_s"] for r in second if r["kvtier_tokens"] > 0]
@@ -361,8 +402,10 @@ def _report(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
         print(f"TTFT after restart (disk)  {statistics.median(remote) * 1000:.1f} ms")
     if second and "canary" in second[0]:
         c = second[0]["canary"]
-        print(f"canary (engine 2)          {c['match']} match, {c['mismatch']} mismatch: the "
-              "stored KV checked against vLLM's own before engine 2 loads any")
+        print(
+            f"canary (engine 2)          {c['match']} match, {c['mismatch']} mismatch: the "
+            "stored KV checked against vLLM's own before engine 2 loads any"
+        )
     if cold and host:
         saved = 1 - statistics.median(host) / statistics.median(cold)
         print(f"TTFT saved by a hit        {saved:.0%}")
@@ -396,21 +439,32 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "cpu_bytes": "1GiB", "cpu_headroom_bytes": "1GiB",
+            "cpu_bytes": "1GiB",
+            "cpu_headroom_bytes": "1GiB",
             "remote_url": f"file://{spec['tier']}",
         },
         # as kvtier advises: a failed load is recomputed, and the directory tier's
-        # lookups answer in their own step (kvtier.connectors.one_step_lookups)
+        # lookups answer in their own step (kvtier.connectors.scheduler.one_step_lookups)
         "kv_load_failure_policy": "recompute",
     }
     # as kvtier advises: the engine's stop leaves the queued uploads time to flush
     env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
     os.environ.update(env)
     _stage("loading")
-    llm = LLM(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=4096,
-              seed=0, kv_transfer_config=ktc, shutdown_timeout=int(stop[1]))
-    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler \
-        if hasattr(llm.llm_engine.engine_core, "engine_core") else None
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=4096,
+        seed=0,
+        kv_transfer_config=ktc,
+        shutdown_timeout=int(stop[1]),
+    )
+    side = (
+        llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+        if hasattr(llm.llm_engine.engine_core, "engine_core")
+        else None
+    )
     sp = SamplingParams(max_tokens=1, temperature=0)
     _stage("ready")
     # warm-up: the first forward pass sets up kernels; keep it out of the figures (its
@@ -431,20 +485,22 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         before = dict(side.totals) if side else {}
         llm.generate([check], sp, use_tqdm=False)
         for _ in range(50):  # the workers report the comparisons in later steps
-            if side is None or (side.canary.pending == 0 and any(
-                    side.totals[checks(r)] > before.get(checks(r), 0) for r in canary)):
+            if side is None or (
+                side.canary.pending == 0
+                and any(side.totals[checks(r)] > before.get(checks(r), 0) for r in canary)
+            ):
                 break
             llm.generate([TokensPrompt(prompt_token_ids=_tokens(8, 16))], sp, use_tqdm=False)
         if side is not None:
-            canary = {r: side.totals[checks(r)] - before.get(checks(r), 0)
-                      for r in canary}
+            canary = {r: side.totals[checks(r)] - before.get(checks(r), 0) for r in canary}
     rows: list[dict[str, Any]] = []
     total = spec["questions"] * spec["docs"]
     for q in range(spec["questions"]):
         for d in range(spec["docs"]):
             _stage(f"request {len(rows) + 1} {total}")
-            prompt = _tokens(100 + d, DOC_TOKENS) + _tokens(1000 * spec["phase"] + 10 * d + q,
-                                                            QUESTION_TOKENS)
+            prompt = _tokens(100 + d, DOC_TOKENS) + _tokens(
+                1000 * spec["phase"] + 10 * d + q, QUESTION_TOKENS
+            )
             reset = _reset_prefix_cache(llm)  # what GPU memory pressure does to a prefix
             before = dict(side.totals) if side else {}
             t0 = time.perf_counter()
@@ -456,14 +512,24 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
             host, remote = delta.get("hit_tokens_host", 0), delta.get("hit_tokens_remote", 0)
             if side is None:  # (the engine in another process: the split is unknown)
                 host = cached
-            rows.append({
-                "doc": d, "q": q, "prompt_tokens": len(prompt),
-                "kvtier_tokens": host + remote, "host_tokens": host, "remote_tokens": remote,
-                "vllm_tokens": max(0, cached - host - remote), "reset": reset,
-                "missed": {k.removeprefix("miss_tokens_"): v for k, v in delta.items()
-                           if k.startswith("miss_tokens_")},
-                "ttft_s": ttft,
-            })
+            rows.append(
+                {
+                    "doc": d,
+                    "q": q,
+                    "prompt_tokens": len(prompt),
+                    "kvtier_tokens": host + remote,
+                    "host_tokens": host,
+                    "remote_tokens": remote,
+                    "vllm_tokens": max(0, cached - host - remote),
+                    "reset": reset,
+                    "missed": {
+                        k.removeprefix("miss_tokens_"): v
+                        for k, v in delta.items()
+                        if k.startswith("miss_tokens_")
+                    },
+                    "ttft_s": ttft,
+                }
+            )
     if spec["phase"] == 1:
         llm.generate([check], sp, use_tqdm=False)
     _stage("stopping")

@@ -20,9 +20,13 @@ cannot be read, or input with no vLLM log line, 3 the server did not start."""
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_text: str) -> None:
     """``kvtier doctor`` under the ``kvtier`` command's subparsers."""
-    doc = sub.add_parser("doctor", help=help_text, description=help_text + ".",
-                         epilog=DOCTOR_EPILOG,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    doc = sub.add_parser(
+        "doctor",
+        help=help_text,
+        description=help_text + ".",
+        epilog=DOCTOR_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     doc.add_argument("log", nargs="?", help="vLLM server log file ('-' or omitted: stdin)")
     doc.add_argument("--pid", type=int, help="vLLM process to read VmRSS/RssShmem from")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -48,9 +52,12 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"kvtier doctor: error: cannot read {name}: {e}", file=sys.stderr)
         return 2
     if not doctor.read_anything(facts):
-        print(f"kvtier doctor: error: {name} holds no vLLM log line (none in vLLM's "
-              "'INFO MM-DD hh:mm:ss [file.py:N]' form, no memory or process error): "
-              "pass the server's log", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvtier doctor: error: {name} holds no vLLM log line (none in vLLM's "
+            "'INFO MM-DD hh:mm:ss [file.py:N]' form, no memory or process error): "
+            "pass the server's log",
+            file=sys.stderr,
+        )
         return 2
     proc = None
     if args.pid is not None:

@@ -35,9 +35,10 @@ COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``bench``/``demo`` modules are imported only when that command is used."""
     parser = argparse.ArgumentParser(
-        prog="kvtier", description=DESCRIPTION,
+        prog="kvtier",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     size.add_parser(sub, COMMANDS["size"])

@@ -42,8 +42,10 @@ def parse_metrics(text: str) -> list[MetricSample]:
             value = float(raw_value)
         except ValueError:
             continue
-        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\")
-                  for k, v in _LABEL.findall(raw_labels or "")}
+        labels = {
+            k: v.replace('\\"', '"').replace("\\\\", "\\")
+            for k, v in _LABEL.findall(raw_labels or "")
+        }
         samples.append((name, labels, value))
     return samples
 
@@ -58,8 +60,11 @@ class Snapshot:
     def total(self, name: str, **where: str) -> float | None:
         """Sum over every series of ``name`` (vLLM labels by model and engine) whose labels
         include ``where``; None if absent."""
-        vals = [v for n, labels, v in self.samples
-                if n == name and all(labels.get(k) == x for k, x in where.items())]
+        vals = [
+            v
+            for n, labels, v in self.samples
+            if n == name and all(labels.get(k) == x for k, x in where.items())
+        ]
         return sum(vals) if vals else None
 
     def has(self, name: str) -> bool:
@@ -92,13 +97,19 @@ def counter_delta(
 
 
 #: where a prompt token came from, as the headline's split shows it
-TOKEN_SOURCES = ("gpu_prefix_cache", "kvtier_host", "kvtier_object_tier", "other_connector",
-                 "computed")  # fmt: skip
+TOKEN_SOURCES = (
+    "gpu_prefix_cache",
+    "kvtier_host",
+    "kvtier_object_tier",
+    "other_connector",
+    "computed",
+)
 
 
 def token_sources(before: Snapshot | None, after: Snapshot | None) -> dict[str, float] | None:
     """Prompt tokens of the run by source, from vLLM's ``prompt_tokens_by_source`` and
     kvtier's hit counters; None when the server does not export the former."""
+
     def delta(name: str, **where: str) -> float:
         return counter_delta(before, after, name, **where) or 0.0
 
@@ -125,6 +136,7 @@ def token_shares(sources: dict[str, float] | None) -> dict[str, float] | None:
 
 def hit_rates(before: Snapshot | None, after: Snapshot | None) -> dict[str, float | None]:
     """Every hit rate the server lets us compute, by source."""
+
     def ratio(hit: str, query: str) -> float | None:
         h, q = counter_delta(before, after, hit), counter_delta(before, after, query)
         if h is None or q is None or q <= 0:
@@ -157,8 +169,9 @@ def pick_hit_rate(rates: dict[str, float | None]) -> tuple[float | None, str]:
     return None, "none (no hit counters on /metrics)"
 
 
-def bucket_delta(before: Snapshot | None, after: Snapshot, name: str,
-                 label: str) -> dict[str, list[tuple[float, float]]]:
+def bucket_delta(
+    before: Snapshot | None, after: Snapshot, name: str, label: str
+) -> dict[str, list[tuple[float, float]]]:
     """Histogram buckets added during the run: {label value: [(le, cumulative count)]}."""
     end = after.buckets(name, label)
     start = before.buckets(name, label) if before is not None else {}

@@ -59,6 +59,34 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: {SIZE_HELP}") from None
 
 
+def read_tenant_quotas(path: str) -> dict[str, int]:
+    """``--tenant-quotas FILE``: a JSON or YAML object of tenant name (``"*"``: every other
+    tenant) -> size, the ``tenant_quotas`` config key's syntax and parser."""
+    import yaml
+
+    from kvtier.config_tenants import parse_tenant_quotas
+    from kvtier.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise _Refused(f"--tenant-quotas {path}: {exc.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text)  # JSON is YAML
+    except yaml.YAMLError as exc:
+        raise _Refused(f"--tenant-quotas {path}: not JSON or YAML ({exc})") from None
+    if not isinstance(loaded, dict) or not loaded:
+        raise _Refused(
+            f'--tenant-quotas {path}: not an object of tenant name or "*" -> '
+            'size, like {"team-a": "8GiB", "*": "2GiB"}'
+        )
+    try:
+        return dict(parse_tenant_quotas("--tenant-quotas", loaded))
+    except ConfigError as exc:
+        raise _Refused(f"{path}: {exc}") from None
+
+
 def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
@@ -67,58 +95,112 @@ def _count(text: str) -> int:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], help_text: str) -> None:
     """``kvtier store`` and its three commands under the ``kvtier`` command's subparsers."""
-    store = sub.add_parser("store", help=help_text, description=help_text + ".",
-                           epilog=STORE_EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    store = sub.add_parser(
+        "store",
+        help=help_text,
+        description=help_text + ".",
+        epilog=STORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cmds = store.add_subparsers(dest="store_command", metavar="COMMAND", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("url", metavar="URL", nargs="?",
-                       help="the tier, as remote_url: file:///dir, s3://bucket/prefix, "
-                       "redis://host:port/db, redis+cluster://host:port/; omitted: the "
-                       "engines' own (KVTIER_REMOTE_URL, else --config's remote_url)")
-        p.add_argument("--config", metavar="FILE", help="JSON file of the engines' "
-                       "kv_connector_extra_config (or a whole --kv-transfer-config): "
-                       "s3_endpoint_url, hmac/encryption key variables, TLS settings")
+        p.add_argument(
+            "url",
+            metavar="URL",
+            nargs="?",
+            help="the tier, as remote_url: file:///dir, s3://bucket/prefix, "
+            "redis://host:port/db, redis+cluster://host:port/; omitted: the "
+            "engines' own (KVTIER_REMOTE_URL, else --config's remote_url)",
+        )
+        p.add_argument(
+            "--config",
+            metavar="FILE",
+            help="JSON file of the engines' "
+            "kv_connector_extra_config (or a whole --kv-transfer-config): "
+            "s3_endpoint_url, hmac/encryption key variables, TLS settings",
+        )
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    u = cmds.add_parser("usage", help="bytes and chunks per generation, and the totals",
-                        description="Per generation: model, namespace, bytes as stored (what "
-                        "the backend bills), chunks, first and last seen; then the totals.")
+    u = cmds.add_parser(
+        "usage",
+        help="bytes and chunks per generation, and the totals",
+        description="Per generation: model, namespace, bytes as stored (what "
+        "the backend bills), chunks, first and last seen; then the totals.",
+    )
     common(u)
+    u.add_argument(
+        "--by",
+        choices=["tenant"],
+        help="tenant: bytes and chunks per tenant "
+        "per generation, as its manifest attributes them (the tenant whose "
+        "request uploaded each chunk; 'unattributed': in no list of it)",
+    )
     u.set_defaults(func=_usage)
 
-    g = cmds.add_parser("gc", help="delete dead generations, then LRU chunks over a budget",
-                        description="First delete every chunk and the manifest of generations "
-                        "not seen for --dead-after; then, with --max-bytes, the least recently "
-                        "used chunks of the rest until the total is at most SIZE. Safe beside "
-                        "running engines (a deleted chunk is a counted miss) and beside another "
-                        "gc.", epilog=STORE_EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    g = cmds.add_parser(
+        "gc",
+        help="delete dead generations, then LRU chunks over a budget",
+        description="First delete every chunk and the manifest of generations "
+        "not seen for --dead-after; then, with --max-bytes, the least recently "
+        "used chunks of the rest until the total is at most SIZE. Safe beside "
+        "running engines (a deleted chunk is a counted miss) and beside another "
+        "gc.",
+        epilog=STORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(g)
-    g.add_argument("--max-bytes", metavar="SIZE", type=_size,
-                   help="byte budget after gc: 500GiB, 2TB, or a byte count")
-    g.add_argument("--dead-after", metavar="DURATION", type=parse_duration,
-                   default=parse_duration("7d"),
-                   help="a generation whose manifest was last refreshed longer ago is dead "
-                   "(a chunk without one: its own last use); 7d, 12h, 30m (default 7d)")
-    g.add_argument("--dry-run", action="store_true", help="print what would be deleted; "
-                   "delete nothing")
+    g.add_argument(
+        "--max-bytes",
+        metavar="SIZE",
+        type=_size,
+        help="byte budget after gc: 500GiB, 2TB, or a byte count",
+    )
+    g.add_argument(
+        "--dead-after",
+        metavar="DURATION",
+        type=parse_duration,
+        default=parse_duration("7d"),
+        help="a generation whose manifest was last refreshed longer ago is dead "
+        "(a chunk without one: its own last use); 7d, 12h, 30m (default 7d)",
+    )
+    g.add_argument(
+        "--tenant-quotas",
+        metavar="FILE",
+        help="JSON or YAML of tenant name "
+        '("*": every other tenant) -> size, as the tenant_quotas setting: '
+        '{"team-a": "8GiB", "*": "2GiB"}. A tenant holding more (its '
+        "chunks in every generation, as the manifests attribute them) loses its "
+        "own least recently used chunks, never another tenant's; after "
+        "--dead-after, before --max-bytes",
+    )
+    g.add_argument(
+        "--dry-run", action="store_true", help="print what would be deleted; delete nothing"
+    )
     g.set_defaults(func=_gc)
 
-    v = cmds.add_parser("verify", help="read chunks and check them with the configured keys",
-                        description="Read chunks (all, or --sample N at random) and check each "
-                        "as an engine would: frame, checksum, signature, decryption, its key, "
-                        "its layout; report the bad ones by kind.")
+    v = cmds.add_parser(
+        "verify",
+        help="read chunks and check them with the configured keys",
+        description="Read chunks (all, or --sample N at random) and check each "
+        "as an engine would: frame, checksum, signature, decryption, its key, "
+        "its layout; report the bad ones by kind.",
+    )
     common(v)
     v.add_argument("--sample", metavar="N", type=_count, help="check N chunks at random")
-    v.add_argument("--delete-bad", action="store_true",
-                   help="delete the chunks that are corrupt (checksum, truncated, malformed, "
-                   "wrong_key); manifests and objects failing for a key reason (signature, "
-                   "sealed) are kept, and nothing is deleted when more than half of those "
-                   "checked fail for a key reason. Run it with --dry-run first")
-    v.add_argument("--dry-run", action="store_true", help="with --delete-bad: print what "
-                   "it would delete; delete nothing")
+    v.add_argument(
+        "--delete-bad",
+        action="store_true",
+        help="delete the chunks that are corrupt (checksum, truncated, malformed, "
+        "wrong_key); manifests and objects failing for a key reason (signature, "
+        "sealed) are kept, and nothing is deleted when more than half of those "
+        "checked fail for a key reason. Run it with --dry-run first",
+    )
+    v.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --delete-bad: print what it would delete; delete nothing",
+    )
     v.set_defaults(func=_verify)
 
 
@@ -172,6 +254,8 @@ def _run(args: argparse.Namespace, what: str, body: Any) -> int:
     from kvtier.errors import KVTierError
 
     try:
+        if getattr(args, "tenant_quotas", None):  # read before the tier is opened
+            args.tenant_quotas = read_tenant_quotas(args.tenant_quotas)
         tier, signer = _open(args)
     except _Refused as exc:
         print(f"kvtier store {what}: error: {exc}", file=sys.stderr)
@@ -195,21 +279,57 @@ def usage_table(doc: dict[str, Any]) -> str:
     from kvtier.config_values import format_size
 
     # HOT: the keys of the generation's hot list (kvtier.hotset), what a warm start fetches
-    rows = [["GENERATION", "MODEL", "NAMESPACE", "BYTES", "CHUNKS", "HOT", "FIRST SEEN",
-             "LAST SEEN"]]  # fmt: skip
+    rows = [
+        ["GENERATION", "MODEL", "NAMESPACE", "BYTES", "CHUNKS", "HOT", "FIRST SEEN", "LAST SEEN"]
+    ]
     for g in doc["generations"]:
         hot = g.get("hot_chunks")
-        rows.append([g["id"], g["model"] or "-", g["namespace"] or "-", format_size(g["bytes"]),
-                     str(g["chunks"]), "-" if hot is None else str(hot),
-                     _when(g["first_seen"]), _when(g["last_seen"])])  # fmt: skip
-    rows.append(["total", "", "", format_size(doc["total_bytes"]), str(doc["total_chunks"]),
-                 "", "", ""])  # fmt: skip
+        rows.append(
+            [
+                g["id"],
+                g["model"] or "-",
+                g["namespace"] or "-",
+                format_size(g["bytes"]),
+                str(g["chunks"]),
+                "-" if hot is None else str(hot),
+                _when(g["first_seen"]),
+                _when(g["last_seen"]),
+            ]
+        )
+    rows.append(
+        ["total", "", "", format_size(doc["total_bytes"]), str(doc["total_chunks"]), "", "", ""]
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.rjust(w) if i in (3, 4, 5) else c.ljust(w) for i, (c, w) in
-                  enumerate(zip(r, widths, strict=True))).rstrip()
+        "  ".join(
+            c.rjust(w) if i in (3, 4, 5) else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
         for r in rows
-    )  # fmt: skip
+    )
+
+
+def tenant_table(doc: dict[str, Any]) -> str:
+    """``usage --by tenant``'s JSON as a table: a row per tenant per generation, then per
+    tenant over every generation."""
+    from kvtier.config_values import format_size
+
+    rows = [["GENERATION", "MODEL", "TENANT", "BYTES", "CHUNKS"]]
+    for g in doc["generations"]:
+        for label, n in g["tenants"].items():
+            rows.append(
+                [g["id"], g["model"] or "-", label, format_size(n["bytes"]), str(n["chunks"])]
+            )
+    for label, n in doc["tenants"].items():
+        rows.append(["total", "", label, format_size(n["bytes"]), str(n["chunks"])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            c.rjust(w) if i in (3, 4) else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    )
 
 
 def _usage(args: argparse.Namespace) -> int:
@@ -220,14 +340,15 @@ def _usage(args: argparse.Namespace) -> int:
         found = store_admin.usage(tier, signer, progress=shown)
         if shown is not None:
             shown(0)
-        doc = found.to_json()
+        doc = found.to_json(by_tenant=args.by == "tenant")
         if args.json:
             print(json.dumps(doc, indent=2))
             return
-        print(usage_table(doc))
+        print(tenant_table(doc) if args.by == "tenant" else usage_table(doc))
         for gen, kind in sorted(found.bad_manifests.items()):
-            print(f"manifest of {gen} does not verify ({kind}): its chunks are counted "
-                  "under unknown")  # fmt: skip
+            print(
+                f"manifest of {gen} does not verify ({kind}): its chunks are counted under unknown"
+            )
 
     return _run(args, "usage", body)
 
@@ -238,9 +359,15 @@ def _gc(args: argparse.Namespace) -> int:
 
     def body(tier: Any, signer: Any) -> None:
         shown = store_admin.progress_printer()
-        plan = store_admin.gc(tier, signer, dead_after_s=args.dead_after,
-                              max_bytes=args.max_bytes, dry_run=args.dry_run,
-                              progress=shown)  # fmt: skip
+        plan = store_admin.gc(
+            tier,
+            signer,
+            dead_after_s=args.dead_after,
+            max_bytes=args.max_bytes,
+            dry_run=args.dry_run,
+            progress=shown,
+            tenant_quotas=args.tenant_quotas,
+        )
         if shown is not None:
             shown(0)
         doc = plan.to_json()
@@ -248,13 +375,30 @@ def _gc(args: argparse.Namespace) -> int:
             print(json.dumps(doc, indent=2))
             return
         verb = "would delete" if args.dry_run else "deleted"
+        why = {"dead": "dead", "lru": "least recently used"}
         for row in doc["generations"]:
-            print(f"{verb} {row['chunks']} chunks ({format_size(row['bytes'])}) of "
-                  f"generation {row['id']} ({row['model'] or 'no manifest'}): "
-                  f"{'dead' if row['reason'] == 'dead' else 'least recently used'}")
-        print(f"{verb} {doc['deleted_chunks']} chunks, {format_size(doc['deleted_bytes'])}; "
-              f"{format_size(doc['total_bytes_after'])} left of "
-              f"{format_size(doc['total_bytes_before'])}")
+            reason = why.get(row["reason"]) or f"tenant {row['tenant']} over its quota"
+            print(
+                f"{verb} {row['chunks']} chunks ({format_size(row['bytes'])}) of "
+                f"generation {row['id']} ({row['model'] or 'no manifest'}): {reason}"
+            )
+        quotas = doc["tenant_quotas"] or {}
+        for tenant, n in doc["deleted_by_tenant"].items():
+            quota = quotas.get(tenant, quotas.get("*"))
+            print(
+                f"{verb} {n['chunks']} chunks ({format_size(n['bytes'])}) of tenant "
+                f"{tenant}: over its quota of {format_size(quota or 0)}"
+            )
+        if doc["kept_pinned_chunks"]:
+            print(
+                f"kept {doc['kept_pinned_chunks']} chunks pinned in their manifest until "
+                "their pins expire"
+            )
+        print(
+            f"{verb} {doc['deleted_chunks']} chunks, {format_size(doc['deleted_bytes'])}; "
+            f"{format_size(doc['total_bytes_after'])} left of "
+            f"{format_size(doc['total_bytes_before'])}"
+        )
 
     return _run(args, "gc", body)
 
@@ -262,15 +406,16 @@ def _gc(args: argparse.Namespace) -> int:
 def verify_summary(doc: dict[str, Any], delete_bad: bool) -> str:
     """``verify``'s last line: what was checked, found bad by kind, deleted and kept."""
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(doc["by_kind"].items()))
-    line = f"checked {doc['checked']} objects: {doc['bad']} bad" + (f" ({kinds})" if kinds
-                                                                   else "")  # fmt: skip
+    line = f"checked {doc['checked']} objects: {doc['bad']} bad" + (f" ({kinds})" if kinds else "")
     if delete_bad:
         done = len(doc["to_delete"])
         line += f"; would delete {done}" if doc["dry_run"] else f"; {done} deleted"
         kept = doc["bad"] - done
         if kept and not doc["delete_refused"]:
-            line += (f", {kept} kept (manifests, and failures for a key reason or of the "
-                     "backend, are not corruption)")  # fmt: skip
+            line += (
+                f", {kept} kept (manifests, and failures for a key reason or of the "
+                "backend, are not corruption)"
+            )
     return line
 
 
@@ -282,9 +427,15 @@ def _verify(args: argparse.Namespace) -> int:
     def body(tier: Any, signer: Any) -> None:
         nonlocal bad
         shown = store_admin.progress_printer()
-        report = store_admin.verify(tier, signer, sample=args.sample,
-                                    delete_bad=args.delete_bad, dry_run=args.dry_run,
-                                    seed=int(time.time()), progress=shown)  # fmt: skip
+        report = store_admin.verify(
+            tier,
+            signer,
+            sample=args.sample,
+            delete_bad=args.delete_bad,
+            dry_run=args.dry_run,
+            seed=int(time.time()),
+            progress=shown,
+        )
         if shown is not None:
             shown(0)
         doc = report.to_json()

@@ -41,8 +41,13 @@ def build_tiny_llama(
     out = Path(path)
     marker = out / "kvtier-model.json"
     spec = {
-        "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-        "vocab_size": vocab_size, "max_positions": max_positions, "seed": seed,
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "vocab_size": vocab_size,
+        "max_positions": max_positions,
+        "seed": seed,
     }
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out

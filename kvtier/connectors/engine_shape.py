@@ -330,12 +330,14 @@ def _layer_spec(spec: Any) -> LayerSpec:
         and getattr(spec, "attention_chunk_size", None) is None,
         block_size=getattr(spec, "block_size", None),
         window=spec.sliding_window + int(getattr(spec, "extra_retained_tokens", 0) or 0)
-        if sliding else None,
+        if sliding
+        else None,
         states=_state_tensors(spec) if isinstance(spec, MambaSpec) else (),
         state_mode=str(getattr(spec, "mamba_cache_mode", "none"))
-        if isinstance(spec, MambaSpec) else None,
+        if isinstance(spec, MambaSpec)
+        else None,
         state_bytes=int(spec.state_content_size_bytes) if isinstance(spec, MambaSpec) else 0,
-    )  # fmt: skip
+    )
 
 
 def _state_tensors(spec: Any) -> tuple[tuple[tuple[int, ...], str], ...]:

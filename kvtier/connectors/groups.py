@@ -89,8 +89,9 @@ def kv_groups(kv_cache: KVCacheShape, block_size: int, chunk_size: int) -> tuple
             if len(windows) != 1:
                 raise Refused(f"{what} mixes sliding windows {sorted(windows)}")
             window = windows.pop()
-            out.append(KVGroup(SLIDING, group.layer_names,
-                               sliding_blocks(window, block_size, bpc), window))
+            out.append(
+                KVGroup(SLIDING, group.layer_names, sliding_blocks(window, block_size, bpc), window)
+            )
         elif all(s.full for s in specs):
             out.append(KVGroup(FULL, group.layer_names, bpc))
         else:
@@ -99,7 +100,6 @@ def kv_groups(kv_cache: KVCacheShape, block_size: int, chunk_size: int) -> tuple
                 "sliding-window attention, the kinds of group kvtier stores"
             )
     return tuple(out)
-
 
 
 def flatten_states(

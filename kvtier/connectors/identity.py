@@ -7,7 +7,7 @@ fingerprint of the weights (:mod:`kvtier.fingerprint`), where they were loaded f
 startup refuses the settings under which chunks from another process could be wrong
 for this one. Each worker's keys also name its layers and their KV dtypes
 (``Namespace.layers``). Weights replaced while the engine runs (a reload, a weight
-transfer, any ``collective_rpc``) are followed: :mod:`kvtier.connectors.weights` tells
+transfer, any ``collective_rpc``) are followed: :mod:`kvtier.connectors.scheduler.weights` tells
 the scheduler side, which drops the host tier and gives the object keys a new identity
 of their own.
 """
@@ -29,9 +29,8 @@ from .engine_shape import EngineShape
 
 logger = logging.getLogger("kvtier")
 
-def namespace_for(
-    cfg: KVTierConfig, shape: EngineShape, *, read_weights: bool = True
-) -> Namespace:
+
+def namespace_for(cfg: KVTierConfig, shape: EngineShape, *, read_weights: bool = True) -> Namespace:
     """Everything besides the prefix that makes KV bytes incompatible.
 
     With an object tier the model is named by its fingerprint, not its path: the same
@@ -115,10 +114,21 @@ def workers_on_node(shape: EngineShape) -> int:
 
 #: vLLM load formats that read the weights from the model's own files, the files
 #: :func:`kvtier.fingerprint.weights_fingerprint` reads (local or streamed)
-FILE_LOAD_FORMATS = frozenset({
-    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
-    "mistral", "sharded_state", "runai_streamer", "runai_streamer_sharded",
-})
+FILE_LOAD_FORMATS = frozenset(
+    {
+        "auto",
+        "hf",
+        "safetensors",
+        "pt",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+        "sharded_state",
+        "runai_streamer",
+        "runai_streamer_sharded",
+    }
+)
 #: load formats that fill the weights with random values instead of the files'
 RANDOM_LOAD_FORMATS = frozenset({"dummy"})
 #: names random weights in this process: vLLM draws them per device type and version,

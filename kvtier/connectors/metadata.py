@@ -1,4 +1,7 @@
-"""What the scheduler side tells the workers each step, and what they answer.
+"""What the scheduler side tells the workers each step, and what they answer; and what
+each worker tells the scheduler once, at startup (vLLM's connector handshake:
+:class:`WorkerKeys`, with its :class:`WarmReport`). The only messages between
+:mod:`kvtier.connectors.scheduler` and :mod:`kvtier.connectors.worker`.
 
 Plain dataclasses of ints and bytes: vLLM pickles them across processes. The ops
 themselves are :mod:`kvtier.ops` (the transfer contract).
@@ -9,16 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
 from kvtier.hotset import HotList
+from kvtier.keys import KeySpace, Namespace
 from kvtier.ops import CheckOp, FetchOp, LoadOp, StoreOp, UploadOp
 
 __all__ = [
-    "CheckOp", "FetchOp", "KVTierMetadata", "KVTierWorkerMeta", "LoadOp", "StepPlan", "StoreOp",
+    "CheckOp",
+    "FetchOp",
+    "KVTierMetadata",
+    "KVTierWorkerMeta",
+    "LoadOp",
+    "StepPlan",
+    "StoreOp",
     "UploadOp",
+    "WarmReport",
+    "WorkerKeys",
 ]
 
 
@@ -50,12 +63,18 @@ class KVTierMetadata(KVConnectorMetadata):
     checks: list[CheckOp] = field(default_factory=list)
     #: the engine trusts its generation (kvtier.canary): its manifest is refreshed only then
     trusted: bool = True
-    #: every kvtier.hotset.SEND_S (connectors/hot.py): the hits since the last send, for
+    #: every kvtier.hotset.SEND_S (connectors/scheduler/hot.py): the hits since the last send, for
     #: rank 0's manifest writer (None: none this step)
     heat: HotList | None = None
     #: the hot chunks the object tier lacks, (key, slot) hottest first, written first at
     #: drain (None: unchanged)
     handoff: tuple[tuple[bytes, int], ...] | None = None
+    #: with tenants (kvtier.host.tenants): the chunk keys this step uploads per tenant
+    #: label, for rank 0's manifest writer (kvtier.objects.tenant_keys; None: none)
+    tenant_uploads: dict[str, list[bytes]] | None = None
+    #: every kvtier.hotset.SEND_S with pin_tenants: the host tier's pinned chunks and the
+    #: seconds each pin has left, for rank 0's manifest (gc keeps them; None: not sent)
+    pins: dict[bytes, float] | None = None
 
 
 class StepPlan:
@@ -65,8 +84,7 @@ class StepPlan:
     cleaning of the oldest chunks begins one), and what the scheduler hands to vLLM as
     the step's :class:`KVTierMetadata` (:meth:`take`), starting the next step's empty."""
 
-    __slots__ = ("checks", "fetches", "fetches_now", "fetches_now_s", "loads", "stores",
-                 "uploads")
+    __slots__ = ("checks", "fetches", "fetches_now", "fetches_now_s", "loads", "stores", "uploads")
 
     def __init__(self) -> None:
         self.loads: list[LoadOp] = []
@@ -85,20 +103,33 @@ class StepPlan:
     def __len__(self) -> int:
         """Ops planned and not yet handed to vLLM (a fetch run counts its fetches)."""
         fetches = sum(len(run) for run in self.fetches + self.fetches_now)
-        return (len(self.loads) + len(self.stores) + fetches + len(self.uploads)
-                + len(self.checks))
+        return len(self.loads) + len(self.stores) + fetches + len(self.uploads) + len(self.checks)
 
     def take(
-        self, *, step: int, host_bytes: int, null_block: int | None, weights_epoch: int = 0,
-        weights_salt: bytes = b"", trusted: bool = True,
+        self,
+        *,
+        step: int,
+        host_bytes: int,
+        null_block: int | None,
+        weights_epoch: int = 0,
+        weights_salt: bytes = b"",
+        trusted: bool = True,
     ) -> KVTierMetadata:
         """The step's metadata: every op planned since the last call, in the order planned."""
         meta = KVTierMetadata(
-            step=step, host_bytes=host_bytes, loads=self.loads, stores=self.stores,
-            fetches=self.fetches, fetches_now=self.fetches_now, uploads=self.uploads,
+            step=step,
+            host_bytes=host_bytes,
+            loads=self.loads,
+            stores=self.stores,
+            fetches=self.fetches,
+            fetches_now=self.fetches_now,
+            uploads=self.uploads,
             fetches_now_s=self.fetches_now_s,
-            null_block=null_block, weights_epoch=weights_epoch, weights_salt=weights_salt,
-            checks=self.checks, trusted=trusted,
+            null_block=null_block,
+            weights_epoch=weights_epoch,
+            weights_salt=weights_salt,
+            checks=self.checks,
+            trusted=trusted,
         )
         self.loads, self.stores, self.fetches, self.uploads = [], [], [], []
         self.fetches_now, self.checks = [], []
@@ -142,12 +173,64 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         checks = {k: list(v) for k, v in self.checks.items()}
         for op_id, found in other.checks.items():
             checks.setdefault(op_id, []).extend(found)
-        fresh = self.fresh_generation if other.fresh_generation is None else (
-            other.fresh_generation if self.fresh_generation is None
-            else self.fresh_generation and other.fresh_generation)
+        fresh = (
+            self.fresh_generation
+            if other.fresh_generation is None
+            else (
+                other.fresh_generation
+                if self.fresh_generation is None
+                else self.fresh_generation and other.fresh_generation
+            )
+        )
         return KVTierWorkerMeta(
-            steps=sorted(set(self.steps) | set(other.steps)), results=merged, errors=errors,
-            reads_down_s=max(self.reads_down_s, other.reads_down_s), checks=checks,
-            fresh_generation=fresh, check_worst={**self.check_worst, **other.check_worst},
+            steps=sorted(set(self.steps) | set(other.steps)),
+            results=merged,
+            errors=errors,
+            reads_down_s=max(self.reads_down_s, other.reads_down_s),
+            checks=checks,
+            fresh_generation=fresh,
+            check_worst={**self.check_worst, **other.check_worst},
             layers=self.layers if self.layers is not None else other.layers,
         )
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What one worker's warm-up read (vLLM's handshake carries it to the scheduler)."""
+
+    #: (chunk key, host slot) of every chunk read and verified, hottest first
+    chunks: tuple[tuple[bytes, int], ...] = ()
+    #: slots a read may still be writing (begun, unreported at the timeout)
+    busy: tuple[int, ...] = ()
+    #: bytes read from the object tier
+    nbytes: int = 0
+    seconds: float = 0.0
+    #: chunks planned (the hot list within the budget)
+    planned: int = 0
+    #: the size of the slab the chunks are in (the scheduler takes them only for its size)
+    host_bytes: int = 0
+    #: "done", "timeout", "stopped" (the tier's reads failed: down), "cold" (nothing to
+    #: warm, or it failed: the log says why)
+    outcome: str = "cold"
+
+
+@dataclass(frozen=True)
+class WorkerKeys(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler at startup: the namespace its object keys are
+    made from (its layers included), its TP rank, its pipeline stage, and the count of
+    weight changes its keys follow (``WorkerSide.weights_epoch``)."""
+
+    namespace: Namespace
+    rank: int
+    stage: int
+    weights_epoch: int = 0
+    #: rank 0 of stage 0: whether its claim of its generation won at startup
+    #: (kvtier.canary: its first writer is trusted at once); None: not this worker's to say
+    fresh_generation: bool | None = None
+    #: what the worker's warm-up read into its host slab (``warmup: true``,
+    #: :mod:`kvtier.connectors.worker.warmup`); None: no warm-up ran
+    warm: WarmReport | None = None
+
+    @property
+    def space(self) -> KeySpace:
+        return KeySpace.worker(self.namespace, self.rank, self.stage)

@@ -31,10 +31,9 @@ def slot_size(kv_cache: KVCacheShape, groups: tuple[KVGroup, ...], blocks_per_ch
     """Bytes of one host slot: a chunk's blocks of every layer (of a hybrid model, each
     group's layers for the blocks of a chunk that group stores)."""
     if groups:
-        return align_slot(sum(
-            sum(layer_page_bytes(kv_cache, g)) * group.blocks
-            for g, group in enumerate(groups)
-        ))  # fmt: skip
+        return align_slot(
+            sum(sum(layer_page_bytes(kv_cache, g)) * group.blocks for g, group in enumerate(groups))
+        )
     return slot_bytes_for(layer_page_bytes(kv_cache), blocks_per_chunk)
 
 
@@ -96,17 +95,20 @@ def allocate_slab(
     plan = host_plan(headroom_bytes=cfg.cpu_headroom_bytes)
     if nbytes > max(0, plan.largest_total):
         raise ConfigError(
-            "cpu_bytes", given, f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
+            "cpu_bytes",
+            given,
+            f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
             f"does not fit the memory left before it is allocated; {plan.text()}; "
             f"{plan.fit_hint()}",
-        )  # fmt: skip
+        )
     try:
         return HostSlab(nbytes, layout, pin=pin, commit=commit)
     except (OSError, MemoryError) as exc:
         if isinstance(exc, OSError) and exc.errno not in (errno.ENOMEM, errno.EAGAIN):
             raise
         raise ConfigError(
-            "cpu_bytes", given, f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
+            "cpu_bytes",
+            given,
+            f"the host slab of worker rank {rank} ({format_size(nbytes)}) "
             f"could not be allocated ({exc}); {plan.text()}; {plan.fit_hint()}",
-        ) from None  # fmt: skip
-
+        ) from None

@@ -81,18 +81,23 @@ def startup_plan(
     vllm_bytes, how = 0, ""
     if _on_cpu(shape):
         per_worker, how = vllm_cpu_host_bytes(
-            _cpu_kv_space(shape), _weight_bytes(local, shape.tp_size),
+            _cpu_kv_space(shape),
+            _weight_bytes(local, shape.tp_size),
             total_memory=_node_total_memory(),
             memory_utilization=shape.gpu_memory_utilization,
-        )  # fmt: skip
+        )
         vllm_bytes = per_worker * workers
         if workers > 1:
             how += f", x {workers} workers"
     return host_plan(
-        headroom_bytes=cfg.cpu_headroom_bytes, cpu_offload_gb=offload_gb * workers,
-        mem_available_bytes=mem_available_bytes, model_dir=local,
-        vllm_host_bytes=vllm_bytes, vllm_host_how=how, workers=workers,
-    )  # fmt: skip
+        headroom_bytes=cfg.cpu_headroom_bytes,
+        cpu_offload_gb=offload_gb * workers,
+        mem_available_bytes=mem_available_bytes,
+        model_dir=local,
+        vllm_host_bytes=vllm_bytes,
+        vllm_host_how=how,
+        workers=workers,
+    )
 
 
 def _on_cpu(shape: EngineShape) -> bool:

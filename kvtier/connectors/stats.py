@@ -19,52 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier import metrics, stats
-from kvtier.stats import total_name
-
-from .ledger import SETTLED_TOTALS
-from .requests import HOST_ONLY_REASONS
-
-#: SchedulerSide.totals: the counters' own (hit tokens by tier, lookup tokens, miss tokens
-#: by reason, evictions, skipped stores: fed by the increments that go to Prometheus), settled
-#: ops by kind and result, write-back uploads begun, and the errors workers reported
-SCHEDULER_TOTALS: tuple[str, ...] = (
-    total_name(metrics.LOOKUP_TOKENS),
-    *(total_name(metrics.HIT_TOKENS, (tier,)) for tier in metrics.TIERS),
-    # what a host or object tier of each scale would have served (kvtier.host.ghosts,
-    # kvtier.objects.ghosts)
-    *(
-        total_name(metrics.WHATIF_HIT_TOKENS, (tier, s))
-        for tier in metrics.TIERS
-        for s in metrics.WHATIF_SCALES
-    ),
-    total_name(metrics.EVICTIONS),  # every reason (kept by the scheduler side itself)
-    *(total_name(metrics.EVICTIONS, (r,)) for r in metrics.EVICTION_REASONS),
-    total_name(metrics.STORES_SKIPPED),
-    # hybrid models: chunks not stored because vLLM had already dropped blocks of a
-    # sliding-window group the slot needs (a chunk served by vLLM's own prefix cache)
-    "stores_window_gone",
-    # recurrent state: chunks not stored because the step that completed them ran past
-    # their end (the state block no longer holds the state at the chunk's end)
-    "stores_state_gone",
-    *(total_name(metrics.MISS_TOKENS, (reason,)) for reason in metrics.MISS_REASONS),
-    # priced lookups (load_policy: cost, kvtier.costs): tokens not asked for, fetches cut
-    *(
-        total_name(metrics.LOADS_DECLINED, (tier, r))
-        for tier in metrics.TIERS
-        for r in metrics.DECLINE_REASONS
-    ),
-    *(total_name(metrics.FETCH_DEADLINE_MISSED, (tier,)) for tier in metrics.TIERS),
-    "write_back",
-    "weights_changes",  # weights replaced while the engine ran (weights_changed)
-    # lookups answered in their own step that found chunks to load (connectors.one_step_lookups)
-    "one_step_lookups",
-    # canaries by result (kvtier.canary): computed chunks compared with the stored ones
-    *(total_name(metrics.CANARY, (r,)) for r in metrics.CANARY_RESULTS),
-    *SETTLED_TOTALS.values(),
-    *(f"error_{kind}" for kind in metrics.ERROR_KINDS),
-    # requests whose chunks (from some point on) stay out of the object tier, by reason
-    *(f"host_only_{reason}" for reason in HOST_ONLY_REASONS),
-)
 
 
 @dataclass
@@ -112,12 +66,16 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 m = counter(name=spec.name, documentation=spec.help, labelnames=names)
             elif spec.kind == "gauge":
                 m = gauge(
-                    name=spec.name, documentation=spec.help, labelnames=names,
+                    name=spec.name,
+                    documentation=spec.help,
+                    labelnames=names,
                     multiprocess_mode="mostrecent",
                 )
             else:
                 m = histogram(
-                    name=spec.name, documentation=spec.help, labelnames=names,
+                    name=spec.name,
+                    documentation=spec.help,
+                    labelnames=names,
                     buckets=list(spec.buckets),
                 )
             self._metrics[spec.name] = m

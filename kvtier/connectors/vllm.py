@@ -42,14 +42,13 @@ from kvtier.sizing.validate import ATTENTION_FREE_REASON, SSM_REASON, model_refu
 from .engine_shape import EngineShape
 from .groups import Refused, kv_groups
 from .identity import check_parallel, namespace_for, workers_on_node
-from .metadata import KVTierMetadata
-from .one_step_lookups import WorkerKeys
-from .scheduler import SchedulerSide
-from .shutdown import shutdown_window_warning
+from .metadata import KVTierMetadata, WorkerKeys
+from .scheduler.side import SchedulerSide
+from .scheduler.weights import engine_core_on_stack, follow_weight_changes, watch_written_weights
 from .startup import check_config_being_built
 from .stats import KVTierPromMetrics, KVTierStats
-from .weights import engine_core_on_stack, follow_weight_changes, watch_written_weights
-from .worker import WorkerSide
+from .worker.shutdown import shutdown_window_warning
+from .worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -208,8 +207,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             from kvtier.objects.remote import RemoteIO
 
             self._worker = WorkerSide(
-                self.cfg, ns, shape.allocated_kv_cache().num_blocks, RemoteIO.from_config,
-                groups=groups, workers_on_node=workers_on_node(shape),
+                self.cfg,
+                ns,
+                shape.allocated_kv_cache().num_blocks,
+                RemoteIO.from_config,
+                groups=groups,
+                workers_on_node=workers_on_node(shape),
             )
             # with micro-batches a layer's attention runs once per ubatch: its KV is only
             # complete after the forward, so stores then start in wait_for_save
@@ -354,12 +357,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """This worker's object keys, for the scheduler's one-step lookups
-        (:mod:`.one_step_lookups`); None without an object tier. vLLM collects it once the
+        (:mod:`.scheduler.one_step_lookups`), and what its warm-up read
+        (:mod:`.worker.warmup`); None without an object tier. vLLM collects it once the
         KV caches are registered."""
         w = self._worker
         if w is None or not self.cfg.remote_url:
             return None
-        return WorkerKeys(w.namespace, w.rank, w.stage, w.weights_epoch, w.fresh_generation)
+        return WorkerKeys(w.namespace, w.rank, w.stage, w.weights_epoch, w.fresh_generation, w.warm)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
@@ -448,7 +452,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _kvtier_weights_changed(self, why: str) -> None:
         """The engine core ran ``why`` (``reload_weights``, ``apply_model(fn)``, an
         extension's method, a function...) on the workers, which may have changed the
-        weights (:func:`kvtier.connectors.weights.follow_weight_changes`). The host tier
+        weights (:func:`kvtier.connectors.scheduler.weights.follow_weight_changes`). The host tier
         is emptied and the object keys get a new identity before the next step. Calls
         with no step between them are one change (a trainer's sync sends one tensor per
         call): nothing was stored or loaded in between."""

@@ -84,7 +84,10 @@ class GroupsCopier(Copier):
     another group's blocks. Layer indices here are the whole layout's."""
 
     def __init__(
-        self, kv: Sequence[torch.Tensor], layout: SlotLayout, slab: HostSlab,
+        self,
+        kv: Sequence[torch.Tensor],
+        layout: SlotLayout,
+        slab: HostSlab,
         factory: CopierFactory,
     ) -> None:
         super().__init__(kv, layout, slab)

@@ -62,7 +62,9 @@ def register_host(tensor: torch.Tensor, cudart: Any = None) -> Callable[[], None
     if err != 0:
         logger.warning(
             "kvtier: cudaHostRegister of %d bytes failed (cudaError %d); the host tier "
-            "stays pageable and copies are synchronous", nbytes, err,
+            "stays pageable and copies are synchronous",
+            nbytes,
+            err,
         )
         return None
     done = False

@@ -151,8 +151,9 @@ class CudaCopier(Copier):
         self.save_stream = self.ops.new_stream()
         self.scatter_stream = self.ops.new_stream()
         per_block = max(layer_block_bytes(layout))
-        self.max_round_blocks = max(layout.blocks_per_chunk,
-                                    staging_bytes // STAGING_RING // per_block)  # fmt: skip
+        self.max_round_blocks = max(
+            layout.blocks_per_chunk, staging_bytes // STAGING_RING // per_block
+        )
         #: "save", and "load0".."load{STAGING_RING - 1}"; grown on demand
         self._staging: dict[str, torch.Tensor] = {}
         self._ring_next = 0  # the load staging buffer the next round uses
@@ -197,9 +198,7 @@ class CudaCopier(Copier):
             rounds.append(_Round(idx, places, len(index), whole))
         return rounds
 
-    def _staging_for(
-        self, which: str, layer: int, blocks: int, chunks: int = 0
-    ) -> torch.Tensor:
+    def _staging_for(self, which: str, layer: int, blocks: int, chunks: int = 0) -> torch.Tensor:
         """A ``blocks``-block staging view for ``layer`` from the buffer ``which``, grown on
         demand; with ``chunks``, shaped ``[chunks, *slot_shape]`` (whole chunks, each as
         its slot holds it), else like the layer with ``blocks`` blocks.
@@ -209,8 +208,11 @@ class CudaCopier(Copier):
         staging still being read (and a buffer grown from being freed while read).
         """
         ll = self.layout.layers[layer]
-        shape = ((chunks, *ll.slot_shape) if chunks
-                 else staging_shape(ll.slot_shape, ll.block_dim, blocks))  # fmt: skip
+        shape = (
+            (chunks, *ll.slot_shape)
+            if chunks
+            else staging_shape(ll.slot_shape, ll.block_dim, blocks)
+        )
         nbytes = ll.nbytes // self.layout.blocks_per_chunk * blocks
         buf = self._staging.get(which)
         if buf is None or buf.numel() < nbytes:
@@ -283,11 +285,14 @@ class CudaCopier(Copier):
             self.ops.wait_event(self.load_stream, self._ring_read[ring])
         ll = self.layout.layers[li]
         whole, bpc = rnd.whole, self.layout.blocks_per_chunk
-        staging = self._staging_for(f"load{ring}", li, rnd.blocks,
-                                    chunks=len(rnd.places) if whole else 0)  # fmt: skip
+        staging = self._staging_for(
+            f"load{ring}", li, rnd.blocks, chunks=len(rnd.places) if whole else 0
+        )
         if whole:  # one copy per chunk: its layer region, K and V together
-            copy_all(list(staging.unbind(0)),
-                     [indexable(self.slab.layer_view(job.slot, li)) for job, _ in rnd.places])
+            copy_all(
+                list(staging.unbind(0)),
+                [indexable(self.slab.layer_view(job.slot, li)) for job, _ in rnd.places],
+            )
         else:
             copy_all(*self._pairs(rnd, li, staging, to_host=False))
         copied = self.ops.new_event()
@@ -425,5 +430,3 @@ class CudaCopier(Copier):
             self.save_layer(li)
         self._saves = None
         return {**carry, **self._settle(batch, "saves")}
-
-

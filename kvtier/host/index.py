@@ -76,6 +76,8 @@ class Entry:
     fetched = _Flag(2)
     #: an upload of this chunk is in flight (write-back cleaning: it stays a hit meanwhile)
     uploading = _Flag(4)
+    #: a starting engine's warm-up brought it in (kvtier:warmup_hit_tokens)
+    warmed = _Flag(8)
 
     @property
     def block_hash(self) -> bytes:
@@ -112,7 +114,7 @@ class TenantHooks(Protocol):
     def victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]: ...
 
 
-# What the index tells the ghost tiers (kvtier.host.ghosts) as ``(event, key)``: the
+# What the index tells the ghost tiers (kvtier.whatif.host) as ``(event, key)``: the
 # changes a host tier of another size would see too, one per settled store or fetch,
 # load (pin), touch, explicit eviction and reset
 STORED, FETCHED, SKIPPED_STORE, SKIPPED_FETCH, TOUCHED, EVICTED, CLEARED = range(7)
@@ -147,6 +149,8 @@ class ChunkIndex:
         # slot -> a fetch's entry a store superseded: out of the key map, its slot still
         # taken until the fetch is reported (a read may be writing into it)
         self._superseded: dict[int, Entry] = {}
+        # slots taken out of use by reserve() (a warm-up's chunks, held until trusted)
+        self._reserved: set[int] = set()
         self.evictions = 0
         #: evictions by reason ("lru", "tenant_quota", "pinned"), adding up to ``evictions``
         self.evicted_by: dict[str, int] = {"lru": 0, "tenant_quota": 0, "pinned": 0}
@@ -155,7 +159,7 @@ class ChunkIndex:
         #: told about every chunk that turns ready or leaves (None: nobody listens)
         self.listener: IndexListener | None = None
         #: where the changes a tier of another size would see go (the what-if ghosts'
-        #: queue, :mod:`kvtier.host.ghosts`); None: nowhere
+        #: queue, :mod:`kvtier.whatif.host`); None: nowhere
         self.ghost_events: GhostEvents | None = None
 
     # ---- queries ---------------------------------------------------------------------
@@ -247,6 +251,47 @@ class ChunkIndex:
         if self.tenancy is not None:  # the fetch's slot is no tenant's any more
             self.tenancy.uncharge(old)
             self.tenancy.charge(entry)
+        return entry
+
+    def reserve(self, slots: Iterable[int]) -> list[int]:
+        """Take these slots out of use while they are free (a warm-up's chunks, held until
+        the engine trusts their generation: :mod:`kvtier.connectors.scheduler.warm_chunks`);
+        returns those that were free, in the order given. One pass over the free list (at
+        startup)."""
+        free = set(self._free)
+        taken: list[int] = []
+        for slot in slots:
+            if slot in free:
+                free.discard(slot)
+                taken.append(slot)
+        if taken:
+            gone = set(taken)
+            self._free = [s for s in self._free if s not in gone]
+            self._reserved |= gone
+        return taken
+
+    def release(self, slot: int) -> None:
+        """A slot :meth:`reserve` took is free again."""
+        if slot in self._reserved:
+            self._reserved.discard(slot)
+            self._free.append(slot)
+
+    def adopt(self, key: bytes, slot: int) -> Entry | None:
+        """The chunk a warm-up read into ``slot`` (taken by :meth:`reserve`) is ready: a
+        host hit from now on, known to be in the object tier (never uploaded again).
+        None when ``key`` is in the index already or ``slot`` is not reserved (the caller
+        releases the slot)."""
+        if key in self._entries or slot not in self._reserved:
+            return None
+        self._reserved.discard(slot)
+        entry = Entry(key=key, slot=slot, state=State.FETCHING)
+        untrack(entry)
+        self._entries[key] = entry
+        if self.tenancy is not None:
+            self.tenancy.charge(entry)
+        self.commit(key, True)
+        entry.fetched = False  # on the request path it is a host hit
+        entry.warmed = True
         return entry
 
     def release_superseded(self, entry: Entry) -> bool:
@@ -464,7 +509,9 @@ class ChunkIndex:
 
     def check(self) -> None:
         """Assert the invariants (tests and debug): every slot is free xor owned once."""
-        owned = [e.slot for e in self._entries.values()] + list(self._superseded)
+        owned = (
+            [e.slot for e in self._entries.values()] + list(self._superseded) + list(self._reserved)
+        )
         assert len(owned) == len(set(owned)), "a slot is owned twice"
         assert not set(owned) & set(self._free), "a slot is both free and owned"
         assert len(owned) + len(self._free) == self.num_slots, "a slot leaked"

@@ -31,9 +31,17 @@ if TYPE_CHECKING:
 #: slot sizes are rounded up to this, so every slot starts on an aligned address
 SLOT_ALIGN = 4096
 
+
 def _place_layer(
-    layers: list[LayerLayout], names: list[tuple[str, int]], seen: dict[int, int], name: str,
-    kv: torch.Tensor, num_blocks: int, blocks: int, offset: int, group: int = 0,
+    layers: list[LayerLayout],
+    names: list[tuple[str, int]],
+    seen: dict[int, int],
+    name: str,
+    kv: torch.Tensor,
+    num_blocks: int,
+    blocks: int,
+    offset: int,
+    group: int = 0,
 ) -> int:
     """Give layer ``name`` its region of the slot: the region of a tensor already placed
     (``seen``: address -> region; layers sharing one KV tensor are stored once), else a
@@ -138,7 +146,10 @@ class SlotLayout:
 
     @classmethod
     def from_kv_caches(
-        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        blocks_per_chunk: int,
         groups: Sequence[KVGroup] = (),
     ) -> SlotLayout:
         if len(groups) > 1:
@@ -148,15 +159,19 @@ class SlotLayout:
         seen: dict[int, int] = {}
         names: list[tuple[str, int]] = []
         for name, kv in kv_caches.items():
-            offset = _place_layer(layers, names, seen, name, kv, num_blocks, blocks_per_chunk,
-                                  offset)  # fmt: skip
+            offset = _place_layer(
+                layers, names, seen, name, kv, num_blocks, blocks_per_chunk, offset
+            )
         if not layers:
             raise ValueError("no KV cache tensors were registered")
         return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names))
 
     @classmethod
     def _of_groups(
-        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        blocks_per_chunk: int,
         groups: tuple[KVGroup, ...],
     ) -> SlotLayout:
         """Regions group after group, each group's layers in its order, each holding that
@@ -172,8 +187,9 @@ class SlotLayout:
                 kv = kv_caches.get(name)
                 if kv is None:
                     raise ValueError(f"KV cache group {gi} names layer {name!r}, not registered")
-                offset = _place_layer(layers, names, seen, name, kv, num_blocks, group.blocks,
-                                      offset, gi)  # fmt: skip
+                offset = _place_layer(
+                    layers, names, seen, name, kv, num_blocks, group.blocks, offset, gi
+                )
         if not layers:
             raise ValueError("no KV cache tensors were registered")
         return cls(tuple(layers), blocks_per_chunk, _align(offset), tuple(names), groups)
@@ -184,8 +200,9 @@ class SlotLayout:
         idx = [i for i, ll in enumerate(self.layers) if ll.group == group]
         local = {g: i for i, g in enumerate(idx)}
         names = tuple((n, local[i]) for n, i in self.names if i in local)
-        return SlotLayout(tuple(self.layers[i] for i in idx), self.groups[group].blocks,
-                          self.slot_bytes, names)
+        return SlotLayout(
+            tuple(self.layers[i] for i in idx), self.groups[group].blocks, self.slot_bytes, names
+        )
 
     def identity(self) -> str:
         """Digest of which layers a slot holds and how: every layer's name (vLLM's,
@@ -216,10 +233,12 @@ class SlotLayout:
         """
         first = self.layers[0]
         return self.dtypes(), [
-            len(self.layers), self.blocks_per_chunk, self.slot_bytes,
-            first.block_dim, *first.slot_shape,
+            len(self.layers),
+            self.blocks_per_chunk,
+            self.slot_bytes,
+            first.block_dim,
+            *first.slot_shape,
         ]
-
 
     def dtypes(self) -> str:
         """The layers' KV dtypes in slot order, as runs: ``"bfloat16"`` when all share
@@ -293,8 +312,10 @@ class HostSlab:
                 self.committed = prefault.commit_now(self.buffer.data_ptr(), nbytes)
             else:
                 self._populating = threading.Thread(
-                    target=prefault.populate_in_steps, args=(self._map, nbytes),
-                    name="kvtier-slab-populate", daemon=True,
+                    target=prefault.populate_in_steps,
+                    args=(self._map, nbytes),
+                    name="kvtier-slab-populate",
+                    daemon=True,
                 )
                 self._populating.start()
 
@@ -375,7 +396,11 @@ def block_runs(blocks: Sequence[int]) -> list[Run] | None:
 
 
 def copy_runs(
-    kv: torch.Tensor, block_dim: int, region: torch.Tensor, runs: Sequence[Run], *,
+    kv: torch.Tensor,
+    block_dim: int,
+    region: torch.Tensor,
+    runs: Sequence[Run],
+    *,
     to_slot: bool,
 ) -> None:
     """Each run as one slice copy between one layer's KV blocks and its slot ``region``
@@ -388,7 +413,10 @@ def copy_runs(
 
 
 def gather_blocks(
-    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor | None, dst: torch.Tensor,
+    kv: torch.Tensor,
+    block_dim: int,
+    gpu_blocks: torch.Tensor | None,
+    dst: torch.Tensor,
     runs: Sequence[Run] | None = None,
 ) -> None:
     """Copy ``gpu_blocks`` of one layer into ``dst`` (a slot region, same block order);
@@ -404,7 +432,10 @@ def gather_blocks(
 
 
 def scatter_blocks(
-    kv: torch.Tensor, block_dim: int, gpu_blocks: torch.Tensor | None, src: torch.Tensor,
+    kv: torch.Tensor,
+    block_dim: int,
+    gpu_blocks: torch.Tensor | None,
+    src: torch.Tensor,
     runs: Sequence[Run] | None = None,
 ) -> None:
     """Copy ``src`` (slot blocks in order) into ``gpu_blocks`` of one layer; ``runs``: the

@@ -95,6 +95,9 @@ class Tenancy:
         self._over: set[int] = set()
         #: ready pinned chunks, least recently renewed first; key -> (deadline, ttl)
         self._pinned: OrderedDict[bytes, Entry] = OrderedDict()
+        #: the same per tenant id, in the same order (a tenant at its quota looks at its
+        #: own pins without walking everybody's)
+        self._pinned_by: dict[int, OrderedDict[bytes, Entry]] = {}
         self._pin_times: dict[bytes, tuple[float, float]] = {}
         #: (deadline, key), at most one per pinned key (a renewal re-pushes it when popped)
         self._expiry: list[tuple[float, bytes]] = []
@@ -175,6 +178,7 @@ class Tenancy:
             self._lru[entry.tenant].pop(key, None)
         else:
             del self._pin_times[key]
+            del self._pinned_by[entry.tenant][key]
 
     def touch(self, entry: Entry) -> None:
         """A hit (a load, or a store finding it there): its LRU place, and a pin's TTL."""
@@ -183,6 +187,7 @@ class Tenancy:
         if times is not None:
             self._pin_times[key] = (self.clock() + times[1], times[1])
             self._pinned.move_to_end(key)
+            self._pinned_by[entry.tenant].move_to_end(key)
             return
         lru = self._lru[entry.tenant]
         if key in lru:
@@ -205,11 +210,14 @@ class Tenancy:
         if self.max_pins <= 0:
             return
         self._pin_times[key] = (self.clock() + ttl_s, ttl_s)
+        own = self._pinned_by.setdefault(entry.tenant, OrderedDict())
         if key in self._pinned:
             self._pinned.move_to_end(key)
+            own.move_to_end(key)
         else:
             self._lru[entry.tenant].pop(key, None)
             self._pinned[key] = entry
+            own[key] = entry
             if key not in self._queued:
                 self._queued.add(key)
                 heapq.heappush(self._expiry, (self._pin_times[key][0], key))
@@ -221,9 +229,24 @@ class Tenancy:
         key = entry.key
         del self._pinned[key]
         del self._pin_times[key]
+        del self._pinned_by[entry.tenant][key]
         lru = self._lru[entry.tenant]
         lru[key] = entry
         lru.move_to_end(key, last=False)
+
+    def pins_left(self, limit: int) -> dict[bytes, float]:
+        """The pinned chunks and the seconds each pin has left (those asked for chunks not
+        ready yet: their whole TTL), the ``limit`` with the most left: what the object
+        tier's manifest records (:mod:`kvtier.objects.tenant_keys`, ``Pins``)."""
+        now = self.clock()
+        left = {
+            key: deadline - now for key, (deadline, _) in self._pin_times.items() if deadline > now
+        }
+        for key, ttl in self._pending.items():
+            left[key] = max(left.get(key, 0.0), ttl)
+        if len(left) > limit:
+            left = dict(sorted(left.items(), key=lambda kv: -kv[1])[:limit])
+        return left
 
     def expire(self) -> None:
         """Pins past their deadline turn ordinary (amortised O(1): one heap item each)."""
@@ -249,7 +272,7 @@ class Tenancy:
         """A tenant at its quota: its own chunks, unpinned oldest first, then its pins
         (groups of candidates, oldest first, each with its eviction reason)."""
         yield self._lru[tid].values(), TENANT_QUOTA
-        yield (e for e in self._pinned.values() if e.tenant == tid), TENANT_QUOTA
+        yield self._pinned_by.get(tid, {}).values(), TENANT_QUOTA
 
     def victims(self, tid: int) -> Iterator[tuple[Iterable[Entry], str]]:
         """A tenant within its quota and no slot free: over-quota tenants' chunks, the
@@ -262,9 +285,13 @@ class Tenancy:
             yield self._lru[tid].values(), LRU
         quota, over = self.quota, self._over
         yield (
-            e for e in self._pinned.values()
-            if e.tenant == tid or quota[e.tenant] is None or e.tenant in over
-        ), PINNED  # fmt: skip
+            (
+                e
+                for e in self._pinned.values()
+                if e.tenant == tid or quota[e.tenant] is None or e.tenant in over
+            ),
+            PINNED,
+        )
 
     def check(self) -> None:
         """Assert the accounting (tests): lists hold ready chunks once, usage adds up."""
@@ -273,6 +300,12 @@ class Tenancy:
             assert not seen & lru.keys(), "a chunk in two lists"
             seen |= lru.keys()
         assert set(self._pin_times) == set(self._pinned), "pin times out of step"
+        by_tenant = [(k, e.tenant) for k, e in self._pinned.items()]
+        assert sorted(by_tenant, key=lambda kt: kt[1]) == sorted(
+            ((k, t) for t, own in self._pinned_by.items() for k in own), key=lambda kt: kt[1]
+        ), "pins per tenant out of step"
+        for t, own in self._pinned_by.items():
+            assert list(own) == [k for k, tt in by_tenant if tt == t], "pin order per tenant"
         assert len(self._pinned) <= max(0, self.max_pins), "pins over their fraction"
         by_label: dict[str, int] = dict.fromkeys(self._label_used, 0)
         for tid, n in enumerate(self.used):

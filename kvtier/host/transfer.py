@@ -261,8 +261,11 @@ class CpuCopier(Copier):
                     # a store's index_select into its slot (contiguous) is as fast as the
                     # slices of one run and beats those of several (bench/block_runs.py)
                     runs = None
-                idx = None if runs else torch.tensor(job.gpu_blocks, dtype=torch.long,
-                                                     device=self.kv[0].device)  # fmt: skip
+                idx = (
+                    None
+                    if runs
+                    else torch.tensor(job.gpu_blocks, dtype=torch.long, device=self.kv[0].device)
+                )
                 for li, kv in enumerate(self.kv):
                     dim = self.layout.layers[li].block_dim
                     region = self.slab.layer_view(job.slot, li).narrow(dim, first, count)
@@ -282,4 +285,3 @@ if TYPE_CHECKING:
 
     def _a_copier_is_a_mover(c: Copier) -> Mover[CopyOp]:
         return c  # mypy checks that every copier answers the worker's protocol
-

@@ -157,9 +157,14 @@ class ChunkIO:
             raise exc
 
     def _get(
-        self, key: str, buf: memoryview, dtype: str, shape: list[int], found: Found,
+        self,
+        key: str,
+        buf: memoryview,
+        dtype: str,
+        shape: list[int],
+        found: Found,
         out: Outcome,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The read path of a started fetch: read, verify into the slot."""
         t0 = time.perf_counter()
         got = self._read(key, buf, found)
@@ -171,14 +176,22 @@ class ChunkIO:
         out.bytes_read = nread
         # a compressed chunk is verified as stored, in the scratch buffer, then
         # decompressed into the slot; one read into the slot is never decompressed
-        secs = codec.verify(head, payload, key=key, dtype=dtype, shape=shape,
-                            signer=self.signer,
-                            out=None if payload is buf else buf,
-                            lossy=self.reads_lossy, payload_crc=crc)  # fmt: skip
+        secs = codec.verify(
+            head,
+            payload,
+            key=key,
+            dtype=dtype,
+            shape=shape,
+            signer=self.signer,
+            out=None if payload is buf else buf,
+            lossy=self.reads_lossy,
+            payload_crc=crc,
+        )
         out.z = ("read", buf.nbytes, payload.nbytes, secs)
         if self.compressor is not None:  # the whole read, timed for compression: auto
-            self.compressor.observe_read(buf.nbytes, time.perf_counter() - t0,
-                                         codec.is_compressed(head))  # fmt: skip
+            self.compressor.observe_read(
+                buf.nbytes, time.perf_counter() - t0, codec.is_compressed(head)
+            )
         out.ok, out.nbytes = True, nread
 
     def _put(self, key: str, buf: memoryview, dtype: str, shape: list[int], out: Outcome) -> None:
@@ -198,8 +211,7 @@ class ChunkIO:
             zgot = self.compressor.compress_chunk(buf, dtype)
         if zgot is not None:
             z, secs = (zgot[0], zgot[1]), zgot[2]
-        parts = codec.encode(key, buf, dtype=dtype, shape=shape, signer=self.signer,
-                             compressed=z)  # fmt: skip
+        parts = codec.encode(key, buf, dtype=dtype, shape=shape, signer=self.signer, compressed=z)
         self.tier.put(key, parts)
         out.answered_at = time.monotonic()
         n = codec.encoded_size(parts)
@@ -247,8 +259,9 @@ class ChunkIO:
         head, payload = bytes(view[:body_at]), view[body_at:]
         if not codec.is_compressed(head):
             if payload.nbytes != slot.nbytes:
-                raise TruncatedError(f"chunk payload has {payload.nbytes} bytes, its slot "
-                                     f"{slot.nbytes}")  # fmt: skip
+                raise TruncatedError(
+                    f"chunk payload has {payload.nbytes} bytes, its slot {slot.nbytes}"
+                )
             slot[:] = payload
             return head, slot, None
         return head, payload, None  # in the scratch buffer: a sealed chunk opens in place there

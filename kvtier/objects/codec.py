@@ -89,10 +89,25 @@ from kvtier.objects.sealing import (
 )
 
 __all__ = [
-    "CRC_LEN", "FORMAT_VERSION", "HASH_PIECE", "HMAC_KEY_MIN_BYTES", "MAGIC", "MAX_HEADER",
-    "LandingCrc", "SignatureError", "Signer", "crc32_bytes", "decode", "encode", "encoded_size",
-    "head_length", "is_compressed", "parse_header", "payload_crc32", "verify",
-]  # fmt: skip
+    "CRC_LEN",
+    "FORMAT_VERSION",
+    "HASH_PIECE",
+    "HMAC_KEY_MIN_BYTES",
+    "MAGIC",
+    "MAX_HEADER",
+    "LandingCrc",
+    "SignatureError",
+    "Signer",
+    "crc32_bytes",
+    "decode",
+    "encode",
+    "encoded_size",
+    "head_length",
+    "is_compressed",
+    "parse_header",
+    "payload_crc32",
+    "verify",
+]
 
 # -- the checksum
 
@@ -206,8 +221,14 @@ def _header(
 ) -> dict[str, Any]:
     """A header with placeholder bytes of the real lengths (its packed size is the real
     one's: every bytes field has a fixed length)."""
-    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape,
-                              "len": n, "z": form}  # fmt: skip
+    header: dict[str, Any] = {
+        "v": FORMAT_VERSION,
+        "key": key,
+        "dtype": dtype,
+        "shape": shape,
+        "len": n,
+        "z": form,
+    }
     if sealed:
         header.update({f: bytes(k) for f, k in _SEAL_LENS.items()})
     else:
@@ -333,15 +354,18 @@ def encode(
             raise ValueError(f"compressed form name {form!r} is empty or too long")
         # fixed-length fields: the header's size is known before sealing or signing
         probe = _header(key, dtype, shape_l, stream.nbytes, form, sealer is not None, signs)
-        if _PREFIX.size + len(_packb(probe)) + stream.nbytes < (
-            view.nbytes + _PREFIX.size
-        ):
+        if _PREFIX.size + len(_packb(probe)) + stream.nbytes < (view.nbytes + _PREFIX.size):
             view = stream
         else:
             form = None
     n = view.nbytes
-    header: dict[str, Any] = {"v": FORMAT_VERSION, "key": key, "dtype": dtype, "shape": shape_l,
-                              "len": n}  # fmt: skip
+    header: dict[str, Any] = {
+        "v": FORMAT_VERSION,
+        "key": key,
+        "dtype": dtype,
+        "shape": shape_l,
+        "len": n,
+    }
     extra: tuple[bytes, ...] = ()
     if form is not None:
         header["z"] = form
@@ -400,8 +424,10 @@ def decode(
     if payload.readonly and "nonce" in header:  # a sealed chunk opens in place: where?
         if out is not None and compressed:  # only decompressed from: a reused buffer
             if payload.nbytes > out.nbytes:  # never stored: a compressed form is shorter
-                raise CodecError(f"compressed chunk of {payload.nbytes} bytes is longer than "
-                                 f"its {out.nbytes}-byte slot")  # fmt: skip
+                raise CodecError(
+                    f"compressed chunk of {payload.nbytes} bytes is longer than "
+                    f"its {out.nbytes}-byte slot"
+                )
             scratch = _OPEN_SCRATCH.view(payload.nbytes)
             scratch[:] = payload
             payload = scratch
@@ -410,8 +436,16 @@ def decode(
             payload = out
         else:  # the caller keeps the plaintext
             payload = memoryview(bytearray(payload))
-    verify(view[:body_at], payload, key=key, dtype=dtype, shape=shape, signer=signer, out=out,
-           lossy=lossy)
+    verify(
+        view[:body_at],
+        payload,
+        key=key,
+        dtype=dtype,
+        shape=shape,
+        signer=signer,
+        out=out,
+        lossy=lossy,
+    )
     return payload if out is None or not compressed else out
 
 
@@ -454,8 +488,10 @@ def verify(
         raise CodecError(f"chunk shape {header['shape']}, expected {list(shape)}")
     form: str | None = header.get("z")
     if form in LOSSY_FORMS and not lossy:
-        raise FormatError(f"chunk is stored in the lossy form {form!r}, which an engine reads "
-                          "only with compression: fp8")  # fmt: skip
+        raise FormatError(
+            f"chunk is stored in the lossy form {form!r}, which an engine reads "
+            "only with compression: fp8"
+        )
     if form is not None and out is None:
         raise CodecError("chunk is compressed and was read where it cannot be decompressed")
     n = header["len"]

@@ -79,9 +79,22 @@ if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
 __all__ = [
-    "ChunkCompressor", "Compressor", "FP8_BLOCK", "Fp8Compressor", "FORMS", "FormatError",
-    "LOSSY_FORMS", "ThreadScratch", "decompress_into", "fp8_work_allocations",
-    "itemsize", "AutoCompressor", "MARGIN", "MIN_READS", "SAMPLE_EVERY", "from_config",
+    "ChunkCompressor",
+    "Compressor",
+    "FP8_BLOCK",
+    "Fp8Compressor",
+    "FORMS",
+    "FormatError",
+    "LOSSY_FORMS",
+    "ThreadScratch",
+    "decompress_into",
+    "fp8_work_allocations",
+    "itemsize",
+    "AutoCompressor",
+    "MARGIN",
+    "MIN_READS",
+    "SAMPLE_EVERY",
+    "from_config",
 ]
 
 #: the compressed forms this build knows (each needs its library to be readable)
@@ -104,9 +117,15 @@ _BLOSC2_MIN = 32
 CLEVEL = 1
 
 _ITEMSIZE = {
-    "float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
-    "int16": 2, "uint16": 2,
-}  # fmt: skip
+    "float64": 8,
+    "int64": 8,
+    "float32": 4,
+    "int32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int16": 2,
+    "uint16": 2,
+}
 
 
 class ChunkCompressor(Protocol):
@@ -158,8 +177,9 @@ class ThreadScratch:
     def view(self, nbytes: int) -> memoryview:
         """A writable view of ``nbytes`` bytes of this thread's buffer (contents undefined)."""
         if nbytes < 0 or self.limit is not None and nbytes > self.limit:
-            raise CodecError(f"a read of {nbytes} bytes does not fit the {self.limit}-byte "
-                             "scratch buffer")  # fmt: skip
+            raise CodecError(
+                f"a read of {nbytes} bytes does not fit the {self.limit}-byte scratch buffer"
+            )
         buf: bytearray | None = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
             # grow by half again at least, so payloads of varying sizes settle at once
@@ -208,9 +228,14 @@ class Compressor:
         b = self._b
         t0 = time.perf_counter()
         out: bytes = b.compress2(
-            data, codec=b.Codec.ZSTD, clevel=CLEVEL, typesize=typesize,
-            filters=[b.Filter.SHUFFLE], filters_meta=[0], nthreads=1,
-        )  # fmt: skip
+            data,
+            codec=b.Codec.ZSTD,
+            clevel=CLEVEL,
+            typesize=typesize,
+            filters=[b.Filter.SHUFFLE],
+            filters_meta=[0],
+            nthreads=1,
+        )
         return out, time.perf_counter() - t0
 
     def compress_chunk(self, data: memoryview, dtype: str) -> tuple[str, bytes, float] | None:
@@ -224,7 +249,6 @@ class Compressor:
 
     def observe_read(self, raw_bytes: int, seconds: float, compressed: bool) -> None:
         """A timed read (used by ``compression: auto`` only)."""
-
 
 
 def _torch_dtype(dtype: str) -> torch.dtype | None:
@@ -289,8 +313,13 @@ class Fp8Compressor:
             qb = (blocks / s[:, None]).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
             qb = qb.view(-1)
             q[b0 * FP8_BLOCK : b1 * FP8_BLOCK] = qb[: min(n, b1 * FP8_BLOCK) - b0 * FP8_BLOCK]
-        out = b"".join((_FP8_HEAD.pack(_FP8_MAGIC, FP8_BLOCK), scale.numpy().tobytes(),
-                        q.view(torch.uint8).numpy().tobytes()))  # fmt: skip
+        out = b"".join(
+            (
+                _FP8_HEAD.pack(_FP8_MAGIC, FP8_BLOCK),
+                scale.numpy().tobytes(),
+                q.view(torch.uint8).numpy().tobytes(),
+            )
+        )
         return self.form, out, time.perf_counter() - t0
 
 
@@ -394,10 +423,14 @@ def decompress_into(form: str, src: memoryview, dest: memoryview, dtype: str = "
         return time.perf_counter() - t0
     b = _blosc2() if form == "blosc2" else None
     if b is None:
-        why = (f"python-blosc2 is not installed: {install_hint('lossless')}" if form == "blosc2"
-               else "unknown form")
-        raise FormatError(f"chunk is stored compressed as {form!r}, which this engine cannot "
-                          f"read ({why})")  # fmt: skip
+        why = (
+            f"python-blosc2 is not installed: {install_hint('lossless')}"
+            if form == "blosc2"
+            else "unknown form"
+        )
+        raise FormatError(
+            f"chunk is stored compressed as {form!r}, which this engine cannot read ({why})"
+        )
     t0 = time.perf_counter()
     if src.nbytes < _BLOSC2_MIN:
         raise CodecError(f"compressed chunk of {src.nbytes} bytes is shorter than its header")
@@ -460,8 +493,10 @@ class AutoCompressor:
         self._compressing = False
 
     def __repr__(self) -> str:
-        return (f"AutoCompressor(compressing={self._compressing}, reads={self._reads}, "
-                f"ratio={self._ratio})")  # fmt: skip
+        return (
+            f"AutoCompressor(compressing={self._compressing}, reads={self._reads}, "
+            f"ratio={self._ratio})"
+        )
 
     @property
     def compressing(self) -> bool:
@@ -534,10 +569,14 @@ class AutoCompressor:
         now = z <= raw * (1 - MARGIN)
         if now != self._compressing:
             self._compressing = now
-            log.info("compression auto: storing chunks %s (reads: %.2f ms/MiB raw, %.2f ms/MiB "
-                     "compressed, %s)", "compressed" if now else "raw", raw * 2**20 * 1e3,
-                     z * 2**20 * 1e3,
-                     "measured" if self._reads[1] >= MIN_READS else "predicted")  # fmt: skip
+            log.info(
+                "compression auto: storing chunks %s (reads: %.2f ms/MiB raw, %.2f ms/MiB "
+                "compressed, %s)",
+                "compressed" if now else "raw",
+                raw * 2**20 * 1e3,
+                z * 2**20 * 1e3,
+                "measured" if self._reads[1] >= MIN_READS else "predicted",
+            )
 
 
 def from_config(cfg: KVTierConfig) -> ChunkCompressor | None:
@@ -551,7 +590,8 @@ def from_config(cfg: KVTierConfig) -> ChunkCompressor | None:
         z = Compressor()
     except ImportError:
         raise ConfigError(
-            "compression", cfg.compression,
+            "compression",
+            cfg.compression,
             "none, fp8, or lossless/auto with python-blosc2 installed "
             f"({install_hint('lossless')})",
         ) from None

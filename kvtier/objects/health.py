@@ -19,9 +19,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 __all__ = [
-    "Backoff", "BackoffState", "ConstantBackoff", "ExponentialBackoff", "NoBackoff",
-    "RateLimitedLog", "TierHealth",
-]  # fmt: skip
+    "Backoff",
+    "BackoffState",
+    "ConstantBackoff",
+    "ExponentialBackoff",
+    "NoBackoff",
+    "RateLimitedLog",
+    "TierHealth",
+]
 
 log = logging.getLogger("kvtier.remote")
 
@@ -217,8 +222,12 @@ class TierHealth:
         failures, delay = self.of(write).failed()
         self.log.warning(
             "object tier %s unavailable (%d failures in a row), %s fail fast for %.2f s: %s",
-            self.tier_name, failures, "writes" if write else "reads", delay, exc,
-        )  # fmt: skip
+            self.tier_name,
+            failures,
+            "writes" if write else "reads",
+            delay,
+            exc,
+        )
 
     def timed_out(self, write: bool, detail: str) -> None:
         """A call still running past its deadline (a hung mount, a server that stopped
@@ -226,11 +235,18 @@ class TierHealth:
         failures, delay = self.of(write).failed()
         self.log.warning(
             "object tier %s is timing out (%d failures in a row), %s fail fast for %.2f s: %s",
-            self.tier_name, failures, "writes" if write else "reads", delay, detail,
-        )  # fmt: skip
+            self.tier_name,
+            failures,
+            "writes" if write else "reads",
+            delay,
+            detail,
+        )
 
     def succeeded(self, write: bool) -> None:
         """The tier answered (even with an error about one object): that direction is up."""
         if self.of(write).succeeded():
-            log.info("object tier %s is reachable again (%s)", self.tier_name,
-                     "writes" if write else "reads")  # fmt: skip
+            log.info(
+                "object tier %s is reachable again (%s)",
+                self.tier_name,
+                "writes" if write else "reads",
+            )

@@ -18,10 +18,19 @@ __all__ = ["COUNTERS", "ERROR_KINDS", "FlushReport", "IOCounts", "ZCOUNTERS"]
 #: error kinds RemoteIO reports and counts: every kind but a failed copy's ("load")
 ERROR_KINDS = tuple(k for k in metrics.ERROR_KINDS if k != "load")
 COUNTERS = (
-    "writes_dropped", "reads_dropped", "bytes_read", "bytes_written",
-    "ops_fetch", "ops_upload", "gets_skipped", "reads_stuck", "writes_stuck",
-    "puts_existing", "seals",
-) + tuple("errors_" + k for k in ERROR_KINDS)  # fmt: skip
+    "writes_dropped",
+    "reads_dropped",
+    "bytes_read",
+    "bytes_written",
+    "ops_fetch",
+    "ops_upload",
+    "gets_skipped",
+    "reads_stuck",
+    "writes_stuck",
+    "puts_existing",
+    "seals",
+    "writes_yielded",
+) + tuple("errors_" + k for k in ERROR_KINDS)
 #: per direction: KV bytes, their bytes as stored (compressed or not), microseconds spent
 #: compressing (write) or decompressing (read)
 ZCOUNTERS = tuple(f"z_{what}_{d}" for d in ("read", "write") for what in ("raw", "stored", "us"))

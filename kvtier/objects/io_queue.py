@@ -66,15 +66,39 @@ from kvtier.threads import FetchSwitches, stop_within
 
 __all__ = ["OpQueue", "QueuedOp", "ReadQueue", "byte_view"]
 
+#: an upload waits at most this long for the reads in flight before it starts (loads
+#: before stores: a lookup waits on its reads, nobody waits on an upload, and both share
+#: the link; bounded, so a steady stream of lookups slows uploads but never stops them,
+#: and a write queue that fills meanwhile drops, counted in ``writes_dropped``)
+UPLOAD_YIELD_S = 0.5
+
 log = logging.getLogger("kvtier.remote")
 
 
 class QueuedOp:
     """One queued op. ``lock`` + ``done`` make reporting happen exactly once."""
 
-    __slots__ = ("op_id", "kind", "key", "buf", "dtype", "shape", "t0", "deadline", "lock",
-                 "done", "seq", "started", "stall_at", "stuck", "run", "pos",
-                 "queued", "taken", "first")  # fmt: skip
+    __slots__ = (
+        "op_id",
+        "kind",
+        "key",
+        "buf",
+        "dtype",
+        "shape",
+        "t0",
+        "deadline",
+        "lock",
+        "done",
+        "seq",
+        "started",
+        "stall_at",
+        "stuck",
+        "run",
+        "pos",
+        "queued",
+        "taken",
+        "first",
+    )
 
     def __init__(
         self,
@@ -293,8 +317,11 @@ class OpQueue:
             view = byte_view(dest)
             if view.readonly:
                 raise ValueError("submit_get_run needs writable destinations")
-            run.append(QueuedOp(next(self._seq), op_id, OpKind.FETCH, key, self.timeout_s, view,
-                                dtype, shape))  # fmt: skip
+            run.append(
+                QueuedOp(
+                    next(self._seq), op_id, OpKind.FETCH, key, self.timeout_s, view, dtype, shape
+                )
+            )
         for pos, op in enumerate(run):
             op.run, op.pos = run, pos
         if not run:
@@ -355,17 +382,31 @@ class OpQueue:
         # what the I/O threads took meanwhile is over within a chunk's read: report it
         # in this step too, unless the disk is that slow (then in a later step)
         with self._lock:
-            self._read_done.wait_for(lambda: all(op.done or not op.taken for op in rest),
-                                     timeout=max(0.0, hold_until - time.monotonic()))
+            self._read_done.wait_for(
+                lambda: all(op.done or not op.taken for op in rest),
+                timeout=max(0.0, hold_until - time.monotonic()),
+            )
 
     def submit_put(
-        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int],
+        self,
+        op_id: int,
+        key: str,
+        payload: memoryview,
+        *,
+        dtype: str,
+        shape: Sequence[int],
         first: bool = False,
     ) -> bool:
         """Queue an upload (``first``: ahead of the queued ones, :class:`WriteQueue`); False
         when the write queue is full (dropped, counted, not reported)."""
         op = QueuedOp(
-            next(self._seq), op_id, OpKind.UPLOAD, key, self.timeout_s, byte_view(payload), dtype,
+            next(self._seq),
+            op_id,
+            OpKind.UPLOAD,
+            key,
+            self.timeout_s,
+            byte_view(payload),
+            dtype,
             shape,
         )
         op.first = first
@@ -405,6 +446,13 @@ class OpQueue:
             self._finish(op, False, "timeout")
 
     # -- results -------------------------------------------------------------------------
+
+    def wait_for_fetch(self, timeout_s: float) -> bool:
+        """Wait until a result is ready to poll, at most ``timeout_s`` (woken by a fetch's
+        report); whether one is. For a caller that only fetches and polls (a warm-up),
+        instead of sleeping between polls."""
+        with self._lock:
+            return self._read_done.wait_for(lambda: bool(self._results), timeout=timeout_s)
 
     def poll(self) -> list[OpResult]:
         """Results completed since the last poll; reads still queued past their deadline
@@ -510,6 +558,7 @@ class OpQueue:
             self._writes_idle.notify_all()
             inflight = list(self._inflight.values())
             self._inflight.clear()
+            self._read_done.notify_all()  # uploads yielding to reads go on
             self.switches.hold(False)
             writing = len(self._writing)
         for op in inflight:  # a fetch not yet started never will
@@ -521,15 +570,18 @@ class OpQueue:
         if writing:
             log.warning(
                 "closing object-tier I/O: %d writes still in a %s call, left behind "
-                "(they may or may not land)", writing, self.tier.name,
-            )  # fmt: skip
+                "(they may or may not land)",
+                writing,
+                self.tier.name,
+            )
         queues = [self._rq if "-read-" in t.name else self._wq for t in self._threads]
         stuck = stop_within(self._threads, queues, deadline)
         if stuck:
             log.warning(
                 "closing object-tier I/O: %d I/O threads are still in a %s call; not waiting",
-                stuck, self.tier.name,
-            )  # fmt: skip
+                stuck,
+                self.tier.name,
+            )
         return True
 
     # -- I/O threads ---------------------------------------------------------------------
@@ -539,7 +591,19 @@ class OpQueue:
             op = q.get()
             if op is None:
                 return
+            if op.kind is OpKind.UPLOAD:
+                self._yield_to_reads()
             self._run_op(op, BaseException)  # a bug must cost one op, not the I/O thread
+
+    def _yield_to_reads(self) -> None:
+        """Loads before stores: wait (at most ``UPLOAD_YIELD_S``) until no read is in
+        flight, so an upload does not take the link from a lookup that waits on it."""
+        with self._lock:
+            if self._inflight and not self._closed:
+                self.counts.add("writes_yielded", 1)
+                self._read_done.wait_for(
+                    lambda: not self._inflight or self._closed, timeout=UPLOAD_YIELD_S
+                )
 
     def _run_op(self, op: QueuedOp, catch: type[BaseException] = Exception) -> None:
         """:meth:`_execute`, a bug costing one op: on an I/O thread anything it raises; on
@@ -555,12 +619,18 @@ class OpQueue:
         if op.done:  # timed out (or closed) while queued: do not touch the network
             return
         write = op.kind is OpKind.UPLOAD
-        stuck = self.stuck_writes >= self.write_threads if write else (
-            self.stuck_reads >= self.read_threads)  # fmt: skip
+        stuck = (
+            self.stuck_writes >= self.write_threads
+            if write
+            else (self.stuck_reads >= self.read_threads)
+        )
         health = self.health.of(write)
         # after a backoff: one op, the probe; an upload behind it waits for its report
-        probe = None if stuck else (
-            health.admit_waiting(self.write_stall_s) if write else health.admit())
+        probe = (
+            None
+            if stuck
+            else (health.admit_waiting(self.write_stall_s) if write else health.admit())
+        )
         if probe is None:
             self._finish(op, False, "unreachable")
             return
@@ -601,8 +671,9 @@ class OpQueue:
                 found = functools.partial(self._queue_rest, op)  # once the tier knows it is there
             # a tier that can hold every wait of the read to its deadline is told it
             deadline = op.deadline if self.tier.bounds_reads else None
-            out = self.work.get(key, buf, dtype=op.dtype, shape=op.shape, deadline=deadline,
-                                found=found)  # fmt: skip
+            out = self.work.get(
+                key, buf, dtype=op.dtype, shape=op.shape, deadline=deadline, found=found
+            )
         self._apply(op, write, out)
         self._finish(op, out.ok, out.error_kind, nbytes=out.nbytes)
 
@@ -677,13 +748,13 @@ class OpQueue:
         counted: bool = True,
     ) -> None:
         """Publish the result; the caller holds ``op.lock``. ``counted=False``: an op
-        that never reached the tier (not in ``ops_*``)."""
-        op.done = True
+        that never reached the tier (not in ``ops_*``). ``done`` is set under the queue's
+        lock with the result's publication: a submitter waiting for its run's chunks
+        (``_read_done``) that sees one done finds its result in the next poll."""
         op.buf = None
-        result = OpResult(
-            op.op_id, op.kind, ok, time.monotonic() - op.t0, nbytes, error_kind
-        )
+        result = OpResult(op.op_id, op.kind, ok, time.monotonic() - op.t0, nbytes, error_kind)
         with self._lock:
+            op.done = True
             if counted:
                 self.counts.add("ops_" + op.kind, 1)
             if error_kind is not None:

@@ -28,7 +28,10 @@ Each manifest also holds its generation's hot list (:mod:`kvtier.hotset`): the c
 the engines sharing it hit most, decayed hit counts, at most :data:`kvtier.hotset.LIMIT`.
 Each refresh reads the stored manifest and adds the hits the engine's scheduler sent since
 its last write (:meth:`ManifestWriter.add_heat`), so the list is the fleet's without a
-server of its own; what concurrent writers may lose is in :mod:`kvtier.hotset`.
+server of its own; what concurrent writers may lose is in :mod:`kvtier.hotset`. The same
+way it holds who uploaded which of its chunks (:mod:`kvtier.objects.tenant_keys`: per
+tenant label, bounded), for ``kvtier store usage --by tenant`` and ``gc --tenant-quotas``,
+and which chunks a host tier holds soft-pinned until when, which gc keeps until then.
 
 A manifest can vanish under a live engine (deleted; evicted by a Redis under
 ``allkeys-lru``). Missing is not stale: the writer reads it back every :data:`CHECK_S`
@@ -50,19 +53,38 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from kvtier import __version__, hotset
 from kvtier.errors import CodecError, TierError
 from kvtier.keys import Namespace, generation_key
 from kvtier.objects import codec
+from kvtier.objects.tenant_keys import Pins, TenantKeys, merge_pins
+from kvtier.objects.tenant_keys import merge as merge_tenants
 from kvtier.objects.tiers.base import ObjectTier
 
-__all__ = ["CHECK_S", "MANIFEST", "MANIFEST_DTYPE", "RECLAIM", "RECLAIM_TOKEN_VOID_S",
-           "STALE_S", "Manifest", "ManifestWriter", "Reclaim", "claim_generation",
-           "for_worker", "liveness_key", "manifest_key", "missing_since", "read_manifest",
-           "reclaim_generation", "reclaim_key", "record", "write_manifest"]  # fmt: skip
+__all__ = [
+    "CHECK_S",
+    "MANIFEST",
+    "MANIFEST_DTYPE",
+    "RECLAIM",
+    "RECLAIM_TOKEN_VOID_S",
+    "STALE_S",
+    "Manifest",
+    "ManifestWriter",
+    "Reclaim",
+    "claim_generation",
+    "for_worker",
+    "liveness_key",
+    "manifest_key",
+    "missing_since",
+    "read_manifest",
+    "reclaim_generation",
+    "reclaim_key",
+    "record",
+    "write_manifest",
+]
 
 log = logging.getLogger("kvtier.manifest")
 
@@ -71,8 +93,10 @@ MANIFEST = "manifest"
 #: the dtype a manifest's frame records: never a chunk's, so neither loads as the other
 MANIFEST_DTYPE = "kvtier-manifest"
 #: the most bytes a manifest may have (a few hundred, plus its hot list: ~230 KB for
-#: hotset.LIMIT keys of 32 bytes, 64-byte keys ~410 KB)
-MAX_MANIFEST = 512 * 1024
+#: hotset.LIMIT keys of 32 bytes, 64-byte keys ~410 KB; plus its tenant lists, ~175 KB
+#: at most, and pins, ~50 KB at most: kvtier.objects.tenant_keys. Older kvtier versions
+#: read at most 512 KiB: with 32-byte hot keys a manifest stays within that)
+MAX_MANIFEST = 1024 * 1024
 #: how often a running engine refreshes ``last_seen``
 REFRESH_S = 60.0
 #: a manifest no trusted engine refreshed for this long: no engine whose KV the generation
@@ -132,24 +156,52 @@ class Manifest:
     fork_id: str = ""
     #: the chunk keys the engines sharing the generation hit most (kvtier.hotset)
     hot: hotset.HotList = field(default_factory=hotset.HotList)
+    #: who uploaded which chunks, per tenant label (kvtier.objects.tenant_keys)
+    tenants: TenantKeys = field(default_factory=TenantKeys)
+    #: chunks soft-pinned in a host tier, until when (gc keeps them: tenant_keys.Pins)
+    pins: Pins = field(default_factory=Pins)
 
     @classmethod
     def of(
-        cls, ns: Namespace, now: float, first_seen: float | None = None,
+        cls,
+        ns: Namespace,
+        now: float,
+        first_seen: float | None = None,
         hot: hotset.HotList | None = None,
+        tenants: TenantKeys | None = None,
+        pins: Pins | None = None,
     ) -> Manifest:
         return cls(
-            id=ns.generation(), model=ns.model or ns.label, revision=ns.revision or "",
-            fingerprint=ns.fingerprint, layout=_layout(ns),
-            namespace=ns.namespace, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
-            tp_size=ns.tp_size, pp_size=ns.pp_size, chunk_size=ns.chunk_size,
-            kvtier_version=__version__, first_seen=now if first_seen is None else first_seen,
-            last_seen=now, host=socket.gethostname(), forked_from=ns.forked_from,
-            fork_id=ns.fork_id, hot=hot if hot is not None else hotset.HotList(),
-        )  # fmt: skip
+            id=ns.generation(),
+            model=ns.model or ns.label,
+            revision=ns.revision or "",
+            fingerprint=ns.fingerprint,
+            layout=_layout(ns),
+            namespace=ns.namespace,
+            dtype=ns.dtype,
+            kv_cache_dtype=ns.kv_cache_dtype,
+            tp_size=ns.tp_size,
+            pp_size=ns.pp_size,
+            chunk_size=ns.chunk_size,
+            kvtier_version=__version__,
+            first_seen=now if first_seen is None else first_seen,
+            last_seen=now,
+            host=socket.gethostname(),
+            forked_from=ns.forked_from,
+            fork_id=ns.fork_id,
+            hot=hot if hot is not None else hotset.HotList(),
+            tenants=tenants if tenants is not None else TenantKeys(),
+            pins=pins if pins is not None else Pins(),
+        )
 
     def to_bytes(self) -> bytes:
-        fields = asdict(self) | {"hot": self.hot.to_json(), "hot_at": self.hot.at}
+        # the plain fields as they are (asdict would deep-copy the lists, only to replace them)
+        fields = {name: getattr(self, name) for name in (*_TYPES, *_OPTIONAL)} | {
+            "hot": self.hot.to_json(),
+            "hot_at": self.hot.at,
+            "tenants": self.tenants.to_json(),
+            "pins": self.pins.to_json(),
+        }
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -180,15 +232,34 @@ class Manifest:
             fields["hot"] = hotset.HotList.from_json(raw.get("hot", []), raw.get("hot_at", 0.0))
         except ValueError as exc:
             raise CodecError(f"manifest field 'hot': {exc}") from None
+        try:  # absent from manifests written before it: no chunk attributed
+            fields["tenants"] = TenantKeys.from_json(raw.get("tenants", {}))
+        except ValueError as exc:
+            raise CodecError(f"manifest field 'tenants': {exc}") from None
+        try:  # absent from manifests written before it: no pin
+            fields["pins"] = Pins.from_json(raw.get("pins", {}))
+        except ValueError as exc:
+            raise CodecError(f"manifest field 'pins': {exc}") from None
         return cls(**fields)
 
 
 _TYPES: dict[str, type] = {
-    "id": str, "model": str, "revision": str, "fingerprint": str, "layout": str,
-    "namespace": str, "dtype": str, "kv_cache_dtype": str, "tp_size": int, "pp_size": int,
-    "chunk_size": int, "kvtier_version": str, "first_seen": float, "last_seen": float,
+    "id": str,
+    "model": str,
+    "revision": str,
+    "fingerprint": str,
+    "layout": str,
+    "namespace": str,
+    "dtype": str,
+    "kv_cache_dtype": str,
+    "tp_size": int,
+    "pp_size": int,
+    "chunk_size": int,
+    "kvtier_version": str,
+    "first_seen": float,
+    "last_seen": float,
     "host": str,
-}  # fmt: skip
+}
 #: string fields a manifest may lack ("" then)
 _OPTIONAL = ("forked_from", "fork_id")
 
@@ -223,8 +294,12 @@ def _strict_json(data: bytes | memoryview, what: str) -> dict[str, Any]:
 
 
 def _is_time(value: object) -> TypeGuard[int | float]:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and 0.0 <= value < _MAX_TIME)  # fmt: skip
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0.0 <= value < _MAX_TIME
+    )
 
 
 def _is_count(value: object) -> bool:
@@ -252,13 +327,16 @@ def write_manifest(tier: ObjectTier, manifest: Manifest, signer: codec.Signer | 
     """Store ``manifest`` framed and sealed like a chunk (raises TierError)."""
     key = manifest_key(manifest.id)
     data = manifest.to_bytes()
-    tier.put(key, codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)],
-                               signer=signer))  # fmt: skip
+    tier.put(key, codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)], signer=signer))
 
 
 def claim_generation(
-    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None,
-    *, now: float | None = None, holds_chunks: Callable[[], bool] | None = None,
+    tier: ObjectTier,
+    namespace: Namespace,
+    signer: codec.Signer | None,
+    *,
+    now: float | None = None,
+    holds_chunks: Callable[[], bool] | None = None,
 ) -> bool:
     """Whether this engine is the first writer of ``namespace``'s generation: its
     manifest, created only if none is stored (:meth:`ObjectTier.create_if_absent`, atomic
@@ -289,8 +367,7 @@ def _create_manifest(
     key = manifest_key(manifest.id)
     data = manifest.to_bytes()
     # joined at once: a sealed manifest's parts live in this thread's scratch buffer
-    blob = b"".join(codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)],
-                                 signer=signer))  # fmt: skip
+    blob = b"".join(codec.encode(key, data, dtype=MANIFEST_DTYPE, shape=[len(data)], signer=signer))
     return _created(tier, key, blob)
 
 
@@ -327,24 +404,22 @@ def record(key: str, at: float, signer: codec.Signer | None, *, missing: bool = 
     framed and sealed like a manifest, so no one without the keys can date one. A random
     ``by`` makes each engine's bytes its own (a retried create knows its own record)."""
     data = json.dumps({"at": at, "missing": missing, "by": os.urandom(8).hex()}).encode()
-    return b"".join(codec.encode(key, data, dtype=RECORD_DTYPE, shape=[len(data)],
-                                 signer=signer))  # fmt: skip
+    return b"".join(codec.encode(key, data, dtype=RECORD_DTYPE, shape=[len(data)], signer=signer))
 
 
 def _read_record(blob: bytes, key: str, signer: codec.Signer | None) -> tuple[float, bool]:
     """(time, missing) of a stored record; CodecError for one that does not verify (an
     older kvtier's empty token, a forgery)."""
-    raw = _strict_json(codec.decode(blob, key=key, dtype=RECORD_DTYPE, signer=signer),
-                       "re-claim record")  # fmt: skip
+    raw = _strict_json(
+        codec.decode(blob, key=key, dtype=RECORD_DTYPE, signer=signer), "re-claim record"
+    )
     at, missing = raw.get("at"), raw.get("missing")
     if not _is_time(at) or not isinstance(missing, bool):
         raise CodecError("re-claim record fields wrong")
     return float(at), missing
 
 
-def missing_since(
-    tier: ObjectTier, generation: str, signer: codec.Signer | None
-) -> float | None:
+def missing_since(tier: ObjectTier, generation: str, signer: codec.Signer | None) -> float | None:
     """Since when a checking engine has seen ``generation``'s manifest missing, the
     generation empty; None when not (no record, a live writer's, or one that does not
     verify)."""
@@ -369,8 +444,12 @@ class Reclaim:
 
 
 def reclaim_generation(
-    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None,
-    holds_chunks: Callable[[], bool], *, now: float | None = None,
+    tier: ObjectTier,
+    namespace: Namespace,
+    signer: codec.Signer | None,
+    holds_chunks: Callable[[], bool],
+    *,
+    now: float | None = None,
     stale_after_s: float | None = None,
 ) -> Reclaim:
     """Claim a generation afresh when nobody's KV in it can be poisoned: its manifest was
@@ -393,44 +472,59 @@ def reclaim_generation(
         return _reclaim_missing(tier, namespace, signer, holds_chunks, clock, stale_after_s)
     stale = bytes(blob)
     try:
-        found = Manifest.from_bytes(codec.decode(stale, key=key, dtype=MANIFEST_DTYPE,
-                                                 signer=signer))  # fmt: skip
+        found = Manifest.from_bytes(
+            codec.decode(stale, key=key, dtype=MANIFEST_DTYPE, signer=signer)
+        )
     except CodecError as exc:
         return Reclaim(False, f"its manifest does not verify ({exc.kind})")
     if found.id != gen:
         return Reclaim(False, f"its manifest names generation {found.id}")
     age = clock() - found.last_seen
     if age < stale_after_s:
-        why = (f"an engine that trusts it refreshed its manifest {age:.0f} s ago "
-               f"(re-claimed only after {stale_after_s:.0f} s)")  # fmt: skip
+        why = (
+            f"an engine that trusts it refreshed its manifest {age:.0f} s ago "
+            f"(re-claimed only after {stale_after_s:.0f} s)"
+        )
         mine = _layout(namespace)
         if found.layout != mine:  # a pipeline's generation names no stage's layers
-            why += (f"; its manifest records another KV layout ({found.layout}, this "
-                    f"engine's {mine}): this engine's chunk keys never meet its chunks, "
-                    "so its canaries find nothing; give these engines a namespace of "
-                    "their own")  # fmt: skip
+            why += (
+                f"; its manifest records another KV layout ({found.layout}, this "
+                f"engine's {mine}): this engine's chunk keys never meet its chunks, "
+                "so its canaries find nothing; give these engines a namespace of "
+                "their own"
+            )
         return Reclaim(False, why)
     if holds_chunks():
-        return Reclaim(False, "it holds chunks of engines no longer alive (delete them with "
-                              "`kvtier store gc`, or wait for a prompt whose chunk it holds)")
+        return Reclaim(
+            False,
+            "it holds chunks of engines no longer alive (delete them with "
+            "`kvtier store gc`, or wait for a prompt whose chunk it holds)",
+        )
     return _take_over(tier, namespace, signer, stale, found, clock)
 
 
 def _reclaim_missing(
-    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None,
-    holds_chunks: Callable[[], bool], clock: Callable[[], float], stale_after_s: float,
+    tier: ObjectTier,
+    namespace: Namespace,
+    signer: codec.Signer | None,
+    holds_chunks: Callable[[], bool],
+    clock: Callable[[], float],
+    stale_after_s: float,
 ) -> Reclaim:
     """A missing manifest: stale once seen missing, the generation empty, for
     ``stale_after_s``. The first check records since when (created only if absent); a
     live writer's refresh ends that record, which starts the clock again."""
     gen = namespace.generation()
     key = liveness_key(gen)
-    wait = (f"claimed only once missing for {stale_after_s:.0f} s with no chunk; a live "
-            f"writer writes it again within {CHECK_S:.0f} s")  # fmt: skip
+    wait = (
+        f"claimed only once missing for {stale_after_s:.0f} s with no chunk; a live "
+        f"writer writes it again within {CHECK_S:.0f} s"
+    )
     if holds_chunks():  # the clock starts when it is empty
         tier.put(key, [record(key, clock(), signer, missing=True)])
-        return Reclaim(False, "its manifest is gone but it holds chunks (delete them "
-                              "with `kvtier store gc`)")
+        return Reclaim(
+            False, "its manifest is gone but it holds chunks (delete them with `kvtier store gc`)"
+        )
     mark = record(key, clock(), signer, missing=True)
     if _created(tier, key, mark):
         return Reclaim(False, f"its manifest is missing, seen so from now on ({wait})")
@@ -446,13 +540,21 @@ def _reclaim_missing(
     if gone < stale_after_s:
         return Reclaim(False, f"its manifest has been missing for {gone:.0f} s ({wait})")
     won = _create_manifest(tier, namespace, signer, clock())
-    return Reclaim(won, f"its manifest was missing for {gone:.0f} s and it holds no chunk: "
-                        "claimed afresh" if won else "another engine re-claimed it first")
+    return Reclaim(
+        won,
+        f"its manifest was missing for {gone:.0f} s and it holds no chunk: claimed afresh"
+        if won
+        else "another engine re-claimed it first",
+    )
 
 
 def _take_over(
-    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None, stale: bytes,
-    found: Manifest, clock: Callable[[], float],
+    tier: ObjectTier,
+    namespace: Namespace,
+    signer: codec.Signer | None,
+    stale: bytes,
+    found: Manifest,
+    clock: Callable[[], float],
 ) -> Reclaim:
     """One winner among the engines that judged the manifest ``stale``: the first to
     create the token; a token older than RECLAIM_TOKEN_VOID_S while the manifest is still
@@ -466,15 +568,26 @@ def _take_over(
         why = _token_holds(tier, key, signer, gen, stale, clock)
         if why is not None:
             return Reclaim(False, why)
-        log.warning("kvtier: generation %s: re-claim token %s is older than %.0f s and its "
-                    "manifest was never written (its engine died or failed between the "
-                    "two): void", gen, key, RECLAIM_TOKEN_VOID_S)  # fmt: skip
-    return Reclaim(False, f"{MAX_RECLAIM_TOKENS} re-claims of it were cut short (delete it "
-                          "with `kvtier store gc`)")
+        log.warning(
+            "kvtier: generation %s: re-claim token %s is older than %.0f s and its "
+            "manifest was never written (its engine died or failed between the "
+            "two): void",
+            gen,
+            key,
+            RECLAIM_TOKEN_VOID_S,
+        )
+    return Reclaim(
+        False,
+        f"{MAX_RECLAIM_TOKENS} re-claims of it were cut short (delete it with `kvtier store gc`)",
+    )
 
 
 def _token_holds(
-    tier: ObjectTier, key: str, signer: codec.Signer | None, gen: str, stale: bytes,
+    tier: ObjectTier,
+    key: str,
+    signer: codec.Signer | None,
+    gen: str,
+    stale: bytes,
     clock: Callable[[], float],
 ) -> str | None:
     """Why the token at ``key`` still decides (another engine's re-claim stands or may
@@ -486,8 +599,10 @@ def _token_holds(
     try:
         at, _ = _read_record(bytes(blob), key, signer)
     except CodecError as exc:
-        return (f"its re-claim token cannot be dated ({exc.kind}: an older kvtier's, or "
-                "forged); `kvtier store gc` deletes it with the generation")
+        return (
+            f"its re-claim token cannot be dated ({exc.kind}: an older kvtier's, or "
+            "forged); `kvtier store gc` deletes it with the generation"
+        )
     if clock() - at < RECLAIM_TOKEN_VOID_S:
         return "another engine re-claimed it first"
     current = tier.get(manifest_key(gen), max_bytes=MAX_MANIFEST)
@@ -497,8 +612,13 @@ def _token_holds(
 
 
 def _write_claim(
-    tier: ObjectTier, namespace: Namespace, signer: codec.Signer | None, stale: bytes,
-    found: Manifest, clock: Callable[[], float], began: float,
+    tier: ObjectTier,
+    namespace: Namespace,
+    signer: codec.Signer | None,
+    stale: bytes,
+    found: Manifest,
+    clock: Callable[[], float],
+    began: float,
 ) -> Reclaim:
     """The token is this engine's: write the manifest, unless it changed meanwhile (a
     token lost to eviction) or the write ended too late to count (the token may be void
@@ -510,10 +630,16 @@ def _write_claim(
     write_manifest(tier, Manifest.of(namespace, now, first_seen=found.first_seen), signer)
     took = time.monotonic() - began
     if took > RECLAIM_WRITE_S:
-        return Reclaim(False, f"its manifest was written {took:.0f} s after its token, too "
-                              "late to count: re-claimed again once stale")
-    return Reclaim(True, f"no trusted engine refreshed it for {now - found.last_seen:.0f} s "
-                         "and it holds no chunk: claimed afresh")
+        return Reclaim(
+            False,
+            f"its manifest was written {took:.0f} s after its token, too "
+            "late to count: re-claimed again once stale",
+        )
+    return Reclaim(
+        True,
+        f"no trusted engine refreshed it for {now - found.last_seen:.0f} s "
+        "and it holds no chunk: claimed afresh",
+    )
 
 
 class ManifestWriter:
@@ -558,6 +684,11 @@ class ManifestWriter:
         #: hits the scheduler sent since the last write that landed (add_heat), kept under
         #: a lock of their own: the worker's thread adds while a refresh waits on the tier
         self._heat: list[hotset.HotList] = []
+        #: the chunks uploaded per tenant since the last write that landed (add_tenants),
+        #: under the same lock
+        self._tenants: list[TenantKeys] = []
+        #: pins sent since the last write that landed (add_pins), folded into one
+        self._pins = Pins()
         self._heat_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -578,6 +709,44 @@ class ManifestWriter:
             if len(self._heat) > _MAX_DELTAS:
                 self._heat = [hotset.merge(*self._heat, now=max(h.at for h in self._heat))]
 
+    def add_tenants(self, delta: TenantKeys) -> None:
+        """Chunks uploaded per tenant (:mod:`kvtier.objects.tenant_keys`), added to the
+        manifest's tenant lists at the next refresh; like :meth:`add_heat`, kept as sent
+        and folded into one past :data:`_MAX_DELTAS` (bounded by the lists' own limit)."""
+        if not delta:
+            return
+        with self._heat_lock:
+            self._tenants.append(delta)
+            if len(self._tenants) > _MAX_DELTAS:
+                self._tenants = [merge_tenants(*self._tenants)]
+
+    def add_pins(self, delta: Pins) -> None:
+        """Chunks pinned in the host tier and until when, added to the manifest's pins at
+        the next refresh (folded into one at once: at most PINS_LIMIT)."""
+        if delta:
+            with self._heat_lock:
+                self._pins = merge_pins(self._pins, delta)
+
+    def _take_pins(self) -> Pins:
+        with self._heat_lock:
+            pins, self._pins = self._pins, Pins()
+        return pins
+
+    def _keep_pins(self, pins: Pins) -> None:
+        self.add_pins(pins)
+
+    def _take_tenants(self) -> list[TenantKeys]:
+        with self._heat_lock:
+            deltas, self._tenants = self._tenants, []
+        return deltas
+
+    def _keep_tenants(self, deltas: list[TenantKeys]) -> None:
+        """A write that did not land: its uploads go back for the next, ahead of those
+        sent since (they are older)."""
+        if deltas:
+            with self._heat_lock:
+                self._tenants = [merge_tenants(*deltas, *self._tenants)]
+
     def _take_heat(self) -> hotset.HotList:
         with self._heat_lock:
             deltas, self._heat = self._heat, []
@@ -591,6 +760,8 @@ class ManifestWriter:
         with self._lock:
             gen = "?"
             heat: hotset.HotList | None = None
+            uploads: list[TenantKeys] = []
+            pins = Pins()
             try:
                 if not self.active():
                     return None
@@ -602,16 +773,29 @@ class ManifestWriter:
                     first = stored.first_seen
                 now = self.clock()
                 heat = self._take_heat()
-                hot = hotset.merge(stored.hot if stored is not None else hotset.HotList(),
-                                   heat, now=now)  # fmt: skip
-                manifest = Manifest.of(ns, now, first_seen=min(first or now, now), hot=hot)
+                hot = hotset.merge(
+                    stored.hot if stored is not None else hotset.HotList(), heat, now=now
+                )
+                uploads = self._take_tenants()
+                tenants = merge_tenants(
+                    stored.tenants if stored is not None else TenantKeys(), *uploads
+                )
+                pins = self._take_pins()
+                kept = merge_pins(stored.pins if stored is not None else Pins(), pins, now=now)
+                manifest = Manifest.of(
+                    ns, now, first_seen=min(first or now, now), hot=hot, tenants=tenants, pins=kept
+                )
                 write_manifest(self.tier, manifest, self.signer)
             except TierError as exc:
                 self._keep_heat(heat)
+                self._keep_tenants(uploads)
+                self._keep_pins(pins)
                 log.warning("kvtier: manifest of generation %s not written: %s", gen, exc)
                 return None
             except Exception as exc:  # noqa: BLE001  a bug or a forgery: never the thread's end
                 self._keep_heat(heat)
+                self._keep_tenants(uploads)
+                self._keep_pins(pins)
                 self._failed(exc)
                 return None
             self._first[gen] = manifest.first_seen
@@ -650,9 +834,13 @@ class ManifestWriter:
         said = f"missing:{gen}"
         if said not in self._said:
             self._said.add(said)
-            log.warning("kvtier: manifest of generation %s was missing (deleted, or evicted "
-                        "by the tier): written again; a checking engine claims a generation "
-                        "only once its manifest was missing for %.0f s", gen, STALE_S)
+            log.warning(
+                "kvtier: manifest of generation %s was missing (deleted, or evicted "
+                "by the tier): written again; a checking engine claims a generation "
+                "only once its manifest was missing for %.0f s",
+                gen,
+                STALE_S,
+            )
         self.refresh()
         return True
 
@@ -663,8 +851,9 @@ class ManifestWriter:
             log.debug("kvtier: manifest writer: %s", said)
             return
         self._said.add(said)
-        log.error("kvtier: manifest writer: %s (it keeps refreshing; said once)", said,
-                  exc_info=exc)  # fmt: skip
+        log.error(
+            "kvtier: manifest writer: %s (it keeps refreshing; said once)", said, exc_info=exc
+        )
 
     def _guarded(self, step: Callable[[], Any]) -> Any:
         """``step()``, or None when it raised (logged): the loop outlives anything."""
@@ -725,7 +914,10 @@ class ManifestWriter:
 
 
 def for_worker(
-    remote: object, namespace: Callable[[], Namespace], rank: int, stage: int,
+    remote: object,
+    namespace: Callable[[], Namespace],
+    rank: int,
+    stage: int,
     active: Callable[[], bool] = lambda: True,
 ) -> ManifestWriter | None:
     """The manifest writer of a worker's object-tier I/O: rank 0 of stage 0 writes for the

@@ -118,10 +118,10 @@ class RemoteIO:
         refused: list[OpResult] = []
         for op in ops:
             if isinstance(op, GetRun):
-                self.submit_get_run(op.gets, dtype=op.dtype, shape=op.shape,
-                                    inline_until=op.inline_until)  # fmt: skip
-            elif not self.submit_put(op.op_id, op.key, op.payload, dtype=op.dtype,
-                                     shape=op.shape):  # fmt: skip
+                self.submit_get_run(
+                    op.gets, dtype=op.dtype, shape=op.shape, inline_until=op.inline_until
+                )
+            elif not self.submit_put(op.op_id, op.key, op.payload, dtype=op.dtype, shape=op.shape):
                 refused.append(OpResult(op.op_id, OpKind.UPLOAD, False, error_kind=DROPPED))
         return refused
 
@@ -143,7 +143,13 @@ class RemoteIO:
         self.queue.submit_get_run([(op_id, key, dest)], dtype=dtype, shape=shape)
 
     def submit_put(
-        self, op_id: int, key: str, payload: memoryview, *, dtype: str, shape: Sequence[int],
+        self,
+        op_id: int,
+        key: str,
+        payload: memoryview,
+        *,
+        dtype: str,
+        shape: Sequence[int],
         first: bool = False,
     ) -> bool:
         """Queue an upload (``first``: ahead of the queued ones); False when the write queue
@@ -153,6 +159,10 @@ class RemoteIO:
     def poll(self) -> list[OpResult]:
         """Results completed since the last poll (:meth:`OpQueue.poll`)."""
         return self.queue.poll()
+
+    def wait_for_fetch(self, timeout_s: float) -> bool:
+        """Wait until a fetch's result is ready to poll (:meth:`OpQueue.wait_for_fetch`)."""
+        return self.queue.wait_for_fetch(timeout_s)
 
     # -- what it tells -------------------------------------------------------------------
 

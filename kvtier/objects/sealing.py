@@ -56,9 +56,18 @@ if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
 __all__ = [
-    "HMAC_KEY_MIN_BYTES", "KEY_BYTES", "KID_BYTES", "NONCE_BYTES", "TAG_BYTES", "Seal", "Sealer",
-    "Signer", "env_key", "file_key", "parse_key",
-]  # fmt: skip
+    "HMAC_KEY_MIN_BYTES",
+    "KEY_BYTES",
+    "KID_BYTES",
+    "NONCE_BYTES",
+    "TAG_BYTES",
+    "Seal",
+    "Sealer",
+    "Signer",
+    "env_key",
+    "file_key",
+    "parse_key",
+]
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -181,7 +190,7 @@ class Sealer:
             bounce = self._local.bounce = bytearray(OPEN_PIECE_BYTES + 16)
         out = memoryview(bounce)
         for at in range(0, data.nbytes, OPEN_PIECE_BYTES):
-            piece = data[at:at + OPEN_PIECE_BYTES]
+            piece = data[at : at + OPEN_PIECE_BYTES]
             n = dec.update_into(piece, out)
             assert n == piece.nbytes, "GCM is a stream mode: as many bytes out as in"
             piece[:] = out[:n]

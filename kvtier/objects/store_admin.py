@@ -3,21 +3,30 @@ the least recently used chunks under a byte budget, and checking stored chunks.
 
 Every object key kvtier writes names its generation (``gen-<id>/<chunk key>``, and the
 generation's manifest ``gen-<id>/manifest``, :mod:`kvtier.objects.manifest`), so all of
-this works by listing the backend, never by reading chunks (``verify`` alone reads):
+this works by listing the backend, never by reading chunks (``verify`` alone reads),
+through the tier's own :meth:`~kvtier.objects.tiers.base.ObjectTier.list_objects`,
+:meth:`~kvtier.objects.tiers.base.ObjectTier.list_keys` and
+:meth:`~kvtier.objects.tiers.base.ObjectTier.delete_many`; each backend says what its sizes
+and last uses are:
 
-- directory (``file://``): ``os.scandir`` of the fan-out directories; a chunk's bytes are
-  its file's size, its last use its mtime (a hit refreshes it, at most once a minute);
-- S3: ``ListObjectsV2`` pages; bytes are the listed ``Size``, last use the object's
-  ``LastModified``: its last *write* (S3 records no reads; a chunk every engine hits but
-  none rewrites looks old), deleted with ``DeleteObjects`` in batches of 1,000;
-- Redis (one node, or every primary of a Redis Cluster): ``SCAN``; bytes are ``MEMORY
-  USAGE`` (what the server spends on the key, ``STRLEN`` where MEMORY is not allowed),
-  last use ``OBJECT IDLETIME`` (reads count; listing does not), deleted with ``UNLINK``.
+- directory (``file://``): a chunk's bytes are its file's size, its last use its mtime (a
+  hit refreshes it, at most once a minute);
+- S3: bytes are the listed ``Size``, last use the object's ``LastModified``: its last
+  *write* (S3 records no reads; a chunk every engine hits but none rewrites looks old);
+- Redis (one node, or every primary of a Redis Cluster): bytes are ``MEMORY USAGE`` (what
+  the server spends on the key, ``STRLEN`` where MEMORY is not allowed), last use ``OBJECT
+  IDLETIME`` (reads count; listing does not).
 
 Keys that are not kvtier's (another application's, in the same Redis or bucket) are never
 listed or touched. Chunks of bare keys (written before generations) and of generations
 whose manifest is missing or does not verify make one generation, ``unknown``; for them
 ``gc --dead-after`` goes by each chunk's own last use.
+
+Per tenant (issue 60): a generation's manifest lists who uploaded which of its chunks
+(:mod:`kvtier.objects.tenant_keys`); :meth:`Generation.by_tenant` joins those lists with
+the listing (bytes and last use the backend's), and ``gc --tenant-quotas`` trims a tenant
+over its quota (summed over every generation) by its own least recently used chunks,
+never another tenant's, nor an unattributed chunk, nor the mix that is ``other``.
 
 A chunk deleted while an engine reads it is that read's miss (a missing key, or a
 truncated read that fails its check): every backend's delete is atomic per object, and
@@ -26,26 +35,33 @@ deleting a missing key is no error, so two gc runs at once only find less to del
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-from urllib.parse import unquote
+from typing import Any
 
-from kvtier.errors import CodecError, KVTierError, TierError, TierUnavailable
+from kvtier.errors import CodecError, KVTierError, TierError
 from kvtier.keys import GENERATION_PREFIX
 from kvtier.objects import codec
 from kvtier.objects.codec import head_length, parse_header
 from kvtier.objects.manifest import MANIFEST, MAX_MANIFEST, RECLAIM, Manifest, read_manifest
-from kvtier.objects.tiers.base import ObjectTier
+from kvtier.objects.tenant_keys import OTHER, UNATTRIBUTED, fingerprint
+from kvtier.objects.tiers.base import ObjectTier, StoredObject
 
-__all__ = ["UNKNOWN", "GcPlan", "Generation", "StoreError", "StoredObject", "Usage",
-           "gc", "holds_chunks", "lister_for", "parse_object_key", "usage",
-           "verify"]  # fmt: skip
+__all__ = [
+    "UNKNOWN",
+    "GcPlan",
+    "Generation",
+    "StoreError",
+    "Usage",
+    "gc",
+    "holds_chunks",
+    "parse_object_key",
+    "usage",
+    "verify",
+]
 
 #: the generation of chunks without a readable manifest
 UNKNOWN = "unknown"
@@ -53,10 +69,6 @@ _CHUNK_RE = re.compile(r"[0-9a-f]{40}", re.ASCII)
 #: a re-claim's token (:func:`kvtier.objects.manifest.reclaim_key`): bookkeeping, as a manifest
 _RECLAIM_RE = re.compile(re.escape(RECLAIM) + r"[0-9a-f]{16}", re.ASCII)
 _GEN_RE = re.compile(re.escape(GENERATION_PREFIX) + r"([0-9a-f]{16})/(.+)", re.ASCII)
-#: S3's most keys per DeleteObjects
-S3_DELETE_BATCH = 1000
-#: keys per Redis SCAN page and per pipeline (below the tier's reply bounds)
-REDIS_BATCH = 256
 #: error kinds of an object whose bytes, frame or name are damaged: all that ``verify
 #: --delete-bad`` deletes. Every other kind is kept: a key reason (below), an object the
 #: backend failed to serve this once (``unreachable``, ``object``, ``oversize``), one in
@@ -86,235 +98,29 @@ def parse_object_key(key: str) -> tuple[str | None, bool] | None:
     return (None, False) if _CHUNK_RE.fullmatch(key) else None
 
 
-@dataclass(frozen=True, slots=True)
-class StoredObject:
-    """One object as the backend lists it."""
-
-    key: str
-    #: bytes as stored (what the backend bills)
-    size: int
-    #: when it was last used as the backend records it (Unix seconds; see the module doc)
-    used: float
+def _listed(tier: ObjectTier) -> Iterator[StoredObject]:
+    """kvtier's objects in ``tier`` (:meth:`ObjectTier.list_objects`; another application's
+    keys are never measured); StoreError for a tier that cannot be listed."""
+    try:
+        return tier.list_objects(keep=_is_ours)
+    except NotImplementedError:
+        raise StoreError(f"kvtier store cannot list a {tier.name} tier") from None
 
 
-class Lister(Protocol):
-    """Listing and deleting on top of one backend's own client."""
-
-    #: what "recently used" means on this backend, for ``--help`` and reports
-    recency: str
-
-    def objects(self) -> Iterator[StoredObject]: ...
-
-    def delete(self, keys: Sequence[str]) -> None: ...
+def _is_ours(key: str) -> bool:
+    return parse_object_key(key) is not None
 
 
-class FileLister:
-    """A directory tier: ``root/<2 hex>/<quoted key>``; dot-names are its bookkeeping."""
-
-    recency = "the file's mtime (a hit refreshes it, at most once a minute)"
-
-    def __init__(self, tier: Any) -> None:
-        self.tier = tier
-        self.root: str = tier.root
-
-    def objects(self) -> Iterator[StoredObject]:
-        try:
-            subs = [e for e in os.scandir(self.root)
-                    if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]  # fmt: skip
-        except OSError as exc:
-            raise TierUnavailable(f"file tier {self.root}: {exc.strerror}") from None
-        for sub in sorted(subs, key=lambda e: e.name):
-            try:
-                entries = list(os.scandir(sub.path))
-            except OSError:
-                continue  # removed meanwhile
-            for e in entries:
-                if e.name.startswith("."):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield StoredObject(unquote(e.name), st.st_size, st.st_mtime)
-
-    def keys(self, under: str) -> Iterator[str]:
-        """The keys starting with ``under``: names only, no stat."""
-        try:
-            subs = [e.path for e in os.scandir(self.root)
-                    if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]  # fmt: skip
-        except OSError as exc:
-            raise TierUnavailable(f"file tier {self.root}: {exc.strerror}") from None
-        for sub in subs:
-            try:
-                names = os.listdir(sub)
-            except OSError:
-                continue  # removed meanwhile
-            for name in names:
-                if not name.startswith("."):
-                    key = unquote(name)
-                    if key.startswith(under):
-                        yield key
-
-    def delete(self, keys: Sequence[str]) -> None:
-        self.tier.delete(keys)  # through the tier's directory fds: never outside the root
-
-
-class S3Lister:
-    """A bucket under the tier's prefix: ListObjectsV2 pages, DeleteObjects batches."""
-
-    recency = "the object's LastModified: its last write (S3 records no reads)"
-
-    def __init__(self, tier: Any) -> None:
-        self.tier = tier
-        self.client = tier._client
-        self.bucket: str = tier.bucket
-        self.prefix: str = tier.prefix
-
-    def objects(self) -> Iterator[StoredObject]:
-        pages = self.client.get_paginator("list_objects_v2")
-        with self.tier._errors("list"):
-            for page in pages.paginate(Bucket=self.bucket, Prefix=self.prefix):
-                for obj in page.get("Contents", ()):
-                    key = str(obj["Key"])[len(self.prefix):]
-                    yield StoredObject(key, int(obj["Size"]), obj["LastModified"].timestamp())
-
-    def keys(self, under: str) -> Iterator[str]:
-        """The keys starting with ``under``: one listing of that prefix alone."""
-        pages = self.client.get_paginator("list_objects_v2")
-        with self.tier._errors("list"):
-            for page in pages.paginate(Bucket=self.bucket, Prefix=self.prefix + under):
-                for obj in page.get("Contents", ()):
-                    yield str(obj["Key"])[len(self.prefix):]
-
-    def delete(self, keys: Sequence[str]) -> None:
-        for i in range(0, len(keys), S3_DELETE_BATCH):
-            batch = [{"Key": self.prefix + k} for k in keys[i : i + S3_DELETE_BATCH]]
-            with self.tier._errors("delete"):
-                resp = self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
-                )
-            errors = resp.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise TierError(f"s3 delete: {len(errors)} objects not deleted "
-                                f"({first.get('Code')}: {first.get('Message')})")  # fmt: skip
-
-
-class RedisLister:
-    """One Redis node, or every primary of a Redis Cluster: SCAN, then per page one
-    pipeline of MEMORY USAGE and OBJECT IDLETIME; UNLINK one key per command (keys of
-    one node are in many slots)."""
-
-    recency = "OBJECT IDLETIME (reads and writes count)"
-
-    def __init__(self, tier: Any) -> None:
-        self.tier = tier
-
-    def _nodes(self) -> list[Any]:
-        cluster = getattr(self.tier, "_cluster_client", None)
-        with self.tier._errors("list"):
-            if cluster is None:
-                return [self.tier._client]
-            client = cluster()
-            return [client.get_redis_connection(n) for n in client.get_primaries()]
-
-    def objects(self) -> Iterator[StoredObject]:
-        for node in self._nodes():
-            cursor = 0
-            while True:
-                with self.tier._errors("list"):
-                    cursor, keys = node.scan(cursor=cursor, count=REDIS_BATCH)
-                    ours = [k for k in keys if parse_object_key(_text(k)) is not None]
-                    sized = self._measure(node, ours)
-                now = time.time()
-                for key, size, idle in sized:
-                    yield StoredObject(key, size, now - idle)
-                if int(cursor) == 0:
-                    break
-
-    def keys(self, under: str) -> Iterator[str]:
-        """The keys starting with ``under`` (no glob characters in kvtier's): SCAN MATCH,
-        nothing measured."""
-        for node in self._nodes():
-            cursor = 0
-            while True:
-                with self.tier._errors("list"):
-                    cursor, keys = node.scan(cursor=cursor, match=under + "*",
-                                             count=REDIS_BATCH)  # fmt: skip
-                yield from (_text(k) for k in keys)
-                if int(cursor) == 0:
-                    break
-
-    @staticmethod
-    def _measure(node: Any, keys: list[bytes]) -> list[tuple[str, int, float]]:
-        if not keys:
-            return []
-        # neither command touches the key (an engine's read does): listing twice keeps
-        # the order of last use
-        pipe = node.pipeline(transaction=False)
-        for k in keys:
-            pipe.execute_command("OBJECT", "IDLETIME", k)
-            pipe.execute_command("MEMORY", "USAGE", k, "SAMPLES", "0")
-        replies = pipe.execute(raise_on_error=False)
-        idles, sizes = replies[0::2], replies[1::2]
-        refused = [i for i, m in enumerate(sizes) if isinstance(m, Exception)]
-        if refused:  # MEMORY not allowed (an ACL): the value's length, which counts as a use
-            pipe = node.pipeline(transaction=False)
-            for i in refused:
-                pipe.strlen(keys[i])
-            for i, n in zip(refused, pipe.execute(raise_on_error=False), strict=True):
-                sizes[i] = n
-        out = []
-        for k, idle, size in zip(keys, idles, sizes, strict=True):
-            if not isinstance(size, int) or isinstance(size, bool) or idle is None:
-                continue  # deleted meanwhile
-            out.append((_text(k), size, float(idle) if isinstance(idle, int) else 0.0))
-        return out
-
-    def delete(self, keys: Sequence[str]) -> None:
-        by_node: dict[int, tuple[Any, list[str]]] = {}
-        cluster = getattr(self.tier, "_cluster_client", None)
-        with self.tier._errors("delete"):
-            if cluster is None:
-                by_node[0] = (self.tier._client, list(keys))
-            else:
-                client = cluster()
-                for k in keys:
-                    node = client.get_redis_connection(client.get_node_from_key(k))
-                    by_node.setdefault(id(node), (node, []))[1].append(k)
-            for node, ks in by_node.values():
-                for i in range(0, len(ks), REDIS_BATCH):
-                    pipe = node.pipeline(transaction=False)
-                    for k in ks[i : i + REDIS_BATCH]:
-                        pipe.unlink(k)
-                    pipe.execute()
-
-
-def _text(key: bytes | str) -> str:
-    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-
-
-def lister_for(tier: ObjectTier) -> Lister:
-    """The lister of ``tier``'s backend."""
-    if tier.name == "file":
-        return FileLister(tier)
-    if tier.name == "s3":
-        return S3Lister(tier)
-    if tier.name == "redis":
-        return RedisLister(tier)
-    raise StoreError(f"kvtier store cannot list a {tier.name} tier")
-
-
-def holds_chunks(tier: ObjectTier, generation: str, *, lister: Lister | None = None) -> bool:
+def holds_chunks(tier: ObjectTier, generation: str) -> bool:
     """Whether ``generation`` holds any chunk (its manifest and tokens do not count): a
-    listing that stops at the first chunk found (a canary's re-claim,
-    :func:`kvtier.objects.manifest.reclaim_generation`). Raises StoreError for a tier that
-    cannot be listed and TierError when listing fails: neither is an answer of "none"."""
-    lister = lister if lister is not None else lister_for(tier)
-    under = f"{GENERATION_PREFIX}{generation}/"
-    only = getattr(lister, "keys", None)  # a listing of the generation's keys alone
-    keys = only(under) if only is not None else (o.key for o in lister.objects())
+    listing of the generation's keys alone that stops at the first chunk found (a canary's
+    re-claim, :func:`kvtier.objects.manifest.reclaim_generation`). Raises StoreError for a
+    tier that cannot be listed and TierError when listing fails: neither is an answer of
+    "none"."""
+    try:
+        keys = tier.list_keys(f"{GENERATION_PREFIX}{generation}/")
+    except NotImplementedError:
+        raise StoreError(f"kvtier store cannot list a {tier.name} tier") from None
     for key in keys:
         parsed = parse_object_key(key)
         if parsed is not None and parsed[0] == generation and not parsed[1]:
@@ -339,15 +145,38 @@ class Generation:
     def bytes(self) -> int:
         return sum(o.size for o in self.chunks) + sum(o.size for o in self.manifests)
 
+    def tenant_of(self) -> Callable[[StoredObject], str]:
+        """Each chunk's tenant label as its manifest lists it, else :data:`UNATTRIBUTED`."""
+        owners = self.manifest.tenants.owners() if self.manifest is not None else {}
+
+        def of(obj: StoredObject) -> str:
+            fp = fingerprint(obj.key)
+            return owners.get(fp, UNATTRIBUTED) if fp is not None else UNATTRIBUTED
+
+        return of
+
+    def by_tenant(self) -> dict[str, dict[str, int]]:
+        """Per tenant label its chunks' bytes and count (``unattributed``: in no list)."""
+        out: dict[str, dict[str, int]] = {}
+        of = self.tenant_of()
+        for obj in self.chunks:
+            row = out.setdefault(of(obj), {"bytes": 0, "chunks": 0})
+            row["bytes"] += obj.size
+            row["chunks"] += 1
+        return dict(sorted(out.items()))
+
     def row(self) -> dict[str, Any]:
         m = self.manifest
         return {
-            "id": self.id, "model": m.model if m else None,
-            "namespace": m.namespace if m else None, "bytes": self.bytes,
-            "chunks": len(self.chunks), "first_seen": _iso(m.first_seen) if m else None,
+            "id": self.id,
+            "model": m.model if m else None,
+            "namespace": m.namespace if m else None,
+            "bytes": self.bytes,
+            "chunks": len(self.chunks),
+            "first_seen": _iso(m.first_seen) if m else None,
             "last_seen": _iso(m.last_seen) if m else None,
             "hot_chunks": len(m.hot) if m else None,
-        }  # fmt: skip
+        }
 
 
 @dataclass(slots=True)
@@ -366,9 +195,26 @@ class Usage:
     def total_chunks(self) -> int:
         return sum(len(g.chunks) for g in self.generations)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"total_bytes": self.total_bytes, "total_chunks": self.total_chunks,
-                "generations": [g.row() for g in self.generations]}  # fmt: skip
+    def to_json(self, by_tenant: bool = False) -> dict[str, Any]:
+        """``by_tenant``: each generation's row holds ``tenants`` (:meth:`Generation.by_tenant`)
+        and the document their sum over generations."""
+        rows = [
+            g.row() | ({"tenants": g.by_tenant()} if by_tenant else {}) for g in self.generations
+        ]
+        doc = {
+            "total_bytes": self.total_bytes,
+            "total_chunks": self.total_chunks,
+            "generations": rows,
+        }
+        if by_tenant:
+            total: dict[str, dict[str, int]] = {}
+            for row in rows:
+                for label, n in row["tenants"].items():
+                    t = total.setdefault(label, {"bytes": 0, "chunks": 0})
+                    t["bytes"] += n["bytes"]
+                    t["chunks"] += n["chunks"]
+            doc["tenants"] = dict(sorted(total.items()))
+        return doc
 
 
 def _iso(t: float) -> str:
@@ -379,7 +225,6 @@ def usage(
     tier: ObjectTier,
     signer: codec.Signer | None,
     *,
-    lister: Lister | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Usage:
     """List ``tier`` and read each generation's manifest.
@@ -387,10 +232,9 @@ def usage(
     A manifest that does not verify (corrupt, forged, sealed with another key) leaves its
     generation ``unknown``. One that is signed or sealed while ``signer`` holds no key
     raises StoreError: its claims cannot be checked, and ``gc`` must not act on them."""
-    lister = lister if lister is not None else lister_for(tier)
     gens: dict[str, Generation] = {}
     unknown = Generation(UNKNOWN)
-    for n, obj in enumerate(lister.objects(), 1):
+    for n, obj in enumerate(_listed(tier), 1):
         if progress is not None and n % 1000 == 0:
             progress(n)
         parsed = parse_object_key(obj.key)
@@ -482,18 +326,24 @@ class Deleted:
     """What gc deletes of one generation."""
 
     generation: Generation
-    #: "dead": not seen for --dead-after; "lru": under --max-bytes
+    #: "dead": not seen for --dead-after; "tenant_quota": a tenant over its quota of
+    #: --tenant-quotas; "lru": under --max-bytes
     reason: str
     objects: list[StoredObject] = field(default_factory=list)
+    #: whose chunks ("tenant_quota" only)
+    tenant: str | None = None
 
     def row(self) -> dict[str, Any]:
         m = self.generation.manifest
         return {
-            "id": self.generation.id, "model": m.model if m else None,
-            "namespace": m.namespace if m else None, "reason": self.reason,
+            "id": self.generation.id,
+            "model": m.model if m else None,
+            "namespace": m.namespace if m else None,
+            "reason": self.reason,
+            "tenant": self.tenant,
             "bytes": sum(o.size for o in self.objects),
             "chunks": sum(1 for o in self.objects if not o.key.endswith("/" + MANIFEST)),
-        }  # fmt: skip
+        }
 
 
 @dataclass(slots=True)
@@ -505,6 +355,20 @@ class GcPlan:
     dry_run: bool
     max_bytes: int | None
     dead_after_s: float
+    #: --tenant-quotas: tenant name ("*": every other tenant) -> bytes
+    tenant_quotas: dict[str, int] | None = None
+    #: chunks kept because their manifest holds them pinned (tenant_keys.Pins)
+    kept_pinned: int = 0
+
+    def by_tenant(self) -> dict[str, dict[str, int]]:
+        """What the tenant quotas deleted, per tenant: bytes and chunks."""
+        out: dict[str, dict[str, int]] = {}
+        for d in self.deleted:
+            if d.reason == "tenant_quota" and d.tenant is not None:
+                row = out.setdefault(d.tenant, {"bytes": 0, "chunks": 0})
+                row["bytes"] += sum(o.size for o in d.objects)
+                row["chunks"] += len(d.objects)
+        return dict(sorted(out.items()))
 
     @property
     def deleted_bytes(self) -> int:
@@ -516,40 +380,70 @@ class GcPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "dry_run": self.dry_run, "dead_after_s": self.dead_after_s,
-            "max_bytes": self.max_bytes, "total_bytes_before": self.before.total_bytes,
+            "dry_run": self.dry_run,
+            "dead_after_s": self.dead_after_s,
+            "max_bytes": self.max_bytes,
+            "total_bytes_before": self.before.total_bytes,
             "total_bytes_after": self.before.total_bytes - self.deleted_bytes,
-            "deleted_bytes": self.deleted_bytes, "deleted_chunks": self.deleted_chunks,
+            "deleted_bytes": self.deleted_bytes,
+            "deleted_chunks": self.deleted_chunks,
+            "tenant_quotas": self.tenant_quotas,
+            "deleted_by_tenant": self.by_tenant(),
+            "kept_pinned_chunks": self.kept_pinned,
             "generations": [d.row() for d in self.deleted],
-        }  # fmt: skip
+        }
 
 
 def plan_gc(
-    found: Usage, *, dead_after_s: float, max_bytes: int | None, now: float | None = None,
+    found: Usage,
+    *,
+    dead_after_s: float,
+    max_bytes: int | None,
+    now: float | None = None,
     dry_run: bool = False,
+    tenant_quotas: dict[str, int] | None = None,
 ) -> GcPlan:
     """Which objects gc deletes: first every object of the generations whose manifest was
     last refreshed more than ``dead_after_s`` ago (``unknown``: each chunk by its own last
-    use); then, with ``max_bytes``, the least recently used chunks of the rest until the
-    total is at most ``max_bytes`` (manifests of live generations are kept)."""
+    use); then, with ``tenant_quotas`` (tenant name, ``"*"`` for every tenant not named,
+    ``untagged`` included -> bytes), each tenant's own least recently used chunks while
+    its chunks left in every generation hold more than its quota (:func:`_over_quota`);
+    then, with ``max_bytes``, the least recently used chunks of the rest until the total
+    is at most ``max_bytes`` (manifests of live generations are kept).
+
+    A chunk its manifest holds pinned past ``now`` (:class:`~kvtier.objects.tenant_keys.Pins`)
+    is never deleted, nor, while it is, its generation's manifest; it counts to its
+    tenant's quota and to the total."""
     now = time.time() if now is None else now
     cutoff = now - dead_after_s
     deleted: list[Deleted] = []
     left: list[tuple[StoredObject, Generation]] = []
+    pinned: list[tuple[StoredObject, Generation]] = []
     total = found.total_bytes
     for gen in found.generations:
         m = gen.manifest
+        live = m.pins.live(now) if m is not None else frozenset()
+        held = [o for o in gen.chunks if live and fingerprint(o.key) in live]
+        pinned += [(o, gen) for o in held]
+        ids = {id(o) for o in held}
+        chunks = [o for o in gen.chunks if id(o) not in ids] if held else gen.chunks
         if m is not None and m.last_seen < cutoff:
-            d = Deleted(gen, "dead", [*gen.chunks, *gen.manifests])
+            d = Deleted(gen, "dead", [*chunks, *(() if held else gen.manifests)])
         elif m is None:
             d = Deleted(gen, "dead", [o for o in (*gen.chunks, *gen.manifests) if o.used < cutoff])
             left += [(o, gen) for o in gen.chunks if o.used >= cutoff]
         else:
-            left += [(o, gen) for o in gen.chunks]
+            left += [(o, gen) for o in chunks]
             continue
         if d.objects:
             deleted.append(d)
             total -= sum(o.size for o in d.objects)
+    if tenant_quotas:
+        trimmed = _over_quota(left, tenant_quotas, pinned)
+        gone = {id(o) for d in trimmed for o in d.objects}
+        left = [og for og in left if id(og[0]) not in gone]
+        total -= sum(o.size for d in trimmed for o in d.objects)
+        deleted += trimmed
     if max_bytes is not None and total > max_bytes:
         lru: dict[str, Deleted] = {}
         for obj, gen in sorted(left, key=lambda og: (og[0].used, og[0].key)):
@@ -558,7 +452,55 @@ def plan_gc(
             lru.setdefault(gen.id, Deleted(gen, "lru")).objects.append(obj)
             total -= obj.size
         deleted += lru.values()
-    return GcPlan(found, deleted, dry_run, max_bytes, dead_after_s)
+    return GcPlan(
+        found, deleted, dry_run, max_bytes, dead_after_s, tenant_quotas, kept_pinned=len(pinned)
+    )
+
+
+def _over_quota(
+    left: list[tuple[StoredObject, Generation]],
+    quotas: dict[str, int],
+    pinned: Sequence[tuple[StoredObject, Generation]] = (),
+) -> list[Deleted]:
+    """The chunks each tenant over its quota loses: its own, least recently used first
+    (the backend's last use, as ``--max-bytes``), until what it holds in every generation
+    (its ``pinned`` chunks too, which never go) is within its quota. A chunk is a tenant's
+    when its generation's manifest lists it so; unattributed chunks and ``other``'s (a mix
+    of tenants) are no tenant's to trim."""
+    star = quotas.get("*")
+    mine: dict[str, list[tuple[StoredObject, Generation]]] = {}
+    kept: dict[str, int] = {}
+    labels: dict[str, Callable[[StoredObject], str]] = {}
+
+    def label_of(obj: StoredObject, gen: Generation) -> str:
+        of = labels.get(gen.id)
+        if of is None:
+            of = labels[gen.id] = gen.tenant_of()
+        return of(obj)
+
+    for obj, gen in left:
+        label = label_of(obj, gen)
+        if label not in (UNATTRIBUTED, OTHER):
+            mine.setdefault(label, []).append((obj, gen))
+    for obj, gen in pinned:
+        label = label_of(obj, gen)
+        kept[label] = kept.get(label, 0) + obj.size
+    out: list[Deleted] = []
+    for label, chunks in sorted(mine.items()):
+        quota = quotas.get(label, star)
+        held = sum(o.size for o, _ in chunks) + kept.get(label, 0)
+        if quota is None or held <= quota:
+            continue
+        by_gen: dict[str, Deleted] = {}
+        for obj, gen in sorted(chunks, key=lambda og: (og[0].used, og[0].key)):
+            if held <= quota:
+                break
+            by_gen.setdefault(gen.id, Deleted(gen, "tenant_quota", tenant=label)).objects.append(
+                obj
+            )
+            held -= obj.size
+        out += by_gen.values()
+    return out
 
 
 def gc(
@@ -568,22 +510,27 @@ def gc(
     dead_after_s: float,
     max_bytes: int | None = None,
     dry_run: bool = False,
-    lister: Lister | None = None,
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
+    tenant_quotas: dict[str, int] | None = None,
 ) -> GcPlan:
     """List, plan (:func:`plan_gc`), and delete unless ``dry_run``: dead generations'
     chunks before their manifest, so a run cut short leaves them still listed as such."""
-    lister = lister if lister is not None else lister_for(tier)
-    found = usage(tier, signer, lister=lister, progress=progress)
+    found = usage(tier, signer, progress=progress)
     _refuse_wrong_keys(found, signer)
-    plan = plan_gc(found, dead_after_s=dead_after_s,
-                   max_bytes=max_bytes, now=now, dry_run=dry_run)  # fmt: skip
+    plan = plan_gc(
+        found,
+        dead_after_s=dead_after_s,
+        max_bytes=max_bytes,
+        now=now,
+        dry_run=dry_run,
+        tenant_quotas=tenant_quotas,
+    )
     if not dry_run:
         for d in plan.deleted:
             chunks = [o.key for o in d.objects if not o.key.endswith("/" + MANIFEST)]
-            lister.delete(chunks)
-            lister.delete([o.key for o in d.objects if o.key.endswith("/" + MANIFEST)])
+            tier.delete_many(chunks)
+            tier.delete_many([o.key for o in d.objects if o.key.endswith("/" + MANIFEST)])
     return plan
 
 
@@ -630,10 +577,16 @@ class VerifyReport:
         kinds: dict[str, int] = {}
         for kind in self.bad.values():
             kinds[kind] = kinds.get(kind, 0) + 1
-        return {"checked": self.checked, "bad": len(self.bad), "by_kind": kinds,
-                "bad_keys": dict(sorted(self.bad.items())), "deleted": self.deleted,
-                "to_delete": self.to_delete, "dry_run": self.dry_run,
-                "delete_refused": self.refused}  # fmt: skip
+        return {
+            "checked": self.checked,
+            "bad": len(self.bad),
+            "by_kind": kinds,
+            "bad_keys": dict(sorted(self.bad.items())),
+            "deleted": self.deleted,
+            "to_delete": self.to_delete,
+            "dry_run": self.dry_run,
+            "delete_refused": self.refused,
+        }
 
 
 def verify(
@@ -643,7 +596,6 @@ def verify(
     sample: int | None = None,
     delete_bad: bool = False,
     dry_run: bool = False,
-    lister: Lister | None = None,
     seed: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
@@ -660,13 +612,11 @@ def verify(
     ``signer`` lacks that key: it cannot be checked."""
     import random
 
-    lister = lister if lister is not None else lister_for(tier)
     objs = []
-    for n, o in enumerate(lister.objects(), 1):
+    for n, o in enumerate(_listed(tier), 1):
         if progress is not None and n % 1000 == 0:
             progress(n)
-        if parse_object_key(o.key) is not None:
-            objs.append(o)
+        objs.append(o)
     if sample is not None and sample < len(objs):
         objs = random.Random(seed).sample(objs, sample)
     report = VerifyReport(dry_run=dry_run)
@@ -685,10 +635,11 @@ def verify(
                 "key is not corruption, so nothing was deleted"
             )
             return report
-        report.to_delete = sorted(k for k, kind in report.bad.items()
-                                  if kind in CORRUPT_KINDS and not _is_bookkeeping(k))  # fmt: skip
+        report.to_delete = sorted(
+            k for k, kind in report.bad.items() if kind in CORRUPT_KINDS and not _is_bookkeeping(k)
+        )
         if not dry_run:
-            lister.delete(report.to_delete)
+            tier.delete_many(report.to_delete)
             report.deleted = len(report.to_delete)
     return report
 
@@ -709,9 +660,11 @@ def _missing_key(header: dict[str, Any], signer: codec.Signer | None) -> str | N
         missing.append(("signed", "hmac_key_env or hmac_key_file"))
     if not missing:
         return None
-    return (f"the tier's objects are {' and '.join(m[0] for m in missing)}, and the key to "
-            f"check that was not given ({'; '.join(m[1] for m in missing)}): pass the "
-            "engines' config with --config and its key variables; nothing was deleted")
+    return (
+        f"the tier's objects are {' and '.join(m[0] for m in missing)}, and the key to "
+        f"check that was not given ({'; '.join(m[1] for m in missing)}): pass the "
+        "engines' config with --config and its key variables; nothing was deleted"
+    )
 
 
 def _check(tier: ObjectTier, obj: StoredObject, signer: codec.Signer | None) -> str | None:
@@ -735,8 +688,7 @@ def _check(tier: ObjectTier, obj: StoredObject, signer: codec.Signer | None) -> 
         dtype = MANIFEST_DTYPE if obj.key.endswith("/" + MANIFEST) else None
         if dtype is None and header.get("dtype") == MANIFEST_DTYPE:
             raise CodecError("a manifest stored under a chunk's key")
-        codec.decode(bytearray(blob), key=obj.key, dtype=dtype, signer=signer, out=out,
-                     lossy=True)  # fmt: skip
+        codec.decode(bytearray(blob), key=obj.key, dtype=dtype, signer=signer, out=out, lossy=True)
     except CodecError as exc:
         return exc.kind
     except TierError as exc:
@@ -756,4 +708,3 @@ def progress_printer(stream: Any = None) -> Callable[[int], None] | None:
         out.flush()
 
     return show
-

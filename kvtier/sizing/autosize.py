@@ -63,8 +63,9 @@ def cgroup_available_bytes(
     """
     v1_path, v2_path = _own_cgroup_paths(proc_cgroup)
     if v1_path is not None and os.path.isdir(os.path.join(root, "memory")):
-        return _walk(os.path.join(root, "memory"), v1_path,
-                     "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+        return _walk(
+            os.path.join(root, "memory"), v1_path, "memory.limit_in_bytes", "memory.usage_in_bytes"
+        )
     if v2_path is not None or os.path.exists(os.path.join(root, "memory.max")):
         got = _walk(root, v2_path or "/", "memory.max", "memory.current")
         if got is not None or v2_path is not None:
@@ -72,8 +73,9 @@ def cgroup_available_bytes(
     # no /proc/self/cgroup (or nothing at its path): the mount roots, v2 then v1
     got = _walk(root, "/", "memory.max", "memory.current")
     if got is None:
-        got = _walk(os.path.join(root, "memory"), "/",
-                    "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+        got = _walk(
+            os.path.join(root, "memory"), "/", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        )
     return got
 
 
@@ -200,11 +202,17 @@ class HostPlan:
         return max(0, self.largest_total) // max(1, self.workers)
 
     def text(self) -> str:
-        vllm = (f" - vLLM's own host memory {format_size(self.vllm)} ({self.vllm_how})"
-                if self.vllm or self.vllm_how else "")
+        vllm = (
+            f" - vLLM's own host memory {format_size(self.vllm)} ({self.vllm_how})"
+            if self.vllm or self.vllm_how
+            else ""
+        )
         pinned = ", pinned" if self.pinned and self.offload else ""
-        per = f"; {format_size(self.largest_per_worker)} per worker x {self.workers}" \
-            if self.workers > 1 else ""
+        per = (
+            f"; {format_size(self.largest_per_worker)} per worker x {self.workers}"
+            if self.workers > 1
+            else ""
+        )
         return (
             f"plan: available host memory {format_size(self.available)} - weight offload "
             f"host bytes {format_size(self.offload)} ({self.offload_how}{pinned}){vllm} - "
@@ -222,10 +230,12 @@ class HostPlan:
         if isinstance(cpu_bytes, str) and cpu_bytes.strip().lower() == "auto":
             if self.largest_per_worker <= 0:
                 raise ConfigError(
-                    "cpu_bytes", shown, f"no host memory left for the host tier; {self.text()}. "
+                    "cpu_bytes",
+                    shown,
+                    f"no host memory left for the host tier; {self.text()}. "
                     "Lower cpu_headroom_bytes, --cpu-offload-gb or vLLM's own KV cache "
                     "(VLLM_CPU_KVCACHE_SPACE on the CPU build), or add memory.",
-                )  # fmt: skip
+                )
             return self.largest_per_worker
         value = parse_size("cpu_bytes", cpu_bytes)
         if value * self.workers > max(0, self.largest_total):
@@ -234,7 +244,10 @@ class HostPlan:
 
 
 def vllm_cpu_host_bytes(
-    kv_space_bytes: int | None, weight_bytes: int | None, *, total_memory: int,
+    kv_space_bytes: int | None,
+    weight_bytes: int | None,
+    *,
+    total_memory: int,
     memory_utilization: float,
 ) -> tuple[int, str]:
     """Host memory one worker of vLLM's CPU build takes for itself, and how it was counted.
@@ -282,9 +295,15 @@ def host_plan(
         cpu_offload_gb, offload_params, pin=pin, model_dir=model_dir
     )
     return HostPlan(
-        available=available, headroom=headroom_bytes, offload=offload, offload_how=how,
-        pinned=pin, vllm=vllm_host_bytes, vllm_how=vllm_host_how, workers=max(1, workers),
-    )  # fmt: skip
+        available=available,
+        headroom=headroom_bytes,
+        offload=offload,
+        offload_how=how,
+        pinned=pin,
+        vllm=vllm_host_bytes,
+        vllm_how=vllm_host_how,
+        workers=max(1, workers),
+    )
 
 
 def resolve_cpu_bytes(
@@ -304,10 +323,13 @@ def resolve_cpu_bytes(
     ``disable_pin_memory`` None reads VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY as vLLM does.
     """
     plan = host_plan(
-        headroom_bytes=headroom_bytes, cpu_offload_gb=cpu_offload_gb,
-        offload_params=offload_params, disable_pin_memory=disable_pin_memory,
-        mem_available_bytes=mem_available_bytes, model_dir=model_dir,
-    )  # fmt: skip
+        headroom_bytes=headroom_bytes,
+        cpu_offload_gb=cpu_offload_gb,
+        offload_params=offload_params,
+        disable_pin_memory=disable_pin_memory,
+        mem_available_bytes=mem_available_bytes,
+        model_dir=model_dir,
+    )
     return plan.check(requested)
 
 

@@ -47,7 +47,8 @@ LOSSLESS_SOURCE = (
     "random-weight test model, 0.705 on synthetic KV; the larger is used; no trained "
     "model measured); pass --compression-ratio with your own "
     "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "
-    "(direction=\"write\")")
+    '(direction="write")'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +96,10 @@ class ObjectCompression:
 def check_ratio(value: float) -> str | None:
     """Why ``--compression-ratio`` cannot be ``value``, or None."""
     if not math.isfinite(value) or not 0 < value <= 1:
-        return (f"--compression-ratio {value:g}: must be stored / raw, greater than 0 and at "
-                "most 1 (a chunk that would not shrink is stored raw)")
+        return (
+            f"--compression-ratio {value:g}: must be stored / raw, greater than 0 and at "
+            "most 1 (a chunk that would not shrink is stored raw)"
+        )
     return None
 
 
@@ -109,30 +112,47 @@ def resolve(setting: str, itemsize: int, ratio: float | None = None) -> ObjectCo
         if setting not in ("lossless", "auto"):
             raise ValueError(
                 f"--compression-ratio applies to --compression lossless or auto only; {setting}'s "
-                "size " + ("follows from its format" if setting == "fp8" else "is the raw KV"))
+                "size " + ("follows from its format" if setting == "fp8" else "is the raw KV")
+            )
         if err := check_ratio(ratio):
             raise ValueError(err)
     if setting == "none":
         return ObjectCompression("none", itemsize)
     if setting == "fp8":
         if itemsize == 2:
-            src = (f"exact: fp8 e4m3, 1 byte per value + {FP8_SCALE_BYTES} bytes per "
-                   f"{FP8_BLOCK} values + an {FP8_HEADER_BYTES}-byte header per object")
+            src = (
+                f"exact: fp8 e4m3, 1 byte per value + {FP8_SCALE_BYTES} bytes per "
+                f"{FP8_BLOCK} values + an {FP8_HEADER_BYTES}-byte header per object"
+            )
         else:
-            src = (f"KV of {itemsize} bytes per value is stored as it is (fp8 converts "
-                   "bf16/fp16 KV only)")
+            src = (
+                f"KV of {itemsize} bytes per value is stored as it is (fp8 converts "
+                "bf16/fp16 KV only)"
+            )
         return ObjectCompression("fp8", itemsize, source=src)
     if ratio is not None:
         return ObjectCompression(setting, itemsize, ratio, "--compression-ratio")
     if setting == "auto":
-        return ObjectCompression("auto", itemsize, 1.0, (
-            "auto stores a chunk compressed only where the engine measured its reads faster "
-            "so: sized raw, the most it can take; pass --compression-ratio with a running "
-            "tier's kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "
-            "(direction=\"write\")"))
+        return ObjectCompression(
+            "auto",
+            itemsize,
+            1.0,
+            (
+                "auto stores a chunk compressed only where the engine measured its reads faster "
+                "so: sized raw, the most it can take; pass --compression-ratio with a running "
+                "tier's kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total "
+                '(direction="write")'
+            ),
+        )
     if itemsize == 2:
         return ObjectCompression("lossless", itemsize, LOSSLESS_RATIO, LOSSLESS_SOURCE)
-    return ObjectCompression("lossless", itemsize, 1.0, (
-        f"not measured for KV of {itemsize} bytes per value: sized raw; pass "
-        "--compression-ratio with your own kvtier:compress_stored_bytes_total / "
-        "kvtier:compress_raw_bytes_total (direction=\"write\")"))
+    return ObjectCompression(
+        "lossless",
+        itemsize,
+        1.0,
+        (
+            f"not measured for KV of {itemsize} bytes per value: sized raw; pass "
+            "--compression-ratio with your own kvtier:compress_stored_bytes_total / "
+            'kvtier:compress_raw_bytes_total (direction="write")'
+        ),
+    )

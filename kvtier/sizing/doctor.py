@@ -47,15 +47,15 @@ _KVTIER_CONFIG = re.compile(r"kvtier config: (\{.*\})\s*$")
 _KVTIER_ERROR = re.compile(r"(kvtier config(?: (?:'[^']*'|<[^>]*>|\S+): got |: unknown key ).*)$")
 #: what pydantic appends to the error it wraps: "[type=value_error, input_value=...]"
 _PYDANTIC_TAIL = re.compile(r" \[type=\w+.*$")
-#: kvtier's startup warning (connectors/shutdown.py) that vLLM's stop cuts its flush short
+#: kvtier's startup warning (connectors/worker/shutdown.py) that vLLM's stop cuts its flush short
 _KVTIER_SHUTDOWN = re.compile(r"kvtier: (vLLM's .* object-tier writes still queued .*)$")
-#: kvtier's warning (connectors/lookup.py SLOW_TIER_MSG) that the object tier is slower
+#: kvtier's warning (connectors/scheduler/lookup.py SLOW_TIER_MSG) that the object tier is slower
 #: than this engine's prefill
 _SLOW_TIER = re.compile(r"kvtier: (the object tier reads .* slower than computing them.*)$")
 #: kvtier's refusal of recurrent state held in another mode (connectors/groups.py)
 _STATE_MODE = re.compile(r"Mamba/SSM state.*mamba_cache_mode \[([^\]]*)\]")
 #: kvtier's once-logged warning that a chunk with recurrent state was not stored
-#: (connectors/plans.py STATE_STEP_HINT)
+#: (connectors/scheduler/plans.py STATE_STEP_HINT)
 _STATE_STEP = re.compile(
     r"kvtier: chunk \d+ of a request with recurrent state .* ends at token (\d+), but the "
     r"step that completed it ran on to token (\d+)"
@@ -211,16 +211,37 @@ def safe_error(line: str) -> str:
 def parse_log(lines: Iterable[str]) -> dict[str, Any]:
     """Everything the doctor reads from a log, as facts (no judgement yet)."""
     facts: dict[str, Any] = {
-        "vllm_version": None, "v2_model_runner": False, "offloader": None, "args": {},
-        "uva_offloaded_gib": None, "prefetch": None, "model_loading_gib": None,
-        "available_kv_cache_gib": None, "kv_cache_pool": None, "kv_cache_tokens": None,
-        "max_model_len": None, "max_concurrency": None, "connector": None,
-        "kvtier_config": None, "kvtier_errors": [], "python_warnings": [],
-        "offload_validation_error": None, "kvtier_shutdown": None, "slow_tier": None,
-        "host_oom": [], "gpu_oom": [], "died": [], "exit_codes": [], "sigkill": False,
-        "worker_error": False, "vllm_lines": 0, "state_mode": None, "state_step": None,
-        "started": False, "startup_failure": None,
-    }  # fmt: skip
+        "vllm_version": None,
+        "v2_model_runner": False,
+        "offloader": None,
+        "args": {},
+        "uva_offloaded_gib": None,
+        "prefetch": None,
+        "model_loading_gib": None,
+        "available_kv_cache_gib": None,
+        "kv_cache_pool": None,
+        "kv_cache_tokens": None,
+        "max_model_len": None,
+        "max_concurrency": None,
+        "connector": None,
+        "kvtier_config": None,
+        "kvtier_errors": [],
+        "python_warnings": [],
+        "offload_validation_error": None,
+        "kvtier_shutdown": None,
+        "slow_tier": None,
+        "host_oom": [],
+        "gpu_oom": [],
+        "died": [],
+        "exit_codes": [],
+        "sigkill": False,
+        "worker_error": False,
+        "vllm_lines": 0,
+        "state_mode": None,
+        "state_step": None,
+        "started": False,
+        "startup_failure": None,
+    }
     startup = _Startup()
     for line in lines:
         line = line.rstrip("\n")
@@ -283,9 +304,9 @@ def parse_log(lines: Iterable[str]) -> dict[str, Any]:
             facts["kvtier_shutdown"] = m.group(1)
         if m := _SLOW_TIER.search(line):
             facts["slow_tier"] = m.group(1)  # the last one: the tier as it was last seen
-        if (m := _KVTIER_ERROR.search(line)) and (
-            err := kvtier_error(m.group(1))
-        ) not in facts["kvtier_errors"]:  # logged by kvtier, then quoted by vLLM
+        if (m := _KVTIER_ERROR.search(line)) and (err := kvtier_error(m.group(1))) not in facts[
+            "kvtier_errors"
+        ]:  # logged by kvtier, then quoted by vLLM
             facts["kvtier_errors"].append(err)
         for marker in (_BOTH_SET, _UVA_IGNORED, _PREFETCH_IGNORED):
             if marker in line and marker not in facts["python_warnings"]:
@@ -380,8 +401,15 @@ def _safe_cause(line: str) -> str:
 def read_anything(facts: dict[str, Any]) -> bool:
     """Whether the input was a log the doctor can speak about: some line in vLLM's log
     form, or a memory or process error (a container's output without vLLM's logger)."""
-    return bool(facts["vllm_lines"] or facts["host_oom"] or facts["gpu_oom"] or facts["died"]
-                or facts["sigkill"] or facts["kvtier_errors"] or facts["vllm_version"])
+    return bool(
+        facts["vllm_lines"]
+        or facts["host_oom"]
+        or facts["gpu_oom"]
+        or facts["died"]
+        or facts["sigkill"]
+        or facts["kvtier_errors"]
+        or facts["vllm_version"]
+    )
 
 
 def read_proc_status(pid: int) -> dict[str, int]:
@@ -409,82 +437,159 @@ def diagnose(facts: dict[str, Any]) -> list[dict[str, str]]:
     version = parse_version(facts["vllm_version"])
 
     if _BOTH_SET in facts["python_warnings"] or (backend == "auto" and gb > 0 and group > 0):
-        w.append(warning("uva-discarded-by-prefetch", (
-            f"--cpu-offload-gb {gb:g} was discarded: --offload-group-size {group} selects the "
-            "prefetch backend, and vLLM said so only through a Python warning.")))
+        w.append(
+            warning(
+                "uva-discarded-by-prefetch",
+                (
+                    f"--cpu-offload-gb {gb:g} was discarded: --offload-group-size {group} selects "
+                    "the prefetch backend, and vLLM said so only through a Python warning."
+                ),
+            )
+        )
     if _UVA_IGNORED in facts["python_warnings"]:
-        w.append(warning("uva-discarded-by-prefetch",
-                         "--offload-backend prefetch ignored the UVA (--cpu-offload-gb) fields."))
+        w.append(
+            warning(
+                "uva-discarded-by-prefetch",
+                "--offload-backend prefetch ignored the UVA (--cpu-offload-gb) fields.",
+            )
+        )
     if _PREFETCH_IGNORED in facts["python_warnings"]:
-        w.append(warning("prefetch-ignored-by-uva",
-                         "--offload-backend uva ignored the prefetch fields."))
+        w.append(
+            warning("prefetch-ignored-by-uva", "--offload-backend uva ignored the prefetch fields.")
+        )
     if err := facts["offload_validation_error"]:
         code = "prefetch-without-group-size" if err[1] == 0 else "prefetch-invalid"
-        w.append(warning(code, (
-            f"vLLM refused the offload config: offload_num_in_group ({err[0]}) must be <= "
-            f"offload_group_size ({err[1]})" + ("; --offload-backend prefetch needs "
-            "--offload-group-size" if err[1] == 0 else "") + ".")))
+        w.append(
+            warning(
+                code,
+                (
+                    f"vLLM refused the offload config: offload_num_in_group ({err[0]}) must be <= "
+                    f"offload_group_size ({err[1]})"
+                    + (
+                        "; --offload-backend prefetch needs --offload-group-size"
+                        if err[1] == 0
+                        else ""
+                    )
+                    + "."
+                ),
+            )
+        )
     if requested and not applied and facts["offload_validation_error"] is None:
         old = version is not None and version[:2] < OLDEST_OFFLOAD_SAFE_VLLM
         if old:
-            w.append(warning("offload-ignored-old-vllm", (
-                f"weight offload was requested but vLLM {facts['vllm_version']} "
-                + ("runs the V2 model runner, which " if facts["v2_model_runner"] else "")
-                + "ignores it silently: all weights stayed on the GPU. Upgrade to >= 0.28.")))
+            w.append(
+                warning(
+                    "offload-ignored-old-vllm",
+                    (
+                        f"weight offload was requested but vLLM {facts['vllm_version']} "
+                        + ("runs the V2 model runner, which " if facts["v2_model_runner"] else "")
+                        + "ignores it silently: all weights stayed on the GPU. Upgrade to >= 0.28."
+                    ),
+                )
+            )
         else:
-            w.append(warning("offload-not-applied", (
-                "weight offload was requested but the log shows no offloader "
-                "(no 'Offloader set to ...' line); check the log covers engine start.")))
+            w.append(
+                warning(
+                    "offload-not-applied",
+                    (
+                        "weight offload was requested but the log shows no offloader "
+                        "(no 'Offloader set to ...' line); check the log covers engine start."
+                    ),
+                )
+            )
     if facts["offloader"] == "UVAOffloader" or (applied and gb > 0 and group == 0):
         if args.get("offload_params"):
-            w.append(warning("offload-params-ignored", (
-                f"offload_params {args['offload_params']} is read only by the prefetch backend; "
-                "UVA used cpu_offload_params "
-                f"{args.get('cpu_offload_params') or '(none: everything eligible)'}.")))
+            w.append(
+                warning(
+                    "offload-params-ignored",
+                    (
+                        f"offload_params {args['offload_params']} is read only by the prefetch "
+                        "backend; UVA used cpu_offload_params "
+                        f"{args.get('cpu_offload_params') or '(none: everything eligible)'}."
+                    ),
+                )
+            )
         if facts["uva_offloaded_gib"] is None:
             sel = args.get("cpu_offload_params")
-            w.append(warning("selector-matches-nothing", (
-                f"the UVA offloader was set but offloaded nothing; selectors {sel} match no "
-                "parameter name (matched as '.sel.' inside names relative to a decoder layer, "
-                "e.g. 'experts', 'self_attn', not 'layers.0' or 'model.layers...').")))
+            w.append(
+                warning(
+                    "selector-matches-nothing",
+                    (
+                        f"the UVA offloader was set but offloaded nothing; selectors {sel} match "
+                        "no parameter name (matched as '.sel.' inside names relative to a decoder "
+                        "layer, e.g. 'experts', 'self_attn', not 'layers.0' or 'model.layers...')."
+                    ),
+                )
+            )
         elif gb > 0 and facts["uva_offloaded_gib"] < gb - 0.01:
-            w.append(warning("cpu-offload-gb-not-kv", (
-                f"--cpu-offload-gb {gb:g} but vLLM offloaded {facts['uva_offloaded_gib']} GiB: "
-                "the rest of the budget does nothing. It moves weights only, never KV cache.")))
+            w.append(
+                warning(
+                    "cpu-offload-gb-not-kv",
+                    (
+                        f"--cpu-offload-gb {gb:g} but vLLM offloaded {facts['uva_offloaded_gib']} "
+                        "GiB: the rest of the budget does nothing. It moves weights only, never KV "
+                        "cache."
+                    ),
+                )
+            )
     if args.get("kv_connector") == "KVTierConnector" and (
         args.get("kv_load_failure_policy") == "fail"
     ):
-        w.append(warning("kv-load-failure-fails-requests", (
-            "kv_load_failure_policy is 'fail' (vLLM's default): a chunk that fails to load "
-            "(a host-tier copy error, a chunk spoiled after its lookup) fails its request "
-            "instead of being recomputed, and a local directory tier's lookups take an engine "
-            "step of their own. Add \"kv_load_failure_policy\": \"recompute\" to "
-            "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it).")))
+        w.append(
+            warning(
+                "kv-load-failure-fails-requests",
+                (
+                    "kv_load_failure_policy is 'fail' (vLLM's default): a chunk that fails to load "
+                    "(a host-tier copy error, a chunk spoiled after its lookup) fails its request "
+                    "instead of being recomputed, and a local directory tier's lookups take an "
+                    'engine step of their own. Add "kv_load_failure_policy": "recompute" to '
+                    "--kv-transfer-config (`kvtier size --emit kv-transfer-config` prints it)."
+                ),
+            )
+        )
     if facts["state_mode"] is not None:
-        w.append(warning("state-needs-align-mode", (
-            f"the model has recurrent state (Mamba/SSM, gated delta-net), held with "
-            f"mamba_cache_mode {facts['state_mode']}: vLLM keeps a state at every block "
-            "boundary only with --mamba-cache-mode align, and kvtier stores the state at each "
-            "chunk's end. Add --enable-prefix-caching --mamba-cache-mode align, and chunked "
-            "prefill with --max-num-batched-tokens equal to vLLM's block size "
-            "(`kvtier size --emit vllm-args` prints them).")))
+        w.append(
+            warning(
+                "state-needs-align-mode",
+                (
+                    "the model has recurrent state (Mamba/SSM, gated delta-net), held with "
+                    f"mamba_cache_mode {facts['state_mode']}: vLLM keeps a state at every block "
+                    "boundary only with --mamba-cache-mode align, and kvtier stores the state at "
+                    "each chunk's end. Add --enable-prefix-caching --mamba-cache-mode align, and "
+                    "chunked prefill with --max-num-batched-tokens equal to vLLM's block size "
+                    "(`kvtier size --emit vllm-args` prints them)."
+                ),
+            )
+        )
     if facts["state_step"] is not None:
         end, ran = facts["state_step"]
-        w.append(warning("state-chunks-not-stored", (
-            f"a chunk ending at token {end} was not stored: the prefill step that completed "
-            f"it ran on to token {ran}, and the state at the chunk's end was not kept. Every "
-            "chunk end must end a prefill step: --enable-chunked-prefill "
-            "--max-num-batched-tokens equal to vLLM's block size (logged as 'kv lcm block "
-            "sizes'; vLLM's CPU build needs it for these models anyway) or to chunk_size.")))
+        w.append(
+            warning(
+                "state-chunks-not-stored",
+                (
+                    f"a chunk ending at token {end} was not stored: the prefill step that "
+                    f"completed it ran on to token {ran}, and the state at the chunk's end was not "
+                    "kept. Every chunk end must end a prefill step: --enable-chunked-prefill "
+                    "--max-num-batched-tokens equal to vLLM's block size (logged as 'kv lcm block "
+                    "sizes'; vLLM's CPU build needs it for these models anyway) or to chunk_size."
+                ),
+            )
+        )
     if facts["kvtier_shutdown"]:
         w.append(warning("shutdown-loses-queued-writes", facts["kvtier_shutdown"]))
     if facts["slow_tier"]:
         w.append(warning("tier-slower-than-prefill", facts["slow_tier"]))
     w += _memory_warnings(facts)
     if facts["offloader"] == "PrefetchOffloader" and args.get("cpu_offload_params"):
-        w.append(warning("offload-params-ignored", (
-            f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; prefetch "
-            "reads offload_params.")))
+        w.append(
+            warning(
+                "offload-params-ignored",
+                (
+                    f"cpu_offload_params {args['cpu_offload_params']} is read only by UVA; "
+                    "prefetch reads offload_params."
+                ),
+            )
+        )
     return w
 
 
@@ -496,33 +601,62 @@ def _memory_warnings(facts: dict[str, Any]) -> list[dict[str, str]]:
         "Host RAM must hold vLLM itself, its CPU KV cache (VLLM_CPU_KVCACHE_SPACE on the CPU "
         "build) and kvtier's host tier (cpu_bytes per worker, plus cpu_headroom_bytes): lower "
         "cpu_bytes or VLLM_CPU_KVCACHE_SPACE, or run `kvtier size --host-memory GiB` for a "
-        "plan that fits.")
+        "plan that fits."
+    )
     if facts["host_oom"]:
-        w.append(warning("host-out-of-memory", (
-            f"the host ran out of memory: {facts['host_oom'][0]!r}. " + host_hint)))
+        w.append(
+            warning(
+                "host-out-of-memory",
+                (f"the host ran out of memory: {facts['host_oom'][0]!r}. " + host_hint),
+            )
+        )
     if facts["gpu_oom"]:
-        w.append(warning("gpu-out-of-memory", (
-            f"the GPU ran out of memory: {facts['gpu_oom'][0]!r}. Lower "
-            "--gpu-memory-utilization, --max-model-len or --max-num-seqs, or offload weights "
-            "(`kvtier size` plans them).")))
+        w.append(
+            warning(
+                "gpu-out-of-memory",
+                (
+                    f"the GPU ran out of memory: {facts['gpu_oom'][0]!r}. Lower "
+                    "--gpu-memory-utilization, --max-model-len or --max-num-seqs, or offload "
+                    "weights (`kvtier size` plans them)."
+                ),
+            )
+        )
     codes = facts["exit_codes"]
     # -9 is SIGKILL; None: the process was gone before vLLM read its status, which is how a
     # SIGKILLed worker shows in vLLM 0.32, unless the worker logged an error of its own
-    killed = facts["sigkill"] or "-9" in codes or (
-        facts["died"] and not facts["worker_error"]
-        and any(c == "None" or c.startswith("-") for c in codes))
+    killed = (
+        facts["sigkill"]
+        or "-9" in codes
+        or (
+            facts["died"]
+            and not facts["worker_error"]
+            and any(c == "None" or c.startswith("-") for c in codes)
+        )
+    )
     if killed:
-        w.append(warning("worker-killed", (
-            f"a vLLM process was killed: {(facts['died'] or ['-'])[0]!r} (exit code "
-            f"{', '.join(dict.fromkeys(codes)) or 'not logged'}). Exit code -9 is SIGKILL, and "
-            "None a process gone before vLLM could read how it ended, with no error of its "
-            "own in the log: nothing in vLLM or kvtier kills its workers; the kernel's OOM "
-            "killer does when the host runs out of memory (see `dmesg`, or the container's "
-            "OOMKilled status). " + host_hint)))
+        w.append(
+            warning(
+                "worker-killed",
+                (
+                    f"a vLLM process was killed: {(facts['died'] or ['-'])[0]!r} (exit code "
+                    f"{', '.join(dict.fromkeys(codes)) or 'not logged'}). Exit code -9 is SIGKILL, "
+                    "and None a process gone before vLLM could read how it ended, with no error of "
+                    "its own in the log: nothing in vLLM or kvtier kills its workers; the kernel's "
+                    "OOM killer does when the host runs out of memory (see `dmesg`, or the "
+                    "container's OOMKilled status). " + host_hint
+                ),
+            )
+        )
     elif facts["died"]:
-        w.append(warning("worker-died", (
-            f"a vLLM process died: {facts['died'][0]!r}; the error logged before it is the "
-            "cause.")))
+        w.append(
+            warning(
+                "worker-died",
+                (
+                    f"a vLLM process died: {facts['died'][0]!r}; the error logged before it is the "
+                    "cause."
+                ),
+            )
+        )
     return w
 
 
@@ -546,15 +680,17 @@ def expected_host_bytes(facts: dict[str, Any], plan: dict[str, Any] | None) -> i
     """
     if plan is None:
         return None
-    slab = config_cpu_bytes(facts.get("kvtier_config") or facts["args"].get(
-        "kv_connector_extra_config"))
+    slab = config_cpu_bytes(
+        facts.get("kvtier_config") or facts["args"].get("kv_connector_extra_config")
+    )
     if slab is None:
         slab = plan["host_tier_bytes"] or 0
     return int(plan["weight_offload_host_bytes"]) + slab
 
 
-def report(facts: dict[str, Any], proc: dict[str, int] | None = None,
-           plan: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def report(
+    facts: dict[str, Any], proc: dict[str, int] | None = None, plan: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON the doctor prints: facts, converted sizes, process memory, plan, warnings."""
     out = dict(facts)
     gib = facts["uva_offloaded_gib"]
@@ -596,29 +732,50 @@ def format_report(rep: dict[str, Any]) -> str:
         row("version", rep["vllm_version"]),
         row("V2 model runner", "yes" if rep["v2_model_runner"] else "not logged"),
         row("offloader", rep["offloader"] or "none logged"),
-        row("requested (non-default args)", {k: v for k, v in rep["args"].items()
-                                             if k != "model"} or None),  # fmt: skip
-        row("UVA offloaded (vLLM prints GiB)",
-            None if gib is None else f"{gib} GiB = {rep['uva_offloaded_bytes'] / GB:.2f} GB"),
-    ]  # fmt: skip
+        row(
+            "requested (non-default args)",
+            {k: v for k, v in rep["args"].items() if k != "model"} or None,
+        ),
+        row(
+            "UVA offloaded (vLLM prints GiB)",
+            None if gib is None else f"{gib} GiB = {rep['uva_offloaded_bytes'] / GB:.2f} GB",
+        ),
+    ]
     if pf:
-        lines.append(row("prefetch saved (prints GB)",
-                         f"{pf['gpu_saved_gb']} GB = {pf['gpu_saved_gib']} GiB "
-                         f"({pf['modules']} layers)"))  # fmt: skip
+        lines.append(
+            row(
+                "prefetch saved (prints GB)",
+                f"{pf['gpu_saved_gb']} GB = {pf['gpu_saved_gib']} GiB ({pf['modules']} layers)",
+            )
+        )
         lines.append(row("prefetch buffer pool", f"{pf['buffer_pool_gb']} GB"))
     lines += [
-        row("model loading", None if rep["model_loading_gib"] is None
-            else f"{rep['model_loading_gib']} GiB"),
-        row("available KV cache", None if rep["available_kv_cache_gib"] is None
-            else f"{rep['available_kv_cache_gib']} GiB"),
-        row("KV cache capacity", None if rep["kv_cache_tokens"] is None
-            else f"{rep['kv_cache_tokens']:,} tokens ({rep['kv_cache_pool']})"),
-        row("max concurrency", None if rep["max_concurrency"] is None
-            else f"{rep['max_concurrency']}x at {rep['max_model_len']:,} tokens"),
+        row(
+            "model loading",
+            None if rep["model_loading_gib"] is None else f"{rep['model_loading_gib']} GiB",
+        ),
+        row(
+            "available KV cache",
+            None
+            if rep["available_kv_cache_gib"] is None
+            else f"{rep['available_kv_cache_gib']} GiB",
+        ),
+        row(
+            "KV cache capacity",
+            None
+            if rep["kv_cache_tokens"] is None
+            else f"{rep['kv_cache_tokens']:,} tokens ({rep['kv_cache_pool']})",
+        ),
+        row(
+            "max concurrency",
+            None
+            if rep["max_concurrency"] is None
+            else f"{rep['max_concurrency']}x at {rep['max_model_len']:,} tokens",
+        ),
         "kvtier",
         row("loaded", "yes" if rep["kvtier_loaded"] else "no"),
         row("config", rep["kvtier_config"]),
-    ]  # fmt: skip
+    ]
     for err in rep["kvtier_errors"]:
         lines.append(row("error", err))
     if rep["process"]:
@@ -631,17 +788,35 @@ def format_report(rep: dict[str, Any]) -> str:
         plan = rep["plan"]
         lines.append("plan")
         exp = rep["expected_host_bytes"]
-        lines.append(row("expected host bytes / worker", f"{exp / GiB:.2f} GiB "
-                         "(offloaded weights + kvtier slab)"))  # fmt: skip
+        lines.append(
+            row(
+                "expected host bytes / worker",
+                f"{exp / GiB:.2f} GiB (offloaded weights + kvtier slab)",
+            )
+        )
         if rep["process"] and "VmRSS" in rep["process"]:
             rss = rep["process"]["VmRSS"]
-            lines.append(row("VmRSS vs plan", f"{rss / GiB:.2f} GiB vs {exp / GiB:.2f} GiB "
-                             "(RSS also holds Python, CUDA context and untouched-slab effects)"))
+            lines.append(
+                row(
+                    "VmRSS vs plan",
+                    f"{rss / GiB:.2f} GiB vs {exp / GiB:.2f} GiB "
+                    "(RSS also holds Python, CUDA context and untouched-slab effects)",
+                )
+            )
         if gib is not None:
-            lines.append(row("logged vs planned UVA", f"{gib} GiB vs "
-                             f"{plan['weight_offload_gpu_bytes'] / GiB:.2f} GiB"))  # fmt: skip
-        lines.append(row("planned weight offload", f"{plan['weight_offload_gpu_bytes'] / GiB:.2f}"
-                         f" GiB off GPU, {plan['weight_offload_host_bytes'] / GiB:.2f} GiB host"))
+            lines.append(
+                row(
+                    "logged vs planned UVA",
+                    f"{gib} GiB vs {plan['weight_offload_gpu_bytes'] / GiB:.2f} GiB",
+                )
+            )
+        lines.append(
+            row(
+                "planned weight offload",
+                f"{plan['weight_offload_gpu_bytes'] / GiB:.2f}"
+                f" GiB off GPU, {plan['weight_offload_host_bytes'] / GiB:.2f} GiB host",
+            )
+        )
     lines.append("warnings" if rep["warnings"] else "warnings: none")
     for x in rep["warnings"]:
         lines.append(f"  [{x['code']}] {x['message']}")

@@ -69,14 +69,17 @@ def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 #: vLLM's ``kv_load_failure_policy`` for the configs kvtier emits: a chunk that fails to
 #: load is recomputed instead of failing its request (vLLM's default, ``fail``), and a
-#: local directory tier's lookups answer in their own step (``kvtier.connectors.one_step_lookups``)
+#: local directory tier's lookups answer in their own step
+#: (``kvtier.connectors.scheduler.one_step_lookups``)
 FAILURE_POLICY = "recompute"
 
 
 def kv_transfer_config(plan: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` object for a plan."""
-    return {**connector_config(extra_config(plan, **kwargs)),
-            "kv_load_failure_policy": FAILURE_POLICY}
+    return {
+        **connector_config(extra_config(plan, **kwargs)),
+        "kv_load_failure_policy": FAILURE_POLICY,
+    }
 
 
 def hybrid_flags(inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
@@ -86,8 +89,13 @@ def hybrid_flags(inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
     with) and the state dtypes when not auto. None for a model without state."""
     if not plan.get("state_layers"):
         return []
-    args = ["--enable-prefix-caching", "--mamba-cache-mode", "align",
-            "--block-size", str(plan["engine_block_size"])]
+    args = [
+        "--enable-prefix-caching",
+        "--mamba-cache-mode",
+        "align",
+        "--block-size",
+        str(plan["engine_block_size"]),
+    ]
     if inp.mamba_cache_dtype != "auto":
         args += ["--mamba-cache-dtype", inp.mamba_cache_dtype]
     if inp.mamba_ssm_cache_dtype != "auto":
@@ -172,8 +180,14 @@ def serve_command(model: str, build: VLLMBuild | None = None) -> list[str]:
     return ["vllm", "serve", model]
 
 
-def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, *,
-         vllm_build: VLLMBuild | None = None, **kwargs: Any) -> str:
+def emit(
+    fmt: str,
+    plan: dict[str, Any],
+    inp: PlanInputs,
+    *,
+    vllm_build: VLLMBuild | None = None,
+    **kwargs: Any,
+) -> str:
     """Render one ``--emit`` format (``vllm_build``: the build ``vllm-args`` starts;
     default the installed one, see :func:`serve_command`)."""
     ktc = kv_transfer_config(plan, **kwargs)
@@ -183,8 +197,9 @@ def emit(fmt: str, plan: dict[str, Any], inp: PlanInputs, *,
     if fmt == "vllm-args":
         env, stop = shutdown_flags(ktc["kv_connector_extra_config"])
         flags = vllm_flags(inp, plan) + stop + ["--kv-transfer-config", ktc_json]
-        return shlex.join([*(f"{k}={v}" for k, v in env.items()),
-                           *serve_command(inp.model, vllm_build), *flags])
+        return shlex.join(
+            [*(f"{k}={v}" for k, v in env.items()), *serve_command(inp.model, vllm_build), *flags]
+        )
     if fmt == "helm-values":
         return helm_values(plan, inp, ktc["kv_connector_extra_config"])
     if fmt == "lmcache-env":
@@ -215,7 +230,9 @@ def helm_values(plan: dict[str, Any], inp: PlanInputs, extra: dict[str, Any]) ->
     total = plan.get("host_bytes_total")
     if total is not None:
         mem = k8s_quantity(total)
-        lines += ["resources:", *memory_comment(plan, mem),
+        lines += [
+            "resources:",
+            *memory_comment(plan, mem),
             "  limits:",
             f"    memory: {q(mem)}",
             "  requests:",

@@ -31,9 +31,12 @@ def is_hub_id(model: str) -> bool:
     """Whether ``model`` names a hub repository rather than a local path: a path that
     exists always wins, as does one under a local directory (``models/x``), and a
     ``*.json`` name is a config file that is missing."""
-    return (not os.path.exists(model) and not model.endswith(".json")
-            and not os.path.isdir(model.split("/", 1)[0])
-            and _HUB_ID.match(model) is not None)  # fmt: skip
+    return (
+        not os.path.exists(model)
+        and not model.endswith(".json")
+        and not os.path.isdir(model.split("/", 1)[0])
+        and _HUB_ID.match(model) is not None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,8 @@ def fetch(model: str) -> HubModel:
         raise ModelConfigError(
             f"{model} looks like a hub id, and reading it needs huggingface_hub, which is not "
             "installed (pip install huggingface_hub; vLLM brings it): install it, or pass a "
-            "local model directory or config.json") from None
+            "local model directory or config.json"
+        ) from None
     repo_id, revision = split_revision(model)
     try:
         cfg_path = hub.hf_hub_download(repo_id, CONFIG, revision=revision)
@@ -74,20 +78,24 @@ def fetch(model: str) -> HubModel:
         raise ModelConfigError(
             f"{repo_id} is gated on the Hugging Face hub: accept its terms on "
             f"https://huggingface.co/{repo_id} and set HF_TOKEN to a token of that account, "
-            "or pass a local model directory") from None
+            "or pass a local model directory"
+        ) from None
     except errors.RepositoryNotFoundError:
         raise ModelConfigError(
             f"no model {repo_id} on the Hugging Face hub (or it is private: set HF_TOKEN): "
-            "check the id, or pass a local model directory or config.json") from None
+            "check the id, or pass a local model directory or config.json"
+        ) from None
     except errors.RevisionNotFoundError:
         raise ModelConfigError(
             f"{repo_id} has no revision {revision!r} on the Hugging Face hub: check it, or "
-            "pass a local model directory or config.json") from None
+            "pass a local model directory or config.json"
+        ) from None
     except errors.EntryNotFoundError as e:
         if not isinstance(e, errors.LocalEntryNotFoundError):
             raise ModelConfigError(
                 f"{repo_id} has no config.json on the Hugging Face hub: pass a local model "
-                "directory or config.json") from None
+                "directory or config.json"
+            ) from None
         raise ModelConfigError(_not_cached(repo_id)) from None
     except errors.OfflineModeIsEnabled:
         raise ModelConfigError(_not_cached(repo_id)) from None
@@ -96,19 +104,23 @@ def fetch(model: str) -> HubModel:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelConfigError(
             f"cannot read {repo_id} from the Hugging Face hub ({first}): pass a local model "
-            "directory or config.json") from None
+            "directory or config.json"
+        ) from None
     directory = os.path.dirname(cfg_path)
-    return HubModel(repo_id, revision, directory,
-                    _checkpoint_bytes(hub, repo_id, revision, directory))  # fmt: skip
+    return HubModel(
+        repo_id, revision, directory, _checkpoint_bytes(hub, repo_id, revision, directory)
+    )
 
 
 def _not_cached(repo_id: str) -> str:
     """The error line when the hub cannot be asked and the cache lacks the model."""
-    why = ("HF_HUB_OFFLINE is set" if _offline() else "the Hugging Face hub cannot be reached")
-    return (f"{repo_id}: {why} and its config.json is not in the hub cache "
-            f"({_cache_dir()}): go online once (kvtier size then caches config.json and the "
-            "safetensors index, never weights), set HF_TOKEN if the model is gated, or pass a "
-            "local model directory or config.json")
+    why = "HF_HUB_OFFLINE is set" if _offline() else "the Hugging Face hub cannot be reached"
+    return (
+        f"{repo_id}: {why} and its config.json is not in the hub cache "
+        f"({_cache_dir()}): go online once (kvtier size then caches config.json and the "
+        "safetensors index, never weights), set HF_TOKEN if the model is gated, or pass a "
+        "local model directory or config.json"
+    )
 
 
 def _offline() -> bool:
@@ -124,8 +136,7 @@ def _cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def _checkpoint_bytes(hub: Any, repo_id: str, revision: str | None,
-                      directory: str) -> int | None:
+def _checkpoint_bytes(hub: Any, repo_id: str, revision: str | None, directory: str) -> int | None:
     """The index's total_size; without an index, a single file's size (online only).
     Best effort: config.json alone sizes the plan, so a failure here costs one figure."""
     index: str | None = os.path.join(directory, INDEX)

@@ -68,8 +68,9 @@ CODES: dict[str, str] = {
 def warning(code: str, message: str) -> dict[str, str]:
     """One warning as it appears in JSON: a stable code and a sentence with the numbers."""
     if code not in CODES:
-        raise ValueError(f"warning code {code!r} is not one of CODES; add it there with "
-                         "its meaning")
+        raise ValueError(
+            f"warning code {code!r} is not one of CODES; add it there with its meaning"
+        )
     return {"code": code, "message": message}
 
 
@@ -124,8 +125,17 @@ def parse_k8s_quantity(q: str | int) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|k|M|G|T)?\s*", q)
     if not m:
         raise ValueError(f"not a Kubernetes memory quantity: {q!r}")
-    mult = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[m.group(2)]  # fmt: skip
+    mult = {
+        None: 1,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }[m.group(2)]
     return math.ceil(float(m.group(1)) * mult)
 
 
@@ -175,44 +185,82 @@ class PlanInputs:
     environ: Mapping[str, str] | None = field(default=None, repr=False)
 
 
-def _offload(inp: PlanInputs, weights: Weights, pin: bool,
-             warns: list[dict[str, str]]) -> off.OffloadResult:
+def _offload(
+    inp: PlanInputs, weights: Weights, pin: bool, warns: list[dict[str, str]]
+) -> off.OffloadResult:
     """Pick the backend as vLLM does and replay it; flag every way it silently misbehaves."""
     backend = off.select_backend(inp.offload_backend, inp.cpu_offload_gb, inp.offload_group_size)
     uva_set, pf_set = inp.cpu_offload_gb > 0, inp.offload_group_size > 0
     if inp.offload_backend == "auto" and uva_set and pf_set:
-        warns.append(warning("uva-discarded-by-prefetch", (
-            f"--cpu-offload-gb {inp.cpu_offload_gb:g} and --offload-group-size "
-            f"{inp.offload_group_size} are both set: vLLM picks prefetch and drops the "
-            "GB budget with only a Python warning. Set one of them (or --offload-backend).")))
+        warns.append(
+            warning(
+                "uva-discarded-by-prefetch",
+                (
+                    f"--cpu-offload-gb {inp.cpu_offload_gb:g} and --offload-group-size "
+                    f"{inp.offload_group_size} are both set: vLLM picks prefetch and drops the "
+                    "GB budget with only a Python warning. Set one of them (or --offload-backend)."
+                ),
+            )
+        )
     elif inp.offload_backend == "prefetch" and uva_set:
-        warns.append(warning("uva-discarded-by-prefetch", (
-            f"--offload-backend prefetch ignores --cpu-offload-gb {inp.cpu_offload_gb:g}.")))
+        warns.append(
+            warning(
+                "uva-discarded-by-prefetch",
+                (f"--offload-backend prefetch ignores --cpu-offload-gb {inp.cpu_offload_gb:g}."),
+            )
+        )
     elif inp.offload_backend == "uva" and pf_set:
-        warns.append(warning("prefetch-ignored-by-uva", (
-            "--offload-backend uva ignores --offload-group-size/--offload-num-in-group.")))
+        warns.append(
+            warning(
+                "prefetch-ignored-by-uva",
+                ("--offload-backend uva ignores --offload-group-size/--offload-num-in-group."),
+            )
+        )
     if backend == "uva" and inp.offload_params:
-        warns.append(warning("offload-params-ignored", (
-            f"offload_params {sorted(inp.offload_params)} belongs to the prefetch backend; "
-            "UVA (--cpu-offload-gb) never reads it. Use --cpu-offload-params "
-            "(LLM(cpu_offload_params=...)).")))
+        warns.append(
+            warning(
+                "offload-params-ignored",
+                (
+                    f"offload_params {sorted(inp.offload_params)} belongs to the prefetch backend; "
+                    "UVA (--cpu-offload-gb) never reads it. Use --cpu-offload-params "
+                    "(LLM(cpu_offload_params=...))."
+                ),
+            )
+        )
     if backend == "prefetch" and inp.cpu_offload_params:
-        warns.append(warning("offload-params-ignored", (
-            f"cpu_offload_params {sorted(inp.cpu_offload_params)} belongs to UVA; the prefetch "
-            "backend reads --offload-params (LLM(offload_params=...)).")))
+        warns.append(
+            warning(
+                "offload-params-ignored",
+                (
+                    f"cpu_offload_params {sorted(inp.cpu_offload_params)} belongs to UVA; the "
+                    "prefetch backend reads --offload-params (LLM(offload_params=...))."
+                ),
+            )
+        )
     if backend == "none":
         return off.no_offload()
     if backend == "prefetch":
         if inp.offload_group_size <= 0:
-            warns.append(warning("prefetch-without-group-size", (
-                "--offload-backend prefetch without --offload-group-size fails vLLM's config "
-                f"validation (offload_num_in_group ({inp.offload_num_in_group}) must be <= "
-                "offload_group_size (0)); the engine does not start.")))
+            warns.append(
+                warning(
+                    "prefetch-without-group-size",
+                    (
+                        "--offload-backend prefetch without --offload-group-size fails vLLM's "
+                        f"config validation (offload_num_in_group ({inp.offload_num_in_group}) "
+                        "must be <= offload_group_size (0)); the engine does not start."
+                    ),
+                )
+            )
             return off.no_offload()
         try:
             result = off.prefetch_offload(
-                weights, inp.offload_group_size, inp.offload_num_in_group,
-                inp.offload_prefetch_step, inp.offload_params, pin=pin)  # fmt: skip
+                weights,
+                inp.offload_group_size,
+                inp.offload_num_in_group,
+                inp.offload_prefetch_step,
+                inp.offload_params,
+                pin=pin,
+            )
         except ValueError as e:
             warns.append(warning("prefetch-invalid", f"{e}; vLLM refuses to start."))
             return off.no_offload()
@@ -222,27 +270,48 @@ def _offload(inp: PlanInputs, weights: Weights, pin: bool,
         selectors = inp.cpu_offload_params
         unspent = result.budget_bytes - result.gpu_bytes
         if unspent > 0 and result.gpu_bytes > 0:  # nothing moved at all: a selector problem
-            warns.append(warning("cpu-offload-gb-not-kv", (
-                f"--cpu-offload-gb {inp.cpu_offload_gb:g} asks for {gib(result.budget_bytes)} but "
-                f"only {gib(result.gpu_bytes)} of decoder-layer weights can move; the other "
-                f"{gib(unspent)} does nothing. It moves weights only, never KV cache: the KV "
-                "host tier is kvtier's cpu_bytes.")))
+            warns.append(
+                warning(
+                    "cpu-offload-gb-not-kv",
+                    (
+                        f"--cpu-offload-gb {inp.cpu_offload_gb:g} asks for "
+                        f"{gib(result.budget_bytes)} but only {gib(result.gpu_bytes)} of "
+                        f"decoder-layer weights can move; the other {gib(unspent)} does nothing. "
+                        "It moves weights only, never KV cache: the KV host tier is kvtier's "
+                        "cpu_bytes."
+                    ),
+                )
+            )
     for sel in result.unmatched_selectors:
-        warns.append(warning("selector-matches-nothing", (
-            f"selector {sel!r} matches no parameter. It is matched literally as '.{sel}.' "
-            "inside a name relative to one decoder layer (e.g. 'self_attn.qkv_proj.weight', "
-            "'mlp.experts.w13_weight'): use segments like 'experts', 'self_attn', 'mlp'; "
-            "'layers.N', 'embed_tokens', 'lm_head' and full dotted paths match nothing.")))
+        warns.append(
+            warning(
+                "selector-matches-nothing",
+                (
+                    f"selector {sel!r} matches no parameter. It is matched literally as '.{sel}.' "
+                    "inside a name relative to one decoder layer (e.g. "
+                    "'self_attn.qkv_proj.weight', 'mlp.experts.w13_weight'): use segments like "
+                    "'experts', 'self_attn', 'mlp'; 'layers.N', 'embed_tokens', 'lm_head' and full "
+                    "dotted paths match nothing."
+                ),
+            )
+        )
     has_experts = any("experts" in t.name.split(".") for layer in weights.layers for t in layer)
     experts_selected = any("experts" in s.split(".") for s in selectors)
     moved_dense = [t for t in result.tensors if "experts" not in t.name.split(".")]
     if has_experts and not experts_selected and moved_dense:
         moved_experts = len(moved_dense) < len(result.tensors)
-        warns.append(warning("moe-no-experts-selector", (
-            "MoE model offloaded without an 'experts' selector: "
-            f"{gib(sum(t.rank_bytes for t in moved_dense))} of dense weights (read on every "
-            "token) move first" + ("" if moved_experts else " and no expert weights move")
-            + ". Add --cpu-offload-params experts.")))
+        warns.append(
+            warning(
+                "moe-no-experts-selector",
+                (
+                    "MoE model offloaded without an 'experts' selector: "
+                    f"{gib(sum(t.rank_bytes for t in moved_dense))} of dense weights (read on "
+                    "every token) move first"
+                    + ("" if moved_experts else " and no expert weights move")
+                    + ". Add --cpu-offload-params experts."
+                ),
+            )
+        )
     return result
 
 
@@ -274,9 +343,13 @@ def state_of(inp: PlanInputs, shape: ModelShape) -> tuple[StateSpec | None, int]
     """A hybrid model's state layer per rank (None without state) and the block size
     vLLM runs it with (:meth:`ModelShape.engine_state`)."""
     return shape.engine_state(
-        inp.block_size, inp.kv_cache_dtype, inp.tp, mamba_cache_dtype=inp.mamba_cache_dtype,
+        inp.block_size,
+        inp.kv_cache_dtype,
+        inp.tp,
+        mamba_cache_dtype=inp.mamba_cache_dtype,
         mamba_ssm_cache_dtype=inp.mamba_ssm_cache_dtype,
-        cpu_build=inp.cpu_kv_space_bytes is not None)
+        cpu_build=inp.cpu_kv_space_bytes is not None,
+    )
 
 
 def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any]:
@@ -291,20 +364,38 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     result = _offload(inp, weights, pin, warns)
     ckpt = weights.checkpoint_bytes
     if ckpt and abs(weights.total_bytes - ckpt) * 10 > ckpt:
-        warns.append(warning("weights-estimate-differs", (
-            f"the plan takes the weights as {gib(weights.total_bytes)}, estimated from "
-            f"config.json, but the checkpoint holds {gib(ckpt)} (its safetensors index): a "
-            "float32 checkpoint is cast to the model dtype, a quantized one the estimate may "
-            "miss; for exact figures pass a local directory with the safetensors files")))
+        warns.append(
+            warning(
+                "weights-estimate-differs",
+                (
+                    f"the plan takes the weights as {gib(weights.total_bytes)}, estimated from "
+                    f"config.json, but the checkpoint holds {gib(ckpt)} (its safetensors index): a "
+                    "float32 checkpoint is cast to the model dtype, a quantized one the estimate "
+                    "may miss; for exact figures pass a local directory with the safetensors files"
+                ),
+            )
+        )
     if result.backend != "none" and version is not None and version[:2] < OLDEST_OFFLOAD_SAFE_VLLM:
-        warns.append(warning("offload-ignored-old-vllm", (
-            f"vLLM {inp.vllm_version} silently ignores weight offload on the V2 model runner "
-            "(GPU memory stays as without offload). Upgrade to vLLM >= 0.28 or run the V1 "
-            "runner (VLLM_USE_V2_MODEL_RUNNER=0).")))
+        warns.append(
+            warning(
+                "offload-ignored-old-vllm",
+                (
+                    f"vLLM {inp.vllm_version} silently ignores weight offload on the V2 model "
+                    "runner (GPU memory stays as without offload). Upgrade to vLLM >= 0.28 or run "
+                    "the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)."
+                ),
+            )
+        )
     if not shape.is_mla and tp > shape.num_kv_heads:
-        warns.append(warning("kv-heads-replicated", (
-            f"TP {tp} > {shape.num_kv_heads} KV heads: every rank keeps one full KV head, so "
-            "KV bytes per rank do not shrink with TP.")))
+        warns.append(
+            warning(
+                "kv-heads-replicated",
+                (
+                    f"TP {tp} > {shape.num_kv_heads} KV heads: every rank keeps one full KV head, "
+                    "so KV bytes per rank do not shrink with TP."
+                ),
+            )
+        )
 
     bpt = shape.kv_bytes_per_token(inp.kv_cache_dtype)
     bpt_rank = shape.kv_bytes_per_token(inp.kv_cache_dtype, tp)
@@ -315,8 +406,9 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     # hybrid model: only the window before the chunk's end)
     # and of a hybrid model's state layers, one state each per chunk (the chunk end's)
     spec, engine_block = state_of(inp, shape)
-    groups = shape.kv_groups(inp.kv_cache_dtype, tp, chunk_size=inp.chunk_size,
-                             block_size=engine_block, state=spec)
+    groups = shape.kv_groups(
+        inp.kv_cache_dtype, tp, chunk_size=inp.chunk_size, block_size=engine_block, state=spec
+    )
     chunk_rank = sum(g["chunk_bytes"] for g in groups)
     state_chunk = spec.bytes if spec else 0
     # on the GPU vLLM pads each state page to one attention layer's page, groups layers
@@ -337,8 +429,9 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
         window = min(tokens, shape.sliding_window or tokens)
         return per_layer * (full_l * tokens + sliding_l * window) + state_session
 
-    comp = resolve_compression(inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype),
-                               inp.compression_ratio)
+    comp = resolve_compression(
+        inp.compression, kv_dtype_bytes(inp.kv_cache_dtype, shape.dtype), inp.compression_ratio
+    )
     obj_comp = {"chunk_size": inp.chunk_size, **comp.summary(chunk_rank, objects)}
     session_rank = session_gpu(inp.context)
     weight_rank = weights.rank_bytes
@@ -358,10 +451,16 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     else:
         gpu_kv = None
     if gpu_kv is not None and gpu_kv <= 0:
-        warns.append(warning("weights-exceed-gpu", (
-            f"{gib(resident)} resident weights + {gib(overhead)} overhead exceed "
-            f"{inp.gpu_memory_utilization:g} x {gib(gpu_total)}: no room for KV cache. Offload "
-            "more weights (--cpu-offload-gb), raise TP, or quantize.")))
+        warns.append(
+            warning(
+                "weights-exceed-gpu",
+                (
+                    f"{gib(resident)} resident weights + {gib(overhead)} overhead exceed "
+                    f"{inp.gpu_memory_utilization:g} x {gib(gpu_total)}: no room for KV cache. "
+                    "Offload more weights (--cpu-offload-gb), raise TP, or quantize."
+                ),
+            )
+        )
     gpu_kv_pos = max(gpu_kv, 0) if gpu_kv is not None else None
     tokens = gpu_kv_pos // gpu_bpt if gpu_kv_pos is not None and gpu_bpt else None
     sessions = gpu_kv_pos // session_rank if gpu_kv_pos is not None and session_rank else None
@@ -373,9 +472,10 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     # a warm session in the host tier: its tokens' KV and, of a hybrid model, one state
     # per state layer for each whole chunk (kvtier stores states at chunk ends only)
     warm = (
-        (bpt_rank * inp.context + state_chunk * (inp.context // inp.chunk_size))
-        * inp.warm_sessions if inp.warm_sessions is not None else None
-    )  # fmt: skip
+        (bpt_rank * inp.context + state_chunk * (inp.context // inp.chunk_size)) * inp.warm_sessions
+        if inp.warm_sessions is not None
+        else None
+    )
     tier: int | None
     tier_needed: bool | None
     if inp.cpu_bytes is not None:
@@ -388,31 +488,53 @@ def make_plan(inp: PlanInputs, shape: ModelShape | None = None) -> dict[str, Any
     tier_for_total = tier if tier is not None else (0 if tier_needed is False else None)
     per_worker_else = result.host_bytes + vllm_host  # host bytes per worker besides the tier
     host_total = (
-        host_total_bytes(tier_for_total, weight_offload_host_bytes=per_worker_else,
-                         headroom_bytes=inp.headroom_bytes, tp=tp)
-        if tier_for_total is not None else None
-    )  # fmt: skip
+        host_total_bytes(
+            tier_for_total,
+            weight_offload_host_bytes=per_worker_else,
+            headroom_bytes=inp.headroom_bytes,
+            tp=tp,
+        )
+        if tier_for_total is not None
+        else None
+    )
     host_mem = int(inp.host_memory_gib * GiB) if inp.host_memory_gib is not None else None
     largest = (
         max(0, (host_mem - inp.headroom_bytes - tp * per_worker_else) // tp)
-        if host_mem is not None else None
-    )  # fmt: skip
+        if host_mem is not None
+        else None
+    )
     host_ok = None if host_total is None or host_mem is None else host_total <= host_mem
     if host_ok is False and host_total is not None:
-        vllm_text = (f" + vLLM CPU build's KV cache {gib(inp.cpu_kv_space_bytes)} and weights "
-                     f"{gib(weight_rank)}" if cpu_build else "")
-        warns.append(warning("host-over-limit", (
-            f"host needs {gib(host_total)} (offloaded weights {gib(result.host_bytes)} + host "
-            f"tier {gib(tier_for_total)}{vllm_text} per worker x TP {tp} + headroom "
-            f"{gib(inp.headroom_bytes)}) but has {gib(host_mem)}; the largest cpu_bytes "
-            f"that fits is {largest} ({gib(largest)}) per worker.")))
+        vllm_text = (
+            f" + vLLM CPU build's KV cache {gib(inp.cpu_kv_space_bytes)} and weights "
+            f"{gib(weight_rank)}"
+            if cpu_build
+            else ""
+        )
+        warns.append(
+            warning(
+                "host-over-limit",
+                (
+                    f"host needs {gib(host_total)} (offloaded weights {gib(result.host_bytes)} + "
+                    f"host tier {gib(tier_for_total)}{vllm_text} per worker x TP {tp} + headroom "
+                    f"{gib(inp.headroom_bytes)}) but has {gib(host_mem)}; the largest cpu_bytes "
+                    f"that fits is {largest} ({gib(largest)}) per worker."
+                ),
+            )
+        )
         exact_total = host_total - tp * (result.host_bytes - result.gpu_bytes)
         if result.host_bytes > result.gpu_bytes and exact_total <= (host_mem or 0):
-            warns.append(warning("pin-rounding-over-host", (
-                f"pinning rounds the {gib(result.gpu_bytes)} of offloaded weights up to "
-                f"{gib(result.host_bytes)} per worker, which pushes the host over its "
-                f"{gib(host_mem)}; VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY=1 (or "
-                "--disable-pin-memory here) keeps the exact size.")))
+            warns.append(
+                warning(
+                    "pin-rounding-over-host",
+                    (
+                        f"pinning rounds the {gib(result.gpu_bytes)} of offloaded weights up to "
+                        f"{gib(result.host_bytes)} per worker, which pushes the host over its "
+                        f"{gib(host_mem)}; VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY=1 (or "
+                        "--disable-pin-memory here) keeps the exact size."
+                    ),
+                )
+            )
     gpu_ok = None if gpu_kv is None else gpu_kv > 0
     if gpu_ok is False or host_ok is False:
         fits: bool | None = False

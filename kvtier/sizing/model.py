@@ -67,8 +67,6 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 FULL, SLIDING, NONE = "full", "sliding", "none"
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The parts of a model config that decide KV and weight bytes."""
@@ -112,28 +110,51 @@ class ModelShape:
     def state_layers(self) -> int:
         return self.state.layers if self.state else 0
 
-    def state_spec(self, tp: int = 1, *, mamba_cache_dtype: str = "auto",
-                   mamba_ssm_cache_dtype: str = "auto") -> StateSpec | None:
+    def state_spec(
+        self, tp: int = 1, *, mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto"
+    ) -> StateSpec | None:
         """One state layer's state per rank (vLLM's ``MambaSpec``); None without state."""
         if self.state is None:
             return None
-        return state_spec(self.state, tp=tp, model_dtype=self.dtype,
-                          mamba_cache_dtype=mamba_cache_dtype,
-                          mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+        return state_spec(
+            self.state,
+            tp=tp,
+            model_dtype=self.dtype,
+            mamba_cache_dtype=mamba_cache_dtype,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+        )
 
-    def engine_block_size(self, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1,
-                          *, state: StateSpec | None = None, kernel_alignment: int = 16) -> int:
+    def engine_block_size(
+        self,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        tp: int = 1,
+        *,
+        state: StateSpec | None = None,
+        kernel_alignment: int = 16,
+    ) -> int:
         """The block size vLLM runs with: ``block_size``, or for a hybrid model with state
         the one it raises it to so that an attention page holds a state page."""
         if state is None or not self.attention_layers:
             return block_size
-        return hybrid_block_size(state.bytes_per_layer, self.kv_bytes_per_layer_token(
-            kv_cache_dtype, tp), block_size, kernel_alignment)
+        return hybrid_block_size(
+            state.bytes_per_layer,
+            self.kv_bytes_per_layer_token(kv_cache_dtype, tp),
+            block_size,
+            kernel_alignment,
+        )
 
-    def engine_state(self, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1, *,
-                     mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-                     cpu_build: bool = False,
-                     cpu_avx512_bf16: bool | None = None) -> tuple[StateSpec | None, int]:
+    def engine_state(
+        self,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        tp: int = 1,
+        *,
+        mamba_cache_dtype: str = "auto",
+        mamba_ssm_cache_dtype: str = "auto",
+        cpu_build: bool = False,
+        cpu_avx512_bf16: bool | None = None,
+    ) -> tuple[StateSpec | None, int]:
         """The state per rank as the engine holds it and the block size it runs with: on
         a GPU blocks grow in steps of 16 tokens; vLLM's CPU build grows them in steps of
         32 and, on a CPU with AVX512-BF16 (``cpu_avx512_bf16``; None: this host's), keeps
@@ -142,13 +163,18 @@ class ModelShape:
         ssm = mamba_ssm_cache_dtype
         if cpu_avx512_bf16 is None:
             cpu_avx512_bf16 = cpu_build and host_has_avx512_bf16()
-        if cpu_build and cpu_avx512_bf16 and self.state is not None and ssm != "float32" \
-                and not (ssm in ("float16", "bfloat16") and self.state.kind == GDN):
+        if (
+            cpu_build
+            and cpu_avx512_bf16
+            and self.state is not None
+            and ssm != "float32"
+            and not (ssm in ("float16", "bfloat16") and self.state.kind == GDN)
+        ):
             ssm = "float32"
-        spec = self.state_spec(tp, mamba_cache_dtype=mamba_cache_dtype,
-                               mamba_ssm_cache_dtype=ssm)
-        block = self.engine_block_size(block_size, kv_cache_dtype, tp, state=spec,
-                                       kernel_alignment=32 if cpu_build else 16)
+        spec = self.state_spec(tp, mamba_cache_dtype=mamba_cache_dtype, mamba_ssm_cache_dtype=ssm)
+        block = self.engine_block_size(
+            block_size, kv_cache_dtype, tp, state=spec, kernel_alignment=32 if cpu_build else 16
+        )
         return spec, block
 
     @property
@@ -193,10 +219,14 @@ class ModelShape:
                 total += per * min(context, self.sliding_window or context)
         return total
 
-
     def kv_groups(
-        self, kv_cache_dtype: str = "auto", tp: int = 1, *, chunk_size: int = 256,
-        block_size: int = 16, state: StateSpec | None = None,
+        self,
+        kv_cache_dtype: str = "auto",
+        tp: int = 1,
+        *,
+        chunk_size: int = 256,
+        block_size: int = 16,
+        state: StateSpec | None = None,
     ) -> list[dict[str, Any]]:
         """The KV cache groups of the model as kvtier stores them, per rank.
 
@@ -222,27 +252,40 @@ class ModelShape:
                 continue
             window = (self.sliding_window or 0) if kind == SLIDING else 0
             blocks = sliding_blocks(window, block_size, bpc) if hybrid and window else bpc
-            out.append({
-                "kind": kind, "layers": layers, "window": window or None,
-                "bytes_per_token": per * layers,
-                "page_bytes": per * layers * block_size,
-                "stored_blocks_per_chunk": blocks, "blocks_per_chunk": bpc,
-                "chunk_bytes": per * layers * block_size * blocks,
-            })
+            out.append(
+                {
+                    "kind": kind,
+                    "layers": layers,
+                    "window": window or None,
+                    "bytes_per_token": per * layers,
+                    "page_bytes": per * layers * block_size,
+                    "stored_blocks_per_chunk": blocks,
+                    "blocks_per_chunk": bpc,
+                    "chunk_bytes": per * layers * block_size * blocks,
+                }
+            )
         if state is not None and state.layers:
-            out.append({
-                "kind": "state", "state_kind": state.kind, "layer_type": state.layer_type,
-                "layers": state.layers, "window": None,
-                "shapes": [list(s) for s in state.shapes], "dtypes": list(state.dtypes),
-                "bytes_per_token": 0,
-                # one state per layer (vLLM's MambaSpec page, unpadded) and the page the
-                # engine pads it to (one attention layer's block)
-                "state_bytes_per_layer": state.bytes_per_layer,
-                "page_bytes": state.bytes,
-                "padded_page_bytes": max(per * block_size, state.bytes_per_layer) * state.layers,
-                "stored_blocks_per_chunk": 1, "blocks_per_chunk": bpc,
-                "chunk_bytes": state.bytes,
-            })
+            out.append(
+                {
+                    "kind": "state",
+                    "state_kind": state.kind,
+                    "layer_type": state.layer_type,
+                    "layers": state.layers,
+                    "window": None,
+                    "shapes": [list(s) for s in state.shapes],
+                    "dtypes": list(state.dtypes),
+                    "bytes_per_token": 0,
+                    # one state per layer (vLLM's MambaSpec page, unpadded) and the page the
+                    # engine pads it to (one attention layer's block)
+                    "state_bytes_per_layer": state.bytes_per_layer,
+                    "page_bytes": state.bytes,
+                    "padded_page_bytes": max(per * block_size, state.bytes_per_layer)
+                    * state.layers,
+                    "stored_blocks_per_chunk": 1,
+                    "blocks_per_chunk": bpc,
+                    "chunk_bytes": state.bytes,
+                }
+            )
         return out
 
 
@@ -277,8 +320,10 @@ def read_config(path: str) -> dict[str, Any]:
         with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise ModelConfigError(f"no config.json at {cfg_path}: pass a model directory, its "
-                               "config.json or a hub id (org/name)") from None
+        raise ModelConfigError(
+            f"no config.json at {cfg_path}: pass a model directory, its "
+            "config.json or a hub id (org/name)"
+        ) from None
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
     except OSError as e:
@@ -421,8 +466,9 @@ def shape_from_config(
     quant = cfg.get("quantization_config")
     weight_quant = quant.get("quant_method") if isinstance(quant, dict) else None
     n_shared = int(cfg.get("n_shared_experts") or 0)
-    shared = int(cfg.get("shared_expert_intermediate_size")
-                 or cfg.get("shared_intermediate_size") or 0)  # Granite-4.0-H: the latter
+    shared = int(
+        cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size") or 0
+    )  # Granite-4.0-H: the latter
     moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
     if n_shared and not shared:
         shared = n_shared * moe_inter

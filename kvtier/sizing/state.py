@@ -95,8 +95,9 @@ def state_config(cfg: dict[str, Any], n: int, kinds: tuple[str, ...]) -> StateCo
     return _state_config(cfg, n, attention, no_kv)
 
 
-def _state_config(cfg: dict[str, Any], n: int, attention: int,
-                  no_kv: tuple[int, ...]) -> StateConfig | str | None:
+def _state_config(
+    cfg: dict[str, Any], n: int, attention: int, no_kv: tuple[int, ...]
+) -> StateConfig | str | None:
     mtype = str(cfg.get("model_type", ""))
     types = cfg.get("layer_types")
     if not (isinstance(types, list) and len(types) == n):
@@ -104,17 +105,28 @@ def _state_config(cfg: dict[str, Any], n: int, attention: int,
     types = types if isinstance(types, list) and len(types) == n else None
     if mtype == "jamba":
         return StateConfig(
-            MAMBA1, "mamba", len(no_kv), layer_ids=no_kv,
+            MAMBA1,
+            "mamba",
+            len(no_kv),
+            layer_ids=no_kv,
             intermediate_size=_int(cfg, "mamba_expand") * _int(cfg, "hidden_size"),
-            state_size=_int(cfg, "mamba_d_state"), conv_kernel=_int(cfg, "mamba_d_conv"))
+            state_size=_int(cfg, "mamba_d_state"),
+            conv_kernel=_int(cfg, "mamba_d_conv"),
+        )
     if mtype in ("granitemoehybrid", "bamba"):
         ids = _ids(types, "mamba") if types else no_kv
         return StateConfig(
-            MAMBA2, "mamba", len(ids), layer_ids=ids,
+            MAMBA2,
+            "mamba",
+            len(ids),
+            layer_ids=ids,
             intermediate_size=_int(cfg, "mamba_expand") * _int(cfg, "hidden_size"),
-            n_groups=_int(cfg, "mamba_n_groups"), num_heads=_int(cfg, "mamba_n_heads"),
-            head_dim=_int(cfg, "mamba_d_head"), state_size=_int(cfg, "mamba_d_state"),
-            conv_kernel=_int(cfg, "mamba_d_conv"))
+            n_groups=_int(cfg, "mamba_n_groups"),
+            num_heads=_int(cfg, "mamba_n_heads"),
+            head_dim=_int(cfg, "mamba_d_head"),
+            state_size=_int(cfg, "mamba_d_state"),
+            conv_kernel=_int(cfg, "mamba_d_conv"),
+        )
     if mtype == "nemotron_h":
         pattern = cfg.get("hybrid_override_pattern")
         if isinstance(pattern, str) and len(pattern) == n:
@@ -125,42 +137,74 @@ def _state_config(cfg: dict[str, Any], n: int, attention: int,
             return "'mamba' layers without a hybrid_override_pattern of one letter a layer"
         heads, head_dim = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim")
         return StateConfig(
-            MAMBA2, "mamba", len(ids), layer_ids=ids, intermediate_size=heads * head_dim,
-            n_groups=_int(cfg, "n_groups"), num_heads=heads, head_dim=head_dim,
-            state_size=_int(cfg, "ssm_state_size"), conv_kernel=_int(cfg, "conv_kernel"),
-            ssm_dtype_default=str(cfg.get("mamba_ssm_cache_dtype") or "float32"))
+            MAMBA2,
+            "mamba",
+            len(ids),
+            layer_ids=ids,
+            intermediate_size=heads * head_dim,
+            n_groups=_int(cfg, "n_groups"),
+            num_heads=heads,
+            head_dim=head_dim,
+            state_size=_int(cfg, "ssm_state_size"),
+            conv_kernel=_int(cfg, "conv_kernel"),
+            ssm_dtype_default=str(cfg.get("mamba_ssm_cache_dtype") or "float32"),
+        )
     if mtype.startswith(("qwen3_next", "qwen3_5")):
         ids = _ids(types, "linear_attention") if types else no_kv
         ssm = cfg.get("mamba_ssm_dtype") if mtype.startswith("qwen3_5") else None
         return StateConfig(
-            GDN, "linear_attention", len(ids), layer_ids=ids,
+            GDN,
+            "linear_attention",
+            len(ids),
+            layer_ids=ids,
             num_k_heads=_int(cfg, "linear_num_key_heads"),
             num_heads=_int(cfg, "linear_num_value_heads"),
             head_k_dim=_int(cfg, "linear_key_head_dim"),
             head_dim=_int(cfg, "linear_value_head_dim"),
             conv_kernel=_int(cfg, "linear_conv_kernel_dim"),
-            ssm_dtype_default=str(ssm) if ssm else None)
+            ssm_dtype_default=str(ssm) if ssm else None,
+        )
     if mtype in ("lfm2", "lfm2_moe"):
         ids = _ids(types, "conv") if types else no_kv
-        return StateConfig(SHORT_CONV, "conv", len(ids), layer_ids=ids,
-                           intermediate_size=_int(cfg, "conv_dim"),
-                           conv_kernel=_int(cfg, "conv_L_cache"))
+        return StateConfig(
+            SHORT_CONV,
+            "conv",
+            len(ids),
+            layer_ids=ids,
+            intermediate_size=_int(cfg, "conv_dim"),
+            conv_kernel=_int(cfg, "conv_L_cache"),
+        )
     return _unsized(cfg, mtype, types, n, attention)
 
 
-_ATTENTION_TYPES = frozenset({
-    "full_attention", "attention", "global_attention", "sliding_attention",
-    "local_attention", "chunked_attention",
-})  # fmt: skip
+_ATTENTION_TYPES = frozenset(
+    {
+        "full_attention",
+        "attention",
+        "global_attention",
+        "sliding_attention",
+        "local_attention",
+        "chunked_attention",
+    }
+)
 #: layer types that hold neither KV nor state (Nemotron-H's MLP and MoE layers)
 _STATELESS_TYPES = frozenset({"mlp", "moe"})
 #: config keys only a model with recurrent state has
-_STATE_KEYS = ("mamba", "ssm_state", "linear_num_", "linear_attn_config", "conv_l_cache",
-               "attn_layer_indices", "attn_type_list", "block_types")
+_STATE_KEYS = (
+    "mamba",
+    "ssm_state",
+    "linear_num_",
+    "linear_attn_config",
+    "conv_l_cache",
+    "attn_layer_indices",
+    "attn_type_list",
+    "block_types",
+)
 
 
-def _unsized(cfg: dict[str, Any], mtype: str, types: list[Any] | None, n: int,
-             attention: int) -> str | None:
+def _unsized(
+    cfg: dict[str, Any], mtype: str, types: list[Any] | None, n: int, attention: int
+) -> str | None:
     """State layers of a model type kvtier has no sizer for, named by their layer type;
     None when the model shows no state at all."""
     if types:
@@ -177,27 +221,40 @@ def _divide(n: int, tp: int, what: str) -> int:
     """vLLM's ``divide``: it asserts that the state's heads and channels split evenly."""
     if n % tp:
         raise ConfigError(
-            "tensor_parallel_size", tp,
+            "tensor_parallel_size",
+            tp,
             f"a divisor of the model's {n} {what} (vLLM divides the recurrent state's "
             "heads and channels over the ranks and refuses to start otherwise)",
-        )  # fmt: skip
+        )
     return n // tp
 
 
 def _dtype(name: str, model_dtype: str) -> str:
     """``get_kv_cache_torch_dtype``: auto follows the model dtype."""
     out = model_dtype if name == "auto" else name
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
-               "fp32": "float32"}  # fmt: skip
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "float": "float32",
+        "fp32": "float32",
+    }
     out = aliases.get(out, out)
     if out not in _BYTES:
         raise ConfigError("mamba_cache_dtype", name, f"one of {', '.join(MAMBA_DTYPES)}")
     return out
 
 
-def state_spec(state: StateConfig, *, tp: int = 1, model_dtype: str = "bfloat16",
-               mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-               num_spec: int = 0, conv_layout: str = "SD") -> StateSpec:
+def state_spec(
+    state: StateConfig,
+    *,
+    tp: int = 1,
+    model_dtype: str = "bfloat16",
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+    num_spec: int = 0,
+    conv_layout: str = "SD",
+) -> StateSpec:
     """Shapes and dtypes of one state layer on one of ``tp`` ranks, as vLLM 0.32 computes
     them (conv state ``(kernel - 1 + num_spec, dim)``, or ``(dim, ...)`` with
     VLLM_SSM_CONV_STATE_LAYOUT=DS: the same bytes)."""
@@ -221,21 +278,32 @@ def state_spec(state: StateConfig, *, tp: int = 1, model_dtype: str = "bfloat16"
         if groups % tp:  # vLLM replicates groups so that every head's group is on its rank
             groups += tp - groups
         conv_dim = state.intermediate_size + 2 * groups * state.state_size
-        shapes = (conv(_divide(conv_dim, tp, "Mamba conv channels"),
-                       state.conv_kernel - 1 + num_spec),
-                  (_divide(state.num_heads, tp, "Mamba heads"), state.head_dim,
-                   state.state_size))  # fmt: skip
+        shapes = (
+            conv(_divide(conv_dim, tp, "Mamba conv channels"), state.conv_kernel - 1 + num_spec),
+            (_divide(state.num_heads, tp, "Mamba heads"), state.head_dim, state.state_size),
+        )
         dtypes = (conv_dtype, ssm_dtype)
     elif state.kind == GDN:
         conv_dim = 2 * state.head_k_dim * state.num_k_heads + state.head_dim * state.num_heads
-        shapes = (conv(_divide(conv_dim, tp, "linear-attention conv channels"),
-                       state.conv_kernel - 1 + num_spec),
-                  (_divide(state.num_heads, tp, "linear-attention value heads"),
-                   state.head_dim, state.head_k_dim))  # fmt: skip
+        shapes = (
+            conv(
+                _divide(conv_dim, tp, "linear-attention conv channels"),
+                state.conv_kernel - 1 + num_spec,
+            ),
+            (
+                _divide(state.num_heads, tp, "linear-attention value heads"),
+                state.head_dim,
+                state.head_k_dim,
+            ),
+        )
         dtypes = (conv_dtype, ssm_dtype)
     elif state.kind == SHORT_CONV:
-        shapes = (conv(_divide(state.intermediate_size, tp, "conv channels"),
-                       state.conv_kernel - 1 + num_spec),)
+        shapes = (
+            conv(
+                _divide(state.intermediate_size, tp, "conv channels"),
+                state.conv_kernel - 1 + num_spec,
+            ),
+        )
         dtypes = (conv_dtype,)
     else:  # pragma: no cover - StateConfig is only built above
         raise ValueError(f"unknown state kind {state.kind!r}")
@@ -249,30 +317,45 @@ def mixer_weights(state: StateConfig, hidden: int) -> list[tuple[str, int]]:
     k = state.conv_kernel
     if state.kind == MAMBA1:  # Jamba: dt_rank = hidden / 16
         inner, n, dt = state.intermediate_size, state.state_size, -(-hidden // 16)
-        return [("mamba.in_proj.weight", hidden * 2 * inner), ("mamba.conv1d.weight", inner * k),
-                ("mamba.x_proj.weight", inner * (dt + 2 * n)), ("mamba.dt_proj.weight", dt * inner),
-                ("mamba.A", inner * n), ("mamba.D", inner),
-                ("mamba.out_proj.weight", inner * hidden)]
+        return [
+            ("mamba.in_proj.weight", hidden * 2 * inner),
+            ("mamba.conv1d.weight", inner * k),
+            ("mamba.x_proj.weight", inner * (dt + 2 * n)),
+            ("mamba.dt_proj.weight", dt * inner),
+            ("mamba.A", inner * n),
+            ("mamba.D", inner),
+            ("mamba.out_proj.weight", inner * hidden),
+        ]
     if state.kind == MAMBA2:
         inner, heads = state.intermediate_size, state.num_heads
         gs = state.n_groups * state.state_size
-        return [("mamba.in_proj.weight", hidden * (2 * inner + 2 * gs + heads)),
-                ("mamba.conv1d.weight", (inner + 2 * gs) * k), ("mamba.A", 3 * heads),
-                ("mamba.norm.weight", inner), ("mamba.out_proj.weight", inner * hidden)]
+        return [
+            ("mamba.in_proj.weight", hidden * (2 * inner + 2 * gs + heads)),
+            ("mamba.conv1d.weight", (inner + 2 * gs) * k),
+            ("mamba.A", 3 * heads),
+            ("mamba.norm.weight", inner),
+            ("mamba.out_proj.weight", inner * hidden),
+        ]
     if state.kind == GDN:
         kd, vd = state.num_k_heads * state.head_k_dim, state.num_heads * state.head_dim
-        return [("linear_attn.in_proj_qkvz.weight", hidden * (2 * kd + 2 * vd)),
-                ("linear_attn.in_proj_ba.weight", hidden * 2 * state.num_heads),
-                ("linear_attn.conv1d.weight", (2 * kd + vd) * k),
-                ("linear_attn.A_log", 2 * state.num_heads),
-                ("linear_attn.out_proj.weight", vd * hidden)]
+        return [
+            ("linear_attn.in_proj_qkvz.weight", hidden * (2 * kd + 2 * vd)),
+            ("linear_attn.in_proj_ba.weight", hidden * 2 * state.num_heads),
+            ("linear_attn.conv1d.weight", (2 * kd + vd) * k),
+            ("linear_attn.A_log", 2 * state.num_heads),
+            ("linear_attn.out_proj.weight", vd * hidden),
+        ]
     c = state.intermediate_size  # short conv
-    return [("conv.in_proj.weight", hidden * 3 * c), ("conv.conv.weight", c * k),
-            ("conv.out_proj.weight", c * hidden)]
+    return [
+        ("conv.in_proj.weight", hidden * 3 * c),
+        ("conv.conv.weight", c * k),
+        ("conv.out_proj.weight", c * hidden),
+    ]
 
 
-def hybrid_block_size(state_page: int, attn_page_per_token: int, block_size: int,
-                      kernel_alignment: int = 16) -> int:
+def hybrid_block_size(
+    state_page: int, attn_page_per_token: int, block_size: int, kernel_alignment: int = 16
+) -> int:
     """vLLM's ``_align_hybrid_block_size``: the attention block grows (in steps of the
     kernel's alignment, at least ``block_size``) until one attention layer's page holds
     one state layer's page; in align mode the state is kept at these block boundaries."""
@@ -283,6 +366,15 @@ def hybrid_block_size(state_page: int, attn_page_per_token: int, block_size: int
 
 
 __all__ = [
-    "GDN", "MAMBA1", "MAMBA2", "MAMBA_DTYPES", "SHORT_CONV", "StateConfig", "StateSpec",
-    "hybrid_block_size", "mixer_weights", "state_config", "state_spec",
-]  # fmt: skip
+    "GDN",
+    "MAMBA1",
+    "MAMBA2",
+    "MAMBA_DTYPES",
+    "SHORT_CONV",
+    "StateConfig",
+    "StateSpec",
+    "hybrid_block_size",
+    "mixer_weights",
+    "state_config",
+    "state_spec",
+]

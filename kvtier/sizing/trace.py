@@ -106,13 +106,19 @@ __all__ = [
 DEFAULT_FORMAT = TraceFormat()
 
 
-def plan_trace(path: str, *, tokenizer: str | None, block_size: int, chunk_size: int,
-               gpu_kv_tokens: int, max_chunks: int = DEFAULT_MAX_CHUNKS,
-               progress: bool = False,
-               on_request: Callable[[TraceRequest], None] | None = None,
-               form: TraceFormat = DEFAULT_FORMAT,
-               max_input_tokens: int | None = None,
-               ) -> tuple[Simulation, TraceStats]:
+def plan_trace(
+    path: str,
+    *,
+    tokenizer: str | None,
+    block_size: int,
+    chunk_size: int,
+    gpu_kv_tokens: int,
+    max_chunks: int = DEFAULT_MAX_CHUNKS,
+    progress: bool = False,
+    on_request: Callable[[TraceRequest], None] | None = None,
+    form: TraceFormat = DEFAULT_FORMAT,
+    max_input_tokens: int | None = None,
+) -> tuple[Simulation, TraceStats]:
     """One streamed pass over a trace file (prompts cut to ``max_input_tokens`` as
     ``kvtier bench --trace`` cuts them). A hash block size that does not fit the chunk
     size is a :class:`TraceError`."""

@@ -27,7 +27,6 @@ class TraceError(Exception):
     """The trace cannot be read at all (missing file, no tokenizer for text prompts)."""
 
 
-
 #: the trace formats ``--trace-format`` names; ``auto`` tells them apart line by line
 TRACE_FORMATS = ("auto", "tokens", "text", "messages", "mooncake", "bailian")
 #: tokens per hash id when ``--trace-block-size`` is not given: Mooncake's FAST'25 traces
@@ -89,10 +88,12 @@ def block_size_error(chunk_size: int, trace_block_size: int) -> str | None:
     """Why a kvtier chunk cannot be cut from the trace's blocks, or None when it can."""
     if chunk_size % trace_block_size == 0 or trace_block_size % chunk_size == 0:
         return None
-    return (f"--chunk-size {chunk_size} and the trace's {trace_block_size}-token hash blocks: "
-            "one must be a multiple of the other (a chunk is a run of whole trace blocks, or "
-            "a trace block whole chunks); the trace says nothing of which tokens two blocks "
-            "with different ids share, so a chunk cannot straddle a block boundary")
+    return (
+        f"--chunk-size {chunk_size} and the trace's {trace_block_size}-token hash blocks: "
+        "one must be a multiple of the other (a chunk is a run of whole trace blocks, or "
+        "a trace block whole chunks); the trace says nothing of which tokens two blocks "
+        "with different ids share, so a chunk cannot straddle a block boundary"
+    )
 
 
 @dataclass(slots=True)
@@ -157,8 +158,9 @@ class _OverCap(_BadLine):
 def _prompt_cap(n: int, what: str) -> None:
     """Refuse a prompt of ``n`` tokens over :data:`MAX_INPUT_LENGTH` before it is built."""
     if n > MAX_INPUT_LENGTH:
-        raise _OverCap(f"{what} is {n} tokens, over the {MAX_INPUT_LENGTH}-token bound on "
-                       "one prompt")
+        raise _OverCap(
+            f"{what} is {n} tokens, over the {MAX_INPUT_LENGTH}-token bound on one prompt"
+        )
 
 
 class Tokenizer:
@@ -225,8 +227,9 @@ def _timestamp(v: Any) -> float | None:
 def _token_ids(v: Any) -> list[int]:
     if isinstance(v, list):
         _prompt_cap(len(v), "prompt_token_ids")
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          and 0 <= t <= MAX_TOKEN_ID for t in v):
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in v
+    ):
         raise _BadLine("prompt_token_ids is not a list of integers in [0, 2**63)")
     return v
 
@@ -253,25 +256,32 @@ def _detect(obj: dict[str, Any]) -> str:
     raise _BadLine("no prompt_token_ids, prompt, messages or hash_ids")
 
 
-def _hash_line(obj: dict[str, Any], flavour: str, form: TraceFormat,
-               salt: str | None) -> TraceRequest:
+def _hash_line(
+    obj: dict[str, Any], flavour: str, form: TraceFormat, salt: str | None
+) -> TraceRequest:
     """A Mooncake or Bailian line: ``hash_ids`` of ``block_size``-token blocks."""
     bs = form.hash_block_size(flavour)
     ids = obj.get("hash_ids")
     if isinstance(ids, list):  # at least one token an id, whatever input_length says
         _prompt_cap(len(ids), "the prompt of hash_ids (a token an id at least)")
-    if not isinstance(ids, list) or not ids or not all(
-            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= MAX_HASH_ID
-            for h in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= MAX_HASH_ID for h in ids
+        )
+    ):
         raise _BadLine(f"hash_ids is not a non-empty list of integers in [0, {MAX_HASH_ID}]")
     n = _count(obj, "input_length", 1, MAX_INPUT_LENGTH)
     if n is None:
         n = len(ids) * bs  # no length: whole blocks, under the same bound as input_length
         _prompt_cap(n, f"the prompt (no input_length: {len(ids)} hash_ids x {bs} tokens)")
     if -(-n // bs) != len(ids):
-        raise _BadLine(f"input_length {n} is {-(-n // bs)} blocks of {bs} tokens but the line "
-                       f"has {len(ids)} hash_ids (is the trace block size {bs}? "
-                       "--trace-block-size)")
+        raise _BadLine(
+            f"input_length {n} is {-(-n // bs)} blocks of {bs} tokens but the line "
+            f"has {len(ids)} hash_ids (is the trace block size {bs}? "
+            "--trace-block-size)"
+        )
     out = _count(obj, "output_length", 0, MAX_INPUT_LENGTH)
     ts = _timestamp(obj.get("timestamp"))
     if ts is not None and flavour == "mooncake" and not isinstance(obj["timestamp"], str):
@@ -279,8 +289,9 @@ def _hash_line(obj: dict[str, Any], flavour: str, form: TraceFormat,
     return TraceRequest([], salt, ts, ids, n, bs, out, flavour)
 
 
-def parse_line(line: str, tokenizer: Tokenizer | None,
-               form: TraceFormat = TraceFormat()) -> TraceRequest:
+def parse_line(
+    line: str, tokenizer: Tokenizer | None, form: TraceFormat = TraceFormat()
+) -> TraceRequest:
     """One JSONL line -> a request; raises _BadLine (counted) or TraceError (fatal).
 
     Without a tokenizer (``kvtier bench --trace`` sends text as it is) text and chat
@@ -322,8 +333,10 @@ def parse_line(line: str, tokenizer: Tokenizer | None,
             raise _BadLine("empty prompt")
     else:
         msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
         ):
             raise _BadLine("messages is not a list of {role, content} objects")
         req.messages = msgs
@@ -344,7 +357,7 @@ def truncate(req: TraceRequest, max_tokens: int) -> TraceRequest:
         return req
     if req.hash_ids is not None:
         req.length = max_tokens
-        del req.hash_ids[-(-max_tokens // req.block_size):]
+        del req.hash_ids[-(-max_tokens // req.block_size) :]
     else:
         del req.token_ids[max_tokens:]
     return req
@@ -365,9 +378,13 @@ def _lines(f: Any, limit: int | None = None) -> Iterator[tuple[bytes | None, int
         yield None, size + len(piece)
 
 
-def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
-               progress: bool = False,
-               form: TraceFormat = TraceFormat()) -> Iterator[TraceRequest]:
+def read_trace(
+    path: str,
+    tokenizer: Tokenizer | None,
+    stats: TraceStats,
+    progress: bool = False,
+    form: TraceFormat = TraceFormat(),
+) -> Iterator[TraceRequest]:
     """Stream the requests of a JSONL trace, one line at a time; bad lines go to ``stats``."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below; bytes, to count progress exactly
@@ -377,8 +394,14 @@ def read_trace(path: str, tokenizer: Tokenizer | None, stats: TraceStats,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=os.fstat(f.fileno()).st_size, unit="B", unit_scale=True,
-                   desc="kvtier size --trace", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(
+            total=os.fstat(f.fileno()).st_size,
+            unit="B",
+            unit_scale=True,
+            desc="kvtier size --trace",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
     try:
         for lineno, (raw, size) in enumerate(_lines(f), 1):
             if bar is not None:

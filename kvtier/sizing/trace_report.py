@@ -46,10 +46,19 @@ def _smallest(served: list[int], need: float) -> int | None:
     return lo
 
 
-def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: int,
-           object_chunk_bytes: int, target: float, host_tier_bytes: int | None,
-           gpu_kv_tokens: int, gpu_kv_source: str,
-           object_compression: dict[str, Any] | None = None) -> dict[str, Any]:
+def report(
+    sim: Simulation,
+    stats: TraceStats,
+    *,
+    path: str,
+    host_slot_bytes: int,
+    object_chunk_bytes: int,
+    target: float,
+    host_tier_bytes: int | None,
+    gpu_kv_tokens: int,
+    gpu_kv_source: str,
+    object_compression: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The curves and the recommendation, as ``--json`` prints them.
 
     ``object_chunk_bytes`` is what one chunk takes in the object tier as stored (after
@@ -63,14 +72,22 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
     # connector (the chunks its own step loads and stores cannot be evicted, the rest are
     # skipped), where the LRU stack keeps its last ones: there the curve is only a model
     longest = sim.max_request_chunks
-    host = [{"chunks": s, "bytes": s * host_slot_bytes, "hit_rate": rate(served[s]),
-             "below_longest_prompt": s < longest}
-            for s in _sizes(top)]
+    host = [
+        {
+            "chunks": s,
+            "bytes": s * host_slot_bytes,
+            "hit_rate": rate(served[s]),
+            "below_longest_prompt": s < longest,
+        }
+        for s in _sizes(top)
+    ]
     h_chunks = 0 if host_tier_bytes is None else host_tier_bytes // host_slot_bytes
     h_served = served[min(h_chunks, top)]
-    obj = [{"chunks": s, "bytes": s * object_chunk_bytes,
-            "hit_rate": rate(served[s] - h_served)}
-           for s in _sizes(top) if s > h_chunks]
+    obj = [
+        {"chunks": s, "bytes": s * object_chunk_bytes, "hit_rate": rate(served[s] - h_served)}
+        for s in _sizes(top)
+        if s > h_chunks
+    ]
     need = target * total - sim.gpu_hit_tokens
     host_need = _smallest(served, need)
     obj_need = _smallest(served, need)
@@ -87,8 +104,11 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "format": stats.format,
             "formats": stats.formats,
             #: tokens per hash id (hash-id traces; None for token, text and chat traces)
-            "block_size": (min(stats.block_sizes) if len(stats.block_sizes) == 1
-                           else sorted(stats.block_sizes) or None),
+            "block_size": (
+                min(stats.block_sizes)
+                if len(stats.block_sizes) == 1
+                else sorted(stats.block_sizes) or None
+            ),
             "requests": stats.requests,
             "bad_lines": stats.bad_lines,
             "bad_examples": stats.bad_examples,
@@ -104,14 +124,17 @@ def report(sim: Simulation, stats: TraceStats, *, path: str, host_slot_bytes: in
             "max_request_chunks": longest,
         },
         "keys": {
-            "block_size": sim.block_size, "chunk_size": sim.chunk_size,
-            "host_slot_bytes": host_slot_bytes, "object_chunk_bytes": object_chunk_bytes,
+            "block_size": sim.block_size,
+            "chunk_size": sim.chunk_size,
+            "host_slot_bytes": host_slot_bytes,
+            "object_chunk_bytes": object_chunk_bytes,
             "max_chunks": sim.max_chunks,
-            "object_compression": object_compression or {
-                "setting": "none", "ratio": 1.0, "ratio_source": "no compression"},
+            "object_compression": object_compression
+            or {"setting": "none", "ratio": 1.0, "ratio_source": "no compression"},
         },
         "gpu_prefix_cache": {
-            "tokens": gpu_kv_tokens, "source": gpu_kv_source,
+            "tokens": gpu_kv_tokens,
+            "source": gpu_kv_source,
             "hit_rate": rate(sim.gpu_hit_tokens),
         },
         "max_hit_rate": rate(sim.gpu_hit_tokens + served[top]),
@@ -148,8 +171,10 @@ def _compression_line(c: dict[str, Any] | None) -> list[str]:
     """The object tier's compression, when there is one: setting, ratio and its source."""
     if not c or c["setting"] == "none":
         return []
-    return [f"object compression {c['setting']}: stored = {c['ratio']:.4g} x raw "
-            f"({c['ratio_source']}); object-tier sizes below are stored bytes"]
+    return [
+        f"object compression {c['setting']}: stored = {c['ratio']:.4g} x raw "
+        f"({c['ratio_source']}); object-tier sizes below are stored bytes"
+    ]
 
 
 def format_report(rep: dict[str, Any]) -> str:
@@ -161,9 +186,11 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     lines += [f"  bad              {e}" for e in t["bad_examples"]]
     if t.get("over_cap_lines"):
-        lines.append(f"  over bounds      {t['over_cap_lines']} of the bad lines: a prompt over "
-                     f"{MAX_INPUT_LENGTH} tokens, an output_length over it or a line over "
-                     f"{MAX_LINE_BYTES} bytes")
+        lines.append(
+            f"  over bounds      {t['over_cap_lines']} of the bad lines: a prompt over "
+            f"{MAX_INPUT_LENGTH} tokens, an output_length over it or a line over "
+            f"{MAX_LINE_BYTES} bytes"
+        )
     fmt = t.get("format")
     if fmt:
         kind = fmt if fmt != "mixed" else ", ".join(f"{k} {v}" for k, v in t["formats"].items())
@@ -171,8 +198,10 @@ def format_report(rep: dict[str, Any]) -> str:
             kind += f", {t['block_size']} tokens per hash id"
         lines.append(f"  format           {kind}")
     if t.get("requests_per_s"):
-        rate = f"  rate             {t['requests_per_s']:.3g} requests/s over " \
-               f"{t['duration_s']:.0f} s, {t['prompt_tokens_per_s']:.4g} prompt tokens/s"
+        rate = (
+            f"  rate             {t['requests_per_s']:.3g} requests/s over "
+            f"{t['duration_s']:.0f} s, {t['prompt_tokens_per_s']:.4g} prompt tokens/s"
+        )
         if t.get("output_tokens_per_s") is not None:
             rate += f", {t['output_tokens_per_s']:.4g} output tokens/s"
         lines.append(rate)
@@ -190,17 +219,24 @@ def format_report(rep: dict[str, Any]) -> str:
         f"{'host tier / worker':>20}  {'beyond vLLM':>11}  {'with vLLM':>9}",
     ]
     for p in _thin(rep["host_tier"]):
-        lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %  "
-                     f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %"
-                     + ("  *" if p.get("below_longest_prompt") else ""))
+        lines.append(
+            f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %  "
+            f"{(p['hit_rate'] + g['hit_rate']) * 100:8.1f} %"
+            + ("  *" if p.get("below_longest_prompt") else "")
+        )
     if any(p.get("below_longest_prompt") for p in rep["host_tier"]):
-        lines.append(f"{'':>20}  * smaller than the longest prompt's chunks "
-                     f"({_size(rep['host_tier_exact_from_bytes'])}): kvtier keeps such a "
-                     "prompt's first chunks, the model its last; kvtier may serve more")
+        lines.append(
+            f"{'':>20}  * smaller than the longest prompt's chunks "
+            f"({_size(rep['host_tier_exact_from_bytes'])}): kvtier keeps such a "
+            "prompt's first chunks, the model its last; kvtier may serve more"
+        )
     ot = rep["object_tier"]
     if ot["curve"]:
-        lines += ["", f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "
-                      f"{_size(ot['behind_host_bytes'])} per worker)"]
+        lines += [
+            "",
+            f"{'object tier':>20}  {'beyond host':>11}   (behind a host tier of "
+            f"{_size(ot['behind_host_bytes'])} per worker)",
+        ]
         for p in _thin(ot["curve"]):
             lines.append(f"{_size(p['bytes']):>20}  {p['hit_rate'] * 100:10.1f} %")
     lines += [
@@ -222,20 +258,31 @@ def write_plot(rep: dict[str, Any], path: str) -> None:
     gpu = rep["gpu_prefix_cache"]["hit_rate"] * 100
     target = rep["recommended"]["target_hit_rate"] * 100
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    curves = [("host tier, per worker", rep["host_tier"], gpu),
-              ("object tier, behind the host tier", rep["object_tier"]["curve"], None)]
+    curves = [
+        ("host tier, per worker", rep["host_tier"], gpu),
+        ("object tier, behind the host tier", rep["object_tier"]["curve"], None),
+    ]
     for ax, (title, pts, base) in zip(axes, curves, strict=True):
         if pts:
             xs = [p["bytes"] / 1024**3 for p in pts]
             ax.plot(xs, [p["hit_rate"] * 100 for p in pts], marker=".", label="beyond vLLM")
             if base is not None:
-                ax.plot(xs, [p["hit_rate"] * 100 + base for p in pts], marker=".",
-                        label="with vLLM's prefix cache")
+                ax.plot(
+                    xs,
+                    [p["hit_rate"] * 100 + base for p in pts],
+                    marker=".",
+                    label="with vLLM's prefix cache",
+                )
                 ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
                 exact = rep.get("host_tier_exact_from_bytes", 0) / 1024**3
                 if exact > xs[0]:
-                    ax.axvspan(xs[0], exact, color="grey", alpha=0.12,
-                               label="smaller than the longest prompt (model only)")
+                    ax.axvspan(
+                        xs[0],
+                        exact,
+                        color="grey",
+                        alpha=0.12,
+                        label="smaller than the longest prompt (model only)",
+                    )
             ax.set_xscale("log")
             ax.legend(fontsize=8)
         ax.set_ylim(-2, 102)
@@ -244,8 +291,10 @@ def write_plot(rep: dict[str, Any], path: str) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     t = rep["trace"]
-    fig.suptitle(f"kvtier size --trace {t['path']}: {t['requests']} requests, vLLM prefix "
-                 f"cache {gpu:.1f} %", fontsize=10)
+    fig.suptitle(
+        f"kvtier size --trace {t['path']}: {t['requests']} requests, vLLM prefix cache {gpu:.1f} %",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

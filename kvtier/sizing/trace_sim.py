@@ -37,8 +37,9 @@ def hash_id_keys(req: TraceRequest, step: int) -> list[int]:
     for h in req.hash_ids:
         p = hash((p, h))
         chain.append(p)
-    return [hash((chain[(end - 1) // bs], (end - 1) % bs))
-            for end in range(step, req.length + 1, step)]
+    return [
+        hash((chain[(end - 1) // bs], (end - 1) % bs)) for end in range(step, req.length + 1, step)
+    ]
 
 
 class GpuPrefixCache:

@@ -40,9 +40,10 @@ ATTENTION_FREE_REASON = "it has no KV cache (an attention-free model): there is 
 def model_refused(model: str, reason: str) -> ConfigError:
     """The error that refuses ``model`` at startup (and in ``kvtier size``), naming why."""
     return ConfigError(
-        "model", model,
+        "model",
+        model,
         f"kvtier cannot serve this model: {reason}; serve it without kvtier's connector",
-    )  # fmt: skip
+    )
 
 
 def check_model_shape(shape: ModelShape, model: str) -> None:
@@ -56,8 +57,10 @@ def check_model_shape(shape: ModelShape, model: str) -> None:
         raise model_refused(model, ATTENTION_FREE_REASON)
     if shape.unsized_state:
         raise model_refused(
-            model, f"its {shape.unsized_state} hold a recurrent state of a kind kvtier "
-            f"cannot size or store ({SIZED_STATE})")
+            model,
+            f"its {shape.unsized_state} hold a recurrent state of a kind kvtier "
+            f"cannot size or store ({SIZED_STATE})",
+        )
 
 
 def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
@@ -71,19 +74,21 @@ def check_tensor_parallel(shape: ModelShape, tp: int) -> None:
         shape.state_spec(tp)  # vLLM divides the state's heads and channels too
     if shape.num_heads % tp:
         raise ConfigError(
-            "tensor_parallel_size", tp,
+            "tensor_parallel_size",
+            tp,
             f"a divisor of the model's {shape.num_heads} attention heads (vLLM refuses "
             "to start otherwise)",
-        )  # fmt: skip
+        )
     kv = shape.num_kv_heads
     if shape.is_mla or kv <= 0:
         return
     if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
         raise ConfigError(
-            "tensor_parallel_size", tp,
+            "tensor_parallel_size",
+            tp,
             f"a divisor or a multiple of the model's {kv} KV heads (vLLM refuses to start "
             "otherwise)",
-        )  # fmt: skip
+        )
 
 
 def check_deployment(
@@ -114,21 +119,32 @@ def check_deployment(
     check_model_shape(shape, model)
     check_tensor_parallel(shape, tp)
     spec, engine_block = shape.engine_state(
-        block_size, kv_cache_dtype, tp, mamba_cache_dtype=mamba_cache_dtype,
-        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, cpu_build=cpu_build)
+        block_size,
+        kv_cache_dtype,
+        tp,
+        mamba_cache_dtype=mamba_cache_dtype,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+        cpu_build=cpu_build,
+    )
     if cfg.chunk_size % engine_block:
         raise ConfigError(
-            "chunk_size", cfg.chunk_size,
+            "chunk_size",
+            cfg.chunk_size,
             f"a multiple of the {engine_block}-token block vLLM runs this hybrid model with "
             f"(it raises --block-size {block_size} until one attention page holds one "
             f"{spec.bytes_per_layer if spec else 0}-byte state page): e.g. "
             f"{engine_block * -(-cfg.chunk_size // engine_block)}, with --block-size "
             f"{engine_block} given to vLLM and kvtier size alike",
-        )  # fmt: skip
+        )
     return cfg
 
 
 __all__ = [
-    "ATTENTION_FREE_REASON", "SIZED_STATE", "SSM_REASON", "check_deployment", "check_model_shape",
-    "check_tensor_parallel", "model_refused",
-]  # fmt: skip
+    "ATTENTION_FREE_REASON",
+    "SIZED_STATE",
+    "SSM_REASON",
+    "check_deployment",
+    "check_model_shape",
+    "check_tensor_parallel",
+    "model_refused",
+]

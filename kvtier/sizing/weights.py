@@ -23,25 +23,65 @@ from kvtier.sizing.state import mixer_weights
 
 #: bytes per element of each safetensors dtype code
 ST_DTYPE_BYTES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
     "F8_E8M0": 1,
-}  # fmt: skip
+}
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 #: declaration order of the submodules vLLM's decoder layers register (what
 #: ``named_parameters`` yields, and so the order UVA offload takes tensors in)
 _ORDER = [
-    "self_attn", "attn", "attention", "mixer", "linear_attn", "mamba",
-    "fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj",
-    "q_proj", "qkv_proj", "kv_a_layernorm", "kv_b_proj", "o_proj", "q_norm", "k_norm",
-    "mlp", "block_sparse_moe", "feed_forward",
-    "gate", "shared_expert_gate", "shared_expert", "shared_experts", "experts",
-    "gate_up_proj", "down_proj", "w13_weight", "w2_weight",
-    "input_layernorm", "post_attention_layernorm",
-    "pre_feedforward_layernorm", "post_feedforward_layernorm",
-    "weight", "bias",
-]  # fmt: skip
+    "self_attn",
+    "attn",
+    "attention",
+    "mixer",
+    "linear_attn",
+    "mamba",
+    "fused_qkv_a_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_a_layernorm",
+    "q_b_proj",
+    "q_proj",
+    "qkv_proj",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+    "q_norm",
+    "k_norm",
+    "mlp",
+    "block_sparse_moe",
+    "feed_forward",
+    "gate",
+    "shared_expert_gate",
+    "shared_expert",
+    "shared_experts",
+    "experts",
+    "gate_up_proj",
+    "down_proj",
+    "w13_weight",
+    "w2_weight",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "weight",
+    "bias",
+]
 _RANK = {name: i for i, name in enumerate(_ORDER)}
 
 #: modules whose weights every TP rank holds whole
@@ -233,8 +273,9 @@ def _fuse(
         elif module == "gate_proj" and f"{pre}up_proj.{rest}" in plain:
             up = plain[f"{pre}up_proj.{rest}"]
             numel = _numel(shp) + _numel(up[0])
-            out.append(WeightTensor(f"{pre}gate_up_proj.{rest}", layer, numel, up[1],
-                                    _ceil_div(numel, tp)))  # fmt: skip
+            out.append(
+                WeightTensor(f"{pre}gate_up_proj.{rest}", layer, numel, up[1], _ceil_div(numel, tp))
+            )
             used |= {name, f"{pre}up_proj.{rest}"}
         elif module == "q_a_proj" and f"{pre}kv_a_proj_with_mqa.{rest}" in plain:
             kv = plain[f"{pre}kv_a_proj_with_mqa.{rest}"]
@@ -263,8 +304,9 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
     h = s.hidden_size
     kv_share = s.kv_heads_per_rank(tp) / s.num_kv_heads if tp > 1 else 1.0
 
-    def t(name: str, layer: int | None, numel: int, elt: int,
-          rank: int | None = None) -> WeightTensor:
+    def t(
+        name: str, layer: int | None, numel: int, elt: int, rank: int | None = None
+    ) -> WeightTensor:
         return WeightTensor(name, layer, numel, elt, numel if rank is None else rank)
 
     def col(name: str, layer: int, numel: int, elt: int = lin) -> WeightTensor:
@@ -280,8 +322,14 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
                 kvl = s.kv_lora_rank or 0
                 q_out = s.num_heads * (nope + rope)
                 if s.q_lora_rank:
-                    ts.append(t("self_attn.fused_qkv_a_proj.weight", i,
-                                (s.q_lora_rank + kvl + rope) * h, lin))  # fmt: skip
+                    ts.append(
+                        t(
+                            "self_attn.fused_qkv_a_proj.weight",
+                            i,
+                            (s.q_lora_rank + kvl + rope) * h,
+                            lin,
+                        )
+                    )
                     ts.append(t("self_attn.q_a_layernorm.weight", i, s.q_lora_rank, dt))
                     ts.append(col("self_attn.q_b_proj.weight", i, q_out * s.q_lora_rank))
                 else:
@@ -294,8 +342,9 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
                 q_rows = s.num_heads * s.head_dim
                 kv_rows = 2 * s.num_kv_heads * s.head_dim
                 rank_rows = _ceil_div(q_rows, tp) + int(kv_rows * kv_share)
-                ts.append(t("self_attn.qkv_proj.weight", i, (q_rows + kv_rows) * h, lin,
-                            rank_rows * h))  # fmt: skip
+                ts.append(
+                    t("self_attn.qkv_proj.weight", i, (q_rows + kv_rows) * h, lin, rank_rows * h)
+                )
                 if s.attention_bias:
                     ts.append(t("self_attn.qkv_proj.bias", i, q_rows + kv_rows, dt, rank_rows))
                 ts.append(col("self_attn.o_proj.weight", i, h * q_rows))
@@ -335,8 +384,9 @@ def weights_from_config(shape: ModelShape, tp: int = 1) -> Weights:
         t("model.norm.weight", None, h, dt),
     ]
     if not s.tie_word_embeddings:
-        other.append(t("lm_head.weight", None, s.vocab_size * h, dt,
-                       _ceil_div(s.vocab_size * h, tp)))  # fmt: skip
+        other.append(
+            t("lm_head.weight", None, s.vocab_size * h, dt, _ceil_div(s.vocab_size * h, tp))
+        )
     return Weights(tuple(layers), tuple(other), "config")
 
 
@@ -351,6 +401,9 @@ def load_weights(path: str, shape: ModelShape, tp: int = 1) -> Weights:
     found = weights_from_safetensors(model_dir, shape, tp) if model_dir else None
     if found is not None:
         return found
-    checkpoint = hub_model.checkpoint_bytes if hub_model else (
-        hub.index_total_size(os.path.join(model_dir or ".", hub.INDEX)))
+    checkpoint = (
+        hub_model.checkpoint_bytes
+        if hub_model
+        else (hub.index_total_size(os.path.join(model_dir or ".", hub.INDEX)))
+    )
     return replace(weights_from_config(shape, tp), checkpoint_bytes=checkpoint)

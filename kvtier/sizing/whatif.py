@@ -1,5 +1,5 @@
 """``kvtier size --from-prometheus``: the host tier to give, from what the running engines
-measured (their ghost tiers, :mod:`kvtier.host.ghosts`), through the planner's memory math.
+measured (their ghost tiers, :mod:`kvtier.whatif.host`), through the planner's memory math.
 
 Reads over a window, from Prometheus' HTTP API: ``kvtier:whatif_hit_tokens_total`` by
 scale (the host hit tokens a tier of 0.5x to 8x today's slots would have served),
@@ -88,9 +88,9 @@ def read(fetch: Fetch, window: str, *, matchers: str = "", workers: int = 1) -> 
             + (f" for {{{matchers}}}" if matchers else "")
             + ": no kvtier engine scraped, or no traffic"
         )
-    host = _one(fetch(
-        f'sum(increase(kvtier:hit_tokens_total{{{sel}tier="host"}}[{window}]))'
-    )) or 0.0  # fmt: skip
+    host = (
+        _one(fetch(f'sum(increase(kvtier:hit_tokens_total{{{sel}tier="host"}}[{window}]))')) or 0.0
+    )
     rows = fetch(
         f'sum by (scale) (increase(kvtier:whatif_hit_tokens_total{{{sel}tier="host"}}[{window}]))'
     )
@@ -115,13 +115,15 @@ def curve(m: Measured, largest_fit: int | None) -> list[dict[str, Any]]:
     rows = []
     for s in sorted(m.whatif_tokens, key=float):
         nbytes = int(float(s) * m.today_bytes)
-        rows.append({
-            "scale": s,
-            "cpu_bytes": nbytes,
-            "hit_rate": m.whatif_tokens[s] / m.lookup_tokens,
-            "today": s == "1",
-            "fits": None if largest_fit is None else nbytes <= largest_fit,
-        })  # fmt: skip
+        rows.append(
+            {
+                "scale": s,
+                "cpu_bytes": nbytes,
+                "hit_rate": m.whatif_tokens[s] / m.lookup_tokens,
+                "today": s == "1",
+                "fits": None if largest_fit is None else nbytes <= largest_fit,
+            }
+        )
     return rows
 
 
@@ -136,7 +138,10 @@ def recommend(rows: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[
 
 
 def report(
-    m: Measured, plan: dict[str, Any], *, tolerance: float = TOLERANCE,
+    m: Measured,
+    plan: dict[str, Any],
+    *,
+    tolerance: float = TOLERANCE,
     check: Callable[[int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The curve and the recommendation; ``check(cpu_bytes)`` re-plans with that host tier
@@ -175,12 +180,16 @@ def format_report(rep: dict[str, Any]) -> str:
     for r in rep["curve"]:
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         mark = "  <- today" if r["today"] else ""
-        lines.append(f"  {r['scale'] + 'x':>5}  {format_size(r['cpu_bytes']):>16}  "
-                     f"{r['hit_rate'] * 100:7.1f}%  {fits}{mark}")  # fmt: skip
+        lines.append(
+            f"  {r['scale'] + 'x':>5}  {format_size(r['cpu_bytes']):>16}  "
+            f"{r['hit_rate'] * 100:7.1f}%  {fits}{mark}"
+        )
     largest = rep["largest_cpu_bytes_that_fits"]
     if largest is None:
-        lines.append("fit not checked: pass --host-memory (and the GPU and offload flags) so "
-                     "the planner can say what fits beside the rest")  # fmt: skip
+        lines.append(
+            "fit not checked: pass --host-memory (and the GPU and offload flags) so "
+            "the planner can say what fits beside the rest"
+        )
     else:
         lines.append(f"largest cpu_bytes that fits beside the rest: {format_size(largest)}")
     rec = rep["recommended"]
@@ -200,14 +209,25 @@ def add_args(p: Any) -> None:
     g = p.add_argument_group(
         "live what-if (hit rate against host tier size from running engines' ghost tiers)"
     )
-    g.add_argument("--from-prometheus", metavar="URL",
-                   help="read kvtier:whatif_hit_tokens_total and kvtier:lookup_tokens_total "
-                   "from this Prometheus (http://host:9090) and recommend cpu_bytes")
-    g.add_argument("--window", default="1d", metavar="DURATION",
-                   help="PromQL duration to read the counters over (default 1d)")
-    g.add_argument("--prometheus-match", default="", metavar="MATCHERS",
-                   help='PromQL label matchers selecting the engines, e.g. model_name="llama",'
-                   'namespace="prod" (default: every kvtier series)')  # fmt: skip
+    g.add_argument(
+        "--from-prometheus",
+        metavar="URL",
+        help="read kvtier:whatif_hit_tokens_total and kvtier:lookup_tokens_total "
+        "from this Prometheus (http://host:9090) and recommend cpu_bytes",
+    )
+    g.add_argument(
+        "--window",
+        default="1d",
+        metavar="DURATION",
+        help="PromQL duration to read the counters over (default 1d)",
+    )
+    g.add_argument(
+        "--prometheus-match",
+        default="",
+        metavar="MATCHERS",
+        help='PromQL label matchers selecting the engines, e.g. model_name="llama",'
+        'namespace="prod" (default: every kvtier series)',
+    )
 
 
 def run(args: Any, plan: dict[str, Any], inp: Any, shape: Any, fetch: Fetch | None = None) -> int:
@@ -222,8 +242,12 @@ def run(args: Any, plan: dict[str, Any], inp: Any, shape: Any, fetch: Fetch | No
         return make_plan(dataclasses.replace(inp, cpu_bytes=cpu_bytes), shape)
 
     try:
-        m = read(fetch or prometheus_fetch(args.from_prometheus), args.window,
-                 matchers=args.prometheus_match, workers=args.tp)  # fmt: skip
+        m = read(
+            fetch or prometheus_fetch(args.from_prometheus),
+            args.window,
+            matchers=args.prometheus_match,
+            workers=args.tp,
+        )
     except PrometheusError as e:
         print(f"kvtier size: error: {e}", file=sys.stderr)
         return 2

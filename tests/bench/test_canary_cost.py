@@ -42,15 +42,22 @@ def test_help_explains_the_mode_and_the_flags_parse() -> None:
     assert ttft.parse_args([]).canary_rates is None, "the TTFT bench as before"
 
 
-def _per(ttft_s: list[float], cached: list[int], batch_s: float, sampled: int,
-         checks: dict[str, int]) -> dict:  # fmt: skip
-    return {"ttft": ttft_s, "cached": cached, "batch_s": [batch_s], "batch_tokens": 4 * 100,
-            "batch_requests": 4, "batch_sampled": sampled, "checks": checks}  # fmt: skip
+def _per(
+    ttft_s: list[float], cached: list[int], batch_s: float, sampled: int, checks: dict[str, int]
+) -> dict:
+    return {
+        "ttft": ttft_s,
+        "cached": cached,
+        "batch_s": [batch_s],
+        "batch_tokens": 4 * 100,
+        "batch_requests": 4,
+        "batch_sampled": sampled,
+        "checks": checks,
+    }
 
 
 def test_summary_ratios_against_rate_0_counts_and_projection() -> None:
-    args = argparse.Namespace(prompts=4, tokens=512, rounds=1, max_tokens=4, layers=8,
-                              hidden=1024)  # fmt: skip
+    args = argparse.Namespace(prompts=4, tokens=512, rounds=1, max_tokens=4, layers=8, hidden=1024)
     per = {
         0.0: _per([0.02, 0.02, 0.02, 0.02], [512] * 4, 1.0, 0, {"match": 0}),
         # one of four TTFT requests drawn (no cached token: a prefill), one in the batch

@@ -19,10 +19,27 @@ import gpu_restart  # noqa: E402
 @pytest.mark.parametrize("cache", ["warm", "cold"])
 def test_a_tiny_cpu_run_reports_every_side(tmp_path, capsys, cache: str) -> None:
     out = tmp_path / "r.json"
-    rc = gpu_restart.main([
-        "--tokens", "512", "1024", "--layers", "2", "--heads", "2", "--head-dim", "16",
-        "--repeats", "2", "--file-cache", cache, "--dir", str(tmp_path), "--json", str(out),
-    ])  # fmt: skip
+    rc = gpu_restart.main(
+        [
+            "--tokens",
+            "512",
+            "1024",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "2",
+            "--file-cache",
+            cache,
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["device"] == "CPU (no CUDA)" and result["filesystem"]
@@ -46,10 +63,29 @@ def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monk
 
     monkeypatch.setattr(codec, "HASH_PIECE", codec.HASH_PIECE)  # restored after
     out = tmp_path / "r.json"
-    assert gpu_restart.main([
-        "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-        "--hash-piece-kib", "8", "--dir", str(tmp_path), "--json", str(out),
-    ]) == 0  # fmt: skip
+    assert (
+        gpu_restart.main(
+            [
+                "--tokens",
+                "512",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--repeats",
+                "1",
+                "--hash-piece-kib",
+                "8",
+                "--dir",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert codec.HASH_PIECE == 8 << 10
     assert json.loads(out.read_text())["args"]["hash_piece_kib"] == 8
     with pytest.raises(SystemExit):
@@ -58,10 +94,28 @@ def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monk
 
 def test_split_times_each_part_of_the_read_on_the_same_threads(tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
-    assert gpu_restart.main([
-        "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-        "--split", "--dir", str(tmp_path), "--json", str(out),
-    ]) == 0  # fmt: skip
+    assert (
+        gpu_restart.main(
+            [
+                "--tokens",
+                "512",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--repeats",
+                "1",
+                "--split",
+                "--dir",
+                str(tmp_path),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     row = json.loads(out.read_text())["rows"][0]
     for side in ("tier_read", "tier_read_hashed", "hash_only"):
         assert row[f"{side}_ms"] > 0
@@ -73,11 +127,31 @@ def test_a_busy_engine_thread_with_the_short_interval_or_without_reads_the_same(
 ) -> None:
     for us in ("50", "0"):
         out = tmp_path / f"r{us}.json"
-        assert gpu_restart.main([
-            "--tokens", "512", "--layers", "2", "--heads", "2", "--head-dim", "16",
-            "--repeats", "1", "--engine-thread", "busy", "--fetch-switch-us", us,
-            "--dir", str(tmp_path), "--json", str(out),
-        ]) == 0  # fmt: skip
+        assert (
+            gpu_restart.main(
+                [
+                    "--tokens",
+                    "512",
+                    "--layers",
+                    "2",
+                    "--heads",
+                    "2",
+                    "--head-dim",
+                    "16",
+                    "--repeats",
+                    "1",
+                    "--engine-thread",
+                    "busy",
+                    "--fetch-switch-us",
+                    us,
+                    "--dir",
+                    str(tmp_path),
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         args = json.loads(out.read_text())["args"]
         assert args["engine_thread"] == "busy" and args["fetch_switch_us"] == int(us)
     assert "engine thread busy; fetch_switch_us 0" in capsys.readouterr().out

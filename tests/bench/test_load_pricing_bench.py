@@ -33,27 +33,36 @@ def test_the_link_follows_the_prefill_measured_in_the_same_run() -> None:
 
 
 def run(cost: float, always: float, cached: int = 0) -> dict:
-    return {"cost": {"ttft_s": [cost] * 3, "cached": [cached] * 3},
-            "always": {"ttft_s": [always] * 3, "cached": [cached] * 3}}
+    return {
+        "cost": {"ttft_s": [cost] * 3, "cached": [cached] * 3},
+        "always": {"ttft_s": [always] * 3, "cached": [cached] * 3},
+    }
 
 
 def result(**cases: dict) -> dict:
-    shaped = {k: {**v, "shaping": {"link_bps": 1e6, "stall_bytes": None}}
-              for k, v in cases.items()}  # fmt: skip
+    shaped = {k: {**v, "shaping": {"link_bps": 1e6, "stall_bytes": None}} for k, v in cases.items()}
     return {"tokens": 2048, "cold_s": 1.0, "prompt_bytes": 4 * MIB, "cases": shaped}
 
 
 def test_each_case_is_held_to_its_goal() -> None:
-    met = load_pricing.verdicts(result(
-        slow=run(1.04, 2.1), fast=run(0.5, 0.5, cached=1792), even=run(0.9, 0.88),
-        stall=run(1.19, 2.0),
-    ))  # fmt: skip
+    met = load_pricing.verdicts(
+        result(
+            slow=run(1.04, 2.1),
+            fast=run(0.5, 0.5, cached=1792),
+            even=run(0.9, 0.88),
+            stall=run(1.19, 2.0),
+        )
+    )
     assert {k: v["ok"] for k, v in met.items()} == dict.fromkeys(met, True)
     assert met["even"]["ratio"] == pytest.approx(0.9 / 0.88)
-    missed = load_pricing.verdicts(result(
-        slow=run(1.06, 2.1), fast=run(0.5, 0.5, cached=1791), even=run(0.95, 0.88),
-        stall=run(1.21, 2.0),
-    ))  # fmt: skip
+    missed = load_pricing.verdicts(
+        result(
+            slow=run(1.06, 2.1),
+            fast=run(0.5, 0.5, cached=1791),
+            even=run(0.95, 0.88),
+            stall=run(1.21, 2.0),
+        )
+    )
     assert {k: v["ok"] for k, v in missed.items()} == dict.fromkeys(missed, False)
     text = load_pricing.table(result(slow=run(1.06, 2.1), fast=run(0.5, 0.5, cached=1792)))
     assert "slow" in text and "NO" in text and "yes" in text

@@ -23,8 +23,9 @@ GiB = 2**30
 def _row_extra(monkeypatch, tmp_path: Path, available: int) -> dict:
     """The kvtier config a host-tier row gets while ``available`` bytes are free."""
     monkeypatch.setattr(run_all, "mem_available_bytes", lambda: available)
-    args = argparse.Namespace(model_shape="bench", no_install=True,
-                              kv_load_failure_policy="recompute")
+    args = argparse.Namespace(
+        model_shape="bench", no_install=True, kv_load_failure_policy="recompute"
+    )
     cfg = next(c for c in run_all.CONFIGS if c.name == "kvtier-host")
     with run_all.Setup(cfg, tmp_path, args, run_all.PLANS["full"]) as st:
         assert st.kv_transfer is not None
@@ -33,8 +34,11 @@ def _row_extra(monkeypatch, tmp_path: Path, available: int) -> dict:
 
 
 def _kvtier_accepts(extra: dict, available_at_check: int) -> int:
-    return resolve_cpu_bytes(extra["cpu_bytes"], headroom_bytes=extra["cpu_headroom_bytes"],
-                             mem_available_bytes=available_at_check)  # fmt: skip
+    return resolve_cpu_bytes(
+        extra["cpu_bytes"],
+        headroom_bytes=extra["cpu_headroom_bytes"],
+        mem_available_bytes=available_at_check,
+    )
 
 
 @pytest.mark.parametrize("free_gib", [4.57, 3.5, 20.0])
@@ -55,8 +59,9 @@ def test_a_row_fits_what_the_machine_has_free(monkeypatch, tmp_path, free_gib: f
 def test_a_fixed_gib_would_have_been_refused() -> None:
     """The fixed plan (1 GiB + 1 GiB headroom) at 3.5 GiB free: kvtier refuses it."""
     with pytest.raises(ConfigError, match="cpu_bytes"):
-        resolve_cpu_bytes("1GiB", headroom_bytes=GiB,
-                          mem_available_bytes=int(3.5 * GiB) - run_all.ENGINE_BYTES)  # fmt: skip
+        resolve_cpu_bytes(
+            "1GiB", headroom_bytes=GiB, mem_available_bytes=int(3.5 * GiB) - run_all.ENGINE_BYTES
+        )
 
 
 def test_short_of_the_working_set_the_row_keeps_its_hit_rows(monkeypatch, tmp_path) -> None:
@@ -65,8 +70,11 @@ def test_short_of_the_working_set_the_row_keeps_its_hit_rows(monkeypatch, tmp_pa
     floor = 4 * run_all.PROMPT_TOKENS * run_all.kv_bytes_per_token(run_all.SHAPES["bench"])
     available = run_all.ENGINE_BYTES + run_all.HEADROOM_MIN + floor + 2**20
     extra = _row_extra(monkeypatch, tmp_path, available)
-    assert floor <= extra["cpu_bytes"] < run_all.working_set_bytes(
-        run_all.PLANS["full"], run_all.SHAPES["bench"])
+    assert (
+        floor
+        <= extra["cpu_bytes"]
+        < run_all.working_set_bytes(run_all.PLANS["full"], run_all.SHAPES["bench"])
+    )
     assert extra["cpu_headroom_bytes"] == run_all.HEADROOM_MIN
     with pytest.raises(run_all.Unavailable, match="GiB of host memory available"):
         _row_extra(monkeypatch, tmp_path, available - 2 * 2**20)
@@ -75,9 +83,10 @@ def test_short_of_the_working_set_the_row_keeps_its_hit_rows(monkeypatch, tmp_pa
 @pytest.mark.parametrize(("name", "stop"), [("kvtier-file", "20"), ("kvtier-host", None)])
 def test_rows_with_an_object_tier_stop_vllm_as_kvtier_advises(tmp_path, name, stop) -> None:
     """make bench's servers are stopped between the store and the restart hit: with vLLM's
-    defaults the chunks still queued would be lost (connectors/shutdown.py)."""
-    args = argparse.Namespace(model_shape="bench", no_install=True,
-                              kv_load_failure_policy="recompute")
+    defaults the chunks still queued would be lost (connectors/worker/shutdown.py)."""
+    args = argparse.Namespace(
+        model_shape="bench", no_install=True, kv_load_failure_policy="recompute"
+    )
     cfg = next(c for c in run_all.CONFIGS if c.name == name)
     with run_all.Setup(cfg, tmp_path, args, run_all.PLANS["full"]) as st:
         if stop is None:

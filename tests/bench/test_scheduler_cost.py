@@ -26,9 +26,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     """The JSON results and the printed tables."""
     out = tmp_path_factory.mktemp("sched") / "scheduler.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scheduler_cost.py"), "--quick",
-         "--no-progress", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "scheduler_cost.py"),
+            "--quick",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kvtier ÷ vLLM" in proc.stdout  # the table was printed
@@ -45,14 +54,14 @@ def test_steps_are_well_formed(result: dict) -> None:
     cases = {(r["running_requests"], r["index_chunks"]) for r in steps}
     assert len(cases) >= 2
     for case in cases:
-        phases = sorted(r["phase"] for r in steps
-                        if (r["running_requests"], r["index_chunks"]) == case)
+        phases = sorted(
+            r["phase"] for r in steps if (r["running_requests"], r["index_chunks"]) == case
+        )
         assert phases == ["decode", "prefill"], case
     for r in steps:
         for key in ("vllm_step_us", "kvtier_step_us", "kvtier_ratio"):
             assert isinstance(r[key], int | float) and r[key] > 0, (key, r)
-        assert r["kvtier_ratio"] == pytest.approx(r["kvtier_step_us"] / r["vllm_step_us"],
-                                                  rel=0.01)
+        assert r["kvtier_ratio"] == pytest.approx(r["kvtier_step_us"] / r["vllm_step_us"], rel=0.01)
         assert r["steps"] > 0
         # every running request was scheduled (nothing preempted or left waiting)
         assert r["scheduled_requests"] >= r["running_requests"]
@@ -75,9 +84,13 @@ def test_phases_do_what_they_say(result: dict) -> None:
             assert r["steps_completing_chunks"] == r["steps"], r
             # 8k-token budget, 256-token chunks: a prefill step completes many chunks
             assert r["kvtier_stores"] >= r["steps"] * 4, r
-            decode = next(d for d in result["steps"] if d["phase"] == "decode"
-                          and d["running_requests"] == r["running_requests"]
-                          and d["index_chunks"] == r["index_chunks"])
+            decode = next(
+                d
+                for d in result["steps"]
+                if d["phase"] == "decode"
+                and d["running_requests"] == r["running_requests"]
+                and d["index_chunks"] == r["index_chunks"]
+            )
             # stores travel to the workers: the metadata carries them
             assert r["kvtier_meta_bytes_median"] > decode["kvtier_meta_bytes_median"] + 200, r
             assert r["kvtier_loads"] == 0  # unique prompts: nothing to load
@@ -106,9 +119,11 @@ def test_memory_per_chunk_is_measured(run: tuple[dict, str]) -> None:
     assert isinstance(kv[0]["full_gc_ms"], float) and kv[0]["full_gc_ms"] < 100, kv
     # and the table prints each connector's figures as measured
     for r in result["memory"]:
-        row = (f"| {r['connector']} | {r['index_chunks']:,} | {r['bytes_per_chunk']:.0f} | "
-               f"{r['heap_bytes_per_chunk']:.0f} | {r['gc_tracked_per_chunk']:.2f} | "
-               f"{r['full_gc_ms']:.1f} |")
+        row = (
+            f"| {r['connector']} | {r['index_chunks']:,} | {r['bytes_per_chunk']:.0f} | "
+            f"{r['heap_bytes_per_chunk']:.0f} | {r['gc_tracked_per_chunk']:.2f} | "
+            f"{r['full_gc_ms']:.1f} |"
+        )
         assert row in printed.splitlines(), (row, printed[-1500:])
 
 

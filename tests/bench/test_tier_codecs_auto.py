@@ -33,8 +33,11 @@ def test_auto_replica_compresses_behind_a_thin_link(tmp_path: Path) -> None:
         stored = rio.take_compression()["write"]
         assert stored[1] < stored[0]
         slots = [memoryview(bytearray(len(chunks[0]))) for _ in range(2)]
-        rio.submit_get_run([(i, f"z-auto-{i}", slots[i]) for i in range(2)],
-                           dtype="bfloat16", shape=[len(chunks[0]) // 2])  # fmt: skip
+        rio.submit_get_run(
+            [(i, f"z-auto-{i}", slots[i]) for i in range(2)],
+            dtype="bfloat16",
+            shape=[len(chunks[0]) // 2],
+        )
         tier_codecs.wait_for_results(rio, 2)
         assert [bytes(s) for s in slots] == chunks
     finally:

@@ -23,20 +23,41 @@ def test_the_encryption_table_is_on_by_default_and_can_run_alone() -> None:
 def test_tiny_file_run(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "tier_throughput.py"), "--only", "file",
-         "--only-encryption", "--concurrency", "2", "--chunks", "2", "--chunk-mib", "0.25",
-         "--rounds", "1", "--putget-threads", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "tier_throughput.py"),
+            "--only",
+            "file",
+            "--only-encryption",
+            "--concurrency",
+            "2",
+            "--chunks",
+            "2",
+            "--chunk-mib",
+            "0.25",
+            "--rounds",
+            "1",
+            "--putget-threads",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Encryption: AES-256-GCM on one core" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["putget"] == [] and doc["into"] == []
     rows = doc["encryption"]
     assert [(r["mode"], r["op"]) for r in rows] == [
-        ("sync, 1 thread", "put"), ("sync, 1 thread", "get"),
-        ("RemoteIO, 1 threads", "put"), ("RemoteIO, 1 threads", "get"),
-    ]  # fmt: skip
+        ("sync, 1 thread", "put"),
+        ("sync, 1 thread", "get"),
+        ("RemoteIO, 1 threads", "put"),
+        ("RemoteIO, 1 threads", "get"),
+    ]
     for r in rows:
         assert r["backend"] == "file" and r["chunk_mib"] == 0.25
         assert r["plain_gbps_median"] > 0 and r["sealed_gbps_median"] > 0

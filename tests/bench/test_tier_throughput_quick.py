@@ -25,8 +25,9 @@ def test_defaults_cover_the_issue() -> None:
 
 
 def test_lists_and_backends_parse() -> None:
-    args = tier_throughput.parse_args(["--threads", "2,8", "--concurrency", "16",
-                                       "--only", "file,redis"])  # fmt: skip
+    args = tier_throughput.parse_args(
+        ["--threads", "2,8", "--concurrency", "16", "--only", "file,redis"]
+    )
     assert args.threads == [2, 8] and args.concurrency == [16]
     assert args.skip_s3 and not args.skip_redis and not args.skip_file
 
@@ -43,11 +44,31 @@ def test_bad_options_are_refused(argv: list[str]) -> None:
 def test_tiny_file_run(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "tier_throughput.py"), "--only", "file",
-         "--threads", "1,2", "--concurrency", "1,2", "--chunks", "2", "--chunk-mib", "0.25",
-         "--rounds", "1", "--round-mib", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "tier_throughput.py"),
+            "--only",
+            "file",
+            "--threads",
+            "1,2",
+            "--concurrency",
+            "1,2",
+            "--chunks",
+            "2",
+            "--chunk-mib",
+            "0.25",
+            "--rounds",
+            "1",
+            "--round-mib",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Reads into host slots" in proc.stdout
     rows = json.loads(out.read_text())
@@ -75,11 +96,30 @@ def test_tiny_cluster_run(tmp_path: Path) -> None:
     targets' put/get rows against redis-py, and the key spread over the 3 primaries."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "tier_throughput.py"), "--only-cluster",
-         "--chunks", "2", "--concurrency", "1", "--chunk-mib", "0.25", "--rounds", "1",
-         "--putget-threads", "2", "--spread-keys", "300", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "tier_throughput.py"),
+            "--only-cluster",
+            "--chunks",
+            "2",
+            "--concurrency",
+            "1",
+            "--chunk-mib",
+            "0.25",
+            "--rounds",
+            "1",
+            "--putget-threads",
+            "2",
+            "--spread-keys",
+            "300",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "3-primary cluster" in proc.stdout
     rows = json.loads(out.read_text())

@@ -28,15 +28,21 @@ def test_trace_is_read_by_the_planner_and_has_its_structure(tmp_path: Path) -> N
     assert all(r.timestamp is not None for r in reqs)
     stamps = [r.timestamp or 0.0 for r in reqs]
     assert stamps == sorted(stamps)
-    assert all(trace_replay.TOKEN_LO <= t < trace_replay.TOKEN_HI
-               for r in reqs for t in r.token_ids)
+    assert all(
+        trace_replay.TOKEN_LO <= t < trace_replay.TOKEN_HI for r in reqs for t in r.token_ids
+    )
     salts = Counter(r.cache_salt for r in reqs)
     assert set(salts) == {None, "tenant-b"} and salts[None] > salts["tenant-b"]
     # later turns extend an earlier prompt of the same session (same salt), and not the
     # one right before it only: sessions interleave
-    ext = [(i, j) for j, b in enumerate(reqs) for i, a in enumerate(reqs[:j])
-           if a.cache_salt == b.cache_salt and len(b.token_ids) > len(a.token_ids)
-           and b.token_ids[: len(a.token_ids)] == a.token_ids]
+    ext = [
+        (i, j)
+        for j, b in enumerate(reqs)
+        for i, a in enumerate(reqs[:j])
+        if a.cache_salt == b.cache_salt
+        and len(b.token_ids) > len(a.token_ids)
+        and b.token_ids[: len(a.token_ids)] == a.token_ids
+    ]
     assert len(ext) >= n - shape.sessions
     assert any(j - i > 1 for i, j in ext)
     # the system prompts are shared: few distinct first blocks
@@ -47,7 +53,7 @@ def test_trace_is_read_by_the_planner_and_has_its_structure(tmp_path: Path) -> N
     by_rank: Counter[int] = Counter()
     for r in reqs:
         sys_p = next(x for x in systems if r.token_ids[: len(x)] == x)
-        rest = r.token_ids[len(sys_p):]
+        rest = r.token_ids[len(sys_p) :]
         by_rank.update(i for i, d in enumerate(docs) if rest[: len(d)] == d)
     assert by_rank[0] >= 5 and by_rank[0] > 2 * by_rank[shape.documents // 2]
     # the same seed writes the same trace
@@ -72,8 +78,9 @@ def test_model_per_request_agrees_with_the_planner(tmp_path: Path) -> None:
     for slots in (k, 2 * k, 5 * k):
         hits = trace_replay.lru_hits_per_request(path, slots, 128)
         assert sum(hits) == served[min(slots, len(served) - 1)] > 0
-    assert total == sum(len(json.loads(ln)["prompt_token_ids"])
-                        for ln in path.read_text().splitlines())
+    assert total == sum(
+        len(json.loads(ln)["prompt_token_ids"]) for ln in path.read_text().splitlines()
+    )
 
 
 def test_hash_id_trace_is_planned_from_its_ids_as_its_tokens_replay(tmp_path: Path) -> None:
@@ -87,8 +94,11 @@ def test_hash_id_trace_is_planned_from_its_ids_as_its_tokens_replay(tmp_path: Pa
     served, total = trace_replay.planner_served(hash_trace, 128, shape.block_size)
     assert trace_replay.planner_served(tokens, 128) == (served, total)
     lines = [json.loads(ln) for ln in tokens.read_text().splitlines()]
-    assert all(trace_replay.TOKEN_LO <= t < trace_replay.TOKEN_HI
-               for x in lines for t in x["prompt_token_ids"])
+    assert all(
+        trace_replay.TOKEN_LO <= t < trace_replay.TOKEN_HI
+        for x in lines
+        for t in x["prompt_token_ids"]
+    )
     slots = trace_replay.pick_slots(served, trace_replay.max_request_chunks(tokens, 128))
     rates = [trace_replay.rate_at(served, total, s) for s in slots]
     assert all(b - a >= 0.05 for a, b in zip(rates, rates[1:], strict=False)), rates

@@ -23,17 +23,40 @@ import ttft  # noqa: E402  (sets vLLM's variables for its engines: not for other
 for _name in set(os.environ) - set(_ENV):
     del os.environ[_name]
 
-BASE = {2048: {"cold_ttft_s": 0.6923, "engine_hit_ttft_s": 0.1109, "kvtier_hit_ttft_s": 0.0388,
-               "cached_tokens_engine": 2016, "cached_tokens_kvtier": 2016}}  # fmt: skip
-RAW = {"objects": 8, "bytes": 32 * 2**20, "threads": 2, "parallel_s": 0.0025,
-       "first_then_rest_s": 0.0028}  # fmt: skip
+BASE = {
+    2048: {
+        "cold_ttft_s": 0.6923,
+        "engine_hit_ttft_s": 0.1109,
+        "kvtier_hit_ttft_s": 0.0388,
+        "cached_tokens_engine": 2016,
+        "cached_tokens_kvtier": 2016,
+    }
+}
+RAW = {
+    "objects": 8,
+    "bytes": 32 * 2**20,
+    "threads": 2,
+    "parallel_s": 0.0025,
+    "first_then_rest_s": 0.0028,
+}
 RESTARTS = {
-    "file": {"2048": {"restart_hit_ttft_s": 0.0534, "engine_hit_ttft_s": 0.0303,
-                      "cached": [2016, 2016, 2016], "raw": RAW}},
-    "redis": {"2048": {"restart_hit_ttft_s": 0.0672, "engine_hit_ttft_s": 0.0325,
-                       "cached": [2016, 2016, 2016], "raw": {**RAW, "parallel_s": 0.018,
-                                                             "first_then_rest_s": 0.017}}},
-}  # fmt: skip
+    "file": {
+        "2048": {
+            "restart_hit_ttft_s": 0.0534,
+            "engine_hit_ttft_s": 0.0303,
+            "cached": [2016, 2016, 2016],
+            "raw": RAW,
+        }
+    },
+    "redis": {
+        "2048": {
+            "restart_hit_ttft_s": 0.0672,
+            "engine_hit_ttft_s": 0.0325,
+            "cached": [2016, 2016, 2016],
+            "raw": {**RAW, "parallel_s": 0.018, "first_then_rest_s": 0.017},
+        }
+    },
+}
 BREAKDOWN = """
 restart hit = in-engine hit + raw client (same chunks, same threads) + kvtier's own (ms)
 tokens  tier  restart  in-eng     raw raw 1st+     own own goal ÷in-eng  goal chunks   MiB
@@ -57,42 +80,57 @@ def report(argv: list[str], restarts: dict) -> str:
 
 def test_the_sweep_table_and_its_breakdown() -> None:
     text = report(["--sweep", "2048", "--restart", "file,redis", "--samples", "3"], RESTARTS)
-    assert text == """
+    assert (
+        text
+        == """
 TTFT (ms), median of 3 per length, 8 layers x 1024
 tokens     cold in-engine    host   file restart ÷ in-eng  redis restart ÷ in-eng
   2048    692.3     110.9    38.8           53.4     1.76           67.2     2.07
-""" + BREAKDOWN
+"""
+        + BREAKDOWN
+    )
 
 
 def test_the_restarted_engines_first_request_is_reported() -> None:
     """(a restart hit arriving right after startup: what the engine's startup left to it)"""
     first = {"tokens": 2048, "ttft_s": 0.0696, "cached": 2016}
-    restarts = {kind: {"2048": {**v["2048"], "first_request": first}}
-                for kind, v in RESTARTS.items()}  # fmt: skip
+    restarts = {
+        kind: {"2048": {**v["2048"], "first_request": first}} for kind, v in RESTARTS.items()
+    }
     text = report(["--sweep", "2048", "--restart", "file,redis", "--samples", "3"], restarts)
-    assert text.endswith(BREAKDOWN + """
+    assert text.endswith(
+        BREAKDOWN
+        + """
 the restarted engine's first request (a restart hit right after startup), ms:
   2048  file     69.6   (2016 tokens cached)
   2048 redis     69.6   (2016 tokens cached)
-""")
+"""
+    )
 
 
 def test_the_in_process_engine_beside_the_multiprocess_one() -> None:
     """(--profile measures the same hits in an in-process engine too: both are shown)"""
     inproc = {"restart_hit_ttft_s": 0.0455, "engine_hit_ttft_s": 0.0287}
-    restarts = {"file": {"2048": {**RESTARTS["file"]["2048"], "inprocess": inproc}},
-                "redis": RESTARTS["redis"]}  # fmt: skip
+    restarts = {
+        "file": {"2048": {**RESTARTS["file"]["2048"], "inprocess": inproc}},
+        "redis": RESTARTS["redis"],
+    }
     text = report(["--sweep", "2048", "--restart", "file,redis", "--samples", "3"], restarts)
-    assert text.endswith(BREAKDOWN + """
+    assert text.endswith(
+        BREAKDOWN
+        + """
 the same hits, in-process engine (--profile) beside the multiprocess one (vllm serve's), ms:
 tokens  tier  in-proc  in-eng     ÷    multi  in-eng     ÷
   2048  file     45.5    28.7  1.59     53.4    30.3  1.76
-""")
+"""
+    )
 
 
 def test_one_length_with_its_goals() -> None:
     text = report(["--restart", "file,redis", "--samples", "3"], RESTARTS)
-    assert text == """
+    assert (
+        text
+        == """
 TTFT, median of 3, 2048-token prompt, 8 layers x 1024
   (a) cold prefill                     692.3 ms
   (b) vLLM in-engine prefix hit        110.9 ms   (2016 tokens cached)
@@ -101,13 +139,27 @@ TTFT, median of 3, 2048-token prompt, 8 layers x 1024
   c/a = 0.056   (goal <= 0.06)
   (d) file  tier hit after an engine restart     53.4 ms; ÷ in-engine hit there (30.3 ms) = 1.76   (goal <= 1.2; 2016 tokens cached)
   (d) redis tier hit after an engine restart     67.2 ms; ÷ in-engine hit there (32.5 ms) = 2.07   (goal <= 1.4; 2016 tokens cached)
-""" + BREAKDOWN  # noqa: E501
+"""  # noqa: E501
+        + BREAKDOWN
+    )
 
 
 def test_the_json_result_and_the_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "r.json", tmp_path / "sweep.png"
-    text = report(["--sweep", "2048", "--restart", "file,redis", "--json", "--out", str(out),
-                   "--plot", str(png)], RESTARTS)  # fmt: skip
+    text = report(
+        [
+            "--sweep",
+            "2048",
+            "--restart",
+            "file,redis",
+            "--json",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        RESTARTS,
+    )
     assert json.loads(text) == json.loads(out.read_text())
     row = json.loads(text)["sweep"][0]
     assert row["restart"]["redis"]["kvtier_own_s"] == pytest.approx(0.0672 - 0.0325 - 0.018)
@@ -115,13 +167,17 @@ def test_the_json_result_and_the_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--plot", "x.png"], "--plot needs --sweep"),
-    (["--restart", "file,gcs"], "--restart takes file, s3, redis; not gcs"),
-    (["--sweep", "32"], "expected integers >= 64"),
-])  # fmt: skip
-def test_bad_flags_are_refused(argv: list[str], message: str,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--plot", "x.png"], "--plot needs --sweep"),
+        (["--restart", "file,gcs"], "--restart takes file, s3, redis; not gcs"),
+        (["--sweep", "32"], "expected integers >= 64"),
+    ],
+)
+def test_bad_flags_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         ttft.parse_args(argv)
     assert message in capsys.readouterr().err
@@ -171,8 +227,14 @@ def _resident_pages(path: Path) -> int:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     size = path.stat().st_size
@@ -228,4 +290,3 @@ def test_a_file_tier_needs_no_server(tmp_path: Path) -> None:
     with restart_tiers.object_tier("file", str(tmp_path)) as (extra, env):
         assert extra == {"remote_url": f"file://{tmp_path}/tier"} and env == {}
     assert not (tmp_path / "tier").exists()  # a fresh directory for every run
-

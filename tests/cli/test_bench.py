@@ -50,8 +50,7 @@ def test_ttft_table_and_hit_rate_from_deltas(fake: tuple[FakeServer, str], capsy
     assert bench.run(bench_args(url)) == 0
     out = capsys.readouterr().out
     assert state.completions == 8
-    for label in ("requests", "throughput", "TTFT p50 / p99", "TTFT hit", "TTFT miss",
-                  "hit rate"):
+    for label in ("requests", "throughput", "TTFT p50 / p99", "TTFT hit", "TTFT miss", "hit rate"):
         assert label in out, out
     assert "8 (0 failed)" in out
     # 30 of 40 looked-up tokens per request, whatever the totals were before the run
@@ -94,9 +93,15 @@ def test_headline_is_the_share_of_prompt_tokens_from_any_cache(
     res = json.loads(capsys.readouterr().out)
     assert res["hit_rate"] == pytest.approx(0.4)
     assert res["hit_rate_source"] == promtext.ANY_CACHE
-    assert res["hit_rate_by_source"] == pytest.approx({
-        "gpu_prefix_cache": 0.1, "kvtier_host": 0.3, "kvtier_object_tier": 0.0,
-        "other_connector": 0.0, "computed": 0.6})
+    assert res["hit_rate_by_source"] == pytest.approx(
+        {
+            "gpu_prefix_cache": 0.1,
+            "kvtier_host": 0.3,
+            "kvtier_object_tier": 0.0,
+            "other_connector": 0.0,
+            "computed": 0.6,
+        }
+    )
     assert res["prompt_tokens_by_source"]["kvtier_host"] == 8 * HIT_PER_REQUEST
     assert res["hit_rates"]["kvtier"] == pytest.approx(0.75)  # still there, beside it
     assert plot.stat().st_size > 10_000
@@ -114,7 +119,7 @@ def test_failed_requests_are_counted(fake: tuple[FakeServer, str], capsys: Any) 
     res = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert res["requests"] == 6 and res["failed"] == 2
-    assert list(res["errors"]) == ["HTTP 500: {\"error\": \"injected failure\"}"]
+    assert list(res["errors"]) == ['HTTP 500: {"error": "injected failure"}']
     assert res["hit_rate"] == pytest.approx(0.75)  # 4 successes moved the counters
 
 
@@ -194,8 +199,18 @@ def test_request_rate_paces_arrivals(fake: tuple[FakeServer, str], capsys: Any) 
     rate, n = 10.0, 6
     rng = random.Random("kvtier-bench:0:arrivals")
     gaps = [rng.expovariate(rate) for _ in range(n)]
-    args = bench_args(url, "--json", "--sessions", str(n), "--turns", "1", "--concurrency", str(n),
-                 "--request-rate", str(rate))
+    args = bench_args(
+        url,
+        "--json",
+        "--sessions",
+        str(n),
+        "--turns",
+        "1",
+        "--concurrency",
+        str(n),
+        "--request-rate",
+        str(rate),
+    )
     assert bench.run(args) == 0
     starts = sorted(s["start_s"] for s in json.loads(capsys.readouterr().out)["samples"])
     assert starts[-1] >= sum(gaps) - 0.05
@@ -217,8 +232,7 @@ def test_workload_is_deterministic_and_shares_the_prefix() -> None:
     half = bench.make_workload(seed=7, scale=bench.TokenScale(per_word=2.0, lead=3.0), **kw)
     assert len(half[0].first_prompt.split()) == 1 + round(297 / 2) + 50
     # no shared prefix: every prompt still opens with the lead word, the rest differs
-    cold = bench.make_workload(seed=7, sessions=2, turns=1, shared_prefix_tokens=0,
-                               turn_tokens=64)
+    cold = bench.make_workload(seed=7, sessions=2, turns=1, shared_prefix_tokens=0, turn_tokens=64)
     assert [c.first_prompt.split()[0] for c in cold] == [bench.LEAD_WORD] * 2
     assert cold[0].first_prompt != cold[1].first_prompt
     assert len(cold[0].first_prompt.split()) == 64
@@ -253,8 +267,22 @@ def test_wired_as_kvtier_bench(fake: tuple[FakeServer, str], capsys: Any) -> Non
     from kvtier.cli import main as cli
 
     _, url = fake
-    rc = cli.main(["bench", "--url", url + "/v1", "--json", "--sessions", "2",
-                   "--shared-prefix-tokens", "20", "--turn-tokens", "5", "--output-tokens", "2"])
+    rc = cli.main(
+        [
+            "bench",
+            "--url",
+            url + "/v1",
+            "--json",
+            "--sessions",
+            "2",
+            "--shared-prefix-tokens",
+            "20",
+            "--turn-tokens",
+            "5",
+            "--output-tokens",
+            "2",
+        ]
+    )
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["requests"] == 2
 
@@ -265,9 +293,7 @@ def test_bad_flags_exit_2(capsys: Any) -> None:
     assert "--sessions" in capsys.readouterr().err
 
 
-def test_module_imports_neither_torch_vllm_nor_matplotlib(
-    fake: tuple[FakeServer, str]
-) -> None:
+def test_module_imports_neither_torch_vllm_nor_matplotlib(fake: tuple[FakeServer, str]) -> None:
     _, url = fake
     code = (
         "import sys\nfrom kvtier.cli import bench\n"
@@ -277,8 +303,7 @@ def test_module_imports_neither_torch_vllm_nor_matplotlib(
         "bad = [m for m in ('torch', 'vllm', 'matplotlib') if m in sys.modules]\n"
         "assert rc == 0 and not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["requests"] == 2
 
@@ -302,32 +327,75 @@ def test_e2e_real_vllm_with_kvtier(tmp_path: Path, capsys: Any) -> None:
 
     model = build_tiny_llama(tmp_path / "model", layers=4, hidden=256)
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "NO_PROXY": "127.0.0.1,localhost"}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
     log = open(tmp_path / "vllm.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--enforce-eager", "--block-size", "32", "--max-model-len", "2048",
-         "--kv-transfer-config", json.dumps(KVTIER_CONFIG)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "2048",
+            "--kv-transfer-config",
+            json.dumps(KVTIER_CONFIG),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
         while True:
             assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2,
-                             trust_env=False).status_code == 200:
+                if (
+                    httpx.get(
+                        f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False
+                    ).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "vLLM did not start in 300 s"
             time.sleep(1)
         args = bench.build_parser().parse_args(
-            ["--url", f"http://127.0.0.1:{port}", "--json", "--sessions", "3", "--turns", "2",
-             "--shared-prefix-tokens", "600", "--turn-tokens", "64", "--output-tokens", "4",
-             "--concurrency", "1", "--reset-prefix-cache"]
+            [
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--json",
+                "--sessions",
+                "3",
+                "--turns",
+                "2",
+                "--shared-prefix-tokens",
+                "600",
+                "--turn-tokens",
+                "64",
+                "--output-tokens",
+                "4",
+                "--concurrency",
+                "1",
+                "--reset-prefix-cache",
+            ]
         )
         rc = bench.run(args)
         res = json.loads(capsys.readouterr().out)
@@ -365,33 +433,65 @@ def _load_report() -> Any:
 
 def _phase(ttfts: list[float], rps: float = 1.0) -> dict[str, Any]:
     samples = [{"start_s": float(i), "ok": True, "ttft_s": t} for i, t in enumerate(ttfts)]
-    return {"samples": samples, "requests": len(ttfts), "failed": 0, "throughput_rps": rps,
-            "ttft_p50_s": promtext.quantile(ttfts, 0.5), "hit_rate": 0.5,
-            "hit_rates": {"kvtier": 0.5, "vllm_prefix_cache": 0.0, "vllm_external": 0.5}}
+    return {
+        "samples": samples,
+        "requests": len(ttfts),
+        "failed": 0,
+        "throughput_rps": rps,
+        "ttft_p50_s": promtext.quantile(ttfts, 0.5),
+        "hit_rate": 0.5,
+        "hit_rates": {"kvtier": 0.5, "vllm_prefix_cache": 0.0, "vllm_external": 0.5},
+    }
 
 
 def test_report_ratios_goals_and_unavailable_peers(tmp_path: Path) -> None:
     report = _load_report()
     results = {
-        "meta": {"started": "now", "command": "make bench", "machine": "test", "vllm": "0.32.0",
-                 "python": "3.11", "model_shape": {"layers": 8, "hidden": 1024, "heads": 16,
-                                                   "kv_heads": 8},
-                 "kv_cache_memory_bytes": 1, "device_cache_tokens": 4096, "max_model_len": 2560,
-                 "chunk_size": 256, "plan": {"mt_sessions": 8, "mt_turns": 6}},
+        "meta": {
+            "started": "now",
+            "command": "make bench",
+            "machine": "test",
+            "vllm": "0.32.0",
+            "python": "3.11",
+            "model_shape": {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8},
+            "kv_cache_memory_bytes": 1,
+            "device_cache_tokens": 4096,
+            "max_model_len": 2560,
+            "chunk_size": 256,
+            "plan": {"mt_sessions": 8, "mt_turns": 6},
+        },
         "configs": {
-            "vllm": {"label": "vLLM", "phases": {
-                "cold": _phase([1.0, 1.2, 1.1]), "repeat": _phase([1.0, 0.05, 0.05, 0.05]),
-                "connector": _phase([1.0, 1.0]), "shared75": _phase([1.0, 1.0, 1.0]),
-                "shared75_engine": _phase([1.0, 0.3, 0.3]), "multiturn": _phase([0.5], 1.0)}},
-            "kvtier-host": {"label": "kvtier", "phases": {
-                "cold": _phase([1.1]), "repeat": _phase([1.1, 0.05]),
-                "connector": _phase([0.05, 0.06, 0.05]), "shared75": _phase([1.0, 0.3, 0.3]),
-                "multiturn": _phase([0.2], 2.5)}},
+            "vllm": {
+                "label": "vLLM",
+                "phases": {
+                    "cold": _phase([1.0, 1.2, 1.1]),
+                    "repeat": _phase([1.0, 0.05, 0.05, 0.05]),
+                    "connector": _phase([1.0, 1.0]),
+                    "shared75": _phase([1.0, 1.0, 1.0]),
+                    "shared75_engine": _phase([1.0, 0.3, 0.3]),
+                    "multiturn": _phase([0.5], 1.0),
+                },
+            },
+            "kvtier-host": {
+                "label": "kvtier",
+                "phases": {
+                    "cold": _phase([1.1]),
+                    "repeat": _phase([1.1, 0.05]),
+                    "connector": _phase([0.05, 0.06, 0.05]),
+                    "shared75": _phase([1.0, 0.3, 0.3]),
+                    "multiturn": _phase([0.2], 2.5),
+                },
+            },
             "kvtier-file": {"label": "kvtier file", "phases": {"restart": _phase([0.1])}},
             "lmcache": {"label": "LMCache", "unavailable": "no lmcache here", "phases": {}},
-            "example": {"label": "Example", "phases": {
-                "connector": _phase([0.1]), "shared75": _phase([1.0, 1.0]),
-                "multiturn": _phase([0.5], 1.0)}},
+            "example": {
+                "label": "Example",
+                "phases": {
+                    "connector": _phase([0.1]),
+                    "shared75": _phase([1.0, 1.0]),
+                    "multiturn": _phase([0.5], 1.0),
+                },
+            },
         },
     }
     summary = report.summarize(results)

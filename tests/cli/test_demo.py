@@ -16,9 +16,23 @@ pytestmark = pytest.mark.e2e
 def test_demo_shows_host_and_restart_hits(tmp_path: Path) -> None:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run(
-        [sys.executable, "-c", "from kvtier.cli.main import main; raise SystemExit(main())",
-         "demo", "--small", "--docs", "2", "--questions", "2", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            "from kvtier.cli.main import main; raise SystemExit(main())",
+            "demo",
+            "--small",
+            "--docs",
+            "2",
+            "--questions",
+            "2",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = proc.stdout

@@ -20,8 +20,18 @@ import pytest
 
 from kvtier.cli import demo
 
-ROW = {"doc": 0, "q": 0, "prompt_tokens": 1600, "kvtier_tokens": 0, "host_tokens": 0,
-       "remote_tokens": 0, "vllm_tokens": 0, "reset": True, "missed": {}, "ttft_s": 0.5}
+ROW = {
+    "doc": 0,
+    "q": 0,
+    "prompt_tokens": 1600,
+    "kvtier_tokens": 0,
+    "host_tokens": 0,
+    "remote_tokens": 0,
+    "vllm_tokens": 0,
+    "reset": True,
+    "missed": {},
+    "ttft_s": 0.5,
+}
 
 #: a stand-in for ``python -m kvtier.cli.demo SPEC``: the stage lines and the RESULT line
 #: the driver reads, or (``hang``) a start that never ends and, at Ctrl-C, a shutdown
@@ -65,8 +75,9 @@ def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     makes the demo's temporary directory under ``tmp_path/tmp``."""
     script = tmp_path / "fake_engine.py"
     script.write_text(f"ROW = {ROW!r}\n" + FAKE_ENGINE)
-    monkeypatch.setattr(demo, "_engine_command",
-                        lambda spec: [sys.executable, str(script), json.dumps(spec)])
+    monkeypatch.setattr(
+        demo, "_engine_command", lambda spec: [sys.executable, str(script), json.dumps(spec)]
+    )
     import kvtier.cli.tinymodel as tinymodel
 
     monkeypatch.setattr(tinymodel, "build_tiny_llama", lambda path, **kw: Path(path))
@@ -76,12 +87,11 @@ def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    return argparse.Namespace(**{"workdir": None, "docs": 2, "questions": 2, "small": True,
-                                 **kw})
+    return argparse.Namespace(**{"workdir": None, "docs": 2, "questions": 2, "small": True, **kw})
 
 
 def test_a_run_reports_estimates_and_removes_its_temporary_directory(
-        fake_engine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    fake_engine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
     assert demo.run(_args()) == 0
@@ -96,16 +106,19 @@ def test_a_run_reports_estimates_and_removes_its_temporary_directory(
 
 
 def test_a_given_workdir_is_kept_with_the_engines_logs(
-        fake_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    fake_engine: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
     assert demo.run(_args(workdir=str(tmp_path / "keep"))) == 0
     assert {p.name for p in (tmp_path / "keep").iterdir()} >= {"engine-1.log", "engine-2.log"}
 
 
 def test_a_failed_engine_shows_its_log_and_the_directory_still_goes(
-        fake_engine: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    fake_engine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("FAKE_ENGINE_MODE", "fail")
     assert demo.run(_args()) == 1
     err = capsys.readouterr().err
@@ -125,6 +138,15 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def _as_a_shell_starts_it() -> None:
+    """SIGINT as a terminal's shell leaves it: default, unblocked. A child inherits a
+    blocked mask and an ignored SIGINT across exec; under `-n 2` both variants below once
+    waited out their 120 s with the driver never interrupted (this test process's SIGINT
+    state, left by something else that ran in it, is the suspect)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("to", ["group", "driver"])
 def test_ctrl_c_stops_the_engine_quietly_and_cleans_up(tmp_path: Path, to: str) -> None:
     """Ctrl-C at a terminal signals the whole process group (driver and engine); ``kill
@@ -136,8 +158,14 @@ def test_ctrl_c_stops_the_engine_quietly_and_cleans_up(tmp_path: Path, to: str) 
     started = tmp_path / "started"
     env = dict(os.environ, FAKE_ENGINE_MODE="hang", FAKE_ENGINE_STARTED=str(started))
     proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(script), str(tmp_path / "tmp")], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [sys.executable, "-c", DRIVER, str(script), str(tmp_path / "tmp")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_as_a_shell_starts_it,
+    )
     try:
         deadline = time.monotonic() + 120  # a bound on waiting, not an assertion on time
         while not (started.exists() and started.read_text()) and proc.poll() is None:
@@ -176,7 +204,8 @@ def test_progress_off_a_terminal_is_a_line_every_interval() -> None:
         p.tick()
     assert out.getvalue().splitlines() == [
         "[kvtier demo] engine 1: starting vLLM ... 10 s",
-        "[kvtier demo] engine 1: starting vLLM ... 20 s"]
+        "[kvtier demo] engine 1: starting vLLM ... 20 s",
+    ]
 
 
 def test_progress_on_a_terminal_redraws_one_line_and_says_over_it() -> None:
@@ -214,8 +243,9 @@ def test_the_estimate_counts_engine_2s_start_and_every_request() -> None:
     assert demo.estimate_rest(0, 1.0, 3, 4) > base and demo.estimate_rest(0, 1.0, 4, 3) > base
 
 
-@pytest.mark.parametrize(("seconds", "text"), [
-    (0.4, "0 s"), (44.6, "45 s"), (89, "89 s"), (120, "2 min"), (190, "3 min 10 s"),
-    (-3, "0 s")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.4, "0 s"), (44.6, "45 s"), (89, "89 s"), (120, "2 min"), (190, "3 min 10 s"), (-3, "0 s")],
+)
 def test_durations_read_as_estimates(seconds: float, text: str) -> None:
     assert demo.duration(seconds) == text

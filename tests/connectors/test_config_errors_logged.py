@@ -44,8 +44,13 @@ def test_the_connector_logs_a_refused_config_before_raising(
     model_dir: str, caplog: pytest.LogCaptureFixture, role: KVConnectorRole
 ) -> None:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    kcc = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)])
+    kcc = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)
+        ],
+    )
     vc = engine_config(model_dir, {"cpu_byte": "8GiB"})
     caplog.set_level(logging.INFO, logger="kvtier")
     with pytest.raises(ConfigError) as err:

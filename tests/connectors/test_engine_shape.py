@@ -24,15 +24,24 @@ from kvtier.connectors.engine_shape import EngineShape
 from tests.connectors.hybrid_engine import BS, CHUNK, engine_config
 
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-WINDOW = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
-                           sliding_window=32, extra_retained_tokens=16)
+WINDOW = SlidingWindowSpec(
+    block_size=BS,
+    num_kv_heads=2,
+    head_size=8,
+    dtype=torch.bfloat16,
+    sliding_window=32,
+    extra_retained_tokens=16,
+)
 
 
 def test_a_real_engine_config_reads_into_its_shape(model_dir: str) -> None:
     vc = engine_config(model_dir)
     vc.parallel_config.distributed_executor_backend = "mp"
-    kcc = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["l0", "l1"], FULL), KVCacheGroupSpec(["l2"], WINDOW)])
+    kcc = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], FULL), KVCacheGroupSpec(["l2"], WINDOW)],
+    )
     shape = EngineShape.from_vllm(vc, kcc)
     assert (shape.model, shape.revision, shape.served_name) == (model_dir, None, model_dir)
     assert (shape.dtype, shape.kv_cache_dtype, shape.block_size) == ("bfloat16", "auto", BS)
@@ -50,7 +59,8 @@ def test_a_real_engine_config_reads_into_its_shape(model_dir: str) -> None:
     full, window = kv.groups
     assert full.layer_names == ("l0", "l1") and full.page_bytes == FULL.page_size_bytes
     assert [(s.full, s.sliding, s.attention, s.block_size) for s in full.specs] == [
-        (True, False, True, BS)]
+        (True, False, True, BS)
+    ]
     assert [(s.sliding, s.window) for s in window.specs] == [(True, 48)]
     assert (full.event_kind, window.event_window) == ("full_attention", 32)
     assert full.describe() == "FullAttentionSpec x 2 layers"
@@ -77,10 +87,16 @@ def test_layer_pages_come_from_the_tensors_when_they_cover_every_layer(model_dir
     """Each layer's page is the smaller of its tensor's strides; a tensor that names no
     layers (or misses one) leaves the groups' spec pages in charge."""
     page = FULL.page_size_bytes
-    tensors = [KVCacheTensor(size=2 * page * 32, layers=["l0", "l1"], layer_stride=page * 32,
-                             block_stride=page)]
-    kcc = KVCacheConfig(num_blocks=32, kv_cache_tensors=tensors,
-                        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], FULL)])
+    tensors = [
+        KVCacheTensor(
+            size=2 * page * 32, layers=["l0", "l1"], layer_stride=page * 32, block_stride=page
+        )
+    ]
+    kcc = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], FULL)],
+    )
     kv = EngineShape.from_vllm(engine_config(model_dir), kcc).allocated_kv_cache()
     assert dict(kv.layer_pages or {}) == {"l0": page, "l1": page}
     kcc.kv_cache_groups = [KVCacheGroupSpec(["l0", "l1", "l2"], FULL)]
@@ -91,7 +107,8 @@ def test_layer_pages_come_from_the_tensors_when_they_cover_every_layer(model_dir
 def test_mamba_state_is_named_as_such(model_dir: str) -> None:
     """What the connector refuses by (groups.kv_groups, vllm.check_kv_cache_groups)."""
     mamba = MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,))
-    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba)])
+    kcc = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m0"], mamba)]
+    )
     (group,) = EngineShape.from_vllm(engine_config(model_dir), kcc).allocated_kv_cache().groups
     assert [(s.mamba, s.attention, s.full) for s in group.specs] == [(True, False, False)]

@@ -42,12 +42,19 @@ def run_checked(eng: WindowEngine, req: Request) -> None:
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_what_comes_back_is_what_was_computed(
-    model_dir: str, tmp_path: Path, kind: str, way: str, chunked: bool,
+    model_dir: str,
+    tmp_path: Path,
+    kind: str,
+    way: str,
+    chunked: bool,
 ) -> None:
     budget = 63 if chunked else 1024
     policy = "recompute" if way == "one-step" else "fail"
-    extra = {} if way == "host" else {"remote_url": f"file://{tmp_path / 'kv'}",
-                                      "model_fingerprint": f"matrix-{kind}"}
+    extra = (
+        {}
+        if way == "host"
+        else {"remote_url": f"file://{tmp_path / 'kv'}", "model_fingerprint": f"matrix-{kind}"}
+    )
     writer = WindowEngine(model_dir, kind, budget=budget, policy=policy, extra=extra)
     a = writer.request(prompt(4 * CHUNK + 10, seed=21), max_tokens=60)  # decodes into chunk 4
     run_checked(writer, a)

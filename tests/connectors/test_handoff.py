@@ -1,6 +1,6 @@
 """Hand-off on drain: the scheduler lists the hot chunks the object tier lacks
-(connectors/hot.py), and a draining worker writes them first, hottest first, within
-``shutdown_flush_s`` (connectors/shutdown.py), counting what it wrote and what it left."""
+(connectors/scheduler/hot.py), and a draining worker writes them first, hottest first, within
+``shutdown_flush_s`` (connectors/worker/shutdown.py), counting what it wrote and what it left."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from copyfakes import make_caches
 
 from kvtier import metrics
 from kvtier.config import load_config
-from kvtier.connectors import worker as worker_mod
-from kvtier.connectors.hot import HotChunks
 from kvtier.connectors.metadata import FetchOp, KVTierMetadata, StoreOp
-from kvtier.connectors.shutdown import hand_off
+from kvtier.connectors.scheduler.hot import HotChunks
+from kvtier.connectors.worker import side as worker_mod
+from kvtier.connectors.worker.shutdown import hand_off
 from kvtier.host.index import ChunkIndex, Entry, State
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO
@@ -45,8 +45,14 @@ def _ready(index: ChunkIndex, k: bytes) -> Entry:
 def test_the_scheduler_lists_hot_chunks_the_object_tier_lacks_hottest_first() -> None:
     index = ChunkIndex(8)
     now = [100.0]
-    hot = HotChunks(index, lambda e: not e.remote, send_s=30, clock=lambda: now[0],
-                    wall=lambda: 5000.0)  # fmt: skip
+    hot = HotChunks(
+        index,
+        lambda e: not e.remote,
+        send_s=30,
+        handoff_s=30,
+        clock=lambda: now[0],
+        wall=lambda: 5000.0,
+    )
     a, b, c, d, e = (_ready(index, key(x)) for x in "abcde")
     c.remote = True  # uploaded already (or host-only)
     d.uploading = True  # its upload is in flight
@@ -70,11 +76,45 @@ def test_the_scheduler_lists_hot_chunks_the_object_tier_lacks_hottest_first() ->
     assert hot.report() == (None, ((key("e"), e.slot), (key("a"), a.slot)))
 
 
+def test_the_hand_off_list_names_the_latest_hits_within_a_second() -> None:
+    """An engine that serves for under SEND_S, or goes idle, before it drains: the hand-off
+    list is brought up to date every HANDOFF_S with the hits not yet taken into the heat,
+    most hit first, ahead of the older hot list (the drain writes what it last named)."""
+    index = ChunkIndex(8)
+    now = [100.0]
+    hot = HotChunks(
+        index,
+        lambda e: not e.remote,
+        send_s=30,
+        handoff_s=1,
+        clock=lambda: now[0],
+        wall=lambda: 5000.0,
+    )
+    a, b, c = (_ready(index, key(x)) for x in "abc")
+    for _ in range(2):
+        hot.hit(key("a"))
+    assert hot.report() == (None, None), "the first report starts the clocks"
+    now[0] += 1
+    assert hot.report() == (None, ((key("a"), a.slot),)), "a second later: named, no heat"
+    now[0] += 0.5
+    for _ in range(3):
+        hot.hit(key("c"))
+    hot.hit(key("b"))
+    assert hot.report() == (None, None), "within the second: not yet"
+    now[0] += 0.5
+    assert hot.report() == (None, ((key("c"), c.slot), (key("a"), a.slot), (key("b"), b.slot)))
+    now[0] += 1
+    assert hot.report() == (None, None), "unchanged: nothing sent"
+    now[0] += 30
+    heat, handoff = hot.report()
+    assert heat is not None and len(heat) == 3 and handoff is None, "taken, the same list"
+
+
 def test_a_scheduler_counts_its_loads_and_sends_them_with_the_hand_off_list() -> None:
     """Through SchedulerSide: a prompt stored under write_back (not uploaded), then hit
     twice; after SEND_S the step's metadata carries those hits (a chunk per load) and the
     chunks as the hand-off list, the hottest (the whole prompt, hit as often) first."""
-    from tests.connectors.test_scheduler_side import (
+    from tests.connectors.scheduler.test_scheduler_side import (
         report,
         request,
         run_prompt,
@@ -125,10 +165,16 @@ class Recording(FileTier):
 
 
 def _worker(tmp_path: Path) -> tuple[worker_mod.WorkerSide, Recording]:
-    cfg = load_config({"cpu_bytes": "64MiB", "chunk_size": BPC * BS, "write_policy":
-                       "write_back", "remote_url": f"file://{tmp_path}"}, environ={})  # fmt: skip
-    ns = Namespace("", None, "bfloat16", "auto", BS, BPC * BS, 1, fingerprint="f" * 32,
-                   label="m")  # fmt: skip
+    cfg = load_config(
+        {
+            "cpu_bytes": "64MiB",
+            "chunk_size": BPC * BS,
+            "write_policy": "write_back",
+            "remote_url": f"file://{tmp_path}",
+        },
+        environ={},
+    )
+    ns = Namespace("", None, "bfloat16", "auto", BS, BPC * BS, 1, fingerprint="f" * 32, label="m")
     tier = Recording(str(tmp_path))
 
     def remote(c: Any) -> RemoteIO:  # one write thread: the writes land in queue order
@@ -151,12 +197,18 @@ def test_a_draining_worker_writes_the_hot_list_first_hottest_first(
     tmp_path: Path, caplog: Any
 ) -> None:
     w, tier = _worker(tmp_path)
-    stores = [StoreOp(i + 1, slot, [4 * slot + j for j in range(4)], key(x))
-              for i, (slot, x) in enumerate([(0, "a"), (1, "b"), (2, "c"), (3, "d")])]
+    stores = [
+        StoreOp(i + 1, slot, [4 * slot + j for j in range(4)], key(x))
+        for i, (slot, x) in enumerate([(0, "a"), (1, "b"), (2, "c"), (3, "d")])
+    ]
     _step(w, 1, stores=stores)
     # since: slot 1 stored over with another chunk, slot 3 fetched into
-    _step(w, 2, stores=[StoreOp(10, 1, [20, 21, 22, 23], key("x"))],
-          fetches=[[FetchOp(11, 3, key("y"))]])  # fmt: skip
+    _step(
+        w,
+        2,
+        stores=[StoreOp(10, 1, [20, 21, 22, 23], key("x"))],
+        fetches=[[FetchOp(11, 3, key("y"))]],
+    )
     hot = ((key("c"), 2), (key("b"), 1), (key("a"), 0), (key("d"), 3), (key("e"), 5))
     _step(w, 3, handoff=hot)
     assert [p.op_id for p in w.handoff_puts()] == [-1, -2], "only slots still holding them"
@@ -191,16 +243,29 @@ class SlowQueue:
 
     write_threads = 1
 
-    def __init__(self, clock: list[float], per_put_s: float, depth: int = 1,
-                 failing: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        clock: list[float],
+        per_put_s: float,
+        depth: int = 1,
+        failing: frozenset[str] = frozenset(),
+    ) -> None:
         self.clock, self.per_put_s, self.depth, self.failing = clock, per_put_s, depth, failing
         self.queue: list[Put] = []
         self.order: list[str] = []
         self.refused = 0
         self.busy_until = clock[0]
 
-    def submit_put(self, op_id: int, key: str, payload: memoryview, *, dtype: str,
-                   shape: list[int], first: bool = False) -> bool:  # fmt: skip
+    def submit_put(
+        self,
+        op_id: int,
+        key: str,
+        payload: memoryview,
+        *,
+        dtype: str,
+        shape: list[int],
+        first: bool = False,
+    ) -> bool:
         assert first, "a hand-off goes ahead of the queued uploads"
         if len(self.queue) >= self.depth:
             self.refused += 1
@@ -228,8 +293,14 @@ def _drive(q: SlowQueue, clock: list[float], n: int, within: float, window: int 
     def wait(s: float) -> None:
         clock[0] += s
 
-    return hand_off(q, _puts(n), clock[0] + within, clock=lambda: clock[0],  # type: ignore[arg-type]
-                    wait=wait, window=window)  # fmt: skip
+    return hand_off(
+        q,  # type: ignore[arg-type]
+        _puts(n),
+        clock[0] + within,
+        clock=lambda: clock[0],
+        wait=wait,
+        window=window,
+    )
 
 
 def test_the_drive_writes_in_order_and_counts_what_the_time_left() -> None:
@@ -302,8 +373,12 @@ def test_a_hand_off_goes_ahead_of_the_uploads_already_queued(tmp_path: Path) -> 
             tier.gate.set()
             time.sleep(s)
 
-        report = hand_off(rio, [Put(-1 - i, f"hot{i}", data, "u8", [64]) for i in range(2)],
-                          float("inf"), wait=wait)  # fmt: skip
+        report = hand_off(
+            rio,
+            [Put(-1 - i, f"hot{i}", data, "u8", [64]) for i in range(2)],
+            float("inf"),
+            wait=wait,
+        )
         assert report.written == 2
         assert rio.flush(10) == 0
     finally:

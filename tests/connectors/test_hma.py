@@ -48,7 +48,7 @@ from kvtier.config import load_config
 from kvtier.connectors.engine_shape import KVCacheShape
 from kvtier.connectors.groups import kv_groups
 from kvtier.connectors.vllm import KVTierConnector
-from kvtier.connectors.worker import WorkerSide
+from kvtier.connectors.worker.side import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.host.layout import FULL, SLIDING, KVGroup, SlotLayout
 from kvtier.keys import Namespace
@@ -58,10 +58,12 @@ from tests.connectors.hybrid_engine import BS, CHUNK, engine_config, kvtier_extr
 BPC = CHUNK // BS
 WINDOW = 32
 HEADS, HEAD = 2, 8
-FULL_SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
-                              dtype=torch.bfloat16)
-SWA_SPEC = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
-                             dtype=torch.bfloat16, sliding_window=WINDOW)
+FULL_SPEC = FullAttentionSpec(
+    block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+)
+SWA_SPEC = SlidingWindowSpec(
+    block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, sliding_window=WINDOW
+)
 PAGE = FULL_SPEC.page_size_bytes
 init_none_hash(sha256)
 _ids = itertools.count()
@@ -72,8 +74,12 @@ def attn(i: int) -> str:
 
 
 #: Gemma 2/3 style: full and sliding-window layers alternate
-SPECS: dict[str, KVCacheSpec] = {attn(0): FULL_SPEC, attn(1): SWA_SPEC, attn(2): FULL_SPEC,
-                                 attn(3): SWA_SPEC}
+SPECS: dict[str, KVCacheSpec] = {
+    attn(0): FULL_SPEC,
+    attn(1): SWA_SPEC,
+    attn(2): FULL_SPEC,
+    attn(3): SWA_SPEC,
+}
 
 
 def truth(layer: int, pos: int, token: int, like: torch.Tensor) -> torch.Tensor:
@@ -81,15 +87,24 @@ def truth(layer: int, pos: int, token: int, like: torch.Tensor) -> torch.Tensor:
     to (layer, position, token), so a byte from anywhere else shows."""
     n = like.numel()
     base = (layer * 7919 + pos * 131 + token * 17) % 20000
-    return (torch.arange(n, dtype=torch.int32) + base).remainder(30000).to(torch.int16).view(
-        like.shape)
+    return (
+        (torch.arange(n, dtype=torch.int32) + base)
+        .remainder(30000)
+        .to(torch.int16)
+        .view(like.shape)
+    )
 
 
 class HybridEngine:
     """vLLM's scheduler and one worker side over real tensors, stepped as vLLM steps them."""
 
-    def __init__(self, model_dir: str, specs: dict[str, KVCacheSpec] = SPECS,
-                 num_blocks: int = 80, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        specs: dict[str, KVCacheSpec] = SPECS,
+        num_blocks: int = 80,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.vc = engine_config(model_dir, extra)
         groups = get_kv_cache_groups(self.vc, dict(specs))
         # the worker's KV cache config, with room for num_blocks blocks
@@ -97,28 +112,40 @@ class HybridEngine:
         self.wc = get_kv_cache_config_from_groups(self.vc, groups, num_blocks * per_block)
         self.vc.cache_config.num_gpu_blocks = self.wc.num_blocks
         self.sched = Scheduler(
-            vllm_config=self.vc, kv_cache_config=generate_scheduler_kv_cache_config([self.wc]),
-            structured_output_manager=StructuredOutputManager(self.vc), block_size=BS,
+            vllm_config=self.vc,
+            kv_cache_config=generate_scheduler_kv_cache_config([self.wc]),
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=BS,
             log_stats=True,
         )
         self.side = self.sched.connector._scheduler
         self.null = self.sched.kv_cache_manager.block_pool.null_block.block_id
-        self.kv = allocate_kv_cache(self.wc, torch.device("cpu"),
-                                    self.vc.cache_config.get_resolved_kv_cache_layout())
+        self.kv = allocate_kv_cache(
+            self.wc, torch.device("cpu"), self.vc.cache_config.get_resolved_kv_cache_layout()
+        )
         cfg = load_config(kvtier_extra(extra), environ={})
-        self.worker = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
-                                 self.wc.num_blocks, RemoteIO.from_config,
-                                 groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK))
+        self.worker = WorkerSide(
+            cfg,
+            Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
+            self.wc.num_blocks,
+            RemoteIO.from_config,
+            groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK),
+        )
         self.worker.register_kv_caches(self.kv, rank=0)
-        self.group_of = {name: g for g, grp in enumerate(self.wc.kv_cache_groups)
-                         for name in grp.layer_names}
+        self.group_of = {
+            name: g for g, grp in enumerate(self.wc.kv_cache_groups) for name in grp.layer_names
+        }
         self.layer_no = {name: i for i, name in enumerate(specs)}
         self.loads: list[Any] = []
 
     def request(self, tokens: list[int], max_tokens: int = 1) -> Request:
-        req = Request(f"r{next(_ids)}", tokens, SamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True),
-                      None, block_hasher=get_request_block_hasher(BS, sha256))
+        req = Request(
+            f"r{next(_ids)}",
+            tokens,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            None,
+            block_hasher=get_request_block_hasher(BS, sha256),
+        )
         self.sched.add_request(req)
         return req
 
@@ -136,8 +163,9 @@ class HybridEngine:
             for pos in range(start, end):
                 block = table[pos // BS]
                 assert block != self.null, (name, pos)
-                bits[block, :, pos % BS] = truth(self.layer_no[name], pos, tokens[pos],
-                                                 bits[block, :, pos % BS])
+                bits[block, :, pos % BS] = truth(
+                    self.layer_no[name], pos, tokens[pos], bits[block, :, pos % BS]
+                )
 
     def step(self, after_loads: Callable[[SchedulerOutput], None] | None = None) -> SchedulerOutput:
         so = self.sched.schedule()
@@ -149,8 +177,13 @@ class HybridEngine:
         if after_loads is not None:
             after_loads(so)
         reqs = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        reqs.update(zip(so.scheduled_cached_reqs.req_ids,
-                        so.scheduled_cached_reqs.num_computed_tokens, strict=True))
+        reqs.update(
+            zip(
+                so.scheduled_cached_reqs.req_ids,
+                so.scheduled_cached_reqs.num_computed_tokens,
+                strict=True,
+            )
+        )
         sampled: list[list[int]] = []
         for rid, computed in reqs.items():
             req = self.sched.requests[rid]
@@ -160,11 +193,15 @@ class HybridEngine:
             done = computed + n >= req.num_tokens
             sampled.append([7 + (computed + n) % 50] if done else [])
         w.wait_for_save(meta)
-        out = KVConnectorOutput(kv_connector_worker_meta=w.build_worker_meta(),
-                                invalid_block_ids=w.take_failed_blocks())
-        mro = ModelRunnerOutput(req_ids=list(reqs), req_id_to_index={r: i for i, r in
-                                                                     enumerate(reqs)},
-                                sampled_token_ids=sampled, kv_connector_output=out)
+        out = KVConnectorOutput(
+            kv_connector_worker_meta=w.build_worker_meta(), invalid_block_ids=w.take_failed_blocks()
+        )
+        mro = ModelRunnerOutput(
+            req_ids=list(reqs),
+            req_id_to_index={r: i for i, r in enumerate(reqs)},
+            sampled_token_ids=sampled,
+            kv_connector_output=out,
+        )
         self.sched.update_from_output(so, mro)
         return so
 
@@ -176,8 +213,11 @@ class HybridEngine:
         raise AssertionError("request did not finish")
 
     def group_bits(self, group: int, blocks: list[int]) -> dict[str, torch.Tensor]:
-        return {name: kv.view(torch.int16)[blocks].clone() for name, kv in self.kv.items()
-                if self.group_of[name] == group}
+        return {
+            name: kv.view(torch.int16)[blocks].clone()
+            for name, kv in self.kv.items()
+            if self.group_of[name] == group
+        }
 
     def expect(self, req: Request, group: int, positions: range) -> None:
         """Every layer of ``group`` holds the truth for ``positions`` of ``req``."""
@@ -190,7 +230,9 @@ class HybridEngine:
             for pos in positions:
                 got = bits[ids[pos // BS], :, pos % BS]
                 assert torch.equal(got, truth(self.layer_no[name], pos, tokens[pos], got)), (
-                    name, pos)
+                    name,
+                    pos,
+                )
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -203,11 +245,15 @@ def test_kvtier_keeps_vllms_hybrid_manager(model_dir: str) -> None:
     assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
     eng = HybridEngine(model_dir)
     assert type(eng.sched.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
-    assert [type(g.kv_cache_spec) for g in eng.wc.kv_cache_groups] == [FullAttentionSpec,
-                                                                       SlidingWindowSpec]
+    assert [type(g.kv_cache_spec) for g in eng.wc.kv_cache_groups] == [
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    ]
     # full group: every block of a chunk; sliding group: the last ceil(32 / 16) = 2
     assert eng.side.groups == (
-        KVGroup(FULL, (attn(0), attn(2)), BPC), KVGroup(SLIDING, (attn(1), attn(3)), 2, WINDOW))
+        KVGroup(FULL, (attn(0), attn(2)), BPC),
+        KVGroup(SLIDING, (attn(1), attn(3)), 2, WINDOW),
+    )
     assert eng.side.slot_bytes == 2 * PAGE * BPC + 2 * PAGE * 2
     assert eng.worker.layout is not None and eng.worker.layout.slot_bytes == eng.side.slot_bytes
     # vLLM overlays the groups: layer 0 (full) and layer 1 (sliding) are one tensor
@@ -227,8 +273,9 @@ def test_a_stored_prompt_loads_back_bit_for_bit_into_every_group_and_nowhere_els
     # every block poisoned: a load may change only the blocks its request's table backs
     g = torch.Generator().manual_seed(3)
     for kv in eng.kv.values():
-        kv.view(torch.int16).copy_(torch.randint(-30000, 30000, kv.shape, generator=g,
-                                                 dtype=torch.int16))
+        kv.view(torch.int16).copy_(
+            torch.randint(-30000, 30000, kv.shape, generator=g, dtype=torch.int16)
+        )
     before = {name: kv.view(torch.int16).clone() for name, kv in eng.kv.items()}
     b = eng.request(tokens)
     seen: dict[str, Any] = {}
@@ -318,8 +365,12 @@ def test_a_hit_ending_inside_a_chunk_is_not_offered(model_dir: str) -> None:
 def test_a_hybrid_mamba_model_is_refused_at_startup(model_dir: str) -> None:
     """Jamba/Bamba style: attention and Mamba layers, a Mamba group with the hybrid
     manager on. kvtier cannot store per-request state by chunks of tokens."""
-    mamba = MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)),
-                      dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=PAGE)
+    mamba = MambaSpec(
+        block_size=BS,
+        shapes=((4, 8), (2, 8)),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        page_size_padded=PAGE,
+    )
     with pytest.raises(ConfigError) as err:
         HybridEngine(model_dir, {attn(0): FULL_SPEC, "model.layers.1.mixer": mamba})
     msg = str(err.value)
@@ -332,7 +383,11 @@ def test_slot_layout_keeps_each_groups_regions_apart_and_names_them(model_dir: s
     layout = eng.worker.layout
     assert layout is not None
     assert [(ll.name, ll.group, ll.slot_shape[0]) for ll in layout.layers] == [
-        (attn(0), 0, BPC), (attn(2), 0, BPC), (attn(1), 1, 2), (attn(3), 1, 2)]
+        (attn(0), 0, BPC),
+        (attn(2), 0, BPC),
+        (attn(1), 1, 2),
+        (attn(3), 1, 2),
+    ]
     ends = [(ll.offset, ll.offset + ll.nbytes) for ll in layout.layers]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))
     sub = layout.group_layout(1)
@@ -340,13 +395,17 @@ def test_slot_layout_keeps_each_groups_regions_apart_and_names_them(model_dir: s
     # another grouping (or none) is another namespace: never each other's chunks
     one = SlotLayout.from_kv_caches(eng.kv, eng.wc.num_blocks, BPC)
     other = SlotLayout.from_kv_caches(
-        eng.kv, eng.wc.num_blocks, BPC,
-        (KVGroup(FULL, (attn(0), attn(2)), BPC), KVGroup(SLIDING, (attn(1), attn(3)), 3, 48)))
+        eng.kv,
+        eng.wc.num_blocks,
+        BPC,
+        (KVGroup(FULL, (attn(0), attn(2)), BPC), KVGroup(SLIDING, (attn(1), attn(3)), 3, 48)),
+    )
     assert len({layout.identity(), one.identity(), other.identity()}) == 3
 
 
 def test_a_restarted_engine_fetches_every_group_from_the_object_tier(
-    model_dir: str, tmp_path: Path,
+    model_dir: str,
+    tmp_path: Path,
 ) -> None:
     """The object tier holds a chunk as its slot: every group's regions, under keys whose
     layout digest names the groups. A fresh engine (empty host tier, other KV in its
@@ -366,8 +425,9 @@ def test_a_restarted_engine_fetches_every_group_from_the_object_tier(
     eng2 = HybridEngine(model_dir, extra=extra)
     g = torch.Generator().manual_seed(8)
     for kv in eng2.kv.values():
-        kv.view(torch.int16).copy_(torch.randint(-30000, 30000, kv.shape, generator=g,
-                                                 dtype=torch.int16))
+        kv.view(torch.int16).copy_(
+            torch.randint(-30000, 30000, kv.shape, generator=g, dtype=torch.int16)
+        )
     b = eng2.request(tokens)
     seen: list[int] = []
 

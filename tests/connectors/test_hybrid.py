@@ -39,10 +39,15 @@ from tests.connectors.hybrid_engine import BS, CHUNK, engine_config
 
 NUM_BLOCKS = 32
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-SWA = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16,
-                        sliding_window=32)
-MAMBA = MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)),
-                  dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=FULL.page_size_bytes)
+SWA = SlidingWindowSpec(
+    block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=32
+)
+MAMBA = MambaSpec(
+    block_size=BS,
+    shapes=((4, 8), (2, 8)),
+    dtypes=(torch.bfloat16, torch.bfloat16),
+    page_size_padded=FULL.page_size_bytes,
+)
 
 
 def vllm_groups(vc: VllmConfig, specs: dict[str, KVCacheSpec]) -> KVCacheConfig:
@@ -54,9 +59,13 @@ def vllm_groups(vc: VllmConfig, specs: dict[str, KVCacheSpec]) -> KVCacheConfig:
 def scheduler(vc: VllmConfig, kv_cache_config: KVCacheConfig) -> Any:
     """vLLM's real scheduler, which builds kvtier's connector in the scheduler role."""
     vc.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return Scheduler(vllm_config=vc, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vc),
-                     block_size=BS, log_stats=True)
+    return Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BS,
+        log_stats=True,
+    )
 
 
 def attn(i: int) -> str:
@@ -76,13 +85,16 @@ def test_full_and_sliding_window_layers_are_two_groups_each_stored(model_dir: st
     vc = engine_config(model_dir)
     vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves first
     kcc = vllm_groups(vc, {attn(0): FULL, attn(1): SWA, attn(2): FULL, attn(3): SWA})
-    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [FullAttentionSpec,
-                                                                    SlidingWindowSpec]
+    assert [type(g.kv_cache_spec) for g in kcc.kv_cache_groups] == [
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    ]
     sched = scheduler(vc, kcc)
     side = sched.connector._scheduler
     bpc = CHUNK // BS
     assert side.slot_bytes == slot_bytes_for([FULL.page_size_bytes] * 2, bpc) + 2 * (
-        2 * SWA.page_size_bytes)
+        2 * SWA.page_size_bytes
+    )
     kv = {attn(i): torch.zeros(2, NUM_BLOCKS, BS, 2, 8, dtype=torch.bfloat16) for i in range(4)}
     layout = SlotLayout.from_kv_caches(kv, NUM_BLOCKS, bpc, side.groups)
     assert layout.slot_bytes == side.slot_bytes
@@ -91,7 +103,8 @@ def test_full_and_sliding_window_layers_are_two_groups_each_stored(model_dir: st
 
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_a_mamba_model_is_refused_at_startup_naming_the_model_and_why(
-    model_dir: str, role: KVConnectorRole,
+    model_dir: str,
+    role: KVConnectorRole,
 ) -> None:
     """A pure SSM model (Mamba, Mamba2, FalconMamba) runs in vLLM without the hybrid
     manager: one group of Mamba state, one state per request. kvtier's chunks are tokens;
@@ -115,19 +128,30 @@ def test_groups_kvtier_cannot_store_are_refused_not_half_loaded(model_dir: str) 
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     vc = engine_config(model_dir)
-    local = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8,
-                                      dtype=torch.bfloat16, attention_chunk_size=64)
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([attn(0), attn(2)], FULL), KVCacheGroupSpec([attn(1), attn(3)], local)])
+    local = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, attention_chunk_size=64
+    )
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([attn(0), attn(2)], FULL),
+            KVCacheGroupSpec([attn(1), attn(3)], local),
+        ],
+    )
     with pytest.raises(ConfigError) as err:
         scheduler(vc, kcc)
     msg = str(err.value)
     assert "group 1 (ChunkedLocalAttentionSpec x 2 layers)" in msg, msg
     assert model_dir in msg and "neither full nor sliding-window" in msg
-    wide = SlidingWindowSpec(block_size=2 * BS, num_kv_heads=2, head_size=8,
-                             dtype=torch.bfloat16, sliding_window=32)
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], wide)])
+    wide = SlidingWindowSpec(
+        block_size=2 * BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=32
+    )
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], wide)],
+    )
     with pytest.raises(ConfigError, match="one block size across groups"):
         KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
 
@@ -139,10 +163,10 @@ def test_a_model_without_kv_cache_is_refused(model_dir: str) -> None:
         KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
 
 
-
 @pytest.mark.parametrize("wide_first", [False, True])
 def test_layers_of_different_sizes_in_one_group_size_the_slot_layer_by_layer(
-    model_dir: str, wide_first: bool,
+    model_dir: str,
+    wide_first: bool,
 ) -> None:
     """Attention layers of different KV sizes (2 and 4 KV heads: Nemotron-NAS style) are
     one group, ``UniformTypeKVCacheSpecs`` on the workers, of which vLLM hands the
@@ -154,12 +178,13 @@ def test_layers_of_different_sizes_in_one_group_size_the_slot_layer_by_layer(
     vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves first
     wide = FullAttentionSpec(block_size=BS, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
     specs = {attn(0): wide, attn(1): FULL} if wide_first else {attn(0): FULL, attn(1): wide}
-    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)),
-                                                 1 << 20)
+    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)), 1 << 20)
     sched = scheduler(vc, generate_scheduler_kv_cache_config([worker_cfg]))
     side = sched.connector._scheduler
-    kv = {name: torch.zeros(2, worker_cfg.num_blocks, BS, spec.num_kv_heads, 8,
-                            dtype=torch.bfloat16) for name, spec in specs.items()}
+    kv = {
+        name: torch.zeros(2, worker_cfg.num_blocks, BS, spec.num_kv_heads, 8, dtype=torch.bfloat16)
+        for name, spec in specs.items()
+    }
     layout = SlotLayout.from_kv_caches(kv, worker_cfg.num_blocks, CHUNK // BS)
     assert side.slot_bytes == layout.slot_bytes
     assert side.index.num_slots == side.host_bytes // layout.slot_bytes
@@ -176,8 +201,7 @@ def test_layers_of_one_size_keep_the_slot_they_had(model_dir: str, layout: str) 
     vc = engine_config(model_dir)
     vc.cache_config.kv_cache_layout = layout
     specs = {attn(i): FULL for i in range(3)}
-    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)),
-                                                 1 << 20)
+    worker_cfg = get_kv_cache_config_from_groups(vc, get_kv_cache_groups(vc, dict(specs)), 1 << 20)
     sched_cfg = generate_scheduler_kv_cache_config([worker_cfg])
     page = FULL.page_size_bytes
     strides = {(t.layer_stride > page, t.block_stride > page) for t in sched_cfg.kv_cache_tensors}
@@ -197,7 +221,7 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
     from vllm.v1.request import Request
 
     from kvtier.config import load_config
-    from kvtier.connectors.worker import WorkerSide
+    from kvtier.connectors.worker.side import WorkerSide
     from kvtier.host.index import State
     from kvtier.keys import Namespace
 
@@ -207,8 +231,13 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
     sched = scheduler(vc, kcc)
     side = sched.connector._scheduler
     init_none_hash(sha256)
-    req = Request("r", list(range(5, 5 + 4 * CHUNK + 10)), SamplingParams(max_tokens=2), None,
-                  block_hasher=get_request_block_hasher(BS, sha256))
+    req = Request(
+        "r",
+        list(range(5, 5 + 4 * CHUNK + 10)),
+        SamplingParams(max_tokens=2),
+        None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
     bpc = CHUNK // BS
     keys = req.block_hashes[bpc - 1 :: bpc]
     for key in keys:  # the host tier holds all 4 chunks of the prompt
@@ -225,18 +254,22 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
     assert meta.null_block == null
     assert sum(len(op.gpu_blocks) for op in meta.loads) == 4 * bpc  # the plan: the whole hit
 
-    cfg = load_config({"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK},
-                      environ={})
+    cfg = load_config(
+        {"cpu_bytes": 1 << 22, "cpu_headroom_bytes": 0, "chunk_size": CHUNK}, environ={}
+    )
     worker = WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1), NUM_BLOCKS)
     g = torch.Generator().manual_seed(1)
-    kv = {attn(i): torch.randn(2, NUM_BLOCKS, BS, 2, 8, generator=g).to(torch.bfloat16)
-          for i in range(2)}
+    kv = {
+        attn(i): torch.randn(2, NUM_BLOCKS, BS, 2, 8, generator=g).to(torch.bfloat16)
+        for i in range(2)
+    }
     before = {name: t.clone() for name, t in kv.items()}
     worker.register_kv_caches(kv, rank=0)
     worker.begin_step(meta)
     assert worker.slab is not None and worker.copier is not None
-    worker.slab.buffer.copy_(torch.randint(0, 256, worker.slab.buffer.shape, generator=g,
-                                           dtype=torch.uint8))
+    worker.slab.buffer.copy_(
+        torch.randint(0, 256, worker.slab.buffer.shape, generator=g, dtype=torch.uint8)
+    )
     asked: list[Any] = []
     begin_loads = worker.copier.begin_loads
     worker.copier.begin_loads = lambda ops: asked.extend(ops) or begin_loads(ops)  # type: ignore[method-assign]
@@ -253,8 +286,9 @@ def test_a_sliding_window_only_model_loads_only_its_window(model_dir: str) -> No
                 bits = kv[name][:, table[b]].view(torch.int16)  # bit for bit (NaNs too)
                 assert torch.equal(bits, want.view(torch.int16)), (name, b)
         untouched = [i for i in range(NUM_BLOCKS) if i not in {table[b] for b in window}]
-        assert torch.equal(kv[name][:, untouched].view(torch.int16),
-                           before[name][:, untouched].view(torch.int16)), name
+        assert torch.equal(
+            kv[name][:, untouched].view(torch.int16), before[name][:, untouched].view(torch.int16)
+        ), name
     reported = worker.build_worker_meta().results
     assert sorted(reported) == sorted(op.op_id for op in meta.loads)
     assert all(oks == [True] for oks in reported.values())
@@ -271,14 +305,23 @@ def test_a_sliding_group_stores_the_tokens_vllm_retains_before_its_window(
     from kvtier.connectors.engine_shape import KVCacheShape
     from kvtier.connectors.groups import kv_groups
 
-    retained = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
-                                 dtype=torch.bfloat16, sliding_window=32,
-                                 extra_retained_tokens=16)
-    long = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
-                             dtype=torch.bfloat16, sliding_window=4 * CHUNK)
+    retained = SlidingWindowSpec(
+        block_size=BS,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.bfloat16,
+        sliding_window=32,
+        extra_retained_tokens=16,
+    )
+    long = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=4 * CHUNK
+    )
     for spec, blocks, window in ((retained, 3, 48), (long, CHUNK // BS, 4 * CHUNK)):
-        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], spec)])
+        kcc = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([attn(0)], FULL), KVCacheGroupSpec([attn(1)], spec)],
+        )
         full, sliding = kv_groups(KVCacheShape.from_vllm(kcc), BS, CHUNK)
         assert (full.kind, full.blocks) == ("full", CHUNK // BS)
         assert (sliding.kind, sliding.blocks, sliding.window) == ("sliding", blocks, window)

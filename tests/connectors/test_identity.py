@@ -30,11 +30,18 @@ def vllm_config(model: Path | str, **over) -> SimpleNamespace:
 
     hf = AutoConfig.from_pretrained(model) if Path(str(model)).is_dir() else None
     m = SimpleNamespace(
-        model=str(model), revision=None, dtype="torch.bfloat16", hf_config=hf,
-        quantization=None, max_model_len=4096, override_attention_dtype=None,
+        model=str(model),
+        revision=None,
+        dtype="torch.bfloat16",
+        hf_config=hf,
+        quantization=None,
+        max_model_len=4096,
+        override_attention_dtype=None,
     )
     cache = SimpleNamespace(
-        cache_dtype="auto", block_size=16, prefix_caching_hash_algo="sha256",
+        cache_dtype="auto",
+        block_size=16,
+        prefix_caching_hash_algo="sha256",
         calculate_kv_scales=False,
     )
     par = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
@@ -82,8 +89,9 @@ def test_settings_that_change_the_math_change_keys(models) -> None:
 
 def test_host_tier_only_keys_by_name_and_reads_no_weights(tmp_path: Path) -> None:
     # no object tier: nothing outlives the engine, so nothing is fingerprinted
-    ns = namespace_for(load_config({}, environ={}),
-                       EngineShape.from_vllm(vllm_config(tmp_path / "not-there")))
+    ns = namespace_for(
+        load_config({}, environ={}), EngineShape.from_vllm(vllm_config(tmp_path / "not-there"))
+    )
     assert ns.fingerprint == "" and ns.model == str(tmp_path / "not-there")
 
 
@@ -130,8 +138,7 @@ def test_hub_model_in_the_local_cache_is_fingerprinted(models, tmp_path, monkeyp
     assert namespace_for(cfg, EngineShape.from_vllm(hub)).digest(0, 0) == digest(models["a"])
 
 
-@pytest.mark.parametrize("flag", ["decode_context_parallel_size",
-                                  "prefill_context_parallel_size"])
+@pytest.mark.parametrize("flag", ["decode_context_parallel_size", "prefill_context_parallel_size"])
 def test_context_parallel_engines_are_refused_at_startup(flag: str) -> None:
     """Each rank would hold another share of a block's tokens under the same key."""
     from kvtier.connectors.identity import check_parallel
@@ -198,8 +205,10 @@ def test_a_drafters_own_weights_are_part_of_the_identity(models, tmp_path) -> No
     def with_draft(draft, extra=REMOTE) -> bytes:
         cfg = vllm_config(models["a"])
         cfg.speculative_config = SimpleNamespace(
-            draft_model_config=None if draft is None else SimpleNamespace(
-                model=str(draft), revision=None))
+            draft_model_config=None
+            if draft is None
+            else SimpleNamespace(model=str(draft), revision=None)
+        )
         shape = EngineShape.from_vllm(cfg)
         return namespace_for(load_config(extra, environ={}), shape).digest(0, 0)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from kvtier import metrics
-from kvtier.connectors.scheduler import SchedulerSide
+from kvtier.connectors.scheduler.side import SchedulerSide
 from kvtier.costs import DEADLINE_SLACK_S, MIN_SAMPLES
 from kvtier.stats import series_id
-from tests.connectors.test_scheduler_side import (
+from tests.connectors.scheduler.test_scheduler_side import (
     CHUNK,
     empty_step,
     make_side,
@@ -39,8 +39,9 @@ class Clock:
 
 
 def priced_side(policy: str) -> tuple[SchedulerSide, Clock]:
-    side = make_side("4MiB", {"remote_url": "file:///nonexistent", "write_policy": "none",
-                              "load_policy": policy})  # fmt: skip
+    side = make_side(
+        "4MiB", {"remote_url": "file:///nonexistent", "write_policy": "none", "load_policy": policy}
+    )
     clock = Clock()
     side.lookups.clock = clock
     return side, clock
@@ -49,8 +50,9 @@ def priced_side(policy: str) -> tuple[SchedulerSide, Clock]:
 def measure_prefill(side: SchedulerSide, clock: Clock) -> None:
     """Three prefill steps of 2,058 tokens, 0.1 s each from plan to report."""
     for i in range(MIN_SAMPLES):
-        meta = schedule_new(side, request(f"prefill-{i}", 900 + i, 8 * CHUNK + 10), 0,
-                            8 * CHUNK + 10)  # fmt: skip
+        meta = schedule_new(
+            side, request(f"prefill-{i}", 900 + i, 8 * CHUNK + 10), 0, 8 * CHUNK + 10
+        )
         clock.t += 0.1
         report(side, meta)
 
@@ -108,10 +110,22 @@ def test_a_fast_tier_is_still_loaded_and_the_estimates_are_exported(policy: str)
         slow_hit(side, clock, 10 + i, seconds=0.0025)
     slow_hit(side, clock, 20, seconds=0.0025)
     assert side.totals["loads_declined_tokens_remote_slower_than_prefill"] == 0
-    gauges = side.get_stats()["gauges"]
+    stats = side.get_stats()
+    gauges = stats["gauges"]
     bps = gauges[series_id(metrics.TIER_READ_BPS, ("remote",))]
     assert bps == pytest.approx(side.slot_bytes / 0.0025)
     assert gauges[series_id(metrics.PREFILL_SPT)] == pytest.approx(SPT)
+    # the cost model beside what happened: only the lookup priced with a measured tier
+    # (the first three ran on the prior), its four chunks predicted and landing in 10 ms
+    fetch = {
+        v: stats["samples"].get(series_id(metrics.PRICED_FETCH_SECONDS, ("remote", v)))
+        for v in ("predicted", "measured")
+    }
+    if policy == "always":
+        assert fetch == {"predicted": None, "measured": None}
+        return
+    assert fetch["measured"] == [pytest.approx(4 * 0.0025)], fetch
+    assert fetch["predicted"] == [pytest.approx(4 * 0.0025, rel=0.2)], fetch
 
 
 @pytest.mark.parametrize("policy", ["cost", "always"])
@@ -202,9 +216,9 @@ def test_the_worker_reads_one_step_runs_until_the_steps_deadline(
 ) -> None:
     """``fetches_now_s`` bounds the reads before the step's loads (the worker's own bound,
     lookup_timeout_ms, when it is 0 or longer); the lookups' plain runs keep theirs."""
-    import kvtier.connectors.worker as worker_mod
+    import kvtier.connectors.worker.side as worker_mod
     from kvtier.connectors.metadata import FetchOp
-    from tests.connectors.test_worker_side import _pp_worker, step_meta
+    from tests.connectors.worker.test_worker_side import _pp_worker, step_meta
 
     w, _caches, _results = _pp_worker(tmp_path / "kv", 0, seed=1, layer_offset=0)
     assert w.fetch_now_s == 2.0
@@ -230,9 +244,10 @@ def test_a_steps_tokens_are_vllms_total_for_it() -> None:
         so = SimpleNamespace(
             scheduled_new_reqs=[],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+            num_scheduled_tokens={},
+            scheduled_spec_decode_tokens={},
             total_num_scheduled_tokens=1000,
-        )  # fmt: skip
+        )
         meta = side.build_connector_meta(so)
         clock.t += 0.1
         report(side, meta)

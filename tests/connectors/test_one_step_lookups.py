@@ -1,4 +1,5 @@
-"""One-step lookups (connectors/one_step_lookups.py): the scheduler stats a local directory tier.
+"""One-step lookups (connectors/scheduler/one_step_lookups.py): the scheduler stats a local
+directory tier.
 
 Scheduler side with fakes of vLLM's objects (as in test_scheduler_side.py) over a real
 directory; worker side with a real directory tier and real copies. The same paths run
@@ -16,13 +17,13 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.connectors.engine_shape import EngineShape
-from kvtier.connectors.metadata import FetchOp, LoadOp, StoreOp
-from kvtier.connectors.one_step_lookups import LocalProbe, WorkerKeys, one_step_refusal
-from kvtier.connectors.scheduler import SchedulerSide
+from kvtier.connectors.metadata import FetchOp, LoadOp, StoreOp, WorkerKeys
+from kvtier.connectors.scheduler.one_step_lookups import LocalProbe, one_step_refusal
+from kvtier.connectors.scheduler.side import SchedulerSide
 from kvtier.host.index import State
 from kvtier.keys import KeySpace, Namespace
 from kvtier.objects.tiers import FileTier
-from tests.connectors.test_scheduler_side import (
+from tests.connectors.scheduler.test_scheduler_side import (
     BPC,
     CHUNK,
     FakeManager,
@@ -31,11 +32,20 @@ from tests.connectors.test_scheduler_side import (
     request,
     schedule_new,
 )
-from tests.connectors.test_worker_side import _pp_worker, blocks_of, step_meta
+from tests.connectors.worker.test_worker_side import _pp_worker, blocks_of, step_meta
 
 BS = CHUNK // BPC
-NS = Namespace(model="", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-               block_size=BS, chunk_size=CHUNK, tp_size=1, fingerprint="w", layers="l")
+NS = Namespace(
+    model="",
+    revision=None,
+    dtype="bfloat16",
+    kv_cache_dtype="auto",
+    block_size=BS,
+    chunk_size=CHUNK,
+    tp_size=1,
+    fingerprint="w",
+    layers="l",
+)
 
 
 def side_on(root: Path, *, policy: str = "recompute", tp: int = 1) -> SchedulerSide:
@@ -48,11 +58,20 @@ def side_on(root: Path, *, policy: str = "recompute", tp: int = 1) -> SchedulerS
         offload_config=None,
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
     )
-    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=4096),
-                            layer_names=["l0", "l1"])
+    group = SimpleNamespace(
+        kv_cache_spec=SimpleNamespace(page_size_bytes=4096), layer_names=["l0", "l1"]
+    )
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
-    cfg = load_config({"cpu_bytes": "4MiB", "cpu_headroom_bytes": 0, "chunk_size": CHUNK,
-                       "remote_url": f"file://{root}", "write_policy": "none"}, environ={})
+    cfg = load_config(
+        {
+            "cpu_bytes": "4MiB",
+            "cpu_headroom_bytes": 0,
+            "chunk_size": CHUNK,
+            "remote_url": f"file://{root}",
+            "write_policy": "none",
+        },
+        environ={},
+    )
     shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
     side = SchedulerSide(cfg, shape, NS)
     side.bind_kv_cache_manager(FakeManager())
@@ -72,8 +91,9 @@ def keys_of(rank: int = 0) -> WorkerKeys:
     return WorkerKeys(NS, rank, 0)
 
 
-def prompt_on(side: SchedulerSide, tmp_path: Path, n_tokens: int,
-              stored: dict[WorkerKeys, int]) -> tuple[SimpleNamespace, list[bytes]]:
+def prompt_on(
+    side: SchedulerSide, tmp_path: Path, n_tokens: int, stored: dict[WorkerKeys, int]
+) -> tuple[SimpleNamespace, list[bytes]]:
     """Request "a" of ``n_tokens`` and its chunk keys, with each worker's first ``stored``
     chunks in the directory under that worker's keys."""
     req = request("a", 1, n_tokens)
@@ -141,7 +161,8 @@ def test_a_chunk_that_fails_at_the_read_is_recomputed_and_stored_again(tmp_path:
     so = SimpleNamespace(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[CHUNK]),
-        num_scheduled_tokens={"a": req.num_tokens - CHUNK}, scheduled_spec_decode_tokens={},
+        num_scheduled_tokens={"a": req.num_tokens - CHUNK},
+        scheduled_spec_decode_tokens={},
     )
     meta = side.build_connector_meta(so)
     assert [op.block_hash for op in meta.stores] == hashes[1:4]
@@ -190,8 +211,10 @@ def test_every_worker_must_hold_the_chunk(tmp_path: Path) -> None:
 
 def test_replicated_kv_is_probed_once_under_rank_0s_keys(tmp_path: Path) -> None:
     ns = dataclasses.replace(NS, tp_size=2, replicated_kv=True)
-    probe = LocalProbe(FileTier(str(tmp_path), background_sweep=False),
-                       [WorkerKeys(ns, 0, 0), WorkerKeys(ns, 1, 0)])  # fmt: skip
+    probe = LocalProbe(
+        FileTier(str(tmp_path), background_sweep=False),
+        [WorkerKeys(ns, 0, 0), WorkerKeys(ns, 1, 0)],
+    )
     assert probe.spaces == [KeySpace.worker(ns, 0, 0)]
     store_objects(tmp_path, probe.spaces[0], [b"h0", b"h1"])
     assert probe.stored_run([b"h0", b"h1", b"h2"]) == 2
@@ -233,19 +256,18 @@ def test_keys_of_other_weights_are_refused(tmp_path: Path) -> None:
 
 def test_refusals_name_the_reason() -> None:
     cfg = load_config({"remote_url": "redis://localhost:6379"}, environ={})
-    assert "not a directory" in one_step_refusal(cfg, recompute=True, groups=1,
-                                                  reads_local=True)  # fmt: skip
+    assert "not a directory" in one_step_refusal(cfg, recompute=True, groups=1, reads_local=True)
     cfg = load_config({"remote_url": "file:///kv"}, environ={})
-    assert "local filesystem" in one_step_refusal(cfg, recompute=True, groups=1,
-                                                   reads_local=False)  # fmt: skip
-    assert "several KV cache groups" in one_step_refusal(cfg, recompute=True, groups=2,
-                                                          reads_local=True)  # fmt: skip
-    assert "kv_load_failure_policy" in one_step_refusal(cfg, recompute=False, groups=1,
-                                                         reads_local=True)  # fmt: skip
+    assert "local filesystem" in one_step_refusal(cfg, recompute=True, groups=1, reads_local=False)
+    assert "several KV cache groups" in one_step_refusal(
+        cfg, recompute=True, groups=2, reads_local=True
+    )
+    assert "kv_load_failure_policy" in one_step_refusal(
+        cfg, recompute=False, groups=1, reads_local=True
+    )
     assert one_step_refusal(cfg, recompute=True, groups=1, reads_local=True) is None
     cfg = load_config({"remote_url": "file:///kv", "inline_read_ms": 0}, environ={})
-    assert "inline_read_ms" in one_step_refusal(cfg, recompute=True, groups=1,
-                                                 reads_local=True)  # fmt: skip
+    assert "inline_read_ms" in one_step_refusal(cfg, recompute=True, groups=1, reads_local=True)
 
 
 def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Path) -> None:
@@ -257,8 +279,14 @@ def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Pa
     w0, caches0, results0 = _pp_worker(root, 0, seed=10, layer_offset=0)
     sb = w0.layout.slot_bytes
     h0, h1 = b"\x01" * 32, b"\x02" * 32
-    store = step_meta(1, sb, stores=[StoreOp(1, 0, [5, 6, 7, 8], h0, upload_op_id=2),
-                                     StoreOp(3, 1, [9, 10, 11, 12], h1, upload_op_id=4)])
+    store = step_meta(
+        1,
+        sb,
+        stores=[
+            StoreOp(1, 0, [5, 6, 7, 8], h0, upload_op_id=2),
+            StoreOp(3, 1, [9, 10, 11, 12], h1, upload_op_id=4),
+        ],
+    )
     w0.start_load_kv(store)
     w0.wait_for_save(store)
     assert results0(1, {1, 2, 3, 4}) == {1: [True], 2: [True], 3: [True], 4: [True]}
@@ -271,12 +299,18 @@ def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Pa
 
     w, caches, _results = _pp_worker(root, 0, seed=99, layer_offset=0)
     before = {name: blocks_of(kv, [24, 25, 26, 27]).clone() for name, kv in caches.items()}
-    meta = step_meta(1, sb, loads=[LoadOp(12, 2, 0, [20, 21, 22, 23], fetch_op=10),
-                                   LoadOp(13, 3, 0, [24, 25, 26, 27], fetch_op=11)],
-                     stores=[StoreOp(14, 0, [30, 31, 32, 33], b"\x03" * 32,
-                                     after_loads=(12, 13)),
-                             StoreOp(15, 1, [34, 35, 36, 37], b"\x04" * 32,
-                                     after_loads=(12,))])  # fmt: skip
+    meta = step_meta(
+        1,
+        sb,
+        loads=[
+            LoadOp(12, 2, 0, [20, 21, 22, 23], fetch_op=10),
+            LoadOp(13, 3, 0, [24, 25, 26, 27], fetch_op=11),
+        ],
+        stores=[
+            StoreOp(14, 0, [30, 31, 32, 33], b"\x03" * 32, after_loads=(12, 13)),
+            StoreOp(15, 1, [34, 35, 36, 37], b"\x04" * 32, after_loads=(12,)),
+        ],
+    )
     meta.fetches_now = [[FetchOp(10, 2, h0), FetchOp(11, 3, h1)]]
     w.start_load_kv(meta)
     w.wait_for_save(meta)
@@ -286,8 +320,9 @@ def test_worker_copies_a_slot_only_after_its_fetch_in_the_same_step(tmp_path: Pa
     assert got[14] == [False] and got[15] == [True]
     assert w.take_failed_blocks() == {24, 25, 26, 27}
     for name in caches:
-        assert torch.equal(blocks_of(caches[name], [20, 21, 22, 23]),
-                           blocks_of(caches0[name], [5, 6, 7, 8])), name  # fmt: skip
+        assert torch.equal(
+            blocks_of(caches[name], [20, 21, 22, 23]), blocks_of(caches0[name], [5, 6, 7, 8])
+        ), name
         assert torch.equal(blocks_of(caches[name], [24, 25, 26, 27]), before[name]), name
     w.shutdown()
 
@@ -296,13 +331,18 @@ def test_the_worker_sends_its_keys_in_vllms_handshake() -> None:
     """The facade's get_handshake_metadata carries the worker's namespace, rank, stage,
     weight epoch and whether the tier held its generation at startup (kvtier.canary); None
     without an object tier (vLLM then sends nothing)."""
+    from kvtier.connectors.metadata import WarmReport
     from kvtier.connectors.vllm import KVTierConnector
 
     conn = object.__new__(KVTierConnector)
     conn.cfg = load_config({"remote_url": "file:///kv"}, environ={})
-    conn._worker = SimpleNamespace(namespace=NS, rank=1, stage=0, weights_epoch=2,
-                                   fresh_generation=True)  # fmt: skip
+    conn._worker = SimpleNamespace(
+        namespace=NS, rank=1, stage=0, weights_epoch=2, fresh_generation=True, warm=None
+    )
     assert conn.get_handshake_metadata() == WorkerKeys(NS, 1, 0, 2, fresh_generation=True)
+    # and what its warm-up read (warmup: true, connectors/worker/warmup.py)
+    conn._worker.warm = warm = WarmReport(chunks=((b"k" * 32, 0),), host_bytes=1)
+    assert conn.get_handshake_metadata() == WorkerKeys(NS, 1, 0, 2, True, warm)
     conn.cfg = load_config({}, environ={})
     assert conn.get_handshake_metadata() is None
 
@@ -321,9 +361,7 @@ def test_a_directory_not_on_a_local_filesystem_keeps_lookups_reads(
     assert side.lookups.probe is None and "not on a local filesystem" in caplog.text
 
 
-def test_a_directory_the_scheduler_cannot_open_keeps_lookups_reads(
-    tmp_path: Path, caplog
-) -> None:
+def test_a_directory_the_scheduler_cannot_open_keeps_lookups_reads(tmp_path: Path, caplog) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     side = side_on(blocker / "kv")
@@ -337,8 +375,10 @@ def test_only_the_fetches_the_step_loads_are_read_before_it(tmp_path: Path) -> N
     the rest (and runs no load needs) as any lookup's run."""
     side = side_on(tmp_path)
     lookups = side.lookups
-    lookups._runs_now = [[FetchOp(1, 0, b"a"), FetchOp(2, 1, b"b"), FetchOp(3, 2, b"c")],
-                         [FetchOp(4, 3, b"d")]]  # fmt: skip
+    lookups._runs_now = [
+        [FetchOp(1, 0, b"a"), FetchOp(2, 1, b"b"), FetchOp(3, 2, b"c")],
+        [FetchOp(4, 3, b"d")],
+    ]
     now, later = lookups.take_runs_now({1, 2})
     assert [[op.op_id for op in run] for run in now] == [[1, 2]]
     assert [[op.op_id for op in run] for run in later] == [[3], [4]]

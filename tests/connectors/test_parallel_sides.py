@@ -30,8 +30,8 @@ from vllm.v1.request import Request
 from kvtier.config import load_config
 from kvtier.connectors.engine_shape import EngineShape
 from kvtier.connectors.metadata import KVTierMetadata, KVTierWorkerMeta
-from kvtier.connectors.scheduler import SchedulerSide
-from kvtier.connectors.worker import WorkerSide
+from kvtier.connectors.scheduler.side import SchedulerSide
+from kvtier.connectors.worker.side import WorkerSide
 from kvtier.keys import KeySpace, Namespace
 from kvtier.objects.remote import RemoteIO
 
@@ -51,8 +51,13 @@ def layer(i: int) -> str:
 
 def make_request(n_tokens: int, seed: int = 0) -> Request:
     tokens = [(i * 7919 + seed * 104729) % 480 + 5 for i in range(n_tokens)]
-    return Request(f"r{next(_ids)}", tokens, SamplingParams(max_tokens=4), None,
-                   block_hasher=get_request_block_hasher(BS, sha256))
+    return Request(
+        f"r{next(_ids)}",
+        tokens,
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
 
 
 class FakeManager:
@@ -67,14 +72,24 @@ class PipelineEngine:
     """One scheduler side and one worker side per (stage, TP rank), wired as vLLM wires
     them. ``replicated_kv``: every rank holds the same KV (MLA), as vLLM computes it."""
 
-    def __init__(self, stage_layers: list[list[int]], cpu_bytes: int, *, tp: int = 1,
-                 extra: dict[str, Any] | None = None, replicated_kv: bool = False,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        stage_layers: list[list[int]],
+        cpu_bytes: int,
+        *,
+        tp: int = 1,
+        extra: dict[str, Any] | None = None,
+        replicated_kv: bool = False,
+        seed: int = 0,
+    ) -> None:
         pp = len(stage_layers)
-        cfg = load_config({"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0,
-                           "chunk_size": CHUNK, **(extra or {})}, environ={})
-        self.ns = Namespace("m", None, "bfloat16", "auto", BS, CHUNK, tp,
-                            replicated_kv=replicated_kv)
+        cfg = load_config(
+            {"cpu_bytes": cpu_bytes, "cpu_headroom_bytes": 0, "chunk_size": CHUNK, **(extra or {})},
+            environ={},
+        )
+        self.ns = Namespace(
+            "m", None, "bfloat16", "auto", BS, CHUNK, tp, replicated_kv=replicated_kv
+        )
         vllm_config = SimpleNamespace(
             cache_config=SimpleNamespace(block_size=BS, cpu_offload_gb=0),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
@@ -83,9 +98,14 @@ class PipelineEngine:
             offload_config=None,
         )
         # the scheduler's KV cache config is stage 0's (vLLM takes worker 0's)
-        kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-            kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE),
-            layer_names=[layer(i) for i in stage_layers[0]])])
+        kv_cache_config = SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(
+                    kv_cache_spec=SimpleNamespace(page_size_bytes=PAGE),
+                    layer_names=[layer(i) for i in stage_layers[0]],
+                )
+            ]
+        )
         shape = EngineShape.from_vllm(vllm_config, kv_cache_config)  # type: ignore[arg-type]
         self.side = SchedulerSide(cfg, shape, self.ns)
         self.manager = FakeManager()
@@ -95,12 +115,17 @@ class PipelineEngine:
         self.workers: list[WorkerSide] = []
         factory = RemoteIO.from_config if cfg.remote_url else None
         for stage, layers in enumerate(stage_layers):
-            stage_caches = {layer(i): torch.randn(SHAPE, generator=g).to(torch.bfloat16)
-                            for i in layers}
+            stage_caches = {
+                layer(i): torch.randn(SHAPE, generator=g).to(torch.bfloat16) for i in layers
+            }
             for rank in range(tp):
-                caches = ({n: kv.clone() for n, kv in stage_caches.items()} if replicated_kv
-                          else {n: torch.randn(SHAPE, generator=g).to(torch.bfloat16)
-                                for n in stage_caches})
+                caches = (
+                    {n: kv.clone() for n, kv in stage_caches.items()}
+                    if replicated_kv
+                    else {
+                        n: torch.randn(SHAPE, generator=g).to(torch.bfloat16) for n in stage_caches
+                    }
+                )
                 w = WorkerSide(cfg, self.ns, NUM_BLOCKS, factory)
                 w.register_kv_caches(caches, rank=rank, stage=stage)
                 self.caches.append(caches)
@@ -108,10 +133,14 @@ class PipelineEngine:
 
     def idle_step(self) -> None:
         """A step that schedules none of kvtier's requests (fetches and uploads go on)."""
-        self._run(SimpleNamespace(
-            scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
-                req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={}, scheduled_spec_decode_tokens={}))
+        self._run(
+            SimpleNamespace(
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                num_scheduled_tokens={},
+                scheduled_spec_decode_tokens={},
+            )
+        )
 
     def settle(self) -> None:
         """Idle steps until every op the scheduler sent has been reported."""
@@ -126,15 +155,18 @@ class PipelineEngine:
         for w in self.workers:
             w.shutdown()
 
-    def step(self, req: Request, computed: int, n: int, blocks: list[int],
-             fail_stage: int | None = None) -> KVTierMetadata:
+    def step(
+        self, req: Request, computed: int, n: int, blocks: list[int], fail_stage: int | None = None
+    ) -> KVTierMetadata:
         """One engine step scheduling ``n`` tokens of ``req`` after ``computed``."""
         self.manager.blocks[req.request_id] = blocks
         so = SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id,
-                                                num_computed_tokens=computed)],
+            scheduled_new_reqs=[
+                SimpleNamespace(req_id=req.request_id, num_computed_tokens=computed)
+            ],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={req.request_id: n}, scheduled_spec_decode_tokens={},
+            num_scheduled_tokens={req.request_id: n},
+            scheduled_spec_decode_tokens={},
         )
         return self._run(so, fail_stage)
 
@@ -156,7 +188,8 @@ class PipelineEngine:
         for r in reports[1:]:
             merged = merged.aggregate(r)
         self.side.update_connector_output(  # type: ignore[arg-type]
-            SimpleNamespace(kv_connector_worker_meta=merged))
+            SimpleNamespace(kv_connector_worker_meta=merged)
+        )
         return meta
 
     def prefill(self, req: Request, blocks: list[int], fail_stage: int | None = None) -> int:
@@ -197,8 +230,9 @@ def test_pipeline_stages_are_driven_as_vllm_drives_them() -> None:
     assert eng.side.totals["load_ok"] == 3 and eng.side.index.total_refs() == 0
     for caches in eng.caches:
         for kv in caches.values():
-            assert torch.equal(blocks_of(kv, dst[:12], NUM_BLOCKS),
-                               blocks_of(kv, list(range(12)), NUM_BLOCKS))
+            assert torch.equal(
+                blocks_of(kv, dst[:12], NUM_BLOCKS), blocks_of(kv, list(range(12)), NUM_BLOCKS)
+            )
     eng.side.index.check()
 
     # each stage reads and writes the object tier under its own keys
@@ -262,8 +296,10 @@ def test_mla_kv_is_stored_once_and_loaded_on_every_rank(tmp_path: Path) -> None:
     assert [w.remote.counters()["ops_fetch"] for w in eng2.workers if w.remote] == [3, 3]
     for caches in eng2.caches:
         for name, kv in caches.items():
-            assert torch.equal(blocks_of(kv, dst[:12], NUM_BLOCKS),
-                               blocks_of(source[name], list(range(12)), NUM_BLOCKS))
+            assert torch.equal(
+                blocks_of(kv, dst[:12], NUM_BLOCKS),
+                blocks_of(source[name], list(range(12)), NUM_BLOCKS),
+            )
     eng2.shutdown()
 
     # the control: per-rank KV (not replicated) writes one object per rank and chunk

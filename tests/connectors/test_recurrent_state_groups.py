@@ -30,8 +30,13 @@ ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch
 
 def mamba(mode: str = "align", ssm: tuple[int, ...] = (2, 4, 8)) -> MambaSpec:
     """A Mamba2 layer's spec: conv state (3, 16) bf16 and SSM state float32."""
-    return MambaSpec(block_size=BS, shapes=((3, 16), ssm), dtypes=(torch.bfloat16, torch.float32),
-                     page_size_padded=ATTN.page_size_bytes, mamba_cache_mode=mode)  # fmt: skip
+    return MambaSpec(
+        block_size=BS,
+        shapes=((3, 16), ssm),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=ATTN.page_size_bytes,
+        mamba_cache_mode=mode,
+    )
 
 
 def shape_of(model_dir: str, specs: dict[str, KVCacheSpec]) -> KVCacheShape:
@@ -87,10 +92,12 @@ def test_the_layout_digest_names_the_state_layout(model_dir: str) -> None:
     a = kv_groups(hybrid(model_dir, ssm=(2, 4, 8)), BS, CHUNK)
     b = kv_groups(hybrid(model_dir, ssm=(4, 2, 8)), BS, CHUNK)  # same bytes, other heads
     nbytes = 3 * 16 * 2 + 2 * 4 * 8 * 4
-    kv = {"l0.mixer": torch.zeros(NUM_BLOCKS, 1, 1, nbytes, dtype=torch.uint8),
-          "l2.mixer": torch.zeros(NUM_BLOCKS, 1, 1, nbytes, dtype=torch.uint8),
-          "l1.attn": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16),
-          "l3.attn": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16)}  # fmt: skip
+    kv = {
+        "l0.mixer": torch.zeros(NUM_BLOCKS, 1, 1, nbytes, dtype=torch.uint8),
+        "l2.mixer": torch.zeros(NUM_BLOCKS, 1, 1, nbytes, dtype=torch.uint8),
+        "l1.attn": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16),
+        "l3.attn": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16),
+    }
     la = SlotLayout.from_kv_caches(kv, NUM_BLOCKS, CHUNK // BS, a)
     lb = SlotLayout.from_kv_caches(kv, NUM_BLOCKS, CHUNK // BS, b)
     assert la.slot_bytes == lb.slot_bytes
@@ -118,26 +125,41 @@ def test_on_cuda_the_forward_waits_for_the_state_layers_loads(monkeypatch) -> No
     from copyfakes import FakeOps
 
     from kvtier.config import load_config
-    from kvtier.connectors import worker as worker_mod
     from kvtier.connectors.metadata import KVTierMetadata
+    from kvtier.connectors.worker import side as worker_mod
     from kvtier.host.copiers import GroupsCopier
     from kvtier.host.cuda_copier import CudaCopier
     from kvtier.keys import Namespace
     from kvtier.ops import LoadOp
 
     ops = FakeOps()
-    monkeypatch.setattr(worker_mod, "make_copier", lambda kv, layout, slab: GroupsCopier(
-        kv, layout, slab, lambda k, lay, s: CudaCopier(k, lay, s, ops=ops)))
+    monkeypatch.setattr(
+        worker_mod,
+        "make_copier",
+        lambda kv, layout, slab: GroupsCopier(
+            kv, layout, slab, lambda k, lay, s: CudaCopier(k, lay, s, ops=ops)
+        ),
+    )
     cfg = load_config({"cpu_bytes": "16MiB", "chunk_size": CHUNK}, environ={})
-    groups = (KVGroup(STATE, ("m0",), 1, states=(((4, 8), "float32"),)),
-              KVGroup(FULL, ("a0",), CHUNK // BS))  # fmt: skip
-    w = worker_mod.WorkerSide(cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
-                              NUM_BLOCKS, None, groups=groups)  # fmt: skip
-    w.register_kv_caches({"m0": torch.zeros(NUM_BLOCKS, 1, 1, 128, dtype=torch.uint8),
-                          "a0": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16)},
-                         rank=0)  # fmt: skip
-    meta = KVTierMetadata(step=1, host_bytes=w.layout.slot_bytes * 4,
-                          loads=[LoadOp(1, 0, 0, [5], more=((0, [7, 8]),))])  # fmt: skip
+    groups = (
+        KVGroup(STATE, ("m0",), 1, states=(((4, 8), "float32"),)),
+        KVGroup(FULL, ("a0",), CHUNK // BS),
+    )
+    w = worker_mod.WorkerSide(
+        cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1), NUM_BLOCKS, None, groups=groups
+    )
+    w.register_kv_caches(
+        {
+            "m0": torch.zeros(NUM_BLOCKS, 1, 1, 128, dtype=torch.uint8),
+            "a0": torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16),
+        },
+        rank=0,
+    )
+    meta = KVTierMetadata(
+        step=1,
+        host_bytes=w.layout.slot_bytes * 4,
+        loads=[LoadOp(1, 0, 0, [5], more=((0, [7, 8]),))],
+    )
     w.begin_step(meta)
     w.start_load_kv(meta)
     waited = [e for e in ops.log if e[0] == "wait" and e[1] == "compute"]
@@ -149,20 +171,29 @@ def test_on_cuda_the_forward_waits_for_the_state_layers_loads(monkeypatch) -> No
 
 # ---- the planner: the state's two rules ---------------------------------------------------
 def _planner(groups: tuple[KVGroup, ...]):  # type: ignore[no-untyped-def]
-    from kvtier.connectors.ledger import OpLedger
     from kvtier.connectors.metadata import StepPlan
-    from kvtier.connectors.plans import Planner
-    from kvtier.connectors.requests import ChunkKeys
-    from kvtier.connectors.stats import SCHEDULER_TOTALS
+    from kvtier.connectors.scheduler.ledger import OpLedger
+    from kvtier.connectors.scheduler.plans import Planner
+    from kvtier.connectors.scheduler.requests import ChunkKeys
+    from kvtier.connectors.scheduler.side import SCHEDULER_TOTALS
     from kvtier.host.index import ChunkIndex
     from kvtier.stats import StatsRecorder, Totals
 
     totals = Totals(SCHEDULER_TOTALS)
     stats = StatsRecorder(totals)
     ledger = OpLedger(ChunkIndex(8), 1, stats, totals)
-    planner = Planner(ledger, ChunkKeys(CHUNK // BS), stats, totals, StepPlan(),
-                      block_size=BS, chunk_size=CHUNK, slot_bytes=4096, write_through=False,
-                      groups=groups)  # fmt: skip
+    planner = Planner(
+        ledger,
+        ChunkKeys(CHUNK // BS),
+        stats,
+        totals,
+        StepPlan(),
+        block_size=BS,
+        chunk_size=CHUNK,
+        slot_bytes=4096,
+        write_through=False,
+        groups=groups,
+    )
     planner.null_block = 0
     return planner
 
@@ -170,15 +201,17 @@ def _planner(groups: tuple[KVGroup, ...]):  # type: ignore[no-untyped-def]
 def _request_state(n_chunks: int):  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    from kvtier.connectors.requests import RequestState
+    from kvtier.connectors.scheduler.requests import RequestState
 
     hashes = [bytes([c + 1]) * 32 for c in range(n_chunks)]
     req = SimpleNamespace(request_id="r", block_hashes=[], num_publishable_block_hashes=None)
     return RequestState(req, chunk_hashes=hashes)  # type: ignore[arg-type]
 
 
-STATE_FIRST = (KVGroup(STATE, ("m0",), 1, states=(((4,), "float32"),)),
-               KVGroup(FULL, ("a0",), CHUNK // BS))  # fmt: skip
+STATE_FIRST = (
+    KVGroup(STATE, ("m0",), 1, states=(((4,), "float32"),)),
+    KVGroup(FULL, ("a0",), CHUNK // BS),
+)
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])
@@ -203,7 +236,6 @@ def test_a_hits_state_also_goes_to_every_block_the_request_runs_on(lookahead: in
     assert state_parts == [[], [77], *[[78 + i] for i in range(1 + lookahead)]], state_parts
     assert all(ld.more[0][1] == [] for ld in loads[2:]), "the extra loads copy only state"
     assert loads[1].more[0][1] == attn[bpc : 2 * bpc]
-
 
 
 def test_a_chunk_with_state_is_stored_only_by_the_step_that_ends_on_it(caplog) -> None:

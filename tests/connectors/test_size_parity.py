@@ -29,8 +29,12 @@ from tests.connectors.hybrid_engine import BS, CHUNK, engine_config
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-MAMBA = MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)),
-                  dtypes=(torch.bfloat16, torch.bfloat16), page_size_padded=FULL.page_size_bytes)
+MAMBA = MambaSpec(
+    block_size=BS,
+    shapes=((4, 8), (2, 8)),
+    dtypes=(torch.bfloat16, torch.bfloat16),
+    page_size_padded=FULL.page_size_bytes,
+)
 
 
 def attn(i: int) -> str:
@@ -39,8 +43,11 @@ def attn(i: int) -> str:
 
 def connector_refusal(model_dir: str, extra: dict, groups: list | None = None) -> ConfigError:
     vc = engine_config(model_dir, extra)
-    kcc = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups or [
-        KVCacheGroupSpec([attn(i) for i in range(4)], FULL)])
+    kcc = KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups or [KVCacheGroupSpec([attn(i) for i in range(4)], FULL)],
+    )
     with pytest.raises(ConfigError) as err:
         KVTierConnector(vc, KVConnectorRole.WORKER, kcc)
     return err.value
@@ -83,9 +90,14 @@ def test_a_mamba_hybrid_runs_in_align_mode_for_both(model_dir: str, capsys) -> N
     state group outside --mamba-cache-mode align; kvtier size plans it (issue 53) and gives
     vLLM that mode with the block size its chunks line up with, and refuses, as the
     connector would, a chunk size off the 80-token block vLLM raises --block-size 16 to."""
-    want = connector_refusal(model_dir, {"chunk_size": CHUNK}, [
-        KVCacheGroupSpec([attn(0), attn(2)], FULL),
-        KVCacheGroupSpec(["model.layers.1.mixer", "model.layers.3.mixer"], MAMBA)])
+    want = connector_refusal(
+        model_dir,
+        {"chunk_size": CHUNK},
+        [
+            KVCacheGroupSpec([attn(0), attn(2)], FULL),
+            KVCacheGroupSpec(["model.layers.1.mixer", "model.layers.3.mixer"], MAMBA),
+        ],
+    )
     assert want.key == "model" and "--mamba-cache-mode align" in str(want)
     jamba = str(FIXTURES / "jamba-v0.1")
     err = size_refusal(capsys, "--model", jamba)
@@ -95,8 +107,13 @@ def test_a_mamba_hybrid_runs_in_align_mode_for_both(model_dir: str, capsys) -> N
 
 
 def test_an_attention_free_model_is_refused_by_both(tmp_path: Path, capsys) -> None:
-    cfg = {"model_type": "mamba", "num_hidden_layers": 4, "num_attention_heads": 4,
-           "hidden_size": 64, "layer_types": ["mamba"] * 4}
+    cfg = {
+        "model_type": "mamba",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "layer_types": ["mamba"] * 4,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     err = size_refusal(capsys, "--model", str(tmp_path))
     assert "kvtier config 'model'" in err and "attention-free" in err
@@ -112,8 +129,18 @@ def test_a_tensor_parallel_size_vllm_refuses_is_refused(capsys, tp: str) -> None
 
 @pytest.mark.parametrize("size", ["8GiB", "8589934592", "8 GiB", "8G"])
 def test_cpu_bytes_takes_the_config_keys_size_strings(capsys, size: str) -> None:
-    code = main(["size", "--model", str(FIXTURES / "llama3-8b"), "--cpu-bytes", size,
-                 "--host-memory", "64", "--json"])  # fmt: skip
+    code = main(
+        [
+            "size",
+            "--model",
+            str(FIXTURES / "llama3-8b"),
+            "--cpu-bytes",
+            size,
+            "--host-memory",
+            "64",
+            "--json",
+        ]
+    )
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and plan["cpu_bytes"] == plan["host_tier_bytes"] == 8 * 2**30
 
@@ -121,8 +148,17 @@ def test_cpu_bytes_takes_the_config_keys_size_strings(capsys, size: str) -> None
 def test_a_plan_that_does_not_fit_prints_the_largest_that_does(capsys) -> None:
     """The README's first example: 200 warm sessions want 225 GiB beside a 128 GiB host:
     exit 1, and the largest cpu_bytes that fits, which then fits."""
-    argv = ["size", "--model", str(FIXTURES / "llama3-8b"), "--gpu-memory", "24",
-            "--host-memory", "128", "--warm-sessions", "200"]  # fmt: skip
+    argv = [
+        "size",
+        "--model",
+        str(FIXTURES / "llama3-8b"),
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "128",
+        "--warm-sessions",
+        "200",
+    ]
     assert main(argv) == 1
     out, err = capsys.readouterr()
     assert "largest cpu_bytes that fits" in out
@@ -136,8 +172,16 @@ def test_vllm_cpus_own_kv_space_is_in_the_plan(capsys, monkeypatch) -> None:
     """On the CPU build vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE) and the weights share
     the host with the tier: 8 GiB fits 24 GiB alone, not beside 10 GiB of KV and 15 of
     weights; the variable is read as vLLM reads it when --cpu-kv-space is not given."""
-    argv = ["size", "--model", str(FIXTURES / "llama3-8b"), "--cpu-bytes", "8GiB",
-            "--host-memory", "24", "--json"]  # fmt: skip
+    argv = [
+        "size",
+        "--model",
+        str(FIXTURES / "llama3-8b"),
+        "--cpu-bytes",
+        "8GiB",
+        "--host-memory",
+        "24",
+        "--json",
+    ]
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -50,8 +50,9 @@ def test_the_kernels_refusal_is_a_config_error_naming_cpu_bytes() -> None:
         else:
             print("ALLOCATED")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.startswith("REFUSED cpu_bytes |"), out.stdout + out.stderr
     assert "worker rank 3" in out.stdout and "could not be allocated" in out.stdout
     assert "Cannot allocate memory" in out.stdout  # the kernel's word, inside the error
@@ -76,17 +77,16 @@ def test_a_slab_larger_than_the_memory_left_is_refused_before_mmap(monkeypatch) 
 
 
 def test_the_cpu_builds_own_memory_is_counted() -> None:
-    explicit, how = vllm_cpu_host_bytes(2 * GiB, 500 * MiB, total_memory=32 * GiB,
-                                        memory_utilization=0.92)  # fmt: skip
+    explicit, how = vllm_cpu_host_bytes(
+        2 * GiB, 500 * MiB, total_memory=32 * GiB, memory_utilization=0.92
+    )
     assert explicit == 2 * GiB + 500 * MiB and "VLLM_CPU_KVCACHE_SPACE" in how
-    share, how = vllm_cpu_host_bytes(None, 500 * MiB, total_memory=32 * GiB,
-                                     memory_utilization=0.5)  # fmt: skip
+    share, how = vllm_cpu_host_bytes(None, 500 * MiB, total_memory=32 * GiB, memory_utilization=0.5)
     assert share == 16 * GiB and "unset" in how  # the weights are inside vLLM's share
 
 
 def test_the_plan_is_shared_by_the_workers_of_one_host() -> None:
-    plan = HostPlan(available=40 * GiB, headroom=4 * GiB, vllm=4 * GiB, vllm_how="x",
-                    workers=4)  # fmt: skip
+    plan = HostPlan(available=40 * GiB, headroom=4 * GiB, vllm=4 * GiB, vllm_how="x", workers=4)
     assert plan.largest_per_worker == 8 * GiB
     assert plan.check("8GiB") == 8 * GiB and plan.check("auto") == 8 * GiB
     with pytest.raises(ConfigError) as info:
@@ -95,15 +95,22 @@ def test_the_plan_is_shared_by_the_workers_of_one_host() -> None:
 
 
 def fake_engine(tmp_path, *, kv_bytes: int | None, tp: int = 1) -> EngineShape:
-    return EngineShape.from_vllm(SimpleNamespace(  # type: ignore[arg-type]
-        model_config=SimpleNamespace(model=str(tmp_path / "not-a-dir")),
-        cache_config=SimpleNamespace(kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.9,
-                                     cpu_offload_gb=0, block_size=32),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
-                                        nnodes=1),
-        device_config=SimpleNamespace(device_type="cpu"),
-        offload_config=None,
-    ))  # fmt: skip
+    return EngineShape.from_vllm(
+        SimpleNamespace(  # type: ignore[arg-type]
+            model_config=SimpleNamespace(model=str(tmp_path / "not-a-dir")),
+            cache_config=SimpleNamespace(
+                kv_cache_memory_bytes=kv_bytes,
+                gpu_memory_utilization=0.9,
+                cpu_offload_gb=0,
+                block_size=32,
+            ),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=tp, pipeline_parallel_size=1, nnodes=1
+            ),
+            device_config=SimpleNamespace(device_type="cpu"),
+            offload_config=None,
+        )
+    )
 
 
 def test_the_startup_plan_of_a_cpu_engine(tmp_path, monkeypatch) -> None:
@@ -111,8 +118,9 @@ def test_the_startup_plan_of_a_cpu_engine(tmp_path, monkeypatch) -> None:
     for a model that is not a local directory) and the headroom."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = load_config({"cpu_bytes": "4GiB", "cpu_headroom_bytes": "1GiB"}, environ={})
-    plan = startup.startup_plan(cfg, fake_engine(tmp_path, kv_bytes=2 * GiB, tp=2),
-                                mem_available_bytes=13 * GiB)
+    plan = startup.startup_plan(
+        cfg, fake_engine(tmp_path, kv_bytes=2 * GiB, tp=2), mem_available_bytes=13 * GiB
+    )
     assert plan.vllm == 4 * GiB and plan.workers == 2 and "weights unknown" in plan.vllm_how
     assert plan.check(4 * GiB) == 4 * GiB
     with pytest.raises(ConfigError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connectors.one_step_lookups import WorkerKeys
+from kvtier.connectors.metadata import WorkerKeys
 from kvtier.ops import LoadOp
 from tests.connectors.test_hma import prompt
 from tests.connectors.window_engine import BPC, BS, CHUNK, WindowEngine
@@ -65,7 +65,9 @@ def test_a_chunk_completed_while_decoding_stores_no_hole(model_dir: str) -> None
 
 @pytest.mark.parametrize("budget", [1024, 63], ids=["whole-prefill", "split-prefill"])
 def test_a_one_step_load_cut_to_its_window_still_waits_for_its_fetch(
-    model_dir: str, tmp_path: Path, budget: int,
+    model_dir: str,
+    tmp_path: Path,
+    budget: int,
 ) -> None:
     """One-step lookups on a local directory (``kv_load_failure_policy: recompute``),
     forced on (kvtier refuses them for this model: the next test). The restarted
@@ -125,7 +127,9 @@ def test_a_one_step_load_cut_to_its_window_still_waits_for_its_fetch(
 
 @pytest.mark.parametrize("kind", ["sliding", "hybrid", "full"])
 def test_one_step_lookups_only_where_a_failed_load_can_be_recomputed(
-    model_dir: str, tmp_path: Path, kind: str,
+    model_dir: str,
+    tmp_path: Path,
+    kind: str,
 ) -> None:
     """vLLM recomputes a failed load from its first failed block. With a sliding window it
     has already given up the blocks before the window (its null block, never backed

@@ -35,9 +35,13 @@ else:
 def run_build(model_dir: str, extra: dict, **env: str) -> subprocess.CompletedProcess[str]:
     import os
 
-    return subprocess.run([sys.executable, "-c", BUILD, model_dir, json.dumps(extra)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", BUILD, model_dir, json.dumps(extra)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+    )
 
 
 def build(model_dir: str, extra: dict, **env: str) -> str:
@@ -49,9 +53,11 @@ def build(model_dir: str, extra: dict, **env: str) -> str:
 
 @pytest.mark.parametrize(
     ("extra", "key"),
-    [({"chunk_size": 48}, "chunk_size"),  # no multiple of the 32-token blocks
-     ({"cpu_bytes": str(2**59)}, "cpu_bytes"),  # past any host: the plan refuses it
-     ({"encryption_key_env": None}, "encryption_key_env")],
+    [
+        ({"chunk_size": 48}, "chunk_size"),  # no multiple of the 32-token blocks
+        ({"cpu_bytes": str(2**59)}, "cpu_bytes"),  # past any host: the plan refuses it
+        ({"encryption_key_env": None}, "encryption_key_env"),
+    ],
 )
 def test_building_the_engine_config_refuses_a_bad_kvtier_value(
     model_dir: str, extra: dict, key: str
@@ -64,7 +70,6 @@ def test_a_good_config_builds_and_the_module_is_loaded(model_dir: str) -> None:
     assert build(model_dir, {"cpu_bytes": "64MiB", "chunk_size": 256}) == "BUILT True"
 
 
-
 def test_a_misspelt_key_is_one_error_line_from_kvtier_before_vllms_traceback(
     model_dir: str, tmp_path
 ) -> None:
@@ -74,17 +79,34 @@ def test_a_misspelt_key_is_one_error_line_from_kvtier_before_vllms_traceback(
     build, before any engine starts; ``kvtier doctor`` names that line as the cause."""
     import os
 
-    ktc = {"kv_connector": "KVTierConnector", "kv_connector_module_path":
-           "kvtier.connectors.vllm", "kv_role": "kv_both",
-           "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {
-               "cpu_byte": "8GiB"}}  # fmt: skip
+    ktc = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_byte": "8GiB"},
+    }
     out = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-         "--port", "1", "--max-model-len", "2048", "--block-size", "32",
-         "--kv-transfer-config", json.dumps(ktc)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--port",
+            "1",
+            "--max-model-len",
+            "2048",
+            "--block-size",
+            "32",
+            "--kv-transfer-config",
+            json.dumps(ktc),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )  # fmt: skip
+    )
     log = out.stdout + out.stderr
     assert out.returncode != 0, log[-3000:]
     typo = "kvtier config: unknown key 'cpu_byte': did you mean 'cpu_bytes'?"
@@ -93,7 +115,11 @@ def test_a_misspelt_key_is_one_error_line_from_kvtier_before_vllms_traceback(
     assert "Traceback" not in out.stdout and "Traceback" in out.stderr  # vLLM's, after it
     path = tmp_path / "server.log"
     path.write_text(log)
-    doctor = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", str(path)],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    doctor = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert doctor.returncode == 3, doctor.stdout + doctor.stderr
     assert doctor.stdout.splitlines()[0] == f"the server did not start: {typo}"

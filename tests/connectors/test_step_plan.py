@@ -8,7 +8,7 @@ from kvtier.config import secret_in_config
 from kvtier.connectors.metadata import StepPlan
 from kvtier.ops import FetchOp, LoadOp, StoreOp, UploadOp
 
-from .test_scheduler_side import (
+from .scheduler.test_scheduler_side import (
     BPC,
     CHUNK,
     empty_step,
@@ -33,10 +33,15 @@ def test_take_hands_over_every_op_in_the_order_planned_and_starts_empty() -> Non
     plan.fetches.append(run)
     plan.uploads.append(upload)
     assert len(plan) == 6  # a fetch run counts its fetches
-    meta = plan.take(step=3, host_bytes=1 << 20, null_block=0, weights_epoch=2,
-                     weights_salt=b"salt")
+    meta = plan.take(
+        step=3, host_bytes=1 << 20, null_block=0, weights_epoch=2, weights_salt=b"salt"
+    )
     assert (meta.loads, meta.stores, meta.fetches, meta.uploads) == (
-        [load], stores, [run], [upload])
+        [load],
+        stores,
+        [run],
+        [upload],
+    )
     assert (meta.step, meta.host_bytes, meta.null_block) == (3, 1 << 20, 0)
     assert (meta.weights_epoch, meta.weights_salt) == (2, b"salt")
     assert len(plan) == 0
@@ -68,7 +73,8 @@ def test_a_lookups_fetch_run_goes_out_with_the_next_step_once() -> None:
     assert side.get_num_new_matched_tokens(a, 0) == (None, False)
     meta = empty_step(side)
     assert [[op.block_hash for op in run] for run in meta.fetches] == [
-        side._reqs["a"].chunk_hashes[:2]]
+        side._reqs["a"].chunk_hashes[:2]
+    ]
     assert empty_step(side).fetches == []
 
 

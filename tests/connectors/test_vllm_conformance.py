@@ -36,8 +36,13 @@ BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 CONNECTOR = REPO / "kvtier" / "connectors" / "vllm.py"
 #: newer releases than the CPU build in .venv, checked from their wheels
 RELEASES = ["0.33.0", "0.34.0"]
-_BASIC = {"take_events", "reset_cache", "request_finished", "build_connector_worker_meta",
-          "requires_kv_delivery"}
+_BASIC = {
+    "take_events",
+    "reset_cache",
+    "request_finished",
+    "build_connector_worker_meta",
+    "requires_kv_delivery",
+}
 _SLEEP = {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"}
 #: 0.34: async loads that start while the batch is full, how the KV cache is reached,
 #: lookahead block hashes (README: why kvtier answers each as it does)
@@ -88,7 +93,8 @@ def call_problems(base: Method, ours: Method) -> list[str]:
             out.append(f"lacks vLLM's parameter {bp.name!r}")
     out += [
         f"its extra parameter {op.name!r} has no default"
-        for op in ours_pos[len(base_pos):] if not op.has_default
+        for op in ours_pos[len(base_pos) :]
+        if not op.has_default
     ]
     for bp in base.params:
         if bp.kind == "keyword_only":
@@ -104,7 +110,8 @@ def call_problems(base: Method, ours: Method) -> list[str]:
     out += [
         f"its keyword {p.name!r} has no default"
         for p in ours.params
-        if p.kind == "keyword_only" and not p.has_default
+        if p.kind == "keyword_only"
+        and not p.has_default
         and not any(bp.name == p.name for bp in base.params)
     ]
     return out
@@ -156,20 +163,24 @@ def test_the_hooks_a_release_needs_answered_are_implemented(
 def test_every_vllm_import_of_the_connector_resolves(release: tuple[str, Sources]) -> None:
     version, src = release
     missing = []
-    for path in sorted((REPO / "kvtier" / "connectors").glob("*.py")):
+    connectors = REPO / "kvtier" / "connectors"
+    for path in sorted(connectors.rglob("*.py")):  # its scheduler/ and worker/ too
+        name = path.relative_to(connectors).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
                 assert node.module is not None
                 if src.tree(node.module) is None:
-                    missing.append(f"{path.name}: module {node.module}")
+                    missing.append(f"{name}: module {node.module}")
                     continue
                 missing += [
-                    f"{path.name}: {node.module}.{a.name}"
-                    for a in node.names if not src.defines(node.module, a.name)
+                    f"{name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not src.defines(node.module, a.name)
                 ]
             elif isinstance(node, ast.Import):
                 missing += [
-                    f"{path.name}: module {a.name}" for a in node.names
+                    f"{name}: module {a.name}"
+                    for a in node.names
                     if a.name.split(".")[0] == "vllm" and src.tree(a.name) is None
                 ]
     assert not missing, f"vLLM {version}:\n" + "\n".join(missing)
@@ -196,7 +207,8 @@ def test_the_gpu_extra_allows_exactly_the_checked_releases() -> None:
     import tomllib
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     (gpu,) = extras["gpu"]
     m = re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", gpu.replace(" ", ""))
     assert m, gpu
@@ -219,10 +231,16 @@ P = Param
 @pytest.mark.parametrize(
     ("base", "ours", "problem"),
     [
-        (_m("method", P("x", "positional", False)), _m("method", P("y", "positional", False)),
-         "parameter 1 is 'y'"),
-        (_m("method", P("x", "positional", True)), _m("method", P("x", "positional", False)),
-         "needs a default"),
+        (
+            _m("method", P("x", "positional", False)),
+            _m("method", P("y", "positional", False)),
+            "parameter 1 is 'y'",
+        ),
+        (
+            _m("method", P("x", "positional", True)),
+            _m("method", P("x", "positional", False)),
+            "needs a default",
+        ),
         (_m("method", P("x", "positional", False)), _m("method"), "lacks vLLM's parameter"),
         (_m("method"), _m("method", P("x", "positional", False)), "has no default"),
         (_m("method", P("kw", "varkw", True)), _m("method"), "lacks **kwargs"),
@@ -236,8 +254,12 @@ def test_call_problems_finds_each_mismatch(base: Method, ours: Method, problem: 
 
 def test_call_problems_accepts_compatible_overrides() -> None:
     base = _m("method", P("a", "positional", False), P("kw", "varkw", True))
-    ours = _m("method", P("a", "positional", False), P("extra", "positional", True),
-              P("kw", "varkw", True))
+    ours = _m(
+        "method",
+        P("a", "positional", False),
+        P("extra", "positional", True),
+        P("kw", "varkw", True),
+    )
     assert call_problems(base, ours) == []
 
 

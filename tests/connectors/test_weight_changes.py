@@ -31,8 +31,9 @@ H_CHUNKS = 3
 
 
 def engine(tmp_path: Path) -> PipelineEngine:
-    return PipelineEngine([[0, 1]], cpu_bytes=16 * PAGE * 2 * BPC,
-                          extra={"remote_url": f"file://{tmp_path / 'kv'}"})
+    return PipelineEngine(
+        [[0, 1]], cpu_bytes=16 * PAGE * 2 * BPC, extra={"remote_url": f"file://{tmp_path / 'kv'}"}
+    )
 
 
 def blocks(first: int) -> list[int]:
@@ -141,13 +142,14 @@ class _Told:
         self.calls.append(why)
 
 
-def _engine_core(monkeypatch: pytest.MonkeyPatch, result: Any = None,
-                 error: Exception | None = None) -> tuple[Any, _Told]:
+def _engine_core(
+    monkeypatch: pytest.MonkeyPatch, result: Any = None, error: Exception | None = None
+) -> tuple[Any, _Told]:
     """vLLM's EngineCore with its collective_rpc wrapped by kvtier, a fake executor and a
     scheduler whose connector records what it is told."""
     from vllm.v1.engine.core import EngineCore
 
-    from kvtier.connectors.weights import follow_weight_changes
+    from kvtier.connectors.scheduler.weights import follow_weight_changes
 
     # the wrappers go on the class: put the originals back after the test
     monkeypatch.setattr(EngineCore, "collective_rpc", EngineCore.collective_rpc)
@@ -167,7 +169,7 @@ def _engine_core(monkeypatch: pytest.MonkeyPatch, result: Any = None,
 
 
 def test_every_weight_changing_rpc_reaches_the_connector(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.connectors.weights import WEIGHT_CHANGING_RPCS
+    from kvtier.connectors.scheduler.weights import WEIGHT_CHANGING_RPCS
 
     core, told = _engine_core(monkeypatch, result="ok")
     assert core.collective_rpc("reload_weights", kwargs={"weights_path": "/m"}) == ["ok"]
@@ -195,8 +197,11 @@ def test_methods_and_functions_kvtier_does_not_know_are_followed(
     core.collective_rpc(weight_writer)
     core.collective_rpc(lambda worker: None)
     assert told.calls == [
-        "update_weight", "update_weights_from_ipc_handles", "update_named_param",
-        "apply_model(weight_writer)", "collective_rpc(weight_writer)",
+        "update_weight",
+        "update_weights_from_ipc_handles",
+        "update_named_param",
+        "apply_model(weight_writer)",
+        "collective_rpc(weight_writer)",
         "collective_rpc(test_methods_and_functions_kvtier_does_not_know_are_followed."
         "<locals>.<lambda>)",
     ]
@@ -205,7 +210,7 @@ def test_methods_and_functions_kvtier_does_not_know_are_followed(
 def test_read_only_calls_keep_the_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
     """What vLLM itself calls while serving (``repr(llm)``, readiness, checksums) and
     functions marked read-only change nothing: following them would cost every hit."""
-    from kvtier.connectors.weights import READ_ONLY_RPCS, read_only
+    from kvtier.connectors.scheduler.weights import READ_ONLY_RPCS, read_only
 
     core, told = _engine_core(monkeypatch)
     for method in sorted(READ_ONLY_RPCS):
@@ -232,7 +237,7 @@ def test_a_failed_weight_update_still_counts_as_a_change(monkeypatch: pytest.Mon
 
 
 def test_a_connector_inside_a_multi_connector_is_told() -> None:
-    from kvtier.connectors.weights import weights_changed
+    from kvtier.connectors.scheduler.weights import weights_changed
 
     inner = _Told()
     multi = SimpleNamespace(_connectors=[SimpleNamespace(), inner])
@@ -252,7 +257,7 @@ def test_the_named_rpcs_are_vllm_worker_methods() -> None:
     vLLM's worker (the class every platform's worker derives from)."""
     from vllm.v1.worker.gpu_worker import Worker
 
-    from kvtier.connectors.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
+    from kvtier.connectors.scheduler.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
 
     assert not READ_ONLY_RPCS & WEIGHT_CHANGING_RPCS
     names = (READ_ONLY_RPCS - NEWER_READ_ONLY) | WEIGHT_CHANGING_RPCS
@@ -276,13 +281,19 @@ def engine_core_rpc_names(root: Path) -> set[str]:
     """The worker methods vLLM's own code calls through the engine core's collective_rpc
     (the engine core itself, the LLM and AsyncLLM clients, the API servers): not the
     executor's calls to its workers, which do not pass the engine core."""
-    call = re.compile(r"(?<![\w.])(?:self|self\.llm_engine|self\.engine_core|engine|client|"
-                      r"llm_engine|engine_client\([^)]*\)|self\.engine_client)"
-                      r"\.collective_rpc(?:_async)?\(\s*(?:method=)?\"(\w+)\"")
-    files = [root / "v1/engine/core.py", root / "v1/engine/llm_engine.py",
-             root / "v1/engine/async_llm.py", root / "snapshot/server.py",
-             root / "benchmarks/mm_processor.py",
-             *sorted((root / "entrypoints").rglob("*.py"))]
+    call = re.compile(
+        r"(?<![\w.])(?:self|self\.llm_engine|self\.engine_core|engine|client|"
+        r"llm_engine|engine_client\([^)]*\)|self\.engine_client)"
+        r"\.collective_rpc(?:_async)?\(\s*(?:method=)?\"(\w+)\""
+    )
+    files = [
+        root / "v1/engine/core.py",
+        root / "v1/engine/llm_engine.py",
+        root / "v1/engine/async_llm.py",
+        root / "snapshot/server.py",
+        root / "benchmarks/mm_processor.py",
+        *sorted((root / "entrypoints").rglob("*.py")),
+    ]
     names: set[str] = set()
     for f in files:
         if f.is_file():
@@ -295,12 +306,14 @@ def test_every_rpc_vllm_calls_itself_is_classified() -> None:
     ``LLM.__repr__``'s ``get_model_inspection``; 0.34 adds a readiness check on every
     ``/health``-like probe). A new one vLLM adds would be taken for a weight change and
     empty the host tier each time: this names it on the next upgrade."""
-    from kvtier.connectors.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
+    from kvtier.connectors.scheduler.weights import READ_ONLY_RPCS, WEIGHT_CHANGING_RPCS
 
     names = engine_core_rpc_names(_vllm_root())
     assert {"get_model_inspection", "apply_model", "reload_weights"} <= names, names
     unknown = names - READ_ONLY_RPCS - WEIGHT_CHANGING_RPCS - FOLLOWED_AT_STARTUP
-    assert not unknown, f"classify these in kvtier/connectors/weights.py: {sorted(unknown)}"
+    assert not unknown, (
+        f"classify these in kvtier/connectors/scheduler/weights.py: {sorted(unknown)}"
+    )
 
 
 def test_calls_with_no_step_between_them_are_one_change() -> None:
@@ -312,7 +325,8 @@ def test_calls_with_no_step_between_them_are_one_change() -> None:
     told: list[str] = []
     conn = KVTierConnector.__new__(KVTierConnector)
     conn._scheduler = SimpleNamespace(  # type: ignore[assignment]
-        weights_changed=told.append, build_connector_meta=lambda so: "meta")
+        weights_changed=told.append, build_connector_meta=lambda so: "meta"
+    )
     conn._weights_change_open = False
     for name in ("embed", "norm", "lm_head"):
         conn._kvtier_weights_changed(f"update_named_param {name}")
@@ -337,11 +351,15 @@ def test_the_weights_digest_sees_every_rewritten_value() -> None:
     of every dtype: each changes the digest; the same weights give the same one."""
     import torch
 
-    from kvtier.connectors import weights as w
+    from kvtier.connectors.scheduler import weights as w
 
     torch.manual_seed(0)
-    tensors = [torch.randn(64, 33).to(torch.bfloat16), torch.randn(7).to(torch.float32),
-               torch.randint(0, 255, (5,), dtype=torch.uint8), torch.zeros(0)]
+    tensors = [
+        torch.randn(64, 33).to(torch.bfloat16),
+        torch.randn(7).to(torch.float32),
+        torch.randint(0, 255, (5,), dtype=torch.uint8),
+        torch.zeros(0),
+    ]
     worker, model = _worker(*tensors)
     first = w.weights_digest(worker)
     assert w.weights_digest(worker) == first
@@ -371,7 +389,7 @@ def test_the_digest_sees_a_value_in_the_rows_and_in_the_tail(
 ) -> None:
     import torch
 
-    from kvtier.connectors import weights as w
+    from kvtier.connectors.scheduler import weights as w
 
     monkeypatch.setattr(w, "DIGEST_ROW", 7)  # 14 rows and a tail of 2 words
     worker, model = _worker(torch.arange(100, dtype=torch.int64))
@@ -398,14 +416,14 @@ def test_weights_written_with_no_call_are_seen_at_reset_prefix_cache(
     followed call the next reset takes the digest again and tells nobody."""
     import torch
 
-    from kvtier.connectors import weights as w
+    from kvtier.connectors.scheduler import weights as w
 
     core, told = _engine_core(monkeypatch)
     worker, model = _worker(torch.ones(16))
     core.model_executor = SimpleNamespace(
-        collective_rpc=lambda fn, *a, **k: [fn(worker)] if callable(fn) else [None])
-    core.scheduler = SimpleNamespace(connector=told,
-                                     reset_prefix_cache=lambda *a, **k: True)
+        collective_rpc=lambda fn, *a, **k: [fn(worker)] if callable(fn) else [None]
+    )
+    core.scheduler = SimpleNamespace(connector=told, reset_prefix_cache=lambda *a, **k: True)
 
     assert w.engine_core_on_stack() is None
     assert _inside(core) is core  # as vLLM builds the connector in EngineCore.__init__
@@ -431,7 +449,7 @@ def test_weights_written_with_no_call_are_seen_at_reset_prefix_cache(
 
 def _inside(self: Any) -> Any:
     """``engine_core_on_stack`` called below a frame whose ``self`` is the engine core."""
-    from kvtier.connectors import weights as w
+    from kvtier.connectors.scheduler import weights as w
 
     return w.engine_core_on_stack()
 
@@ -439,7 +457,7 @@ def _inside(self: Any) -> Any:
 def test_an_engine_whose_digest_cannot_be_taken_is_not_watched(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier.connectors import weights as w
+    from kvtier.connectors.scheduler import weights as w
 
     def broken(fn, *a, **k):  # type: ignore[no-untyped-def]
         raise RuntimeError("no model here")

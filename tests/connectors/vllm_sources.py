@@ -33,8 +33,19 @@ def release_sources(version: str, cache: Path = CACHE) -> Path:
         return dest / "vllm"
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".vllm-dl-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
-               "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"vllm=={version}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         wheels = sorted(Path(tmp).glob(f"vllm-{version}-*.whl"))
         if proc.returncode != 0 or not wheels:

@@ -34,8 +34,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvtier.config import load_config
 from kvtier.connectors.engine_shape import KVCacheShape
 from kvtier.connectors.groups import kv_groups
-from kvtier.connectors.one_step_lookups import LocalProbe, WorkerKeys
-from kvtier.connectors.worker import WorkerSide
+from kvtier.connectors.metadata import WorkerKeys
+from kvtier.connectors.scheduler.one_step_lookups import LocalProbe
+from kvtier.connectors.worker.side import WorkerSide
 from kvtier.keys import Namespace
 from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import FileTier
@@ -54,21 +55,29 @@ KINDS: dict[str, dict[str, KVCacheSpec]] = {
 }
 
 
-def engine_config(model_dir: str, extra: dict[str, Any] | None, *, budget: int,
-                  policy: str) -> VllmConfig:
+def engine_config(
+    model_dir: str, extra: dict[str, Any] | None, *, budget: int, policy: str
+) -> VllmConfig:
     """vLLM's config with kvtier as the connector; ``budget``: tokens per step (a prompt
     longer than that is prefilled in chunks of ``budget`` tokens)."""
     ktc = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both", kv_connector_extra_config=kvtier_extra(extra),
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=kvtier_extra(extra),
         kv_load_failure_policy=policy,
     )
     vc = VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype="bfloat16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False),
+        model_config=ModelConfig(
+            model=model_dir, dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=2048
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=budget,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True),
         kv_transfer_config=ktc,
     )
@@ -79,9 +88,16 @@ def engine_config(model_dir: str, extra: dict[str, Any] | None, *, budget: int,
 class WindowEngine(HybridEngine):
     """vLLM's scheduler and one worker side over real tensors, of the grouping ``kind``."""
 
-    def __init__(self, model_dir: str, kind: str, *, budget: int = 1024,
-                 policy: str = "fail", extra: dict[str, Any] | None = None,
-                 num_blocks: int = 80) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        kind: str,
+        *,
+        budget: int = 1024,
+        policy: str = "fail",
+        extra: dict[str, Any] | None = None,
+        num_blocks: int = 80,
+    ) -> None:
         specs = KINDS[kind]
         self.kind = kind
         self.vc = engine_config(model_dir, extra, budget=budget, policy=policy)
@@ -90,24 +106,32 @@ class WindowEngine(HybridEngine):
         self.wc = get_kv_cache_config_from_groups(self.vc, groups, num_blocks * per_block)
         self.vc.cache_config.num_gpu_blocks = self.wc.num_blocks
         self.sched = Scheduler(
-            vllm_config=self.vc, kv_cache_config=generate_scheduler_kv_cache_config([self.wc]),
-            structured_output_manager=StructuredOutputManager(self.vc), block_size=BS,
+            vllm_config=self.vc,
+            kv_cache_config=generate_scheduler_kv_cache_config([self.wc]),
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=BS,
             log_stats=True,
         )
         self.side = self.sched.connector._scheduler
         self.null = self.sched.kv_cache_manager.block_pool.null_block.block_id
-        self.kv = allocate_kv_cache(self.wc, torch.device("cpu"),
-                                    self.vc.cache_config.get_resolved_kv_cache_layout())
+        self.kv = allocate_kv_cache(
+            self.wc, torch.device("cpu"), self.vc.cache_config.get_resolved_kv_cache_layout()
+        )
         self.cfg = load_config(kvtier_extra(extra), environ={})
-        self.worker = WorkerSide(self.cfg, Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
-                                 self.wc.num_blocks, RemoteIO.from_config,
-                                 groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK))
+        self.worker = WorkerSide(
+            self.cfg,
+            Namespace("m", None, "bfloat16", "auto", BS, CHUNK, 1),
+            self.wc.num_blocks,
+            RemoteIO.from_config,
+            groups=kv_groups(KVCacheShape.from_vllm(self.wc), BS, CHUNK),
+        )
         self.worker.register_kv_caches(self.kv, rank=0)
         if self.cfg.remote_url:  # vLLM's handshake: the worker's keys to the scheduler
             keys = WorkerKeys(self.worker.namespace, 0, 0, self.worker.weights_epoch)
             self.sched.connector.set_xfer_handshake_metadata({0: keys})
-        self.group_of = {name: g for g, grp in enumerate(self.wc.kv_cache_groups)
-                         for name in grp.layer_names}
+        self.group_of = {
+            name: g for g, grp in enumerate(self.wc.kv_cache_groups) for name in grp.layer_names
+        }
         self.layer_no = {name: i for i, name in enumerate(specs)}
         self.loads: list[LoadOp] = []
         self.stores: list[StoreOp] = []
@@ -164,8 +188,9 @@ class WindowEngine(HybridEngine):
         """Random bits in every block: a load may change only what it should."""
         g = torch.Generator().manual_seed(seed)
         for kv in self.kv.values():
-            kv.view(torch.int16).copy_(torch.randint(-30000, 30000, kv.shape, generator=g,
-                                                     dtype=torch.int16))
+            kv.view(torch.int16).copy_(
+                torch.randint(-30000, 30000, kv.shape, generator=g, dtype=torch.int16)
+            )
 
     def holes_stored(self) -> list[StoreOp]:
         """The stores planned with vLLM's null block among their blocks (a chunk with a hole)."""
@@ -186,10 +211,12 @@ class WindowEngine(HybridEngine):
                     continue
                 got = bits[block, :, pos % BS]
                 assert torch.equal(got, truth(self.layer_no[name], pos, tokens[pos], got)), (
-                    f"{name}: token {pos} in block {block} is not its KV")
+                    f"{name}: token {pos} in block {block} is not its KV"
+                )
 
     def object_path(self, block_hash: bytes) -> Path:
         """The file of this worker's object for the chunk ``block_hash``."""
         root = self.cfg.remote_url.removeprefix("file://")  # type: ignore[union-attr]
-        return Path(FileTier(root, background_sweep=False).path(
-            self.worker._object_key(block_hash)))
+        return Path(
+            FileTier(root, background_sweep=False).path(self.worker._object_key(block_hash))
+        )

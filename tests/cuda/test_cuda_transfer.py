@@ -31,9 +31,7 @@ LAYOUTS = {
 def caches(shape, dtype, layers=LAYERS, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g, device="cuda").to(
-            dtype
-        )
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g, device="cuda").to(dtype)
         for i in range(layers)
     }
 
@@ -185,9 +183,7 @@ def test_loads_do_not_block_the_host() -> None:
     """With a pinned slab, begin_loads returns before the copies finish."""
     shape = (2, 8192, BS, 8, 128)  # 32 MiB copied per layer, 512 MiB in all
     kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(16)]
-    layout = SlotLayout.from_kv_caches(
-        {f"l{i}": t for i, t in enumerate(kv)}, 8192, 512
-    )
+    layout = SlotLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(kv)}, 8192, 512)
     slab = HostSlab(layout.slot_bytes, layout, pin=True)
     c = CudaCopier(kv, layout, slab)
     torch.cuda.synchronize()

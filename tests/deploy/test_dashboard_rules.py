@@ -460,6 +460,18 @@ kvtier:lookup_delay_seconds_bucket{model_name="tiny-llama",engine="0",mode="asyn
 kvtier:lookup_delay_seconds_bucket{model_name="tiny-llama",engine="0",mode="async",le="+Inf"} 2
 kvtier:lookup_delay_seconds_count{model_name="tiny-llama",engine="0",mode="async"} 2
 kvtier:lookup_delay_seconds_sum{model_name="tiny-llama",engine="0",mode="async"} 0.06
+# HELP kvtier:priced_fetch_seconds Priced lookups: the wait predicted and measured.
+# TYPE kvtier:priced_fetch_seconds histogram
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="predicted",le="0.01"} 1
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="predicted",le="0.1"} 2
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="predicted",le="+Inf"} 2
+kvtier:priced_fetch_seconds_count{model_name="tiny-llama",engine="0",tier="remote",value="predicted"} 2
+kvtier:priced_fetch_seconds_sum{model_name="tiny-llama",engine="0",tier="remote",value="predicted"} 0.05
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="measured",le="0.01"} 0
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="measured",le="0.1"} 2
+kvtier:priced_fetch_seconds_bucket{model_name="tiny-llama",engine="0",tier="remote",value="measured",le="+Inf"} 2
+kvtier:priced_fetch_seconds_count{model_name="tiny-llama",engine="0",tier="remote",value="measured"} 2
+kvtier:priced_fetch_seconds_sum{model_name="tiny-llama",engine="0",tier="remote",value="measured"} 0.05
 # HELP kvtier:bytes_total KV bytes moved, by tier and direction.
 # TYPE kvtier:bytes_total counter
 kvtier:bytes_total{model_name="tiny-llama",engine="0",tier="host",direction="read"} 3145728
@@ -562,6 +574,15 @@ kvtier:tenant_bytes{model_name="tiny-llama",engine="0",tier="host",tenant="untag
 # HELP kvtier:pinned_bytes Bytes of the host tier holding soft-pinned chunks.
 # TYPE kvtier:pinned_bytes gauge
 kvtier:pinned_bytes{model_name="tiny-llama",engine="0"} 1048576
+# HELP kvtier:warmup_bytes_total Bytes a starting engine's warm-up fetched into its host tier.
+# TYPE kvtier:warmup_bytes_total counter
+kvtier:warmup_bytes_total{model_name="tiny-llama",engine="0"} 33554432
+# HELP kvtier:warmup_seconds How long the engine's warm-up took.
+# TYPE kvtier:warmup_seconds gauge
+kvtier:warmup_seconds{model_name="tiny-llama",engine="0"} 2.5
+# HELP kvtier:warmup_hit_tokens_total Prompt tokens loaded from warmed chunks.
+# TYPE kvtier:warmup_hit_tokens_total counter
+kvtier:warmup_hit_tokens_total{model_name="tiny-llama",engine="0"} 1024
 # HELP kvtier:tenant_hit_tokens_total Prompt tokens kvtier offered a tenant's requests and vLLM took.
 # TYPE kvtier:tenant_hit_tokens_total counter
 kvtier:tenant_hit_tokens_total{model_name="tiny-llama",engine="0",tenant="team-a"} 1024
@@ -585,8 +606,6 @@ def exposition(scrape: int) -> str:
                 line = f"{series} {float(value) * scrape:g}"
         lines.append(line)
     return "\n".join(lines) + "\n"
-
-
 
 
 class ExpositionServer:
@@ -807,9 +826,9 @@ def test_live_every_expression_evaluates(live_prometheus: tuple[Prometheus, Any]
     # the what-if curve: each size's host hit rate, and 1x on the measured one
     curve = {
         r["metric"]["scale"]: float(r["value"][1])
-        for r in answers["panel 'Host hit rate a host tier of each size would have had' A"][
-            "data"
-        ]["result"]
+        for r in answers["panel 'Host hit rate a host tier of each size would have had' A"]["data"][
+            "result"
+        ]
     }
     assert curve == pytest.approx(
         {"0.5": 2048 / 6144, "1": 0.5, "2": 4096 / 6144, "4": 0.75, "8": 4864 / 6144}

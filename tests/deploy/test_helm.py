@@ -187,13 +187,19 @@ def render_fails(helm: str, values: dict[str, Any], tmp_path: Path) -> str:
 
 def find(docs: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict]:
     return [
-        d for d in docs
+        d
+        for d in docs
         if d["kind"] == kind
-        and (component is None
-             or d["metadata"]["labels"].get("app.kubernetes.io/component") == component
-             or d.get("spec", {}).get("selector", {}).get("matchLabels", {})
-             .get("app.kubernetes.io/component") == component)
-    ]  # fmt: skip
+        and (
+            component is None
+            or d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+            or d.get("spec", {})
+            .get("selector", {})
+            .get("matchLabels", {})
+            .get("app.kubernetes.io/component")
+            == component
+        )
+    ]
 
 
 def vllm_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,10 +265,12 @@ def expected_host_total(values: dict[str, Any], container: dict[str, Any]) -> tu
     headroom = size(kv.get("headroom", "4GiB"))
     cpu = kv.get("cpuBytes", "auto")
     tier = 0 if cpu == "auto" else size(cpu)
-    fixed = host_total_bytes(0, weight_offload_host_bytes=offload, headroom_bytes=headroom,
-                             tp=workers)  # fmt: skip
-    return host_total_bytes(tier, weight_offload_host_bytes=offload, headroom_bytes=headroom,
-                            tp=workers), fixed  # fmt: skip
+    fixed = host_total_bytes(
+        0, weight_offload_host_bytes=offload, headroom_bytes=headroom, tp=workers
+    )
+    return host_total_bytes(
+        tier, weight_offload_host_bytes=offload, headroom_bytes=headroom, tp=workers
+    ), fixed
 
 
 # ---------------------------------------------------------------- every value set
@@ -355,7 +363,9 @@ def test_expected_secret_references(helm, tmp_path):
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
     assert refs["AWS_ACCESS_KEY_ID"] == {"name": "kvtier-s3-creds-7c1e", "key": "AWS_ACCESS_KEY_ID"}
     assert refs["AWS_SECRET_ACCESS_KEY"] == {
-        "name": "kvtier-s3-creds-7c1e", "key": "AWS_SECRET_ACCESS_KEY"}  # fmt: skip
+        "name": "kvtier-s3-creds-7c1e",
+        "key": "AWS_SECRET_ACCESS_KEY",
+    }
 
 
 def test_inline_credentials_in_remote_url_are_refused(helm, tmp_path):
@@ -452,12 +462,19 @@ def test_schema_extra_config_and_chart_keys_are_kvtier_config_keys(helm, tmp_pat
     schema = json.loads((CHART / "values.schema.json").read_text())
     extra_keys = set(schema["properties"]["kvtier"]["properties"]["extraConfig"]["properties"])
     everything = {
-        "kvtier": {**S3, "cpuBytes": "1GiB", "namespace": "tenant-1",
-                   "encryption": {"existingSecret": "kvtier-encryption"}},
+        "kvtier": {
+            **S3,
+            "cpuBytes": "1GiB",
+            "namespace": "tenant-1",
+            "encryption": {"existingSecret": "kvtier-encryption"},
+        },
         "resources": {"limits": {"memory": "8Gi"}, "requests": {"memory": "8Gi"}},
     }
-    chart_keys = set(transfer_config(vllm_container(render(helm, everything, tmp_path)))
-                     ["kv_connector_extra_config"])  # fmt: skip
+    chart_keys = set(
+        transfer_config(vllm_container(render(helm, everything, tmp_path)))[
+            "kv_connector_extra_config"
+        ]
+    )
     assert not extra_keys & chart_keys
     assert extra_keys | chart_keys == set(KEYS)
 
@@ -493,7 +510,8 @@ def test_dashboard_and_rules_have_one_source(helm, tmp_path):
         assert not path.is_symlink(), f"{copy}: helm prints a notice for every symlink"
         assert path.read_bytes() == source.read_bytes(), (
             f"{CHART.relative_to(ROOT)}/{copy} differs from {source.relative_to(ROOT)}, its "
-            "source: run `make chart-files` and commit both")
+            "source: run `make chart-files` and commit both"
+        )
     docs = render(helm, VALUE_SETS["monitoring-on"], tmp_path)
     (cm,) = find(docs, "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -506,14 +524,22 @@ def test_dashboard_and_rules_have_one_source(helm, tmp_path):
 
 def test_packaged_chart_carries_the_linked_files(helm, tmp_path):
     """helm package stores the dashboard and rules, so the .tgz stands alone."""
-    out = subprocess.run([helm, "package", str(CHART), "-d", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [helm, "package", str(CHART), "-d", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "symbolic link" not in out.stderr, out.stderr
     (tgz,) = tmp_path.glob("kvtier-*.tgz")
     vfile = tmp_path / "values.yaml"
     vfile.write_text(yaml.safe_dump(VALUE_SETS["monitoring-on"]))
-    out = subprocess.run([helm, "template", "rel", str(tgz), "-f", str(vfile)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [helm, "template", "rel", str(tgz), "-f", str(vfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "symbolic link" not in out.stderr, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -546,8 +572,9 @@ def test_in_chart_redis(helm, tmp_path):
     assert auth["secret"]["items"] == [{"key": "redis-password", "path": "password"}]
     (svc,) = find(docs, "Service", "vllm")
     assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "vllm"
-    err = render_fails(helm, {"redis": {"enabled": True},
-                              "kvtier": {"remoteUrl": "s3://b/p"}}, tmp_path)  # fmt: skip
+    err = render_fails(
+        helm, {"redis": {"enabled": True}, "kvtier": {"remoteUrl": "s3://b/p"}}, tmp_path
+    )
     assert "leave kvtier.remoteUrl empty" in err
 
 
@@ -561,8 +588,13 @@ def test_command_model_gpus_and_args(helm, tmp_path):
     assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     assert arg_value(c["args"], "--model") == "/models/llama3-8b"
     assert arg_value(c["args"], "--served-model-name") == "llama3"
-    assert c["args"][-5:] == ["--tensor-parallel-size=2", "--cpu-offload-gb", "1.5",
-                              "--max-model-len", "8192"]  # fmt: skip
+    assert c["args"][-5:] == [
+        "--tensor-parallel-size=2",
+        "--cpu-offload-gb",
+        "1.5",
+        "--max-model-len",
+        "8192",
+    ]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # follows the TP flag
     (dep,) = find(docs, "Deployment", "vllm")
     vols = dep["spec"]["template"]["spec"]["volumes"]
@@ -578,7 +610,7 @@ def test_command_model_gpus_and_args(helm, tmp_path):
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_vllm_is_given_the_time_kvtier_needs_to_flush_on_stop(helm, tmp_path, name):
     """vLLM's default stop kills the engine at once, losing the object-tier writes still
-    queued (connectors/shutdown.py). With an object tier the pod runs vLLM with the window
+    queued (connectors/worker/shutdown.py). With an object tier the pod runs vLLM with the window
     kvtier's own rule asks for, and Kubernetes' grace period above it."""
     c = vllm_container(render(helm, VALUE_SETS[name], tmp_path))
     cfg = load_config(transfer_config(c)["kv_connector_extra_config"], environ={})
@@ -596,12 +628,21 @@ def test_shutdown_window_follows_the_flush_and_the_operators_own_flags(helm, tmp
     base = VALUE_SETS["redis-tier"]
     values = {**base, "kvtier": {**base["kvtier"], "extraConfig": {"shutdown_flush_s": 2.5}}}
     c = vllm_container(render(helm, values, tmp_path))
-    assert load_config(transfer_config(c)["kv_connector_extra_config"],
-                       environ={}).vllm_shutdown_timeout_s() == 13  # fmt: skip
+    assert (
+        load_config(
+            transfer_config(c)["kv_connector_extra_config"], environ={}
+        ).vllm_shutdown_timeout_s()
+        == 13
+    )
     assert arg_value(c["args"], "--shutdown-timeout") == "13"
     # the operator's own flag and variable win, once each
-    mine = {**base, "vllm": {"extraArgs": ["--shutdown-timeout=45"], "env": [
-        {"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": "40"}]}}
+    mine = {
+        **base,
+        "vllm": {
+            "extraArgs": ["--shutdown-timeout=45"],
+            "env": [{"name": "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "value": "40"}],
+        },
+    }
     c = vllm_container(render(helm, mine, tmp_path))
     assert [a for a in c["args"] if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=45"]
     names = [e["name"] for e in c["env"]]
@@ -655,8 +696,11 @@ def test_bad_combinations_fail_with_a_message(helm, tmp_path, values, message):
 def kvtier_size(*args: str) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "size", *args],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -715,9 +759,20 @@ def test_kvtier_size_helm_values_drop_into_the_chart(helm, tmp_path, plan_args):
 def test_kvtier_size_with_weight_offload_and_exact_host_bytes(helm, tmp_path):
     """With offload the planner emits its exact per-worker offload bytes
     (weightOffload.hostBytes); the chart counts those instead of its power-of-two bound."""
-    plan_args = ["--model", str(MODELS / "llama3-8b"), "--gpu-memory", "80",
-                 "--warm-sessions", "400", "--tp", "2", "--cpu-offload-gb", "8",
-                 "--headroom", "6"]  # fmt: skip
+    plan_args = [
+        "--model",
+        str(MODELS / "llama3-8b"),
+        "--gpu-memory",
+        "80",
+        "--warm-sessions",
+        "400",
+        "--tp",
+        "2",
+        "--cpu-offload-gb",
+        "8",
+        "--headroom",
+        "6",
+    ]
     emitted = yaml.safe_load(kvtier_size(*plan_args, "--emit", "helm-values"))
     plan = json.loads(kvtier_size(*plan_args, "--json"))
     assert "--cpu-offload-gb" in emitted["vllm"]["sizingArgs"]
@@ -758,3 +813,34 @@ def test_readme_production_stack_snippet():
     need = host_total_bytes(cfg.cpu_bytes, headroom_bytes=cfg.cpu_headroom_bytes, tp=1)
     for key in ("requestMemory", "limitMemory"):
         assert parse_k8s_quantity(spec[key]) >= need
+
+
+def test_the_startup_probe_allows_for_warm_up(helm, tmp_path):
+    """vLLM answers /health only once kvtier's warm-up ended or timed out
+    (connectors/worker/warmup.py): with warmup on, the startupProbe allows warmup_timeout_s more,
+    and so does vLLM's own wait for its engine (VLLM_ENGINE_READY_TIMEOUT_S)."""
+
+    def threshold(extra: dict[str, Any]) -> int:
+        base = VALUE_SETS["redis-tier"]
+        values = {**base, "kvtier": {**base["kvtier"], "extraConfig": extra}}
+        probe = vllm_container(render(helm, values, tmp_path))["startupProbe"]
+        assert probe["periodSeconds"] == 10
+        return int(probe["failureThreshold"])
+
+    assert threshold({}) == threshold({"warmup": False}) == 120
+    assert threshold({"warmup": True}) == 120 + 6 + 1  # 60 s by default, in 10 s periods
+    assert threshold({"warmup": True, "warmup_timeout_s": 300}) == 120 + 30 + 1
+    assert threshold({"warmup": True, "warmup_timeout_s": 2.5}) == 120 + 1 + 1
+    # vLLM's own wait for its engine (600 s) gets the warm-up's time too, unless set
+    base = VALUE_SETS["redis-tier"]
+    values = {**base, "kvtier": {**base["kvtier"], "extraConfig": {"warmup": True}}}
+    env = {e["name"]: e.get("value") for e in vllm_container(render(helm, values, tmp_path))["env"]}
+    assert env["VLLM_ENGINE_READY_TIMEOUT_S"] == "660"
+    values["vllm"] = {
+        **values.get("vllm", {}),
+        "env": [{"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": "900"}],
+    }
+    env = {e["name"]: e.get("value") for e in vllm_container(render(helm, values, tmp_path))["env"]}
+    assert env["VLLM_ENGINE_READY_TIMEOUT_S"] == "900"
+    off = vllm_container(render(helm, base, tmp_path))["env"]
+    assert "VLLM_ENGINE_READY_TIMEOUT_S" not in {e["name"] for e in off}

@@ -51,9 +51,17 @@ def _remote(url: str) -> dict[str, Any]:
         {"vllm": {"env": [{"name": "KVTIER_REMOTE_URL", "value": "redis://h/0?password=x"}]}},
     ],
     ids=[
-        "password-arg", "Password-arg", "ssl_password", "encoded-name", "in-fragment",
-        "user-only", "presigned", "s3-endpoint", "extra-args", "plain-env",
-    ],  # fmt: skip
+        "password-arg",
+        "Password-arg",
+        "ssl_password",
+        "encoded-name",
+        "in-fragment",
+        "user-only",
+        "presigned",
+        "s3-endpoint",
+        "extra-args",
+        "plain-env",
+    ],
 )
 def test_credentials_anywhere_in_a_url_are_refused(helm, tmp_path, values) -> None:
     err = render_fails(helm, values, tmp_path)

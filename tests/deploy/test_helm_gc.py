@@ -34,6 +34,7 @@ pytestmark = pytest.mark.integration
 
 HMAC_SECRET = {"kvtier-hmac": {"hmac-key": "h" * 64}}
 GC = {"enabled": True, "deadAfter": "3d", "maxBytes": "500Gi", "schedule": "*/30 * * * *"}
+QUOTAS = {"chat": "400GiB", "crawl": "100Gi", "*": 20 * 2**30}
 S3_TIER = {
     "remoteUrl": "s3://kv-cache/prod",
     "s3": {"endpointUrl": "https://s3.internal:9000", "existingSecret": "s3-keys"},
@@ -69,14 +70,25 @@ def test_the_job_runs_kvtier_store_gc_as_the_engines_run(helm, tmp_path) -> None
     assert cron["spec"]["schedule"] == "*/30 * * * *"
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     pod = job_pod(docs)
-    (dep,) = [d for d in of_kind(docs, "Deployment")
-              if d["metadata"]["labels"]["app.kubernetes.io/component"] == "vllm"]  # fmt: skip
+    (dep,) = [
+        d
+        for d in of_kind(docs, "Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "vllm"
+    ]
     vpod = dep["spec"]["template"]["spec"]
     (vllm,) = vpod["containers"]
     (gc,) = pod["containers"]
     assert gc["command"] == ["kvtier"]
-    assert gc["args"] == ["store", "gc", "--config", "/etc/kvtier/gc/config.json",
-                          "--dead-after", "3d", "--max-bytes", str(500 * 2**30)]  # fmt: skip
+    assert gc["args"] == [
+        "store",
+        "gc",
+        "--config",
+        "/etc/kvtier/gc/config.json",
+        "--dead-after",
+        "3d",
+        "--max-bytes",
+        str(500 * 2**30),
+    ]
     assert gc["image"] == vllm["image"] and gc["imagePullPolicy"] == vllm["imagePullPolicy"]
     assert gc["securityContext"] == vllm["securityContext"]
     assert pod["securityContext"] == vpod["securityContext"]
@@ -85,8 +97,11 @@ def test_the_job_runs_kvtier_store_gc_as_the_engines_run(helm, tmp_path) -> None
     # the engines' secrets, by reference only
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in gc["env"] if "valueFrom" in e}
     vrefs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in vllm["env"] if "valueFrom" in e}
-    assert refs == vrefs and {"AWS_ACCESS_KEY_ID", "KVTIER_HMAC_KEY",
-                              "KVTIER_ENCRYPTION_KEY"} <= set(refs)  # fmt: skip
+    assert refs == vrefs and {
+        "AWS_ACCESS_KEY_ID",
+        "KVTIER_HMAC_KEY",
+        "KVTIER_ENCRYPTION_KEY",
+    } <= set(refs)
     # the engines' kv_connector_extra_config, which holds no secret
     (cm,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-gc")]
     config = json.loads(cm["data"]["config.json"])
@@ -100,21 +115,99 @@ def test_the_job_runs_kvtier_store_gc_as_the_engines_run(helm, tmp_path) -> None
         assert not svc["spec"]["selector"].items() <= labels.items()
 
 
+def test_tenant_quotas_reach_the_job_as_a_file_kvtier_reads(helm, tmp_path) -> None:
+    from kvtier.cli.store import read_tenant_quotas
+
+    docs = render(helm, {"kvtier": {**S3_TIER, "gc": {**GC, "tenantQuotas": QUOTAS}}}, tmp_path)
+    (gc,) = job_pod(docs)["containers"]
+    assert gc["args"][-4:] == [
+        "--max-bytes",
+        str(500 * 2**30),
+        "--tenant-quotas",
+        "/etc/kvtier/gc/tenant-quotas.json",
+    ]
+    (cm,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-gc")]
+    path = tmp_path / "tenant-quotas.json"
+    path.write_text(cm["data"]["tenant-quotas.json"])
+    assert read_tenant_quotas(str(path)) == {
+        "chat": 400 * 2**30,
+        "crawl": 100 * 2**30,
+        "*": 20 * 2**30,
+    }
+    # none given: neither the file nor the flag
+    docs = render(helm, {"kvtier": {**S3_TIER, "gc": {**GC, "tenantQuotas": {}}}}, tmp_path)
+    (cm,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-gc")]
+    (gc,) = job_pod(docs)["containers"]
+    assert list(cm["data"]) == ["config.json"] and "--tenant-quotas" not in gc["args"]
+
+
+def test_the_rendered_job_trims_a_tenant_over_its_quota(helm, tmp_path) -> None:
+    """team-a: 4 chunks, team-b: 2, one chunk no one's, on a directory tier whose manifest
+    attributes them as rank 0's writer does; a quota of 2 chunks for team-a: the job
+    deletes team-a's 2 oldest, nothing else."""
+    from kit import collect, payload
+    from store_kit import DT, SHAPE, file_objects
+
+    from kvtier.config import load_config
+    from kvtier.keys import KeySpace
+    from kvtier.objects.manifest import ManifestWriter
+    from kvtier.objects.remote import RemoteIO
+    from kvtier.objects.tenant_keys import TenantKeys
+
+    root = tmp_path / "kv"
+    root.mkdir()
+    url = f"file://{root}"
+    rio = RemoteIO.from_config(load_config({"remote_url": url}, environ={}), environ={})
+    space = KeySpace.worker(NS, 0, 0)
+    owned: dict[str, list[str]] = {"team-a": [], "team-b": [], "none": []}
+    order = ["none", "team-a", "team-b", "team-a", "team-a", "team-b", "team-a"]
+    for i, who in enumerate(order):
+        key = space.key(os.urandom(16))
+        assert rio.submit_put(i + 1, key, payload(i), dtype=DT, shape=SHAPE)
+        owned[who].append(key)
+    assert rio.flush(10.0) == 0 and all(r.ok for r in collect(rio, len(order)).values())
+    now = time.time()
+    for i, who in enumerate(order):  # each older than the next
+        key = owned[who][order[:i].count(who)]
+        os.utime(rio.tier.path(key), (now - 1000 + 100 * i,) * 2)  # type: ignore[attr-defined]
+    writer = ManifestWriter(rio.tier, None, lambda: NS)
+    writer.add_tenants(TenantKeys.of({t: owned[t] for t in ("team-a", "team-b")}))
+    assert writer.refresh() is not None
+    rio.close()
+    before = file_objects(root)
+    quota = 2 * max(before[k] for k in owned["team-a"])
+    gc = {**GC, "maxBytes": "", "tenantQuotas": {"team-a": quota}}
+    values = {"kvtier": {"remoteUrl": url, "allowUnsignedChunks": True, "gc": gc}}
+    out = run_rendered_job(render(helm, values, tmp_path), {}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "of tenant team-a: over its quota" in out.stdout, out.stdout
+    assert set(file_objects(root)) == set(before) - set(owned["team-a"][:2]), out.stdout
+
+
 def test_network_policies_let_the_job_reach_the_in_chart_redis_only_outbound(
     helm, tmp_path
 ) -> None:
-    values = {"redis": {"enabled": True}, "kvtier": {"hmac": {"existingSecret": "kvtier-hmac"},
-              "gc": GC}, "networkPolicy": {"egress": {"restrict": True}}}  # fmt: skip
+    values = {
+        "redis": {"enabled": True},
+        "kvtier": {"hmac": {"existingSecret": "kvtier-hmac"}, "gc": GC},
+        "networkPolicy": {"egress": {"restrict": True}},
+    }
     docs = render(helm, values, tmp_path)
     pols = {d["metadata"]["name"]: d["spec"] for d in of_kind(docs, "NetworkPolicy")}
     labels = {k: v for k, v in job_pod_labels(docs).items()}
     mine = [p for p in pols.values() if p["podSelector"]["matchLabels"].items() <= labels.items()]
     assert len(mine) == 1 and mine[0]["ingress"] == [], "the gc pods take no connection"
     assert any(r.get("ports") == [{"port": 6379, "protocol": "TCP"}] for r in mine[0]["egress"])
-    admits = [p for p in pols.values()
-              if p["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "redis"
-              and any(f.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
-                      for r in p.get("ingress", []) for f in r.get("from", []))]  # fmt: skip
+    admits = [
+        p
+        for p in pols.values()
+        if p["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "redis"
+        and any(
+            f.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+            for r in p.get("ingress", [])
+            for f in r.get("from", [])
+        )
+    ]
     assert len(admits) == 1, "the in-chart Redis does not admit the gc pods"
 
 
@@ -132,6 +225,11 @@ def job_pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
         ({"maxBytes": -1}, "maxBytes"),
         ({"schedule": ""}, "schedule"),
         ({"typo": 1}, "typo"),
+        ({"tenantQuotas": {"team a": "1GiB"}}, "tenantQuotas"),
+        ({"tenantQuotas": {"team-a": "lots"}}, "tenantQuotas"),
+        ({"tenantQuotas": {"team-a": 0}}, "tenantQuotas"),
+        ({"tenantQuotas": {"team-a": "0GiB"}}, "greater than zero"),
+        ({"tenantQuotas": {"untagged": "1GiB"}}, "never a tenant's name"),
     ],
 )
 def test_the_schema_refuses_nonsense(helm, tmp_path, gc, says) -> None:
@@ -147,17 +245,27 @@ def test_gc_needs_an_object_tier(helm, tmp_path) -> None:
 def _rendered_files(helm: str, tmp: Path) -> list[Path]:
     files = []
     for name, values in {
-        "s3": {"kvtier": {**S3_TIER, "gc": GC}},
-        "redis": {"redis": {"enabled": True, "tls": {"enabled": True,
-                                                     "existingSecret": "redis-tls"}},
-                  "kvtier": {"hmac": {"existingSecret": "kvtier-hmac"}, "gc": GC},
-                  "networkPolicy": {"egress": {"restrict": True}}},
-        "pinned": {"image": {"digest": "sha256:" + "ab" * 32},
-                   "kvtier": {"remoteUrl": "redis://r:6379/0", "allowUnsignedChunks": True,
-                              "gc": {**GC, "resources": {"requests": {"cpu": "100m",
-                                     "memory": "256Mi"}, "limits": {"cpu": "1",
-                                     "memory": "1Gi"}}}}},
-    }.items():  # fmt: skip
+        "s3": {"kvtier": {**S3_TIER, "gc": {**GC, "tenantQuotas": QUOTAS}}},
+        "redis": {
+            "redis": {"enabled": True, "tls": {"enabled": True, "existingSecret": "redis-tls"}},
+            "kvtier": {"hmac": {"existingSecret": "kvtier-hmac"}, "gc": GC},
+            "networkPolicy": {"egress": {"restrict": True}},
+        },
+        "pinned": {
+            "image": {"digest": "sha256:" + "ab" * 32},
+            "kvtier": {
+                "remoteUrl": "redis://r:6379/0",
+                "allowUnsignedChunks": True,
+                "gc": {
+                    **GC,
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "256Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                },
+            },
+        },
+    }.items():
         out = helm_template(helm, values, tmp, release=f"gc-{name}", namespace=f"gc-{name}")
         assert out.returncode == 0, out.stderr
         path = tmp / f"{name}.yaml"
@@ -171,9 +279,20 @@ def test_checkov_passes_the_job(helm, tmp_path) -> None:
     out_dir.mkdir()
     _rendered_files(helm, out_dir)
     out = subprocess.run(
-        [tool("checkov"), "--framework", "kubernetes", "-d", str(out_dir), "-o", "json",
-         "--skip-download"], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            tool("checkov"),
+            "--framework",
+            "kubernetes",
+            "-d",
+            str(out_dir),
+            "-o",
+            "json",
+            "--skip-download",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode in (0, 1), out.stderr
     results = json.loads(out.stdout)["results"]
     failed = [f"{c['check_id']} {c['resource']}" for c in results.get("failed_checks", [])]
@@ -186,8 +305,11 @@ def test_checkov_passes_the_job(helm, tmp_path) -> None:
         assert c["check_id"] in ALLOWED_SKIPS, c["check_id"]
         assert len(c["check_result"].get("suppress_comment", "")) > 40
     # with a digest and a CPU limit nothing is skipped on the job
-    assert not [c for c in results.get("skipped_checks", [])
-                if c["resource"] == "CronJob.gc-pinned.gc-pinned-kvtier-gc"]  # fmt: skip
+    assert not [
+        c
+        for c in results.get("skipped_checks", [])
+        if c["resource"] == "CronJob.gc-pinned.gc-pinned-kvtier-gc"
+    ]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -195,8 +317,10 @@ def test_the_job_validates_against_the_kubernetes_api(helm, tmp_path, version) -
     files = _rendered_files(helm, tmp_path)
     out = subprocess.run(
         [tool("kubernetes-validate"), "--strict", "-k", version, *map(str, files)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report
     assert re.search(r"passed for resource cronjob/gc-s3-kvtier-gc", report), report
@@ -207,12 +331,14 @@ def test_the_job_validates_against_the_kubernetes_api(helm, tmp_path, version) -
 
 def _kube_expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion in a container's env values and args."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
-                  text)  # fmt: skip
+    return re.sub(
+        r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text
+    )
 
 
-def run_rendered_job(docs: list[dict[str, Any]], secrets: dict[str, dict[str, str]],
-                     tmp: Path) -> subprocess.CompletedProcess:  # fmt: skip
+def run_rendered_job(
+    docs: list[dict[str, Any]], secrets: dict[str, dict[str, str]], tmp: Path
+) -> subprocess.CompletedProcess:
     """The CronJob's container as the kubelet starts it: its env (secrets filled in, then
     $(VAR) expanded in order), its ConfigMap at its mount path, its command and args."""
     (gc,) = job_pod(docs)["containers"]
@@ -224,37 +350,55 @@ def run_rendered_job(docs: list[dict[str, Any]], secrets: dict[str, dict[str, st
             env[e["name"]] = secrets[ref["name"]][ref["key"]]
         else:
             env[e["name"]] = _kube_expand(str(e["value"]), env)
-    config = tmp / "config.json"
-    config.write_text(cm["data"]["config.json"])
-    args = [_kube_expand(a, env).replace("/etc/kvtier/gc/config.json", str(config))
-            for a in gc["args"]]  # fmt: skip
+    for name, text in cm["data"].items():  # config.json, tenant-quotas.json
+        (tmp / name).write_text(text)
+    args = [_kube_expand(a, env).replace("/etc/kvtier/gc/", f"{tmp}/") for a in gc["args"]]
     assert gc["command"] == ["kvtier"]
     env["HOME"] = str(tmp)
     env["PATH"] = os.environ.get("PATH", "")
-    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_rendered_job_deletes_the_dead_generation_on_s3(helm, tmp_path, s3_bucket) -> None:
     hmac_env = {"KVTIER_HMAC_KEY": "h" * 64}
-    extra = {"remote_url": s3_bucket.url, "s3_endpoint_url": s3_bucket.endpoint_url,
-             "hmac_key_env": "KVTIER_HMAC_KEY"}  # fmt: skip
-    dead = write_engine(extra, NS, seed=1, clock=lambda: time.time() - 10 * 86400,
-                        environ=hmac_env)  # fmt: skip
+    extra = {
+        "remote_url": s3_bucket.url,
+        "s3_endpoint_url": s3_bucket.endpoint_url,
+        "hmac_key_env": "KVTIER_HMAC_KEY",
+    }
+    dead = write_engine(extra, NS, seed=1, clock=lambda: time.time() - 10 * 86400, environ=hmac_env)
     live = write_engine(extra, NS_B, seed=2, environ=hmac_env)
-    values = {"kvtier": {"remoteUrl": s3_bucket.url,
-                         "s3": {"endpointUrl": s3_bucket.endpoint_url, "region": "us-east-1",
-                                "existingSecret": "s3-keys"},
-                         "hmac": {"existingSecret": "kvtier-hmac"}, "gc": GC}}  # fmt: skip
+    values = {
+        "kvtier": {
+            "remoteUrl": s3_bucket.url,
+            "s3": {
+                "endpointUrl": s3_bucket.endpoint_url,
+                "region": "us-east-1",
+                "existingSecret": "s3-keys",
+            },
+            "hmac": {"existingSecret": "kvtier-hmac"},
+            "gc": GC,
+        }
+    }
     docs = render(helm, values, tmp_path)
-    secrets = {"s3-keys": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
-               **HMAC_SECRET}  # fmt: skip
+    secrets = {
+        "s3-keys": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
+        **HMAC_SECRET,
+    }
     out = run_rendered_job(docs, secrets, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "deleted 8 chunks" in out.stdout and dead.generation in out.stdout, out.stdout
     client = s3_bucket.server.client()
-    held = {o["Key"].removeprefix("kv/") for o in
-            client.list_objects_v2(Bucket=s3_bucket.name).get("Contents", [])}  # fmt: skip
+    held = {
+        o["Key"].removeprefix("kv/")
+        for o in client.list_objects_v2(Bucket=s3_bucket.name).get("Contents", [])
+    }
     assert held == {*live.keys, manifest_key(live.generation)}
 
 
@@ -262,13 +406,16 @@ def test_the_rendered_job_reaches_a_redis_with_its_password(helm, tmp_path, serv
     server = services.redis(password="pw-3f9a1c")
     hmac_env = {"KVTIER_HMAC_KEY": "h" * 64}
     extra = {"remote_url": server.url, "hmac_key_env": "KVTIER_HMAC_KEY"}
-    dead = write_engine(extra, NS, seed=3, clock=lambda: time.time() - 10 * 86400,
-                        environ=hmac_env)  # fmt: skip
+    dead = write_engine(extra, NS, seed=3, clock=lambda: time.time() - 10 * 86400, environ=hmac_env)
     live = write_engine(extra, NS_B, seed=4, environ=hmac_env)
-    values = {"kvtier": {"remoteUrl": f"redis://{server.host}:{server.port}/0",
-                         "redis": {"existingSecret": "redis-auth"},
-                         "hmac": {"existingSecret": "kvtier-hmac"},
-                         "gc": {**GC, "maxBytes": ""}}}  # fmt: skip
+    values = {
+        "kvtier": {
+            "remoteUrl": f"redis://{server.host}:{server.port}/0",
+            "redis": {"existingSecret": "redis-auth"},
+            "hmac": {"existingSecret": "kvtier-hmac"},
+            "gc": {**GC, "maxBytes": ""},
+        }
+    }
     docs = render(helm, values, tmp_path)
     (gc,) = job_pod(docs)["containers"]
     assert "pw-3f9a1c" not in yaml.safe_dump(docs) and "--max-bytes" not in gc["args"]

@@ -241,7 +241,11 @@ _RENDERS: dict[str, subprocess.CompletedProcess] = {}
 
 
 def helm_template(
-    helm: str, values: dict[str, Any], tmp: Path, release: str = "rel", namespace: str = "llm",
+    helm: str,
+    values: dict[str, Any],
+    tmp: Path,
+    release: str = "rel",
+    namespace: str = "llm",
     flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     key = json.dumps([release, namespace, values, flags], sort_keys=True)
@@ -250,8 +254,10 @@ def helm_template(
         vfile.write_text(yaml.safe_dump(values))
         _RENDERS[key] = subprocess.run(
             [helm, "template", release, str(CHART), "-n", namespace, "-f", str(vfile), *flags],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     return _RENDERS[key]
 
 
@@ -274,11 +280,14 @@ def scenario(helm: str, name: str, tmp: Path) -> list[dict[str, Any]]:
 
 def kind(docs: list[dict[str, Any]], k: str, component: str | None = None) -> list[dict]:
     return [
-        d for d in docs
+        d
+        for d in docs
         if d["kind"] == k
-        and (component is None
-             or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
-    ]  # fmt: skip
+        and (
+            component is None
+            or d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+        )
+    ]
 
 
 def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -323,8 +332,10 @@ def test_manifests_validate_against_the_kubernetes_api(rendered, version):
     files = sorted(rendered.glob("*.yaml"))
     out = subprocess.run(
         [tool("kubernetes-validate"), "--strict", "-k", version, *map(str, files)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report
     passed = set(re.findall(r"(\S+\.yaml) passed for resource (\S+) against", report))
@@ -359,14 +370,20 @@ def test_kubernetes_validate_rejects_what_the_api_server_would(tmp_path):
         }
 
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump_all([
-        deployment("wrong-type", {"securityContext": {"runAsUser": "root"}}, {}),
-        deployment("misspelt", {}, {"securityContext": {"readOnlyRootFilesytem": True}}),
-    ]))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump_all(
+            [
+                deployment("wrong-type", {"securityContext": {"runAsUser": "root"}}, {}),
+                deployment("misspelt", {}, {"securityContext": {"readOnlyRootFilesytem": True}}),
+            ]
+        )
+    )
     out = subprocess.run(
         [tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSIONS[0], str(path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = out.stdout + out.stderr
     assert out.returncode != 0
     assert re.search(r"deployment/wrong-type.*runAsUser", report), report
@@ -387,10 +404,20 @@ def checkov(helm, tmp_path_factory) -> dict[str, dict[str, list[dict[str, Any]]]
         assert text.returncode == 0, text.stderr
         (out_dir / f"{name}.yaml").write_text(text.stdout)
     out = subprocess.run(
-        [tool("checkov"), "--framework", "kubernetes", "-d", str(out_dir), "-o", "json",
-         "--skip-download"],  # offline: no Prisma Cloud guidelines or mappings
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            tool("checkov"),
+            "--framework",
+            "kubernetes",
+            "-d",
+            str(out_dir),
+            "-o",
+            "json",
+            "--skip-download",
+        ],  # offline: no Prisma Cloud guidelines or mappings
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode in (0, 1), out.stderr  # 1: failed checks, reported below
     report = json.loads(out.stdout)
     assert isinstance(report, dict), f"checkov found nothing to scan: {out.stdout[:500]}"
@@ -507,8 +534,15 @@ def test_vllm_writes_only_to_its_own_volumes(helm, tmp_path):
     assert {"/tmp", "/home/vllm", "/home/vllm/.cache/huggingface", "/dev/shm"} <= set(writable)
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env["HOME"] == "/home/vllm" and env["USER"]
-    for var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "VLLM_CACHE_ROOT",
-                "VLLM_CONFIG_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # fmt: skip
+    for var in (
+        "XDG_CACHE_HOME",
+        "XDG_CONFIG_HOME",
+        "HF_HOME",
+        "VLLM_CACHE_ROOT",
+        "VLLM_CONFIG_ROOT",
+        "TRITON_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+    ):
         assert any(env[var] == p or env[var].startswith(p + "/") for p in writable), var
     assert env["HF_HOME"] == "/home/vllm/.cache/huggingface"
     for name in ("tmp", "home", "hf-cache"):
@@ -558,21 +592,30 @@ def redis_parts(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (init,) = spec["initContainers"]
     (server,) = spec["containers"]
     (cm,) = kind(docs, "ConfigMap", "redis")
-    return {"deployment": dep, "spec": spec, "init": init, "server": server,
-            "conf": cm["data"]["redis.conf"]}  # fmt: skip
+    return {
+        "deployment": dep,
+        "spec": spec,
+        "init": init,
+        "server": server,
+        "conf": cm["data"]["redis.conf"],
+    }
 
 
 @pytest.mark.parametrize(
     "values",
     [
         {"redis": {"enabled": True}, "kvtier": {"hmac": HMAC}},
-        {"redis": {"enabled": True, "existingSecret": "kvtier-inchart-redis-4f5a"},
-         "kvtier": {"hmac": HMAC}},
-        {"redis": {"enabled": True, "tls": {"enabled": True, "existingSecret": "t"}},
-         "kvtier": {"hmac": HMAC}},
+        {
+            "redis": {"enabled": True, "existingSecret": "kvtier-inchart-redis-4f5a"},
+            "kvtier": {"hmac": HMAC},
+        },
+        {
+            "redis": {"enabled": True, "tls": {"enabled": True, "existingSecret": "t"}},
+            "kvtier": {"hmac": HMAC},
+        },
     ],
     ids=["generated", "existing-secret", "tls"],
-)  # fmt: skip
+)
 def test_redis_password_is_never_on_a_command_line(helm, tmp_path, values):
     out = helm_template(helm, values, tmp_path)
     assert out.returncode == 0, out.stderr
@@ -594,8 +637,12 @@ def test_redis_password_is_never_on_a_command_line(helm, tmp_path, values):
     assert "args" not in r["server"] and "env" not in r["server"]
     assert "aclfile /run/redis/users.acl" in r["conf"] and "requirepass" not in r["conf"]
     # only the init container sees the Secret, as a file
-    auth = [m for c in containers(r["deployment"]) for m in c.get("volumeMounts", [])
-            if m["name"] == "auth"]  # fmt: skip
+    auth = [
+        m
+        for c in containers(r["deployment"])
+        for m in c.get("volumeMounts", [])
+        if m["name"] == "auth"
+    ]
     assert [m["mountPath"] for m in r["init"]["volumeMounts"] if m["name"] == "auth"] == [
         "/etc/redis/auth"
     ] and len(auth) == 1
@@ -629,10 +676,23 @@ def test_the_generated_password_is_kept_across_upgrades(helm, tmp_path, fake_api
         vfile = tmp_path / "v.yaml"
         vfile.write_text(yaml.safe_dump(values))
         out = subprocess.run(
-            [helm, "template", "rel", str(CHART), "-n", "llm", "-f", str(vfile),
-             "--show-only", "templates/redis.yaml", *extra],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                helm,
+                "template",
+                "rel",
+                str(CHART),
+                "-n",
+                "llm",
+                "-f",
+                str(vfile),
+                "--show-only",
+                "templates/redis.yaml",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         (secret,) = kind([d for d in yaml.safe_load_all(out.stdout) if d], "Secret")
         return base64.b64decode(secret["data"]["redis-password"]).decode()
@@ -641,15 +701,14 @@ def test_the_generated_password_is_kept_across_upgrades(helm, tmp_path, fake_api
     assert password() != password()
     # the API server has the Secret from the first install: the same password again
     fake_api.secrets[("llm", "rel-kvtier-redis-auth")] = {
-        "apiVersion": "v1", "kind": "Secret",
+        "apiVersion": "v1",
+        "kind": "Secret",
         "metadata": {"name": "rel-kvtier-redis-auth", "namespace": "llm"},
         "data": {"redis-password": base64.b64encode(b"KeptFromTheFirstInstall1").decode()},
-    }  # fmt: skip
+    }
     server = ["--kubeconfig", str(fake_api.kubeconfig), "--dry-run=server"]
     assert password(*server) == password(*server) == "KeptFromTheFirstInstall1"
     assert "/api/v1/namespaces/llm/secrets/rel-kvtier-redis-auth" in fake_api.requests
-
-
 
 
 def _openssl(*args: str) -> None:
@@ -661,18 +720,57 @@ def _tls_secret(directory: Path, dns_name: str) -> None:
     certificate it signed for the Service name (and 127.0.0.1, where the test dials)."""
     directory.mkdir()
     ca_key, ca_crt = directory / "ca.key", directory / "ca.crt"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-days", "2", "-subj", "/CN=kvtier-test-ca", "-keyout", str(ca_key),
-             "-out", str(ca_crt))  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvtier-test-ca",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca_crt),
+    )
     csr = directory / "tls.csr"
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-subj", f"/CN={dns_name}", "-keyout", str(directory / "tls.key"),
-             "-out", str(csr))  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-subj",
+        f"/CN={dns_name}",
+        "-keyout",
+        str(directory / "tls.key"),
+        "-out",
+        str(csr),
+    )
     ext = directory / "san.ext"
     ext.write_text(f"subjectAltName=DNS:{dns_name},IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key),
-             "-CAcreateserial", "-days", "2", "-extfile", str(ext),
-             "-out", str(directory / "tls.crt"))  # fmt: skip
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca_crt),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(directory / "tls.crt"),
+    )
     ca_key.unlink()
 
 
@@ -702,8 +800,11 @@ def run_init(pod: _Pod, init: dict[str, Any]) -> subprocess.CompletedProcess:
     env = {e["name"]: e["value"] for e in init["env"]}
     return subprocess.run(
         [init["command"][0], init["command"][1], pod.local(init["command"][2])],
-        env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -724,8 +825,10 @@ def test_in_chart_redis_runs_its_rendered_config(helm, tmp_path, redis_server_bi
     asks for the password, refuses @dangerous commands, and kvtier's RedisTier works."""
     secret = "kvtier-inchart-redis-4f5a"
     password = SECRETS[secret]["redis-password"]
-    values: dict[str, Any] = {"redis": {"enabled": True, "existingSecret": secret},
-                              "kvtier": {"hmac": HMAC}}  # fmt: skip
+    values: dict[str, Any] = {
+        "redis": {"enabled": True, "existingSecret": secret},
+        "kvtier": {"hmac": HMAC},
+    }
     if tls:
         values["redis"]["tls"] = {"enabled": True, "existingSecret": "redis-tls"}
     docs = render(helm, values, tmp_path)
@@ -773,8 +876,10 @@ def test_in_chart_redis_runs_its_rendered_config(helm, tmp_path, redis_server_bi
         if tls:
             ca_mount = "/etc/kvtier/redis-tls"
             (vol,) = [v for v in pod_spec(vllm)["volumes"] if v["name"] == "redis-ca"]
-            assert vol["secret"] == {"secretName": "redis-tls",
-                                     "items": [{"key": "ca.crt", "path": "ca.crt"}]}  # fmt: skip
+            assert vol["secret"] == {
+                "secretName": "redis-tls",
+                "items": [{"key": "ca.crt", "path": "ca.crt"}],
+            }
             assert f"ssl_ca_certs={ca_mount}/ca.crt" in url
             url = url.replace(ca_mount, str(pod.paths["/etc/redis/tls"]))
         tier = RedisTier(url)
@@ -788,8 +893,7 @@ def test_in_chart_redis_runs_its_rendered_config(helm, tmp_path, redis_server_bi
             tier.close()
 
         # no retries: redis-py retries a refused AUTH (a ConnectionError) with backoff
-        client: dict[str, Any] = {"host": "127.0.0.1", "port": port,
-                                  "retry": Retry(NoBackoff(), 0)}  # fmt: skip
+        client: dict[str, Any] = {"host": "127.0.0.1", "port": port, "retry": Retry(NoBackoff(), 0)}
         if tls:
             client.update(ssl=True, ssl_ca_certs=str(pod.paths["/etc/redis/tls"] / "ca.crt"))
         anonymous = redis.Redis(**client)
@@ -803,8 +907,13 @@ def test_in_chart_redis_runs_its_rendered_config(helm, tmp_path, redis_server_bi
                 dangerous()
         user.close()
         if tls:  # no plain TCP next to TLS
-            plain = redis.Redis(host="127.0.0.1", port=port, password=password,
-                                socket_timeout=2, retry=Retry(NoBackoff(), 0))  # fmt: skip
+            plain = redis.Redis(
+                host="127.0.0.1",
+                port=port,
+                password=password,
+                socket_timeout=2,
+                retry=Retry(NoBackoff(), 0),
+            )
             with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
                 plain.ping()
             plain.close()
@@ -826,9 +935,10 @@ def test_redis_refuses_a_password_it_cannot_put_in_a_url(helm, tmp_path, bad):
 
 def test_redis_tls_needs_a_certificate_secret(helm, tmp_path):
     err = render_fails(
-        helm, {"redis": {"enabled": True, "tls": {"enabled": True}}, "kvtier": {"hmac": HMAC}},
+        helm,
+        {"redis": {"enabled": True, "tls": {"enabled": True}}, "kvtier": {"hmac": HMAC}},
         tmp_path,
-    )  # fmt: skip
+    )
     assert "redis.tls.existingSecret is required with redis.tls.enabled" in err
 
 
@@ -837,14 +947,20 @@ def test_redis_tls_needs_a_certificate_secret(helm, tmp_path):
 
 def test_only_the_vllm_pods_reach_redis(helm, tmp_path):
     docs = scenario(helm, "in-chart-redis", tmp_path)
-    deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
-                   for d in kind(docs, "Deployment")}  # fmt: skip
-    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p
-                for p in kind(docs, "NetworkPolicy")}  # fmt: skip
+    deployments = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in kind(docs, "Deployment")
+    }
+    policies = {
+        p["metadata"]["labels"]["app.kubernetes.io/component"]: p
+        for p in kind(docs, "NetworkPolicy")
+    }
     assert set(policies) == {"redis", "vllm"}
     for component, policy in policies.items():
-        chosen = {c for c, d in deployments.items()
-                  if selects(policy["spec"]["podSelector"], pod_labels(d))}  # fmt: skip
+        chosen = {
+            c
+            for c, d in deployments.items()
+            if selects(policy["spec"]["podSelector"], pod_labels(d))
+        }
         assert chosen == {component}, (component, chosen)
     redis_np = policies["redis"]["spec"]
     assert redis_np["policyTypes"] == ["Ingress", "Egress"] and redis_np["egress"] == []
@@ -874,8 +990,11 @@ def test_network_policy_defaults_and_egress_rules(helm, tmp_path):
     (np,) = kind(scenario(helm, "s3", tmp_path), "NetworkPolicy")
     rules = SCENARIOS["s3"][2]["networkPolicy"]["egress"]["rules"]
     assert np["spec"]["egress"][1:] == rules  # after DNS
-    off = {"networkPolicy": {"enabled": False}, "redis": {"enabled": True},
-           "kvtier": {"hmac": HMAC}}  # fmt: skip
+    off = {
+        "networkPolicy": {"enabled": False},
+        "redis": {"enabled": True},
+        "kvtier": {"hmac": HMAC},
+    }
     assert not kind(render(helm, off, tmp_path), "NetworkPolicy")
 
 
@@ -912,8 +1031,11 @@ def test_pod_disruption_budget(helm, tmp_path):
     docs = scenario(helm, "in-chart-redis", tmp_path)
     (pdb,) = kind(docs, "PodDisruptionBudget")
     assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
-    chosen = [d["metadata"]["name"] for d in kind(docs, "Deployment")
-              if selects(pdb["spec"]["selector"], pod_labels(d))]  # fmt: skip
+    chosen = [
+        d["metadata"]["name"]
+        for d in kind(docs, "Deployment")
+        if selects(pdb["spec"]["selector"], pod_labels(d))
+    ]
     assert chosen == ["cache-kvtier"]
     values = {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "", "minAvailable": "50%"}}
     (pdb,) = kind(render(helm, values, tmp_path), "PodDisruptionBudget")
@@ -926,17 +1048,25 @@ def test_pod_disruption_budget(helm, tmp_path):
     ("values", "message"),
     [
         ({"securityContext": {"runAsUser": "root"}}, "securityContext.runAsUser: Invalid type"),
-        ({"redis": {"podSecurityContext": {"runAsNonRoot": "yes"}}},
-         "redis.podSecurityContext.runAsNonRoot: Invalid type"),
-        ({"networkPolicy": {"egress": {"rules": {"to": []}}}},
-         "networkPolicy.egress.rules: Invalid type"),
-        ({"podDisruptionBudget": {"minAvailable": "most"}},
-         "podDisruptionBudget.minAvailable: Does not match pattern"),
+        (
+            {"redis": {"podSecurityContext": {"runAsNonRoot": "yes"}}},
+            "redis.podSecurityContext.runAsNonRoot: Invalid type",
+        ),
+        (
+            {"networkPolicy": {"egress": {"rules": {"to": []}}}},
+            "networkPolicy.egress.rules: Invalid type",
+        ),
+        (
+            {"podDisruptionBudget": {"minAvailable": "most"}},
+            "podDisruptionBudget.minAvailable: Does not match pattern",
+        ),
         ({"redis": {"aclRules": "+@all >sneaky"}}, "redis.aclRules: Does not match pattern"),
-        ({"writableDirs": {"home": {"path": "relative"}}},
-         "writableDirs.home.path: Does not match pattern"),
+        (
+            {"writableDirs": {"home": {"path": "relative"}}},
+            "writableDirs.home.path: Does not match pattern",
+        ),
     ],
-)  # fmt: skip
+)
 def test_schema_rejects_bad_security_values(helm, tmp_path, values, message):
     assert message in render_fails(helm, values, tmp_path)
 
@@ -975,13 +1105,25 @@ class FakeApiServer:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.kubeconfig = directory / "kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {
-                "server": f"http://127.0.0.1:{self.server.server_address[1]}"}}],
-            "users": [{"name": "fake", "user": {"token": "fake"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-        }))  # fmt: skip
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [
+                        {
+                            "name": "fake",
+                            "cluster": {
+                                "server": f"http://127.0.0.1:{self.server.server_address[1]}"
+                            },
+                        }
+                    ],
+                    "users": [{"name": "fake", "user": {"token": "fake"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                }
+            )
+        )
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def answer(self, path: str) -> tuple[int, dict[str, Any]]:
@@ -990,26 +1132,48 @@ class FakeApiServer:
         if path == "/api":
             return 200, {"kind": "APIVersions", "versions": ["v1"]}
         if path == "/apis":
-            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
-                {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
-                 "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}}
-                for g in self.GROUPS if g]}  # fmt: skip
+            return 200, {
+                "kind": "APIGroupList",
+                "apiVersion": "v1",
+                "groups": [
+                    {
+                        "name": g,
+                        "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                        "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"},
+                    }
+                    for g in self.GROUPS
+                    if g
+                ],
+            }
         for group, kinds in self.GROUPS.items():
             if path == (f"/apis/{group}/v1" if group else "/api/v1"):
-                return 200, {"kind": "APIResourceList",
-                             "groupVersion": f"{group}/v1" if group else "v1",
-                             "resources": [{"name": k.lower() + "s", "singularName": k.lower(),
-                                            "namespaced": True, "kind": k,
-                                            "verbs": ["get", "list", "create"]}
-                                           for k in kinds]}  # fmt: skip
+                return 200, {
+                    "kind": "APIResourceList",
+                    "groupVersion": f"{group}/v1" if group else "v1",
+                    "resources": [
+                        {
+                            "name": k.lower() + "s",
+                            "singularName": k.lower(),
+                            "namespaced": True,
+                            "kind": k,
+                            "verbs": ["get", "list", "create"],
+                        }
+                        for k in kinds
+                    ],
+                }
         parts = path.strip("/").split("/")
         if len(parts) >= 2 and parts[-2] == "secrets" and parts[-4] == "namespaces":
             if (parts[-3], parts[-1]) in self.secrets:
                 return 200, self.secrets[(parts[-3], parts[-1])]
         if parts[-1] == "secrets":
             return 200, {"kind": "SecretList", "apiVersion": "v1", "metadata": {}, "items": []}
-        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                     "reason": "NotFound", "code": 404}  # fmt: skip
+        return 404, {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "reason": "NotFound",
+            "code": 404,
+        }
 
     def close(self) -> None:
         self.server.shutdown()
@@ -1028,11 +1192,24 @@ def install_notes(helm: str, values: dict[str, Any], tmp: Path, fake_api: FakeAp
     vfile = tmp / "notes-values.yaml"
     vfile.write_text(yaml.safe_dump(values))
     out = subprocess.run(
-        [helm, "install", "rel", str(CHART), "-n", "llm", "-f", str(vfile),
-         "--kubeconfig", str(fake_api.kubeconfig), "--dry-run=server",
-         "--disable-openapi-validation"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            helm,
+            "install",
+            "rel",
+            str(CHART),
+            "-n",
+            "llm",
+            "-f",
+            str(vfile),
+            "--kubeconfig",
+            str(fake_api.kubeconfig),
+            "--dry-run=server",
+            "--disable-openapi-validation",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "NOTES:" in out.stdout
     return out.stdout.split("NOTES:", 1)[1]
@@ -1040,20 +1217,29 @@ def install_notes(helm: str, values: dict[str, Any], tmp: Path, fake_api: FakeAp
 
 def test_notes_warn_about_unsigned_chunks_and_the_generated_password(helm, tmp_path, fake_api):
     image = {"repository": "registry.example.com/vllm-kvtier"}
-    notes = install_notes(helm, {"image": image, "kvtier": {"remoteUrl": "s3://kv/prod",
-                                                            "hmac": HMAC}},
-                          tmp_path, fake_api)  # fmt: skip
+    notes = install_notes(
+        helm,
+        {"image": image, "kvtier": {"remoteUrl": "s3://kv/prod", "hmac": HMAC}},
+        tmp_path,
+        fake_api,
+    )
     assert "WARNING" not in notes
     assert "The root file system is read-only" in notes
-    notes = install_notes(helm, {"redis": {"enabled": True},
-                                 "kvtier": {"allowUnsignedChunks": True}},
-                          tmp_path, fake_api)  # fmt: skip
+    notes = install_notes(
+        helm,
+        {"redis": {"enabled": True}, "kvtier": {"allowUnsignedChunks": True}},
+        tmp_path,
+        fake_api,
+    )
     assert "WARNING: kvtier.allowUnsignedChunks is true" in notes
     assert "redis://rel-kvtier-redis:6379/0 can feed KV to" in " ".join(notes.split())
     assert "password in Secret rel-kvtier-redis-auth (generated; kept on upgrades)" in notes
-    notes = install_notes(helm, {"redis": {"enabled": True}, "kvtier": {"hmac": HMAC},
-                                 "networkPolicy": {"enabled": False}},
-                          tmp_path, fake_api)  # fmt: skip
+    notes = install_notes(
+        helm,
+        {"redis": {"enabled": True}, "kvtier": {"hmac": HMAC}, "networkPolicy": {"enabled": False}},
+        tmp_path,
+        fake_api,
+    )
     assert "WARNING: networkPolicy.enabled is false" in notes
 
 
@@ -1122,9 +1308,15 @@ def test_without_a_secret_nothing_is_encrypted_and_a_file_key_counts(helm, tmp_p
     (c,) = pod_spec(dep)["containers"]
     assert "encryption_key_env" not in transfer_config(c)["kv_connector_extra_config"]
     assert not [e for e in c["env"] if "ENCRYPTION" in e["name"]]
-    by_file = {"kvtier": {"remoteUrl": "s3://kv/prod",
-                          "extraConfig": {"encryption_key_file": "/etc/kvtier/enc/key",
-                                          "encryption_decrypt_keys_file": "/etc/kvtier/enc/old"}}}
+    by_file = {
+        "kvtier": {
+            "remoteUrl": "s3://kv/prod",
+            "extraConfig": {
+                "encryption_key_file": "/etc/kvtier/enc/key",
+                "encryption_decrypt_keys_file": "/etc/kvtier/enc/old",
+            },
+        }
+    }
     docs = render(helm, by_file, tmp_path)  # no HMAC key needed: the file key authenticates
     (dep,) = kind(docs, "Deployment", "vllm")
     (c,) = pod_spec(dep)["containers"]
@@ -1151,8 +1343,10 @@ def test_schema_rejects_bad_encryption_values(helm, tmp_path, encryption, messag
 
 def test_notes_do_not_warn_when_chunks_are_encrypted(helm, tmp_path, fake_api, enc_secret):
     image = {"repository": "registry.example.com/vllm-kvtier"}
-    values = {"image": image,
-              "kvtier": {"remoteUrl": "s3://kv/prod", "encryption": {"existingSecret": enc_secret}}}
+    values = {
+        "image": image,
+        "kvtier": {"remoteUrl": "s3://kv/prod", "encryption": {"existingSecret": enc_secret}},
+    }
     assert "WARNING" not in install_notes(helm, values, tmp_path, fake_api)
 
 
@@ -1171,25 +1365,36 @@ PW = "hunter2"
 #: remoteUrl with a leading space and extraConfig.remote_url; helm can be told to skip it)
 NO_SCHEMA = ("--skip-schema-validation",)
 UNSIGNED = {"allowUnsignedChunks": True}
-KTC_WITH_PW = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"remote_url": f"redis://:{PW}@h/0"}})
+KTC_WITH_PW = json.dumps(
+    {
+        "kv_connector": "KVTierConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"remote_url": f"redis://:{PW}@h/0"},
+    }
+)
 #: arguments that set vLLM's --kv-transfer-config, and the chart must refuse
 KTC_SPELLINGS = {
     "underscores": ["--kv_transfer_config", KTC_WITH_PW],
     "underscores=": [f"--kv_transfer_config={KTC_WITH_PW}"],
     "mixed": ["--kv-transfer_config", KTC_WITH_PW],
     "dotted=": [f"--kv-transfer-config.kv_connector_extra_config.remote_url=redis://:{PW}@h/0"],
-    "dotted-underscores": ["--kv_transfer_config.kv_connector_extra_config.remote_url",
-                           f"redis://:{PW}@h/0"],
+    "dotted-underscores": [
+        "--kv_transfer_config.kv_connector_extra_config.remote_url",
+        f"redis://:{PW}@h/0",
+    ],
     "dotted-role": ["--kv-transfer-config.kv_role", "kv_both"],
     "prefix": ["--kv-transfer", KTC_WITH_PW],
     "short-prefix=": [f"--kv-t={KTC_WITH_PW}"],
     "prefix-dotted": [f"--kv_transf.kv_connector_extra_config.remote_url=redis://:{PW}@h/0"],
 }
 #: arguments near those that are other flags: the chart passes them on
-NOT_KTC = [["--kv-cache-dtype", "auto"], ["--kv_cache_dtype=auto"],
-           ["--kv-events-config", '{"enable_kv_cache_events": false}'],
-           ["--max-model-len", "2048"], ["--served-model-name", "kv-transfer-config"]]
+NOT_KTC = [
+    ["--kv-cache-dtype", "auto"],
+    ["--kv_cache_dtype=auto"],
+    ["--kv-events-config", '{"enable_kv_cache_events": false}'],
+    ["--max-model-len", "2048"],
+    ["--served-model-name", "kv-transfer-config"],
+]
 
 
 @pytest.mark.parametrize("where", ["extraArgs", "sizingArgs", "command"])
@@ -1206,7 +1411,7 @@ def test_every_spelling_of_kv_transfer_config_is_refused(helm, tmp_path, name, w
 def test_other_kv_flags_pass_through(helm, tmp_path, args):
     (dep,) = kind(render(helm, {"vllm": {"extraArgs": args}}, tmp_path), "Deployment")
     (c,) = pod_spec(dep)["containers"]
-    assert c["args"][-len(args):] == args
+    assert c["args"][-len(args) :] == args
     assert transfer_config(c)["kv_connector"] == "KVTierConnector"
 
 
@@ -1222,16 +1427,30 @@ def vllm_parser():
 def test_the_spellings_are_what_vllm_reads(vllm_parser):
     """Every spelling the chart refuses replaces the chart's --kv-transfer-config in vLLM
     (given after it, as vllm.extraArgs are); every one it passes on leaves it alone."""
-    chart = ["--model", "m", "--kv-transfer-config", json.dumps(
-        {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-         "kv_connector_module_path": "kvtier.connectors.vllm",
-         "kv_load_failure_policy": "recompute",
-         "kv_connector_extra_config": {"hmac_key_env": "KVTIER_HMAC_KEY"}})]
+    chart = [
+        "--model",
+        "m",
+        "--kv-transfer-config",
+        json.dumps(
+            {
+                "kv_connector": "KVTierConnector",
+                "kv_role": "kv_both",
+                "kv_connector_module_path": "kvtier.connectors.vllm",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"hmac_key_env": "KVTIER_HMAC_KEY"},
+            }
+        ),
+    ]
 
     def seen(args: list[str]) -> tuple[Any, ...]:
         c = vllm_parser.parse_args(chart + args).kv_transfer_config
-        return (c.kv_connector, c.kv_role, c.kv_connector_module_path,
-                c.kv_load_failure_policy, c.kv_connector_extra_config)
+        return (
+            c.kv_connector,
+            c.kv_role,
+            c.kv_connector_module_path,
+            c.kv_load_failure_policy,
+            c.kv_connector_extra_config,
+        )
 
     kept = seen([])
     assert kept[0] == "KVTierConnector"
@@ -1244,33 +1463,79 @@ def test_the_spellings_are_what_vllm_reads(vllm_parser):
 @pytest.mark.parametrize(
     ("values", "flags", "message"),
     [
-        ({"kvtier": {**UNSIGNED, "remoteUrl": f" redis://u:{PW}@h:6379/0"}}, NO_SCHEMA,
-         "kvtier.remoteUrl holds credentials"),
-        ({"kvtier": {**UNSIGNED, "remoteUrl": f"\t\nredis://u:{PW}@h:6379/0 "}}, NO_SCHEMA,
-         "kvtier.remoteUrl holds credentials"),
-        ({"kvtier": {**UNSIGNED, "extraConfig": {"remote_url": f" redis://:{PW}@h/0"}}},
-         NO_SCHEMA, "kvtier.extraConfig.remote_url holds credentials"),
-        ({"kvtier": {**UNSIGNED, "remoteUrl": "s3://b/p",
-                     "s3": {"endpointUrl": f" https://AKIA:{PW}@s3:9000"}}},
-         NO_SCHEMA, "kvtier.s3.endpointUrl holds credentials"),
-        ({"kvtier": UNSIGNED,
-          "vllm": {"env": [{"name": "KVTIER_REMOTE_URL", "value": f" redis://u:{PW}@h/0"}]}},
-         (), "vllm.env KVTIER_REMOTE_URL holds credentials"),
-        ({"kvtier": UNSIGNED,  # a JSON value with its slashes escaped
-          "vllm": {"env": [{"name": "CFG", "value": f'{{"u": "redis:\\/\\/:{PW}@h"}}'}]}},
-         (), "vllm.env CFG holds credentials"),
-        ({"vllm": {"extraArgs": ["--otlp-traces-endpoint", f" https://u:{PW}@otel:4317"]}},
-         (), "vllm.extraArgs[1] holds credentials"),
-        ({"vllm": {"extraArgs": ["--x-config", f'{{"url": "redis://u:{PW}@h"}}']}}, (),
-         "vllm.extraArgs[1] holds credentials"),
-        ({"vllm": {"command": ["env", f"OTEL=https://u:{PW}@otel", "vllm", "serve"]}}, (),
-         "vllm.command[1] holds credentials"),
+        (
+            {"kvtier": {**UNSIGNED, "remoteUrl": f" redis://u:{PW}@h:6379/0"}},
+            NO_SCHEMA,
+            "kvtier.remoteUrl holds credentials",
+        ),
+        (
+            {"kvtier": {**UNSIGNED, "remoteUrl": f"\t\nredis://u:{PW}@h:6379/0 "}},
+            NO_SCHEMA,
+            "kvtier.remoteUrl holds credentials",
+        ),
+        (
+            {"kvtier": {**UNSIGNED, "extraConfig": {"remote_url": f" redis://:{PW}@h/0"}}},
+            NO_SCHEMA,
+            "kvtier.extraConfig.remote_url holds credentials",
+        ),
+        (
+            {
+                "kvtier": {
+                    **UNSIGNED,
+                    "remoteUrl": "s3://b/p",
+                    "s3": {"endpointUrl": f" https://AKIA:{PW}@s3:9000"},
+                }
+            },
+            NO_SCHEMA,
+            "kvtier.s3.endpointUrl holds credentials",
+        ),
+        (
+            {
+                "kvtier": UNSIGNED,
+                "vllm": {"env": [{"name": "KVTIER_REMOTE_URL", "value": f" redis://u:{PW}@h/0"}]},
+            },
+            (),
+            "vllm.env KVTIER_REMOTE_URL holds credentials",
+        ),
+        (
+            {
+                "kvtier": UNSIGNED,  # a JSON value with its slashes escaped
+                "vllm": {"env": [{"name": "CFG", "value": f'{{"u": "redis:\\/\\/:{PW}@h"}}'}]},
+            },
+            (),
+            "vllm.env CFG holds credentials",
+        ),
+        (
+            {"vllm": {"extraArgs": ["--otlp-traces-endpoint", f" https://u:{PW}@otel:4317"]}},
+            (),
+            "vllm.extraArgs[1] holds credentials",
+        ),
+        (
+            {"vllm": {"extraArgs": ["--x-config", f'{{"url": "redis://u:{PW}@h"}}']}},
+            (),
+            "vllm.extraArgs[1] holds credentials",
+        ),
+        (
+            {"vllm": {"command": ["env", f"OTEL=https://u:{PW}@otel", "vllm", "serve"]}},
+            (),
+            "vllm.command[1] holds credentials",
+        ),
     ],
-    ids=["remoteUrl-space", "remoteUrl-tab", "extraConfig-space", "s3-endpoint-space",
-         "env-space", "env-json-escaped", "arg-space", "arg-json", "command"],
+    ids=[
+        "remoteUrl-space",
+        "remoteUrl-tab",
+        "extraConfig-space",
+        "s3-endpoint-space",
+        "env-space",
+        "env-json-escaped",
+        "arg-space",
+        "arg-json",
+        "command",
+    ],
 )
-def test_a_password_is_refused_wherever_kvtier_would_find_it(helm, tmp_path, values, flags,
-                                                            message):
+def test_a_password_is_refused_wherever_kvtier_would_find_it(
+    helm, tmp_path, values, flags, message
+):
     err = render_fails(helm, values, tmp_path, flags)
     assert message in err, err
     assert PW not in err, "the message repeats the secret"
@@ -1279,18 +1544,26 @@ def test_a_password_is_refused_wherever_kvtier_would_find_it(helm, tmp_path, val
 def test_a_url_with_spaces_is_the_tier_kvtier_uses(helm, tmp_path):
     """kvtier strips remote_url: so does the chart, so the tier, its redis:// checks and the
     password it adds from the Secret are the ones kvtier will use."""
-    values = {"kvtier": {"hmac": HMAC, "remoteUrl": "  redis://redis.cache:6379/0 ",
-                         "redis": {"existingSecret": "redis-auth"}}}
+    values = {
+        "kvtier": {
+            "hmac": HMAC,
+            "remoteUrl": "  redis://redis.cache:6379/0 ",
+            "redis": {"existingSecret": "redis-auth"},
+        }
+    }
     (dep,) = kind(render(helm, values, tmp_path, flags=NO_SCHEMA), "Deployment")
     (c,) = pod_spec(dep)["containers"]
-    assert transfer_config(c)["kv_connector_extra_config"]["remote_url"] == \
-        "redis://redis.cache:6379/0"
+    assert (
+        transfer_config(c)["kv_connector_extra_config"]["remote_url"]
+        == "redis://redis.cache:6379/0"
+    )
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVTIER_REMOTE_URL"] == "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"
 
 
-@pytest.mark.parametrize("key", ["remote_url", "s3_endpoint_url", "hmac_key_env",
-                                 "encryption_key_env", "namespace"])
+@pytest.mark.parametrize(
+    "key", ["remote_url", "s3_endpoint_url", "hmac_key_env", "encryption_key_env", "namespace"]
+)
 def test_settings_the_chart_owns_are_refused_in_extra_config(helm, tmp_path, key):
     """Even when the chart leaves one unset: extraConfig.remote_url with kvtier.remoteUrl
     empty was an object tier that the signing check never saw."""
@@ -1302,8 +1575,9 @@ def test_settings_the_chart_owns_are_refused_in_extra_config(helm, tmp_path, key
 def test_an_object_tier_from_the_environment_needs_a_key_too(helm, tmp_path):
     """KVTIER_REMOTE_URL in vllm.env overrides remote_url: it is an object tier, signed
     only if a key is set (the chart's, or a KVTIER_* key override beside it)."""
-    env = [{"name": "KVTIER_REMOTE_URL",
-            "valueFrom": {"secretKeyRef": {"name": "tier", "key": "url"}}}]
+    env = [
+        {"name": "KVTIER_REMOTE_URL", "valueFrom": {"secretKeyRef": {"name": "tier", "key": "url"}}}
+    ]
     err = render_fails(helm, {"vllm": {"env": env}}, tmp_path)
     assert "KVTIER_REMOTE_URL in vllm.env" in err and "no HMAC key signs its chunks" in err
     render(helm, {"vllm": {"env": env}, "kvtier": {"hmac": HMAC}}, tmp_path)
@@ -1315,14 +1589,22 @@ def test_an_object_tier_from_the_environment_needs_a_key_too(helm, tmp_path):
 def test_flags_the_chart_reads_are_read_in_vllms_spelling(helm, tmp_path):
     """The chart reads --tensor-parallel-size, --shutdown-timeout and --cpu-offload-gb from
     the args as vLLM does, underscores included: --tensor_parallel_size 2 is two workers."""
-    err = render_fails(helm, {"gpu": {"count": 1},
-                              "vllm": {"extraArgs": ["--tensor_parallel_size", "2"]}}, tmp_path)
+    err = render_fails(
+        helm,
+        {"gpu": {"count": 1}, "vllm": {"extraArgs": ["--tensor_parallel_size", "2"]}},
+        tmp_path,
+    )
     assert "run 2 GPU workers" in err and "gpu.count is 1" in err, err
-    err = render_fails(helm, {"weightOffload": {"cpuOffloadGb": 2},
-                              "vllm": {"extraArgs": ["--cpu_offload_gb=2"]}}, tmp_path)
+    err = render_fails(
+        helm,
+        {"weightOffload": {"cpuOffloadGb": 2}, "vllm": {"extraArgs": ["--cpu_offload_gb=2"]}},
+        tmp_path,
+    )
     assert "--cpu-offload-gb is set twice" in err, err
-    values = {"kvtier": {**UNSIGNED, "remoteUrl": "s3://b/p"},
-              "vllm": {"extraArgs": ["--shutdown_timeout=45"]}}
+    values = {
+        "kvtier": {**UNSIGNED, "remoteUrl": "s3://b/p"},
+        "vllm": {"extraArgs": ["--shutdown_timeout=45"]},
+    }
     (dep,) = kind(render(helm, values, tmp_path), "Deployment")
     (c,) = pod_spec(dep)["containers"]
     assert not [a for a in c["args"] if a.startswith("--shutdown-timeout")]

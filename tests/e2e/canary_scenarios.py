@@ -28,8 +28,12 @@ def _record_comparisons() -> list[dict[str, Any]]:
 
 @register
 def canary_prompts(
-    model: str, extra: dict[str, Any] | None, seeds: list[int], batch: bool = False,
-    engine_kw: dict[str, Any] | None = None, then_single: bool = False,
+    model: str,
+    extra: dict[str, Any] | None,
+    seeds: list[int],
+    batch: bool = False,
+    engine_kw: dict[str, Any] | None = None,
+    then_single: bool = False,
     hits_after: list[int] | None = None,
 ) -> dict[str, Any]:
     """Each prompt once, vLLM's own prefix cache emptied first (``batch``: all at once
@@ -77,8 +81,7 @@ def canary_prompts(
     state = side.canary.trust.state.value
     forks = [list(f) for f in side.canary.forks]
     shutdown(llm)
-    return {"outs": outs, "totals": totals, "state": state, "comparisons": seen,
-            "forks": forks}  # fmt: skip
+    return {"outs": outs, "totals": totals, "state": state, "comparisons": seen, "forks": forks}
 
 
 @register
@@ -103,8 +106,13 @@ def refused_after_loading(model: str, extra: dict[str, Any], seeds: list[int]) -
     side.canary.trust.rate = 0.0
     again = generate(llm, [first_prompt])[0]
     settle(llm)
-    result = {"first": first, "loaded": loaded, "again": again, "totals": dict(side.totals),
-              "state": side.canary.trust.state.value,
-              "forks": [list(f) for f in side.canary.forks]}  # fmt: skip
+    result = {
+        "first": first,
+        "loaded": loaded,
+        "again": again,
+        "totals": dict(side.totals),
+        "state": side.canary.trust.state.value,
+        "forks": [list(f) for f in side.canary.forks],
+    }
     shutdown(llm)
     return result

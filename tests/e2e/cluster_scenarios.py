@@ -47,8 +47,9 @@ def _record_keys(llm: Any, path: str) -> None:
 
 
 @register
-def cluster_outage(model: str, extra: dict[str, Any], seeds: list[int],
-                   signal_dir: str) -> dict[str, Any]:  # fmt: skip
+def cluster_outage(
+    model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str
+) -> dict[str, Any]:
     """engine.py's ``outage`` (sequential rounds), its requests' keys in ``keys.json``."""
     path = os.path.join(signal_dir, "keys.json")
     real_build = _engine_mod.build_llm

@@ -36,11 +36,35 @@ from tests.e2e.engine import build_llm, register, shutdown
 #: prompts, their length in tokens, and the tokens generated for each
 N_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 50, 288, 16
 #: stdlib modules whose docstrings are the prompts' text (fixed for a Python version)
-_TEXT_MODULES = ("argparse", "asyncio.events", "collections", "contextlib", "csv",
-                 "dataclasses", "decimal", "email.message", "fractions", "functools",
-                 "http.client", "inspect", "json", "logging", "pathlib", "pickle", "queue",
-                 "shutil", "socket", "subprocess", "tarfile", "textwrap", "threading",
-                 "typing", "unittest.case", "urllib.request", "zipfile")  # fmt: skip
+_TEXT_MODULES = (
+    "argparse",
+    "asyncio.events",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "decimal",
+    "email.message",
+    "fractions",
+    "functools",
+    "http.client",
+    "inspect",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "queue",
+    "shutil",
+    "socket",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest.case",
+    "urllib.request",
+    "zipfile",
+)
 
 
 def prompt_text() -> str:
@@ -73,8 +97,7 @@ def real_prompts(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     prompts = [ids[i * PROMPT_TOKENS : (i + 1) * PROMPT_TOKENS] for i in range(N_PROMPTS)]
     assert len(prompts[-1]) == PROMPT_TOKENS, "not enough text for the prompts"
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     res = []
     for o in outs:
         c = o.outputs[0]
@@ -100,15 +123,28 @@ def convert(gguf_dir: str, out: str) -> None:
 
 def _run(model: str, extra: dict[str, Any]) -> list[dict[str, Any]]:
     repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false",
-               KVTIER_CPU_HEADROOM_BYTES="512MiB", PYTHONPATH=str(repo),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-               KVTIER_TEST_SCENARIO_MODULES="tests.e2e.compression_scenarios")  # fmt: skip
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TOKENIZERS_PARALLELISM="false",
+        KVTIER_CPU_HEADROOM_BYTES="512MiB",
+        PYTHONPATH=str(repo),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        KVTIER_TEST_SCENARIO_MODULES="tests.e2e.compression_scenarios",
+    )
     proc = subprocess.run(
-        [sys.executable, str(repo / "tests/e2e/engine.py"), "real_prompts",
-         json.dumps({"model": model, "extra": extra})],
-        capture_output=True, text=True, env=env, cwd=repo, timeout=1800,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(repo / "tests/e2e/engine.py"),
+            "real_prompts",
+            json.dumps({"model": model, "extra": extra}),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        timeout=1800,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             outputs: list[dict[str, Any]] = json.loads(line[7:])["outputs"]
@@ -131,19 +167,26 @@ def agreement(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str,
                 break
     diffs.sort()
     return {
-        "prompts": len(ref), "greedy_identical": same, "first_token_equal": first,
-        "top1_equal_steps": f"{agree}/{steps}", "top1_logprob_diff_median": diffs[len(diffs) // 2],
+        "prompts": len(ref),
+        "greedy_identical": same,
+        "first_token_equal": first,
+        "top1_equal_steps": f"{agree}/{steps}",
+        "top1_logprob_diff_median": diffs[len(diffs) // 2],
         "top1_logprob_diff_p95": diffs[int(len(diffs) * 0.95)],
         "top1_logprob_diff_max": diffs[-1],
-    }  # fmt: skip
+    }
 
 
 def measure(model: str, root: str) -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for comp in ("none", "fp8"):
         # a long lookup bound: 50 prompts' fetches at once all arrive, none computed instead
-        extra = {"cpu_bytes": "512MiB", "remote_url": f"file://{root}/{comp}",
-                 "compression": comp, "lookup_timeout_ms": 60_000}  # fmt: skip
+        extra = {
+            "cpu_bytes": "512MiB",
+            "remote_url": f"file://{root}/{comp}",
+            "compression": comp,
+            "lookup_timeout_ms": 60_000,
+        }
         saved = Path(root) / f"{comp}-reader.json"
         if saved.exists():
             runs[comp] = json.loads(saved.read_text())

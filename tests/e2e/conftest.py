@@ -60,12 +60,16 @@ def run_engine(
     else:
         proc = subprocess.run(
             [sys.executable, str(ENGINE), *argv],
-            capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=str(REPO),
         )
         rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             result["_log"] = stdout[-20000:] + stderr[-20000:]
             return result
     raise AssertionError(

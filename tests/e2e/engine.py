@@ -38,7 +38,11 @@ def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):
     from vllm import LLM
 
     args: dict[str, Any] = dict(
-        model=model, enforce_eager=True, block_size=32, max_model_len=4096, seed=0,
+        model=model,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=4096,
+        seed=0,
     )
     if extra is not None:
         args["kv_transfer_config"] = ktc(extra)
@@ -46,8 +50,13 @@ def build_llm(model: str, extra: dict[str, Any] | None, **kw: Any):
     return LLM(**args)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None,
-             ignore_eos: bool = False):
+def generate(
+    llm,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    salt: str | None = None,
+    ignore_eos: bool = False,
+):
     """Greedy outputs; ``ignore_eos``: all ``max_tokens`` of them (a random-weight model
     may greedily pick its end-of-sequence token, on one CPU and not on another)."""
     from vllm import SamplingParams
@@ -117,8 +126,9 @@ def settle(llm, seconds: float = 0.0) -> None:
 
     deadline = time.time() + seconds
     while True:
-        llm.generate([TokensPrompt(prompt_token_ids=[7, 8, 9])],
-                     SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=[7, 8, 9])], SamplingParams(max_tokens=1), use_tqdm=False
+        )
         if time.time() >= deadline and kvtier_side(llm).pending_ops() == 0:
             return
         if time.time() > deadline + 30:
@@ -146,7 +156,11 @@ def shared_prefix(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     llm.reset_prefix_cache()
     a2 = generate(llm, [s + u1])[0]
     return {
-        "a": a, "a_ref": a_ref, "b_ref": b_ref, "b": b, "a2": a2,
+        "a": a,
+        "a_ref": a_ref,
+        "b_ref": b_ref,
+        "b": b,
+        "a2": a2,
         "b_hit_tokens": after["hit_tokens_host"] - before["hit_tokens_host"],
         "b_lookup_tokens": after["lookup_tokens"] - before["lookup_tokens"],
         "index": index_report(llm),
@@ -219,8 +233,13 @@ def cycled_pool(model: str, extra: dict[str, Any], n_prompts: int = 6) -> dict[s
 
     def counting(blocks):  # type: ignore[no-untyped-def]
         runs = real(blocks)
-        kind = ("index copy" if runs is None else
-                "descending" if any(r.descending for r in runs) else "ascending")  # fmt: skip
+        kind = (
+            "index copy"
+            if runs is None
+            else "descending"
+            if any(r.descending for r in runs)
+            else "ascending"
+        )
         shapes[kind] = shapes.get(kind, 0) + 1
         return runs
 
@@ -322,16 +341,22 @@ def remote_reader(model: str, extra: dict[str, Any], a_first: bool = False) -> d
     return {"b": b, "a": a, "index": index_report(llm)}
 
 
-def one_step_reader(model: str, extra: dict[str, Any], policy: str = "recompute",
-                    spoil: list[str] | None = None) -> dict[str, Any]:
+def one_step_reader(
+    model: str, extra: dict[str, Any], policy: str = "recompute", spoil: list[str] | None = None
+) -> dict[str, Any]:
     """Engine 2 of :func:`remote_writer` under vLLM's ``kv_load_failure_policy``: B = S+U2,
     then A. ``spoil``: chunk files flipped after the engine started (after its lookup's
     ``stat`` could have seen them whole, before the read)."""
     from pathlib import Path
 
-    llm = build_llm(model, None, kv_transfer_config={
-        **ktc(extra), "kv_load_failure_policy": policy,
-    })  # fmt: skip
+    llm = build_llm(
+        model,
+        None,
+        kv_transfer_config={
+            **ktc(extra),
+            "kv_load_failure_policy": policy,
+        },
+    )
     for name in spoil or ():
         data = bytearray(Path(name).read_bytes())
         data[-100] ^= 0xFF
@@ -343,9 +368,13 @@ def one_step_reader(model: str, extra: dict[str, Any], policy: str = "recompute"
     llm.reset_prefix_cache()
     a = generate(llm, [s + u1])[0]
     settle(llm)
-    return {"b": b, "a": a, "index": index_report(llm),
-            "one_step": side.lookups.probe is not None,
-            "b_objects": asked[0] if asked else []}
+    return {
+        "b": b,
+        "a": a,
+        "index": index_report(llm),
+        "one_step": side.lookups.probe is not None,
+        "b_objects": asked[0] if asked else [],
+    }
 
 
 def record_probe(side) -> list[list[str]]:
@@ -390,8 +419,12 @@ def replica(model: str, extra: dict[str, Any], role: str, marker: str) -> dict[s
 
 
 def prompts_run(
-    model: str, extra: dict[str, Any], seeds: list[int], repeats: int = 2,
-    pause_file: str | None = None, settle_between: bool = False,
+    model: str,
+    extra: dict[str, Any],
+    seeds: list[int],
+    repeats: int = 2,
+    pause_file: str | None = None,
+    settle_between: bool = False,
 ) -> dict[str, Any]:
     """Run each prompt ``repeats`` times with vLLM's prefix cache flushed in between.
 
@@ -429,8 +462,9 @@ def _wait_file(path: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def outage(model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str,
-           concurrent: bool = False) -> dict[str, Any]:
+def outage(
+    model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str, concurrent: bool = False
+) -> dict[str, Any]:
     """Rounds of requests around an object-tier outage driven by the test:
 
     round 1 (tier up) -> "killme" -> [test kills the tier] -> round 2 (tier down)
@@ -464,8 +498,11 @@ def outage(model: str, extra: dict[str, Any], seeds: list[int], signal_dir: str,
     rounds.append(round_())
     after = kvtier_side(llm).totals["hit_tokens_remote"]
     settle(llm)
-    return {"rounds": rounds, "remote_hits_after_restart": after - before,
-            "index": index_report(llm)}
+    return {
+        "rounds": rounds,
+        "remote_hits_after_restart": after - before,
+        "index": index_report(llm),
+    }
 
 
 def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -476,8 +513,14 @@ def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 
     # float32: batched and one-at-a-time runs then agree to the last printed digit
     # (in bf16 vLLM's own batched outputs drift from single runs, kvtier or not)
-    llm = build_llm(model, extra, num_gpu_blocks_override=72, max_num_seqs=4,
-                    max_model_len=2048, dtype="float32")
+    llm = build_llm(
+        model,
+        extra,
+        num_gpu_blocks_override=72,
+        max_num_seqs=4,
+        max_model_len=2048,
+        dtype="float32",
+    )
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     preempted = []
     orig_preempt = sched._preempt_request
@@ -519,9 +562,19 @@ def preempt_abort(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (shared_prefix, eviction, cycled_pool, start_only, remote_writer, remote_reader,
-              one_step_reader, replica,
-              prompts_run, outage, preempt_abort)
+    for f in (
+        shared_prefix,
+        eviction,
+        cycled_pool,
+        start_only,
+        remote_writer,
+        remote_reader,
+        one_step_reader,
+        replica,
+        prompts_run,
+        outage,
+        preempt_abort,
+    )
 }
 
 

@@ -26,14 +26,17 @@ from tests.e2e.engine import (
 PROMPT_TOKENS = 1024 + 40
 
 
-
 def _events_llm(model: str, extra: dict[str, Any], endpoint: str) -> Any:
     from vllm.config import KVEventsConfig
 
     return build_llm(
-        model, extra,
+        model,
+        extra,
         kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv",
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=endpoint,
+            topic="kv",
         ),
     )
 

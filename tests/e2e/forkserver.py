@@ -22,6 +22,8 @@ process ended), killing what it still runs.
 from __future__ import annotations
 
 import atexit
+import gc
+import importlib
 import json
 import os
 import re
@@ -48,6 +50,21 @@ IMPORT_TIME = re.compile(
 )
 
 
+#: imported by the server beside vLLM's entry points (see _preload)
+PRELOAD = (
+    "kvtier.connectors.vllm",
+    "kvtier.objects.remote",
+    "tests.e2e.engine",
+    "compressed_tensors",
+    "cryptography.hazmat.primitives.ciphers.aead",
+    "torch.distributed.tensor.experimental",
+    "vllm.entrypoints.anthropic.protocol",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.model_executor.models.llama",
+    "vllm.v1.attention.backends.cpu_attn",
+)
+
+
 def import_time_keys(a: dict[str, str], b: dict[str, str]) -> list[str]:
     """The variables that differ between two environments and are read at import."""
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and IMPORT_TIME.fullmatch(k))
@@ -66,8 +83,12 @@ class ForkServer:
         self.socket_path = os.path.join(self._dir, "s")
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__)), self.socket_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=self.env, cwd=cwd, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=cwd,
+            text=True,
         )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -85,8 +106,13 @@ class ForkServer:
         err_fd, err_path = tempfile.mkstemp(dir=self._dir, suffix=".err")
         os.close(out_fd)
         os.close(err_fd)
-        request = {"argv": argv, "env": env, "cwd": self.cwd,
-                   "stdout": out_path, "stderr": err_path}
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": self.cwd,
+            "stdout": out_path,
+            "stderr": err_path,
+        }
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.socket_path)
@@ -102,8 +128,11 @@ class ForkServer:
                 if not line:
                     raise RuntimeError("the e2e fork server went away during a scenario")
                 rc = json.loads(line)["rc"]
-            return rc, Path(out_path).read_text(errors="replace"), Path(err_path).read_text(
-                errors="replace")
+            return (
+                rc,
+                Path(out_path).read_text(errors="replace"),
+                Path(err_path).read_text(errors="replace"),
+            )
         finally:
             for p in (out_path, err_path):
                 Path(p).unlink(missing_ok=True)
@@ -156,6 +185,21 @@ def _preload() -> None:
     from vllm.inputs import TokensPrompt  # noqa: F401
     from vllm.v1.worker import cpu_model_runner, cpu_worker  # noqa: F401
 
+    # what building a Llama engine with kvtier imports after those: about 1 s of CPU that
+    # each of the ~150 engines paid again (none of them starts a thread or reads the env)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # and hashes of torch's and Triton's sources (vLLM's few compiled helpers key their
+    # caches on them), computed once per process
+    from torch._inductor.codecache import torch_key
+
+    torch_key()
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # no Triton: nothing keys on it
+        return
+    triton_key()
+
 
 def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]) -> None:
     """In the forked child: become ``python engine.py ARGV`` with the request's env."""
@@ -195,6 +239,11 @@ def _child(request: dict[str, Any], sockets: list[socket.socket], fds: list[int]
 
 def serve(socket_path: str) -> None:
     _preload()
+    # the imports' millions of objects go to the permanent generation: the children's
+    # gc.collect() calls (vLLM makes several per engine, at load and at shutdown) then scan
+    # only what the child made, not vLLM's whole module heap again: 2-4 s an engine
+    gc.collect()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
@@ -229,8 +278,9 @@ def serve(socket_path: str) -> None:
             conn = waiting.pop(pid, None)
             if conn is not None:
                 try:
-                    conn.sendall((json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
-                                 .encode())
+                    conn.sendall(
+                        (json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n").encode()
+                    )
                 except OSError:
                     pass
                 conn.close()

@@ -18,6 +18,7 @@ from tests.e2e.engine import build_llm, generate, register, shutdown, toks
 @register
 def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, Any]:
     from kvtier import metrics
+    from kvtier.objects.health import ConstantBackoff
     from kvtier.objects.remote import RemoteIO
     from kvtier.objects.tiers.file import FileTier
     from kvtier.stats import StatsRecorder
@@ -52,6 +53,10 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
     init = RemoteIO.__init__
 
     def recording(self: RemoteIO, *a: Any, **kw: Any) -> None:
+        # down for the whole run once marked down: the probe after each backoff would
+        # cost one more lookup deadline, and how many backoffs end within the prompts
+        # depends on how busy the machine is (probing: tests/kvtier/test_health_probe_wait.py)
+        kw["backoff"] = ConstantBackoff(600.0)
         init(self, *a, **kw)
         rios.append(self)
 
@@ -81,8 +86,14 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
         "seconds": seconds,
         "calls": calls_before_shutdown,
         "during": during,
-        "flush": None if report is None else {
-            "pending": report.pending, "written": report.written, "failed": report.failed,
-            "queued": report.queued, "writing": report.writing, "text": report.describe(),
+        "flush": None
+        if report is None
+        else {
+            "pending": report.pending,
+            "written": report.written,
+            "failed": report.failed,
+            "queued": report.queued,
+            "writing": report.writing,
+            "text": report.describe(),
         },
     }

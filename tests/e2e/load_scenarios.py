@@ -56,10 +56,14 @@ def stored_then_hit(
         prompt = doc + toks(200 + q, 40)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
         after = dict(side.totals)
-        rows.append({
-            "cached": out.num_cached_tokens or 0,
-            "delta": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k)},
-        })
+        rows.append(
+            {
+                "cached": out.num_cached_tokens or 0,
+                "delta": {
+                    k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k)
+                },
+            }
+        )
     settle(llm, read_delay_s + 0.5)  # the slow reads report; their slots are freed
     report = index_report(llm)
     report["superseded"] = side.index.superseded

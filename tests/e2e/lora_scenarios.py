@@ -29,20 +29,31 @@ def write_lora_adapter(path: str | os.PathLike[str], base_model: str, seed: int)
     for layer in range(4):
         for module, (n_in, n_out) in {"q_proj": (256, 256), "v_proj": (256, 128)}.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[prefix + ".lora_A.weight"] = (
-                torch.randn(8, n_in, generator=gen) * 0.1).to(torch.bfloat16)
-            tensors[prefix + ".lora_B.weight"] = (
-                torch.randn(n_out, 8, generator=gen) * 0.1).to(torch.bfloat16)
+            tensors[prefix + ".lora_A.weight"] = (torch.randn(8, n_in, generator=gen) * 0.1).to(
+                torch.bfloat16
+            )
+            tensors[prefix + ".lora_B.weight"] = (torch.randn(n_out, 8, generator=gen) * 0.1).to(
+                torch.bfloat16
+            )
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
-        "peft_type": "LORA", "bias": "none", "base_model_name_or_path": base_model,
-    }))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": ["q_proj", "v_proj"],
+                "peft_type": "LORA",
+                "bias": "none",
+                "base_model_name_or_path": base_model,
+            }
+        )
+    )
 
 
 @register
-def lora_prompts(model: str, extra: dict[str, Any] | None,
-                 adapters: list[list[Any]]) -> dict[str, Any]:
+def lora_prompts(
+    model: str, extra: dict[str, Any] | None, adapters: list[list[Any]]
+) -> dict[str, Any]:
     """One prompt per adapter ``[name, id, path]``, in order, each with vLLM's prefix cache
     flushed first. With kvtier, its fingerprints of the adapters are awaited before
     (an adapter's first request is host-only while kvtier reads it)."""
@@ -63,8 +74,9 @@ def lora_prompts(model: str, extra: dict[str, Any] | None,
     for name, lora_id, path in adapters:
         llm.reset_prefix_cache()
         before = dict(kvtier_side(llm).totals) if extra is not None else {}
-        o = llm.generate(prompt, sp, lora_request=LoRARequest(name, lora_id, path),
-                         use_tqdm=False)[0]
+        o = llm.generate(prompt, sp, lora_request=LoRARequest(name, lora_id, path), use_tqdm=False)[
+            0
+        ]
         outs.append(summary(o))
         if extra is not None:
             after = kvtier_side(llm).totals

@@ -1,6 +1,6 @@
 """Engine scenarios for tests/e2e/test_object_bound.py: a bounded directory object tier
 (``file_max_bytes``) under a real vLLM engine, written well past its bound, and what its
-ghosts (kvtier.objects.ghosts) make of it.
+ghosts (kvtier.whatif.objects) make of it.
 
 Loaded by tests/e2e/engine.py through ``KVTIER_TEST_SCENARIO_MODULES``.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.connectors.weights import read_only
+from kvtier.connectors.scheduler.weights import read_only
 from tests.e2e.engine import (
     build_llm,
     generate,
@@ -45,21 +45,32 @@ def worker_tier(worker: Any) -> dict[str, Any]:
     }
 
 
-def _parallel_llm(model: str, extra: dict[str, Any], tp: int, pp: int,
-                  policy: str | None = None) -> Any:
+def _parallel_llm(
+    model: str, extra: dict[str, Any], tp: int, pp: int, policy: str | None = None
+) -> Any:
     """``policy``: vLLM's ``kv_load_failure_policy`` (None: vLLM's default)."""
     kw: dict[str, Any] = {}
     if policy is not None:
         kw["kv_transfer_config"] = {**ktc(extra), "kv_load_failure_policy": policy}
-    return build_llm(model, extra, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                     distributed_executor_backend="mp", **kw)
+    return build_llm(
+        model,
+        extra,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp",
+        **kw,
+    )
 
 
 def _scheduler_report(llm: Any) -> dict[str, Any]:
     side = kvtier_side(llm)
-    return {"host_bytes": side.host_bytes, "slot_bytes": side.slot_bytes,
-            "num_slots": side.index.num_slots, "world_size": side.world_size,
-            "one_step": side.lookups.probe is not None}
+    return {
+        "host_bytes": side.host_bytes,
+        "slot_bytes": side.slot_bytes,
+        "num_slots": side.index.num_slots,
+        "world_size": side.world_size,
+        "one_step": side.lookups.probe is not None,
+    }
 
 
 @register
@@ -76,27 +87,40 @@ def parallel_writer(model: str, extra: dict[str, Any], tp: int, pp: int) -> dict
     hit = kvtier_side(llm).totals["hit_tokens_host"] - before
     settle(llm)
     workers = llm.collective_rpc(worker_tier)
-    report = {"a": a, "b_ref": b_ref, "b": b, "b_host_hit_tokens": hit, "workers": workers,
-              "scheduler": _scheduler_report(llm), "index": index_report(llm)}
+    report = {
+        "a": a,
+        "b_ref": b_ref,
+        "b": b,
+        "b_host_hit_tokens": hit,
+        "workers": workers,
+        "scheduler": _scheduler_report(llm),
+        "index": index_report(llm),
+    }
     shutdown(llm)  # queued uploads flush
     return report
 
 
 @register
-def parallel_reader(model: str, extra: dict[str, Any], tp: int, pp: int,
-                    policy: str | None = None) -> dict[str, Any]:
+def parallel_reader(
+    model: str, extra: dict[str, Any], tp: int, pp: int, policy: str | None = None
+) -> dict[str, Any]:
     """A new engine at the same parallel sizes, empty host tier: B from the object tier."""
     llm = _parallel_llm(model, extra, tp, pp, policy)
     s, u2 = toks(1, 1024), toks(3, 200)
     b = generate(llm, [s + u2])[0]
     settle(llm)
-    return {"b": b, "workers": llm.collective_rpc(worker_tier),
-            "scheduler": _scheduler_report(llm), "index": index_report(llm)}
+    return {
+        "b": b,
+        "workers": llm.collective_rpc(worker_tier),
+        "scheduler": _scheduler_report(llm),
+        "index": index_report(llm),
+    }
 
 
 @register
-def parallel_mla(model: str, extra: dict[str, Any], tp: int,
-                 policy: str | None = None) -> dict[str, Any]:
+def parallel_mla(
+    model: str, extra: dict[str, Any], tp: int, policy: str | None = None
+) -> dict[str, Any]:
     """An MLA model at tensor-parallel size ``tp``. The reference is the prompt computed
     cold; the second run, after vLLM's own prefix cache was emptied (its reference CPU
     MLA backend keeps none, its AMX one does), is served by kvtier's host tier; with an
@@ -108,7 +132,7 @@ def parallel_mla(model: str, extra: dict[str, Any], tp: int,
         # vLLM keeps a prefix cache (its AMX backend): the reference is its own hit of the
         # same 1,024 tokens (a split prefill rounds bf16 otherwise than one pass, and a
         # random-weight model has near ties); the first request stores those chunks
-        cold = generate(llm, [p[:1024 + 1]])[0]
+        cold = generate(llm, [p[: 1024 + 1]])[0]
         ref = generate(llm, [p])[0]
         assert llm.reset_prefix_cache()
     else:  # its reference backend keeps none: the prompt computed cold is the reference
@@ -124,8 +148,15 @@ def parallel_mla(model: str, extra: dict[str, Any], tp: int,
         fetched = generate(llm, [p])[0]
         remote_hit = kvtier_side(llm).totals["hit_tokens_remote"] - before
         settle(llm)
-    return {"cold": cold, "ref": ref, "warm": warm, "warm_host_hit_tokens": hit,
-            "fetched": fetched, "fetched_remote_hit_tokens": remote_hit,
-            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
-            "workers": llm.collective_rpc(worker_tier), "scheduler": _scheduler_report(llm),
-            "index": index_report(llm)}
+    return {
+        "cold": cold,
+        "ref": ref,
+        "warm": warm,
+        "warm_host_hit_tokens": hit,
+        "fetched": fetched,
+        "fetched_remote_hit_tokens": remote_hit,
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "workers": llm.collective_rpc(worker_tier),
+        "scheduler": _scheduler_report(llm),
+        "index": index_report(llm),
+    }

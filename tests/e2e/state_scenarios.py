@@ -67,8 +67,14 @@ def state_writer(model: str, extra: dict[str, Any], tp: int = 1) -> dict[str, An
     groups = [[g.kind, g.blocks, len(g.layers)] for g in side.groups]
     report = index_report(llm)
     shutdown(llm)
-    return {"p_cold": p_cold, "q_cold": q_cold, "p_hit": p_hit, "q_hit": q_hit,
-            "groups": groups, "index": report}
+    return {
+        "p_cold": p_cold,
+        "q_cold": q_cold,
+        "p_hit": p_hit,
+        "q_hit": q_hit,
+        "groups": groups,
+        "index": report,
+    }
 
 
 @register

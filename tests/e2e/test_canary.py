@@ -71,8 +71,12 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
     weights: dict[str, str], tmp_path: Path
 ) -> None:
     tier = tmp_path / "kv"
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
-             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+    extra = {
+        "cpu_bytes": "64MiB",
+        "remote_url": f"file://{tier}",
+        "model_fingerprint": "build-7",
+        "canary_first_hit": True,
+    }
 
     # A: the generation's first writer, trusted at once, stores every prompt in one batch
     a = run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)
@@ -131,7 +135,8 @@ def test_other_weights_under_a_pinned_fingerprint_are_refused(
         assert max(match["errors"]) < TOLERANCE / 5, match  # same weights, another batch
     m1, m2 = ref_m1["outs"][0], ref_m2["outs"][0]
     assert (m1["tokens"], m1["logprobs"]) != (m2["tokens"], m2["logprobs"]), (
-        "the two weights compute differently (else this test proves nothing)")
+        "the two weights compute differently (else this test proves nothing)"
+    )
 
 
 def test_sampled_hits_are_checked_and_first_hit_check_can_be_turned_off(
@@ -167,16 +172,30 @@ def test_no_false_alarm_at_tp2_with_chunked_prefill_and_other_requests_beside(
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     seeds = [61, 62, 63, 64]
     tp2 = {"tensor_parallel_size": 2}
-    a = run_engine("canary_prompts", env=env, model=tiny_model, extra=extra, seeds=seeds,
-                   batch=True, engine_kw=tp2)  # fmt: skip
+    a = run_engine(
+        "canary_prompts",
+        env=env,
+        model=tiny_model,
+        extra=extra,
+        seeds=seeds,
+        batch=True,
+        engine_kw=tp2,
+    )
     assert a["state"] == "trusted" and a["totals"]["upload_ok"] == len(seeds) * CHUNKS
-    b = run_engine("canary_prompts", env=env, model=tiny_model, extra=extra, seeds=seeds,
-                   batch=True, then_single=True,
-                   engine_kw={**tp2, "max_num_batched_tokens": 128})  # fmt: skip
+    b = run_engine(
+        "canary_prompts",
+        env=env,
+        model=tiny_model,
+        extra=extra,
+        seeds=seeds,
+        batch=True,
+        then_single=True,
+        engine_kw={**tp2, "max_num_batched_tokens": 128},
+    )
     assert b["state"] == "trusted", b["totals"]
     assert b["totals"]["canary_checks_match"] == CHUNKS, b["totals"]
     assert b["totals"]["canary_checks_mismatch"] == 0
-    batch, single = b["outs"][: len(seeds)], b["outs"][len(seeds):]
+    batch, single = b["outs"][: len(seeds)], b["outs"][len(seeds) :]
     assert [o["hit_remote"] for o in single] == [PREFIX] * len(seeds), single
     for x, y in zip(batch, single, strict=True):
         assert x["tokens"] == y["tokens"]
@@ -201,8 +220,12 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     from kvtier.objects.store_admin import usage
 
     tier = tmp_path / "kv"
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
-             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+    extra = {
+        "cpu_bytes": "64MiB",
+        "remote_url": f"file://{tier}",
+        "model_fingerprint": "build-7",
+        "canary_first_hit": True,
+    }
     a = run(model=weights["m1"], extra=extra, seeds=[])
     assert a["state"] == "trusted" and chunk_files(tier) == []
     files = FileTier(str(tier), background_sweep=False)
@@ -218,7 +241,7 @@ def test_a_generation_whose_writer_died_before_storing_is_claimed_afresh(
     assert b["state"] == "trusted", b["totals"]
     assert b["totals"]["canary_checks_absent"] >= RECLAIM_AFTER * CHUNKS, b["totals"]
     assert b["totals"]["canary_checks_mismatch"] == 0 and b["forks"] == []
-    first, again = b["outs"][: len(seeds)], b["outs"][len(seeds):]
+    first, again = b["outs"][: len(seeds)], b["outs"][len(seeds) :]
     assert [o["hit_remote"] for o in first] == [0] * len(seeds)
     hits = [o["hit_remote"] for o in again]
     assert hits[:RECLAIM_AFTER] == [0] * RECLAIM_AFTER, "computed while checking: not stored"
@@ -242,16 +265,26 @@ def test_a_sampled_mismatch_takes_what_kvtier_loaded_out_of_vllms_prefix_cache(
     cache too: the first prompt again, vLLM's cache not emptied, is computed whole by B's
     own weights, not served the refused KV."""
     tier = tmp_path / "kv"
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}",
-             "model_fingerprint": "build-7", "canary_first_hit": True}  # fmt: skip
+    extra = {
+        "cpu_bytes": "64MiB",
+        "remote_url": f"file://{tier}",
+        "model_fingerprint": "build-7",
+        "canary_first_hit": True,
+    }
     run(model=weights["m1"], extra=extra, seeds=SEEDS, batch=True)  # A writes
-    b = run_engine("refused_after_loading", env=ENV, model=weights["m2"],
-                   extra={**extra, "canary_first_hit": False}, seeds=SEEDS[:2])  # fmt: skip
+    b = run_engine(
+        "refused_after_loading",
+        env=ENV,
+        model=weights["m2"],
+        extra={**extra, "canary_first_hit": False},
+        seeds=SEEDS[:2],
+    )
     ref = run(model=weights["m2"], extra=None, seeds=SEEDS[:1])
     assert b["loaded"] == PREFIX, b["totals"]  # A's chunks, unchecked
     first, want = b["first"], ref["outs"][0]
     assert (first["tokens"], first["logprobs"]) != (want["tokens"], want["logprobs"]), (
-        "A's KV under B's weights answers otherwise (else this test proves nothing)")
+        "A's KV under B's weights answers otherwise (else this test proves nothing)"
+    )
     assert b["totals"]["canary_checks_mismatch"] == 1, b["totals"]
     assert len(b["forks"]) == 1 and b["state"] == "trusted", b["forks"]  # in its own fork
     again = b["again"]

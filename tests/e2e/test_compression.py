@@ -22,8 +22,11 @@ pytestmark = [pytest.mark.e2e]
 
 
 def test_lossless_restart_hit_is_bit_exact(tiny_model: str, tmp_path: Path) -> None:
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tmp_path / 'kv'}",
-             "compression": "lossless"}  # fmt: skip
+    extra = {
+        "cpu_bytes": "64MiB",
+        "remote_url": f"file://{tmp_path / 'kv'}",
+        "compression": "lossless",
+    }
     w = run_engine("remote_writer", model=tiny_model, extra=extra)
     assert w["b_ref"]["cached"] == 1024
     files = chunk_files(tmp_path / "kv")

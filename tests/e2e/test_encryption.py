@@ -73,8 +73,11 @@ def _assert_key_never_shown(result: dict[str, Any]) -> None:
         assert form not in body
     doc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "doctor", result["_log_path"], "--json"],
-        capture_output=True, text=True, timeout=120, cwd=str(REPO),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     # exit 1 only for the warnings that name vLLM's defaults (failure policy, stop)
     assert doc.returncode in (0, 1), doc.stderr
     codes = {w["code"] for w in json.loads(doc.stdout)["warnings"]}
@@ -97,8 +100,10 @@ class Store:
         elif kind == "s3":
             self.bucket = s3_server.create_bucket()
             self.s3 = s3_server.client()
-            self.extra = {"remote_url": f"s3://{self.bucket}/kv",
-                          "s3_endpoint_url": s3_server.endpoint_url}  # fmt: skip
+            self.extra = {
+                "remote_url": f"s3://{self.bucket}/kv",
+                "s3_endpoint_url": s3_server.endpoint_url,
+            }
             self.env = _aws_env(s3_server.endpoint_url)
         else:
             server = services.redis()
@@ -141,9 +146,13 @@ def plaintext_run(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("kind", ["file", "s3", "redis"])
 def test_sealed_chunks_hit_after_a_restart_and_hide_the_plaintext(
-    kind: str, tiny_model: str, plaintext_run: dict[str, Any], s3_server, services,
+    kind: str,
+    tiny_model: str,
+    plaintext_run: dict[str, Any],
+    s3_server,
+    services,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     store = Store(kind, tmp_path, s3_server, services)
     logs = tmp_path / "logs"
     extra = {"cpu_bytes": "64MiB", "encryption_key_env": KEY_VAR, **store.extra}
@@ -164,8 +173,7 @@ def test_sealed_chunks_hit_after_a_restart_and_hide_the_plaintext(
         assert not _no_window(plain, plaintext_run["blobs"][key]), "unencrypted, it shows"
 
     read_extra = {**extra, "write_policy": "none"}
-    r = run_logged("trust_read", logs, env=k1, model=tiny_model, extra=read_extra,
-                   seeds=SEEDS[:1])  # fmt: skip
+    r = run_logged("trust_read", logs, env=k1, model=tiny_model, extra=read_extra, seeds=SEEDS[:1])
     (out,) = r["outs"]
     ref = w["ref"][0]
     assert out["cached"] == 1024, r["_log"][-3000:]
@@ -183,8 +191,9 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
     store = Store("file", tmp_path, s3_server, services)
     logs = tmp_path / "logs"
     extra = {"cpu_bytes": "64MiB", "encryption_key_env": KEY_VAR, **store.extra}
-    w = run_logged("trust_write", logs, env={KEY_VAR: K1_TEXT}, model=tiny_model, extra=extra,
-                   seeds=SEEDS)  # fmt: skip
+    w = run_logged(
+        "trust_write", logs, env={KEY_VAR: K1_TEXT}, model=tiny_model, extra=extra, seeds=SEEDS
+    )
     p1, p2, p3, p4 = w["object_keys"]
     assert all(len(k) == 4 for k in (p1, p2, p3, p4))
     read_extra = {**extra, "write_policy": "none"}
@@ -218,8 +227,9 @@ def test_other_keys_no_key_moved_and_tampered_chunks_load_nothing(
     header["key"] = p3[0]
     store.put(p3[0], _frame(header, payload))
     store.put(p4[0], genuine)
-    r = run_logged("trust_read", logs, env={KEY_VAR: K1_TEXT}, model=tiny_model,
-                   extra=read_extra, seeds=SEEDS)  # fmt: skip
+    r = run_logged(
+        "trust_read", logs, env={KEY_VAR: K1_TEXT}, model=tiny_model, extra=read_extra, seeds=SEEDS
+    )
     outs = r["outs"]
     assert outs[0]["cached"] == 1024, r["_log"][-3000:]
     ref = w["ref"][0]
@@ -245,12 +255,16 @@ def test_a_bad_or_missing_key_stops_the_engine_at_startup(
     """A key that is not 256 bits (here 63 hex digits), or a variable that is not set,
     stops the engine with a ConfigError naming the setting; the key is in no log line."""
     logs = tmp_path / "logs"
-    extra = {"cpu_bytes": "64MiB", "encryption_key_env": KEY_VAR,
-             "remote_url": f"file://{tmp_path / 'kv'}"}  # fmt: skip
+    extra = {
+        "cpu_bytes": "64MiB",
+        "encryption_key_env": KEY_VAR,
+        "remote_url": f"file://{tmp_path / 'kv'}",
+    }
     env = {KEY_VAR: K1_TEXT[:-1]} if bad == "short" else {}
     with pytest.raises(AssertionError, match="ended without a result"):
-        run_logged("trust_read", logs, env=env, model=tiny_model, extra=extra, seeds=SEEDS[:1],
-                   timeout=300)  # fmt: skip
+        run_logged(
+            "trust_read", logs, env=env, model=tiny_model, extra=extra, seeds=SEEDS[:1], timeout=300
+        )
     (log_path,) = logs.glob("*.log")
     log = log_path.read_text()
     assert "kvtier config 'encryption_key_env'" in log, log[-4000:]
@@ -259,7 +273,10 @@ def test_a_bad_or_missing_key_stops_the_engine_at_startup(
     assert K1_TEXT[:-1] not in log and K1_TEXT[:-1].upper() not in log
     doc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "doctor", str(log_path)],
-        capture_output=True, text=True, timeout=120, cwd=str(REPO),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     assert K1_TEXT[:-1] not in doc.stdout + doc.stderr
     assert "encryption_key_env" in doc.stdout + doc.stderr, doc.stdout[-3000:]

@@ -41,10 +41,14 @@ def test_a_chunk_stored_by_a_finished_request_is_a_hit_for_the_next(
             env={"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.load_scenarios"},
             timeout=400,
             model=tiny_model,
-            extra={"cpu_bytes": "64MiB", "remote_url": f"file://{tmp_path / 'tier'}",
-                   # a slow mount (its reads outlast the lookup): not a local
-                   # filesystem, so its reads stay on the I/O threads
-                   "lookup_timeout_ms": 1000, "inline_read_ms": 0},
+            extra={
+                "cpu_bytes": "64MiB",
+                "remote_url": f"file://{tmp_path / 'tier'}",
+                # a slow mount (its reads outlast the lookup): not a local
+                # filesystem, so its reads stay on the I/O threads
+                "lookup_timeout_ms": 1000,
+                "inline_read_ms": 0,
+            },
             read_delay_s=4.0,
             doc_tokens=DOC,
         )

@@ -30,8 +30,9 @@ def hybrid_model(base: Path, out: Path) -> str:
             (out / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((out / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
-    cfg["layer_types"] = ["full_attention" if i % 2 == 0 else "sliding_attention"
-                          for i in range(layers)]
+    cfg["layer_types"] = [
+        "full_attention" if i % 2 == 0 else "sliding_attention" for i in range(layers)
+    ]
     cfg["sliding_window"] = WINDOW
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)

@@ -89,7 +89,8 @@ def test_config_error_stops_startup(tiny_model: str, extra: dict, key: str) -> N
     # refused as vLLM builds its config (kvtier.connectors.startup), before any engine
     # process: pydantic reports kvtier's ConfigError as a "Value error" of VllmConfig
     if key == "chunk_sise":  # a key kvtier does not know: named, with the nearest one
-        assert "kvtier config: unknown key 'chunk_sise': did you mean 'chunk_size'?" in r[
-            "error"], r["error"]
+        assert (
+            "kvtier config: unknown key 'chunk_sise': did you mean 'chunk_size'?" in r["error"]
+        ), r["error"]
     else:
         assert f"kvtier config {key!r}" in r["error"], r["error"]

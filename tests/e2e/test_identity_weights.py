@@ -59,9 +59,9 @@ def test_weights_reloaded_in_a_running_engine_never_meet_old_chunks(
 
     ref = run("one_prompt", model=weights["b"], extra=None, seed=SEED)["out"]
     assert after["tokens"] == ref["tokens"] and after["logprobs"] == ref["logprobs"]
-    assert ref["tokens"] != runs["cold"]["tokens"] or ref["logprobs"] != runs["cold"][
-        "logprobs"
-    ], "the new weights compute differently (else this test proves nothing)"
+    assert ref["tokens"] != runs["cold"]["tokens"] or ref["logprobs"] != runs["cold"]["logprobs"], (
+        "the new weights compute differently (else this test proves nothing)"
+    )
 
     # what is stored after the change is served again, by either tier, under new keys
     for name in ("again", "again_from_tier"):
@@ -81,8 +81,9 @@ def test_dummy_weights_never_share_chunks_with_the_real_weights(
     # (another real-weights engine finds them: tests/e2e/test_trust.py)
     assert real["out"]["cached"] == 0 and len(chunk_files(tier)) == PREFIX // 256
 
-    dummy = run("one_prompt", model=weights["a"], extra=extra, seed=SEED,
-                engine_kw={"load_format": "dummy"})
+    dummy = run(
+        "one_prompt", model=weights["a"], extra=extra, seed=SEED, engine_kw={"load_format": "dummy"}
+    )
     out = dummy["out"]
     assert out["cached"] == 0 and out["hit_remote"] == 0 and out["fetch_ok"] == 0, out
     assert dummy["remote"]["ops_fetch"] >= 1, "the tier was asked, and had nothing for it"

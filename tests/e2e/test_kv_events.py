@@ -137,8 +137,9 @@ def test_events_follow_the_host_and_object_tiers(
     port = free_port()
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     subscribers.append(sub)
-    w = run_engine("events_writer", env=SCENARIOS, model=tiny_model, extra=extra,
-                   endpoint=f"tcp://*:{port}")
+    w = run_engine(
+        "events_writer", env=SCENARIOS, model=tiny_model, extra=extra, endpoint=f"tcp://*:{port}"
+    )
     seqs = [seq for seq, _ in sub.batches]
     assert seqs and seqs == list(range(len(seqs))), "every batch from the first one arrived"
     assert w["failed_reports"] == 1 and w["events_dropped"] == 0
@@ -167,8 +168,7 @@ def test_events_follow_the_host_and_object_tiers(
     # B: its third chunk's store failed: no event of either tier for it
     b_events = phase("a", "b")
     assert stored_chunks(kvtier_stored(iter(b_events), "CPU"), chains["b"]) == [0, 1, 3]
-    assert sorted(stored_chunks(kvtier_stored(iter(b_events), "STORAGE"), chains["b"])) == [
-        0, 1, 3]
+    assert sorted(stored_chunks(kvtier_stored(iter(b_events), "STORAGE"), chains["b"])) == [0, 1, 3]
     assert len(kvtier_stored(iter(b_events), "CPU")) == 3
     assert not kvtier_removed(iter(b_events))
     failed = set(chunk_hashes(chains["b"], 2))
@@ -188,9 +188,11 @@ def test_events_follow_the_host_and_object_tiers(
     r_events = phase("c", "reset")
     reset = kvtier_removed(iter(r_events))
     assert len(reset) == 1
-    held = chains["a"][3 * BPC : 4 * BPC] + [
-        h for c in (0, 1, 3) for h in chunk_hashes(chains["b"], c)
-    ] + chains["c"][: 4 * BPC]
+    held = (
+        chains["a"][3 * BPC : 4 * BPC]
+        + [h for c in (0, 1, 3) for h in chunk_hashes(chains["b"], c)]
+        + chains["c"][: 4 * BPC]
+    )
     assert sorted(reset[0].block_hashes) == sorted(held)
     assert not kvtier_stored(iter(r_events), "CPU")
     assert w["index"]["used_slots"] == 0 and w["events_tracked"] == 0
@@ -200,8 +202,9 @@ def test_events_follow_the_host_and_object_tiers(
     port2 = free_port()
     sub2 = Subscriber(f"tcp://127.0.0.1:{port2}")
     subscribers.append(sub2)
-    r = run_engine("events_reader", env=SCENARIOS, model=tiny_model, extra=extra,
-                   endpoint=f"tcp://*:{port2}")
+    r = run_engine(
+        "events_reader", env=SCENARIOS, model=tiny_model, extra=extra, endpoint=f"tcp://*:{port2}"
+    )
     assert r["cached"] >= 1024 and r["index"]["totals"]["fetch_ok"] == 4
     chain = gpu_chain(sub2, r["prompts"]["a"])
     assert chain[: 4 * BPC] == chains["a"][: 4 * BPC], "same prompt, same vLLM hashes"
@@ -213,4 +216,3 @@ def test_events_follow_the_host_and_object_tiers(
         check_chunk_event(ev, chain, r["prompts"]["a"], c, "LOCAL")
     assert not kvtier_stored(sub2.events(), "STORAGE")
     assert not kvtier_removed(sub2.events())
-

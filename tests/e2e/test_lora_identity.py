@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.e2e]
 ENV = {"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.lora_scenarios"}
 
 
-def test_adapter_retrained_in_place_gets_no_object_tier_hit(tiny_model: str,
-                                                            tmp_path: Path) -> None:
+def test_adapter_retrained_in_place_gets_no_object_tier_hit(
+    tiny_model: str, tmp_path: Path
+) -> None:
     same, changed = tmp_path / "same", tmp_path / "changed"
     write_lora_adapter(same, tiny_model, seed=1)
     write_lora_adapter(changed, tiny_model, seed=1)
@@ -44,8 +45,7 @@ def test_adapter_retrained_in_place_gets_no_object_tier_hit(tiny_model: str,
     assert r["index"]["totals"]["fetch_failed"] >= 1  # it asked, under v2's keys
     assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
 
-    ref = run_engine("lora_prompts", model=tiny_model, extra=None, adapters=adapters[1:],
-                     env=ENV)
+    ref = run_engine("lora_prompts", model=tiny_model, extra=None, adapters=adapters[1:], env=ENV)
     assert r["outs"][1]["tokens"] == ref["outs"][0]["tokens"]
     assert r["outs"][1]["logprobs"] == ref["outs"][0]["logprobs"]
     assert r["outs"][1]["tokens"] != w["outs"][1]["tokens"]  # v2 computes something else

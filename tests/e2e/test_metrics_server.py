@@ -111,12 +111,26 @@ def serve(
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     ktc = {**KV_TRANSFER_CONFIG, "kv_connector_extra_config": extra_config}
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
-        "--kv-transfer-config", json.dumps(ktc), *(args or []),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",
+        "--kv-transfer-config",
+        json.dumps(ktc),
+        *(args or []),
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -362,8 +376,12 @@ def test_object_tier_metrics(tiny_model: str, tmp_path: Path) -> None:
     objects.mkdir()
     # replica B's first hit is a load, as before the canary (tests/e2e/test_canary.py and
     # the README's restart test cover the first-hit check)
-    extra = {"cpu_bytes": "256MiB", "chunk_size": 256, "remote_url": f"file://{objects}",
-             "canary_first_hit": False}
+    extra = {
+        "cpu_bytes": "256MiB",
+        "chunk_size": 256,
+        "remote_url": f"file://{objects}",
+        "canary_first_hit": False,
+    }
     with serve(tiny_model, extra, tmp_path) as a, httpx.Client(base_url=a.url, timeout=120) as c:
         _complete(c, SHARED_PREFIX + " Question A: what is kept?")
         uploaded = _wait_metrics(

@@ -1,6 +1,6 @@
 """A bounded directory object tier (``file_max_bytes``) in a real vLLM engine (CPU build,
 tiny model): written several times its bound, the directory never holds more than the
-bound, and the object tier's scale-1 ghost (kvtier.objects.ghosts) counts the remote hits
+bound, and the object tier's scale-1 ghost (kvtier.whatif.objects) counts the remote hits
 the engine measured (exactly with one write thread, within 3 points with the default).
 
 Before the bound was kept on the write path, the sweep thread (at most one sweep a
@@ -31,8 +31,9 @@ def _run(tiny_model: str, tmp_path: Path, max_bytes: int, **args: Any) -> dict[s
     root = tmp_path / "kv"
     extra = {"cpu_bytes": "6MiB", "remote_url": f"file://{root}", "file_max_bytes": max_bytes}
     extra.update(args.pop("extra", {}))
-    return run_engine("bounded_zipf", model=tiny_model, extra=extra, root=str(root), env=ENV,
-                      **args)  # fmt: skip
+    return run_engine(
+        "bounded_zipf", model=tiny_model, extra=extra, root=str(root), env=ENV, **args
+    )
 
 
 def _check_bound(r: dict[str, Any], max_bytes: int) -> None:
@@ -77,8 +78,7 @@ def test_object_ghost_at_scale_one_predicts_measured_remote_hits(
     (at exactly 16 MiB the ghost would hold one chunk more than the directory).
     """
     max_bytes = 16 * MiB + 3 * CHUNK // 8  # 32.375 chunks: 32 objects in either count
-    r = _run(tiny_model, tmp_path, max_bytes, n_docs=32, n_requests=96,
-             extra={"io_threads": 2})  # fmt: skip
+    r = _run(tiny_model, tmp_path, max_bytes, n_docs=32, n_requests=96, extra={"io_threads": 2})
     _check_bound(r, max_bytes)
     assert r["ghost_capacity"] == [round(max_bytes * float(s)) for s in SCALES]
     totals = r["index"]["totals"]

@@ -55,12 +55,21 @@ def test_restart_hits_from_object_tier(
 
 
 def _spawn(scenario: str, env: dict, **args) -> subprocess.Popen:
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                    KVTIER_CPU_HEADROOM_BYTES="512MiB",
-                    PYTHONPATH=str(REPO), **env)
+    full_env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        KVTIER_CPU_HEADROOM_BYTES="512MiB",
+        PYTHONPATH=str(REPO),
+        **env,
+    )
     return subprocess.Popen(
         [sys.executable, str(ENGINE), scenario, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=str(REPO),
     )
 
 
@@ -87,8 +96,11 @@ def test_two_replicas_share_one_tier(tiny_model: str, redis_url: str, tmp_path: 
 def test_unreachable_tier_at_startup_degrades_to_misses(tiny_model: str) -> None:
     from tests.conftest import free_port
 
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"redis://127.0.0.1:{free_port()}/0",
-             "lookup_timeout_ms": 500}
+    extra = {
+        "cpu_bytes": "64MiB",
+        "remote_url": f"redis://127.0.0.1:{free_port()}/0",
+        "lookup_timeout_ms": 500,
+    }
     r = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=[31, 32], repeats=2)
     first, second = r["rounds"]
     assert all(o["cached"] == 0 for o in first)
@@ -98,15 +110,17 @@ def test_unreachable_tier_at_startup_degrades_to_misses(tiny_model: str) -> None
     assert r["index"]["refs"] == 0 and r["index"]["pending_ops"] == 0
 
 
-def run_outage(tiny_model: str, server, extra: dict, tmp_path: Path, env: dict | None = None,
-               **kw) -> dict:
+def run_outage(
+    tiny_model: str, server, extra: dict, tmp_path: Path, env: dict | None = None, **kw
+) -> dict:
     """Run the ``outage`` scenario while a thread kills and restarts ``server``."""
     sig = tmp_path / "signals"
     sig.mkdir()
 
     t = start_outage(server, sig, deadline_s=300, poll_s=0.05)
-    r = run_engine("outage", env=env or {}, model=tiny_model, extra=extra,
-                   signal_dir=str(sig), **kw)
+    r = run_engine(
+        "outage", env=env or {}, model=tiny_model, extra=extra, signal_dir=str(sig), **kw
+    )
     t.join(timeout=5)
     return r
 
@@ -160,7 +174,9 @@ def test_corrupt_truncated_and_misnamed_objects_are_counted_misses(
         # threads reached meanwhile (on a local directory the rest are queued once a
         # stat found the first) are read, rejected and counted too; none is loaded
         assert set(errors) == {f"error_{kind}"} and 1 <= errors[f"error_{kind}"] <= 5, (
-            kind, totals)  # fmt: skip
+            kind,
+            totals,
+        )
         assert totals["hit_tokens_remote"] == 0
         assert r["index"]["refs"] == 0 and r["index"]["invariants"] is True
 
@@ -175,8 +191,9 @@ def test_write_policies(policy: str, tiny_model: str, tmp_path: Path) -> None:
     # reported before the next prompt stores; a store that finds every victim still
     # uploading is skipped, by design, and how often depends on the disk's speed only
     seeds = [51, 52, 53, 53]
-    w = run_engine("prompts_run", model=tiny_model, extra=extra, seeds=seeds, repeats=1,
-                   settle_between=True)
+    w = run_engine(
+        "prompts_run", model=tiny_model, extra=extra, seeds=seeds, repeats=1, settle_between=True
+    )
     files = chunk_files(root)
     totals = w["index"]["totals"]
     assert w["index"]["num_slots"] == 10 and totals["evictions"] > 0, totals

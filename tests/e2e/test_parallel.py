@@ -31,8 +31,10 @@ from tests.e2e.engine import max_logprob_diff, near_tie_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
-ENV = {"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.parallel_scenarios",
-       "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+ENV = {
+    "KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.parallel_scenarios",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+}
 CHUNK = 256
 CPU_BYTES = 32 * 1024 * 1024
 
@@ -67,7 +69,8 @@ def test_parallel_engine_hits_host_and_object_tiers_with_exact_outputs(
     # rank's share of a chunk; the scheduler plans the same slots for all of them
     workers = sorted(w["workers"], key=lambda r: (r["stage"], r["rank"]))
     assert [(r["rank"], r["stage"]) for r in workers] == (
-        [(i, 0) for i in range(tp)] if pp == 1 else [(0, s) for s in range(pp)])
+        [(i, 0) for i in range(tp)] if pp == 1 else [(0, s) for s in range(pp)]
+    )
     sched = w["scheduler"]
     assert sched["world_size"] == tp * pp and sched["host_bytes"] == CPU_BYTES
     assert all(r["slab_bytes"] == CPU_BYTES for r in workers)
@@ -96,8 +99,9 @@ def test_parallel_engine_hits_host_and_object_tiers_with_exact_outputs(
 
     # under kv_load_failure_policy recompute the lookup is answered in its own step: the
     # scheduler stats every rank's objects under the keys the workers' handshake brought
-    one = run_engine("parallel_reader", env=ENV, model=tiny_model, extra=extra, tp=tp, pp=pp,
-                     policy="recompute")  # fmt: skip
+    one = run_engine(
+        "parallel_reader", env=ENV, model=tiny_model, extra=extra, tp=tp, pp=pp, policy="recompute"
+    )
     assert one["scheduler"]["one_step"] is True, one["_log"][-3000:]
     totals = one["index"]["totals"]
     assert totals["one_step_lookups"] >= 1 and totals["hit_tokens_remote"] >= 1024, totals
@@ -121,12 +125,27 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     for f in Path(tiny_model).glob("*token*"):
         shutil.copy(f, out)
     cfg = DeepseekV2Config(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2,
-        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
-        v_head_dim=64, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1,
-        tie_word_embeddings=False, torch_dtype="bfloat16",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=8192,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
@@ -141,9 +160,14 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     """Under ``recompute`` the object-tier lookups are one-step (connectors.one_step_lookups): the
     scheduler stats rank 0's one copy for both ranks, and a prompt it lacks costs no read."""
     kv = tmp_path / "kv"
-    r = run_engine("parallel_mla", env=ENV, model=tiny_mla_model,
-                   extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"}, tp=2,
-                   policy=policy)  # fmt: skip
+    r = run_engine(
+        "parallel_mla",
+        env=ENV,
+        model=tiny_mla_model,
+        extra={"cpu_bytes": CPU_BYTES, "remote_url": f"file://{kv}"},
+        tp=2,
+        policy=policy,
+    )
     assert r["scheduler"]["one_step"] is (policy == "recompute")
     # vLLM's reference CPU MLA backend forces 16-token blocks; where AMX is present it
     # picks its AMX backend, which keeps the 32 asked for
@@ -174,8 +198,9 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     assert per_rank["kv_bytes_per_token_per_rank"] == per_rank["kv_bytes_per_token"]
     workers = r["workers"]
     assert sorted(w["rank"] for w in workers) == [0, 1]
-    assert all(w["slot_bytes"] == per_rank["kv_bytes_per_token_per_rank"] * CHUNK
-               for w in workers), workers
+    assert all(
+        w["slot_bytes"] == per_rank["kv_bytes_per_token_per_rank"] * CHUNK for w in workers
+    ), workers
     assert all(w["slab_bytes"] == CPU_BYTES for w in workers)
     idx = r["index"]
     assert idx["refs"] == 0 and idx["invariants"] is True and idx["pending_ops"] == 0
@@ -192,7 +217,9 @@ def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     assert r["fetched_remote_hit_tokens"] == 1024
     # the object tier's hit is the host tier's split over the same bytes: the same bits
     assert (r["fetched"]["tokens"], r["fetched"]["logprobs"]) == (
-        r["warm"]["tokens"], r["warm"]["logprobs"])
+        r["warm"]["tokens"],
+        r["warm"]["logprobs"],
+    )
     if policy == "fail":
         # both ranks read the same keys: the cold request's lookup (chunk 0, a miss), then
         # the four chunks

@@ -50,15 +50,30 @@ def mamba2_hybrid(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("tiny-granite-h")
     _tokenizer_into(out, tmp_path_factory)
     cfg = GraniteMoeHybridConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
         layer_types=["mamba", "attention", "mamba", "attention"],
-        mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16,
-        mamba_d_conv=4, mamba_expand=1, num_local_experts=0, num_experts_per_tok=0,
-        shared_intermediate_size=512, position_embedding_type="rope",
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16",
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        shared_intermediate_size=512,
+        position_embedding_type="rope",
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
         initializer_range=0.08,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return _save(GraniteMoeHybridForCausalLM(cfg), out)
 
@@ -72,16 +87,32 @@ def gdn_hybrid(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("tiny-qwen3-next")
     _tokenizer_into(out, tmp_path_factory)
     cfg = Qwen3NextConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
         max_position_embeddings=8192,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-        decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=0, eos_token_id=1,
-        tie_word_embeddings=False, torch_dtype="bfloat16", initializer_range=0.08,
-    )  # fmt: skip
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        initializer_range=0.08,
+    )
     torch.manual_seed(0)
     return _save(Qwen3NextForCausalLM(cfg), out)
 
@@ -90,8 +121,11 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
-@pytest.mark.parametrize(("which", "tp"), [("mamba2_hybrid", 1), ("gdn_hybrid", 1),
-                                          ("gdn_hybrid", 2)], ids=["mamba2", "gdn", "gdn-tp2"])
+@pytest.mark.parametrize(
+    ("which", "tp"),
+    [("mamba2_hybrid", 1), ("gdn_hybrid", 1), ("gdn_hybrid", 2)],
+    ids=["mamba2", "gdn", "gdn-tp2"],
+)
 def test_state_hits_equal_the_cold_prompt_from_both_tiers_and_after_a_restart(
     which: str, tp: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

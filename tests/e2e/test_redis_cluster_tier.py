@@ -92,8 +92,14 @@ def test_cluster_serves_a_fresh_engine_and_survives_a_primary_loss(
         loss = _PrimaryLoss(cluster, sig, len(seeds))
         t = start_outage(loss, sig, deadline_s=300, poll_s=0.05)
         extra = {"cpu_bytes": "3MiB", "remote_url": cluster.url, "lookup_timeout_ms": 1000}
-        o = run_engine("cluster_outage", model=tiny_model, extra=extra, signal_dir=str(sig),
-                       seeds=seeds, env=SCENARIOS)  # fmt: skip
+        o = run_engine(
+            "cluster_outage",
+            model=tiny_model,
+            extra=extra,
+            signal_dir=str(sig),
+            seeds=seeds,
+            env=SCENARIOS,
+        )
         t.join(timeout=5)
         tokens = [[x["tokens"] for x in rnd] for rnd in o["rounds"]]
         assert all(tk == tokens[0] for tk in tokens), "every request completes, same output"

@@ -1,5 +1,5 @@
 """A stopped ``vllm serve`` writes the chunks still queued for the object tier, when it
-runs with the shutdown window kvtier asks for (connectors/shutdown.py).
+runs with the shutdown window kvtier asks for (connectors/worker/shutdown.py).
 
 vLLM's default stop (``--shutdown-timeout 0``) kills the engine as soon as the API
 server gets SIGTERM, which is what Kubernetes sends on every rolling restart: the last
@@ -39,16 +39,19 @@ def stop_like_kubernetes(proc: subprocess.Popen[bytes], timeout: float = 120) ->
     proc.wait(timeout)
 
 
-def serve_one_prompt(tiny_model: str, url: str, log_dir: Path, args: list[str],
-                     env: dict[str, str]) -> str:
+def serve_one_prompt(
+    tiny_model: str, url: str, log_dir: Path, args: list[str], env: dict[str, str]
+) -> str:
     """Start vLLM with kvtier writing through to ``url``, compute PROMPT, stop vLLM as soon
     as the answer is in; its log."""
     extra = {"cpu_bytes": "64MiB", "chunk_size": 256, "remote_url": url, "io_threads": 2}
     log_dir.mkdir()
     with serve(tiny_model, extra, log_dir, args=args, env=env) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            r = client.post("/v1/completions", json={
-                "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+            r = client.post(
+                "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0},
+            )
             r.raise_for_status()
         stop_like_kubernetes(server.proc)
         return server.log_path.read_text(errors="replace")
@@ -95,4 +98,3 @@ def doctor_codes(log: str) -> set[str]:
 
 def _kvtier_warnings(log: str) -> str:
     return "\n".join(line for line in log.splitlines() if "WARNING" in line and "kvtier" in line)
-

@@ -36,10 +36,19 @@ def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> str:
         if (base / name).exists():
             (out / name).write_bytes((base / name).read_bytes())
     config = MistralConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        sliding_window=WINDOW, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-        torch_dtype="bfloat16", initializer_range=0.08,
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        sliding_window=WINDOW,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        initializer_range=0.08,
     )
     torch.manual_seed(0)
     MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)

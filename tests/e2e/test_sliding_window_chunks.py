@@ -45,7 +45,8 @@ def close(got: dict, ref: dict) -> bool:
 
 @pytest.mark.isa
 def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss(
-    sliding_window_model: str, tmp_path: Path,  # noqa: F811
+    sliding_window_model: str,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     model = sliding_window_model
     extra = {"cpu_bytes": "256MiB", "remote_url": f"file://{tmp_path / 'kv'}"}
@@ -84,8 +85,9 @@ def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss
     # Not a byte of the spoiled chunk was loaded: the outputs are the same bits (a
     # whole prefill, or another split, is other bf16 arithmetic, near ties included)
     Path(r["spoiled"][0]).unlink()
-    gone = run_engine("window_reader", model=model, extra=extra, budget=BUDGET, env=ENV,
-                      spoil_chunk=S_CHUNKS)  # (no such chunk: nothing spoiled)
+    gone = run_engine(
+        "window_reader", model=model, extra=extra, budget=BUDGET, env=ENV, spoil_chunk=S_CHUNKS
+    )  # (no such chunk: nothing spoiled)
     assert gone["spoiled"] == [] and gone["index"]["totals"]["error_checksum"] == 0
     assert gone["b"]["cached"] == 768, gone["b"]
     assert (r["b"]["tokens"], r["b"]["logprobs"]) == (gone["b"]["tokens"], gone["b"]["logprobs"])

@@ -28,25 +28,44 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 WORKER_STARTED = ("Starting to load model", "host slab", "Initializing a V1 LLM engine")
 
 
-def serve_until_exit(model: str, extra: dict[str, object], tmp_path: Path,
-                     unset: tuple[str, ...] = (), args: list[str] | None = None,
-                     timeout: float = 180) -> tuple[int, str]:
+def serve_until_exit(
+    model: str,
+    extra: dict[str, object],
+    tmp_path: Path,
+    unset: tuple[str, ...] = (),
+    args: list[str] | None = None,
+    timeout: float = 180,
+) -> tuple[int, str]:
     """Run vLLM's OpenAI server with kvtier until it exits (it must not start), with the
     variables ``unset`` removed from its environment; its exit status and log."""
     ktc = {**KV_TRANSFER_CONFIG, "kv_connector_extra_config": extra}
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(checks.free_port()), "--enforce-eager",
-        "--block-size", "32", "--max-model-len", "2048",
-        "--kv-transfer-config", json.dumps(ktc), *(args or []),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(checks.free_port()),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "2048",
+        "--kv-transfer-config",
+        json.dumps(ktc),
+        *(args or []),
+    ]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     for key in unset:
         full_env.pop(key, None)
     log = tmp_path / "vllm.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:  # it started: stop the server and its engine
@@ -94,17 +113,20 @@ def test_vllm_sizing_its_own_kv_cache_is_in_the_plan(tiny_model: str, tmp_path: 
     """Without VLLM_CPU_KVCACHE_SPACE vLLM's CPU worker grows to --gpu-memory-utilization
     of the host's memory: a host tier of 64 MiB beside 0.99 of it cannot fit, and the
     plan says to set VLLM_CPU_KVCACHE_SPACE (before, the engine started its workers)."""
-    rc, log = serve_until_exit(tiny_model, {"cpu_bytes": "64MiB"}, tmp_path,
-                               unset=("VLLM_CPU_KVCACHE_SPACE",),
-                               args=["--gpu-memory-utilization", "0.99"])
+    rc, log = serve_until_exit(
+        tiny_model,
+        {"cpu_bytes": "64MiB"},
+        tmp_path,
+        unset=("VLLM_CPU_KVCACHE_SPACE",),
+        args=["--gpu-memory-utilization", "0.99"],
+    )
     report = assert_refused_before_workers(rc, log, "cpu_bytes")
     assert "VLLM_CPU_KVCACHE_SPACE unset" in report and "0.99" in report
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("chunk_size", "abc"), ("remote_url", "ftp://x"), ("chunk_size", 48),
-     ("hmac_key_env", None)],
+    [("chunk_size", "abc"), ("remote_url", "ftp://x"), ("chunk_size", 48), ("hmac_key_env", None)],
 )
 def test_a_bad_value_is_reported_once_before_the_model_loads(
     tiny_model: str, tmp_path: Path, key: str, value: object

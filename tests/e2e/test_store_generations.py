@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
 def store(*argv: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "store", *argv, "--json"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "store", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -25,15 +25,31 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("trace_replay")]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+# session, not module: xdist runs other modules' tests between this module's, and a module
+# fixture was made again after them (the three engines twice, ~260 s each)
+@pytest.fixture(scope="session")
 def replay(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("trace_replay")
     out = work / "result.json"
     # three engines side by side: the hit rates do not depend on timing, start-ups overlap
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--quick", "--parallel", "3",
-         "--workdir", str(work), "--model-dir", tiny_model, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "trace_replay.py"),
+            "--quick",
+            "--parallel",
+            "3",
+            "--workdir",
+            str(work),
+            "--model-dir",
+            tiny_model,
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -70,17 +86,32 @@ def test_replay_is_what_the_planner_modelled(replay: dict[str, Any]) -> None:
 
 
 def test_hash_id_trace_within_5_points_of_the_curve(
-        tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> None:
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: str
+) -> None:
     """The same check for a hash-id (Mooncake-format) trace: the planner reads the ids
     without expanding them (`--trace-block-size 32`), the engine gets each id's tokens
     (as `kvtier bench --trace` sends them)."""
     work = tmp_path_factory.mktemp("trace_replay_hash")
     out = work / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--quick", "--hash-ids",
-         "--parallel", "3", "--workdir", str(work), "--model-dir", tiny_model,
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "trace_replay.py"),
+            "--quick",
+            "--hash-ids",
+            "--parallel",
+            "3",
+            "--workdir",
+            str(work),
+            "--model-dir",
+            tiny_model,
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     check_hash_replay(json.loads(out.read_text()))
@@ -95,8 +126,9 @@ def check_hash_replay(res: dict[str, Any]) -> None:
     assert len(points) == 3
     for p in points:
         assert abs(p["measured_hit_rate"] - p["predicted_hit_rate"]) <= 0.05, p
-        assert p["slot_bytes"] == res["planner_slot_bytes"] and p["slots"] >= t[
-            "max_request_chunks"]
+        assert (
+            p["slot_bytes"] == res["planner_slot_bytes"] and p["slots"] >= t["max_request_chunks"]
+        )
         assert p["prompt_tokens"] == t["prompt_tokens"] and p["resets_failed"] == 0
         assert p["cached_tokens_vllm"] == p["hit_tokens_host"]
         assert p["store_failed"] == 0 and p["load_failed"] == 0

@@ -231,8 +231,11 @@ def test_signed_chunks_load_only_with_the_key_and_forgeries_never(
     p1_keys, p2_keys = w["object_keys"]
     assert len(p1_keys) == len(p2_keys) == 4 and not set(p1_keys) & set(p2_keys)
     assert w["remote"]["ops_upload"] == 8 and w["remote"]["errors_tier"] == 0, w["remote"]
-    listed = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]
-              if not o["Key"].endswith("/manifest")}  # the generation's manifest
+    listed = {
+        o["Key"]
+        for o in s3.list_objects_v2(Bucket=bucket)["Contents"]
+        if not o["Key"].endswith("/manifest")
+    }  # the generation's manifest
     assert listed == {f"kv/{k}" for k in p1_keys + p2_keys}, "K1's chunks are in the bucket"
 
     # forge: P2's objects in S3 replaced in place; P1's and P2's keys written into Redis
@@ -340,9 +343,9 @@ def test_new_weights_at_the_same_path_never_load_old_chunks(tmp_path: Path) -> N
     totals = new["index"]["totals"]
     assert totals["hit_tokens_remote"] == 0 and totals["fetch_ok"] == 0, totals
     assert new["b"]["cached"] == 0
-    assert new["b"]["tokens"] != w["b_ref"]["tokens"] or new["b"]["logprobs"] != w["b_ref"][
-        "logprobs"
-    ], "the redeployed weights compute differently (else this test proves nothing)"
+    assert (
+        new["b"]["tokens"] != w["b_ref"]["tokens"] or new["b"]["logprobs"] != w["b_ref"]["logprobs"]
+    ), "the redeployed weights compute differently (else this test proves nothing)"
 
 
 def test_cache_salt_model_and_kv_dtype_separate_chunks(
@@ -644,9 +647,13 @@ def test_errors_logs_and_doctor_never_show_secrets(
         assert not _secret_hits(text), (_secret_hits(text), text)
     # the dead server was logged once as the tier's failure (RemoteIO's rate-limited
     # warning) with the error naming its URL, password masked (never shown: checked above)
-    down = [r.getMessage() for r in caplog.records
-            if r.name == "kvtier.remote" and r.levelno == logging.WARNING
-            and r.getMessage().startswith("object tier ")]
+    down = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kvtier.remote"
+        and r.levelno == logging.WARNING
+        and r.getMessage().startswith("object tier ")
+    ]
     assert len(down) == 1 and "unavailable" in down[0] and "reads fail fast" in down[0], down
     assert f"redis://:***@127.0.0.1:{server.port}/0" in down[0], down
 

@@ -55,12 +55,17 @@ class References:
 
         key = tuple(sorted(written))
         if key not in self._mixed:
-            path = mixed_checkpoint(self.weights["a"], self.weights["b"], list(key),
-                                    str(self.root / f"mixed{len(self._mixed)}"))
+            path = mixed_checkpoint(
+                self.weights["a"],
+                self.weights["b"],
+                list(key),
+                str(self.root / f"mixed{len(self._mixed)}"),
+            )
             ref = run("reference", model=path)
             for prompt in ("before", "after"):
                 assert compare(ref[prompt], self.old[prompt]) != "same", (
-                    "the new weights compute differently (else this test proves nothing)")
+                    "the new weights compute differently (else this test proves nothing)"
+                )
             self._mixed[key] = ref
         return self._mixed[key]
 
@@ -117,8 +122,7 @@ def test_calls_that_only_read_keep_every_hit(
     its chunks, kvtier still serves the prompt, and the engine still shares the tier with
     the old weights' ones."""
     extra = tier(tmp_path)
-    r = run("weight_route", model=weights["a"], other=weights["b"], extra=extra,
-            route="read_only")
+    r = run("weight_route", model=weights["a"], other=weights["b"], extra=extra, route="read_only")
     runs = r["runs"]
     assert runs["from_tier"]["hit_remote"] == PREFIX, runs["from_tier"]
     assert r["side"]["host_slots"][0] > 0, r["side"]

@@ -51,9 +51,12 @@ def test_ghosts_match_measured_host_hits(tiny_model: str) -> None:
 
 def test_whatif_false_counts_nothing(tiny_model: str) -> None:
     r = run_engine(
-        "whatif_zipf", model=tiny_model, extra={"cpu_bytes": SMALL, "whatif": False},
-        n_requests=16, env=ENV,
-    )  # fmt: skip
+        "whatif_zipf",
+        model=tiny_model,
+        extra={"cpu_bytes": SMALL, "whatif": False},
+        n_requests=16,
+        env=ENV,
+    )
     assert r["ghost_capacity"] is None
     totals = r["index"]["totals"]
     assert set(_whatif(totals).values()) == {0} and totals["hit_tokens_host"] > 0

@@ -329,8 +329,12 @@ def foreign_read(
         "index": report,
         "remote": remote,
         "stats": _stats(),
-        "namespace": {"model": ns.model, "dtype": ns.dtype, "kv_cache_dtype": ns.kv_cache_dtype,
-                      "fingerprint": ns.fingerprint},
+        "namespace": {
+            "model": ns.model,
+            "dtype": ns.dtype,
+            "kv_cache_dtype": ns.kv_cache_dtype,
+            "fingerprint": ns.fingerprint,
+        },
     }
 
 
@@ -419,10 +423,12 @@ def _deltas(marks: list[tuple[dict[str, int], dict[str, int]]]) -> list[dict[str
     """What changed between consecutive marks (totals, object-tier counters), nonzero only."""
     out = []
     for (t0, r0), (t1, r1) in itertools.pairwise(marks):
-        out.append({
-            "totals": {k: v - t0.get(k, 0) for k, v in t1.items() if v != t0.get(k, 0)},
-            "remote": {k: v - r0.get(k, 0) for k, v in r1.items() if v != r0.get(k, 0)},
-        })
+        out.append(
+            {
+                "totals": {k: v - t0.get(k, 0) for k, v in t1.items() if v != t0.get(k, 0)},
+                "remote": {k: v - r0.get(k, 0) for k, v in r1.items() if v != r0.get(k, 0)},
+            }
+        )
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvtier.connectors.weights import read_only
+from kvtier.connectors.scheduler.weights import read_only
 from tests.e2e.engine import build_llm, generate, kvtier_side, register, settle, shutdown, toks
 
 PROMPT = 1024 + 20
@@ -35,9 +35,13 @@ def plain_tensors(model: Any, path: str) -> list[tuple[str, Any]]:
     after the load (lm_head's too), so ``load_weights`` cannot change those in a running
     engine (on a GPU it can); a sync of the embedding alone changes every layer's KV."""
     params = dict(model.named_parameters())
-    return [(n, t) for n, t in checkpoint(path)
-            if n in params and tuple(params[n].shape) == tuple(t.shape)
-            and (".embed_tokens." in n or n.endswith("norm.weight"))]
+    return [
+        (n, t)
+        for n, t in checkpoint(path)
+        if n in params
+        and tuple(params[n].shape) == tuple(t.shape)
+        and (".embed_tokens." in n or n.endswith("norm.weight"))
+    ]
 
 
 def load_into(path: str, model: Any) -> list[str]:
@@ -159,8 +163,7 @@ def weight_route(model: str, other: str, extra: dict[str, Any], route: str) -> d
     slots.append(side.index.used_slots)
     runs["after"] = _run(llm, p)  # vLLM's own cache emptied: only kvtier could serve
     runs["new_prompt"] = _run(llm, q)
-    report = {"totals": dict(side.totals), "weights_epoch": side.weights_epoch,
-              "host_slots": slots}
+    report = {"totals": dict(side.totals), "weights_epoch": side.weights_epoch, "host_slots": slots}
     shutdown(llm)  # queued uploads flush
     return {"runs": runs, "side": report, "written": written}
 
@@ -170,8 +173,10 @@ def old_weights_reader(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     """A second engine on the old weights, sharing the tier: the prompt the changed engine
     stored after the change, then the one stored before it."""
     llm = build_llm(model, extra)
-    runs = {"new_prompt": _run(llm, toks(AFTER, PROMPT)),
-            "old_prompt": _run(llm, toks(BEFORE, PROMPT))}
+    runs = {
+        "new_prompt": _run(llm, toks(AFTER, PROMPT)),
+        "old_prompt": _run(llm, toks(BEFORE, PROMPT)),
+    }
     shutdown(llm)
     return {"runs": runs}
 
@@ -180,5 +185,7 @@ def old_weights_reader(model: str, extra: dict[str, Any]) -> dict[str, Any]:
 def reference(model: str) -> dict[str, Any]:
     """Both prompts on a fresh engine without kvtier: what the weights compute."""
     llm = build_llm(model, None)
-    return {"before": generate(llm, [toks(BEFORE, PROMPT)])[0],
-            "after": generate(llm, [toks(AFTER, PROMPT)])[0]}
+    return {
+        "before": generate(llm, [toks(BEFORE, PROMPT)])[0],
+        "after": generate(llm, [toks(AFTER, PROMPT)])[0],
+    }

@@ -1,5 +1,5 @@
 """Engine scenarios for tests/e2e/test_whatif.py: a skewed workload on a host tier too
-small for it, and what the ghost tiers (kvtier.host.ghosts) make of it.
+small for it, and what the ghost tiers (kvtier.whatif.host) make of it.
 
 Loaded by tests/e2e/engine.py through ``KVTIER_TEST_SCENARIO_MODULES``.
 """

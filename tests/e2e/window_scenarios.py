@@ -81,8 +81,9 @@ class _Said(logging.Handler):
 
 
 @register
-def window_reader(model: str, extra: dict[str, Any], budget: int,
-                  policy: str = "recompute", spoil_chunk: int = 3) -> dict[str, Any]:
+def window_reader(
+    model: str, extra: dict[str, Any], budget: int, policy: str = "recompute", spoil_chunk: int = 3
+) -> dict[str, Any]:
     """A new engine under ``kv_load_failure_policy`` ``policy`` (``recompute``: where kvtier
     allows it, lookups on a local directory are answered in their own step) and chunked
     prefill (``budget`` tokens a step): S+U2. Chunk ``spoil_chunk`` of S is spoiled on
@@ -108,11 +109,22 @@ def window_reader(model: str, extra: dict[str, Any], budget: int,
     RemoteIO.submit = spoiling  # type: ignore[method-assign]
     said = _Said()
     logging.getLogger("kvtier.scheduler").addHandler(said)
-    llm = build_llm(model, None, kv_transfer_config={
-        **ktc(extra), "kv_load_failure_policy": policy,
-    }, **_small_steps(budget))  # fmt: skip
+    llm = build_llm(
+        model,
+        None,
+        kv_transfer_config={
+            **ktc(extra),
+            "kv_load_failure_policy": policy,
+        },
+        **_small_steps(budget),
+    )
     side = kvtier_side(llm)
     b = generate(llm, [S + U2])[0]
     settle(llm)
-    return {"b": b, "index": index_report(llm), "one_step": side.lookups.probe is not None,
-            "lookup_log": said.messages, "spoiled": spoiled}
+    return {
+        "b": b,
+        "index": index_report(llm),
+        "one_step": side.lookups.probe is not None,
+        "lookup_log": said.messages,
+        "spoiled": spoiled,
+    }

@@ -13,7 +13,12 @@ if os.environ.get("KVTIER_TEST_CPU_ISA") == "avx2":
     def _no() -> bool:
         return False
 
-    for _name in ("_is_amx_tile_supported", "_is_amx_fp16_supported", "_is_avx512_supported",
-                  "_is_avx512_bf16_supported", "_is_avx512_vnni_supported"):
+    for _name in (
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_avx512_vnni_supported",
+    ):
         if hasattr(torch.cpu, _name):
             setattr(torch.cpu, _name, _no)

@@ -27,18 +27,21 @@ LAYOUTS = {
 A, D = False, True  # ascending, descending
 
 
-@pytest.mark.parametrize(("blocks", "runs"), [
-    ([7], [(0, 7, 1, A)]),
-    ([3, 4, 5, 6], [(0, 3, 4, A)]),
-    ([6, 5, 4, 3], [(0, 3, 4, D)]),
-    ([], None),
-    ([3, 5, 6, 7], [(0, 3, 1, A), (1, 5, 3, A)]),
-    ([4, 3], [(0, 3, 2, D)]),
-    ([2, 3, 3, 5], [(0, 2, 2, A), (2, 3, 1, A), (3, 5, 1, A)]),
-    ([9, 8, 11, 12], [(0, 8, 2, D), (2, 11, 2, A)]),
-    ([40, 39, 38, 1, 2, 3], [(0, 38, 3, D), (3, 1, 3, A)]),
-    ([1, 9, 3, 7, 5], None),  # five runs: one index copy
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("blocks", "runs"),
+    [
+        ([7], [(0, 7, 1, A)]),
+        ([3, 4, 5, 6], [(0, 3, 4, A)]),
+        ([6, 5, 4, 3], [(0, 3, 4, D)]),
+        ([], None),
+        ([3, 5, 6, 7], [(0, 3, 1, A), (1, 5, 3, A)]),
+        ([4, 3], [(0, 3, 2, D)]),
+        ([2, 3, 3, 5], [(0, 2, 2, A), (2, 3, 1, A), (3, 5, 1, A)]),
+        ([9, 8, 11, 12], [(0, 8, 2, D), (2, 11, 2, A)]),
+        ([40, 39, 38, 1, 2, 3], [(0, 38, 3, D), (3, 1, 3, A)]),
+        ([1, 9, 3, 7, 5], None),  # five runs: one index copy
+    ],
+)
 def test_block_runs(blocks: list[int], runs: list[tuple[int, int, int, bool]] | None) -> None:
     assert block_runs(blocks) == (None if runs is None else [Run(*r) for r in runs])
 
@@ -79,9 +82,16 @@ def loaded_into_zeros(src, layout, slab, op: LoadOp):  # type: ignore[no-untyped
 
 
 @pytest.mark.parametrize("shape", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@pytest.mark.parametrize("blocks", [
-    [20, 21, 22, 23], [31, 5, 17, 2], [10, 11, 13, 12], [23, 22, 21, 20], [9, 8, 30, 31],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [20, 21, 22, 23],
+        [31, 5, 17, 2],
+        [10, 11, 13, 12],
+        [23, 22, 21, 20],
+        [9, 8, 30, 31],
+    ],
+)
 def test_a_run_and_scattered_blocks_move_the_same_bytes(shape, blocks: list[int]) -> None:
     src, layout, slab = stored(shape, 2, blocks)
     for targets in ([36, 37, 38], [38, 37, 36], [30, 3, 12]):  # slot blocks 1..3

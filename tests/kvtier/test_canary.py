@@ -197,8 +197,9 @@ def test_a_chunk_computed_with_another_kv_dtype_under_the_same_name_is_caught() 
     a bf16 engine's: the same bytes read as this engine's bf16 layers are a mismatch."""
     computed = _chunk(0, torch.bfloat16)
     fp8_bytes = [t.float().to(torch.float8_e4m3fn).repeat(2, 1, 1, 1) for t in computed]
-    as_bf16 = [raw.view(torch.bfloat16).view(t.shape)
-               for raw, t in zip(fp8_bytes, computed, strict=True)]
+    as_bf16 = [
+        raw.view(torch.bfloat16).view(t.shape) for raw, t in zip(fp8_bytes, computed, strict=True)
+    ]
     assert not compare_chunk(computed, as_bf16).matches
 
 

@@ -148,17 +148,29 @@ def test_the_checksum_is_zlibs_crc32_of_the_payload_and_catches_a_flipped_bit() 
         bad[bit // 8] ^= 1 << (bit % 8)
         with pytest.raises(ChecksumError):
             decode(rebuild(header, bytes(bad)), key=KEY)
-        assert codec.verify(blob()[: len(blob()) - len(PAYLOAD)], memoryview(PAYLOAD),
-                            key=KEY, payload_crc=zlib.crc32(PAYLOAD)) == 0.0  # fmt: skip
+        assert (
+            codec.verify(
+                blob()[: len(blob()) - len(PAYLOAD)],
+                memoryview(PAYLOAD),
+                key=KEY,
+                payload_crc=zlib.crc32(PAYLOAD),
+            )
+            == 0.0
+        )
         with pytest.raises(ChecksumError):  # a checksum computed while reading the bad bytes
-            codec.verify(blob()[: len(blob()) - len(PAYLOAD)], memoryview(bytes(bad)),
-                         key=KEY, payload_crc=zlib.crc32(bad))  # fmt: skip
+            codec.verify(
+                blob()[: len(blob()) - len(PAYLOAD)],
+                memoryview(bytes(bad)),
+                key=KEY,
+                payload_crc=zlib.crc32(bad),
+            )
 
 
 def _xxh3_chunk(payload: bytes, signer: Signer | None = None) -> bytes:
     """A chunk as kvtier framed it before CRC-32: an ``xxh`` field, its xxh3-128."""
-    return b"".join(xxh3_framed(KEY, payload, dtype="bfloat16", shape=[2, len(payload) // 4],
-                                signer=signer))  # fmt: skip
+    return b"".join(
+        xxh3_framed(KEY, payload, dtype="bfloat16", shape=[2, len(payload) // 4], signer=signer)
+    )
 
 
 def test_chunks_written_with_an_xxh3_checksum_are_still_read_and_checked() -> None:

@@ -27,9 +27,13 @@ from kvtier.ops import OpResult
 KEY = "model-x/tp1r0/00ab"
 HMAC_KEY = b"k" * 32
 DTYPES = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
-}  # fmt: skip
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
 SIGNERS = {
     "plain": lambda: None,
     "hmac": lambda: Signer(HMAC_KEY),
@@ -49,8 +53,13 @@ def kv(dtype: str = "bfloat16", n: int = 8192, seed: int = 0) -> bytes:
     return t.view(torch.uint8).numpy().tobytes()
 
 
-def framed(payload: bytes, signer: Signer | None = None, dtype: str = "bfloat16",
-           z: tuple[str, bytes] | None | str = "auto", key: str = KEY) -> bytes:  # fmt: skip
+def framed(
+    payload: bytes,
+    signer: Signer | None = None,
+    dtype: str = "bfloat16",
+    z: tuple[str, bytes] | None | str = "auto",
+    key: str = KEY,
+) -> bytes:
     if z == "auto":
         z = Compressor().compress(memoryview(payload), compress.itemsize(dtype))[0], None
         z = ("blosc2", z[0])
@@ -83,8 +92,13 @@ def test_round_trip_every_dtype(dtype: str, how: str) -> None:
 
 
 def test_incompressible_chunk_is_stored_raw_and_read_without_a_slot() -> None:
-    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(3)).numpy().tobytes()  # fmt: skip
+    raw = (
+        torch.randint(
+            0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+        )
+        .numpy()
+        .tobytes()
+    )
     b = framed(raw, dtype="uint8")
     assert not codec.is_compressed(b[: header_of(b)[1]]) and len(b) > len(raw)
     assert bytes(decode(b, key=KEY, dtype="uint8")) == raw
@@ -99,8 +113,10 @@ def test_compressed_chunk_needs_a_slot() -> None:
 def test_bomb_is_refused_before_decompressing(claimed: int) -> None:
     """A stream that says it holds more than the slot (2 GiB, or 2 bytes more) is refused
     from its header; nothing near its claimed size is ever allocated."""
-    bomb = Compressor().compress(memoryview(bytes(claimed)), 1)[0] if claimed < 2**20 else (
-        Compressor().compress(memoryview(bytearray(2**20)), 1)[0]
+    bomb = (
+        Compressor().compress(memoryview(bytes(claimed)), 1)[0]
+        if claimed < 2**20
+        else (Compressor().compress(memoryview(bytearray(2**20)), 1)[0])
     )
     if claimed >= 2**20:  # forge the claim in blosc2's header (nbytes, little endian, at 4)
         bomb = bomb[:4] + struct.pack("<i", claimed - 1) + bomb[8:]
@@ -219,14 +235,21 @@ def collect(rio: RemoteIO, n: int, timeout: float = 10.0) -> dict[int, OpResult]
     return {r.op_id: r for r in out}
 
 
-def make_rio(tier: ObjectTier, compressor: Compressor | None, signer: Signer | None = None
-             ) -> RemoteIO:  # fmt: skip
-    return RemoteIO(tier, threads=2, queue_depth=16, timeout_s=5.0, signer=signer,
-                    compressor=compressor)  # fmt: skip
+def make_rio(
+    tier: ObjectTier, compressor: Compressor | None, signer: Signer | None = None
+) -> RemoteIO:
+    return RemoteIO(
+        tier, threads=2, queue_depth=16, timeout_s=5.0, signer=signer, compressor=compressor
+    )
 
 
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.integration),
-                        pytest.param("redis", marks=pytest.mark.integration)])  # fmt: skip
+@pytest.fixture(
+    params=[
+        "file",
+        pytest.param("s3", marks=pytest.mark.integration),
+        pytest.param("redis", marks=pytest.mark.integration),
+    ]
+)
 def tier_pair(request, tmp_path) -> tuple[ObjectTier, ObjectTier]:
     """Two clients of one tier (two engines)."""
     if request.param == "file":
@@ -247,8 +270,7 @@ def test_a_tier_holding_both_forms_is_read_by_every_engine(tier_pair, how: str) 
     r = make_rio(tier_pair[1], None, signer)
     chunks = {f"k{i}": kv(n=16384, seed=i) for i in range(4)}
     for i, (key, data) in enumerate(chunks.items()):
-        (z if i % 2 == 0 else r).submit_put(i, key, memoryview(data), dtype="bfloat16",
-                                            shape=SHAPE)  # fmt: skip
+        (z if i % 2 == 0 else r).submit_put(i, key, memoryview(data), dtype="bfloat16", shape=SHAPE)
     assert z.flush(10) == 0 and r.flush(10) == 0
     assert all(x.ok for x in collect(z, 2).values()) and all(x.ok for x in collect(r, 2).values())
     wz, wr = z.take_compression()["write"], r.take_compression()["write"]
@@ -346,8 +368,9 @@ def test_fp8_round_trip_error_bound_per_element(dtype: str) -> None:
     y = torch.frombuffer(bytearray(out), dtype=DTYPES[dtype]).float()
     n = xs.numel()
     pad = torch.nn.functional.pad(xs.abs(), (0, -n % compress.FP8_BLOCK))
-    scale = (pad.view(-1, compress.FP8_BLOCK).amax(1) / 448).repeat_interleave(
-        compress.FP8_BLOCK)[:n]  # fmt: skip
+    scale = (pad.view(-1, compress.FP8_BLOCK).amax(1) / 448).repeat_interleave(compress.FP8_BLOCK)[
+        :n
+    ]
     u = FP8_TOL[dtype]
     bound = xs.abs() * (2**-4 + u * 1.07) + scale * 2**-10 * (1 + u) + 2**-24
     assert bool(((y - xs).abs() <= bound).all()), float(((y - xs).abs() - bound).max())
@@ -357,34 +380,46 @@ def test_fp8_round_trip_error_bound_per_element(dtype: str) -> None:
 def test_fp8_leaves_other_dtypes_and_non_finite_kv_raw() -> None:
     c = Fp8Compressor()
     for dtype in ("float8_e4m3fn", "float32", "uint8", "bfloat16*1,float8_e4m3fn*3"):
-        assert c.compress_chunk(memoryview(kv(dtype if dtype in DTYPES else "uint8")),
-                                dtype) is None  # fmt: skip
+        assert (
+            c.compress_chunk(memoryview(kv(dtype if dtype in DTYPES else "uint8")), dtype) is None
+        )
     bad = torch.tensor([1.0, float("inf")] * 64, dtype=torch.bfloat16)
-    assert c.compress_chunk(memoryview(bad.view(torch.uint8).numpy().tobytes()),
-                            "bfloat16") is None  # fmt: skip
+    assert c.compress_chunk(memoryview(bad.view(torch.uint8).numpy().tobytes()), "bfloat16") is None
 
 
 def test_fp8_streams_that_do_not_fit_their_slot_are_refused() -> None:
     raw = kv(n=4096)
     _, good, _ = Fp8Compressor().compress_chunk(memoryview(raw), "bfloat16")  # type: ignore[misc]
     nan_scale = good[:8] + struct.pack("<f", float("nan")) + good[12:]
-    cases = {"short": good[:-1], "long": good + b"\0", "magic": b"XXXX" + good[4:],
-             "block": good[:4] + struct.pack("<I", 0) + good[8:], "nan": nan_scale}  # fmt: skip
+    cases = {
+        "short": good[:-1],
+        "long": good + b"\0",
+        "magic": b"XXXX" + good[4:],
+        "block": good[:4] + struct.pack("<I", 0) + good[8:],
+        "nan": nan_scale,
+    }
     for stream in cases.values():
         with pytest.raises(CodecError):
-            decode(framed(raw, z=("fp8e4m3", stream)), key=KEY,
-                   out=memoryview(bytearray(len(raw))), lossy=True)  # fmt: skip
+            decode(
+                framed(raw, z=("fp8e4m3", stream)),
+                key=KEY,
+                out=memoryview(bytearray(len(raw))),
+                lossy=True,
+            )
     with pytest.raises(CodecError, match="only bf16/fp16"):  # an fp8 form on fp32 KV
-        decode(framed(raw, dtype="float32", z=("fp8e4m3", good)), key=KEY,
-               out=memoryview(bytearray(len(raw))), lossy=True)  # fmt: skip
+        decode(
+            framed(raw, dtype="float32", z=("fp8e4m3", good)),
+            key=KEY,
+            out=memoryview(bytearray(len(raw))),
+            lossy=True,
+        )
 
 
 def test_fp8_chunks_are_read_only_by_engines_that_chose_fp8(tmp_path) -> None:
     """An fp8 engine's chunks are read (dequantised, within the bound) by another fp8
     engine; an engine with ``none`` or ``lossless`` counts them a ``format`` miss and its
     slot is never reported loaded: lossy KV never reaches an engine that wants exact KV."""
-    assert isinstance(compress.from_config(load_config({"compression": "fp8"})),
-                      Fp8Compressor)  # fmt: skip
+    assert isinstance(compress.from_config(load_config({"compression": "fp8"})), Fp8Compressor)
     w = make_rio(FileTier(str(tmp_path / "o")), Fp8Compressor())
     raw = kv(n=16384)
     w.submit_put(1, "k", memoryview(raw), dtype="bfloat16", shape=SHAPE)

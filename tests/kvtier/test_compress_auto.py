@@ -34,8 +34,9 @@ def forms(z: AutoCompressor, uploads: int) -> list[bool]:
     return [z.compress_chunk(data, "bfloat16") is not None for _ in range(uploads)]
 
 
-def reads(z: AutoCompressor, raw_ms_per_mib: float, z_ms_per_mib: float,
-          n: int = MIN_READS) -> None:
+def reads(
+    z: AutoCompressor, raw_ms_per_mib: float, z_ms_per_mib: float, n: int = MIN_READS
+) -> None:
     for _ in range(n):
         z.observe_read(4 * MIB, raw_ms_per_mib * 4e-3, compressed=False)
         z.observe_read(4 * MIB, z_ms_per_mib * 4e-3, compressed=True)
@@ -165,8 +166,14 @@ def test_remote_io_times_its_reads_for_auto_and_reads_every_form(tmp_path: Path)
 
     z = AutoCompressor()
     z._compressing = True  # so that upload 1 of every 16 is raw: reverse the forms below
-    rio = RemoteIO(FileTier(str(tmp_path / "o")), threads=4, queue_depth=64, timeout_s=20.0,
-                   signer=None, compressor=z)  # fmt: skip
+    rio = RemoteIO(
+        FileTier(str(tmp_path / "o")),
+        threads=4,
+        queue_depth=64,
+        timeout_s=20.0,
+        signer=None,
+        compressor=z,
+    )
     n = SAMPLE_EVERY
     chunks = [bytes(chunk(1 << 15, seed)) for seed in range(n)]
     try:

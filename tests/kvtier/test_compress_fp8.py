@@ -37,15 +37,20 @@ def finite_chunks(draw: st.DrawFn) -> tuple[str, list[int]]:
     base = draw(st.integers(0, emax))
     spread = draw(st.integers(0, emax))
     n = draw(st.integers(1, 3 * FP8_BLOCK + 5))
-    el = st.tuples(st.integers(0, 1), st.integers(max(0, base - spread), min(emax, base + spread)),
-                   st.integers(0, (1 << m) - 1))  # fmt: skip
-    return dtype, [(s << 15) | (e << m) | f for s, e, f in draw(st.lists(el, min_size=n,
-                                                                        max_size=n))]  # fmt: skip
+    el = st.tuples(
+        st.integers(0, 1),
+        st.integers(max(0, base - spread), min(emax, base + spread)),
+        st.integers(0, (1 << m) - 1),
+    )
+    return dtype, [
+        (s << 15) | (e << m) | f for s, e, f in draw(st.lists(el, min_size=n, max_size=n))
+    ]
 
 
 def as_tensor(dtype: str, bits: list[int]) -> torch.Tensor:
-    return torch.tensor([b - 65536 if b > 32767 else b for b in bits],
-                        dtype=torch.int16).view(TORCH[dtype])  # fmt: skip
+    return torch.tensor([b - 65536 if b > 32767 else b for b in bits], dtype=torch.int16).view(
+        TORCH[dtype]
+    )
 
 
 def round_trip(x: torch.Tensor, dtype: str) -> tuple[bytes, torch.Tensor] | None:
@@ -157,23 +162,36 @@ def test_fp8_streams_no_compressor_writes_are_refused(dtype: str, case: str) -> 
     elif case == "-nan code":
         codes[n - 1] = 0xFF
     else:
-        scales[1] = {"zero scale": 0.0, "negative scale": -1.0, "inf scale": math.inf,
-                     "scale past range": too_big}[case]  # fmt: skip
+        scales[1] = {
+            "zero scale": 0.0,
+            "negative scale": -1.0,
+            "inf scale": math.inf,
+            "scale past range": too_big,
+        }[case]
     with pytest.raises(CodecError):
-        decompress_into("fp8e4m3", memoryview(stream_of(FP8_BLOCK, scales, bytes(codes))),
-                        memoryview(bytearray(2 * n)), dtype)  # fmt: skip
+        decompress_into(
+            "fp8e4m3",
+            memoryview(stream_of(FP8_BLOCK, scales, bytes(codes))),
+            memoryview(bytearray(2 * n)),
+            dtype,
+        )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.sampled_from(sorted(TORCH)),
-       st.lists(st.tuples(st.integers(0, 4 * 3 + 3 * FP8_BLOCK - 1), st.integers(0, 255)),
-                min_size=1, max_size=8))  # fmt: skip
+@given(
+    st.sampled_from(sorted(TORCH)),
+    st.lists(
+        st.tuples(st.integers(0, 4 * 3 + 3 * FP8_BLOCK - 1), st.integers(0, 255)),
+        min_size=1,
+        max_size=8,
+    ),
+)
 def test_fp8_mutated_streams_are_refused_or_finite(
     dtype: str, flips: list[tuple[int, int]]
 ) -> None:
     """Bytes of a valid stream's scales and codes overwritten at random: the read is a
     CodecError or every value it wrote is finite."""
-    x = (torch.randn(3 * FP8_BLOCK, generator=torch.Generator().manual_seed(5)) * 4)
+    x = torch.randn(3 * FP8_BLOCK, generator=torch.Generator().manual_seed(5)) * 4
     raw = x.to(TORCH[dtype]).view(torch.uint8).numpy().tobytes()
     got = Fp8Compressor().compress_chunk(memoryview(raw), dtype)
     assert got is not None

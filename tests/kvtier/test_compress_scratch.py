@@ -31,10 +31,12 @@ KEY = "model-x/tp1r0/00ab"
 def chunk(raw: bytes, signer: Signer | None, form: str = "blosc2", key: str = KEY) -> bytes:
     """A stored chunk of ``raw`` in ``form`` (blosc2 or fp8e4m3), as a tier returns it."""
     got = (Compressor() if form == "blosc2" else Fp8Compressor()).compress_chunk(
-        memoryview(raw), "bfloat16")  # fmt: skip
+        memoryview(raw), "bfloat16"
+    )
     assert got is not None
-    parts = encode(key, raw, dtype="bfloat16", shape=[len(raw)], signer=signer,
-                   compressed=(got[0], got[1]))  # fmt: skip
+    parts = encode(
+        key, raw, dtype="bfloat16", shape=[len(raw)], signer=signer, compressed=(got[0], got[1])
+    )
     blob = b"".join(bytes(p) for p in parts)
     assert codec.is_compressed(blob[: codec.head_length(blob[:8])])
     return blob
@@ -120,8 +122,9 @@ def test_fp8_dequantise_allocates_no_buffer_per_read() -> None:
     seeds=st.lists(st.integers(0, 2**16), min_size=4, max_size=4),
     forms=st.lists(st.sampled_from(["blosc2", "fp8e4m3"]), min_size=4, max_size=4),
 )
-def test_concurrent_reads_never_mix_bytes(sizes: list[int], seeds: list[int],
-                                          forms: list[str]) -> None:  # fmt: skip
+def test_concurrent_reads_never_mix_bytes(
+    sizes: list[int], seeds: list[int], forms: list[str]
+) -> None:
     """Four threads read their own sealed compressed chunks (blosc2 and fp8, of other
     sizes, so the buffers grow under each other) at once, switching threads every
     microsecond: every read is exactly its own chunk's bytes."""
@@ -179,8 +182,14 @@ def test_remote_reads_on_four_threads_each_get_their_own_chunk(
 
     def rio(compressor: Compressor) -> RemoteIO:
         signer = Signer(b"h" * 32, sealer=Sealer(b"s" * 32)) if sealed else None
-        return RemoteIO(FileTier(str(tmp_path / "o")), threads=8, queue_depth=64, timeout_s=20.0,
-                        signer=signer, compressor=compressor)  # fmt: skip
+        return RemoteIO(
+            FileTier(str(tmp_path / "o")),
+            threads=8,
+            queue_depth=64,
+            timeout_s=20.0,
+            signer=signer,
+            compressor=compressor,
+        )
 
     def results(r: RemoteIO, n: int) -> dict[int, OpResult]:
         got: list[OpResult] = []

@@ -18,8 +18,14 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("text", "n"),
-    [("512MiB", 512 * 2**20), ("8GiB", 8 * 2**30), ("1.5GB", 1_500_000_000), ("1024", 1024),
-     (4096, 4096), ("2 gib", 2 * 2**30)],
+    [
+        ("512MiB", 512 * 2**20),
+        ("8GiB", 8 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("1024", 1024),
+        (4096, 4096),
+        ("2 gib", 2 * 2**30),
+    ],
 )
 def test_sizes(text: object, n: int) -> None:
     assert parse_size("cpu_bytes", text) == n
@@ -78,13 +84,14 @@ def test_every_key_is_documented_and_sizes_print_readably() -> None:
     from pathlib import Path
 
     reference = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    assert [k for k in KEYS if f"`{k}`" not in reference] == [], \
+    assert [k for k in KEYS if f"`{k}`" not in reference] == [], (
         "a config key docs/configuration.md omits"
+    )
     assert format_size(3 * 2**30) == "3.00 GiB"
 
 
 def test_io_threads_auto_is_the_default_and_resolves_per_process(monkeypatch) -> None:
-    """"auto" (any case) stays "auto" in the config and resolves where the threads start,
+    """\"auto" (any case) stays "auto" in the config and resolves where the threads start,
     from the CPUs that process may run on; a number is kept as given."""
     import kvtier.config as config_mod
 
@@ -102,8 +109,16 @@ def test_io_threads_auto_is_the_default_and_resolves_per_process(monkeypatch) ->
 
 @pytest.mark.parametrize(
     ("cpus", "workers", "threads"),
-    [(1, 1, 4), (2, 1, 4), (8, 1, 8), (16, 1, 16), (224, 1, 16), (64, 8, 8), (16, 8, 4),
-     (12, 0, 12)],
+    [
+        (1, 1, 4),
+        (2, 1, 4),
+        (8, 1, 8),
+        (16, 1, 16),
+        (224, 1, 16),
+        (64, 8, 8),
+        (16, 8, 4),
+        (12, 0, 12),
+    ],
 )
 def test_auto_io_threads_is_a_share_of_the_cpus_within_bounds(cpus, workers, threads) -> None:
     from kvtier.config import auto_io_threads, usable_cpus

@@ -31,8 +31,11 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixt
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and r.name.startswith("kvtier")]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("kvtier")
+    ]
 
 
 def test_a_misspelt_variable_is_named_with_the_nearest_setting(caplog) -> None:
@@ -97,9 +100,15 @@ _SET_OR_READ = re.compile(
 
 def _variables_in_repository() -> set[str]:
     names: set[str] = set()
-    for path in [*ROOT.glob("kvtier/**/*.py"), *ROOT.glob("tests/**/*.py"), ROOT / "Makefile",
-                 *ROOT.glob("bench/**/*.sh"), *ROOT.glob("deploy/**/*.yaml"),
-                 *ROOT.glob("docs/*.md"), ROOT / "README.md"]:  # fmt: skip
+    for path in [
+        *ROOT.glob("kvtier/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        ROOT / "Makefile",
+        *ROOT.glob("bench/**/*.sh"),
+        *ROOT.glob("deploy/**/*.yaml"),
+        *ROOT.glob("docs/*.md"),
+        ROOT / "README.md",
+    ]:
         if path == Path(__file__):
             continue
         for m in _SET_OR_READ.finditer(path.read_text(errors="replace")):
@@ -112,9 +121,17 @@ def test_every_kvtier_variable_the_repository_uses_is_a_setting_or_listed() -> N
     engine started with it would warn about it. Variables a ``*_env`` setting names are
     exempt wherever they are named (the tests' own key variables among them)."""
     settings = {ENV_PREFIX + k.upper() for k in KEYS}
-    secrets = {"KVTIER_HMAC_KEY", "KVTIER_ENCRYPTION_KEY", "KVTIER_BENCH_KEY",
-               "KVTIER_HMAC", "KVTIER_ENC", "KVTIER_K", "KVTIER_OLD_KEYS",
-               "KVTIER_CPU_BYTE", "KVTIER_FROBNICATE"}  # named by *_env keys, or typos here
+    secrets = {
+        "KVTIER_HMAC_KEY",
+        "KVTIER_ENCRYPTION_KEY",
+        "KVTIER_BENCH_KEY",
+        "KVTIER_HMAC",
+        "KVTIER_ENC",
+        "KVTIER_K",
+        "KVTIER_OLD_KEYS",
+        "KVTIER_CPU_BYTE",
+        "KVTIER_FROBNICATE",
+    }  # named by *_env keys, or typos here
     found = _variables_in_repository()
     assert "KVTIER_TEST_CPU_ISA" in found and "KVTIER_REMOTE_URL" in found  # the scan works
     unknown = {n for n in found - settings - secrets if not config.is_known_non_key_env(n)}

@@ -29,9 +29,14 @@ def refused(extra: dict, environ: dict | None = None) -> ConfigError:
 
 @pytest.mark.parametrize(
     ("key", "near"),
-    [("cpu_byte", "cpu_bytes"), ("chunk_sise", "chunk_size"), ("remote_ulr", "remote_url"),
-     ("Cpu_Bytes", "cpu_bytes"), ("hmac_key_enc", "hmac_key_env")],
-)  # fmt: skip
+    [
+        ("cpu_byte", "cpu_bytes"),
+        ("chunk_sise", "chunk_size"),
+        ("remote_ulr", "remote_url"),
+        ("Cpu_Bytes", "cpu_bytes"),
+        ("hmac_key_enc", "hmac_key_env"),
+    ],
+)
 def test_an_unknown_key_names_the_nearest_known_key(key: str, near: str) -> None:
     err = refused({key: "8GiB"})
     assert f"unknown key {key!r}: did you mean {near!r}?" in str(err)
@@ -46,10 +51,16 @@ def test_an_unknown_key_like_no_known_key_lists_them_all() -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [{"cpu_byte": "8GiB"}, {"cpu_bytes": "lots"}, {"chunk_size": 0},
-     {"remote_url": "ftp://x"}, {"write_policy": "sometimes"},
-     {"hmac_key_env": "A", "hmac_key_file": "/k"}, {"zzz": 1}],
-)  # fmt: skip
+    [
+        {"cpu_byte": "8GiB"},
+        {"cpu_bytes": "lots"},
+        {"chunk_size": 0},
+        {"remote_url": "ftp://x"},
+        {"write_policy": "sometimes"},
+        {"hmac_key_env": "A", "hmac_key_file": "/k"},
+        {"zzz": 1},
+    ],
+)
 def test_every_config_error_is_one_line(extra: dict) -> None:
     text = str(refused(extra))
     assert "\n" not in text and text.startswith("kvtier config")
@@ -74,10 +85,12 @@ def test_the_name_of_an_unset_variable_is_shown(key: str) -> None:
 
 @pytest.mark.parametrize(
     "value",
-    ["f3f9a2b7c1d4e5f60718293a4b5c6d7e",  # a hex key pasted as the name
-     "Zm9vYmFyYmF6cXV4",  # base64 of a key: a valid name, but random-looking
-     "hunter2"],  # not an upper-case variable name: could be a password
-)  # fmt: skip
+    [
+        "f3f9a2b7c1d4e5f60718293a4b5c6d7e",  # a hex key pasted as the name
+        "Zm9vYmFyYmF6cXV4",  # base64 of a key: a valid name, but random-looking
+        "hunter2",
+    ],  # not an upper-case variable name: could be a password
+)
 def test_what_is_not_a_variable_name_stays_hidden(value: str) -> None:
     cfg = load_config({"hmac_key_env": value, "remote_url": "file:///kv"}, environ={})
     with pytest.raises(ConfigError) as err:
@@ -105,9 +118,9 @@ def test_errors_at_vllms_boundary_are_logged_once_each(caplog: pytest.LogCapture
     assert [r.name for r in errors] == ["kvtier", "kvtier"]
     assert [r.getMessage() for r in errors] == [str(e) for e in (err.value, *err.value.more)]
     assert errors[0].getMessage() == (
-        "kvtier config: unknown key 'cpu_byte': did you mean 'cpu_bytes'?")
+        "kvtier config: unknown key 'cpu_byte': did you mean 'cpu_bytes'?"
+    )
     with pytest.raises(ValueError):  # anything else passes through, unlogged
         with config_errors_logged():
             raise ValueError("not ours")
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 2
-

@@ -16,10 +16,15 @@ from kvtier.config import KEY_SETTINGS, KEYS, load_config
 from kvtier.errors import ConfigError
 
 EVERY_KEY_SETTING = (
-    "hmac_key_env", "hmac_key_file", "hmac_verify_keys_env", "hmac_verify_keys_file",
-    "encryption_key_env", "encryption_key_file",
-    "encryption_decrypt_keys_env", "encryption_decrypt_keys_file",
-)  # fmt: skip
+    "hmac_key_env",
+    "hmac_key_file",
+    "hmac_verify_keys_env",
+    "hmac_verify_keys_file",
+    "encryption_key_env",
+    "encryption_key_file",
+    "encryption_decrypt_keys_env",
+    "encryption_decrypt_keys_file",
+)
 
 
 def test_key_settings_are_every_key_and_secret_setting_of_the_config() -> None:
@@ -57,8 +62,16 @@ def test_left_out_it_is_off_and_set_it_is_read() -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["remote_url", "model_fingerprint", "s3_endpoint_url", "remote_ttl_s",
-            "file_max_bytes", "namespace", "warmup_bytes"],
+    "key",
+    [
+        "remote_url",
+        "model_fingerprint",
+        "s3_endpoint_url",
+        "remote_ttl_s",
+        "file_max_bytes",
+        "namespace",
+        "warmup_bytes",
+    ],
 )
 def test_null_elsewhere_is_the_default_as_documented(key: str) -> None:
     """Settings whose null is their documented default (no object tier, kvtier's own

@@ -28,18 +28,38 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixt
 
 
 def notes(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.INFO and r.name.startswith("kvtier")]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and r.name.startswith("kvtier")
+    ]
 
 
 @pytest.mark.parametrize(
     ("text", "n"),
-    [("8GiB", 8 * 2**30), ("8 GiB", 8 * 2**30), ("8gib", 8 * 2**30), ("8G", 8 * 2**30),
-     ("8 g", 8 * 2**30), ("8GB", 8 * 10**9), ("8 GB", 8 * 10**9), ("8gb", 8 * 10**9),
-     ("512MiB", 512 * 2**20), ("512MB", 512 * 10**6), ("4KiB", 4096), ("4kB", 4000),
-     ("4K", 4096), ("1TiB", 2**40), ("1TB", 10**12), ("1.5GiB", 3 * 2**29),
-     ("1.5GB", 15 * 10**8), ("1024", 1024), ("1024B", 1024), ("1024 b", 1024)],
-)  # fmt: skip
+    [
+        ("8GiB", 8 * 2**30),
+        ("8 GiB", 8 * 2**30),
+        ("8gib", 8 * 2**30),
+        ("8G", 8 * 2**30),
+        ("8 g", 8 * 2**30),
+        ("8GB", 8 * 10**9),
+        ("8 GB", 8 * 10**9),
+        ("8gb", 8 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("512MB", 512 * 10**6),
+        ("4KiB", 4096),
+        ("4kB", 4000),
+        ("4K", 4096),
+        ("1TiB", 2**40),
+        ("1TB", 10**12),
+        ("1.5GiB", 3 * 2**29),
+        ("1.5GB", 15 * 10**8),
+        ("1024", 1024),
+        ("1024B", 1024),
+        ("1024 b", 1024),
+    ],
+)
 def test_every_documented_form_parses_as_documented(text: str, n: int) -> None:
     assert parse_size("cpu_bytes", text) == n
 
@@ -74,27 +94,37 @@ def test_a_plain_byte_count_or_iec_unit_is_not_remarked_on(caplog, value: object
 
 
 def test_the_note_is_logged_once_and_covers_every_size_key(caplog) -> None:
-    extra = {"cpu_bytes": "8 GB", "cpu_headroom_bytes": "2GB", "remote_url": "file:///kv",
-             "file_max_bytes": "100 GB", "warmup_bytes": "4 GB"}  # fmt: skip
+    extra = {
+        "cpu_bytes": "8 GB",
+        "cpu_headroom_bytes": "2GB",
+        "remote_url": "file:///kv",
+        "file_max_bytes": "100 GB",
+        "warmup_bytes": "4 GB",
+    }
     for _ in range(3):
         load_config(extra, environ={})
     got = notes(caplog)
     assert len(got) == 4
     assert {line.split(" ")[1] for line in got} == {
-        "cpu_bytes", "cpu_headroom_bytes", "file_max_bytes", "warmup_bytes"}
+        "cpu_bytes",
+        "cpu_headroom_bytes",
+        "file_max_bytes",
+        "warmup_bytes",
+    }
 
 
 def test_an_environment_override_is_noted_too(caplog) -> None:
     load_config({}, environ={"KVTIER_CPU_BYTES": "8 GB"})
     assert notes(caplog) == [
-        "kvtier: cpu_bytes '8 GB' = 8,000,000,000 bytes (decimal; 8 GiB is 8,589,934,592)"]
+        "kvtier: cpu_bytes '8 GB' = 8,000,000,000 bytes (decimal; 8 GiB is 8,589,934,592)"
+    ]
 
 
 def test_the_docs_list_exactly_the_units_the_parser_takes() -> None:
     """docs/configuration.md's table of size units is the parser's: each unit with its
     multiplier, none missing, none extra."""
     text = DOCS.read_text()
-    section = text[text.index("### Sizes"):]
+    section = text[text.index("### Sizes") :]
     section = section[: section.index("\n## ")] if "\n## " in section else section
     documented: dict[str, int] = {}
     for units, factor in re.findall(r"((?:`\w+`(?:, )?)+) = ([\d,]+)", section):

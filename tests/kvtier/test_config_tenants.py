@@ -9,8 +9,13 @@ from kvtier.config import KEYS, load_config
 from kvtier.config_tenants import tenant_name_problem
 from kvtier.errors import ConfigError
 
-TENANT_KEYS = ("default_tenant", "pin_tenants", "tenant_quotas", "pin_max_fraction",
-               "tenant_metrics_max")  # fmt: skip
+TENANT_KEYS = (
+    "default_tenant",
+    "pin_tenants",
+    "tenant_quotas",
+    "pin_max_fraction",
+    "tenant_metrics_max",
+)
 
 
 def test_defaults_leave_tenants_off() -> None:
@@ -23,10 +28,15 @@ def test_defaults_leave_tenants_off() -> None:
 
 def test_values_as_json_and_as_environment_overrides() -> None:
     cfg = load_config(
-        {"tenant_quotas": {"team-a": "8GiB", "*": 2 * 2**30}, "pin_tenants": ["team-a", "*"],
-         "default_tenant": "web", "pin_max_fraction": 0.25, "tenant_metrics_max": 5},
+        {
+            "tenant_quotas": {"team-a": "8GiB", "*": 2 * 2**30},
+            "pin_tenants": ["team-a", "*"],
+            "default_tenant": "web",
+            "pin_max_fraction": 0.25,
+            "tenant_metrics_max": 5,
+        },
         environ={},
-    )  # fmt: skip
+    )
     assert cfg.tenant_quotas == (("*", 2 * 2**30), ("team-a", 8 * 2**30))
     assert cfg.pin_tenants == ("team-a", "*") and cfg.default_tenant == "web" and cfg.tenants
     env = {
@@ -68,9 +78,19 @@ def test_each_mistake_names_its_key_and_what_is_allowed(extra, key, says) -> Non
 
 @pytest.mark.parametrize(
     ("name", "ok"),
-    [("team-a", True), ("A.b_c-9", True), ("x" * 63, True), ("x" * 64, False), ("", False),
-     ("-a", False), ("a b", False), ("ä", False), ("other", False), ("a/b", False),
-     (None, False)],
-)  # fmt: skip
+    [
+        ("team-a", True),
+        ("A.b_c-9", True),
+        ("x" * 63, True),
+        ("x" * 64, False),
+        ("", False),
+        ("-a", False),
+        ("a b", False),
+        ("ä", False),
+        ("other", False),
+        ("a/b", False),
+        (None, False),
+    ],
+)
 def test_tenant_names(name, ok) -> None:
     assert (tenant_name_problem(name) is None) is ok

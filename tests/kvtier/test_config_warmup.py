@@ -19,8 +19,9 @@ def test_off_by_default_with_its_defaults() -> None:
 
 
 def test_set_it_is_read_from_the_dict_and_the_environment() -> None:
-    cfg = load_config({**URL, "warmup": True, "warmup_bytes": "1GiB",
-                       "warmup_timeout_s": "2.5"}, environ={})  # fmt: skip
+    cfg = load_config(
+        {**URL, "warmup": True, "warmup_bytes": "1GiB", "warmup_timeout_s": "2.5"}, environ={}
+    )
     assert (cfg.warmup, cfg.warmup_bytes, cfg.warmup_timeout_s) == (True, 2**30, 2.5)
     env = {"KVTIER_WARMUP": "true", "KVTIER_WARMUP_BYTES": "512MiB"}
     cfg = load_config(URL, environ=env)
@@ -35,17 +36,20 @@ def test_the_budget_is_warmup_bytes_within_the_host_tier_else_a_share() -> None:
     assert cfg.warmup_budget(2**29) == 2**29, "never more than the host tier"
 
 
-@pytest.mark.parametrize(("extra", "key"), [
-    ({"warmup": "sometimes"}, "warmup"),
-    ({"warmup": 2}, "warmup"),
-    ({"warmup_bytes": "lots"}, "warmup_bytes"),
-    ({"warmup_bytes": -1}, "warmup_bytes"),
-    ({"warmup_timeout_s": "nan"}, "warmup_timeout_s"),
-    ({"warmup_timeout_s": "inf"}, "warmup_timeout_s"),
-    ({"warmup_timeout_s": -1}, "warmup_timeout_s"),
-    ({"warmup_timeout_s": 10**400}, "warmup_timeout_s"),
-    ({"warmup_timeout_s": [1]}, "warmup_timeout_s"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"warmup": "sometimes"}, "warmup"),
+        ({"warmup": 2}, "warmup"),
+        ({"warmup_bytes": "lots"}, "warmup_bytes"),
+        ({"warmup_bytes": -1}, "warmup_bytes"),
+        ({"warmup_timeout_s": "nan"}, "warmup_timeout_s"),
+        ({"warmup_timeout_s": "inf"}, "warmup_timeout_s"),
+        ({"warmup_timeout_s": -1}, "warmup_timeout_s"),
+        ({"warmup_timeout_s": 10**400}, "warmup_timeout_s"),
+        ({"warmup_timeout_s": [1]}, "warmup_timeout_s"),
+    ],
+)
 def test_a_bad_value_names_its_key(extra: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_config({**URL, **extra}, environ={})

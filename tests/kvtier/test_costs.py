@@ -14,6 +14,9 @@ from kvtier.costs import (
     DEADLINE_SLACK_S,
     MAX_AGE_S,
     MIN_SAMPLES,
+    STALL_FACTOR,
+    STALL_FLOOR,
+    STALL_MIN_S,
     WINDOW,
     FetchTimes,
     PrefillCosts,
@@ -147,12 +150,14 @@ def chunks(n: int, nbytes: int, tokens: int = 256) -> list[tuple[int, int]]:
 
 def test_the_prior_loads_everything_until_both_sides_are_measured() -> None:
     slow = tier_of(1.0, 1 * MB)
-    price = price_load(chunks(8, 32 * MB), tier=slow, prefill=PrefillCosts(256), margin=1.0,
-                       now=0.0)
+    price = price_load(
+        chunks(8, 32 * MB), tier=slow, prefill=PrefillCosts(256), margin=1.0, now=0.0
+    )
     assert (price.load, price.deadline_s, price.declined_tokens) == (8, None, 0)
     # the prefill measured, the tier not: load it all, but no longer than its recompute
-    price = price_load(chunks(8, 32 * MB), tier=TierCosts(), prefill=prefill_of(1e-3),
-                       margin=1.0, now=0.0)
+    price = price_load(
+        chunks(8, 32 * MB), tier=TierCosts(), prefill=prefill_of(1e-3), margin=1.0, now=0.0
+    )
     assert price.load == 8
     assert price.deadline_s == pytest.approx(8 * 256 * 1e-3 + DEADLINE_SLACK_S)
 
@@ -169,6 +174,67 @@ def test_a_fast_tier_loads_all_a_slow_one_none() -> None:
     assert price.load == 8 and price.declined_tokens == 0
     assert price.predicted_s == pytest.approx(0.001 + 8 * 32 * 2**20 / (5_000 * MB))
     assert price.deadline_s == pytest.approx(0.1 + DEADLINE_SLACK_S)
+
+
+def test_a_measured_fast_tier_is_cut_at_twice_its_predicted_fetch_not_at_the_recompute() -> None:
+    # the 8B model's chunks from a local NVMe-class tier against a slower prefill: 0.055 s
+    # predicted against 0.5 s of recompute. A stall is cut at 0.11 s, not after 0.5 s.
+    n = chunks(8, 256 * 131_072)
+    local = tier_of(0.001, 5_000 * MB)
+    price = price_load(n, tier=local, prefill=prefill_of(0.5 / 2048), margin=1.0, now=0.0)
+    assert price.load == 8 and price.predicted_s is not None
+    assert price.deadline_s == pytest.approx(STALL_FACTOR * price.predicted_s + DEADLINE_SLACK_S)
+    assert price.deadline_s < 0.15
+    # a fetch predicted at a hair of the prefill is not cut before its floor: a tenth of
+    # the recompute, or 100 ms (busy engine steps must not turn a good read into a partial
+    # hit), whichever is longer; and never after the whole recompute
+    instant = tier_of(0.0, 1e6 * MB)
+    price = price_load(n, tier=instant, prefill=prefill_of(0.5 / 2048), margin=1.0, now=0.0)
+    assert price.deadline_s == pytest.approx(STALL_MIN_S + DEADLINE_SLACK_S)
+    price = price_load(n, tier=instant, prefill=prefill_of(4.0 / 2048), margin=1.0, now=0.0)
+    assert price.deadline_s == pytest.approx(STALL_FLOOR * 4.0 + DEADLINE_SLACK_S)
+    price = price_load(n, tier=instant, prefill=prefill_of(0.05 / 2048), margin=1.0, now=0.0)
+    assert price.deadline_s == pytest.approx(0.05 + DEADLINE_SLACK_S)
+
+
+def test_a_tier_whose_runs_land_at_once_is_cut_at_twice_the_time_they_took() -> None:
+    # every run reported at its first report: no throughput (the prior loads it whole);
+    # the time its runs took to land is what a stall is measured against
+    n = chunks(8, 4 * MB)
+    prompt_s = 2.0  # the 2,048 tokens' recompute
+    prefill = prefill_of(prompt_s / 2048)
+
+    def priced(took_s: float, runs: int = MIN_SAMPLES) -> float | None:
+        tier = TierCosts()
+        times = FetchTimes(tier)
+        for i in range(runs):
+            times.started([(10 * i, 4 * MB), (10 * i + 1, 4 * MB)], now=float(i))
+            times.settled(10 * i, True, now=i + took_s)
+            times.settled(10 * i + 1, True, now=i + took_s)
+        assert not tier.measured(10.0)
+        price = price_load(n, tier=tier, prefill=prefill, margin=1.0, now=10.0)
+        assert price.load == 8
+        return price.deadline_s
+
+    assert priced(0.05) == pytest.approx(STALL_FLOOR * prompt_s + DEADLINE_SLACK_S)
+    assert priced(0.3) == pytest.approx(STALL_FACTOR * 0.3 + DEADLINE_SLACK_S)
+    assert priced(0.3, runs=MIN_SAMPLES - 1) == pytest.approx(prompt_s + DEADLINE_SLACK_S)
+
+
+def test_a_run_of_misses_predicts_no_fetch() -> None:
+    # "absent" answers come fast and carry no bytes: they set the tier's latency, never
+    # the time a fetch of data takes (a slow tier would be cut at once, and each early
+    # cut would read as a fast tier: loaded and cut forever, never declined)
+    tier = TierCosts()
+    times = FetchTimes(tier)
+    for i in range(MIN_SAMPLES):
+        times.started([(i, 4 * MB)], now=float(i))
+        times.settled(i, False, now=i + 0.01)
+    assert tier.latency.value(10.0) is not None and tier.landed.value(10.0) is None
+    price = price_load(
+        chunks(8, 4 * MB), tier=tier, prefill=prefill_of(2.0 / 2048), margin=1.0, now=10.0
+    )
+    assert price.deadline_s == pytest.approx(2.0 + DEADLINE_SLACK_S)
 
 
 def test_the_margin_tips_a_break_even_tier_and_scales_the_deadline() -> None:
@@ -194,9 +260,7 @@ def test_the_latency_makes_the_shortest_prefix_the_dearest() -> None:
     """Each chunk pays off (0.1 s read, 0.2 s compute) but the first carries 0.5 s of
     latency: one chunk is not worth it, three are; a chunk held already costs no read."""
     tier, prefill = tier_of(0.5, 10 * MB), prefill_of(0.2 / 256)
-    assert price_load(chunks(1, 1 * MB), tier=tier, prefill=prefill, margin=1.0,
-                      now=0.0).load == 0
-    assert price_load(chunks(6, 1 * MB), tier=tier, prefill=prefill, margin=1.0,
-                      now=0.0).load == 6
+    assert price_load(chunks(1, 1 * MB), tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 0
+    assert price_load(chunks(6, 1 * MB), tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 6
     held = [(0, 256)] * 2 + chunks(1, 1 * MB)
     assert price_load(held, tier=tier, prefill=prefill, margin=1.0, now=0.0).load == 2

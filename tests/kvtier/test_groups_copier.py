@@ -58,8 +58,9 @@ def test_each_group_stores_and_loads_its_own_blocks(factory) -> None:
     out += c2.finish_loads()
     assert [(r.op_id, r.ok) for r in out] == [(2, True)]
     for name in ("a", "c"):  # the full layers' KV of blocks 0-3, nothing of b's or d's
-        assert torch.equal(blocks_of(dst[name], [4, 5, 6, 7], NB),
-                           blocks_of(src[name], [0, 1, 2, 3], NB))
+        assert torch.equal(
+            blocks_of(dst[name], [4, 5, 6, 7], NB), blocks_of(src[name], [0, 1, 2, 3], NB)
+        )
     for name in ("b", "d"):  # block 11 (the sliding chunk's last) -> 20
         assert torch.equal(blocks_of(dst[name], [20], NB), blocks_of(src[name], [11], NB))
     untouched = [b for b in range(NB) if b not in (4, 5, 6, 7, 20)]
@@ -73,14 +74,15 @@ def test_a_load_with_nothing_of_a_group_and_a_refused_part() -> None:
     slab = HostSlab(layout.slot_bytes, layout)
     c = make_copier([src[ll.name] for ll in layout.layers], layout, slab)
     assert isinstance(c, GroupsCopier)
-    out = c.begin_loads([
-        LoadOp(1, 0, 0, [4], more=((0, []),)),  # the sliding group's blocks all null
-        LoadOp(2, 0, 0, [], more=((0, []),)),  # nothing at all: done without a copy
-        LoadOp(3, 0, 0, [5], more=((1, [6, 7]),)),  # past the group's 2 blocks: refused
-        LoadOp(4, 0, 0, [5]),  # a plan for one group: refused, never half-copied
-    ])
-    assert sorted((r.op_id, r.ok) for r in out) == [(1, True), (2, True), (3, False),
-                                                    (4, False)]
+    out = c.begin_loads(
+        [
+            LoadOp(1, 0, 0, [4], more=((0, []),)),  # the sliding group's blocks all null
+            LoadOp(2, 0, 0, [], more=((0, []),)),  # nothing at all: done without a copy
+            LoadOp(3, 0, 0, [5], more=((1, [6, 7]),)),  # past the group's 2 blocks: refused
+            LoadOp(4, 0, 0, [5]),  # a plan for one group: refused, never half-copied
+        ]
+    )
+    assert sorted((r.op_id, r.ok) for r in out) == [(1, True), (2, True), (3, False), (4, False)]
 
 
 def test_each_groups_part_keeps_every_field_of_its_op() -> None:
@@ -103,13 +105,14 @@ def test_each_groups_part_keeps_every_field_of_its_op() -> None:
             super().begin_saves(jobs)
 
     c = GroupsCopier([src[ll.name] for ll in layout.layers], layout, slab, Recording)
-    c.begin_saves([StoreOp(1, 0, [0, 1, 2, 3], b"h" * 8, 9, more=([10, 11],),
-                           after_loads=(5,))])  # fmt: skip
+    c.begin_saves([StoreOp(1, 0, [0, 1, 2, 3], b"h" * 8, 9, more=([10, 11],), after_loads=(5,))])
     c.begin_loads([LoadOp(2, 0, 0, [4, 5, 6, 7], more=((1, [20]),), fetch_op=7)])
     stores = [j for j in seen if isinstance(j, StoreOp)]
     loads = [j for j in seen if isinstance(j, LoadOp)]
     assert len(stores) == 2 and len(loads) == 2
-    assert all((s.block_hash, s.upload_op_id, s.after_loads, s.more) == (b"h" * 8, 9, (5,), ())
-               for s in stores)  # fmt: skip
+    assert all(
+        (s.block_hash, s.upload_op_id, s.after_loads, s.more) == (b"h" * 8, 9, (5,), ())
+        for s in stores
+    )
     assert all(ld.fetch_op == 7 and ld.more == () for ld in loads)
     assert sorted(ld.first for ld in loads) == [0, 1]

@@ -104,16 +104,16 @@ def test_uploads_submitted_while_the_probe_is_out_are_written(tmp_path) -> None:
     once it succeeds. Failing them at submit (as ``writes_down`` did while a probe was
     out) lost 15 of 64 chunks right after a Redis restart in the outage test."""
     tier = _SlowBack(str(tmp_path))
-    rio = RemoteIO(tier, threads=4, queue_depth=64, timeout_s=5.0, signer=None,
-                   backoff=ConstantBackoff(0.05))  # fmt: skip
+    rio = RemoteIO(
+        tier, threads=4, queue_depth=64, timeout_s=5.0, signer=None, backoff=ConstantBackoff(0.05)
+    )
     rio.health.writes.failed()  # the outage: writes backed off, and then the backoff ends
     time.sleep(0.06)
     shape, n = [2, 8, 64], 2 * 8 * 64 * 2
     rio.submit_put(0, "probe", memoryview(bytearray(n)), dtype="bfloat16", shape=shape)
     assert tier.first_put.wait(5), "the probe never reached the tier"
     for i in range(1, 9):
-        assert rio.submit_put(i, f"k{i}", memoryview(bytearray(n)), dtype="bfloat16",
-                              shape=shape)  # fmt: skip
+        assert rio.submit_put(i, f"k{i}", memoryview(bytearray(n)), dtype="bfloat16", shape=shape)
     tier.release.set()
     got = _collect(rio, 9)
     assert {i: r.error_kind for i, r in got.items() if not r.ok} == {}
@@ -126,8 +126,9 @@ def test_uploads_submitted_while_backing_off_still_fail_fast(tmp_path) -> None:
     (counted unreachable) and never reaches the tier."""
     tier = _SlowBack(str(tmp_path))
     tier.release.set()
-    rio = RemoteIO(tier, threads=2, queue_depth=16, timeout_s=5.0, signer=None,
-                   backoff=ConstantBackoff(30.0))  # fmt: skip
+    rio = RemoteIO(
+        tier, threads=2, queue_depth=16, timeout_s=5.0, signer=None, backoff=ConstantBackoff(30.0)
+    )
     rio.health.writes.failed()
     rio.submit_put(0, "k", memoryview(bytearray(2048)), dtype="bfloat16", shape=[2, 8, 64])
     got = _collect(rio, 1)

@@ -193,8 +193,10 @@ def test_a_full_hot_list_reads_back_and_its_size() -> None:
     data = m.to_bytes()
     assert Manifest.from_bytes(data) == m
     assert 200_000 < len(data) - len(Manifest.of(NS, T0).to_bytes()) < 260_000
-    widest = {i.to_bytes(hotset.MAX_KEY_BYTES, "big"): hotset.MAX_HEAT - i - 0.123
-              for i in range(hotset.LIMIT)}  # fmt: skip
+    widest = {
+        i.to_bytes(hotset.MAX_KEY_BYTES, "big"): hotset.MAX_HEAT - i - 0.123
+        for i in range(hotset.LIMIT)
+    }
     assert len(Manifest.of(NS, T0, hot=top(widest, T0)).to_bytes()) < MAX_MANIFEST
 
 
@@ -206,11 +208,11 @@ def test_a_manifest_without_a_hot_list_reads_as_an_empty_one() -> None:
 
 def test_warmup_fetches_the_hottest_that_fit_hottest_first() -> None:
     hot = HotList(T0, tuple((k(i), 100.0 - i) for i in range(10)))
-    assert plan_warmup(hot, chunk_bytes=10, host_bytes=1000, warmup_bytes=35) == [
-        k(0), k(1), k(2)]
+    assert plan_warmup(hot, chunk_bytes=10, host_bytes=1000, warmup_bytes=35) == [k(0), k(1), k(2)]
     assert plan_warmup(hot, chunk_bytes=10, host_bytes=20, warmup_bytes=1000) == [k(0), k(1)]
-    assert plan_warmup(hot, chunk_bytes=10, host_bytes=1000, warmup_bytes=40,
-                       have={k(0), k(2)}) == [k(1), k(3), k(4), k(5)]  # fmt: skip
+    assert plan_warmup(
+        hot, chunk_bytes=10, host_bytes=1000, warmup_bytes=40, have={k(0), k(2)}
+    ) == [k(1), k(3), k(4), k(5)]
     assert plan_warmup(hot, chunk_bytes=10, host_bytes=1000, warmup_bytes=0) == []
     assert plan_warmup(HotList(), chunk_bytes=10, host_bytes=1000, warmup_bytes=100) == []
     with pytest.raises(ValueError):
@@ -225,8 +227,9 @@ def test_hits_kept_while_nothing_is_written_stay_bounded_and_add_up(tmp_path: Pa
     clock = [T0]
     trusted = [False]
     with FileTier(str(tmp_path)) as tier:
-        w = ManifestWriter(tier, None, lambda: NS, clock=lambda: clock[0],
-                           active=lambda: trusted[0])  # fmt: skip
+        w = ManifestWriter(
+            tier, None, lambda: NS, clock=lambda: clock[0], active=lambda: trusted[0]
+        )
         for i in range(3 * manifest._MAX_DELTAS):
             w.add_heat(HotList(T0, ((k(i % 5), 1.0),)))
             assert w.refresh() is None

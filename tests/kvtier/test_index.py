@@ -115,10 +115,14 @@ def test_a_store_supersedes_an_unreported_fetch_without_reusing_its_slot() -> No
     fetch's slot is freed only when that fetch is reported, and the key is the store's."""
     heard: list[tuple[str, str]] = []
     idx = ChunkIndex(3)
-    idx.listener = type("L", (), {
-        "chunk_ready": lambda self, e: heard.append(("ready", e.key)),
-        "chunk_dropped": lambda self, e: heard.append(("dropped", e.key)),
-    })()  # fmt: skip
+    idx.listener = type(
+        "L",
+        (),
+        {
+            "chunk_ready": lambda self, e: heard.append(("ready", e.key)),
+            "chunk_dropped": lambda self, e: heard.append(("dropped", e.key)),
+        },
+    )()
     fetch = idx.begin("a", State.FETCHING)
     assert fetch is not None
     assert idx.supersede("b") is None, "only a fetching chunk is superseded"

@@ -54,8 +54,9 @@ def test_lru_eviction_is_a_drop() -> None:
 
 def test_write_back_victim_drops_when_its_upload_is_done() -> None:
     began: list[str] = []
-    idx = ChunkIndex(1, write_back_needed=lambda e: True,
-                     begin_write_back=lambda e: began.append(e.key))
+    idx = ChunkIndex(
+        1, write_back_needed=lambda e: True, begin_write_back=lambda e: began.append(e.key)
+    )
     log = Log()
     idx.listener = log
     idx.begin("a", State.STORING)
@@ -82,8 +83,11 @@ def test_clear_drops_idle_chunks_now_and_the_rest_when_they_settle() -> None:
     idx.commit("storing", True)
     idx.commit("fetching", True)
     idx.unpin("pinned")
-    assert sorted(log.calls[1:]) == [("dropped", "fetching"), ("dropped", "pinned"),
-                                     ("dropped", "storing")]
+    assert sorted(log.calls[1:]) == [
+        ("dropped", "fetching"),
+        ("dropped", "pinned"),
+        ("dropped", "storing"),
+    ]
     assert len(idx) == 0 and idx.free_slots == 4
     idx.check()
 

@@ -28,8 +28,14 @@ LONG = 60.0  # a budget no test reaches
 
 
 def make_rio(tier: FileTier, signer: bytes = b"k") -> RemoteIO:
-    return RemoteIO(tier, threads=4, queue_depth=16, timeout_s=5.0,
-                    signer=codec.Signer(signer), backoff=ConstantBackoff(60))  # fmt: skip
+    return RemoteIO(
+        tier,
+        threads=4,
+        queue_depth=16,
+        timeout_s=5.0,
+        signer=codec.Signer(signer),
+        backoff=ConstantBackoff(60),
+    )
 
 
 def store(rio: RemoteIO, keys: list[str]) -> None:
@@ -41,9 +47,12 @@ def store(rio: RemoteIO, keys: list[str]) -> None:
 
 def read_run(rio: RemoteIO, keys: list[str], budget_s: float) -> list[memoryview]:
     dests = [memoryview(bytearray(PAYLOAD_SIZE)) for _ in keys]
-    rio.submit_get_run([(100 + i, k, d) for i, (k, d) in enumerate(zip(keys, dests, strict=True))],
-                       dtype=DT, shape=SHAPE,
-                       inline_until=time.monotonic() + budget_s)  # fmt: skip
+    rio.submit_get_run(
+        [(100 + i, k, d) for i, (k, d) in enumerate(zip(keys, dests, strict=True))],
+        dtype=DT,
+        shape=SHAPE,
+        inline_until=time.monotonic() + budget_s,
+    )
     return dests
 
 
@@ -51,8 +60,9 @@ def read_run(rio: RemoteIO, keys: list[str], budget_s: float) -> list[memoryview
 def reads(monkeypatch) -> list[tuple[str, str]]:
     """Every read of the tier: (key, the thread that made it)."""
     seen: list[tuple[str, str]] = []
-    before_reads(monkeypatch, FileTier,
-                 lambda key: seen.append((key, threading.current_thread().name)))  # fmt: skip
+    before_reads(
+        monkeypatch, FileTier, lambda key: seen.append((key, threading.current_thread().name))
+    )
     return seen
 
 
@@ -100,9 +110,7 @@ def test_the_submitting_thread_and_the_io_threads_share_a_run_each_chunk_read_on
     rio.close()
 
 
-def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
-    tmp_path, monkeypatch
-) -> None:
+def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(tmp_path, monkeypatch) -> None:
     """An I/O thread that took a chunk off the read queue may lose the CPU before it
     marks the read started; the submitter must still wait for that chunk (within its
     hold), not take the chunk for unstarted work of nobody's: every chunk is reported by
@@ -127,6 +135,41 @@ def test_a_chunk_an_io_thread_took_but_has_not_started_is_waited_for(
     read_run(rio, keys, LONG)
     res = {r.op_id: r for r in rio.poll()}  # no waiting
     assert paused, "no I/O thread took a chunk: nothing was tested"
+    assert sorted(res) == list(range(100, 108)) and all(r.ok for r in res.values()), res
+    rio.close()
+
+
+def test_a_chunk_an_io_thread_is_reporting_is_waited_for(tmp_path, monkeypatch) -> None:
+    """An I/O thread reporting a chunk may lose the CPU between marking it done and
+    publishing its result; a submitter that sees it done must find the result in the next
+    poll. Forced: each I/O thread pauses while it builds a result."""
+    import kvtier.objects.io_queue as io_queue
+
+    rio = make_rio(FileTier(str(tmp_path / "t")))
+    keys = [f"q{i}" for i in range(8)]
+    store(rio, keys)
+    real = io_queue.OpResult
+    paused: list[int] = []
+
+    def late_result(op_id, *args):
+        if threading.current_thread().name.startswith("kvtier-read"):
+            paused.append(op_id)
+            time.sleep(0.2)  # reporting, not yet published, while the submitter waits
+        return real(op_id, *args)
+
+    monkeypatch.setattr(io_queue, "OpResult", late_result)
+    # the submitting thread reads slowly, so the I/O threads take chunks of the run too
+    # (else, on a busy machine, it read all eight before they woke and nothing was tested)
+    me = threading.current_thread()
+
+    def slow_on_the_submitter(key: str) -> None:
+        if threading.current_thread() is me:
+            time.sleep(0.05)
+
+    before_reads(monkeypatch, FileTier, slow_on_the_submitter)
+    read_run(rio, keys, LONG)
+    res = {r.op_id: r for r in rio.poll()}  # no waiting
+    assert paused, "no I/O thread reported a chunk: nothing was tested"
     assert sorted(res) == list(range(100, 108)) and all(r.ok for r in res.values()), res
     rio.close()
 
@@ -233,15 +276,18 @@ MOUNTS = """\
 """
 
 
-@pytest.mark.parametrize(("path", "fstype", "local"), [
-    ("/var/kvtier", "ext4", True),
-    ("/mnt/shared/kvtier", "nfs4", False),
-    ("/mnt/shared", "nfs4", False),
-    ("/mnt/sharedx/kvtier", "ext4", True),  # a name that only starts like a mount point
-    ("/mnt/shared/scratch/kv", "tmpfs", True),  # the longest mount point wins
-    ("/mnt/my disk/kv", "xfs", True),  # the kernel's escapes
-    ("/mnt/s3/kv", "fuse.s3fs", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "fstype", "local"),
+    [
+        ("/var/kvtier", "ext4", True),
+        ("/mnt/shared/kvtier", "nfs4", False),
+        ("/mnt/shared", "nfs4", False),
+        ("/mnt/sharedx/kvtier", "ext4", True),  # a name that only starts like a mount point
+        ("/mnt/shared/scratch/kv", "tmpfs", True),  # the longest mount point wins
+        ("/mnt/my disk/kv", "xfs", True),  # the kernel's escapes
+        ("/mnt/s3/kv", "fuse.s3fs", False),
+    ],
+)
 def test_which_directories_are_local(path: str, fstype: str, local: bool) -> None:
     assert filesystem_type(path, MOUNTS) == fstype
     assert is_local(path, MOUNTS) is local
@@ -289,8 +335,7 @@ def test_an_inline_run_asks_the_kernel_for_its_files_up_to_its_first_gap(
 
     monkeypatch.setattr(FileTier, "_open_regular", opened)
     advised: list[tuple[int, int]] = []
-    monkeypatch.setattr("os.posix_fadvise",
-                        lambda fd, off, n, advice: advised.append((n, advice)))  # fmt: skip
+    monkeypatch.setattr("os.posix_fadvise", lambda fd, off, n, advice: advised.append((n, advice)))
     read_run(rio, ["w0", "w1", "w2", "w3"], LONG)
     res = {r.op_id: r for r in rio.poll()}
     assert [res[100 + i].ok for i in range(3)] == [True, True, False]
@@ -319,8 +364,9 @@ def test_a_run_whose_files_are_in_the_page_cache_is_not_hinted(tmp_path, monkeyp
     advised.clear()
     cold = {"w2"}
     real = FileTier._in_page_cache
-    monkeypatch.setattr(FileTier, "_in_page_cache",
-                        lambda self, key: key not in cold and real(self, key))  # fmt: skip
+    monkeypatch.setattr(
+        FileTier, "_in_page_cache", lambda self, key: key not in cold and real(self, key)
+    )
     tier.will_read(["w0", "w1", "w2"])
     assert advised == [os.POSIX_FADV_WILLNEED] * 3
     rio.close()

@@ -19,8 +19,13 @@ from kvtier.keys import (
 )
 
 NS = Namespace(
-    model="/models/llama", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-    block_size=32, chunk_size=256, tp_size=1,
+    model="/models/llama",
+    revision=None,
+    dtype="bfloat16",
+    kv_cache_dtype="auto",
+    block_size=32,
+    chunk_size=256,
+    tp_size=1,
 )
 HASHES = [bytes([i]) * 32 for i in range(24)]
 
@@ -57,17 +62,27 @@ def test_chunk_uses_its_last_block_hash() -> None:
     assert chunk_block_hashes(HASHES[:23], 8, 2) == []
     for n in range(len(HASHES) + 1):
         for first in range(4):
-            assert chunk_block_hashes(HASHES[:n], 8, first) == [
-                HASHES[(i + 1) * 8 - 1] for i in range(n // 8)][first:]
+            assert (
+                chunk_block_hashes(HASHES[:n], 8, first)
+                == [HASHES[(i + 1) * 8 - 1] for i in range(n // 8)][first:]
+            )
 
 
 def test_any_namespace_field_changes_the_key() -> None:
     base = chunk_key(NS.digest(), HASHES[7])
     changes = {
-        "model": "/models/other", "revision": "abc", "dtype": "float16",
-        "kv_cache_dtype": "fp8", "block_size": 16, "chunk_size": 512, "tp_size": 2,
-        "namespace": "tenant-a", "layout_version": LAYOUT_VERSION + 1, "pp_size": 2,
-        "fingerprint": "weights-b", "layers": "layers-11-22",
+        "model": "/models/other",
+        "revision": "abc",
+        "dtype": "float16",
+        "kv_cache_dtype": "fp8",
+        "block_size": 16,
+        "chunk_size": 512,
+        "tp_size": 2,
+        "namespace": "tenant-a",
+        "layout_version": LAYOUT_VERSION + 1,
+        "pp_size": 2,
+        "fingerprint": "weights-b",
+        "layers": "layers-11-22",
     }
     # a field added to Namespace but left out of its digest would let two layouts share
     # keys; replicated_kv is left out on purpose (it picks whose keys, see below), and

@@ -30,8 +30,9 @@ def _fields(gen: str = "0123456789abcdef") -> dict[str, Any]:
 
 def _forge(tier: FileTier, gen: str, payload: bytes) -> None:
     key = manifest_key(gen)
-    tier.put(key, codec.encode(key, payload, dtype=MANIFEST_DTYPE, shape=[len(payload)],
-                               signer=None))  # fmt: skip
+    tier.put(
+        key, codec.encode(key, payload, dtype=MANIFEST_DTYPE, shape=[len(payload)], signer=None)
+    )
 
 
 def _json_with(**raw: str) -> bytes:
@@ -115,13 +116,19 @@ def test_the_refresh_thread_outlives_any_exception(
     manifest went stale while it lived. Now each new kind of failure is logged once and
     the next refresh tries again."""
     caplog.set_level(logging.WARNING, logger="kvtier.manifest")
-    boom = [RecursionError("deep"), ValueError("odd"), ValueError("odd"), ValueError("odd"),
-            TierUnavailable("down")]  # fmt: skip
+    boom = [
+        RecursionError("deep"),
+        ValueError("odd"),
+        ValueError("odd"),
+        ValueError("odd"),
+        TierUnavailable("down"),
+    ]
     tier = _Flaky(str(tmp_path), [])
     _forge(tier, NS.generation(), DEEP)
     tier.errors = boom
     writer = ManifestWriter(tier, None, lambda: NS, interval_s=0.02).start()
     try:
+
         def stored() -> Manifest | None:
             try:
                 return manifest.read_manifest(tier, NS.generation(), None)
@@ -134,11 +141,16 @@ def test_the_refresh_thread_outlives_any_exception(
             time.sleep(0.02)
         assert writer._thread.is_alive()
         assert m.id == NS.generation()
-        odd = [r for r in caplog.records if "odd" in r.getMessage() or
-               (r.exc_info and "odd" in str(r.exc_info[1]))]  # fmt: skip
+        odd = [
+            r
+            for r in caplog.records
+            if "odd" in r.getMessage() or (r.exc_info and "odd" in str(r.exc_info[1]))
+        ]
         assert len(odd) == 1, "logged once"
-        assert any("deep" in r.getMessage() or (r.exc_info and "deep" in str(r.exc_info[1]))
-                   for r in caplog.records)  # fmt: skip
+        assert any(
+            "deep" in r.getMessage() or (r.exc_info and "deep" in str(r.exc_info[1]))
+            for r in caplog.records
+        )
     finally:
         writer.close()
         tier.close()

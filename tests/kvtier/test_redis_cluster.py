@@ -61,8 +61,15 @@ def tier(cluster: RedisCluster) -> Iterator[RedisClusterTier]:
 
 def prompt_keys(n: int) -> list[str]:
     """A prompt's object keys as a worker makes them (KeySpace: namespace digest + hash)."""
-    ns = Namespace(model="m", revision=None, dtype="bfloat16", kv_cache_dtype="auto",
-                   block_size=16, chunk_size=256, tp_size=1)  # fmt: skip
+    ns = Namespace(
+        model="m",
+        revision=None,
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        block_size=16,
+        chunk_size=256,
+        tp_size=1,
+    )
     space = KeySpace.worker(ns, 0, 0)
     return [space.key(os.urandom(16)) for _ in range(n)]
 
@@ -257,16 +264,21 @@ def test_read_into_hashed_on_every_node(cluster: RedisCluster, tier: RedisCluste
     for key, value in zip(keys, values, strict=True):
         slot = memoryview(bytearray(n))
         found: list[bytes] = []  # the slot as it was when the node's reply began
-        got = tier.read_into_hashed(key, slot, MAX_FRAME,
-                                    found=functools.partial(snapshot, found, slot))  # fmt: skip
+        got = tier.read_into_hashed(
+            key, slot, MAX_FRAME, found=functools.partial(snapshot, found, slot)
+        )
         assert got is not None
         head, crc = got
         assert bytes(slot) == value and crc == zlib.crc32(value)
         assert found == [bytes(n)]  # once, before a byte of the payload landed
         codec.verify(head, slot, key=key, dtype="uint8", shape=[n], payload_crc=crc)
     missing: list[bytes] = []
-    assert tier.read_into_hashed("absent", memoryview(bytearray(n)), MAX_FRAME,
-                                 found=lambda: missing.append(b"")) is None  # fmt: skip
+    assert (
+        tier.read_into_hashed(
+            "absent", memoryview(bytearray(n)), MAX_FRAME, found=lambda: missing.append(b"")
+        )
+        is None
+    )
     assert missing == []
 
 
@@ -290,8 +302,14 @@ def test_primary_killed_mid_run() -> None:
     try:
         c.start()
         tier = RedisClusterTier(c.url, lookup_timeout_ms=1000)
-        rio = RemoteIO(tier, threads=4, queue_depth=256, timeout_s=5.0, signer=None,
-                       backoff=ConstantBackoff(5.0))  # fmt: skip
+        rio = RemoteIO(
+            tier,
+            threads=4,
+            queue_depth=256,
+            timeout_s=5.0,
+            signer=None,
+            backoff=ConstantBackoff(5.0),
+        )
         keys = prompt_keys(30)
         for i, key in enumerate(keys):
             assert rio.submit_put(i, key, payload(i), dtype=DT, shape=SHAPE)
@@ -305,8 +323,9 @@ def test_primary_killed_mid_run() -> None:
 
         def fetch_all(base: int) -> dict[str, OpResult]:
             for i, key in enumerate(keys):  # one chunk per run: each is its own lookup
-                rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
-                                    dtype=DT, shape=SHAPE)  # fmt: skip
+                rio.submit_get_into(
+                    base + i, key, memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE
+                )
             got = {r.op_id: r for r in collect(rio, len(keys))}
             return {key: got[base + i] for i, key in enumerate(keys)}
 
@@ -357,8 +376,14 @@ def test_codec_frames_round_trip_through_remoteio(cluster: RedisCluster) -> None
     for port in cluster.primary_ports():
         redis.Redis(port=port).flushall()
     tier = RedisClusterTier(cluster.url)
-    rio = RemoteIO(tier, threads=2, queue_depth=16, timeout_s=5.0,
-                   signer=codec.Signer(b"k"), backoff=ConstantBackoff(0.2))  # fmt: skip
+    rio = RemoteIO(
+        tier,
+        threads=2,
+        queue_depth=16,
+        timeout_s=5.0,
+        signer=codec.Signer(b"k"),
+        backoff=ConstantBackoff(0.2),
+    )
     keys = prompt_keys(6)
     for i, key in enumerate(keys):
         rio.submit_put(i, key, payload(i), dtype=DT, shape=SHAPE)

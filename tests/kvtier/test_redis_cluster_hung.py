@@ -83,8 +83,9 @@ class Hung:
             node_command(port, "FLUSHALL")
         self.cluster = cluster
         self.tier = RedisClusterTier(cluster.url, lookup_timeout_ms=DEADLINE_MS)
-        self.rio = RemoteIO(self.tier, threads=6, queue_depth=256,
-                            timeout_s=DEADLINE_MS / 1000, signer=None)  # fmt: skip
+        self.rio = RemoteIO(
+            self.tier, threads=6, queue_depth=256, timeout_s=DEADLINE_MS / 1000, signer=None
+        )
         assert self.rio.read_threads == 3
         self.keys = prompt_keys(60)
         for i, key in enumerate(self.keys):
@@ -109,8 +110,9 @@ class Hung:
         """One lookup per key (each its own run), all submitted at once."""
         base, self.base = self.base, self.base + len(keys)
         for i, key in enumerate(keys):
-            self.rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
-                                     dtype=DT, shape=SHAPE)  # fmt: skip
+            self.rio.submit_get_into(
+                base + i, key, memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE
+            )
         got = collect(self.rio, len(keys))
         return {key: got[base + i] for i, key in enumerate(keys)}
 
@@ -228,8 +230,7 @@ def test_a_hung_primary_failed_over_is_found_by_the_next_probe() -> None:
     try:
         c.start()
         tier = RedisClusterTier(c.url, lookup_timeout_ms=DEADLINE_MS)
-        rio = RemoteIO(tier, threads=4, queue_depth=256, timeout_s=DEADLINE_MS / 1000,
-                       signer=None)  # fmt: skip
+        rio = RemoteIO(tier, threads=4, queue_depth=256, timeout_s=DEADLINE_MS / 1000, signer=None)
         keys = prompt_keys(24)
         for i, key in enumerate(keys):
             assert rio.submit_put(i, key, payload(i), dtype=DT, shape=SHAPE)
@@ -241,8 +242,7 @@ def test_a_hung_primary_failed_over_is_found_by_the_next_probe() -> None:
         base = 100
         first = {}
         for i, key in enumerate(keys):
-            rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
-                                dtype=DT, shape=SHAPE)  # fmt: skip
+            rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
         first = collect(rio, len(keys))
         assert any(r.error_kind == "node" for r in first.values())
         deadline = time.monotonic() + 30
@@ -252,8 +252,9 @@ def test_a_hung_primary_failed_over_is_found_by_the_next_probe() -> None:
         while True:  # each round: the node's probe (and its refresh), then every key
             base += 100
             for i, key in enumerate(keys):
-                rio.submit_get_into(base + i, key, memoryview(bytearray(SIZE)),
-                                    dtype=DT, shape=SHAPE)  # fmt: skip
+                rio.submit_get_into(
+                    base + i, key, memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE
+                )
             res = collect(rio, len(keys))
             if all(r.ok for r in res.values()) or time.monotonic() > deadline:
                 break

@@ -137,8 +137,9 @@ def test_remoteio_sends_one_probe_after_its_backoff() -> None:
     threads, one reaches the tier; the rest fail fast as ``unreachable``."""
     tier = _Down()
     tier.release.set()
-    rio = RemoteIO(tier, threads=8, queue_depth=64, timeout_s=5.0, signer=None,
-                   backoff=ConstantBackoff(0.05))  # fmt: skip
+    rio = RemoteIO(
+        tier, threads=8, queue_depth=64, timeout_s=5.0, signer=None, backoff=ConstantBackoff(0.05)
+    )
     rio.submit_get_into(0, "k", memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
     assert collect(rio, 1)[0].error_kind == "unreachable"
     assert tier.calls == 1
@@ -180,8 +181,9 @@ def test_a_late_single_node_ends_its_read_at_the_deadline(redis_server, services
     late = RedisTier(f"redis://127.0.0.1:{proxy.port}/0", lookup_timeout_ms=1000)
     assert late.exists(["late"]) == [True]  # a pooled connection, before the delay
     proxy.latency_s = 1.5  # each way: the reply would come after 3 s
-    rio = RemoteIO(late, threads=2, queue_depth=16, timeout_s=1.0, signer=None,
-                   backoff=ConstantBackoff(0.05))  # fmt: skip
+    rio = RemoteIO(
+        late, threads=2, queue_depth=16, timeout_s=1.0, signer=None, backoff=ConstantBackoff(0.05)
+    )
     rio.submit_get_into(1, "late", memoryview(bytearray(SIZE)), dtype=DT, shape=SHAPE)
     got = collect(rio, 1)[1]
     assert not got.ok and got.error_kind == "unreachable"

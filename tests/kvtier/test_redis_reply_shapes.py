@@ -147,12 +147,16 @@ def test_command_names() -> None:
         ({"STRLEN": _bulks(1024, SLOT - 16)}, "STRLEN replied with an array"),
         ({"STRLEN": _nested(200_000)}, "STRLEN replied with an array"),
         # GETRANGE as an array of slot-sized strings, or nested arrays
-        ({"STRLEN": _send(b":100\r\n"), "GETRANGE": _bulks(1024, SLOT - 16)},
-         "GETRANGE replied with an array"),
-        ({"STRLEN": _send(b":100\r\n"), "GETRANGE": _nested(1_000_000)},
-         "GETRANGE replied with an array"),
+        (
+            {"STRLEN": _send(b":100\r\n"), "GETRANGE": _bulks(1024, SLOT - 16)},
+            "GETRANGE replied with an array",
+        ),
+        (
+            {"STRLEN": _send(b":100\r\n"), "GETRANGE": _nested(1_000_000)},
+            "GETRANGE replied with an array",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_reply_of_a_type_its_command_never_gives_is_refused_unread(
     node: Callable[[dict[str, Reply]], FakeNode], replies: dict[str, Reply], match: str
 ) -> None:
@@ -172,8 +176,7 @@ def test_replies_to_every_command_kvtier_sends_are_typed(
     node: Callable[[dict[str, Reply]], FakeNode],
 ) -> None:
     """EXISTS and DEL answer integers, SET a status: arrays (of anything) are refused."""
-    server = node({"EXISTS": _bulks(1024, 60_000), "DEL": _nested(100_000),
-                   "SET": _bulks(2, 10)})  # fmt: skip
+    server = node({"EXISTS": _bulks(1024, 60_000), "DEL": _nested(100_000), "SET": _bulks(2, 10)})
     tier = RedisTier(f"redis://127.0.0.1:{server.port}/0")
     peak = _peak(lambda: tier.exists(["a"]), ObjectError, "EXISTS replied with an array")
     peak = max(peak, _peak(lambda: tier.delete(["a"]), ObjectError, "DEL replied with an array"))

@@ -82,6 +82,23 @@ def test_round_trip(any_tier: ObjectTier) -> None:
     rio.close()
 
 
+def test_a_fetchs_report_wakes_a_caller_waiting_for_one(tmp_path, monkeypatch) -> None:
+    """wait_for_fetch returns as a fetch reports (not after its timeout), and False when
+    nothing reports within it."""
+    rio = make_rio(FileTier(str(tmp_path / "objects")))
+    assert rio.wait_for_fetch(0.05) is False
+    dest = memoryview(bytearray(SIZE))
+    gate = threading.Event()
+    before_reads(monkeypatch, rio.tier, lambda key: gate.wait(5))
+    rio.submit_get_into(1, "absent", dest, dtype=DT, shape=SHAPE)
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    assert rio.wait_for_fetch(30.0) is True
+    assert time.monotonic() - t0 < 10, "woken by the report, not the timeout"
+    assert [r.op_id for r in rio.poll()] == [1]
+    rio.close()
+
+
 def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, services) -> None:
     redis_server.start()
     proxy = services.proxy((redis_server.host, redis_server.port))
@@ -202,8 +219,9 @@ def test_rate_limited_warning_counts_suppressed(services, caplog) -> None:
 
 
 @pytest.mark.parametrize("backend", ["redis", "s3"])
-def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env: S3Server,
-                                     services) -> None:  # fmt: skip
+def test_latency_never_blocks_submit(
+    backend, redis_server: RedisServer, s3_env: S3Server, services
+) -> None:
     if backend == "redis":
         redis_server.start()
         proxy = services.proxy((redis_server.host, redis_server.port))
@@ -229,9 +247,7 @@ def test_latency_never_blocks_submit(backend, redis_server: RedisServer, s3_env:
     rio.close()
 
 
-def test_slow_get_owns_its_slot_until_its_read_is_over(
-    redis_server: RedisServer, services
-) -> None:
+def test_slow_get_owns_its_slot_until_its_read_is_over(redis_server: RedisServer, services) -> None:
     """Reads land straight in the slot, so a get that has begun reading is reported only
     when the read is over (a slot freed at the deadline could be reused under a late
     write); a get still queued at its deadline times out at once."""
@@ -311,7 +327,11 @@ def test_corrupt_objects_are_reported_never_loaded(backend, request) -> None:
     signed.close()
     c = rio.counters()
     assert {k: c["errors_" + k] for k in ("checksum", "truncated", "wrong_key", "signature")} == {
-        "checksum": 1, "truncated": 2, "wrong_key": 1, "signature": 0}  # fmt: skip
+        "checksum": 1,
+        "truncated": 2,
+        "wrong_key": 1,
+        "signature": 0,
+    }
     assert c["errors_malformed"] == 1
     assert not rio.is_down  # bad data is not an outage
     rio.close()
@@ -435,8 +455,9 @@ def _run(rio: RemoteIO, first_id: int, keys: list[str]) -> list[memoryview]:
     dests = [memoryview(bytearray(SIZE)) for _ in keys]
     rio.submit_get_run(
         [(first_id + i, k, d) for i, (k, d) in enumerate(zip(keys, dests, strict=True))],
-        dtype=DT, shape=SHAPE,
-    )  # fmt: skip
+        dtype=DT,
+        shape=SHAPE,
+    )
     return dests
 
 

@@ -134,8 +134,9 @@ def test_a_hung_tier_costs_one_timeout_per_lookup_until_down_then_nothing() -> N
     tier = FakeTier()
     tier.hold_all = threading.Event()
     timeout = 0.1
-    rio = make_rio(tier, threads=4, timeout_s=timeout,
-                   backoff=ExponentialBackoff(base=0.02, cap=60.0))  # fmt: skip
+    rio = make_rio(
+        tier, threads=4, timeout_s=timeout, backoff=ExponentialBackoff(base=0.02, cap=60.0)
+    )
     threads_before = threading.active_count()
     waited: list[float] = []
     slots_out = 0  # slots not given back (their fetch not reported)
@@ -259,7 +260,11 @@ def test_a_flush_with_everything_written_reports_nothing_missing(n: int, caplog)
     report = rio.last_flush
     assert report is not None and report.pending <= n
     assert (report.written, report.failed, report.queued, report.writing) == (
-        report.pending, {}, 0, 0)
+        report.pending,
+        {},
+        0,
+        0,
+    )
     assert "not written" not in caplog.text
     assert {r.kind for r in collect(rio, n).values()} <= {OpKind.UPLOAD}
     rio.close()

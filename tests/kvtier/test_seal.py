@@ -143,12 +143,21 @@ def test_from_config_env_file_and_rotation(tmp_path) -> None:
         ({"encryption_key_env": VAR}, {VAR: HEX[:32]}, "encryption_key_env"),  # 128 bits
         ({"encryption_key_file": "/nonexistent/kvtier-key"}, {}, "encryption_key_file"),
         ({"encryption_key_file": "EMPTY"}, {}, "encryption_key_file"),
-        ({"encryption_key_env": VAR, "encryption_decrypt_keys_env": "OLD"}, {VAR: HEX},
-         "encryption_decrypt_keys_env"),  # fmt: skip
-        ({"encryption_key_env": VAR, "encryption_decrypt_keys_env": "OLD"},
-         {VAR: HEX, "OLD": f"{OTHER.hex()},nope"}, "encryption_decrypt_keys_env"),  # fmt: skip
-        ({"encryption_decrypt_keys_env": "OLD"}, {"OLD": OTHER.hex()},
-         "encryption_decrypt_keys_env"),  # fmt: skip
+        (
+            {"encryption_key_env": VAR, "encryption_decrypt_keys_env": "OLD"},
+            {VAR: HEX},
+            "encryption_decrypt_keys_env",
+        ),
+        (
+            {"encryption_key_env": VAR, "encryption_decrypt_keys_env": "OLD"},
+            {VAR: HEX, "OLD": f"{OTHER.hex()},nope"},
+            "encryption_decrypt_keys_env",
+        ),
+        (
+            {"encryption_decrypt_keys_env": "OLD"},
+            {"OLD": OTHER.hex()},
+            "encryption_decrypt_keys_env",
+        ),
     ],
 )
 def test_a_configured_key_that_is_missing_empty_or_bad_stops_startup(
@@ -174,8 +183,9 @@ def test_env_and_file_together_is_a_config_error() -> None:
 def test_keys_never_shown(caplog, tmp_path) -> None:
     """Not in repr, the redacted config (what kvtier logs and doctor prints), or errors, even
     when the key itself is pasted where the variable's name belongs."""
-    cfg = load_config({"encryption_key_env": "a" + HEX[1:], "remote_url": f"file://{tmp_path}"},
-                      environ={})  # fmt: skip
+    cfg = load_config(
+        {"encryption_key_env": "a" + HEX[1:], "remote_url": f"file://{tmp_path}"}, environ={}
+    )
     shown = [repr(cfg), str(cfg.redacted())]
     with pytest.raises(ConfigError) as err:
         codec.Signer.from_config(cfg, {})

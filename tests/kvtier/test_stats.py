@@ -56,8 +56,11 @@ def _totals_written(source: str) -> tuple[set[str], set[str]]:
     names: set[str] = set()
     prefixes: set[str] = set()
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "totals"):
+        if not (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "totals"
+        ):
             continue
         key = node.slice
         if isinstance(key, ast.Constant) and isinstance(key.value, str):
@@ -72,8 +75,9 @@ def test_the_scheduler_declares_every_total_it_writes() -> None:
     unit tests would hit only on that path): the literal names in their source, each
     family an f-string builds over every value it can take, the settled ops, and the
     counters' own names resolve to metrics that exist."""
-    from kvtier.connectors import ledger, lookup, plans, requests, scheduler
-    from kvtier.connectors.scheduler import SCHEDULER_TOTALS
+    from kvtier.connectors.scheduler import ledger, lookup, plans, requests
+    from kvtier.connectors.scheduler import side as scheduler
+    from kvtier.connectors.scheduler.side import SCHEDULER_TOTALS
 
     declared = set(SCHEDULER_TOTALS)
     names: set[str] = set()
@@ -110,3 +114,12 @@ def test_observe_many_records_every_sample_of_its_series() -> None:
     }
     with pytest.raises(ValueError, match="takes labels"):
         rec.observe_many(metrics.LOOKUP_DELAY, [1.0], ())
+
+
+@pytest.mark.parametrize("spec", metrics.ALL, ids=lambda s: s.name)
+def test_every_label_of_every_metric_has_its_values(spec: metrics.MetricSpec) -> None:
+    """vLLM's metrics are built up front from these (connectors/stats.py): a label with no
+    declared values stopped every engine at its start."""
+    for label in spec.labels:
+        values = metrics.label_values(spec, label)
+        assert values and all(isinstance(v, str) for v in values), (spec.name, label)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from faketier import FakeTier
 from local_cluster import RedisCluster
 from store_kit import NS, NS_B, Engine, SeaweedS3, fetch, file_objects, hits, write_engine
 
@@ -31,6 +32,7 @@ from kvtier.objects.manifest import (
 )
 from kvtier.objects.store_admin import UNKNOWN, StoreError, parse_object_key
 from kvtier.objects.tiers import ObjectTier, open_tier
+from kvtier.objects.tiers.base import StoredObject
 
 pytestmark = pytest.mark.integration
 
@@ -87,8 +89,9 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
     if kind == "file":
         root = tmp_path / "kv"
         root.mkdir()
-        return Backend(kind, {"remote_url": f"file://{root}"}, lambda: file_objects(root),
-                       coarse=False)  # fmt: skip
+        return Backend(
+            kind, {"remote_url": f"file://{root}"}, lambda: file_objects(root), coarse=False
+        )
     if kind in ("s3", "seaweedfs"):
         if kind == "s3":
             bucket = request.getfixturevalue("s3_bucket")
@@ -103,11 +106,15 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
             pages = client.get_paginator("list_objects_v2").paginate(
                 Bucket=bucket.name, Prefix=bucket.prefix + "/"
             )
-            return {o["Key"].removeprefix(bucket.prefix + "/"): o["Size"]
-                    for p in pages for o in p.get("Contents", ())}  # fmt: skip
+            return {
+                o["Key"].removeprefix(bucket.prefix + "/"): o["Size"]
+                for p in pages
+                for o in p.get("Contents", ())
+            }
 
-        return Backend("s3", {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url},
-                       listed)  # fmt: skip
+        return Backend(
+            "s3", {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url}, listed
+        )
     if kind == "redis":
         url = request.getfixturevalue("redis_url")
         return Backend(kind, {"remote_url": url}, _redis_objects([redis.Redis.from_url(url)]))
@@ -156,8 +163,13 @@ def test_every_key_of_an_engine_names_one_generation_across_ranks_and_stages() -
     assert dataclasses.replace(pp, layers="other").generation() == pp.generation()
     assert KeySpace(NS.digest(ANY_RANK, ANY_RANK), gen).key(h).startswith(f"gen-{gen}/")
     # what makes old chunks useless starts another one
-    for change in ({"fingerprint": "c" * 32}, {"namespace": "tenant-2"}, {"dtype": "float16"},
-                   {"tp_size": 2}, {"layout_version": NS.layout_version + 1}):  # fmt: skip
+    for change in (
+        {"fingerprint": "c" * 32},
+        {"namespace": "tenant-2"},
+        {"dtype": "float16"},
+        {"tp_size": 2},
+        {"layout_version": NS.layout_version + 1},
+    ):
         assert dataclasses.replace(NS, **change).generation() != gen, change
     assert NS.after_weight_change(b"salt").generation() != gen
     named = dataclasses.replace(NS, label="served-name")  # what the manifest shows, only
@@ -235,8 +247,16 @@ def test_usage_shows_each_generation_as_the_backend_holds_it(backend: Backend) -
     assert list(rows) == [b.generation, a.generation], "the most recently seen first"
     for eng, model in ((a, "org/tiny-a"), (b, "org/tiny-b")):
         row = rows[eng.generation]
-        assert set(row) == {"id", "model", "namespace", "bytes", "chunks", "first_seen",
-                            "last_seen", "hot_chunks"}  # fmt: skip
+        assert set(row) == {
+            "id",
+            "model",
+            "namespace",
+            "bytes",
+            "chunks",
+            "first_seen",
+            "last_seen",
+            "hot_chunks",
+        }
         assert row["hot_chunks"] == 0, "no engine counted a hit"
         assert row["model"] == model and row["namespace"] == ""
         assert row["chunks"] == 8 and row["bytes"] == _gen_bytes(held, eng.generation)
@@ -309,7 +329,7 @@ def test_gc_max_bytes_deletes_the_least_recently_used_first(one_node: Backend) -
     budget = total // 2
     tier = b.tier()
     try:
-        listed = {o.key: o.used for o in store_admin.lister_for(tier).objects()}
+        listed = {o.key: o.used for o in tier.list_objects()}
         plan = store_admin.gc(tier, None, dead_after_s=7 * DAY, max_bytes=budget)
     finally:
         tier.close()
@@ -317,8 +337,9 @@ def test_gc_max_bytes_deletes_the_least_recently_used_first(one_node: Backend) -
     assert sum(left.values()) <= budget < sum(left.values()) + 2 * max(left.values())
     deleted = {o.key for d in plan.deleted for o in d.objects}
     assert deleted == set(listed) - set(left) and manifest_key(eng.generation) in left
-    assert max(listed[k] for k in deleted) <= min(listed[k] for k in left
-                                                 if k in eng.keys), "not LRU first"  # fmt: skip
+    assert max(listed[k] for k in deleted) <= min(listed[k] for k in left if k in eng.keys), (
+        "not LRU first"
+    )
     if b.kind == "s3":  # S3 records writes only: the first prompt written is the oldest
         mru, lru = eng.prompts[3], eng.prompts[0]
     else:
@@ -346,8 +367,12 @@ def test_gc_beside_a_reading_engine_is_a_miss_never_a_failure(one_node: Backend)
     try:
         time.sleep(0.2)
         tiers = [one_node.tier(), one_node.tier()]
-        runs = [threading.Thread(target=store_admin.gc, args=(t, None),
-                                 kwargs={"dead_after_s": 7 * DAY}) for t in tiers]  # fmt: skip
+        runs = [
+            threading.Thread(
+                target=store_admin.gc, args=(t, None), kwargs={"dead_after_s": 7 * DAY}
+            )
+            for t in tiers
+        ]
         for r in runs:  # two gc runs at once
             r.start()
         for r in runs:
@@ -380,14 +405,19 @@ def test_verify_finds_corrupt_truncated_moved_and_foreign_chunks(one_node: Backe
         tier.put(k[0], [bytes(blob)])  # a bit flip on the disk
         tier.put(k[1], [(tier.get(k[1]) or b"")[:-100]])  # a torn write
         tier.put(k[3], [tier.get(k[2]) or b""])  # one chunk copied over another's name
-        parts = codec.encode(k[4], bytes(2048), dtype="bfloat16", shape=[2, 8, 64],
-                             signer=codec.Signer(b"z" * 32))  # fmt: skip
+        parts = codec.encode(
+            k[4], bytes(2048), dtype="bfloat16", shape=[2, 8, 64], signer=codec.Signer(b"z" * 32)
+        )
         tier.put(k[4], parts)  # written by someone without the engines' key
         sample = store_admin.verify(tier, signer, sample=3, seed=1)
         assert sample.checked == 3
         found = store_admin.verify(tier, signer)
-        assert found.bad == {k[0]: "checksum", k[1]: "truncated", k[3]: "wrong_key",
-                             k[4]: "signature"}  # fmt: skip
+        assert found.bad == {
+            k[0]: "checksum",
+            k[1]: "truncated",
+            k[3]: "wrong_key",
+            k[4]: "signature",
+        }
         assert one_node.objects().keys() >= set(k), "verify without --delete-bad deleted"
         store_admin.verify(tier, signer, delete_bad=True)
     finally:
@@ -404,20 +434,18 @@ def test_a_long_listing_shows_its_progress_on_a_terminal_only() -> None:
         def isatty(self) -> bool:
             return True
 
-    class Listing:
-        recency = "test"
+    class Listing(FakeTier):
+        def list_objects(self, prefix="", *, keep=None):
+            return (StoredObject("ab" * 20, 10, 0.0) for _ in range(2500))
 
-        def objects(self):
-            return (store_admin.StoredObject("ab" * 20, 10, 0.0) for _ in range(2500))
-
-        def delete(self, keys) -> None:
+        def delete_many(self, keys) -> None:
             raise AssertionError("usage deletes nothing")
 
     assert store_admin.progress_printer(io.StringIO()) is None
     out = Tty()
     show = store_admin.progress_printer(out)
     assert show is not None
-    found = store_admin.usage(None, None, lister=Listing(), progress=show)  # type: ignore[arg-type]
+    found = store_admin.usage(Listing(), None, progress=show)
     assert found.total_chunks == 2500 and found.total_bytes == 25000
     assert out.getvalue() == "\rlisted 1,000 objects\rlisted 2,000 objects"
 
@@ -440,14 +468,18 @@ def test_verify_delete_bad_keeps_what_fails_for_no_fault_of_its_own(tmp_path: Pa
             return real_get(key, max_bytes)
 
         tier.put(k[1], [(tier.get(k[1]) or b"")[:-100]])  # a torn write: deleted
-        tier.put(manifest_key(eng.generation),
-                 [(tier.get(manifest_key(eng.generation)) or b"")[:-5]])  # fmt: skip
+        tier.put(
+            manifest_key(eng.generation), [(tier.get(manifest_key(eng.generation)) or b"")[:-5]]
+        )
         tier.get = flaky  # type: ignore[method-assign]
         report = store_admin.verify(tier, signer, delete_bad=True)
     finally:
         tier.close()
-    assert report.bad == {k[0]: "unreachable", k[1]: "truncated",
-                          manifest_key(eng.generation): "truncated"}  # fmt: skip
+    assert report.bad == {
+        k[0]: "unreachable",
+        k[1]: "truncated",
+        manifest_key(eng.generation): "truncated",
+    }
     assert report.deleted == 1 and report.to_json()["deleted"] == 1
     left = file_objects(tmp_path)
     assert k[1] not in left and k[0] in left and manifest_key(eng.generation) in left

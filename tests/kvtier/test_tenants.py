@@ -7,6 +7,8 @@ within its quota; pins hold at most pin_max_fraction of the slots and go last.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,8 +51,9 @@ def tier(
         write_back_needed=(lambda e: not e.remote) if write_back else None,
         begin_write_back=uploads.append if write_back else None,
     )
-    t = Tenancy(slots, quotas=quotas, pin_tenants=frozenset(pins), pin_max_fraction=fraction,
-                clock=clock)  # fmt: skip
+    t = Tenancy(
+        slots, quotas=quotas, pin_tenants=frozenset(pins), pin_max_fraction=fraction, clock=clock
+    )
     idx.tenancy = t
     drops = Drops()
     idx.listener = drops
@@ -161,6 +164,31 @@ def test_pins_go_last_and_never_hold_more_than_their_fraction() -> None:
     assert t.pinned == 1 and b"p1" in t._pinned
     # the expired pins were the oldest of their tenant's: they go before q's
     assert b"p2" not in idx or b"p3" not in idx
+    t.check()
+    idx.check()
+
+
+def test_a_tenant_at_its_quota_looks_at_its_own_pins_only() -> None:
+    """Its chunks all pinned, a tenant at its quota replaces its own oldest pin without
+    walking the other tenants' older pins (a store cost ~7 ms behind 100,000 of them)."""
+    idx, t, _, _ = tier(40, {"a": 4}, pins=("*",), fraction=0.9)
+    a, b = t.tenant_id("a"), t.tenant_id("b")
+    for i in range(20):  # b's pins are the older ones
+        store(idx, b"b%d" % i, b)
+        assert idx.soft_pin(b"b%d" % i, 600, b)
+    for i in range(4):
+        store(idx, b"a%d" % i, a)
+        assert idx.soft_pin(b"a%d" % i, 600, a)
+
+    class Everybodys(OrderedDict):
+        def values(self):  # type: ignore[override]
+            raise AssertionError("walked every tenant's pins")
+
+    t._pinned = Everybodys(t._pinned)
+    assert store(idx, b"a4", a) is not None
+    assert b"a0" not in idx and all(b"b%d" % i in idx for i in range(20))
+    assert idx.evicted_by[TENANT_QUOTA] == 1
+    t._pinned = OrderedDict(t._pinned)
     t.check()
     idx.check()
 

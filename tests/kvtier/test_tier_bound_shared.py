@@ -24,9 +24,11 @@ from kit import directory_usage
 
 from kvtier.errors import TierError
 from kvtier.objects import codec
-from kvtier.objects.store_admin import FileLister
-from kvtier.objects.tiers import file as file_mod
-from kvtier.objects.tiers.file import LEDGER_BYTES, FileTier
+from kvtier.objects.tiers import file_ledger
+from kvtier.objects.tiers.file import FileTier
+from kvtier.objects.tiers.file_layout import place
+from kvtier.objects.tiers.file_ledger import LEDGER_BYTES, LEDGER_NAME, DirectoryLedger
+from kvtier.objects.tiers.file_sweep import DirectorySweep
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +42,7 @@ def chunk(key: str, size: int = OBJ) -> list[bytes | memoryview]:
 
 def counted(root: Path) -> int:
     """What the bound counts of the directory: every file but the ledger."""
-    ledger = root / file_mod._LEDGER_NAME
+    ledger = root / LEDGER_NAME
     return directory_usage(root)["bytes"] - (ledger.stat().st_size if ledger.exists() else 0)
 
 
@@ -70,8 +72,10 @@ def _run_writers(root: Path, writers: int, puts: int, threads: int = 1) -> tuple
     (sampled back to back), and the number of samples."""
     ctx = multiprocessing.get_context("spawn")
     ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_writer, args=(str(root), w, puts, ready, go, done, threads))
-             for w in range(writers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_writer, args=(str(root), w, puts, ready, go, done, threads))
+        for w in range(writers)
+    ]
     for p in procs:
         p.start()
     for _ in procs:
@@ -108,14 +112,19 @@ def test_processes_sharing_a_directory_keep_its_bound(
 
 def _tier(root: Path, **kw) -> FileTier:
     """An engine's tier without its sweep thread: the test says when it scans."""
-    return FileTier(str(root), max_bytes=kw.pop("max_bytes", BOUND), background_sweep=False,
-                    bound_writes=True, **kw)  # fmt: skip
+    return FileTier(
+        str(root),
+        max_bytes=kw.pop("max_bytes", BOUND),
+        background_sweep=False,
+        bound_writes=True,
+        **kw,
+    )
 
 
 def _slot(root: Path, sub: str, value: int) -> None:
     """Set ``sub``'s count in the ledger behind the engines' backs."""
-    with open(root / file_mod._LEDGER_NAME, "r+b") as f:
-        f.seek(file_mod._LEDGER_HEAD.size + 8 * int(sub, 16))
+    with open(root / LEDGER_NAME, "r+b") as f:
+        f.seek(file_ledger._LEDGER_HEAD.size + 8 * int(sub, 16))
         f.write(struct.pack("<q", value))
 
 
@@ -155,7 +164,7 @@ def test_a_scan_sets_the_count_to_what_the_directory_holds(tmp_path: Path) -> No
         tier.put(f"k{i}", chunk(f"k{i}"))
     exact = counted(tmp_path)
     assert tier.sweeper.used_bytes == exact
-    sub = file_mod._place("k0")[0]
+    sub = place("k0")[0]
     _slot(tmp_path, sub, 10**9)  # overcounted
     _slot(tmp_path, "ff" if sub != "ff" else "fe", 5 * OBJ)  # an empty directory counted
     os.unlink(tier.path("k1"))  # removed by hand
@@ -210,8 +219,9 @@ def test_a_crashed_writer_is_counted_until_a_scan_removes_its_temp_file(tmp_path
     assert tier.sweeper.used_bytes == counted(tmp_path)
     tier.tmp_max_age_s = tier.sweeper.tmp_max_age_s = 0.0
     assert tier.sweep().temp_removed == 1
-    size = sum(memoryview(p).nbytes for k in ("k0", "k1", "k2", "k3", "k4", "after")
-               for p in chunk(k))  # fmt: skip
+    size = sum(
+        memoryview(p).nbytes for k in ("k0", "k1", "k2", "k3", "k4", "after") for p in chunk(k)
+    )
     assert tier.sweeper.used_bytes == counted(tmp_path) == size
 
 
@@ -221,10 +231,10 @@ def test_the_ledger_is_never_an_object(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     for i in range(5):
         tier.put(f"k{i}", chunk(f"k{i}"))
-    ledger = tmp_path / file_mod._LEDGER_NAME
+    ledger = tmp_path / LEDGER_NAME
     assert ledger.stat().st_size == LEDGER_BYTES
-    assert sorted(o.key for o in FileLister(tier).objects()) == [f"k{i}" for i in range(5)]
-    assert not any(k.startswith(".") for k in FileLister(tier).keys(""))
+    assert sorted(o.key for o in tier.list_objects()) == [f"k{i}" for i in range(5)]
+    assert not any(k.startswith(".") for k in tier.list_keys(""))
     swept = _tier(tmp_path, max_bytes=0)
     assert swept.sweep().evicted == 5
     assert ledger.stat().st_size == LEDGER_BYTES and swept.sweeper.used_bytes == 0
@@ -236,12 +246,12 @@ def test_without_locks_each_engine_counts_alone(
 ) -> None:
     """A mount without flock (or a ledger that cannot be opened: a read-only directory,
     something else at its name): the engine keeps its own bound as before, said once."""
-    real = file_mod.fcntl.flock
+    real = file_ledger.fcntl.flock
 
     def no_locks(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(file_mod.fcntl, "flock", no_locks)
+    monkeypatch.setattr(file_ledger.fcntl, "flock", no_locks)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         tier = _tier(tmp_path / "a")
         for i in range(60):
@@ -250,8 +260,8 @@ def test_without_locks_each_engine_counts_alone(
     assert not tier.sweeper.shared
     warned = [r for r in caplog.records if "no count shared" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-    monkeypatch.setattr(file_mod.fcntl, "flock", real)
-    (tmp_path / "b" / file_mod._LEDGER_NAME).mkdir(parents=True)  # not a file
+    monkeypatch.setattr(file_ledger.fcntl, "flock", real)
+    (tmp_path / "b" / LEDGER_NAME).mkdir(parents=True)  # not a file
     tier = _tier(tmp_path / "b")
     assert not tier.sweeper.shared
     for i in range(60):
@@ -272,7 +282,7 @@ def test_a_ledger_that_fails_mid_run_leaves_the_engine_counting_alone(
     def lost(self, sub: str, delta: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(file_mod._Ledger, "add", lost)
+    monkeypatch.setattr(DirectoryLedger, "add", lost)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         for i in range(10, 60):
             tier.put(f"k{i}", chunk(f"k{i}"))
@@ -288,9 +298,9 @@ def test_a_torn_ledger_is_laid_out_again_and_counted_by_the_next_scan(tmp_path: 
     tier = _tier(tmp_path)
     for i in range(8):
         tier.put(f"k{i}", chunk(f"k{i}"))
-    (tmp_path / file_mod._LEDGER_NAME).write_bytes(b"garbage")
+    (tmp_path / LEDGER_NAME).write_bytes(b"garbage")
     assert tier.sweeper.used_bytes is None  # laid out again: no scan has counted it
-    assert (tmp_path / file_mod._LEDGER_NAME).stat().st_size == LEDGER_BYTES
+    assert (tmp_path / LEDGER_NAME).stat().st_size == LEDGER_BYTES
     tier.put("k8", chunk("k8"))
     assert tier.sweeper.used_bytes == counted(tmp_path) > 8 * OBJ
 
@@ -308,7 +318,7 @@ def _temps(root: Path) -> list[str]:
 
 def _plant(root: Path, kind: str, rng: random.Random) -> None:
     """Overwrite the ledger in place (the engines hold it open) with a hostile one."""
-    path = root / file_mod._LEDGER_NAME
+    path = root / LEDGER_NAME
     if kind == "truncated":
         os.truncate(path, 37)
         return
@@ -323,7 +333,9 @@ def _plant(root: Path, kind: str, rng: random.Random) -> None:
         "extremes": [INT64_MAX if i % 2 == 0 else -INT64_MAX for i in range(256)],
         "random_counts": [rng.randint(-(2**63), INT64_MAX) for _ in range(256)],
     }[kind]
-    head = file_mod._LEDGER_HEAD.pack(file_mod._LEDGER_MAGIC, file_mod._LEDGER_VERSION, 1, 7)
+    head = file_ledger._LEDGER_HEAD.pack(
+        file_ledger._LEDGER_MAGIC, file_ledger._LEDGER_VERSION, 1, 7
+    )
     with open(path, "r+b") as f:
         f.write(head + struct.pack("<256q", *slots))
 
@@ -393,7 +405,7 @@ def test_a_ledger_fault_that_is_no_oserror_leaves_the_engine_counting_alone(
     def broken(self, sub: str, delta: int) -> None:
         raise struct.error("argument out of range")
 
-    monkeypatch.setattr(file_mod._Ledger, "add", broken)
+    monkeypatch.setattr(DirectoryLedger, "add", broken)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         for i in range(5, 60):
             tier.put(f"k{i}", chunk(f"k{i}"))
@@ -418,7 +430,7 @@ def test_a_write_failing_after_its_temp_file_was_made_closes_and_removes_it(
     def boom(self, sub: str, delta: int) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(file_mod.DirectorySweep, "_count", boom)
+    monkeypatch.setattr(DirectorySweep, "_count", boom)
     for i in range(12):
         with pytest.raises(RuntimeError):
             if claim:

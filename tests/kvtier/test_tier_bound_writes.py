@@ -20,8 +20,9 @@ from kit import directory_usage
 
 from kvtier.objects import codec
 from kvtier.objects.manifest import manifest_key
-from kvtier.objects.tiers import file as file_mod
 from kvtier.objects.tiers.file import FileTier
+from kvtier.objects.tiers.file_layout import is_manifest, place
+from kvtier.objects.tiers.file_ledger import LEDGER_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +37,7 @@ def chunk(key: str, size: int = OBJ) -> list[bytes | memoryview]:
 def counted(root: Path) -> int:
     """What the bound counts of the directory: every file but the shared count's own
     (bookkeeping of a fixed size, like the lock file)."""
-    ledger = root / file_mod._LEDGER_NAME
+    ledger = root / LEDGER_NAME
     return directory_usage(root)["bytes"] - (ledger.stat().st_size if ledger.exists() else 0)
 
 
@@ -134,8 +135,8 @@ def test_manifests_are_counted_but_never_evicted(tmp_path: Path) -> None:
     """A generation's manifest (its claim: an absent one makes the next engine its first
     writer) is the oldest object of a busy tier; neither a write nor a sweep evicts it."""
     key = manifest_key("0123456789abcdef")
-    assert file_mod._is_manifest(file_mod._place(key)[1])
-    assert not file_mod._is_manifest(file_mod._place("gen-0123456789abcdef/manifes")[1])
+    assert is_manifest(place(key)[1])
+    assert not is_manifest(place("gen-0123456789abcdef/manifes")[1])
     with FileTier(str(tmp_path), max_bytes=BOUND) as tier:
         assert tier.create_if_absent(key, chunk(key, 300))
         old = time.time() - 3600
@@ -158,8 +159,9 @@ def test_a_tier_without_its_own_sweeps_leaves_the_bound_to_the_caller(tmp_path: 
     assert directory_usage(tmp_path)["bytes"] > BOUND
     tier.sweep()
     assert directory_usage(tmp_path)["bytes"] <= 0.9 * BOUND
-    bounded = FileTier(str(tmp_path / "b"), max_bytes=BOUND, background_sweep=False,
-                       bound_writes=True)  # fmt: skip
+    bounded = FileTier(
+        str(tmp_path / "b"), max_bytes=BOUND, background_sweep=False, bound_writes=True
+    )
     for i in range(40):
         bounded.put(f"k{i}", chunk(f"k{i}"))
         assert directory_usage(tmp_path / "b")["bytes"] <= BOUND

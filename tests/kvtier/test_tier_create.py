@@ -140,8 +140,7 @@ def test_processes_racing_find_one_winner_per_key(url: str) -> None:
     """Engines are processes: racers in processes of their own, released at once per key."""
     ctx = multiprocessing.get_context("spawn")
     start, out = ctx.Barrier(RACERS), ctx.Queue()
-    procs = [ctx.Process(target=_racer_process, args=(url, w, start, out))
-             for w in range(RACERS)]  # fmt: skip
+    procs = [ctx.Process(target=_racer_process, args=(url, w, start, out)) for w in range(RACERS)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in range(RACERS * KEYS)]
@@ -181,4 +180,3 @@ def test_a_directory_without_hard_links_creates_with_o_excl(tmp_path, monkeypatc
         assert tier.get("k") == _joined(_claim("k", 1))
         leftovers = [n for _, _, names in os.walk(tmp_path) for n in names if n.startswith(".tmp-")]
         assert leftovers == []
-

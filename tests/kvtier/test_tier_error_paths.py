@@ -79,11 +79,19 @@ def _raises(op: Callable[[Any], object], tier: Any, expected: type[BaseException
 # -- file: OSError by errno ------------------------------------------------------------------
 
 FILE_ERRNOS = [
-    (errno.ESTALE, OBJ), (errno.ENOSPC, OBJ), (errno.EACCES, OBJ), (errno.ELOOP, OBJ),
-    (errno.ENOENT, OBJ), (errno.EISDIR, OBJ),
-    (errno.EIO, TIER), (errno.ENOTCONN, TIER), (errno.ETIMEDOUT, TIER), (errno.EROFS, TIER),
-    (errno.ESHUTDOWN, TIER), (errno.ECONNRESET, TIER),
-]  # fmt: skip
+    (errno.ESTALE, OBJ),
+    (errno.ENOSPC, OBJ),
+    (errno.EACCES, OBJ),
+    (errno.ELOOP, OBJ),
+    (errno.ENOENT, OBJ),
+    (errno.EISDIR, OBJ),
+    (errno.EIO, TIER),
+    (errno.ENOTCONN, TIER),
+    (errno.ETIMEDOUT, TIER),
+    (errno.EROFS, TIER),
+    (errno.ESHUTDOWN, TIER),
+    (errno.ECONNRESET, TIER),
+]
 
 
 def _errno_id(v: object) -> str:

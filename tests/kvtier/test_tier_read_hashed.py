@@ -90,8 +90,14 @@ def test_a_wrong_crc_is_a_checksum_error() -> None:
     parts = codec.encode("k", data, dtype="uint8", shape=[1000])
     head = bytes(memoryview(parts[0]))
     with pytest.raises(ChecksumError):
-        codec.verify(head, memoryview(bytearray(data)), key="k", dtype="uint8", shape=[1000],
-                     payload_crc=zlib.crc32(b"other"))  # fmt: skip
+        codec.verify(
+            head,
+            memoryview(bytearray(data)),
+            key="k",
+            dtype="uint8",
+            shape=[1000],
+            payload_crc=zlib.crc32(b"other"),
+        )
 
 
 @pytest.mark.parametrize("where", [0, HASH_PIECE - 1, HASH_PIECE, 2 * HASH_PIECE + 5])
@@ -108,8 +114,9 @@ def test_a_byte_flipped_on_disk_in_any_piece_is_a_counted_miss(tmp_path, where: 
         b = f.read(1)
         f.seek(size - n + where)
         f.write(bytes([b[0] ^ 0x01]))
-    rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None,
-                   backoff=ConstantBackoff(0.1))  # fmt: skip
+    rio = RemoteIO(
+        tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None, backoff=ConstantBackoff(0.1)
+    )
     try:
         rio.submit_get_into(1, "k", memoryview(bytearray(n)), dtype="uint8", shape=[n])
         r = collect(rio, 1)[1]
@@ -132,8 +139,9 @@ def test_a_chunk_stored_with_the_older_xxh3_checksum_is_read_and_checked(
     bad[n // 2] ^= 0x10
     header, _ = xxh3_framed("old-bad", data, dtype="uint8", shape=[n])
     tier.put("old-bad", [header, bytes(bad)])  # the checksum of other bytes than stored
-    rio = RemoteIO(tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None,
-                   backoff=ConstantBackoff(0.1))  # fmt: skip
+    rio = RemoteIO(
+        tier, threads=2, queue_depth=4, timeout_s=5.0, signer=None, backoff=ConstantBackoff(0.1)
+    )
     try:
         slot = memoryview(bytearray(n))
         rio.submit_get_into(1, "old", slot, dtype="uint8", shape=[n])

@@ -210,10 +210,13 @@ def test_down_backends_raise_tier_unavailable(services, tmp_path) -> None:
                 call()
     dead_s3 = services.s3(start=False)
     cfg = load_config(
-        {"remote_url": "s3://nobucket/p", "s3_endpoint_url": dead_s3.endpoint_url,
-         "lookup_timeout_ms": 200},
+        {
+            "remote_url": "s3://nobucket/p",
+            "s3_endpoint_url": dead_s3.endpoint_url,
+            "lookup_timeout_ms": 200,
+        },
         environ={},
-    )  # fmt: skip
+    )
     with open_tier(cfg) as t:
         with pytest.raises(TierUnavailable):
             t.get("x")
@@ -236,8 +239,10 @@ def test_s3_explicit_endpoint_wins(s3_bucket: S3Bucket, monkeypatch) -> None:
         t.put("e", _chunk("e", 8))
         assert t.exists(["e"]) == [True]
     # the object lands under the URL's prefix, visible to any S3 client
-    keys = [o["Key"] for o in s3_bucket.server.client().list_objects_v2(
-        Bucket=s3_bucket.name)["Contents"]]  # fmt: skip
+    keys = [
+        o["Key"]
+        for o in s3_bucket.server.client().list_objects_v2(Bucket=s3_bucket.name)["Contents"]
+    ]
     assert keys == ["kv/e"]
 
 

@@ -330,9 +330,11 @@ def test_loads_one_event_per_layer_recorded_after_that_layer_only() -> None:
     ops = FakeOps()
     c = CudaCopier(dst, layout, slab, ops=ops)
     seen: dict[str, list[list[bool]]] = {"load": [], "scatter": []}
-    ops.on_record = lambda ev, stream: seen[stream.name].append(
-        [bool(blocks_of(d, [9]).any()) for d in dst]
-    ) if stream.name in seen else None
+    ops.on_record = lambda ev, stream: (
+        seen[stream.name].append([bool(blocks_of(d, [9]).any()) for d in dst])
+        if stream.name in seen
+        else None
+    )
     out = times(c.begin_loads([LoadOp(1, 2, 0, (9,)), LoadOp(2, 3, 1, (10, 11))]))
     assert out == {}  # nothing known yet: results come from finish_loads
     # the load stream first waits for compute (blocks may still be in use)
@@ -476,8 +478,9 @@ def test_unfinished_saves_are_finished_and_reported_next_step() -> None:
     c.begin_saves([StoreOp(2, 1, (3, 4))])  # wait_for_save never came for step 1
     out = times(c.finish_saves())
     assert set(out) == {1, 2} and None not in out.values()
-    assert torch.equal(slab.layer_view(0, 2).narrow(0, 0, 2).view(torch.uint8),
-                       blocks_of(kv[2], [1, 2]))
+    assert torch.equal(
+        slab.layer_view(0, 2).narrow(0, 0, 2).view(torch.uint8), blocks_of(kv[2], [1, 2])
+    )
 
 
 def test_staging_is_one_buffer_per_stream_reused_across_layers_and_rounds() -> None:
@@ -550,8 +553,7 @@ def test_whole_chunk_loads_copy_once_per_chunk_and_layer_bit_exact(
     slab.buffer.copy_(torch.randint(0, 256, (slab.nbytes,), dtype=torch.uint8))
     copies: list[int] = []
     real = cuda_copier.copy_all
-    monkeypatch.setattr(cuda_copier, "copy_all",
-                        lambda d, s: (copies.append(len(d)), real(d, s)))  # fmt: skip
+    monkeypatch.setattr(cuda_copier, "copy_all", lambda d, s: (copies.append(len(d)), real(d, s)))
     ids = {1: (13, 2, 27, 8), 3: (0, 39, 14, 15), 5: (30, 31, 32, 33)}
     loads = [LoadOp(40 + slot, slot, 0, blocks) for slot, blocks in ids.items()]
     assert None not in load_every_layer(c, loads).values()

@@ -81,8 +81,10 @@ def test_the_scans_see_what_they_look_for() -> None:
         'e = url.startswith(("s3://", "file://"))\n'
     )
     assert sorted(url_readers(old)) == [
-        "import urlparse", "urlparse() at line 3", "urlsplit() at line 4",
-    ]  # fmt: skip
+        "import urlparse",
+        "urlparse() at line 3",
+        "urlsplit() at line 4",
+    ]
     assert sorted(file_prefix_checks(old)) == ["line 6", "line 7"]
     assert url_readers(ast.parse(PARSER.read_text())), "the parser itself reads URLs"
 
@@ -98,13 +100,13 @@ def test_only_the_parser_reads_urls() -> None:
 
 
 def test_no_file_prefix_checks() -> None:
-    """"Is the tier a directory?" is ``RemoteURL.is_local``, nowhere a string prefix."""
+    """\"Is the tier a directory?" is ``RemoteURL.is_local``, nowhere a string prefix."""
     found = {}
     for path in [PARSER, *_sources()]:
         text = path.read_text()
         hits = file_prefix_checks(ast.parse(text, str(path)))
         if 'startswith("file:' in text or "startswith('file:" in text:
-            hits.append("the text startswith(\"file:")
+            hits.append('the text startswith("file:')
         if hits:
             found[str(path.relative_to(ROOT))] = hits
     assert not found, f"file: prefix checks (use cfg.remote.is_local): {found}"

@@ -28,18 +28,25 @@ def test_auto_is_available_minus_headroom_without_offload():
 
 def test_auto_subtracts_pinned_upper_bound_of_cpu_offload_gb():
     # no checkpoint: 10 GiB budget, pinned -> rounded up to 16 GiB
-    got = resolve_cpu_bytes("auto", headroom_bytes=4 * GiB, cpu_offload_gb=10,
-                            mem_available_bytes=64 * GiB)  # fmt: skip
+    got = resolve_cpu_bytes(
+        "auto", headroom_bytes=4 * GiB, cpu_offload_gb=10, mem_available_bytes=64 * GiB
+    )
     assert got == (64 - 16 - 4) * GiB
-    exact = resolve_cpu_bytes("auto", headroom_bytes=4 * GiB, cpu_offload_gb=10,
-                              disable_pin_memory=True, mem_available_bytes=64 * GiB)  # fmt: skip
+    exact = resolve_cpu_bytes(
+        "auto",
+        headroom_bytes=4 * GiB,
+        cpu_offload_gb=10,
+        disable_pin_memory=True,
+        mem_available_bytes=64 * GiB,
+    )
     assert exact == (64 - 10 - 4) * GiB
 
 
 def test_auto_reads_the_pin_env_var_like_vllm(monkeypatch):
     monkeypatch.setenv(ENV, "1")
-    got = resolve_cpu_bytes("auto", headroom_bytes=0, cpu_offload_gb=10,
-                            mem_available_bytes=64 * GiB)  # fmt: skip
+    got = resolve_cpu_bytes(
+        "auto", headroom_bytes=0, cpu_offload_gb=10, mem_available_bytes=64 * GiB
+    )
     assert got == 54 * GiB
     monkeypatch.setenv(ENV, "true")  # vLLM's int() would fail on this
     with pytest.raises(ConfigError) as e:
@@ -51,18 +58,30 @@ def test_auto_uses_the_checkpoint_when_model_dir_has_safetensors(tiny_llama):
     # everything offloaded: per layer qkv 16,384 + o 8,192 + gate_up 24,576 -> 32,768 pinned
     # + down 12,288 -> 16,384 pinned + two 128 B norms
     per_layer_pinned = 16384 + 8192 + 32768 + 16384 + 128 + 128
-    got = resolve_cpu_bytes("auto", headroom_bytes=1000, cpu_offload_gb=1.0,
-                            mem_available_bytes=10**6, model_dir=tiny_llama)  # fmt: skip
+    got = resolve_cpu_bytes(
+        "auto",
+        headroom_bytes=1000,
+        cpu_offload_gb=1.0,
+        mem_available_bytes=10**6,
+        model_dir=tiny_llama,
+    )
     assert got == 10**6 - 2 * per_layer_pinned - 1000
-    sel = resolve_cpu_bytes("auto", headroom_bytes=0, cpu_offload_gb=1.0, offload_params={"mlp"},
-                            mem_available_bytes=10**6, model_dir=tiny_llama)  # fmt: skip
+    sel = resolve_cpu_bytes(
+        "auto",
+        headroom_bytes=0,
+        cpu_offload_gb=1.0,
+        offload_params={"mlp"},
+        mem_available_bytes=10**6,
+        model_dir=tiny_llama,
+    )
     assert sel == 10**6 - 2 * (32768 + 16384)
 
 
 def test_auto_that_leaves_nothing_raises_with_the_plan():
     with pytest.raises(ConfigError) as e:
-        resolve_cpu_bytes("auto", headroom_bytes=4 * GiB, cpu_offload_gb=10,
-                          mem_available_bytes=18 * GiB)  # fmt: skip
+        resolve_cpu_bytes(
+            "auto", headroom_bytes=4 * GiB, cpu_offload_gb=10, mem_available_bytes=18 * GiB
+        )
     assert e.value.key == "cpu_bytes" and e.value.value == "auto"
     msg = str(e.value)
     assert "18.00 GiB" in msg and "16.00 GiB" in msg and "4.00 GiB" in msg
@@ -77,8 +96,13 @@ def test_explicit_size_that_fits_is_returned():
 
 def test_explicit_size_that_does_not_fit_names_the_largest_that_does():
     with pytest.raises(ConfigError) as e:
-        resolve_cpu_bytes(40 * GiB, headroom_bytes=4 * GiB, cpu_offload_gb=10,
-                          disable_pin_memory=True, mem_available_bytes=48 * GiB)  # fmt: skip
+        resolve_cpu_bytes(
+            40 * GiB,
+            headroom_bytes=4 * GiB,
+            cpu_offload_gb=10,
+            disable_pin_memory=True,
+            mem_available_bytes=48 * GiB,
+        )
     assert e.value.key == "cpu_bytes" and e.value.value == 40 * GiB
     assert f"largest cpu_bytes that fits is {34 * GiB}" in str(e.value)
 
@@ -99,8 +123,10 @@ def test_mem_available_reads_the_hosts_meminfo():
 
 
 def test_autosize_imports_nothing_heavy():
-    code = ("import sys, kvtier.sizing.autosize; "
-            "print(any(m in sys.modules for m in ('torch', 'vllm', 'numpy')))")  # fmt: skip
+    code = (
+        "import sys, kvtier.sizing.autosize; "
+        "print(any(m in sys.modules for m in ('torch', 'vllm', 'numpy')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -108,8 +134,14 @@ def test_autosize_imports_nothing_heavy():
 def test_unreadable_checkpoint_falls_back_to_the_bound(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\x05")
-    got = resolve_cpu_bytes("auto", headroom_bytes=0, cpu_offload_gb=1, disable_pin_memory=True,
-                            mem_available_bytes=8 * GiB, model_dir=str(tmp_path))  # fmt: skip
+    got = resolve_cpu_bytes(
+        "auto",
+        headroom_bytes=0,
+        cpu_offload_gb=1,
+        disable_pin_memory=True,
+        mem_available_bytes=8 * GiB,
+        model_dir=str(tmp_path),
+    )
     assert got == 7 * GiB
 
 

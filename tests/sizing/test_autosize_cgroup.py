@@ -154,12 +154,17 @@ def test_without_proc_cgroup_the_mount_root_is_read(tmp_path: Path) -> None:
 def _real_limits() -> list[int]:
     """The finite memory limits from this process's own cgroup up to the mount, read here
     without kvtier's code (v1 when /proc/self/cgroup lists ``memory``, else v2)."""
-    own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text()
-               .splitlines() if line.count(":") >= 2)  # fmt: skip
+    own = dict(
+        line.split(":", 2)[1:]
+        for line in Path("/proc/self/cgroup").read_text().splitlines()
+        if line.count(":") >= 2
+    )
     v1 = next((p for c, p in own.items() if "memory" in c.split(",")), None)
-    mount, path, name = ((Path("/sys/fs/cgroup/memory"), v1, "memory.limit_in_bytes")
-                         if v1 is not None and Path("/sys/fs/cgroup/memory").is_dir()
-                         else (Path("/sys/fs/cgroup"), own.get("", "/"), "memory.max"))
+    mount, path, name = (
+        (Path("/sys/fs/cgroup/memory"), v1, "memory.limit_in_bytes")
+        if v1 is not None and Path("/sys/fs/cgroup/memory").is_dir()
+        else (Path("/sys/fs/cgroup"), own.get("", "/"), "memory.max")
+    )
     here = mount / path.lstrip("/")
     if not here.is_dir():
         here = mount

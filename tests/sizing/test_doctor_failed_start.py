@@ -28,9 +28,11 @@ NO_WEIGHTS = "vllm-0.32-cpu-engine-start-failed.log"
 P = "(APIServer pid=7) "
 W = "(Worker pid=9) ERROR 12-06 10:00:02 [multiproc_executor.py:953] "
 E = "(EngineCore pid=8) ERROR 12-06 10:00:03 [core.py:1510] "
-ARGS = (P + "INFO 12-06 10:00:00 [api_utils.py:286] non-default args: {'model': '/m', "
-        "'kv_transfer_config': KVTransferConfig(kv_connector='KVTierConnector', "
-        "kv_connector_extra_config={'cpu_bytes': '2GiB'}, kv_load_failure_policy='recompute')}")
+ARGS = (
+    P + "INFO 12-06 10:00:00 [api_utils.py:286] non-default args: {'model': '/m', "
+    "'kv_transfer_config': KVTransferConfig(kv_connector='KVTierConnector', "
+    "kv_connector_extra_config={'cpu_bytes': '2GiB'}, kv_load_failure_policy='recompute')}"
+)
 STARTED = ["INFO:     Waiting for application startup.", "INFO:     Application startup complete."]
 
 
@@ -47,8 +49,12 @@ def failed(rep: dict) -> str | None:
 
 
 def run_doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_misspelt_key_under_the_old_kvtier_is_the_named_cause() -> None:
@@ -63,10 +69,14 @@ def test_a_misspelt_key_under_the_old_kvtier_is_the_named_cause() -> None:
 
 def test_kvtiers_own_error_line_is_the_cause_and_counted_once() -> None:
     typo = "kvtier config: unknown key 'cpu_byte': did you mean 'cpu_bytes'?"
-    lines = [ARGS, P + f"ERROR 12-06 10:00:01 [vllm.py:80] {typo}", "Traceback (most recent "
-             "call last):", '  File "x.py", line 1, in <module>',
-             "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
-             f"  Value error, {typo} [type=value_error, input_value=ArgsKwargs((), {{}})]"]
+    lines = [
+        ARGS,
+        P + f"ERROR 12-06 10:00:01 [vllm.py:80] {typo}",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+        f"  Value error, {typo} [type=value_error, input_value=ArgsKwargs((), {{}})]",
+    ]
     rep = report(lines)
     assert failed(rep) == typo and rep["kvtier_errors"] == [typo]
 
@@ -76,7 +86,9 @@ def test_every_error_kvtier_logged_is_listed_the_first_is_the_cause() -> None:
     typo = "kvtier config: unknown key 'cpu_byte': did you mean 'cpu_bytes'?"
     assert failed(rep) == typo
     assert rep["kvtier_errors"] == [
-        typo, "kvtier config 'chunk_size': got 0; an integer >= 1 and <= 1048576"]
+        typo,
+        "kvtier config 'chunk_size': got 0; an integer >= 1 and <= 1048576",
+    ]
 
 
 def test_an_engine_that_died_loading_the_model_names_the_root_cause() -> None:
@@ -86,8 +98,8 @@ def test_an_engine_that_died_loading_the_model_names_the_root_cause() -> None:
     assert failed(rep) == "RuntimeError: Cannot find any model weights with `/models/tiny4`"
     text = doctor.format_report(rep)
     assert text.splitlines()[0] == (
-        "the server did not start: RuntimeError: Cannot find any model weights with "
-        "`/models/tiny4`")
+        "the server did not start: RuntimeError: Cannot find any model weights with `/models/tiny4`"
+    )
 
 
 def test_vllms_own_validation_error_is_the_cause() -> None:
@@ -95,32 +107,45 @@ def test_vllms_own_validation_error_is_the_cause() -> None:
     assert failed(rep) == "offload_num_in_group (1) must be <= offload_group_size (0)"
 
 
-@pytest.mark.parametrize("cause", [
-    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-    "OSError: [Errno 12] Cannot allocate memory",
-    "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens",
-    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
-    "trace (above) for the root cause.",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cause",
+    [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "OSError: [Errno 12] Cannot allocate memory",
+        "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+        "trace (above) for the root cause.",
+    ],
+)
 def test_any_error_before_the_server_is_up_is_a_failed_start(cause: str) -> None:
-    lines = [ARGS, W + "Traceback (most recent call last):", W + '  File "x.py", line 1, in f',
-             W + cause, E + "RuntimeError: Engine core initialization failed. See root cause "
-             "above. Failed core proc(s): {'EngineCore_DP0': 1}"]  # fmt: skip
+    lines = [
+        ARGS,
+        W + "Traceback (most recent call last):",
+        W + '  File "x.py", line 1, in f',
+        W + cause,
+        E + "RuntimeError: Engine core initialization failed. See root cause "
+        "above. Failed core proc(s): {'EngineCore_DP0': 1}",
+    ]
     assert failed(report(lines)) == cause
 
 
 def test_a_worker_killed_during_start_is_named() -> None:
-    lines = [ARGS, E + "Worker proc VllmWorker-0 died unexpectedly (exit code: None), "
-             "shutting down executor."]
+    lines = [
+        ARGS,
+        E + "Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.",
+    ]
     cause = failed(report(lines))
     assert cause is not None and "died unexpectedly" in cause
 
 
-@pytest.mark.parametrize("name", [
-    "vllm-0.32-kvtier-ok.log",  # no error at all
-    "vllm-0.32-cpu-worker-sigkill.log",  # started, then a worker was killed: not a start
-    "vllm-0.33-offload-params-uva.log",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm-0.32-kvtier-ok.log",  # no error at all
+        "vllm-0.32-cpu-worker-sigkill.log",  # started, then a worker was killed: not a start
+        "vllm-0.33-offload-params-uva.log",
+    ],
+)
 def test_a_server_that_started_or_shows_no_error_did_not_fail_to_start(name: str) -> None:
     rep = report(fixture(name))
     assert failed(rep) is None and "startup-failed" not in [w["code"] for w in rep["warnings"]]

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 
-from kvtier.connectors import plans
 from kvtier.connectors.engine_shape import CacheGroup, KVCacheShape, LayerSpec
 from kvtier.connectors.groups import Refused, kv_groups
+from kvtier.connectors.scheduler import plans
 from kvtier.sizing import doctor
 
 VLLM = "(EngineCore_DP0 pid=1) {level} 12-05 20:00:01 [{where}] {msg}"
@@ -22,17 +22,38 @@ def codes(lines: list[str]) -> dict[str, str]:
 
 
 def test_state_held_outside_align_mode_reads_as_what_to_run() -> None:
-    state = LayerSpec("MambaSpec", attention=False, mamba=True, sliding=False, full=False,
-                      block_size=16, window=None, states=(((3, 16), "bfloat16"),),
-                      state_mode="none", state_bytes=96)  # fmt: skip
-    attn = LayerSpec("FullAttentionSpec", attention=True, mamba=False, sliding=False,
-                     full=True, block_size=16, window=None)  # fmt: skip
-    kv = KVCacheShape(num_blocks=8, groups=(CacheGroup(("l0.mixer",), (state,), 1024),
-                                            CacheGroup(("l1.attn",), (attn,), 1024)))
+    state = LayerSpec(
+        "MambaSpec",
+        attention=False,
+        mamba=True,
+        sliding=False,
+        full=False,
+        block_size=16,
+        window=None,
+        states=(((3, 16), "bfloat16"),),
+        state_mode="none",
+        state_bytes=96,
+    )
+    attn = LayerSpec(
+        "FullAttentionSpec",
+        attention=True,
+        mamba=False,
+        sliding=False,
+        full=True,
+        block_size=16,
+        window=None,
+    )
+    kv = KVCacheShape(
+        num_blocks=8,
+        groups=(CacheGroup(("l0.mixer",), (state,), 1024), CacheGroup(("l1.attn",), (attn,), 1024)),
+    )
     with pytest.raises(Refused) as err:
         kv_groups(kv, 16, 256)
-    line = VLLM.format(level="ERROR", where="core.py:1",
-                       msg=f"ValueError: kvtier cannot serve /models/granite: {err.value}")
+    line = VLLM.format(
+        level="ERROR",
+        where="core.py:1",
+        msg=f"ValueError: kvtier cannot serve /models/granite: {err.value}",
+    )
     got = codes([line])
     assert "state-needs-align-mode" in got, got
     assert "--mamba-cache-mode align" in got["state-needs-align-mode"]
@@ -50,8 +71,11 @@ def test_a_state_chunk_not_stored_reads_as_the_step_setting(caplog) -> None:
 
 
 def test_a_healthy_hybrid_log_warns_of_neither() -> None:
-    line = VLLM.format(level="INFO", where="worker.py:160",
-                       msg="kvtier worker rank 0: KV cache group state (window 0): 2 layers, "
-                           "1 of 2 blocks per chunk stored")  # fmt: skip
+    line = VLLM.format(
+        level="INFO",
+        where="worker.py:160",
+        msg="kvtier worker rank 0: KV cache group state (window 0): 2 layers, "
+        "1 of 2 blocks per chunk stored",
+    )
     got = codes([line])
     assert "state-needs-align-mode" not in got and "state-chunks-not-stored" not in got

@@ -44,19 +44,22 @@ def test_unknown_host_tier_emits_auto():
 
 
 def test_vllm_args_are_a_shell_line_with_the_offload_flags():
-    p, inp = _plan(tp=2, kv_cache_dtype="fp8", cpu_offload_gb=4,
-                   cpu_offload_params=("mlp",))  # fmt: skip
+    p, inp = _plan(tp=2, kv_cache_dtype="fp8", cpu_offload_gb=4, cpu_offload_params=("mlp",))
     words = shlex.split(emit("vllm-args", p, inp, vllm_build="gpu"))
     assert words[:3] == ["vllm", "serve", model("llama3-8b")]
-    for flag, value in (("--tensor-parallel-size", "2"), ("--kv-cache-dtype", "fp8"),
-                        ("--cpu-offload-gb", "4"), ("--cpu-offload-params", "mlp")):  # fmt: skip
+    for flag, value in (
+        ("--tensor-parallel-size", "2"),
+        ("--kv-cache-dtype", "fp8"),
+        ("--cpu-offload-gb", "4"),
+        ("--cpu-offload-params", "mlp"),
+    ):
         assert words[words.index(flag) + 1] == value
     ktc = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector"] == "KVTierConnector"
 
 
 def test_vllm_args_give_queued_writes_time_to_flush_on_stop():
-    """vLLM's default stop kills the engine at once (connectors/shutdown.py): with an object
+    """vLLM's default stop kills the engine at once (connectors/worker/shutdown.py): with an object
     tier the line sets vLLM's two shutdown windows to kvtier's flush plus its margin."""
     p, inp = _plan()
     words = shlex.split(emit("vllm-args", p, inp, remote_url="s3://bucket/kv", vllm_build="gpu"))
@@ -69,17 +72,25 @@ def test_vllm_args_give_queued_writes_time_to_flush_on_stop():
     assert host_only[0] == "vllm" and "--shutdown-timeout" not in host_only
     # the same rule as the connector's, from the config as given (a shorter flush here)
     assert shutdown_flags({"remote_url": "file:///kv", "shutdown_flush_s": 2.5}) == (
-        {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "13"}, ["--shutdown-timeout", "13"])
+        {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "13"},
+        ["--shutdown-timeout", "13"],
+    )
     assert shutdown_flags({"remote_url": "file:///kv", "write_policy": "none"}) == ({}, [])
 
 
 def test_helm_values_keys_and_memory():
     p, inp = _plan(gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4)
-    doc = yaml.safe_load(emit("helm-values", p, inp, remote_url="redis://r:6379/0",
-                              namespace="team-a"))  # fmt: skip
-    assert doc["kvtier"] == {"cpuBytes": p["host_tier_bytes"], "chunkSize": 256,
-                             "remoteUrl": "redis://r:6379/0", "writePolicy": "write_through",
-                             "namespace": "team-a", "headroom": 4 * GiB}  # fmt: skip
+    doc = yaml.safe_load(
+        emit("helm-values", p, inp, remote_url="redis://r:6379/0", namespace="team-a")
+    )
+    assert doc["kvtier"] == {
+        "cpuBytes": p["host_tier_bytes"],
+        "chunkSize": 256,
+        "remoteUrl": "redis://r:6379/0",
+        "writePolicy": "write_through",
+        "namespace": "team-a",
+        "headroom": 4 * GiB,
+    }
     assert doc["weightOffload"] == {"hostBytes": p["weight_offload_host_bytes"]}
     limit = parse_k8s_quantity(doc["resources"]["limits"]["memory"])
     assert doc["resources"]["requests"]["memory"] == doc["resources"]["limits"]["memory"]
@@ -107,6 +118,7 @@ def test_vllm_args_start_the_server_the_installed_build_can_start(monkeypatch):
             if name in names:
                 return "0.32.0"
             raise importlib.metadata.PackageNotFoundError(name)
+
         return version
 
     monkeypatch.setattr(em.importlib.metadata, "version", dists("vllm"))
@@ -154,8 +166,9 @@ CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "kvtier"
 @pytest.mark.skipif(not (CHART / "values.schema.json").exists(), reason="no Helm chart here")
 def test_helm_values_pass_the_chart_schema_and_its_memory_formula():
     jsonschema = pytest.importorskip("jsonschema")
-    p, inp = _plan(tp=2, gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4,
-                   disable_pin_memory=True)  # fmt: skip
+    p, inp = _plan(
+        tp=2, gpu_kv_gib=28, warm_sessions=200, cpu_offload_gb=4, disable_pin_memory=True
+    )
     doc = yaml.safe_load(emit("helm-values", p, inp))
     values = _merge(yaml.safe_load((CHART / "values.yaml").read_text()), doc)
     jsonschema.validate(values, json.loads((CHART / "values.schema.json").read_text()))

@@ -46,34 +46,57 @@ def lay_out_cache(cache: Path, repo: str, files: dict[str, str]) -> Path:
 
 
 def index_json(total: int) -> str:
-    return json.dumps({"metadata": {"total_size": total},
-                       "weight_map": {"lm_head.weight": "model-00004-of-00004.safetensors"}})
+    return json.dumps(
+        {
+            "metadata": {"total_size": total},
+            "weight_map": {"lm_head.weight": "model-00004-of-00004.safetensors"},
+        }
+    )
 
 
 def kvtier(tmp_path: Path, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The real command in a process of its own: the hub client reads HF_* at import."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     clean.update({"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1", **env})
-    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", *argv], env=clean,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", *argv],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Path:
     config = Path(model("llama3-8b"), "config.json").read_text()
-    lay_out_cache(tmp_path / "hub", REPO,
-                  {"config.json": config, "model.safetensors.index.json": index_json(
-                      LLAMA3_8B_BYTES)})
+    lay_out_cache(
+        tmp_path / "hub",
+        REPO,
+        {"config.json": config, "model.safetensors.index.json": index_json(LLAMA3_8B_BYTES)},
+    )
     return tmp_path / "hub"
 
 
 def test_a_hub_id_is_read_from_the_hub_cache_offline(tmp_path, cache):
-    out = kvtier(tmp_path, "size", "--model", REPO, "--gpu-memory", "24", "--json",
-                 HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    out = kvtier(
+        tmp_path,
+        "size",
+        "--model",
+        REPO,
+        "--gpu-memory",
+        "24",
+        "--json",
+        HF_HUB_CACHE=str(cache),
+        HF_HUB_OFFLINE="1",
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    local = json.loads(kvtier(tmp_path, "size", "--model", model("llama3-8b"), "--gpu-memory",
-                              "24", "--json").stdout)  # fmt: skip
+    local = json.loads(
+        kvtier(
+            tmp_path, "size", "--model", model("llama3-8b"), "--gpu-memory", "24", "--json"
+        ).stdout
+    )
     assert plan["model"] == REPO
     assert plan["kv_bytes_per_token"] == local["kv_bytes_per_token"] == 131_072
     assert plan["gpu_kv_tokens"] == local["gpu_kv_tokens"]
@@ -89,15 +112,29 @@ def test_the_hub_home_layout_and_emit_keep_the_hub_id(tmp_path):
     that vllm serve takes, not the cache's snapshot directory."""
     config = Path(model("llama3-8b"), "config.json").read_text()
     lay_out_cache(tmp_path / "home" / "hub", REPO, {"config.json": config})
-    out = kvtier(tmp_path, "size", "--model", REPO, "--emit", "vllm-args",
-                 HF_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
+    out = kvtier(
+        tmp_path,
+        "size",
+        "--model",
+        REPO,
+        "--emit",
+        "vllm-args",
+        HF_HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",
+    )
     assert out.returncode == 0, out.stderr
     assert REPO in out.stdout and "snapshots" not in out.stdout
 
 
 def test_an_uncached_hub_id_offline_is_one_line_that_says_what_to_do(tmp_path, cache):
-    out = kvtier(tmp_path, "size", "--model", "no-such-org/no-such-model",
-                 HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    out = kvtier(
+        tmp_path,
+        "size",
+        "--model",
+        "no-such-org/no-such-model",
+        HF_HUB_CACHE=str(cache),
+        HF_HUB_OFFLINE="1",
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -185,8 +222,9 @@ def test_online_once_then_offline_from_the_cache(tmp_path, fake_hub, sharded):
     else:
         HUB_FILES[repo]["model.safetensors"] = b"\0" * 4096  # its size stands for 15 GiB
     cache = str(tmp_path / "cache")
-    online = kvtier(tmp_path, "size", "--model", repo, "--json", HF_ENDPOINT=fake_hub,
-                    HF_HUB_CACHE=cache)
+    online = kvtier(
+        tmp_path, "size", "--model", repo, "--json", HF_ENDPOINT=fake_hub, HF_HUB_CACHE=cache
+    )
     assert online.returncode == 0, online.stderr
     plan = json.loads(online.stdout)
     assert plan["kv_bytes_per_token"] == 131_072
@@ -194,8 +232,16 @@ def test_online_once_then_offline_from_the_cache(tmp_path, fake_hub, sharded):
     assert not [r for r in HUB_LOG if r.startswith("GET") and r.endswith(".safetensors")]
     assert any(r.startswith("GET") and r.endswith("/config.json") for r in HUB_LOG)
     HUB_LOG.clear()
-    offline = kvtier(tmp_path, "size", "--model", repo, "--json", HF_ENDPOINT=fake_hub,
-                     HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1")
+    offline = kvtier(
+        tmp_path,
+        "size",
+        "--model",
+        repo,
+        "--json",
+        HF_ENDPOINT=fake_hub,
+        HF_HUB_CACHE=cache,
+        HF_HUB_OFFLINE="1",
+    )
     assert offline.returncode == 0, offline.stderr
     assert HUB_LOG == []
     again = json.loads(offline.stdout)
@@ -204,14 +250,29 @@ def test_online_once_then_offline_from_the_cache(tmp_path, fake_hub, sharded):
     assert again["checkpoint_bytes"] == (LLAMA3_8B_BYTES if sharded else None)
 
 
-@pytest.mark.parametrize(("repo", "says"), [
-    ("someone/not-a-model", ["no model someone/not-a-model on the Hugging Face hub",
-                             "set HF_TOKEN", "local model directory"]),
-    ("gated/llama", ["gated/llama is gated", "set HF_TOKEN", "local model directory"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("repo", "says"),
+    [
+        (
+            "someone/not-a-model",
+            [
+                "no model someone/not-a-model on the Hugging Face hub",
+                "set HF_TOKEN",
+                "local model directory",
+            ],
+        ),
+        ("gated/llama", ["gated/llama is gated", "set HF_TOKEN", "local model directory"]),
+    ],
+)
 def test_an_unknown_or_gated_hub_id_is_one_line(tmp_path, fake_hub, repo, says):
-    out = kvtier(tmp_path, "size", "--model", repo, HF_ENDPOINT=fake_hub,
-                 HF_HUB_CACHE=str(tmp_path / "empty"))
+    out = kvtier(
+        tmp_path,
+        "size",
+        "--model",
+        repo,
+        HF_ENDPOINT=fake_hub,
+        HF_HUB_CACHE=str(tmp_path / "empty"),
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()

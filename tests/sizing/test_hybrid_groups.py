@@ -20,10 +20,18 @@ from tests.connectors.test_hma import HybridEngine, attn
 BS, CHUNK, WINDOW = 16, 64, 32
 #: Gemma 2 style: even layers slide over 32 tokens, odd ones attend to everything
 TINY_GEMMA2 = {
-    "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_size": 32,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "intermediate_size": 64, "num_hidden_layers": 4, "vocab_size": 100,
-    "sliding_window": WINDOW, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
+    "model_type": "gemma2",
+    "architectures": ["Gemma2ForCausalLM"],
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "vocab_size": 100,
+    "sliding_window": WINDOW,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
 }
 
 
@@ -37,10 +45,20 @@ def gemma_dir(tmp_path: Path) -> str:
 @pytest.fixture
 def engine_dir(tmp_path: Path) -> str:
     """A config vLLM's ModelConfig takes for the engine's scheduler (nothing runs)."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-           "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path / "engine")
@@ -69,7 +87,8 @@ def test_each_group_costs_what_vllms_spec_pages_say_and_kvtier_stores(
     assert eng.side.slot_bytes == p["host_slot_bytes"]
     # a sliding layer does not cost the GPU the whole context, nor the object tier
     assert p["session_kv_bytes_per_rank"] == (
-        full["bytes_per_token"] * p["context"] + sliding["bytes_per_token"] * WINDOW)
+        full["bytes_per_token"] * p["context"] + sliding["bytes_per_token"] * WINDOW
+    )
     assert p["object_kv_bytes_per_token"] * CHUNK == p["host_chunk_bytes_per_rank"]
     text = format_plan(p)
     assert "sliding group" in text and "2 layers, window 32," in text

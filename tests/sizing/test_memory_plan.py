@@ -42,8 +42,14 @@ def test_only_model_given_leaves_memory_figures_unknown():
     p = plan()
     assert p["kv_bytes_per_token"] == 131_072
     assert p["weight_bytes"] == LLAMA8B
-    for key in ("gpu_kv_bytes", "gpu_kv_tokens", "warm_set_bytes", "host_tier_bytes",
-                "host_bytes_total", "fits"):  # fmt: skip
+    for key in (
+        "gpu_kv_bytes",
+        "gpu_kv_tokens",
+        "warm_set_bytes",
+        "host_tier_bytes",
+        "host_bytes_total",
+        "fits",
+    ):
         assert p[key] is None, key
     assert p["warnings"] == []
 
@@ -81,8 +87,13 @@ def test_guide_24_gib_gpu_with_10_gib_offloaded_behaves_like_34():
 
 
 def test_host_total_and_fit():
-    p = plan(gpu_kv_gib=28, warm_sessions=200, host_memory_gib=256, cpu_offload_gb=10,
-             disable_pin_memory=True)  # fmt: skip
+    p = plan(
+        gpu_kv_gib=28,
+        warm_sessions=200,
+        host_memory_gib=256,
+        cpu_offload_gb=10,
+        disable_pin_memory=True,
+    )
     tier = p["host_tier_bytes"]
     assert p["weight_offload_host_bytes"] == UVA10
     assert p["host_bytes_total"] == UVA10 + tier + 4 * GiB
@@ -130,8 +141,9 @@ def test_pin_env_var_is_honoured():
     assert p["pin_memory"] is False and p["weight_offload_host_bytes"] == UVA10
 
 
-@pytest.mark.parametrize("version, warned", [("0.27.1", True), ("0.28.0", False),
-                                             ("0.33.0", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "version, warned", [("0.27.1", True), ("0.28.0", False), ("0.33.0", False)]
+)
 def test_old_vllm_ignores_offload(version, warned):
     p = plan(cpu_offload_gb=4, vllm_version=version)
     assert ("offload-ignored-old-vllm" in codes(p)) is warned
@@ -175,7 +187,8 @@ def test_moe_without_experts_selector():
     q = model("qwen3-30b-a3b")
     assert "moe-no-experts-selector" in codes(plan(model=q, cpu_offload_gb=10))
     assert "moe-no-experts-selector" not in codes(
-        plan(model=q, cpu_offload_gb=10, cpu_offload_params=("experts",)))
+        plan(model=q, cpu_offload_gb=10, cpu_offload_params=("experts",))
+    )
     assert "moe-no-experts-selector" not in codes(plan(cpu_offload_gb=10))  # dense model
 
 
@@ -206,13 +219,21 @@ def _emitted_codes() -> dict[str, set[str]]:
                     if isinstance(t, ast.Name):
                         assigned.setdefault(t.id, []).append(node.value)
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "warning" and node.args):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "warning"
+                and node.args
+            ):
                 continue
             arg = node.args[0]
             exprs = assigned.get(arg.id, []) if isinstance(arg, ast.Name) else [arg]
-            consts = {c.value for e in exprs for c in ast.walk(e)
-                      if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            consts = {
+                c.value
+                for e in exprs
+                for c in ast.walk(e)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
             assert consts, f"{path.name}:{node.lineno}: a warning code kvtier cannot read"
             found.setdefault(path.name, set()).update(consts)
     return found

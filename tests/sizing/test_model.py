@@ -83,10 +83,19 @@ def test_hybrid_jamba_only_attention_layers_hold_kv():
 
 
 def test_layer_types_and_hybrid_pattern():
-    cfg = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-           "hidden_size": 512, "torch_dtype": "float16",
-           "layer_types": ["linear_attention", "linear_attention", "linear_attention",
-                           "full_attention"]}  # fmt: skip
+    cfg = {
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 512,
+        "torch_dtype": "float16",
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+    }
     s = shape_from_config(cfg)
     assert s.kv_bytes_per_token() == 1 * 2 * 2 * 64 * 2
     cfg2 = dict(cfg, layer_types=None, hybrid_override_pattern="M*M-")
@@ -94,10 +103,20 @@ def test_layer_types_and_hybrid_pattern():
 
 
 def test_text_config_is_used_for_multimodal():
-    cfg = {"model_type": "gemma3", "text_config": {
-        "model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2560,
-        "sliding_window": 1024, "sliding_window_pattern": 6}, "torch_dtype": "bfloat16"}
+    cfg = {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_size": 2560,
+            "sliding_window": 1024,
+            "sliding_window_pattern": 6,
+        },
+        "torch_dtype": "bfloat16",
+    }
     s = shape_from_config(cfg)
     assert s.layer_kinds == ("sliding",) * 5 + ("full",)
     assert s.kv_bytes_per_token() == 6 * 2 * 4 * 256 * 2

@@ -34,20 +34,40 @@ TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.
 #: small configs of the hybrid families without a fixture directory (values of the
 #: public Nemotron-H and LFM2 configs' kind, sized down)
 NEMOTRON_H: dict[str, Any] = {
-    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-    "num_hidden_layers": 8, "hybrid_override_pattern": "M-M*M-M*", "hidden_size": 512,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-    "mamba_num_heads": 16, "mamba_head_dim": 32, "n_groups": 2, "ssm_state_size": 64,
-    "conv_kernel": 4, "intermediate_size": 1024, "vocab_size": 1000,
-    "torch_dtype": "bfloat16", "max_position_embeddings": 4096, "tie_word_embeddings": False,
-}  # fmt: skip
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "num_hidden_layers": 8,
+    "hybrid_override_pattern": "M-M*M-M*",
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "mamba_num_heads": 16,
+    "mamba_head_dim": 32,
+    "n_groups": 2,
+    "ssm_state_size": 64,
+    "conv_kernel": 4,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 LFM2: dict[str, Any] = {
-    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "num_hidden_layers": 6,
+    "architectures": ["Lfm2ForCausalLM"],
+    "model_type": "lfm2",
+    "num_hidden_layers": 6,
     "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
-    "hidden_size": 1024, "conv_dim": 1024, "conv_L_cache": 3, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "intermediate_size": 2048, "vocab_size": 1000,
-    "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
-}  # fmt: skip
+    "hidden_size": 1024,
+    "conv_dim": 1024,
+    "conv_L_cache": 3,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "intermediate_size": 2048,
+    "vocab_size": 1000,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
+}
 
 
 def write(tmp_path: Path, name: str, cfg: dict[str, Any]) -> str:
@@ -69,33 +89,42 @@ def models(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def vllm_state(model_dir: str, tp: int, mamba_cache_dtype: str = "auto",
-               mamba_ssm_cache_dtype: str = "auto") -> tuple[tuple, tuple, int]:
+def vllm_state(
+    model_dir: str, tp: int, mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto"
+) -> tuple[tuple, tuple, int]:
     """vLLM's shapes, dtypes and MambaSpec page of one state layer on one of ``tp`` ranks,
     from the model class vLLM runs, over the config as transformers reads it."""
     hf = AutoConfig.from_pretrained(model_dir)
     cls = ModelRegistry._try_load_model_cls(hf.architectures[0])
     assert cls is not None
-    cache = SimpleNamespace(mamba_cache_dtype=mamba_cache_dtype,
-                            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, use_replayssm=False)
+    cache = SimpleNamespace(
+        mamba_cache_dtype=mamba_cache_dtype,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+        use_replayssm=False,
+    )
     if hf.model_type == "nemotron_h":  # what vLLM's NemotronHForCausalLMConfig does at startup
         from vllm.model_executor.models.config import NemotronHForCausalLMConfig
 
-        NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype(cache_config=cache,
-                                                                hf_config=hf)  # type: ignore[arg-type]
+        NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype(cache_config=cache, hf_config=hf)  # type: ignore[arg-type]
     vc = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=hf, hf_text_config=hf, dtype=torch.bfloat16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp), cache_config=cache,
-        num_speculative_tokens=0, speculative_config=None)  # fmt: skip
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        cache_config=cache,
+        num_speculative_tokens=0,
+        speculative_config=None,
+    )
     shapes = cls.get_mamba_state_shape_from_config(vc)
     dtypes = cls.get_mamba_state_dtype_from_config(vc)
     return shapes, dtypes, MambaSpec(shapes=shapes, dtypes=dtypes, block_size=16).page_size_bytes
 
 
 CASES = [
-    ("granite-4.0-h-tiny", "mamba2", 36), ("qwen3-next-80b-a3b", "gated_delta_net", 36),
-    ("jamba-v0.1", "mamba1", 28), ("nemotron-h", "mamba2", 4), ("lfm2", "short_conv", 4),
-]  # fmt: skip
+    ("granite-4.0-h-tiny", "mamba2", 36),
+    ("qwen3-next-80b-a3b", "gated_delta_net", 36),
+    ("jamba-v0.1", "mamba1", 28),
+    ("nemotron-h", "mamba2", 4),
+    ("lfm2", "short_conv", 4),
+]
 
 
 @pytest.mark.parametrize(("name", "kind", "layers"), CASES)
@@ -123,16 +152,17 @@ def test_state_bytes_per_chunk_are_vllms_mambaspec_page(
         assert plan["host_chunk_bytes_per_rank"] == attention + layers * page
 
 
-@pytest.mark.parametrize(("conv", "ssm"), [("auto", "float32"), ("float16", "auto"),
-                                           ("auto", "bfloat16")])
+@pytest.mark.parametrize(
+    ("conv", "ssm"), [("auto", "float32"), ("float16", "auto"), ("auto", "bfloat16")]
+)
 @pytest.mark.parametrize("name", ["granite-4.0-h-tiny", "qwen3-next-80b-a3b", "nemotron-h"])
-def test_state_dtypes_follow_vllms_flags(models: dict[str, str], name: str, conv: str,
-                                         ssm: str) -> None:
+def test_state_dtypes_follow_vllms_flags(
+    models: dict[str, str], name: str, conv: str, ssm: str
+) -> None:
     """--mamba-cache-dtype / --mamba-ssm-cache-dtype as vLLM resolves them (Nemotron-H's
     auto is float32, from its config)."""
     _, dtypes, page = vllm_state(models[name], 1, conv, ssm)
-    spec = load_shape(models[name]).state_spec(1, mamba_cache_dtype=conv,
-                                               mamba_ssm_cache_dtype=ssm)
+    spec = load_shape(models[name]).state_spec(1, mamba_cache_dtype=conv, mamba_ssm_cache_dtype=ssm)
     assert spec is not None and [TORCH[d] for d in spec.dtypes] == list(dtypes)
     assert spec.bytes_per_layer == page
 
@@ -178,18 +208,22 @@ def test_vllm_cpu_raises_the_block_and_pads_the_state_page_as_planned(
 
     model = models["granite-4.0-h-tiny"]
     vc = VllmConfig(
-        model_config=ModelConfig(model=model, dtype="bfloat16", skip_tokenizer_init=True,
-                                 max_model_len=4096),
+        model_config=ModelConfig(
+            model=model, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=4096
+        ),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=4096,
-                                         enable_chunked_prefill=True,
-                                         is_encoder_decoder=False))  # fmt: skip
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+    )
     current_platform._align_hybrid_block_size(vc, CPUAttentionBackend)
     cache = vc.cache_config
     assert cache.mamba_cache_mode == "align"
     shape = load_shape(model)
-    spec, block = shape.engine_state(16, cpu_build=True,
-                                     mamba_ssm_cache_dtype="auto")  # fmt: skip
+    spec, block = shape.engine_state(16, cpu_build=True, mamba_ssm_cache_dtype="auto")
     assert spec is not None
     if torch.cpu._is_avx512_bf16_supported():
         assert cache.mamba_ssm_cache_dtype == spec.dtypes[1] == "float32"
@@ -200,15 +234,19 @@ def test_vllm_cpu_raises_the_block_and_pads_the_state_page_as_planned(
         assert block == cache.block_size == cache.mamba_block_size < 800
     # both branches, whatever this host has: the other CPU's plan is the other state
     other, other_block = shape.engine_state(
-        16, cpu_build=True, cpu_avx512_bf16=not torch.cpu._is_avx512_bf16_supported())
+        16, cpu_build=True, cpu_avx512_bf16=not torch.cpu._is_avx512_bf16_supported()
+    )
     assert other is not None and (other.dtypes[1] == "float32") != (spec.dtypes[1] == "float32")
     assert {block, other_block} == {800, min(block, other_block)} and block != other_block
     plan = make_plan(PlanInputs(model=model, chunk_size=block, cpu_kv_space_bytes=2**30))
     assert plan["engine_block_size"] == block
     assert plan["state_padded_page_bytes"] == cache.mamba_page_size_padded
-    assert plan["state_bytes_per_layer"] == MambaSpec(
-        shapes=spec.shapes, dtypes=tuple(TORCH[d] for d in spec.dtypes),
-        block_size=block).page_size_bytes
+    assert (
+        plan["state_bytes_per_layer"]
+        == MambaSpec(
+            shapes=spec.shapes, dtypes=tuple(TORCH[d] for d in spec.dtypes), block_size=block
+        ).page_size_bytes
+    )
 
 
 def test_gpu_block_and_padding_never_under_count(models: dict[str, str]) -> None:
@@ -217,8 +255,9 @@ def test_gpu_block_and_padding_never_under_count(models: dict[str, str]) -> None
     and a session holds its attention KV in whole blocks plus two padded state pages a
     state layer."""
     model = models["granite-4.0-h-tiny"]
-    plan = make_plan(PlanInputs(model=model, chunk_size=400, context=1000,
-                                gpu_kv_gib=10, warm_sessions=10))  # fmt: skip
+    plan = make_plan(
+        PlanInputs(model=model, chunk_size=400, context=1000, gpu_kv_gib=10, warm_sessions=10)
+    )
     assert plan["engine_block_size"] == 400
     assert plan["state_bytes_per_layer"] == 806_400
     assert plan["state_padded_page_bytes"] == 400 * 2048 == 819_200
@@ -226,15 +265,28 @@ def test_gpu_block_and_padding_never_under_count(models: dict[str, str]) -> None
     assert plan["session_kv_bytes_per_rank"] == attention + 36 * 819_200 * 2
     assert plan["gpu_kv_sessions"] == 10 * 2**30 // plan["session_kv_bytes_per_rank"]
     # the warm set: every token's KV and one state a layer per whole chunk (two of them)
-    assert plan["warm_set_bytes"] == 10 * (plan["kv_bytes_per_token_per_rank"] * 1000
-                                           + 2 * 36 * 806_400)
+    assert plan["warm_set_bytes"] == 10 * (
+        plan["kv_bytes_per_token_per_rank"] * 1000 + 2 * 36 * 806_400
+    )
 
 
 def test_a_plan_for_jamba_now_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
     """Jamba v0.1 used to be refused (Mamba layers); it is planned with its 28 Mamba1
     states per chunk, in the 80-token blocks vLLM raises 16 to."""
-    argv = ["size", "--model", str(FIXTURES / "jamba-v0.1"), "--chunk-size", "320",
-            "--gpu-memory", "80", "--tp", "2", "--warm-sessions", "10", "--json"]
+    argv = [
+        "size",
+        "--model",
+        str(FIXTURES / "jamba-v0.1"),
+        "--chunk-size",
+        "320",
+        "--gpu-memory",
+        "80",
+        "--tp",
+        "2",
+        "--warm-sessions",
+        "10",
+        "--json",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     plan = json.loads(capsys.readouterr().out)
     assert plan["state_layers"] == 28 and plan["state_kind"] == "mamba1"
@@ -253,15 +305,35 @@ def test_a_chunk_size_off_the_raised_block_is_refused(capsys: pytest.CaptureFixt
     assert "kvtier config 'chunk_size'" in err and "80-token block" in err and "320" in err
 
 
-@pytest.mark.parametrize(("cfg", "named"), [
-    ({"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
-      "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-      "hidden_size": 512, "mamba_d_ssm": 1024, "mamba_n_heads": 16, "mamba_d_state": 64},
-     "'mamba' (recurrent-state) layers of model type 'falcon_h1'"),
-    ({"model_type": "kimi_linear", "num_hidden_layers": 4, "num_attention_heads": 8,
-      "hidden_size": 512, "layer_types": ["kda", "kda", "kda", "full_attention"]},
-     "'kda' layers of model type 'kimi_linear'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cfg", "named"),
+    [
+        (
+            {
+                "model_type": "falcon_h1",
+                "architectures": ["FalconH1ForCausalLM"],
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+                "mamba_d_ssm": 1024,
+                "mamba_n_heads": 16,
+                "mamba_d_state": 64,
+            },
+            "'mamba' (recurrent-state) layers of model type 'falcon_h1'",
+        ),
+        (
+            {
+                "model_type": "kimi_linear",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "hidden_size": 512,
+                "layer_types": ["kda", "kda", "kda", "full_attention"],
+            },
+            "'kda' layers of model type 'kimi_linear'",
+        ),
+    ],
+)
 def test_state_kvtier_cannot_size_is_refused_naming_the_layer_type(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cfg: dict[str, Any], named: str
 ) -> None:
@@ -276,10 +348,12 @@ def test_state_kvtier_cannot_size_is_refused_naming_the_layer_type(
     assert named in out and "serve it without kvtier's connector" in out
 
 
-@pytest.mark.parametrize("name", ["granite-4.0-h-tiny", "qwen3-next-80b-a3b", "jamba-v0.1",
-                                  "nemotron-h", "lfm2"])
-def test_weights_from_the_config_count_the_state_layers_mixers(models: dict[str, str],
-                                                               name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["granite-4.0-h-tiny", "qwen3-next-80b-a3b", "jamba-v0.1", "nemotron-h", "lfm2"]
+)
+def test_weights_from_the_config_count_the_state_layers_mixers(
+    models: dict[str, str], name: str
+) -> None:
     """Without a checkpoint the plan counts weights from the config: a state layer's
     mixer (Mamba in/out projections, GDN's qkvz, the short conv's) used to count as
     nothing, 7.6% of Granite-4.0-H-Tiny's weights, 5.7% of Jamba's, so GPU KV was
@@ -301,11 +375,27 @@ def test_emit_gives_vllm_the_flags_the_plan_counted(capsys: pytest.CaptureFixtur
     state at block boundaries only then) and the raised block size the chunks line up
     with; a model without state gets none of them."""
     granite = str(FIXTURES / "granite-4.0-h-tiny")
-    assert main(["size", "--model", granite, "--chunk-size", "784", "--emit", "vllm-args",
-                 "--mamba-ssm-cache-dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "size",
+                "--model",
+                granite,
+                "--chunk-size",
+                "784",
+                "--emit",
+                "vllm-args",
+                "--mamba-ssm-cache-dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out
-    want = ("--enable-prefix-caching --mamba-cache-mode align --block-size 784 "
-            "--mamba-ssm-cache-dtype float32")
+    want = (
+        "--enable-prefix-caching --mamba-cache-mode align --block-size 784 "
+        "--mamba-ssm-cache-dtype float32"
+    )
     assert want in line and '"chunk_size":784' in line
     assert main(["size", "--model", str(FIXTURES / "llama3-8b"), "--emit", "vllm-args"]) == 0
     line = capsys.readouterr().out
@@ -313,8 +403,9 @@ def test_emit_gives_vllm_the_flags_the_plan_counted(capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(("attention", "conv"), [(6, 10), (4, 4), (2, 6), (3, 4)])
-def test_gpu_pays_for_the_group_padding_vllm_adds(tmp_path: Path, attention: int,
-                                                  conv: int) -> None:
+def test_gpu_pays_for_the_group_padding_vllm_adds(
+    tmp_path: Path, attention: int, conv: int
+) -> None:
     """vLLM's own grouping (``_get_kv_cache_groups_uniform_page_size``) of LFM2-like
     models: every group holds as many layers, the last of a kind padded. LFM2-1.2B's 6
     attention and 10 conv layers are 2 groups of 6 conv layers: 12 state pages a block,
@@ -328,20 +419,27 @@ def test_gpu_pays_for_the_group_padding_vllm_adds(tmp_path: Path, attention: int
     cfg = {**LFM2, "num_hidden_layers": len(types), "layer_types": types}
     shape = load_shape(write(tmp_path, "m", cfg))
     full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
-    state = MambaSpec(block_size=16, shapes=((2, 1024),), dtypes=(torch.bfloat16,),
-                      page_size_padded=full.page_size_bytes)
+    state = MambaSpec(
+        block_size=16,
+        shapes=((2, 1024),),
+        dtypes=(torch.bfloat16,),
+        page_size_padded=full.page_size_bytes,
+    )
     specs = {f"layers.{i}": full if t == "full_attention" else state for i, t in enumerate(types)}
     groups = _get_kv_cache_groups_uniform_page_size(specs)
     size = max(len(g.layer_names) for g in groups)
-    want = {kind: size * sum(1 for g in groups if type(g.kv_cache_spec) is cls)
-            for kind, cls in (("full", FullAttentionSpec), ("state", MambaSpec))}
+    want = {
+        kind: size * sum(1 for g in groups if type(g.kv_cache_spec) is cls)
+        for kind, cls in (("full", FullAttentionSpec), ("state", MambaSpec))
+    }
     got = gpu_group_layers(shape, conv)
     assert (got[0], got[2]) == (want["full"], want["state"])
     plan = make_plan(PlanInputs(model=str(tmp_path / "m"), chunk_size=16, context=16))
     assert plan["gpu_group_layers"]["state"] == want["state"]
     per_layer_token = plan["kv_bytes_per_token_per_rank"] // attention
     assert plan["session_kv_bytes_per_rank"] == (
-        want["full"] * 16 * per_layer_token + want["state"] * plan["state_padded_page_bytes"] * 2)
+        want["full"] * 16 * per_layer_token + want["state"] * plan["state_padded_page_bytes"] * 2
+    )
 
 
 def test_qwen3_5_reads_its_text_config_and_ssm_dtype(tmp_path: Path) -> None:
@@ -355,30 +453,58 @@ def test_qwen3_5_reads_its_text_config_and_ssm_dtype(tmp_path: Path) -> None:
     )
     from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
 
-    text = {"model_type": "qwen3_5_text", "num_hidden_layers": 8,
-            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-            "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
-            "intermediate_size": 2048, "vocab_size": 1000, "torch_dtype": "bfloat16"}  # fmt: skip
-    model = write(tmp_path, "qwen3.5", {"architectures": ["Qwen3_5ForConditionalGeneration"],
-                                        "model_type": "qwen3_5", "text_config": text})
+    text = {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 8,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+        "hidden_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "mamba_ssm_dtype": "float32",
+        "intermediate_size": 2048,
+        "vocab_size": 1000,
+        "torch_dtype": "bfloat16",
+    }
+    model = write(
+        tmp_path,
+        "qwen3.5",
+        {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+        },
+    )
     hf = AutoConfig.from_pretrained(model).get_text_config()
     cache = SimpleNamespace(mamba_ssm_cache_dtype="auto")
-    Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(SimpleNamespace(
-        cache_config=cache, model_config=SimpleNamespace(hf_text_config=hf)))  # type: ignore[arg-type]
+    Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(
+        SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(hf_text_config=hf))  # type: ignore[arg-type]
+    )
     for tp in (1, 2):
         shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-            tp, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
-            hf.linear_value_head_dim, hf.linear_conv_kernel_dim, 0)
+            tp,
+            hf.linear_num_key_heads,
+            hf.linear_num_value_heads,
+            hf.linear_key_head_dim,
+            hf.linear_value_head_dim,
+            hf.linear_conv_kernel_dim,
+            0,
+        )
         dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
-            torch.bfloat16, "auto", cache.mamba_ssm_cache_dtype)
+            torch.bfloat16, "auto", cache.mamba_ssm_cache_dtype
+        )
         spec = load_shape(model).state_spec(tp)
         assert spec is not None and spec.layers == 6 and spec.kind == "gated_delta_net"
         assert spec.shapes == shapes and [TORCH[d] for d in spec.dtypes] == list(dtypes)
-        assert spec.bytes_per_layer == MambaSpec(shapes=shapes, dtypes=dtypes,
-                                                 block_size=16).page_size_bytes
+        assert (
+            spec.bytes_per_layer
+            == MambaSpec(shapes=shapes, dtypes=dtypes, block_size=16).page_size_bytes
+        )
     assert spec.dtypes == ("bfloat16", "float32")
 
 
@@ -398,19 +524,42 @@ def test_the_plans_host_slot_is_the_connectors(tmp_path: Path, tp: int) -> None:
     types = ["conv", "conv", "full_attention"] * 2 + ["conv"] * 4 + ["full_attention"] * 2
     cfg = {**LFM2, "num_hidden_layers": len(types), "layer_types": types}
     model = write(tmp_path, "lfm2-16", cfg)
-    engine = write(tmp_path, "engine", {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1})  # fmt: skip
+    engine = write(
+        tmp_path,
+        "engine",
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 4096,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+        },
+    )
     plan = make_plan(PlanInputs(model=model, tp=tp, chunk_size=CHUNK, block_size=BS))
     assert plan["engine_block_size"] == BS
     shapes, dtypes, _ = vllm_state(model, tp)
-    attn = FullAttentionSpec(block_size=BS, num_kv_heads=8 // tp, head_size=64,
-                             dtype=torch.bfloat16)
-    conv = MambaSpec(block_size=BS, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align",
-                     page_size_padded=attn.page_size_bytes)
-    specs = {f"model.layers.{i}.{'self_attn.attn' if t == 'full_attention' else 'conv'}":
-             attn if t == "full_attention" else conv for i, t in enumerate(types)}
+    attn = FullAttentionSpec(
+        block_size=BS, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16
+    )
+    conv = MambaSpec(
+        block_size=BS,
+        shapes=shapes,
+        dtypes=dtypes,
+        mamba_cache_mode="align",
+        page_size_padded=attn.page_size_bytes,
+    )
+    specs = {
+        f"model.layers.{i}.{'self_attn.attn' if t == 'full_attention' else 'conv'}": attn
+        if t == "full_attention"
+        else conv
+        for i, t in enumerate(types)
+    }
     kv = shape_of(engine, specs)  # type: ignore[arg-type]
     assert slot_size(kv, kv_groups(kv, BS, CHUNK), CHUNK // BS) == plan["host_slot_bytes"]

@@ -26,8 +26,9 @@ from kvtier.sizing import trace as tr
 # ------------------------------------------------------------------ brute force
 
 
-def brute_served(reqs: list[tuple[list[int], str | None]], bs: int, cs: int,
-                 gpu_blocks: int, slots: int) -> tuple[int, int]:
+def brute_served(
+    reqs: list[tuple[list[int], str | None]], bs: int, cs: int, gpu_blocks: int, slots: int
+) -> tuple[int, int]:
     """(tokens vLLM's cache serves, tokens a tier of ``slots`` chunks serves beyond it),
     simulating both caches as plain lists, keyed by (salt, the whole token prefix)."""
     gpu: list[Any] = []
@@ -63,8 +64,9 @@ def brute_served(reqs: list[tuple[list[int], str | None]], bs: int, cs: int,
 
 @st.composite
 def traces(draw: Any) -> list[tuple[list[int], str | None]]:
-    docs = draw(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12),
-                         min_size=1, max_size=4))
+    docs = draw(
+        st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12), min_size=1, max_size=4)
+    )
     out = []
     for _ in range(draw(st.integers(1, 25))):
         doc = docs[draw(st.integers(0, len(docs) - 1))]
@@ -77,10 +79,15 @@ def traces(draw: Any) -> list[tuple[list[int], str | None]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), bs=st.sampled_from([1, 2, 3]), bpc=st.sampled_from([1, 2]),
-       gpu_blocks=st.integers(0, 10))
-def test_curve_matches_lru_simulated_at_every_size(data: Any, bs: int, bpc: int,
-                                                   gpu_blocks: int) -> None:
+@given(
+    data=st.data(),
+    bs=st.sampled_from([1, 2, 3]),
+    bpc=st.sampled_from([1, 2]),
+    gpu_blocks=st.integers(0, 10),
+)
+def test_curve_matches_lru_simulated_at_every_size(
+    data: Any, bs: int, bpc: int, gpu_blocks: int
+) -> None:
     reqs = data.draw(traces())
     cs = bs * bpc
     sim = tr.Simulation(bs, cs, gpu_blocks)
@@ -136,19 +143,20 @@ def model_dir(tmp_path: Path) -> Path:
     vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2} | {w: i + 3 for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", 0)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="[UNK]")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
-                          "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
+        "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+    )
     fast.save_pretrained(d)
     return d
 
 
 def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice("the quick brown fox jumps over lazy dog".split())
-                    for _ in range(n))
+    return " ".join(rng.choice("the quick brown fox jumps over lazy dog".split()) for _ in range(n))
 
 
 def _write(path: Path, lines: list[Any]) -> Path:
@@ -170,31 +178,48 @@ def _docs_trace(rng: random.Random, n: int) -> list[str]:
 COMMON = ("--gpu-kv-tokens", "32", "--block-size", "4", "--chunk-size", "8", "--json")
 
 
-def test_text_prompts_and_messages_tokenize_as_vllm(model_dir: Path, tmp_path: Path,
-                                                    capsys: Any) -> None:
+def test_text_prompts_and_messages_tokenize_as_vllm(
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = _docs_trace(random.Random(1), 60)
     as_text = _write(tmp_path / "text.jsonl", [{"prompt": t} for t in texts])
-    as_ids = _write(tmp_path / "ids.jsonl",
-                    [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts])
+    as_ids = _write(
+        tmp_path / "ids.jsonl", [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
+    )
     assert tok(texts[0])["input_ids"][0] == tok.bos_token_id
-    msgs = [[{"role": "system", "content": t.split(" ", 40)[-1]},
-             {"role": "user", "content": "hello"}] for t in texts]
+    msgs = [
+        [{"role": "system", "content": t.split(" ", 40)[-1]}, {"role": "user", "content": "hello"}]
+        for t in texts
+    ]
     as_msgs = _write(tmp_path / "msgs.jsonl", [{"messages": m} for m in msgs])
-    rendered = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False)["input_ids"] for m in msgs]
-    as_rendered = _write(tmp_path / "rendered.jsonl",
-                         [{"prompt_token_ids": ids} for ids in rendered])
+    rendered = [
+        tok(
+            tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )["input_ids"]
+        for m in msgs
+    ]
+    as_rendered = _write(
+        tmp_path / "rendered.jsonl", [{"prompt_token_ids": ids} for ids in rendered]
+    )
     reps = {}
-    for name, path in (("text", as_text), ("ids", as_ids), ("msgs", as_msgs),
-                       ("rendered", as_rendered)):
+    for name, path in (
+        ("text", as_text),
+        ("ids", as_ids),
+        ("msgs", as_msgs),
+        ("rendered", as_rendered),
+    ):
         rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
         assert rc == 0
         rep["trace"].pop("path")
-        assert rep["trace"].pop("format") == {"rendered": "tokens", "ids": "tokens",
-                                                    "msgs": "messages"}.get(name, name)
+        assert rep["trace"].pop("format") == {
+            "rendered": "tokens",
+            "ids": "tokens",
+            "msgs": "messages",
+        }.get(name, name)
         rep["trace"].pop("formats")
         reps[name] = rep
     assert reps["text"]["trace"]["prompt_tokens"] > 60 * 60
@@ -207,11 +232,21 @@ def test_text_prompts_and_messages_tokenize_as_vllm(model_dir: Path, tmp_path: P
 def test_cache_salt_and_timestamps(model_dir: Path, tmp_path: Path, capsys: Any) -> None:
     rng = random.Random(2)
     ids = [[rng.randrange(100) for _ in range(64)] for _ in range(3)]
-    plain = _write(tmp_path / "plain.jsonl",
-                   [{"prompt_token_ids": ids[i % 3], "timestamp": i} for i in range(30)])
-    salted = _write(tmp_path / "salted.jsonl",
-                    [{"prompt_token_ids": ids[i % 3], "cache_salt": f"t{i}",
-                      "timestamp": f"2025-01-01T00:00:{i:02d}"} for i in range(30)])
+    plain = _write(
+        tmp_path / "plain.jsonl",
+        [{"prompt_token_ids": ids[i % 3], "timestamp": i} for i in range(30)],
+    )
+    salted = _write(
+        tmp_path / "salted.jsonl",
+        [
+            {
+                "prompt_token_ids": ids[i % 3],
+                "cache_salt": f"t{i}",
+                "timestamp": f"2025-01-01T00:00:{i:02d}",
+            }
+            for i in range(30)
+        ],
+    )
     _, a = _run(capsys, "--model", str(model_dir), "--trace", str(plain), *COMMON)
     _, b = _run(capsys, "--model", str(model_dir), "--trace", str(salted), *COMMON)
     assert a["max_hit_rate"] > 0.8 and a["trace"]["duration_s"] == 29
@@ -220,10 +255,21 @@ def test_cache_salt_and_timestamps(model_dir: Path, tmp_path: Path, capsys: Any)
 
 def test_bad_lines_are_counted_not_fatal(model_dir: Path, tmp_path: Path, capsys: Any) -> None:
     good = {"prompt_token_ids": list(range(40))}
-    lines = [good, "not json", "[1, 2]", {"prompt_token_ids": [1, -2]},
-             {"prompt_token_ids": ["a"]}, {"prompt": 5}, {"foo": 1}, {"prompt_token_ids": []},
-             {**good, "cache_salt": 3}, {**good, "timestamp": "yesterday"},
-             {"messages": "hi"}, "", good]
+    lines = [
+        good,
+        "not json",
+        "[1, 2]",
+        {"prompt_token_ids": [1, -2]},
+        {"prompt_token_ids": ["a"]},
+        {"prompt": 5},
+        {"foo": 1},
+        {"prompt_token_ids": []},
+        {**good, "cache_salt": 3},
+        {**good, "timestamp": "yesterday"},
+        {"messages": "hi"},
+        "",
+        good,
+    ]
     path = _write(tmp_path / "bad.jsonl", lines)
     rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON)
     assert rc == 0
@@ -250,27 +296,58 @@ SCHEMA = {
     "type": "object",
     "required": ["trace", "host_tier", "object_tier", "recommended", "gpu_prefix_cache"],
     "properties": {
-        "trace": {"type": "object", "required": ["requests", "bad_lines", "prompt_tokens"],
-                  "properties": {k: {"type": "integer", "minimum": 0}
-                                 for k in ("requests", "bad_lines", "prompt_tokens")}},
-        "host_tier": {"type": "array", "minItems": 2, "items": {
-            "type": "object", "required": ["bytes", "hit_rate"],
-            "properties": {"bytes": {"type": "integer", "minimum": 1},
-                           "hit_rate": {"type": "number", "minimum": 0, "maximum": 1}}}},
-        "recommended": {"type": "object", "required": ["host_bytes", "object_bytes"],
-                        "properties": {"host_bytes": {"type": ["integer", "null"]}}},
+        "trace": {
+            "type": "object",
+            "required": ["requests", "bad_lines", "prompt_tokens"],
+            "properties": {
+                k: {"type": "integer", "minimum": 0}
+                for k in ("requests", "bad_lines", "prompt_tokens")
+            },
+        },
+        "host_tier": {
+            "type": "array",
+            "minItems": 2,
+            "items": {
+                "type": "object",
+                "required": ["bytes", "hit_rate"],
+                "properties": {
+                    "bytes": {"type": "integer", "minimum": 1},
+                    "hit_rate": {"type": "number", "minimum": 0, "maximum": 1},
+                },
+            },
+        },
+        "recommended": {
+            "type": "object",
+            "required": ["host_bytes", "object_bytes"],
+            "properties": {"host_bytes": {"type": ["integer", "null"]}},
+        },
     },
 }
 
 
-def test_json_schema_bytes_per_worker_and_recommendation(model_dir: Path, tmp_path: Path,
-                                                         capsys: Any) -> None:
+def test_json_schema_bytes_per_worker_and_recommendation(
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     rng = random.Random(5)
     docs = [[rng.randrange(100) for _ in range(200)] for _ in range(20)]
-    path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": rng.choice(docs) + [1, 2]}
-                                         for _ in range(400)])
-    args = ("--model", str(model_dir), "--trace", str(path), "--gpu-kv-tokens", "0",
-            "--block-size", "16", "--chunk-size", "32", "--target-hit-rate", "0.5", "--json")
+    path = _write(
+        tmp_path / "t.jsonl", [{"prompt_token_ids": rng.choice(docs) + [1, 2]} for _ in range(400)]
+    )
+    args = (
+        "--model",
+        str(model_dir),
+        "--trace",
+        str(path),
+        "--gpu-kv-tokens",
+        "0",
+        "--block-size",
+        "16",
+        "--chunk-size",
+        "32",
+        "--target-hit-rate",
+        "0.5",
+        "--json",
+    )
     rc, one = _run(capsys, *args)
     _, two = _run(capsys, *args, "--tp", "2")
     assert rc == 0
@@ -294,8 +371,9 @@ def test_json_schema_bytes_per_worker_and_recommendation(model_dir: Path, tmp_pa
     assert unreachable["recommended"]["host_bytes"] is None
 
 
-def test_sizes_below_the_longest_prompt_are_flagged(model_dir: Path, tmp_path: Path,
-                                                     capsys: Any) -> None:
+def test_sizes_below_the_longest_prompt_are_flagged(
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     # the connector keeps the first chunks of a prompt longer than the tier (its own
     # step's loads and stores cannot be evicted), the LRU model its last: only from the
     # longest prompt's chunk count on is the curve exact (tests/e2e/test_trace_replay.py)
@@ -316,13 +394,16 @@ def test_sizes_below_the_longest_prompt_are_flagged(model_dir: Path, tmp_path: P
     assert rows[0].endswith("  *") and not rows[-1].endswith("  *"), rows
 
 
-def test_gpu_cache_size_from_the_plan_and_text_and_plot(model_dir: Path, tmp_path: Path,
-                                                        capsys: Any) -> None:
+def test_gpu_cache_size_from_the_plan_and_text_and_plot(
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     rng = random.Random(6)
-    path = _write(tmp_path / "t.jsonl",
-                  [{"prompt_token_ids": [rng.randrange(9) for _ in range(80)]}] * 5)
-    _, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), "--gpu-memory", "4",
-                  "--json")
+    path = _write(
+        tmp_path / "t.jsonl", [{"prompt_token_ids": [rng.randrange(9) for _ in range(80)]}] * 5
+    )
+    _, rep = _run(
+        capsys, "--model", str(model_dir), "--trace", str(path), "--gpu-memory", "4", "--json"
+    )
     assert rep["gpu_prefix_cache"]["source"] == "the plan"
     assert rep["gpu_prefix_cache"]["tokens"] > 10_000
     assert rep["gpu_prefix_cache"]["hit_rate"] == pytest.approx(4 * 64 / 400)
@@ -339,16 +420,23 @@ def _big_trace(path: Path, n: int) -> Path:
     """``n`` distinct 64-token prompts, written line by line."""
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt_token_ids": [i % 997, i // 997] * 32,
-                                "timestamp": i}) + "\n")
+            f.write(
+                json.dumps({"prompt_token_ids": [i % 997, i // 997] * 32, "timestamp": i}) + "\n"
+            )
     return path
 
 
 def _peak(path: Path) -> int:
     tracemalloc.start()
     try:
-        sim, stats = tr.plan_trace(str(path), tokenizer=None, block_size=16, chunk_size=16,
-                                   gpu_kv_tokens=256, max_chunks=500)
+        sim, stats = tr.plan_trace(
+            str(path),
+            tokenizer=None,
+            block_size=16,
+            chunk_size=16,
+            gpu_kv_tokens=256,
+            max_chunks=500,
+        )
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -363,8 +451,6 @@ def test_large_trace_is_streamed_in_bounded_memory(tmp_path: Path) -> None:
     assert p_big < 1.3 * p_small + 256 * 1024  # 8x the requests, about the same memory
 
 
-
-
 @pytest.fixture
 def bench_url() -> Any:
     """The fake OpenAI-compatible server the bench tests use, started for this test."""
@@ -374,8 +460,9 @@ def bench_url() -> Any:
         yield url
 
 
-def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path, tmp_path: Path,
-                                                capsys: Any) -> None:
+def test_bench_writes_a_trace_the_planner_reads(
+    bench_url: str, model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     from fake_openai import bench_args
 
     from kvtier.cli import bench
@@ -400,19 +487,22 @@ def test_bench_writes_a_trace_the_planner_reads(bench_url: str, model_dir: Path,
 # ------------------------------------------------------------- hostile input
 
 
-def test_hostile_lines_are_bad_lines_not_crashes(model_dir: Path, tmp_path: Path,
-                                                 capsys: Any) -> None:
+def test_hostile_lines_are_bad_lines_not_crashes(
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     """Lines that made the decoder, msgpack or float() raise are counted like any bad line:
     exit 1 means "the plan does not fit", never "the reader crashed"."""
     good = {"prompt_token_ids": list(range(40))}
-    lines = [good,
-             "[" * 100_000 + "]" * 100_000,  # RecursionError in the JSON decoder
-             '{"a": ' * 100_000 + "1" + "}" * 100_000,
-             {"prompt_token_ids": [2**64, 1, 2]},  # OverflowError in msgpack
-             {"prompt_token_ids": [1, 2, 2**63]},
-             '{"prompt_token_ids": [1, 2, 3], "timestamp": ' + "9" * 400 + "}",  # float()
-             '{"prompt_token_ids": [1, 2, 3], "timestamp": -' + "9" * 400 + "}",
-             good]
+    lines = [
+        good,
+        "[" * 100_000 + "]" * 100_000,  # RecursionError in the JSON decoder
+        '{"a": ' * 100_000 + "1" + "}" * 100_000,
+        {"prompt_token_ids": [2**64, 1, 2]},  # OverflowError in msgpack
+        {"prompt_token_ids": [1, 2, 2**63]},
+        '{"prompt_token_ids": [1, 2, 3], "timestamp": ' + "9" * 400 + "}",  # float()
+        '{"prompt_token_ids": [1, 2, 3], "timestamp": -' + "9" * 400 + "}",
+        good,
+    ]
     path = _write(tmp_path / "hostile.jsonl", lines)
     rc, out = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON[:-1])
     assert rc == 0
@@ -424,8 +514,9 @@ def test_hostile_lines_are_bad_lines_not_crashes(model_dir: Path, tmp_path: Path
     assert rc == 0 and rep["trace"]["bad_lines"] == 6 and rep["trace"]["requests"] == 2
 
 
-def test_every_prompt_and_line_is_bounded(model_dir: Path, tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_prompt_and_line_is_bounded(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """However a line gives its prompt (token ids, a text or chat prompt once tokenized)
     it is at most MAX_INPUT_LENGTH tokens, and a line at most MAX_LINE_BYTES: over either
     it is a bad line counted as over a bound, and the lines after it are read. (The bounds
@@ -434,14 +525,16 @@ def test_every_prompt_and_line_is_bounded(model_dir: Path, tmp_path: Path,
 
     monkeypatch.setattr(trace_read, "MAX_INPUT_LENGTH", 40)
     monkeypatch.setattr(trace_read, "MAX_LINE_BYTES", 2000)
-    lines = [{"prompt_token_ids": list(range(40))},  # at the bound
-             {"prompt_token_ids": list(range(41))},
-             {"prompt": " ".join(["fox"] * 40)},  # 41 tokens with the BOS
-             {"messages": [{"role": "user", "content": " ".join(["dog"] * 40)}]},
-             {"prompt_token_ids": [1, 2, 3], "pad": "x" * 2000},  # a line too long
-             {"prompt_token_ids": list(range(30)), "output_length": 41},
-             {"prompt": " ".join(["fox"] * 39), "timestamp": 5},
-             {"prompt_token_ids": [1, 2, 3], "timestamp": 2}]  # earlier than the line before
+    lines = [
+        {"prompt_token_ids": list(range(40))},  # at the bound
+        {"prompt_token_ids": list(range(41))},
+        {"prompt": " ".join(["fox"] * 40)},  # 41 tokens with the BOS
+        {"messages": [{"role": "user", "content": " ".join(["dog"] * 40)}]},
+        {"prompt_token_ids": [1, 2, 3], "pad": "x" * 2000},  # a line too long
+        {"prompt_token_ids": list(range(30)), "output_length": 41},
+        {"prompt": " ".join(["fox"] * 39), "timestamp": 5},
+        {"prompt_token_ids": [1, 2, 3], "timestamp": 2},
+    ]  # earlier than the line before
     path = _write(tmp_path / "t.jsonl", lines)
     with path.open("ab") as f:
         f.write(b'{"prompt_token_ids": [' + b"1, " * 1000 + b"1]}")  # no newline at the end
@@ -455,14 +548,23 @@ def test_every_prompt_and_line_is_bounded(model_dir: Path, tmp_path: Path,
     assert stats.bad_examples[3] == "line 5: line of more than 2000 bytes skipped"
     assert "output_length is not an integer in [0, 40]" in stats.bad_examples[4]
     assert (stats.min_timestamp, stats.max_timestamp) == (2, 5)
-    rep = tr.report(tr.Simulation(16, 16, 0), stats, path=str(path), host_slot_bytes=1,
-                    object_chunk_bytes=1, target=0.5, host_tier_bytes=None,
-                    gpu_kv_tokens=0, gpu_kv_source="test")
+    rep = tr.report(
+        tr.Simulation(16, 16, 0),
+        stats,
+        path=str(path),
+        host_slot_bytes=1,
+        object_chunk_bytes=1,
+        target=0.5,
+        host_tier_bytes=None,
+        gpu_kv_tokens=0,
+        gpu_kv_source="test",
+    )
     assert rep["trace"]["duration_s"] == 3 and rep["trace"]["over_cap_lines"] == 6
 
 
-def test_a_long_line_is_skipped_without_holding_it(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_line_is_skipped_without_holding_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 24 MB line (no newline anywhere) is read past in pieces, not held: memory is the
     bound's, not the line's."""
     from kvtier.sizing import trace_read
@@ -484,13 +586,20 @@ def test_a_long_line_is_skipped_without_holding_it(tmp_path: Path,
     assert peak < 6 * 2**20, f"{peak / 2**20:.0f} MiB traced"
 
 
-@pytest.mark.parametrize("flags", [
-    ("--trace-max-chunks", "0"), ("--trace-max-chunks", "-3"),
-    ("--trace-max-chunks", "1e11"), ("--trace-max-chunks", "100000000000"),
-    ("--trace-max-chunks", "1.5"), ("--trace-max-chunks", "nan"),
-])
-def test_bad_max_chunks_is_a_usage_error(model_dir: Path, tmp_path: Path, capsys: Any,
-                                          flags: tuple[str, str]) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--trace-max-chunks", "0"),
+        ("--trace-max-chunks", "-3"),
+        ("--trace-max-chunks", "1e11"),
+        ("--trace-max-chunks", "100000000000"),
+        ("--trace-max-chunks", "1.5"),
+        ("--trace-max-chunks", "nan"),
+    ],
+)
+def test_bad_max_chunks_is_a_usage_error(
+    model_dir: Path, tmp_path: Path, capsys: Any, flags: tuple[str, str]
+) -> None:
     path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}])
     with pytest.raises(SystemExit) as e:
         main(["size", "--model", str(model_dir), "--trace", str(path), *flags])
@@ -499,22 +608,34 @@ def test_bad_max_chunks_is_a_usage_error(model_dir: Path, tmp_path: Path, capsys
     assert "usage:" in err and "--trace-max-chunks" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags", [("--chunk-size", "0"), ("--chunk-size", "-8"),
-                                   ("--cpu-bytes", "-1")])
-def test_bad_trace_numbers_exit_2(model_dir: Path, tmp_path: Path, capsys: Any,
-                                  flags: tuple[str, str]) -> None:
+@pytest.mark.parametrize(
+    "flags", [("--chunk-size", "0"), ("--chunk-size", "-8"), ("--cpu-bytes", "-1")]
+)
+def test_bad_trace_numbers_exit_2(
+    model_dir: Path, tmp_path: Path, capsys: Any, flags: tuple[str, str]
+) -> None:
     path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}])
-    rc = main(["size", "--model", str(model_dir), "--trace", str(path), "--block-size", "4",
-               *flags])
+    rc = main(
+        ["size", "--model", str(model_dir), "--trace", str(path), "--block-size", "4", *flags]
+    )
     assert rc == 2  # refused as the connector refuses it, naming the config key
     assert f"kvtier config '{flags[0][2:].replace('-', '_')}'" in capsys.readouterr().err
 
 
 def test_max_chunks_in_the_scientific_notation_and_memory_follows_the_trace(
-        model_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    model_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
     path = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": list(range(40))}] * 2)
-    rc, rep = _run(capsys, "--model", str(model_dir), "--trace", str(path), *COMMON,
-                   "--trace-max-chunks", "4e9")
+    rc, rep = _run(
+        capsys,
+        "--model",
+        str(model_dir),
+        "--trace",
+        str(path),
+        *COMMON,
+        "--trace-max-chunks",
+        "4e9",
+    )
     assert rc == 0 and rep["keys"]["max_chunks"] == 4_000_000_000
     stack = tr.LruStack(2**32)  # no table of 2**33 entries up front
     assert len(stack._tree) <= 4097

@@ -47,7 +47,10 @@ def test_fused_names_sizes_and_declaration_order(tiny_llama):
     assert sizes["mlp.down_proj.weight"] == 64 * 96 * 2  # 12,288
     # embeddings, final norm and lm_head are outside the decoder layers
     assert sorted(t.name for t in w.other) == [
-        "lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]  # fmt: skip
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ]
     per_layer = 16384 + 8192 + 24576 + 12288 + 128 + 128
     assert w.total_bytes == 2 * per_layer + 2 * 100 * 64 * 2 + 128
 
@@ -104,10 +107,18 @@ def test_selector_matching_is_literal_segments(tiny_llama, selector, expected):
 
 
 def test_moe_experts_fused_into_w13_and_w2(tmp_path):
-    cfg = {"model_type": "qwen3_moe", "hidden_size": 16, "num_attention_heads": 2,
-           "num_key_value_heads": 1, "head_dim": 8, "num_hidden_layers": 1,
-           "num_experts": 2, "moe_intermediate_size": 8, "vocab_size": 10,
-           "torch_dtype": "float16"}  # fmt: skip
+    cfg = {
+        "model_type": "qwen3_moe",
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "num_hidden_layers": 1,
+        "num_experts": 2,
+        "moe_intermediate_size": 8,
+        "vocab_size": 10,
+        "torch_dtype": "float16",
+    }
     z = np.zeros
     t = {"model.layers.0.mlp.gate.weight": z((2, 16), np.float16)}
     for e in range(2):

@@ -29,11 +29,13 @@ def render(scrape: int) -> str:
         f'kvtier:hit_tokens_total{{{lab},tier="host"}} {5000 * scrape}',
         f'kvtier:hit_tokens_total{{{lab},tier="remote"}} 0',
         "# TYPE kvtier:whatif_hit_tokens_total counter",
-        *(f'kvtier:whatif_hit_tokens_total{{{lab},tier="host",scale="{s}"}} {v * scrape}'
-          for s, v in CURVE.items()),
+        *(
+            f'kvtier:whatif_hit_tokens_total{{{lab},tier="host",scale="{s}"}} {v * scrape}'
+            for s, v in CURVE.items()
+        ),
         "# TYPE kvtier:host_bytes_capacity gauge",
         f"kvtier:host_bytes_capacity{{{lab}}} {TODAY}",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -43,8 +45,7 @@ def prometheus() -> Iterator[Prometheus]:
     try:
         prom = Prometheus(f"127.0.0.1:{server.port}", rules=False)
         try:
-            prom.wait(lambda: scraped_twice(prom, "kvtier:lookup_tokens_total"), 30,
-                      "two scrapes")  # fmt: skip
+            prom.wait(lambda: scraped_twice(prom, "kvtier:lookup_tokens_total"), 30, "two scrapes")
             yield prom
         finally:
             prom.stop()
@@ -62,9 +63,20 @@ def test_recommends_the_knee_that_fits(prometheus: Prometheus, tiny_llama: str, 
     """10 GiB of host RAM less 4 GiB headroom: 4 GiB (2x) fits, 8 GiB (4x) does not. The
     curve flattens past 2x anyway; 2x is the recommendation."""
     code, out, err = run(
-        capsys, "size", "--model", tiny_llama, "--gpu-memory", "24", "--host-memory", "10",
-        "--from-prometheus", prometheus.url, "--window", "1m", "--json",
-    )  # fmt: skip
+        capsys,
+        "size",
+        "--model",
+        tiny_llama,
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "10",
+        "--from-prometheus",
+        prometheus.url,
+        "--window",
+        "1m",
+        "--json",
+    )
     assert code == 0, err
     import json
 
@@ -78,9 +90,19 @@ def test_recommends_the_knee_that_fits(prometheus: Prometheus, tiny_llama: str, 
     assert rep["recommended"]["scale"] == "2" and rep["recommended"]["cpu_bytes"] == 4 * GiB
     # the table, today's size marked
     code, out, _ = run(
-        capsys, "size", "--model", tiny_llama, "--gpu-memory", "24", "--host-memory", "10",
-        "--from-prometheus", prometheus.url, "--window", "1m",
-    )  # fmt: skip
+        capsys,
+        "size",
+        "--model",
+        tiny_llama,
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "10",
+        "--from-prometheus",
+        prometheus.url,
+        "--window",
+        "1m",
+    )
     assert code == 0 and "<- today" in out and "recommended cpu_bytes: 4294967296" in out
 
 
@@ -90,18 +112,38 @@ def test_more_memory_recommends_up_to_the_flat_part(
     """With room for 8x, the recommendation is 4x: 8x adds half a point, under the 1-point
     tolerance. The selector narrows to the engines asked about; a wrong one is an error."""
     code, out, err = run(
-        capsys, "size", "--model", tiny_llama, "--gpu-memory", "24", "--host-memory", "40",
-        "--from-prometheus", prometheus.url, "--window", "1m", "--json",
-        "--prometheus-match", 'model_name="m"',
-    )  # fmt: skip
+        capsys,
+        "size",
+        "--model",
+        tiny_llama,
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "40",
+        "--from-prometheus",
+        prometheus.url,
+        "--window",
+        "1m",
+        "--json",
+        "--prometheus-match",
+        'model_name="m"',
+    )
     assert code == 0, err
     import json
 
     assert json.loads(out)["recommended"]["scale"] == "4"
     code, _, err = run(
-        capsys, "size", "--model", tiny_llama, "--from-prometheus", prometheus.url,
-        "--window", "1m", "--prometheus-match", 'model_name="other"',
-    )  # fmt: skip
+        capsys,
+        "size",
+        "--model",
+        tiny_llama,
+        "--from-prometheus",
+        prometheus.url,
+        "--window",
+        "1m",
+        "--prometheus-match",
+        'model_name="other"',
+    )
     assert code == 2 and "no kvtier:lookup_tokens_total" in err
 
 

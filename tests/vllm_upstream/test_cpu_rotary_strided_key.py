@@ -33,8 +33,7 @@ def _rotated_keys(contiguous: bool, tokens: int = 90) -> torch.Tensor:
     if contiguous:
         k_pe = k_pe.contiguous()
     q = torch.randn(tokens, 4, ROPE, dtype=torch.bfloat16)
-    ops.rotary_embedding(torch.arange(100, 100 + tokens), q, k_pe, ROPE, _cos_sin_cache(),
-                         False)  # fmt: skip
+    ops.rotary_embedding(torch.arange(100, 100 + tokens), q, k_pe, ROPE, _cos_sin_cache(), False)
     return k_pe.clone()
 
 
@@ -51,7 +50,10 @@ def test_the_contiguous_key_is_rotated_at_each_tokens_own_position() -> None:
     assert torch.allclose(got, want, atol=0.06), (got - want).abs().max()
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM CPU: ops.rotary_embedding mis-rotates a "
-                   "strided key (row j at positions[9*j], rows j >= T/9 unrotated)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM CPU: ops.rotary_embedding mis-rotates a "
+    "strided key (row j at positions[9*j], rows j >= T/9 unrotated)",
+)
 def test_a_strided_key_is_rotated_as_its_contiguous_copy() -> None:
     assert torch.equal(_rotated_keys(contiguous=False), _rotated_keys(contiguous=True))

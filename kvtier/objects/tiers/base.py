@@ -11,13 +11,23 @@ else stops).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvtier.errors import ObjectTooLarge, TruncatedError
 from kvtier.objects.codec import payload_crc32
 
-__all__ = ["Found", "ObjectTier", "Parts", "SlotReader", "byte_view", "head_length_for",
-           "split_into", "stored_prefix"]
+__all__ = [
+    "Found",
+    "ObjectTier",
+    "Parts",
+    "SlotReader",
+    "StoredObject",
+    "byte_view",
+    "head_length_for",
+    "split_into",
+    "stored_prefix",
+]
 
 #: bytes before a chunk's header: magic and header length
 _PREFIX_BYTES = 8
@@ -28,6 +38,18 @@ Parts = Sequence[bytes | memoryview]
 #: payload is read where the backend can tell: S3's response headers, Redis's length
 #: line, an opened file); a lookup then queues the rest of its run
 Found = Callable[[], None] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredObject:
+    """One object as the backend lists it (:meth:`ObjectTier.list_objects`)."""
+
+    key: str
+    #: bytes as stored (what the backend bills)
+    size: int
+    #: when it was last used, as the backend records it (Unix seconds; what counts as a
+    #: use differs: each backend's ``list_objects`` says)
+    used: float
 
 
 def stored_prefix(found: Sequence[bool]) -> list[bool]:
@@ -182,6 +204,33 @@ class ObjectTier(ABC):
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys; missing ones are ignored."""
+
+    # -- listing and deleting in bulk: what ``kvtier store`` (usage, gc, verify) needs ----
+
+    def list_objects(
+        self, prefix: str = "", *, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[StoredObject]:
+        """Every stored object whose key starts with ``prefix``: its key, its size as
+        stored and its last use as the backend records it. ``keep``: only the keys it
+        answers True for are measured and listed (a Redis listing spends commands on each
+        key it measures: another application's keys are never measured). In no set order;
+        an object written or deleted while the listing runs may be listed or not. Raises
+        TierError when the backend fails; this default raises NotImplementedError (a
+        tier that cannot be listed)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be listed")
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        """The keys starting with ``prefix``, names only: less work than
+        :meth:`list_objects` where the backend can tell (nothing measured, or only that
+        prefix listed). This default lists through :meth:`list_objects`."""
+        return (o.key for o in self.list_objects(prefix))
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove any number of keys (a gc's thousands) in the batches the backend takes;
+        missing ones are ignored, a key the backend refuses to delete is a TierError
+        (:meth:`delete`, an engine's few keys, may pass such a refusal over). This default
+        is :meth:`delete`."""
+        self.delete(keys)
 
     @abstractmethod
     def close(self) -> None:

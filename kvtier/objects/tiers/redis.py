@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ from kvtier.objects.tiers.base import (
     Found,
     Parts,
     SlotReader,
+    StoredObject,
     byte_view,
     head_length_for,
     split_into,
@@ -46,13 +48,20 @@ log = logging.getLogger("kvtier.tiers.redis")
 #: other error reply is that key's miss: WRONGTYPE, OOM (the ENOSPC of Redis), and ASK /
 #: TRYAGAIN, which are about one hash slot being migrated, not the server.
 _TIER_REPLIES = (
-    redis.exceptions.ReadOnlyError, redis.exceptions.NoPermissionError,
-    redis.exceptions.ClusterDownError, redis.exceptions.MovedError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.NoPermissionError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.MovedError,
     redis.exceptions.AuthenticationWrongNumberOfArgsError,
-)  # fmt: skip
+)
 #: error codes redis-py has no class for that are about the server: a script hogging it
 #: (BUSY), failing snapshots refusing writes (MISCONF), too few replicas (NOREPLICAS)
 _TIER_CODES = re.compile(r"(BUSY|MISCONF|NOREPLICAS)\b")
+#: keys per SCAN page and per pipeline of a listing or a :meth:`RedisTier.delete_many`
+#: (below the tier's reply bounds)
+LIST_BATCH = 256
+#: what a glob pattern (SCAN MATCH) reads as other than itself
+_GLOB = re.compile(r"([\\*?\[\]])")
 
 
 class ClusterNodeRefused(redis.exceptions.RedisError):
@@ -361,6 +370,62 @@ class RedisTier(SlotReader):
         with self._errors("delete"):
             self._client.delete(*keys)
 
+    # -- listing and deleting in bulk (kvtier store) -----------------------------------
+
+    def _primaries(self) -> list[Any]:
+        """A client of each node that holds keys: this one (a cluster: each primary)."""
+        return [self._client]
+
+    def _by_node(self, keys: Sequence[str]) -> list[tuple[Any, list[str]]]:
+        """``keys`` with the client of the node holding each (one node here)."""
+        return [(self._client, list(keys))]
+
+    def _scan(self, prefix: str) -> Iterator[tuple[Any, list[bytes]]]:
+        """Each node's SCAN pages of the keys starting with ``prefix`` (with its node)."""
+        match = {"match": _GLOB.sub(r"\\\1", prefix) + "*"} if prefix else {}
+        with self._errors("list"):
+            nodes = self._primaries()
+        for node in nodes:
+            cursor = 0
+            while True:
+                with self._errors("list"):
+                    cursor, keys = node.scan(cursor=cursor, count=LIST_BATCH, **match)
+                yield node, keys
+                if int(cursor) == 0:
+                    break
+
+    def list_objects(
+        self, prefix: str = "", *, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[StoredObject]:
+        """:meth:`ObjectTier.list_objects`: SCAN (every primary of a cluster), then per page
+        one pipeline of ``MEMORY USAGE`` (what the server spends on the key; ``STRLEN``
+        where MEMORY is not allowed) and ``OBJECT IDLETIME`` (its last use: reads and
+        writes count, listing does not)."""
+        for node, keys in self._scan(prefix):
+            ours = [k for k in keys if keep is None or keep(_text(k))]
+            with self._errors("list"):
+                sized = _measure(node, ours)
+            now = time.time()
+            for key, size, idle in sized:
+                yield StoredObject(key, size, now - idle)
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        """:meth:`ObjectTier.list_keys`: SCAN MATCH, nothing measured."""
+        for _, keys in self._scan(prefix):
+            yield from (_text(k) for k in keys)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """:meth:`ObjectTier.delete_many`: UNLINK (the server frees the value in the
+        background), one key per command (a cluster node's keys are in many slots),
+        pipelined :data:`LIST_BATCH` at a time per node."""
+        with self._errors("delete"):
+            for node, ks in self._by_node(keys):
+                for i in range(0, len(ks), LIST_BATCH):
+                    pipe = node.pipeline(transaction=False)
+                    for k in ks[i : i + LIST_BATCH]:
+                        pipe.unlink(k)
+                    pipe.execute()
+
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
@@ -375,3 +440,34 @@ class RedisTier(SlotReader):
         if reply not in (b"OK", "OK", True):
             raise ObjectError(f"redis create {self._safe_url}: unexpected reply {reply!r:.80}")
         return True
+
+
+def _text(key: bytes | str) -> str:
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+
+
+def _measure(node: Any, keys: list[bytes]) -> list[tuple[str, int, float]]:
+    """(key, bytes, seconds idle) of each of ``keys`` still stored on ``node``."""
+    if not keys:
+        return []
+    # neither command touches the key (an engine's read does): listing twice keeps the
+    # order of last use
+    pipe = node.pipeline(transaction=False)
+    for k in keys:
+        pipe.execute_command("OBJECT", "IDLETIME", k)
+        pipe.execute_command("MEMORY", "USAGE", k, "SAMPLES", "0")
+    replies = pipe.execute(raise_on_error=False)
+    idles, sizes = replies[0::2], replies[1::2]
+    refused = [i for i, m in enumerate(sizes) if isinstance(m, Exception)]
+    if refused:  # MEMORY not allowed (an ACL): the value's length, which counts as a use
+        pipe = node.pipeline(transaction=False)
+        for i in refused:
+            pipe.strlen(keys[i])
+        for i, n in zip(refused, pipe.execute(raise_on_error=False), strict=True):
+            sizes[i] = n
+    out = []
+    for k, idle, size in zip(keys, idles, sizes, strict=True):
+        if not isinstance(size, int) or isinstance(size, bool) or idle is None:
+            continue  # deleted meanwhile
+        out.append((_text(k), size, float(idle) if isinstance(idle, int) else 0.0))
+    return out

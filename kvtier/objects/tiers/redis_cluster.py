@@ -85,8 +85,10 @@ class _SlotDown(redis.ResponseError):
 
 class _ClusterParser(BoundedParser):
     EXCEPTION_CLASSES = {
-        **BoundedParser.EXCEPTION_CLASSES, "CLUSTERDOWN": _SlotDown, "TRYAGAIN": _SlotDown,
-    }  # fmt: skip
+        **BoundedParser.EXCEPTION_CLASSES,
+        "CLUSTERDOWN": _SlotDown,
+        "TRYAGAIN": _SlotDown,
+    }
 
 
 #: what redis-py's cluster client raises (RedisClusterException is no RedisError)
@@ -94,9 +96,12 @@ _CLIENT_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSEr
 #: errors of the fast write path that redis-py's own ``execute_command`` then handles: a
 #: dead connection or node (it refreshes the topology and retries once), a redirection
 _SLOW_PATH = (
-    redis.ConnectionError, OSError, redis.exceptions.MovedError,
-    redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError,
-)  # fmt: skip
+    redis.ConnectionError,
+    OSError,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.SlotNotCoveredError,
+)
 
 
 def _node_name(exc: BaseException, default: str | None) -> str:
@@ -148,16 +153,18 @@ class RedisClusterTier(RedisTier):
         weak = remote.weak_tls
         if weak and not tls_insecure:
             raise ConfigError(
-                "remote_url", remote.text,
+                "remote_url",
+                remote.text,
                 f"{', '.join(weak)} turns off TLS verification; "
                 "set remote_tls_insecure to true to allow it",
-            )  # fmt: skip
+            )
         if weak:
             log.warning(
                 "redis cluster %s: TLS verification is OFF (%s, allowed by remote_tls_insecure):"
                 " anyone on the network path can read and replace chunks",
-                self._safe_url, ", ".join(weak),
-            )  # fmt: skip
+                self._safe_url,
+                ", ".join(weak),
+            )
         self._bound = ReplyBound()
         parser = type("_TierParser", (_ClusterParser,), {"bound": self._bound})
         # at most io_threads calls at once, each holding one connection per node, plus a
@@ -181,10 +188,11 @@ class RedisClusterTier(RedisTier):
         dropped = sorted(set(options) - known)
         if dropped:
             raise ConfigError(
-                "remote_url", self._safe_url,
+                "remote_url",
+                self._safe_url,
                 f"query arguments a cluster client can use ({', '.join(sorted(known))}); "
                 f"{', '.join(dropped)} would be ignored",
-            )  # fmt: skip
+            )
         if tls:  # verify certificate and name whatever redis-py defaults to; the URL's own win
             options = {"ssl_cert_reqs": "required", "ssl_check_hostname": True, **options}
         options.update(
@@ -373,8 +381,9 @@ class RedisClusterTier(RedisTier):
                 self._refresh_wanted = False
                 manager.initialize()
         except _CLIENT_ERRORS as exc:
-            log.info("redis cluster %s: topology refresh failed: %s", self._safe_url,
-                     self._clean(exc))  # fmt: skip
+            log.info(
+                "redis cluster %s: topology refresh failed: %s", self._safe_url, self._clean(exc)
+            )
 
     def node_errors(self) -> dict[str, int]:
         """Connection failures per node address since open (at most :data:`NODE_LABELS`
@@ -533,6 +542,20 @@ class RedisClusterTier(RedisTier):
             for key in keys:
                 pipe.delete(key)
             pipe.execute()
+
+    def _primaries(self) -> list[Any]:
+        """:meth:`RedisTier._primaries`: a client of each primary (a listing SCANs each)."""
+        client = self._cluster_client()
+        return [client.get_redis_connection(n) for n in client.get_primaries()]
+
+    def _by_node(self, keys: Sequence[str]) -> list[tuple[Any, list[str]]]:
+        """:meth:`RedisTier._by_node`: each key with the client of its slot's node."""
+        client = self._cluster_client()
+        by_node: dict[int, tuple[Any, list[str]]] = {}
+        for k in keys:
+            node = client.get_redis_connection(client.get_node_from_key(k))
+            by_node.setdefault(id(node), (node, []))[1].append(k)
+        return list(by_node.values())
 
     def close(self) -> None:
         with self._client_lock:

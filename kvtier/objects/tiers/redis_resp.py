@@ -31,9 +31,18 @@ from kvtier.objects.tiers import policy
 from kvtier.objects.tiers.base import Found, Parts
 
 __all__ = [
-    "REPLY_CAP", "BoundedParser", "ReplyBound", "ReplyTooLarge", "WrongReply", "bounded_connection",
-    "command_frame", "command_name", "expect_reply", "pool_connection", "set_frame",
-]  # fmt: skip
+    "REPLY_CAP",
+    "BoundedParser",
+    "ReplyBound",
+    "ReplyTooLarge",
+    "WrongReply",
+    "bounded_connection",
+    "command_frame",
+    "command_name",
+    "expect_reply",
+    "pool_connection",
+    "set_frame",
+]
 
 #: parts smaller than this are merged into one buffer before they are sent
 _SMALL = 64 * 1024
@@ -111,7 +120,7 @@ _SHAPES: dict[str, _Shape] = {
             "CLIENT SETNAME",
         ],
         _STATUS,
-    ),  # fmt: skip
+    ),
     "INFO": _Shape(b"$", max_bytes=1 << 20, bulk_cap=1 << 20),
     # one range per slot at most; a range: start, end, its nodes (host, port, id, and a
     # flat array of metadata since Redis 7), each string a name or an id; 32 MiB is ~10

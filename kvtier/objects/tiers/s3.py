@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +26,7 @@ from kvtier.objects.tiers.base import (
     Found,
     Parts,
     SlotReader,
+    StoredObject,
     byte_view,
     head_length_for,
     split_into,
@@ -41,16 +42,26 @@ __all__ = ["S3Tier", "client_config"]
 #: client CPU per 4 MiB GET, and read at 0.80-0.86x of boto3's own ``read()`` against
 #: 0.86-0.96x for 1 MiB (bench/tier_throughput.py, moto on 2 cores)
 _PIECE = HASH_PIECE
+#: the most keys one DeleteObjects takes
+DELETE_BATCH = 1000
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _FAILURES = (BotoCoreError, ClientError, OSError, urllib3.exceptions.HTTPError)
 #: error codes about one object: that object is a miss, the bucket keeps being used.
 #: XMinioStorageFull is MinIO's full disk: like ENOSPC on the file tier and OOM on Redis,
 #: writes fail one by one while reads go on.
-_OBJECT_CODES = frozenset({
-    "InvalidObjectState", "InvalidRange", "EntityTooLarge", "KeyTooLongError",
-    "PreconditionFailed", "NoSuchVersion", "InvalidArgument", "InvalidRequest",
-    "XMinioStorageFull",
-})  # fmt: skip
+_OBJECT_CODES = frozenset(
+    {
+        "InvalidObjectState",
+        "InvalidRange",
+        "EntityTooLarge",
+        "KeyTooLongError",
+        "PreconditionFailed",
+        "NoSuchVersion",
+        "InvalidArgument",
+        "InvalidRequest",
+        "XMinioStorageFull",
+    }
+)
 #: more codes that concern one object when a GET of it answers them: an object sealed with
 #: a KMS key this engine may not use, or written by another account without granting the
 #: bucket's owner access, is refused with 403 AccessDenied while every other object reads
@@ -59,13 +70,27 @@ _OBJECT_CODES = frozenset({
 #: fast, one request each, instead of pausing every read for one planted object.
 _GET_OBJECT_CODES = frozenset({"AccessDenied"})
 #: error codes about the bucket, the credentials or the service: back off
-_TIER_CODES = frozenset({
-    "NoSuchBucket", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
-    "RequestTimeTooSkewed", "AccountProblem", "AuthorizationHeaderMalformed",
-    "PermanentRedirect", "SlowDown", "Throttling", "RequestTimeout", "ServiceUnavailable",
-    "InternalError",
-})  # fmt: skip
+_TIER_CODES = frozenset(
+    {
+        "NoSuchBucket",
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "RequestTimeTooSkewed",
+        "AccountProblem",
+        "AuthorizationHeaderMalformed",
+        "PermanentRedirect",
+        "SlowDown",
+        "Throttling",
+        "RequestTimeout",
+        "ServiceUnavailable",
+        "InternalError",
+    }
+)
 
 
 def _is_object_error(exc: ClientError, op: str = "") -> bool:
@@ -106,9 +131,7 @@ def _read_upto(body: Any, buf: memoryview, landing: LandingCrc | None = None) ->
     return got
 
 
-def _fill(
-    body: Any, bufs: list[memoryview], where: str, landing: LandingCrc | None = None
-) -> None:
+def _fill(body: Any, bufs: list[memoryview], where: str, landing: LandingCrc | None = None) -> None:
     """Fill ``bufs`` in order from a GET's streamed ``body`` (TruncatedError when it ends
     first); ``landing`` checksums the one of them it was made for as it fills."""
     for buf in bufs:
@@ -384,10 +407,51 @@ class S3Tier(SlotReader):
     def delete(self, keys: Sequence[str]) -> None:
         keys = list(keys)
         with self._errors("delete"):
-            for i in range(0, len(keys), 1000):  # the API's batch limit
-                batch = [{"Key": self.object_key(k)} for k in keys[i : i + 1000]]
+            for i in range(0, len(keys), DELETE_BATCH):
+                batch = [{"Key": self.object_key(k)} for k in keys[i : i + DELETE_BATCH]]
                 self._client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+
+    def list_objects(
+        self, prefix: str = "", *, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[StoredObject]:
+        """:meth:`ObjectTier.list_objects`: ListObjectsV2 pages under the tier's prefix; an
+        object's bytes are its listed ``Size``, its last use its ``LastModified``: its last
+        *write* (S3 records no reads: a chunk every engine hits but none rewrites looks
+        old)."""
+        for obj in self._listed(prefix):
+            key = str(obj["Key"])[len(self.prefix) :]
+            if keep is None or keep(key):
+                yield StoredObject(key, int(obj["Size"]), obj["LastModified"].timestamp())
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        """:meth:`ObjectTier.list_keys`: one listing of that prefix alone."""
+        for obj in self._listed(prefix):
+            yield str(obj["Key"])[len(self.prefix) :]
+
+    def _listed(self, prefix: str) -> Iterator[dict[str, Any]]:
+        pages = self._client.get_paginator("list_objects_v2")
+        with self._errors("list"):
+            for page in pages.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                yield from page.get("Contents", ())
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """:meth:`ObjectTier.delete_many`: DeleteObjects in batches of :data:`DELETE_BATCH`;
+        an object a batch did not delete (its ``Errors``: AccessDenied ...) is a TierError,
+        raised after that batch."""
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": self.object_key(k)} for k in keys[i : i + DELETE_BATCH]]
+            with self._errors("delete"):
+                resp = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise TierError(
+                    f"s3 delete: {len(errors)} objects not deleted "
+                    f"({first.get('Code')}: {first.get('Message')})"
                 )
 
     def close(self) -> None:
@@ -405,8 +469,9 @@ class S3Tier(SlotReader):
         while True:
             with self._errors("create"):
                 try:
-                    self._client.put_object(Bucket=self.bucket, Key=self.object_key(key),
-                                            Body=body, IfNoneMatch="*")  # fmt: skip
+                    self._client.put_object(
+                        Bucket=self.bucket, Key=self.object_key(key), Body=body, IfNoneMatch="*"
+                    )
                     return True
                 except ClientError as exc:
                     code = str(exc.response.get("Error", {}).get("Code", ""))

@@ -526,6 +526,35 @@ VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS 5) kill the engine with those writes still 
 {{- end }}
 
 {{/*
+The startupProbe's failureThreshold: startupProbe.failureThreshold, plus warm-up's time in
+probe periods when kvtier.extraConfig.warmup is true. vLLM answers /health only once each
+worker's warm-up ended or timed out (kvtier.connectors.worker.warmup: warmup_timeout_s, 60 unless
+set, and one read), so a probe sized for loading the model alone would restart a warming pod.
+*/}}
+{{- define "kvtier.startupFailureThreshold" -}}
+{{- $base := int64 .Values.startupProbe.failureThreshold }}
+{{- $warm := include "kvtier.warmupSeconds" . }}
+{{- if $warm }}
+{{- $period := max 1 (int64 .Values.startupProbe.periodSeconds) }}
+{{- add $base (int64 (ceil (divf (float64 $warm) $period))) 1 }}
+{{- else }}
+{{- $base }}
+{{- end }}
+{{- end }}
+
+{{/* warmup_timeout_s in whole seconds when kvtier.extraConfig.warmup is true, else "". */}}
+{{- define "kvtier.warmupSeconds" -}}
+{{- $extra := include "kvtier.extraConfig" . | fromJson }}
+{{- if eq (lower (toString (get $extra "warmup"))) "true" }}
+{{- $timeout := 60.0 }}
+{{- if hasKey $extra "warmup_timeout_s" }}
+{{- $timeout = float64 (get $extra "warmup_timeout_s") }}
+{{- end }}
+{{- int64 (ceil $timeout) }}
+{{- end }}
+{{- end }}
+
+{{/*
 vLLM's --shutdown-timeout as the pod runs it (vllm.extraArgs, else the chart's), which
 Kubernetes must not cut short: terminationGracePeriodSeconds has to exceed it.
 */}}
@@ -699,6 +728,12 @@ name for a UID without a passwd entry.
 # Worker processes get this long to flush queued object-tier writes (kvtier.shutdownTimeout).
 - name: VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
   value: {{ $stop | quote }}
+{{- end }}
+{{- $warm := include "kvtier.warmupSeconds" . }}
+{{- if and $warm (not (hasKey $named "VLLM_ENGINE_READY_TIMEOUT_S")) }}
+# vLLM waits 600 s for its engine to load; kvtier's warm-up runs inside that wait.
+- name: VLLM_ENGINE_READY_TIMEOUT_S
+  value: {{ add 600 (int64 $warm) | quote }}
 {{- end }}
 {{- with .Values.vllm.env }}
 {{- toYaml . | nindent 0 }}

@@ -1,0 +1,1 @@
+"""Tests of the scheduler side (kvtier/connectors/scheduler/)."""
