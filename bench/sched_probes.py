@@ -21,6 +21,7 @@ from sched_setup import (
     Plan,
     chunk_last_hashes,
     index_len,
+    kvtier_side,
     make_request,
     make_scheduler,
     prefill_kvtier,
@@ -136,6 +137,86 @@ def run_may_load_async(plan: Plan, n_index: int) -> list[dict[str, Any]]:
             )
         sched.shutdown()
         del sched, conn
+    gc.collect()
+    return out
+
+
+# ---- priced lookups -----------------------------------------------------------------------
+def run_priced_lookups(plan: Plan, n_index: int) -> list[dict[str, Any]]:
+    """What pricing a lookup against recomputing (``load_policy: cost``) adds to
+    ``get_num_new_matched_tokens``: a fresh 32k-token request the host tier lacks, asked of
+    a Redis tier (planned, never opened: no workers; trusted, ``canary_first_hit: false``;
+    a directory would answer from its own probe instead) by two schedulers side by side,
+    one priced and one ``always``, in a shuffled order per request. The priced one's
+    estimates are measured (a tier at 1 GB/s and 5 ms, a prefill at 50 µs a token), so
+    every lookup takes the measured path: each of its 128 chunks priced, the deadline set.
+    Also the cost model's per-step work (a step's start and its report, ``StepTimes``),
+    which every engine with an object tier does under either policy."""
+    from kvtier.costs import PrefillCosts, StepTimes
+
+    rng = random.Random(f"priced-{plan.seed}-{n_index}")
+    prompt_len = 32 * 1024
+    settings = {"canary_first_hit": False}
+    scheds = {
+        policy: make_scheduler(
+            "kvtier",
+            n_index,
+            16,
+            4096,
+            "redis://127.0.0.1:9/0",
+            {**settings, "load_policy": policy},
+        )
+        for policy in ("always", "cost")
+    }
+    for s in scheds.values():
+        prefill_kvtier(s, n_index, random.Random(rng.random()))
+    lookups = kvtier_side(scheds["cost"]).lookups
+    now = lookups.clock()
+    for _ in range(8):  # measured: the priced path, not the prior
+        lookups.tier_costs.observe(latency_s=0.005, nbytes=1 << 24, seconds=0.0168, now=now)
+        lookups.prefill.observe_step(0.1, 2048, now)
+    lat: dict[str, list[float]] = {p: [] for p in scheds}
+    for i in range(plan.lookup_samples):
+        toks = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+        for policy, s in sorted(scheds.items(), key=lambda _: rng.random()):
+            req = make_request(f"p-{policy}-{i}", toks)
+            t0 = time.perf_counter()
+            s.connector.get_num_new_matched_tokens(req, 0)
+            lat[policy].append((time.perf_counter() - t0) * 1e6)
+            s.connector.request_finished(req, [])
+    if not lookups.tier_costs.measured(lookups.clock()):
+        raise RuntimeError("the priced scheduler's tier estimate aged out: it priced nothing")
+    paired = statistics.median(c - a for c, a in zip(lat["cost"], lat["always"], strict=True))
+    out = []
+    for policy, s in scheds.items():
+        out.append(
+            {
+                "what": f"a 32k-token lookup, load_policy {policy}",
+                "index_chunks": n_index,
+                "samples": len(lat[policy]),
+                "p50_us": round(statistics.median(lat[policy]), 1),
+                "p99_us": round(sorted(lat[policy])[int(len(lat[policy]) * 0.99) - 1], 1),
+                **({"added_us_paired_median": round(paired, 1)} if policy == "cost" else {}),
+            }
+        )
+        s.shutdown()
+    del scheds, lookups
+    steps = StepTimes(PrefillCosts(256))
+    times = []
+    for i in range(max(1000, plan.lookup_samples * 10)):
+        t0 = time.perf_counter()
+        steps.began(i, 2048, t0)
+        steps.reported(i, t0)
+        times.append((time.perf_counter() - t0) * 1e6)
+    out.append(
+        {
+            "what": "a step's prefill sample (StepTimes), either policy",
+            "index_chunks": n_index,
+            "samples": len(times),
+            "p50_us": round(statistics.median(times), 2),
+            "p99_us": round(sorted(times)[int(len(times) * 0.99) - 1], 2),
+        }
+    )
     gc.collect()
     return out
 

@@ -86,11 +86,17 @@ def _model_dir() -> str:
 
 
 def make_scheduler(
-    variant: str, index_chunks: int, max_seqs: int, num_blocks: int, remote_url: str | None = None
+    variant: str,
+    index_chunks: int,
+    max_seqs: int,
+    num_blocks: int,
+    remote_url: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
     """vLLM's v1 Scheduler as vLLM's tests build it (tests/v1/core/utils.py
     ``create_scheduler``), with ``variant``'s connector in the scheduler role (kvtier's
-    with an object tier at ``remote_url``: the scheduler plans for it, never opens it)."""
+    with an object tier at ``remote_url``: the scheduler plans for it, never opens it;
+    ``extra``: more of kvtier's settings)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -122,6 +128,7 @@ def make_scheduler(
                 **({"whatif": False} if variant == "kvtier-whatif-off" else {}),
                 # no weights to fingerprint in the bench's model directory: name them
                 **({"remote_url": remote_url, "model_fingerprint": "bench"} if remote_url else {}),
+                **(extra or {}),
             },
         )
     elif variant == "offloading":

@@ -45,6 +45,7 @@ configured, against each index size.
     .venv/bin/python bench/scheduler_cost.py --plot bench/results/scheduler.png
     .venv/bin/python bench/scheduler_cost.py --profile  # cProfile kvtier in the worst case
     .venv/bin/python bench/scheduler_cost.py --may-load-async  # that hook alone, 10k-1M chunks
+    .venv/bin/python bench/scheduler_cost.py --pricing  # what load_policy: cost adds to a lookup
 
 Writes ``bench/results/scheduler.json``: ``{"steps": [...], "lookups": [...], "memory":
 [...], "worker": [...], "may_load_async": [...], ...}``.
@@ -72,7 +73,13 @@ os.environ.setdefault("TQDM_MININTERVAL", "1")
 # (kvtier.connectors.startup); unset, vLLM would take 92 % of the memory for it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from plots import scheduler_plot
-from sched_probes import index_memory, run_lookups, run_may_load_async, worker_steps
+from sched_probes import (
+    index_memory,
+    run_lookups,
+    run_may_load_async,
+    run_priced_lookups,
+    worker_steps,
+)
 from sched_setup import (
     ANSWER_TOKENS,
     BLOCK,
@@ -91,7 +98,7 @@ from sched_setup import (
     prefill_kvtier,
     prefill_offloading,
 )
-from tables import scheduler_may_load_async_table, scheduler_table
+from tables import scheduler_may_load_async_table, scheduler_pricing_table, scheduler_table
 
 
 # ---- one engine step ----------------------------------------------------------------------
@@ -351,6 +358,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only time may_load_async against each index size and print it "
         "(writes no results file)",
     )
+    p.add_argument(
+        "--pricing",
+        action="store_true",
+        help="only time what load_policy: cost adds to an object-tier lookup (a 32k-token "
+        "prompt priced chunk by chunk, against load_policy: always in the same run) and "
+        "to a step, and print it (writes no results file)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -410,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         print(scheduler_may_load_async_table(rows))
         return 0
 
+    if args.pricing:
+        rows = [r for n in plan.index_sizes for r in run_priced_lookups(plan, n)]
+        print(scheduler_pricing_table(rows))
+        return 0
+
     cases = [(r, n) for n in plan.index_sizes for r in plan.running]
     probed = [v for v in plan.variants if v in ("kvtier", "offloading")]
     n_lookup = len(plan.index_sizes) * 3 * len(probed)
@@ -440,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": [],
         "worker": [],
         "may_load_async": [],
+        "pricing": [],
     }
     try:
         import vllm
@@ -458,12 +478,14 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"lookups, {n:,} chunks")
             result["lookups"].extend(run_lookups(plan, n, bar))
             result["may_load_async"].extend(run_may_load_async(plan, n))
+            result["pricing"].extend(run_priced_lookups(plan, n))
     result["seconds"] = round(time.monotonic() - t_start, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(scheduler_table(result))
     if "kvtier-whatif-off" in plan.variants:
         print(whatif_cost_table(result["steps"]))
+    print(scheduler_pricing_table(result["pricing"]))
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     if args.plot:
         scheduler_plot(result, args.plot)

@@ -105,6 +105,20 @@ def scheduler_may_load_async_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def scheduler_pricing_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| pricing: index chunks | what | p50 µs | p99 µs | added µs (paired median) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        added = r.get("added_us_paired_median")
+        lines.append(
+            f"| {r['index_chunks']:,} | {r['what']} | {r['p50_us']:.2f} | {r['p99_us']:.2f} | "
+            f"{'' if added is None else f'{added:+.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def print_compression(speed: list[dict], hits: list[dict], source: str) -> None:
     print(f"\nCompression on {source}, one thread, best of the rounds (GB/s = 1e9 B/s)")
     print(f"{'codec':<32} {'stored/raw':>10} {'compress GB/s':>13} {'decompress GB/s':>15}")

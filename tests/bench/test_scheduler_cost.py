@@ -135,3 +135,24 @@ def test_the_worker_side_is_measured_in_steps_where_nothing_moves(result: dict) 
         # is a step's with no ops (what the scheduler sends on a decode step)
         assert r["steps"] >= 10 and 0 < r["worker_step_us"] <= r["worker_step_p99_us"]
         assert 50 < r["meta_bytes"] < 500, r
+
+
+def test_pricing_is_measured_beside_unpriced_lookups(run: tuple[dict, str]) -> None:
+    result, printed = run
+    rows = result["pricing"]
+    sizes = {r["index_chunks"] for r in result["lookups"]}
+    assert {r["index_chunks"] for r in rows} == sizes
+    for n in sizes:
+        whats = {r["what"]: r for r in rows if r["index_chunks"] == n}
+        assert set(whats) == {
+            "a 32k-token lookup, load_policy always",
+            "a 32k-token lookup, load_policy cost",
+            "a step's prefill sample (StepTimes), either policy",
+        }, whats
+        for r in whats.values():
+            assert r["samples"] > 0 and 0 < r["p50_us"] <= r["p99_us"], r
+        # the priced lookup's cost is paired with the unpriced one, request by request
+        assert isinstance(
+            whats["a 32k-token lookup, load_policy cost"]["added_us_paired_median"], float
+        )
+    assert "| pricing: index chunks |" in printed
