@@ -175,7 +175,7 @@ _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 class TenantLabels(tuple[str, ...]):
-    """The values of the ``tenant`` label: a tenant's name (kvtier.config_tenants), known
+    """The values of the ``tenant`` label: a tenant's name (kvtier.config.tenants), known
     only at run time, "untagged", or "other" past ``tenant_metrics_max`` tenants. Iterating
     it gives the series created up front."""
 

@@ -431,6 +431,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm.inputs import TokensPrompt
 
     from kvtier import metrics
+    from kvtier.connectors.vllm import scheduler_side
     from kvtier.sizing.emit import shutdown_flags
     from kvtier.stats import total_name
 
@@ -461,7 +462,7 @@ def _engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
         shutdown_timeout=int(stop[1]),
     )
     side = (
-        llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+        scheduler_side(llm.llm_engine.engine_core.engine_core.scheduler.connector)
         if hasattr(llm.llm_engine.engine_core, "engine_core")
         else None
     )

@@ -50,7 +50,7 @@ def parse_duration(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from kvtier.config_values import SIZE_HELP, parse_size
+    from kvtier.config.values import SIZE_HELP, parse_size
     from kvtier.errors import ConfigError
 
     try:
@@ -64,7 +64,7 @@ def read_tenant_quotas(path: str) -> dict[str, int]:
     tenant) -> size, the ``tenant_quotas`` config key's syntax and parser."""
     import yaml
 
-    from kvtier.config_tenants import parse_tenant_quotas
+    from kvtier.config.tenants import parse_tenant_quotas
     from kvtier.errors import ConfigError
 
     try:
@@ -276,7 +276,7 @@ def _when(t: str | None) -> str:
 
 def usage_table(doc: dict[str, Any]) -> str:
     """``usage``'s JSON as the table printed on a terminal."""
-    from kvtier.config_values import format_size
+    from kvtier.config.values import format_size
 
     # HOT: the keys of the generation's hot list (kvtier.hotset), what a warm start fetches
     rows = [
@@ -312,7 +312,7 @@ def usage_table(doc: dict[str, Any]) -> str:
 def tenant_table(doc: dict[str, Any]) -> str:
     """``usage --by tenant``'s JSON as a table: a row per tenant per generation, then per
     tenant over every generation."""
-    from kvtier.config_values import format_size
+    from kvtier.config.values import format_size
 
     rows = [["GENERATION", "MODEL", "TENANT", "BYTES", "CHUNKS"]]
     for g in doc["generations"]:
@@ -354,7 +354,7 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from kvtier.config_values import format_size
+    from kvtier.config.values import format_size
     from kvtier.objects import store_admin
 
     def body(tier: Any, signer: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -60,7 +61,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             names = [*labelnames, *spec.labels]
             # vLLM's wrappers of prometheus-client classes take these keyword arguments
             counter, gauge, histogram = (
-                cast(Any, c) for c in (self._counter_cls, self._gauge_cls, self._histogram_cls)
+                cast(Any, metric_types[c]) for c in (Counter, Gauge, Histogram)
             )
             if spec.kind == "counter":
                 m = counter(name=spec.name, documentation=spec.help, labelnames=names)

@@ -166,7 +166,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         log_where_vllm_logs()
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        ktc = vllm_config.kv_transfer_config  # vLLM's base refused a config without one
+        assert ktc is not None
+        extra = ktc.kv_connector_extra_config or {}
         self.cfg = load_config(extra)
         warning = secret_in_config(extra)
         if role == KVConnectorRole.SCHEDULER and warning is not None:
@@ -498,6 +500,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def scheduler_side(connector: KVTierConnector) -> SchedulerSide | None:
+    """``connector``'s scheduler side, in the scheduler process (None in a worker's): what
+    ``kvtier demo`` reads its totals from. A function, not a property: the connector's
+    public names are vLLM's hooks (tests/connectors/test_vllm_conformance.py)."""
+    return connector._scheduler
 
 
 # vLLM 0.32 imports this module while it builds its config, before any engine process

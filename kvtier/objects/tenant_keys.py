@@ -63,7 +63,7 @@ FP_BYTES = 8
 OTHER = "other"
 #: what ``kvtier store usage --by tenant`` calls a chunk in no list
 UNATTRIBUTED = "unattributed"
-#: a label: a tenant name (kvtier.config_tenants), "untagged" or "other"
+#: a label: a tenant name (kvtier.config.tenants), "untagged" or "other"
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _NAME = re.compile(r"[0-9a-f]{40}", re.ASCII)
 

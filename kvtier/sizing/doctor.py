@@ -16,8 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier.config import redact_value
-from kvtier.config_values import parse_size
+from kvtier.config import parse_size, redact_value
 from kvtier.errors import ConfigError, is_secret_name, redact_text
 from kvtier.sizing.memory_plan import OLDEST_OFFLOAD_SAFE_VLLM, GiB, parse_version, warning
 

@@ -240,7 +240,7 @@ def test_a_connector_inside_a_multi_connector_is_told() -> None:
     from kvtier.connectors.scheduler.weights import weights_changed
 
     inner = _Told()
-    multi = SimpleNamespace(_connectors=[SimpleNamespace(), inner])
+    multi = SimpleNamespace(sub_connectors=[SimpleNamespace(), inner])
     assert weights_changed(SimpleNamespace(scheduler=SimpleNamespace(connector=multi)), "x") == 1
     assert inner.calls == ["x"]
     # vLLM calls its workers while the engine core is built, before it has a scheduler

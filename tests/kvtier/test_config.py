@@ -93,7 +93,7 @@ def test_every_key_is_documented_and_sizes_print_readably() -> None:
 def test_io_threads_auto_is_the_default_and_resolves_per_process(monkeypatch) -> None:
     """\"auto" (any case) stays "auto" in the config and resolves where the threads start,
     from the CPUs that process may run on; a number is kept as given."""
-    import kvtier.config as config_mod
+    import kvtier.config.settings as config_mod
 
     assert load_config({}, environ={}).io_threads == "auto"
     cfg = load_config({"io_threads": " AUTO "}, environ={})

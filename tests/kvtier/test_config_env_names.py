@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
 from kvtier.config import ENV_PREFIX, KEYS, NON_KEY_ENV, load_config
+from kvtier.config import settings as config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
 from kvtier.config import load_config, parse_size
-from kvtier.config_values import SIZE_UNITS, describe_size
+from kvtier.config import settings as config
+from kvtier.config.values import SIZE_UNITS, describe_size
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.config import KEYS, load_config
-from kvtier.config_tenants import tenant_name_problem
+from kvtier.config.tenants import tenant_name_problem
 from kvtier.errors import ConfigError
 
 TENANT_KEYS = (

@@ -147,19 +147,19 @@ def test_cluster_error_classes() -> None:
     migrated that chunk's miss; no node or the whole cluster down is the tier's."""
     t = RedisClusterTier("redis+cluster://127.0.0.1:1/")
     dead = redis.ConnectionError("Error 111 connecting to 10.0.0.9:7000.")
-    assert isinstance(t._fail("get", dead), NodeUnavailable)
-    assert t._fail("get", dead).kind == "node"
-    assert isinstance(t._fail("get", redis.TimeoutError("Timeout reading")), NodeUnavailable)
+    assert isinstance(t.tier_error("get", dead), NodeUnavailable)
+    assert t.tier_error("get", dead).kind == "node"
+    assert isinstance(t.tier_error("get", redis.TimeoutError("Timeout reading")), NodeUnavailable)
     slot = _SlotDown("Hash slot not served")
-    assert type(t._fail("get", slot)) is ObjectError
-    assert type(t._fail("get", _SlotDown("TRYAGAIN Multiple keys request"))) is ObjectError
-    assert isinstance(t._fail("get", _SlotDown("The cluster is down")), TierUnavailable)
+    assert type(t.tier_error("get", slot)) is ObjectError
+    assert type(t.tier_error("get", _SlotDown("TRYAGAIN Multiple keys request"))) is ObjectError
+    assert isinstance(t.tier_error("get", _SlotDown("The cluster is down")), TierUnavailable)
     assert isinstance(
-        t._fail("get", redis.exceptions.RedisClusterException("cannot be connected")),
+        t.tier_error("get", redis.exceptions.RedisClusterException("cannot be connected")),
         TierUnavailable,
     )
-    assert isinstance(t._fail("get", redis.AuthenticationError("WRONGPASS")), TierUnavailable)
-    assert isinstance(t._fail("get", redis.exceptions.ResponseError("WRONGTYPE")), ObjectError)
+    assert isinstance(t.tier_error("get", redis.AuthenticationError("WRONGPASS")), TierUnavailable)
+    assert isinstance(t.tier_error("get", redis.exceptions.ResponseError("WRONGTYPE")), ObjectError)
 
 
 def test_clusterdown_and_tryagain_are_not_slept_on() -> None:

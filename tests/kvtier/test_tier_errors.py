@@ -159,7 +159,7 @@ def redis_tier():
 
 @pytest.mark.parametrize(("exc", "expected"), REDIS_ERRORS, ids=lambda v: str(v)[:40])
 def test_redis_error_mapping(redis_tier: RedisTier, exc: Exception, expected: type) -> None:
-    err = redis_tier._fail("get", exc)
+    err = redis_tier.tier_error("get", exc)
     assert type(err) is expected, (exc, type(err))
 
 

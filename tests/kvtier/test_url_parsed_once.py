@@ -1,4 +1,4 @@
-"""The object tier's URL is read in one place (``kvtier/config_urls.py``) into a
+"""The object tier's URL is read in one place (``kvtier/config/urls.py``) into a
 :class:`~kvtier.config.RemoteURL` the config carries; the tiers, the engine and the store
 command ask that value, never the string.
 
@@ -23,7 +23,7 @@ from kvtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the one module that reads URLs
-PARSER = ROOT / "kvtier" / "config_urls.py"
+PARSER = ROOT / "kvtier" / "config" / "urls.py"
 #: urllib.parse's readers and writers of URL structure (unquote of a file name is not one)
 URL_FUNCS = {"urlparse", "urlsplit", "urlunparse", "urlunsplit", "parse_qs", "parse_qsl"}
 
@@ -90,13 +90,13 @@ def test_the_scans_see_what_they_look_for() -> None:
 
 
 def test_only_the_parser_reads_urls() -> None:
-    """kvtier/ and bench/: no module but config_urls reads a URL's structure."""
+    """kvtier/ and bench/: no module but config/urls.py reads a URL's structure."""
     found = {}
     for path in _sources():
         hits = url_readers(ast.parse(path.read_text(), str(path)))
         if hits:
             found[str(path.relative_to(ROOT))] = hits
-    assert not found, f"URLs read outside kvtier/config_urls.py (use cfg.remote): {found}"
+    assert not found, f"URLs read outside kvtier/config/urls.py (use cfg.remote): {found}"
 
 
 def test_no_file_prefix_checks() -> None:

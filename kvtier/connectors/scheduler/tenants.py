@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.config_tenants import MAX_PIN_TTL_S, tenant_name_problem
+from kvtier.config.tenants import MAX_PIN_TTL_S, tenant_name_problem
 from kvtier.host.index import ChunkIndex
 from kvtier.host.tenants import UNTAGGED, Tenancy
 from kvtier.hotset import SEND_S

@@ -201,7 +201,7 @@ def weights_changed(engine_core: Any, why: str) -> int:
         if callable(hook):
             hook(why)
             told += 1
-        todo.extend(getattr(connector, "_connectors", ()) or ())
+        todo.extend(getattr(connector, "sub_connectors", ()) or ())  # a MultiConnector's
     return told
 
 

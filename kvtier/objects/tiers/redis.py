@@ -161,7 +161,7 @@ class RedisTier(SlotReader):
             )
             pool = redis.BlockingConnectionPool(**options)  # type: ignore[no-untyped-call]
         except (ValueError, TypeError, redis.RedisError) as exc:
-            raise TierUnavailable(f"redis {self._safe_url}: {self._clean(exc)}") from None
+            raise TierUnavailable(f"redis {self._safe_url}: {self.clean_error(exc)}") from None
         self._client = redis.Redis(connection_pool=pool)
         self._refuse_if_cluster(pool)
 
@@ -178,31 +178,36 @@ class RedisTier(SlotReader):
         except ClusterNodeRefused:
             raise ConfigError("remote_url", self._safe_url, CLUSTER_NODE_HELP) from None
         except (redis.RedisError, OSError) as exc:
-            log.info("redis %s not reachable at startup (%s)", self._safe_url, self._clean(exc))
+            log.info(
+                "redis %s not reachable at startup (%s)", self._safe_url, self.clean_error(exc)
+            )
         finally:
             conn.disconnect()
 
     def __repr__(self) -> str:
         return f"RedisTier({self._safe_url!r})"
 
-    def _clean(self, exc: BaseException) -> str:
+    # -- what a subclass (RedisClusterTier) builds on: errors, replies, bounded reads ------
+
+    def clean_error(self, exc: BaseException) -> str:
+        """``exc`` as text for a message or a log, the password masked."""
         text = f"{type(exc).__name__}: {exc}"
         return text.replace(self._password, "***") if self._password else text
 
-    #: what the client raises; :meth:`_fail` says which kvtier error each one is
-    _FOREIGN: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+    #: what the client raises; :meth:`tier_error` says which kvtier error each one is
+    FOREIGN_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 
     @contextmanager
-    def _errors(self, op: str) -> Iterator[None]:
+    def tier_errors(self, op: str) -> Iterator[None]:
         """The one place the client's exceptions become kvtier errors: every one of
-        :attr:`_FOREIGN` raised in the block is raised again as :meth:`_fail` classifies
+        :attr:`FOREIGN_ERRORS` raised in the block is raised again as :meth:`tier_error` classifies
         it; anything else (a kvtier error raised on purpose, a bug) passes as it is."""
         try:
             yield
-        except self._FOREIGN as exc:
-            raise self._fail(op, exc) from None
+        except self.FOREIGN_ERRORS as exc:
+            raise self.tier_error(op, exc) from None
 
-    def _fail(self, op: str, exc: BaseException) -> TierError:
+    def tier_error(self, op: str, exc: BaseException) -> TierError:
         """ObjectError for an error reply about one key, TierUnavailable for the rest.
 
         Connection errors, timeouts, AUTH failures and protocol errors mean the
@@ -210,7 +215,7 @@ class RedisTier(SlotReader):
         value refused for memory) means it answered and only this key failed.
         A reply longer than the caller's bound is that object's ``oversize``.
         """
-        text = f"redis {op} {self._safe_url}: {self._clean(exc)}"
+        text = f"redis {op} {self._safe_url}: {self.clean_error(exc)}"
         if isinstance(exc, ClusterNodeRefused):
             return TierUnavailable(text)
         if isinstance(exc, ReplyTooLarge):
@@ -223,7 +228,7 @@ class RedisTier(SlotReader):
             return ObjectError(text)
         return TierUnavailable(text)
 
-    def _wrong_reply(self, op: str, command: str, reply: object) -> ObjectError:
+    def wrong_reply(self, op: str, command: str, reply: object) -> ObjectError:
         """A reply of the wrong type (a bulk string for STRLEN, an integer for GETRANGE):
         that object's miss, counted and logged like any other, never a TypeError."""
         return ObjectError(
@@ -231,14 +236,14 @@ class RedisTier(SlotReader):
         )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        with self._errors("exists"), self._client.pipeline(transaction=False) as pipe:
+        with self.tier_errors("exists"), self._client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.exists(key)
             replies = pipe.execute()
         found = []
         for n in replies:
             if type(n) is not int:
-                raise self._wrong_reply("exists", "EXISTS", n)
+                raise self.wrong_reply("exists", "EXISTS", n)
             found.append(n > 0)
         return stored_prefix(found)
 
@@ -251,7 +256,7 @@ class RedisTier(SlotReader):
         line (:class:`BoundedParser`): a server that ignores the range costs
         a dropped connection, not the bytes it sends.
         """
-        data = self._get(key, max_bytes)
+        data = self.get_bounded(key, max_bytes)
         return data if data is None or type(data) is bytes else bytes(data)
 
     def _read_slot(
@@ -266,7 +271,7 @@ class RedisTier(SlotReader):
         bound.into, bound.landed, bound.last_int, bound.landing = dest, False, None, landing
         bound.found = found  # called from the reply's length line, before its bytes
         try:
-            blob = self._get(key, dest.nbytes + max_head)
+            blob = self.get_bounded(key, dest.nbytes + max_head)
             landed = bound.landed
             found = bound.found  # None once the parser called it
         finally:
@@ -291,7 +296,7 @@ class RedisTier(SlotReader):
         bound = self._bound
         bound.into, bound.front, bound.front_n, bound.last_int = view, True, None, None
         try:
-            blob = self._get(key, view.nbytes)
+            blob = self.get_bounded(key, view.nbytes)
             n = bound.front_n
         finally:
             bound.into, bound.front, bound.front_n, bound.last_int = None, False, None, None
@@ -302,29 +307,30 @@ class RedisTier(SlotReader):
             view[:n] = blob
         return n
 
-    def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
+    def get_bounded(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
+        """The object at ``key`` (None: absent), its reply bounded to ``max_bytes``."""
         self._bound.limit = None if max_bytes is None else max(1, max_bytes)
         try:
-            with self._errors("get"):
+            with self.tier_errors("get"):
                 if max_bytes is None:
                     data = self._client.get(key)  # decode_responses is off
                     if data is not None and type(data) not in (bytes, bytearray):
-                        raise self._wrong_reply("get", "GET", data)
+                        raise self.wrong_reply("get", "GET", data)
                     return cast("bytes | bytearray | None", data)
-                size, data = self._strlen_getrange(key, max(1, max_bytes))
+                size, data = self.strlen_getrange(key, max(1, max_bytes))
         finally:
             self._bound.limit = REPLY_CAP
         if type(size) is not int:
-            raise self._wrong_reply("get", "STRLEN", size)
+            raise self.wrong_reply("get", "STRLEN", size)
         if type(data) not in (bytes, bytearray):
-            raise self._wrong_reply("get", "GETRANGE", data)
+            raise self.wrong_reply("get", "GETRANGE", data)
         if size > max_bytes:
             raise ObjectTooLarge(
                 f"redis get {self._safe_url}: value of {size} bytes, at most {max_bytes} expected"
             )
         return cast("bytes | bytearray", data) if size else None
 
-    def _strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
+    def strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
         """STRLEN and GETRANGE of the first ``n`` bytes, in one round trip."""
         with self._client.pipeline(transaction=False) as pipe:
             pipe.strlen(key)
@@ -341,7 +347,7 @@ class RedisTier(SlotReader):
         """
         frame = set_frame(key, parts, self.ttl_s)
         pool = self._client.connection_pool
-        with self._errors("put"):
+        with self.tier_errors("put"):
             for attempt in range(1 + RETRIES):  # a retry replaces a connection the server dropped
                 conn = pool_connection(pool)
                 if attempt:
@@ -367,7 +373,7 @@ class RedisTier(SlotReader):
     def delete(self, keys: Sequence[str]) -> None:
         if not keys:
             return
-        with self._errors("delete"):
+        with self.tier_errors("delete"):
             self._client.delete(*keys)
 
     # -- listing and deleting in bulk (kvtier store) -----------------------------------
@@ -383,12 +389,12 @@ class RedisTier(SlotReader):
     def _scan(self, prefix: str) -> Iterator[tuple[Any, list[bytes]]]:
         """Each node's SCAN pages of the keys starting with ``prefix`` (with its node)."""
         match = {"match": _GLOB.sub(r"\\\1", prefix) + "*"} if prefix else {}
-        with self._errors("list"):
+        with self.tier_errors("list"):
             nodes = self._primaries()
         for node in nodes:
             cursor = 0
             while True:
-                with self._errors("list"):
+                with self.tier_errors("list"):
                     cursor, keys = node.scan(cursor=cursor, count=LIST_BATCH, **match)
                 yield node, keys
                 if int(cursor) == 0:
@@ -403,7 +409,7 @@ class RedisTier(SlotReader):
         writes count, listing does not)."""
         for node, keys in self._scan(prefix):
             ours = [k for k in keys if keep is None or keep(_text(k))]
-            with self._errors("list"):
+            with self.tier_errors("list"):
                 sized = _measure(node, ours)
             now = time.time()
             for key, size, idle in sized:
@@ -418,7 +424,7 @@ class RedisTier(SlotReader):
         """:meth:`ObjectTier.delete_many`: UNLINK (the server frees the value in the
         background), one key per command (a cluster node's keys are in many slots),
         pipelined :data:`LIST_BATCH` at a time per node."""
-        with self._errors("delete"):
+        with self.tier_errors("delete"):
             for node, ks in self._by_node(keys):
                 for i in range(0, len(ks), LIST_BATCH):
                     pipe = node.pipeline(transaction=False)
@@ -433,7 +439,7 @@ class RedisTier(SlotReader):
     def create_if_absent(self, key: str, parts: Parts) -> bool:
         """:meth:`ObjectTier.create_if_absent`: SET NX (with EX as :meth:`put`), which the
         server runs atomically; a claim is small, so its parts are joined."""
-        with self._errors("create"):
+        with self.tier_errors("create"):
             reply = self._client.set(key, b"".join(parts), nx=True, ex=self.ttl_s or None)
         if reply is None:
             return False

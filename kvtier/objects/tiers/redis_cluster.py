@@ -247,7 +247,7 @@ class RedisClusterTier(RedisTier):
                             f"redis cluster {self._safe_url}: {_NOT_A_CLUSTER}"
                         ) from None
                     raise TierUnavailable(
-                        f"redis cluster {self._safe_url}: {self._clean(exc)}"
+                        f"redis cluster {self._safe_url}: {self.clean_error(exc)}"
                     ) from None
             return self._cluster
 
@@ -258,10 +258,10 @@ class RedisClusterTier(RedisTier):
 
     # -- errors ----------------------------------------------------------------------
 
-    #: what redis-py's cluster client raises (:meth:`RedisTier._errors` maps it)
-    _FOREIGN = _CLIENT_ERRORS
+    #: what redis-py's cluster client raises (:meth:`RedisTier.tier_errors` maps it)
+    FOREIGN_ERRORS = _CLIENT_ERRORS
 
-    def _fail(self, op: str, exc: BaseException) -> TierError:
+    def tier_error(self, op: str, exc: BaseException) -> TierError:
         """The single node's mapping, plus what only a cluster says: one node unreachable
         (``node``), a slot not served or being migrated (that chunk's miss), no node
         reachable or the whole cluster down (the tier)."""
@@ -271,21 +271,21 @@ class RedisClusterTier(RedisTier):
             node = _node_name(exc, getattr(self._calling, "node", None))
             self._node_failed(node)
             return NodeUnavailable(
-                f"redis cluster {op} {self._safe_url}: node {node}: {self._clean(exc)}"
+                f"redis cluster {op} {self._safe_url}: node {node}: {self.clean_error(exc)}"
             )
         if isinstance(exc, _SlotDown):
-            text = f"redis cluster {op} {self._safe_url}: {self._clean(exc)}"
+            text = f"redis cluster {op} {self._safe_url}: {self.clean_error(exc)}"
             if "cluster is down" in str(exc).lower():
                 return TierUnavailable(text)
             return ObjectError(text)  # a slot not served, TRYAGAIN during a migration
         if isinstance(exc, redis.exceptions.SlotNotCoveredError):
-            return ObjectError(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
+            return ObjectError(f"redis cluster {op} {self._safe_url}: {self.clean_error(exc)}")
         if isinstance(exc, redis.exceptions.RedisClusterException):
-            return TierUnavailable(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
+            return TierUnavailable(f"redis cluster {op} {self._safe_url}: {self.clean_error(exc)}")
         if isinstance(exc, redis.exceptions.MovedError | redis.exceptions.AskError):
             # redis-py follows these; one left over is a slot moving under the call
-            return ObjectError(f"redis cluster {op} {self._safe_url}: {self._clean(exc)}")
-        return super()._fail(op, exc)
+            return ObjectError(f"redis cluster {op} {self._safe_url}: {self.clean_error(exc)}")
+        return super().tier_error(op, exc)
 
     def _node_failed(self, node: str) -> None:
         self._count_node(node)
@@ -382,7 +382,9 @@ class RedisClusterTier(RedisTier):
                 manager.initialize()
         except _CLIENT_ERRORS as exc:
             log.info(
-                "redis cluster %s: topology refresh failed: %s", self._safe_url, self._clean(exc)
+                "redis cluster %s: topology refresh failed: %s",
+                self._safe_url,
+                self.clean_error(exc),
             )
 
     def node_errors(self) -> dict[str, int]:
@@ -411,21 +413,21 @@ class RedisClusterTier(RedisTier):
         self._node_answered(node)
         return found
 
-    def _get(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
+    def get_bounded(self, key: str, max_bytes: int | None) -> bytes | bytearray | None:
         node, token = self._admit("get", key)
         try:
-            data = super()._get(key, max_bytes)
+            data = super().get_bounded(key, max_bytes)
         finally:
             self._probe_over(node, token)
         self._node_answered(node)
         return data
 
-    def _strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
+    def strlen_getrange(self, key: str, n: int) -> tuple[Any, Any]:
         """STRLEN + GETRANGE on the key's node (:meth:`_on_node`), redis-py's pipeline for
         a dead connection or a redirection."""
         replies = self._on_node(key, [("STRLEN", key), ("GETRANGE", key, 0, n - 1)])
         if replies is None:
-            return super()._strlen_getrange(key, n)
+            return super().strlen_getrange(key, n)
         return replies[0], replies[1]
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -435,7 +437,7 @@ class RedisClusterTier(RedisTier):
             return self._exists_many(keys)
         node, token = self._admit("exists", keys[0])
         try:
-            with self._errors("exists"):
+            with self.tier_errors("exists"):
                 replies = self._on_node(keys[0], [("EXISTS", keys[0])])
             found = RedisTier.exists(self, keys) if replies is None else self._found(replies)
         finally:
@@ -445,7 +447,7 @@ class RedisClusterTier(RedisTier):
 
     def _found(self, replies: list[Any]) -> list[bool]:
         if type(replies[0]) is not int:
-            raise self._wrong_reply("exists", "EXISTS", replies[0])
+            raise self.wrong_reply("exists", "EXISTS", replies[0])
         return [replies[0] > 0]
 
     def _on_node(self, key: str, commands: list[tuple[str | int, ...]]) -> list[Any] | None:
@@ -508,7 +510,7 @@ class RedisClusterTier(RedisTier):
         reply: Any = None
         conn: Any = None
         node: Any = None
-        with self._errors("put"):
+        with self.tier_errors("put"):
             try:
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
                 pool = client.get_redis_connection(node).connection_pool
@@ -538,7 +540,7 @@ class RedisClusterTier(RedisTier):
         if not keys:
             return
         self._calling.node = None
-        with self._errors("delete"), self._cluster_client().pipeline(transaction=False) as pipe:
+        with self.tier_errors("delete"), self._cluster_client().pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.delete(key)
             pipe.execute()

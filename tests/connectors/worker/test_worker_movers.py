@@ -286,7 +286,7 @@ def test_io_threads_auto_is_resolved_by_the_worker_for_its_share_of_the_cpus(
 ) -> None:
     """The worker opens its RemoteIO with a number of threads, never "auto": its CPUs (as
     vLLM bound them by register_kv_caches) over the engine's workers on the host."""
-    import kvtier.config as config_mod
+    import kvtier.config.settings as config_mod
 
     monkeypatch.setattr(config_mod, "usable_cpus", lambda: 64)
     opened: list[object] = []

@@ -1,7 +1,7 @@
 """The parsers of kvtier's config values that are not URLs: sizes, bounded numbers, text,
 variable names, flags and choices.
 
-Kept apart from :mod:`kvtier.config` (which maps each key to one of these, holds the
+Kept apart from :mod:`kvtier.config.settings` (which maps each key to one of these, holds the
 frozen :class:`~kvtier.config.KVTierConfig` and loads it) so the rules of one value can
 be read, and tested, without the loading around them. Each parser takes the key it reads
 and raises :class:`~kvtier.errors.ConfigError` naming it, the value and what is allowed.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlparse, urlunparse
 
-from kvtier.config_values import CONTROL_RE, no_controls, parse_text
+from kvtier.config.values import CONTROL_RE, no_controls, parse_text
 from kvtier.errors import ConfigError
 from kvtier.redact import redact_url
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvtier.config_values import SIZE_HELP, parse_size
+from kvtier.config.values import SIZE_HELP, parse_size
 from kvtier.errors import ConfigError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")

@@ -7,9 +7,9 @@ at startup instead of misbehaving later.
 
 This module is the config itself: which parser reads each key, the frozen
 :class:`KVTierConfig` and :func:`load_config`. The parsers of single values live in
-:mod:`kvtier.config_values` (sizes, numbers, text) and :mod:`kvtier.config_urls` (the
-object tier's URLs); every public name of theirs is exported here too, where the rest of
-kvtier imports it.
+:mod:`kvtier.config.values` (sizes, numbers, text) and :mod:`kvtier.config.urls` (the
+object tier's URLs); the public names the rest of kvtier reads are exported here and
+from :mod:`kvtier.config`, where the rest of kvtier imports them.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from kvtier.config_tenants import parse_tenant, parse_tenant_list, parse_tenant_quotas
-from kvtier.config_urls import CLUSTER_SCHEMES as CLUSTER_SCHEMES
-from kvtier.config_urls import REMOTE_SCHEMES as REMOTE_SCHEMES
-from kvtier.config_urls import RemoteKind as RemoteKind
-from kvtier.config_urls import RemoteURL as RemoteURL
-from kvtier.config_urls import cluster_seeds as cluster_seeds
-from kvtier.config_urls import insecure_tls_args as insecure_tls_args
-from kvtier.config_urls import parse_endpoint_url
-from kvtier.config_urls import parse_remote as parse_remote
-from kvtier.config_values import MAX_SIZE_BYTES as MAX_SIZE_BYTES
-from kvtier.config_values import SIZE_HELP as SIZE_HELP
-from kvtier.config_values import (
+from kvtier.config.tenants import parse_tenant, parse_tenant_list, parse_tenant_quotas
+from kvtier.config.urls import CLUSTER_SCHEMES as CLUSTER_SCHEMES
+from kvtier.config.urls import REMOTE_SCHEMES as REMOTE_SCHEMES
+from kvtier.config.urls import RemoteKind as RemoteKind
+from kvtier.config.urls import RemoteURL as RemoteURL
+from kvtier.config.urls import cluster_seeds as cluster_seeds
+from kvtier.config.urls import insecure_tls_args as insecure_tls_args
+from kvtier.config.urls import parse_endpoint_url
+from kvtier.config.urls import parse_remote as parse_remote
+from kvtier.config.values import MAX_SIZE_BYTES as MAX_SIZE_BYTES
+from kvtier.config.values import SIZE_HELP as SIZE_HELP
+from kvtier.config.values import (
     describe_size,
     one_of,
     parse_bool,
@@ -45,8 +45,8 @@ from kvtier.config_values import (
     parse_path,
     parse_text,
 )
-from kvtier.config_values import format_size as format_size
-from kvtier.config_values import parse_size as parse_size
+from kvtier.config.values import format_size as format_size
+from kvtier.config.values import parse_size as parse_size
 from kvtier.errors import ConfigError, UnknownKeyError
 from kvtier.redact import redact_setting
 from kvtier.redact import redact_url as redact_url  # the tiers and the facade read it here
@@ -146,7 +146,7 @@ _PARSERS["compression"] = one_of(COMPRESSIONS)
 LOAD_POLICIES = ("cost", "always")
 _PARSERS["load_policy"] = one_of(LOAD_POLICIES)
 _PARSERS["load_margin"] = lambda k, v: parse_float(k, v, 0.1, 10.0)
-# tenants (kvtier.host.tenants, kvtier.config_tenants): quotas and soft pins of the host tier
+# tenants (kvtier.host.tenants, kvtier.config.tenants): quotas and soft pins of the host tier
 _PARSERS["default_tenant"] = parse_tenant
 _PARSERS["pin_tenants"] = parse_tenant_list
 _PARSERS["tenant_quotas"] = parse_tenant_quotas
