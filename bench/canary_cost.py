@@ -58,7 +58,9 @@ def rates(text: str) -> list[float]:
 
 def _side(llm: Any) -> Any:
     """kvtier's scheduler side (the engine core in this process)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    from kvtier.connectors.vllm import scheduler_side
+
+    return scheduler_side(llm.llm_engine.engine_core.engine_core.scheduler.connector)
 
 
 def _settle(llm: Any, timeout_s: float = 60.0) -> None:

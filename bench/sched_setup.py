@@ -209,7 +209,9 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 100_000) -> Any:
 
 # ---- index pre-fill -------------------------------------------------------------------------
 def kvtier_side(sched: Any) -> Any:
-    return sched.connector._scheduler
+    from kvtier.connectors.vllm import scheduler_side
+
+    return scheduler_side(sched.connector)
 
 
 def prefill_kvtier(sched: Any, n: int, rng: random.Random, hashes: Iterable[bytes] = ()) -> None:

@@ -215,6 +215,8 @@ def replay(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvtier.connectors.vllm import scheduler_side
+
     ktc = {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
@@ -236,7 +238,7 @@ def replay(
     # the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's
     # scheduler side and its counters are at hand
     core: Any = llm.llm_engine.engine_core
-    side = core.engine_core.scheduler.connector._scheduler
+    side = scheduler_side(core.engine_core.scheduler.connector)
     sp = SamplingParams(max_tokens=1, temperature=0)
     requests = [json.loads(ln) for ln in trace.read_text().splitlines() if ln.strip()]
     hits: list[int] = []
