@@ -25,7 +25,7 @@ from test_trace import COMMON, _run, _write, brute_served
 
 from kvtier.cli.main import main
 from kvtier.sizing import trace as tr
-from kvtier.sizing import trace_read
+from kvtier.sizing.trace import read as trace_read
 
 ROOT = Path(__file__).resolve().parents[2]
 model_dir = test_trace.model_dir  # the fixture: a tiny Llama with a tokenizer

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.keys import chunk_block_hashes, token_block_hashes
-from kvtier.sizing.trace_read import TraceRequest
+from kvtier.sizing.trace.read import TraceRequest
 
 DEFAULT_MAX_CHUNKS = 1 << 20
 
