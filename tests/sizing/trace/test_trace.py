@@ -520,7 +520,7 @@ def test_every_prompt_and_line_is_bounded(
     """However a line gives its prompt (token ids, a text or chat prompt once tokenized)
     it is at most MAX_INPUT_LENGTH tokens, and a line at most MAX_LINE_BYTES: over either
     it is a bad line counted as over a bound, and the lines after it are read. (The bounds
-    are lowered here; tests/sizing/test_trace_hash_ids.py runs the real ones.)"""
+    are lowered here; tests/sizing/trace/test_trace_hash_ids.py runs the real ones.)"""
     from kvtier.sizing.trace import read as trace_read
 
     monkeypatch.setattr(trace_read, "MAX_INPUT_LENGTH", 40)
