@@ -22,8 +22,8 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/cuda -rs
 tests_rc=$?
 
 echo "== CPU-side copy-path tests"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/kvtier/test_transfer.py \
-    tests/kvtier/test_layout.py tests/kvtier/test_groups_copier.py
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/host/test_transfer.py \
+    tests/host/test_layout.py tests/host/test_groups_copier.py
 cpu_rc=$?
 
 echo "== bench/gpu_transfer.py"

@@ -4,7 +4,7 @@ timestamps, and predict the host tier's hit rate as ``kvtier size --trace`` woul
 (bench_client.py) and the report (bench_report.py).
 
 What a line can make the replay do is bounded, and every bound that acts is counted in
-the report (``trace_replay.bounds``): the reader's (:mod:`kvtier.sizing.trace_read`:
+the report (``trace_replay.bounds``): the reader's (:mod:`kvtier.sizing.trace.read`:
 prompts, outputs, line bytes); one prompt's tokens (``--max-input-tokens`` cuts, or else
 a prompt longer than the server's ``max_model_len``, or :data:`DEFAULT_INPUT_BOUND`
 tokens when the server does not say, is not expanded nor sent: the server would refuse
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvtier.sizing.trace_read import MAX_INPUT_LENGTH as MAX_INPUT_TOKENS
+from kvtier.sizing.trace.read import MAX_INPUT_LENGTH as MAX_INPUT_TOKENS
 
 from .bench_client import (
     BenchError,

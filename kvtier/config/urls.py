@@ -5,7 +5,7 @@ forms (file, S3, Redis, Redis Cluster seeds), the S3 endpoint, and the TLS check
 The object tier's URL is read here once, into a :class:`RemoteURL` that
 :func:`~kvtier.config.load_config` keeps on the config (``cfg.remote``): the tiers, the
 engine and the store command ask it what they need (its kind, directory, bucket, seeds,
-TLS) and never read the string themselves (``tests/kvtier/test_url_parsed_once.py``).
+TLS) and never read the string themselves (``tests/config/test_url_parsed_once.py``).
 Kept apart from :mod:`kvtier.config` so the URL rules, half of what the config checks,
 read on their own; :mod:`kvtier.config` exports every public name here. Each parser
 raises :class:`~kvtier.errors.ConfigError` naming the key, the URL and what is allowed.

@@ -55,7 +55,7 @@ def hung_tier(model: str, extra: dict[str, Any], n_prompts: int) -> dict[str, An
     def recording(self: RemoteIO, *a: Any, **kw: Any) -> None:
         # down for the whole run once marked down: the probe after each backoff would
         # cost one more lookup deadline, and how many backoffs end within the prompts
-        # depends on how busy the machine is (probing: tests/kvtier/test_health_probe_wait.py)
+        # depends on how busy the machine is (probing: tests/objects/test_health_probe_wait.py)
         kw["backoff"] = ConstantBackoff(600.0)
         init(self, *a, **kw)
         rios.append(self)

@@ -520,8 +520,8 @@ def test_every_prompt_and_line_is_bounded(
     """However a line gives its prompt (token ids, a text or chat prompt once tokenized)
     it is at most MAX_INPUT_LENGTH tokens, and a line at most MAX_LINE_BYTES: over either
     it is a bad line counted as over a bound, and the lines after it are read. (The bounds
-    are lowered here; tests/sizing/test_trace_hash_ids.py runs the real ones.)"""
-    from kvtier.sizing import trace_read
+    are lowered here; tests/sizing/trace/test_trace_hash_ids.py runs the real ones.)"""
+    from kvtier.sizing.trace import read as trace_read
 
     monkeypatch.setattr(trace_read, "MAX_INPUT_LENGTH", 40)
     monkeypatch.setattr(trace_read, "MAX_LINE_BYTES", 2000)
@@ -567,7 +567,7 @@ def test_a_long_line_is_skipped_without_holding_it(
 ) -> None:
     """A 24 MB line (no newline anywhere) is read past in pieces, not held: memory is the
     bound's, not the line's."""
-    from kvtier.sizing import trace_read
+    from kvtier.sizing.trace import read as trace_read
 
     monkeypatch.setattr(trace_read, "MAX_LINE_BYTES", 2**20)
     path = tmp_path / "t.jsonl"

@@ -169,7 +169,7 @@ def _engine(root: str, worker: int, bound: int, puts: int, evicted) -> None:
 def test_engines_share_a_bounded_directory(tmp_path) -> None:
     """Engines writing, reading and sweeping one directory never break each other.
 
-    The bound itself across processes is tests/kvtier/test_tier_bound_shared.py's (the
+    The bound itself across processes is tests/objects/tiers/test_tier_bound_shared.py's (the
     engines' shared count); this checks the rest: reads see whole objects or nothing,
     the engines' sweeps evict, nothing is left half-written, and one sweep after them
     brings the directory under the bound.

@@ -132,7 +132,7 @@ def usable(secret: str) -> bool:
 
 #: positions where the secret is the value of a ``*_env`` key: an upper-case variable name
 #: there is shown on purpose, since naming the variable to set is the point of the error
-#: (tests/kvtier/test_config_messages.py); anything else there stays hidden
+#: (tests/config/test_config_messages.py); anything else there stays hidden
 ENV_NAME_POSITIONS = {
     "key in hmac_key_env",
     "key in hmac_key_env via env",

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.keys import chunk_block_hashes, token_block_hashes
-from kvtier.sizing.trace_read import TraceRequest
+from kvtier.sizing.trace.read import TraceRequest
 
 DEFAULT_MAX_CHUNKS = 1 << 20
 
@@ -27,7 +27,7 @@ def hash_id_keys(req: TraceRequest, step: int) -> list[int]:
     tokens of that one: its key is the chain of hash ids up to that block (and the line's
     ``cache_salt``) with the offset in it. Two prefixes get one key exactly when their
     tokens are the same, were every id expanded to its own tokens
-    (tests/sizing/test_trace_hash_ids.py checks this against :func:`expand_tokens`).
+    (tests/sizing/trace/test_trace_hash_ids.py checks this against :func:`expand_tokens`).
     """
     if req.hash_ids is None:
         raise ValueError("hash_id_keys takes a hash-id line's request, not token ids")

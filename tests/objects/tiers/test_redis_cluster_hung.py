@@ -274,7 +274,7 @@ def test_a_put_behind_a_nodes_probe_waits_for_it(cluster: RedisCluster) -> None:
     """A node that is back after its backoff: the first op to it is the probe, and an
     upload to it meanwhile waits for the probe's report and is written (the read path
     still fails fast). Failing it fast lost the uploads stored right after a node came
-    back, as the single-node tier did (tests/kvtier/test_health_probe_wait.py)."""
+    back, as the single-node tier did (tests/objects/test_health_probe_wait.py)."""
     import threading
 
     tier = RedisClusterTier(cluster.url, lookup_timeout_ms=DEADLINE_MS)

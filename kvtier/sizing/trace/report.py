@@ -7,8 +7,8 @@ import math
 import os
 from typing import Any
 
-from kvtier.sizing.trace_read import MAX_INPUT_LENGTH, MAX_LINE_BYTES, TraceStats
-from kvtier.sizing.trace_sim import Simulation
+from kvtier.sizing.trace.read import MAX_INPUT_LENGTH, MAX_LINE_BYTES, TraceStats
+from kvtier.sizing.trace.sim import Simulation
 
 #: kvtier's host slots are aligned to this many bytes (kvtier.host.layout.SLOT_ALIGN; that
 #: module imports torch, which `kvtier size` must not)

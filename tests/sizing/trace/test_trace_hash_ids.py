@@ -4,7 +4,7 @@ A hash-id line names its prompt's blocks instead of its tokens. The planner deri
 vLLM's blocks and kvtier's chunks from the ids without expanding them; every check here
 compares that with the same trace expanded to tokens (each id its own tokens, as
 ``kvtier bench --trace`` sends them) and run through the token-id path, which
-tests/sizing/test_trace.py checks against LRU caches simulated one size at a time.
+tests/sizing/trace/test_trace.py checks against LRU caches simulated one size at a time.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from test_trace import COMMON, _run, _write, brute_served
 
 from kvtier.cli.main import main
 from kvtier.sizing import trace as tr
-from kvtier.sizing import trace_read
+from kvtier.sizing.trace import read as trace_read
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 model_dir = test_trace.model_dir  # the fixture: a tiny Llama with a tokenizer
 #: tokens of distinct ids never collide in so wide a range (the bench uses the vocabulary)
 WIDE = (0, 2**40)

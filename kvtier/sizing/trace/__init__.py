@@ -22,16 +22,16 @@ included: those lines are bad lines, counted), the GPU model holds at most its o
 and the stack tracks at most ``max_chunks`` keys (deeper keys count as misses at every
 size, so the curve is exact up to that many chunks).
 
-Reading is :mod:`kvtier.sizing.trace_read`, the simulation
-:mod:`kvtier.sizing.trace_sim`, the report and plot :mod:`kvtier.sizing.trace_report`;
-this module runs them over a file and names what ``kvtier size --trace`` uses.
+Reading is :mod:`kvtier.sizing.trace.read`, the simulation
+:mod:`kvtier.sizing.trace.sim`, the report and plot :mod:`kvtier.sizing.trace.report`;
+the package itself runs them over a file and names what ``kvtier size --trace`` uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.sizing.trace_read import (
+from kvtier.sizing.trace.read import (
     BAILIAN_FIELDS,
     HASH_BLOCK_SIZE,
     MAX_HASH_ID,
@@ -52,7 +52,7 @@ from kvtier.sizing.trace_read import (
     read_trace,
     truncate,
 )
-from kvtier.sizing.trace_report import (
+from kvtier.sizing.trace.report import (
     CURVE_POINTS,
     SLOT_ALIGN,
     format_report,
@@ -60,7 +60,7 @@ from kvtier.sizing.trace_report import (
     slot_bytes,
     write_plot,
 )
-from kvtier.sizing.trace_sim import (
+from kvtier.sizing.trace.sim import (
     DEFAULT_MAX_CHUNKS,
     GpuPrefixCache,
     LruStack,
