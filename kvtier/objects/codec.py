@@ -119,7 +119,7 @@ CRC_LEN = 4
 #: when it is checksummed, and each costs a few Python calls under the GIL. With 8 read
 #: threads on a 16-core GPU host, 1 MiB pieces read a Llama-3-8B restart hit (32 MiB
 #: chunks) 20 % faster than 256 KiB ones (4 MiB: no better); with 2 on a 2-core VM, 8 %
-#: slower (bench/gpu_restart.py --hash-piece-kib)
+#: slower (bench/gpu_restart.py --hash-piece-kib): the piece with more than 2 read threads
 HASH_PIECE = 1 << 20
 #: the piece where a tier reads on at most 2 threads (:func:`hash_piece`): each piece
 #: rarely waits for the GIL there, and one of 256 KiB is still in L2 when it is checksummed.
