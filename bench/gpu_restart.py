@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.hash_piece_kib < 4:
         ap.error("--hash-piece-kib: at least 4")
-    codec.HASH_PIECE = args.hash_piece_kib << 10
+    codec.HASH_PIECE = codec.SMALL_HASH_PIECE = args.hash_piece_kib << 10  # any read threads
     faster_thread_switches()  # as kvtier's worker does when it has an object tier
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = args.dir or tempfile.gettempdir()

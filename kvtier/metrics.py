@@ -441,8 +441,8 @@ HANDOFF_CHUNKS = MetricSpec(
     "counter",
     "Hot host-tier chunks the object tier lacked when the engine drained (write_back), by "
     "outcome: written first by the shutdown flush, hottest first, or left (not written "
-    "within shutdown_flush_s, refused or failed). Recorded at the stop: seen only if vLLM "
-    "still reports the workers' stats then; the log line says it always.",
+    "within shutdown_flush_s, refused or failed). Recorded in the worker's shutdown, after "
+    "vLLM's last stats pass, so it does not reach /metrics: the log line is the report.",
     ("outcome",),
 )
 WARMUP_BYTES = MetricSpec(

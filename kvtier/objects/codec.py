@@ -95,6 +95,7 @@ __all__ = [
     "HMAC_KEY_MIN_BYTES",
     "MAGIC",
     "MAX_HEADER",
+    "SMALL_HASH_PIECE",
     "LandingCrc",
     "SignatureError",
     "Signer",
@@ -102,6 +103,7 @@ __all__ = [
     "decode",
     "encode",
     "encoded_size",
+    "hash_piece",
     "head_length",
     "is_compressed",
     "parse_header",
@@ -117,8 +119,20 @@ CRC_LEN = 4
 #: when it is checksummed, and each costs a few Python calls under the GIL. With 8 read
 #: threads on a 16-core GPU host, 1 MiB pieces read a Llama-3-8B restart hit (32 MiB
 #: chunks) 20 % faster than 256 KiB ones (4 MiB: no better); with 2 on a 2-core VM, 8 %
-#: slower (bench/gpu_restart.py --hash-piece-kib)
+#: slower (bench/gpu_restart.py --hash-piece-kib): the piece with more than 2 read threads
 HASH_PIECE = 1 << 20
+#: the piece where a tier reads on at most 2 threads (:func:`hash_piece`): each piece
+#: rarely waits for the GIL there, and one of 256 KiB is still in L2 when it is checksummed.
+#: A warm-up of 64 chunks of 4 MiB from the page cache (bench/warmup.py, 2 read threads,
+#: Sapphire Rapids) costs ~5 % less CPU than in 1 MiB pieces
+SMALL_HASH_PIECE = 256 << 10
+
+
+def hash_piece(read_threads: int) -> int:
+    """The piece a tier read on ``read_threads`` threads checksums as it lands:
+    :data:`SMALL_HASH_PIECE` on up to 2, else :data:`HASH_PIECE` (with 8 threads 1 MiB
+    pieces are faster: fewer GIL hand-offs, docs/cuda.md)."""
+    return SMALL_HASH_PIECE if read_threads <= 2 else HASH_PIECE
 
 
 def payload_crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -138,10 +152,11 @@ class LandingCrc:
     while it is still in the CPU's cache, so reading and checking are one pass over
     memory instead of a read and then a checksum pass."""
 
-    __slots__ = ("done", "value", "view")
+    __slots__ = ("done", "piece", "value", "view")
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, piece: int = 0) -> None:
         self.view = view
+        self.piece = piece or HASH_PIECE  # bytes checksummed at a time
         self.done = 0  # bytes checksummed so far
         self.value = 0
 
@@ -151,7 +166,7 @@ class LandingCrc:
 
     def landed(self, upto: int) -> None:
         """Bytes ``[0, upto)`` of the buffer hold their final contents."""
-        if upto - self.done >= HASH_PIECE or (upto == self.view.nbytes and upto > self.done):
+        if upto - self.done >= self.piece or (upto == self.view.nbytes and upto > self.done):
             self.value = payload_crc32(self.view[self.done : upto], self.value)
             self.done = upto
 

@@ -79,6 +79,8 @@ class RemoteIO:
             backoff=backoff if backoff is not None else ExponentialBackoff(),
         )
         self.last_flush: FlushReport | None = None
+        # the checksum's piece for as many threads as read (fewer: smaller, in L2)
+        tier.hash_piece = codec.hash_piece(self.queue.read_threads)
 
     @classmethod
     def from_config(

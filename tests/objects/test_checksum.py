@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.objects.codec import HASH_PIECE, LandingCrc
+from kvtier.objects.codec import HASH_PIECE, SMALL_HASH_PIECE, LandingCrc
 
 
 def fill(landing: LandingCrc, data: bytes, steps: list[int]) -> None:
@@ -62,3 +64,48 @@ def test_a_fill_that_starts_over_is_checksummed_afresh() -> None:
     landing.restart()
     fill(landing, second, [100_000])
     assert landing.result() == zlib.crc32(second)
+
+
+def test_the_piece_follows_the_read_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to 2 read threads a directory tier's reads checksum 256 KiB pieces (each still in
+    L2), more read 1 MiB ones (fewer GIL hand-offs); RemoteIO sets the tier's piece, and the
+    CRC is the whole payload's either way."""
+    from kvtier.objects import codec
+    from kvtier.objects.remote import MAX_FRAME, RemoteIO
+    from kvtier.objects.tiers import FileTier
+
+    assert [codec.hash_piece(n) for n in (1, 2, 3, 8)] == [SMALL_HASH_PIECE] * 2 + [HASH_PIECE] * 2
+    n = 2 * HASH_PIECE + 777
+    data = os.urandom(n)
+    sizes: list[int] = []
+    real = codec.payload_crc32
+
+    def counted(view: memoryview, value: int = 0) -> int:
+        sizes.append(memoryview(view).nbytes)
+        return real(view, value)
+
+    for threads, piece in ((4, SMALL_HASH_PIECE), (16, HASH_PIECE)):
+        tier = FileTier(str(tmp_path / str(threads)), background_sweep=False)
+        rio = RemoteIO(tier, threads=threads, queue_depth=4, timeout_s=5.0, signer=None)
+        try:
+            assert tier.hash_piece == piece
+            tier.put("k", codec.encode("k", data, dtype="uint8", shape=[n]))
+            sizes.clear()
+            monkeypatch.setattr(codec, "payload_crc32", counted)
+            got = tier.read_into_hashed("k", memoryview(bytearray(n)), MAX_FRAME)
+            monkeypatch.setattr(codec, "payload_crc32", real)
+            assert got is not None and got[1] == zlib.crc32(data)
+            assert max(sizes) == piece and sum(sizes) == n, sizes
+        finally:
+            rio.close()
+
+
+def test_a_landing_checksums_in_its_own_piece() -> None:
+    data = os.urandom(3 * SMALL_HASH_PIECE + 5)
+    landing = LandingCrc(memoryview(bytearray(len(data))), SMALL_HASH_PIECE)
+    fill(landing, data[: SMALL_HASH_PIECE + 10], [SMALL_HASH_PIECE + 10])
+    assert landing.done == SMALL_HASH_PIECE + 10  # checksummed at a small piece, not 1 MiB
+    fill(landing, data, [len(data)])
+    assert landing.result() == zlib.crc32(data)

@@ -101,6 +101,10 @@ class ObjectTier(ABC):
     #: its reads are served by this machine's own disks or memory (a directory on a local
     #: filesystem): the worker may read a lookup's first chunks itself (``inline_read_ms``)
     reads_local: bool = False
+    #: bytes a read into a slot checksums at a time as they land (0: ``codec.HASH_PIECE``);
+    #: :class:`~kvtier.objects.remote.RemoteIO` sets it from its read threads
+    #: (``codec.hash_piece``). The directory tier's reads follow it
+    hash_piece: int = 0
     #: its reads end by the deadline RemoteIO gives them
     #: (:func:`kvtier.objects.tiers.policy.call_deadline`): a read still in its call well
     #: after it is stuck (a bug, or a wait the backend cannot bound), not slow

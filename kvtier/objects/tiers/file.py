@@ -401,7 +401,7 @@ class FileTier(SlotReader):
         self, key: str, dest: memoryview, max_head: int, *, hashed: bool, found: Found = None
     ) -> tuple[bytes, int] | None:
         """:meth:`SlotReader._read_slot`: one ``preadv`` fills the head buffer and the slot
-        (no copy, GIL released); ``hashed``: the slot in pieces of ``codec.HASH_PIECE``
+        (no copy, GIL released); ``hashed``: the slot in pieces of :attr:`hash_piece`
         bytes, each checksummed right after it lands, while it is still in the CPU's cache
         (one pass over memory instead of a read, then a checksum)."""
         opened = self._open_regular(key)
@@ -418,7 +418,8 @@ class FileTier(SlotReader):
                 if not hashed:
                     _preadv_all(fd, [memoryview(head), dest], 0, where)
                 else:
-                    at, step, landing = len(head), codec.HASH_PIECE, codec.LandingCrc(dest)
+                    at, step = len(head), self.hash_piece or codec.HASH_PIECE
+                    landing = codec.LandingCrc(dest, step)
                     for start in range(0, dest.nbytes, step):
                         piece = dest[start : start + step]
                         bufs = [memoryview(head), piece] if start == 0 else [piece]
