@@ -152,8 +152,12 @@ def tiny_mla_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     return str(out)
 
 
+# not in the AVX2-paths run (`make test-avx2-paths`): under tests/isa_mask vLLM itself, with
+# no connector, fails this model at tensor-parallel size 2 (IndexError in the TP workers'
+# embedding lookup on the first prompt; at size 1 it runs), a state no real CPU is in
+# (torch's Python side says AVX2 while the kernels use what the CPU has). On an AVX2-only
+# host this test runs in the e2e suite and takes the reference MLA backend itself
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-@pytest.mark.isa
 def test_mla_at_tp2_hits_with_one_full_latent_copy_per_rank_and_one_stored_copy(
     tiny_mla_model: str, tmp_path: Path, policy: str
 ) -> None:

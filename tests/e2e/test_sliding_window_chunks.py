@@ -34,8 +34,8 @@ ENV = {"KVTIER_TEST_SCENARIO_MODULES": "tests.e2e.window_scenarios"}
 BUDGET = 63
 #: S, the prompts' shared prefix: 4 chunks of 256 tokens (tests/e2e/window_scenarios.py)
 S_CHUNKS = 4
-#: a hit and vLLM's own (another split of the same prompt) differ in the last bits of the
-#: logprobs, never more
+#: a hit and vLLM's own hit of the same split compute the same tokens in the same steps; the
+#: last bits of the logprobs are all they may differ in
 CLOSE = 0.02
 
 
@@ -57,10 +57,11 @@ def test_chunks_with_holes_are_not_stored_and_a_chunk_failing_its_read_is_a_miss
     assert w["p"]["tokens"] == ref["p"]["tokens"]
     # chunk 1 of P completed in a decode step, its first half out of the window: not
     # stored (before, stored with zeros there, which P's reread loaded and attended to),
-    # so P's reread is served chunk 0 alone and computes the rest
-    assert close(w["r"], ref["r"]), (w["r"], ref["r"])
+    # so P's reread is served chunk 0 alone and computes the rest, as vLLM's own prefix
+    # hit of chunk 0 does (the reference splits there: the same tokens computed)
     assert totals["stores_window_gone"] >= 1, totals
-    assert 256 <= w["r"]["cached"] < 512, w["r"]
+    assert w["r"]["cached"] == ref["r"]["cached"] == 256, (w["r"], ref["r"])
+    assert close(w["r"], ref["r"]), (w["r"], ref["r"])
     assert w["index"]["invariants"] is True and w["index"]["refs"] == 0
 
     r = run_engine("window_reader", model=model, extra=extra, budget=BUDGET, env=ENV)

@@ -27,6 +27,8 @@ from tests.e2e.engine import (
 #: in a decode step (300 + 230 tokens: chunk 1 ends at token 512)
 S, U1, U2 = toks(1, 1024), toks(2, 257), toks(3, 200)
 P, P_DECODE = toks(4, 300), 230
+#: kvtier's chunk size here (its default)
+CHUNK = 256
 
 
 def reread(p_out: list[int]) -> list[int]:
@@ -43,11 +45,17 @@ def _small_steps(budget: int | None) -> dict[str, Any]:
 
 @register
 def window_reference(model: str, budget: int | None = None) -> dict[str, Any]:
-    """vLLM without kvtier: S+U2, then P (decoded), then P's reread."""
+    """vLLM without kvtier: S+U2, then P (decoded), then P's reread split where kvtier's
+    is (its first 256 tokens, chunk 0, from vLLM's own prefix cache: the cache emptied
+    and those tokens alone sent first), so the two compute the same tokens in the same
+    steps (another split rounds bf16 otherwise, near ties included)."""
     llm = build_llm(model, None, **_small_steps(budget))
     b = generate(llm, [S + U2])[0]
     p = generate(llm, [P], max_tokens=P_DECODE, ignore_eos=True)[0]
-    r = generate(llm, [reread(p["tokens"])])[0]
+    again = reread(p["tokens"])
+    llm.reset_prefix_cache()
+    generate(llm, [again[: CHUNK + 1]], max_tokens=1)
+    r = generate(llm, [again])[0]
     return {"b": b, "p": p, "r": r}
 
 
