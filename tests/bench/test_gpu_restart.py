@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_restart  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The bench sets process-wide values (the tier's hash pieces, Python's thread switch
+    interval) as its own process would; run in the tests' process, each test gives them
+    back, so a later test in it sees kvtier's own."""
+    from kvtier.objects import codec
+
+    monkeypatch.setattr(codec, "HASH_PIECE", codec.HASH_PIECE)
+    monkeypatch.setattr(codec, "SMALL_HASH_PIECE", codec.SMALL_HASH_PIECE)
+    switch = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(switch)
 
 
 @pytest.mark.parametrize("cache", ["warm", "cold"])
@@ -61,7 +76,6 @@ def test_a_tiny_cpu_run_reports_every_side(tmp_path, capsys, cache: str) -> None
 def test_the_hash_piece_is_the_one_asked_for_and_reads_stay_exact(tmp_path, monkeypatch) -> None:
     from kvtier.objects import codec
 
-    monkeypatch.setattr(codec, "HASH_PIECE", codec.HASH_PIECE)  # restored after
     out = tmp_path / "r.json"
     assert (
         gpu_restart.main(

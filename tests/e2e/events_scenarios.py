@@ -27,9 +27,13 @@ PROMPT_TOKENS = 1024 + 40
 
 
 def _events_llm(model: str, extra: dict[str, Any], endpoint: str) -> Any:
+    """The engine, its publisher bound, and a second for the test's subscriber (connected
+    before the bind) to have its subscription through: a ZMQ publisher drops what it
+    sends before a subscription arrives, so a fast engine's first batches (a reader's
+    fetched chunks, before its prefill) would go to nobody."""
     from vllm.config import KVEventsConfig
 
-    return build_llm(
+    llm = build_llm(
         model,
         extra,
         kv_events_config=KVEventsConfig(
@@ -39,6 +43,8 @@ def _events_llm(model: str, extra: dict[str, Any], endpoint: str) -> Any:
             topic="kv",
         ),
     )
+    time.sleep(1.0)
+    return llm
 
 
 def _fail_store(llm: Any) -> dict[str, Any]:

@@ -10,7 +10,8 @@ never from kvtier.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,16 @@ class Subscriber:
             if self._sock.poll(100):
                 _topic, seq, payload = self._sock.recv_multipart()
                 self.batches.append((int.from_bytes(seq, "big"), self._decoder.decode(payload)))
+
+    def wait_for(self, done: Callable[[], bool], timeout: float = 10.0) -> bool:
+        """Whether ``done()`` held within ``timeout`` seconds of batches arriving (the
+        receiving thread may still be reading what the engine sent before it exited)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -208,10 +219,14 @@ def test_events_follow_the_host_and_object_tiers(
     assert r["cached"] >= 1024 and r["index"]["totals"]["fetch_ok"] == 4
     chain = gpu_chain(sub2, r["prompts"]["a"])
     assert chain[: 4 * BPC] == chains["a"][: 4 * BPC], "same prompt, same vLLM hashes"
+    seqs = [seq for seq, _ in sub2.batches]
+    assert seqs and seqs == list(range(len(seqs))), "every batch from the first one arrived"
     # fetches finish in any order (parallel I/O threads), each event names its parent
+    sub2.wait_for(lambda: len(kvtier_stored(sub2.events(), "CPU")) >= 4)
     cpu = kvtier_stored(sub2.events(), "CPU")
     order = stored_chunks(cpu, chain)
-    assert sorted(order) == [0, 1, 2, 3] and len(cpu) == 4
+    media = sorted({(type(e).__name__, getattr(e, "medium", None)) for e in sub2.events()})
+    assert sorted(order) == [0, 1, 2, 3] and len(cpu) == 4, (order, len(sub2.batches), media)
     for c, ev in zip(order, cpu, strict=True):
         check_chunk_event(ev, chain, r["prompts"]["a"], c, "LOCAL")
     assert not kvtier_stored(sub2.events(), "STORAGE")
