@@ -30,6 +30,7 @@ tests: ``--layers 4 --hidden 256 --heads 4 --kv-heads 2``, about 20 minutes).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -118,6 +119,10 @@ def table(result: dict) -> str:
 
 
 # ---- engines (each in a process of its own) -----------------------------------------------
+#: numbers the read engines of a run (their own unstored prompts: ``--fresh-base``)
+_READS = itertools.count()
+
+
 def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None = None) -> dict:
     cmd = [
         sys.executable,
@@ -144,6 +149,8 @@ def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None
         str(args.kv_heads),
         "--model-dir",
         args.model_dir,
+        "--fresh-base",
+        str(next(_READS) if phase == "read" else 0),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
@@ -190,8 +197,11 @@ def _engine(args: argparse.Namespace) -> dict:
     timed_s = seeds(SEED0, args.samples)
     warm_s = seeds(SEED0 + 1000, args.warm, avoid=(999, *timed_s))
     # stored nowhere: a restarted engine computes these, and so measures its prefill (the
-    # stored warm prompts are hits: they measure the tier, not the prefill)
-    fresh_s = seeds(SEED0 + 2000, args.warm, avoid=(999, *timed_s, *warm_s))
+    # stored warm prompts are hits: they measure the tier, not the prefill). Each read
+    # engine has its own (--fresh-base): an earlier engine stored the ones it computed, and
+    # an engine whose every prompt hits never measures its prefill
+    n_fresh = args.warm * (args.fresh_base + 1)
+    fresh_s = seeds(SEED0 + 2000, n_fresh, avoid=(999, *timed_s, *warm_s))[-args.warm :]
     extra = json.loads(args.extra)
     shape = json.loads(args.proxy)
     proxy = None
@@ -252,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="also write the result JSON to this file")
     parser.add_argument("--phase", choices=["cold", "write", "read"], help=argparse.SUPPRESS)
+    parser.add_argument("--fresh-base", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--proxy", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
