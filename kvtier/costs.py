@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.metrics import DECLINE_REASONS
@@ -41,17 +41,19 @@ MIN_SAMPLES = 3
 #: seconds after which a sample no longer counts; a tier whose loads were all declined is
 #: unmeasured again after this long, loaded whole once, and so measured afresh
 MAX_AGE_S = 120.0
-#: added to every deadline: the scheduler sees reports once per engine step, so a fetch
-#: on time can look late by a step
-DEADLINE_SLACK_S = 0.02
 #: a measured tier's fetch is cut at this many times its predicted time: a tier that stops
 #: sending mid-transfer costs a small share of the prefill, not a whole one ...
 STALL_FACTOR = 2.0
 #: ... but never before this share of the recompute it replaces, nor before
-#: :data:`STALL_MIN_S`: a fast tier's read that a few busy engine steps delay is not cut
-#: (a cut is a partial hit; its late chunks still land in the host tier)
+#: :data:`STALL_MIN_STEPS` engine steps (the median step: a fast tier's read that a few
+#: busy steps delay is not cut; a cut is a partial hit, its late chunks still land in the
+#: host tier)
 STALL_FLOOR = 0.1
-STALL_MIN_S = 0.1
+STALL_MIN_STEPS = 4
+#: a prefill step's marginal cost (its time less a step's fixed cost) is counted as at
+#: least this share of its whole time: a fixed cost measured on busy decode steps must not
+#: make recomputing look free
+MIN_MARGINAL_SHARE = 0.5
 
 
 class WindowedMedian:
@@ -95,6 +97,8 @@ class TierCosts:
         #: op id -> (when planned, bytes): fetches not reported yet, oldest first
         self._inflight: dict[int, tuple[float, int]] = {}
         self._inflight_bytes = 0
+        #: fetches of runs cut at their deadline, not reported yet (:meth:`stalled`)
+        self._stuck: set[int] = set()
 
     def observe(self, *, latency_s: float | None, nbytes: int, seconds: float, now: float) -> None:
         """One run's reads: ``latency_s`` to its first report (None: not measured), and
@@ -125,9 +129,22 @@ class TierCosts:
         self._inflight_bytes += nbytes
 
     def settled(self, op_id: int) -> None:
+        self._stuck.discard(op_id)
         held = self._inflight.pop(op_id, None)
         if held is not None:
             self._inflight_bytes -= held[1]
+
+    def stuck(self, op_ids: Iterable[int]) -> None:
+        """These fetches, in flight, passed their deadline (their run was cut)."""
+        self._stuck.update(op_id for op_id in op_ids if op_id in self._inflight)
+
+    def stalled(self, now: float) -> bool:
+        """True while a fetch cut at its deadline has not been reported: the tier stopped
+        sending (or its reads queue behind one that did), and a new fetch would wait
+        behind it for a time no estimate knows. Until it settles (or ages out after
+        ``max_age_s``), lookups there are declined ("queued")."""
+        self.inflight_bytes(now)  # (ages out the oldest)
+        return bool(self._stuck)
 
     def inflight_bytes(self, now: float) -> int:
         """Bytes of fetches in flight; one older than ``max_age_s`` (a read stuck in its
@@ -142,20 +159,50 @@ class TierCosts:
 
 
 class PrefillCosts:
-    """This engine's compute per token: a windowed median of step seconds over the tokens
-    the step scheduled, from steps that scheduled at least ``min_tokens`` (a decode step's
-    token costs far more than a prefill's: it would make every load look cheap)."""
+    """This engine's compute, from what its steps took (plan to report): a step costs a
+    fixed part plus a part per token, and only the per-token part is what a load saves (a
+    hit's request still takes a step, for the tokens past its last whole chunk).
+
+    Steps of fewer than ``min_tokens`` tokens (a hit's last step, decode steps) measure the
+    fixed part, a windowed median of their seconds; steps of at least ``min_tokens`` measure
+    the per-token part, the median of (seconds less the fixed part) over tokens (a decode
+    step's token costs far more than a prefill's: it would make every load look cheap). Every
+    step, empty ones too, measures :attr:`step`, how often the scheduler sees reports."""
 
     def __init__(self, min_tokens: int, *, max_age_s: float = MAX_AGE_S) -> None:
         self.min_tokens = max(1, min_tokens)
-        self.per_token = WindowedMedian(max_age_s=max_age_s)
+        self.max_age_s = max_age_s
+        #: (when, seconds, tokens) of the last prefill steps
+        self._prefills: deque[tuple[float, float, int]] = deque(maxlen=WINDOW)
+        #: seconds of steps with fewer tokens than a chunk (and more than none)
+        self.fixed = WindowedMedian(max_age_s=max_age_s)
+        #: seconds of every step, empty ones too
+        self.step = WindowedMedian(max_age_s=max_age_s)
 
     def observe_step(self, seconds: float, tokens: int, now: float) -> None:
-        if tokens >= self.min_tokens and seconds > 0:
-            self.per_token.add(seconds / tokens, now)
+        if seconds <= 0:
+            return
+        self.step.add(seconds, now)
+        if tokens >= self.min_tokens:
+            self._prefills.append((now, seconds, tokens))
+        elif tokens > 0:
+            self.fixed.add(seconds, now)
+
+    def fixed_seconds(self, now: float) -> float:
+        """A step's fixed cost (0 until measured)."""
+        return self.fixed.value(now) or 0.0
+
+    def step_seconds(self, now: float) -> float | None:
+        """The median step, plan to report (None: fewer than MIN_SAMPLES steps)."""
+        return self.step.value(now)
 
     def seconds_per_token(self, now: float) -> float | None:
-        return self.per_token.value(now)
+        """What one more prefill token costs (None: fewer than MIN_SAMPLES prefill steps)."""
+        live = [(s, t) for when, s, t in self._prefills if now - when <= self.max_age_s]
+        if len(live) < MIN_SAMPLES:
+            return None
+        fixed = self.fixed_seconds(now)
+        return statistics.median(max(s - fixed, MIN_MARGINAL_SHARE * s) / t for s, t in live)
 
 
 class StepTimes:
@@ -167,12 +214,14 @@ class StepTimes:
         self.prefill = prefill
         self.keep = keep
         self._began: dict[int, tuple[float, int]] = {}
+        #: the last step planned (a lookup past its deadline waits for a later one)
+        self.last = 0
 
     def began(self, step: int, tokens: int, now: float) -> None:
-        if tokens >= self.prefill.min_tokens:
-            self._began[step] = (now, tokens)
-            if len(self._began) > self.keep:
-                del self._began[next(iter(self._began))]
+        self.last = step
+        self._began[step] = (now, tokens)
+        if len(self._began) > self.keep:
+            del self._began[next(iter(self._began))]
 
     def reported(self, step: int, now: float) -> None:
         began = self._began.pop(step, None)
@@ -244,6 +293,7 @@ class FetchTimes:
             run = self._runs.pop(rid, None) if rid is not None else None
             if run is None:
                 continue
+            self.tier.stuck(run.ops)
             nxt = next(iter(run.ops.values()), 0)
             # no report yet: the latency was at least the time waited (a stalled tier is
             # measured so, not left unmeasured and loaded whole again)
@@ -319,27 +369,41 @@ def price_load(
     The prefix chosen minimises the predicted time to first token: the fetch of what is
     loaded (the tier's latency, the bytes in flight ahead, its own bytes) plus the prefill
     of the rest, the prefill counted ``margin`` times (1.0: load when no slower than
-    recomputing; above 1 loads more). Ties load more. The deadline is
-    :data:`STALL_FACTOR` times the predicted fetch, no sooner than :data:`STALL_FLOOR`
-    times the recompute of the loaded tokens (``margin`` times it) and :data:`STALL_MIN_S`,
-    no later than that whole recompute, plus :data:`DEADLINE_SLACK_S`:
+    recomputing; above 1 loads more). Ties load more. The prefill counted is its part per
+    token (:meth:`PrefillCosts.seconds_per_token`): a step's fixed cost is paid either way.
+    The deadline is :data:`STALL_FACTOR` times the predicted fetch, no sooner than
+    :data:`STALL_FLOOR` times the recompute of the loaded tokens (``margin`` times it) and
+    :data:`STALL_MIN_STEPS` engine steps, no later than that whole recompute (the lookup
+    waits a step past it, for that step's reports):
     a measured tier that stalls mid-transfer costs a fraction of the prefill, never
     ``lookup_timeout_ms``. Unmeasured tier: every chunk is loaded, cut by the same rule
     with the time its runs took to land as the prediction (a tier so fast that they land
     by their first report has no throughput), else, nothing landed yet, at the whole
-    recompute; unmeasured prefill: every chunk, no deadline (the prior).
+    recompute; unmeasured prefill: every chunk, no deadline (the prior). While a fetch cut
+    at its deadline is still out (:meth:`TierCosts.stalled`), no chunk that needs a read
+    is asked for (declined as "queued").
     """
     n = len(chunks)
     spt = prefill.seconds_per_token(now)
     if spt is None:
         return Price(n, None)
+    if tier.stalled(now):
+        # a fetch cut at its deadline still out: a new one would queue behind it. Only
+        # the leading chunks that need no read are loaded (bounded by their recompute)
+        held = next((k for k, (b, _) in enumerate(chunks) if b), n)
+        if held < n:
+            loaded = sum(t for _, t in chunks[:held])
+            declined = sum(t for _, t in chunks[held:])
+            return Price(held, margin * spt * loaded if held else None, 0.0, declined, "queued")
+    # (the prefill's steps are steps: measured with it)
+    least = STALL_MIN_STEPS * (prefill.step_seconds(now) or 0.0)
     if not tier.measured(now):
         recompute = margin * spt * sum(t for _, t in chunks)
         # a tier whose runs all landed by their first report has no throughput: the time
         # its runs took to land is what a stall is measured against
         landed = tier.landed.value(now)
-        cut = recompute if landed is None else _stall_cut(landed, recompute)
-        return Price(n, cut + DEADLINE_SLACK_S)
+        cut = recompute if landed is None else _stall_cut(landed, recompute, least)
+        return Price(n, cut)
     best, best_fetch = _best_prefix(chunks, tier, spt, margin, now, queued=True)
     loaded_tokens = sum(t for _, t in chunks[:best])
     declined = sum(t for _, t in chunks[best:])
@@ -349,15 +413,15 @@ def price_load(
         reason = "queued" if unqueued > best else "slower_than_prefill"
     if not best:
         return Price(0, None, 0.0, declined, reason)
-    cut = _stall_cut(best_fetch, margin * spt * loaded_tokens)
-    return Price(best, cut + DEADLINE_SLACK_S, best_fetch, declined, reason)
+    cut = _stall_cut(best_fetch, margin * spt * loaded_tokens, least)
+    return Price(best, cut, best_fetch, declined, reason)
 
 
-def _stall_cut(predicted_s: float, recompute_s: float) -> float:
+def _stall_cut(predicted_s: float, recompute_s: float, least_s: float) -> float:
     """When a fetch predicted to take ``predicted_s`` is given up: :data:`STALL_FACTOR`
     times that, no sooner than :data:`STALL_FLOOR` times the recompute it replaces and
-    :data:`STALL_MIN_S`, no later than the whole recompute."""
-    floor = max(STALL_FLOOR * recompute_s, STALL_MIN_S)
+    ``least_s`` (a few engine steps), no later than the whole recompute."""
+    floor = max(STALL_FLOOR * recompute_s, least_s)
     return min(recompute_s, max(STALL_FACTOR * predicted_s, floor))
 
 

@@ -4,6 +4,7 @@ tier whose speed the test sets, with lookups priced against recomputing (kvtier.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from tests.e2e.engine import build_llm, generate, kvtier_side, register, settle, toks
@@ -85,16 +86,26 @@ def priced_reads(
 
 def _record_prices(side: Any) -> list[Any]:
     """Every :class:`kvtier.costs.Price` the scheduler side's lookups get, in order (the
-    function wrapped where the lookups' module looks it up)."""
+    function wrapped where the lookups' module looks it up): its deadline and prediction,
+    with the median engine step and the recompute of the chunks asked for, as priced."""
     import sys
 
     module = sys.modules[type(side.lookups).__module__]
     prices: list[Any] = []
     original = module.price_load
 
-    def price_load(*args: Any, **kwargs: Any) -> Any:
-        price = original(*args, **kwargs)
-        prices.append(price)
+    def price_load(chunks: Any, **kwargs: Any) -> Any:
+        price = original(chunks, **kwargs)
+        prefill, now = kwargs["prefill"], kwargs["now"]
+        spt = prefill.seconds_per_token(now) or 0.0
+        prices.append(
+            SimpleNamespace(
+                deadline_s=price.deadline_s,
+                predicted_s=price.predicted_s,
+                step_s=prefill.step_seconds(now),
+                recompute_s=kwargs["margin"] * spt * sum(t for _, t in chunks[: price.load]),
+            )
+        )
         return price
 
     module.price_load = price_load
@@ -140,6 +151,7 @@ def stalled_reads(
         out.update(
             _what_kvtier_did(counters, before),
             deadline_s=[p.deadline_s for p in prices[priced:]],
+            priced=[vars(p) for p in prices[priced:]],
             recompute_s=(side.lookups.prefill.seconds_per_token(now) or 0.0) * PREFIX,
             seconds=seconds,  # (printed by the bench-like debug runs, never asserted)
         )

@@ -182,8 +182,14 @@ class RemoteLookups:
                 break  # missing, failed or evicted: the usable prefix ends here
             if held.state in (State.FETCHING, State.STORING):
                 if lk.deadline_s is not None and waited > lk.deadline_s:
-                    # past the recompute it replaces: go on with what landed (the rest
-                    # still lands in the host tier, for the next request)
+                    if lk.late_step is None or self.steps.last <= lk.late_step:
+                        # a chunk that landed in time is reported a step later: wait for
+                        # the reports of the step after the deadline was seen
+                        if lk.late_step is None:
+                            lk.late_step = self.steps.last
+                        return True
+                    # past its deadline: go on with what landed (the rest still lands in
+                    # the host tier, for the next request)
                     self.stats.inc(metrics.FETCH_DEADLINE_MISSED, 1, ("remote",))
                     self.fetch_times.cut(lk.fetch_ops, now)
                     break

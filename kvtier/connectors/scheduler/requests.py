@@ -83,6 +83,10 @@ class Lookup:
     #: goes on with those that landed (load_policy: cost, kvtier.costs); None: only
     #: lookup_timeout_ms
     deadline_s: float | None = None
+    #: the engine step at which the deadline was first seen passed: the lookup is cut at
+    #: a later step, once that step's reports are in (a chunk that landed before the
+    #: deadline is reported a step later); None: not passed yet
+    late_step: int | None = None
     #: the wait the cost model predicted for the chunks asked for (None: unmeasured, or
     #: nothing asked for), observed beside the real one when the lookup ends
     predicted_s: float | None = None
