@@ -1,7 +1,8 @@
 """A warm start (``warmup: true``, issue 61), end to end in real vLLM CPU engines.
 
-Engine 1 serves three hot prompts on a directory tier (each then hit from kvtier's host
-tier: its chunks go to the generation's hot list in the manifest) and one cold prompt
+Engine 1 serves three hot prompts on a directory tier, a real redis-server or S3 (each
+then hit from kvtier's host tier: its chunks go to the generation's hot list in the
+manifest) and one cold prompt
 (stored, never hit), and stops. Engine 2 starts with ``warmup: true``: before it serves it
 reads the hot list and the hot chunks into its host tier, so its first pass over the hot
 prompts is served from its host tier (no object-tier read on the request path), with
@@ -30,22 +31,31 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (a["tokens"], a["logprobs"]) == (b["tokens"], b["logprobs"])
 
 
+@pytest.mark.parametrize("kind", ["file", "redis", "s3"])
 def test_a_warm_start_serves_the_hot_prompts_from_its_host_tier(
-    tiny_model: str, tmp_path: Path
+    tiny_model: str, tmp_path: Path, services: Any, kind: str, request: pytest.FixtureRequest
 ) -> None:
     tier = tmp_path / "kv"
-    extra = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}"}
+    extra: dict[str, Any] = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}"}
+    env = dict(ENV)
+    if kind == "redis":
+        extra["remote_url"] = services.redis().url
+    elif kind == "s3":  # moto's S3 server
+        bucket = request.getfixturevalue("s3_bucket")
+        extra.update(remote_url=bucket.url, s3_endpoint_url=bucket.endpoint_url)
+        env.update(bucket.server.env)
     one = run_engine(
-        "warm_fleet", env=ENV, model=tiny_model, extra=extra, hot=HOT, cold=COLD, serve_hot=True
+        "warm_fleet", env=env, model=tiny_model, extra=extra, hot=HOT, cold=COLD, serve_hot=True
     )
     assert one["totals"]["hit_tokens_host"] == len(HOT) * PREFIX, one["totals"]
-    assert len(chunk_files(tier)) == (len(HOT) + len(COLD)) * 4
+    if kind == "file":
+        assert len(chunk_files(tier)) == (len(HOT) + len(COLD)) * 4
     for out, ref, hit in zip(one["outs"], one["refs"], one["hits"], strict=True):
         assert out["cached"] == 0 and ref["cached"] == PREFIX and same(hit, ref), (hit, ref)
 
     two = run_engine(
         "warm_fleet",
-        env=ENV,
+        env=env,
         model=tiny_model,
         extra={**extra, "warmup": True, "warmup_timeout_s": 120},
         hot=HOT,
