@@ -392,8 +392,8 @@ TIER_READ_BPS = MetricSpec(
 PREFILL_SPT = MetricSpec(
     PREFIX + "prefill_seconds_per_token",
     "gauge",
-    "This engine's compute per prompt token (median of recent steps that scheduled at least a "
-    "chunk of tokens); 0 until measured.",
+    "What one more prompt token costs this engine to compute (median of recent steps of at "
+    "least a chunk of tokens, a step's fixed cost taken off); 0 until measured.",
 )
 TENANT_BYTES = MetricSpec(
     PREFIX + "tenant_bytes",
