@@ -3,11 +3,11 @@
 On the tiny Llama of ``bench/ttft.py`` and ``--tokens``-token prompts, one engine stores
 the prompts in a real redis-server (``--tier s3``: SeaweedFS's S3 gateway); then, for each
 case, a restarted engine (empty host tier) serves them through a loopback proxy
-(tests/faultproxy.py) that shapes what the tier sends, under ``load_policy: cost`` and ``always``; an engine without a connector gives
-the cold prefill of the same prompts, run first and again after each case (a case is
-measured against the runs either side: engines differ by up to a tenth between processes,
-and a shared machine drifts). The link is set from the prefill measured in the same run
-(prefill speed differs 20x between CPUs):
+(tests/faultproxy.py) that shapes what the tier sends, under ``load_policy: cost`` and
+``always``; an engine without a connector gives the cold prefill of the same prompts, run
+first and again after each case (a case is measured against the runs either side: engines
+differ by up to a tenth between processes, and a shared machine drifts). The link is set
+from the prefill measured in the same run (prefill speed differs 20x between CPUs):
 
   fast   unthrottled;
   slow   a prompt's KV takes 5x its prefill to arrive;
