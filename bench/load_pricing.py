@@ -184,14 +184,15 @@ def _from_tests(name: str) -> Any:
 def _through_proxy(extra: dict, proxy_type: type) -> tuple[Any, dict]:
     """A FaultProxy in front of the tier of ``extra`` (its Redis, or its S3 endpoint), and
     ``extra`` pointed at the proxy."""
-    from urllib.parse import urlsplit
+    from kvtier.config.urls import parse_url  # (the one reader of URLs)
 
-    if "s3_endpoint_url" in extra:
-        up = urlsplit(extra["s3_endpoint_url"])
-        proxy = proxy_type((up.hostname, up.port)).start()
-        return proxy, {**extra, "s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}
-    up = urlsplit(extra["remote_url"])
+    key = "s3_endpoint_url" if "s3_endpoint_url" in extra else "remote_url"
+    got = parse_url(key, extra[key])
+    assert got is not None
+    up = got[1]
     proxy = proxy_type((up.hostname, up.port)).start()
+    if key == "s3_endpoint_url":
+        return proxy, {**extra, "s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}
     return proxy, {**extra, "remote_url": f"redis://127.0.0.1:{proxy.port}{up.path or '/0'}"}
 
 
