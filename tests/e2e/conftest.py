@@ -78,6 +78,20 @@ def run_engine(
     )
 
 
+def object_tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict, dict]:
+    """(extra config, env) for one object tier: ``file`` (a directory in ``tmp_path``),
+    ``s3`` (moto's server, its env for the engine), ``redis`` (the session's redis-server,
+    emptied)."""
+    if kind == "file":
+        return {"remote_url": f"file://{tmp_path / 'kv'}"}, {}
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        env = dict(bucket.server.env)
+        return {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url}, env
+    redis_url = request.getfixturevalue("redis_url")
+    return {"remote_url": redis_url}, {}
+
+
 def start_outage(server: Any, sig: Path, deadline_s: float, poll_s: float) -> threading.Thread:
     """A thread that kills ``server`` when the scenario asks, then restarts it.
 

@@ -147,12 +147,9 @@ def stalled_reads(
         seconds = time.monotonic() - t0
         proxy.stall_after_bytes = None  # the rest of the fetch lands (in the host tier)
         settle(llm)
-        now = side.lookups.clock()
         out.update(
             _what_kvtier_did(counters, before),
-            deadline_s=[p.deadline_s for p in prices[priced:]],
             priced=[vars(p) for p in prices[priced:]],
-            recompute_s=(side.lookups.prefill.seconds_per_token(now) or 0.0) * PREFIX,
             seconds=seconds,  # (printed by the bench-like debug runs, never asserted)
         )
         outs.append(out)

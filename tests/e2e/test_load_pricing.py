@@ -103,7 +103,8 @@ def test_a_tier_slower_than_prefill_is_cut_then_declined_and_a_fast_one_loads(
     # computes the rest
     for out, cold in zip(outs[len(fast) :], ref["outs"][len(fast) :], strict=True):
         assert out["cut"] == 1 and out["served"] < PREFIX, json.dumps(brief(outs))
-        ((deadline,), (p,)) = out["deadline_s"], out["priced"]
+        (p,) = out["priced"]
+        deadline = p["deadline_s"]
         assert deadline is not None and p["predicted_s"] is not None, brief(outs)
         least = max(
             STALL_FACTOR * p["predicted_s"],

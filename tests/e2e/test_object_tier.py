@@ -15,29 +15,17 @@ from pathlib import Path
 import pytest
 from kit import chunk_files
 
-from tests.e2e.conftest import ENGINE, REPO, run_engine, start_outage
+from tests.e2e.conftest import ENGINE, REPO, object_tier, run_engine, start_outage
 from tests.e2e.engine import near_tie_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-
-
-def _tier(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict, dict]:
-    """(extra config, env) for one object tier."""
-    if kind == "file":
-        return {"remote_url": f"file://{tmp_path / 'kv'}"}, {}
-    if kind == "s3":
-        bucket = request.getfixturevalue("s3_bucket")
-        env = dict(bucket.server.env)
-        return {"remote_url": bucket.url, "s3_endpoint_url": bucket.endpoint_url}, env
-    redis_url = request.getfixturevalue("redis_url")
-    return {"remote_url": redis_url}, {}
 
 
 @pytest.mark.parametrize("kind", ["file", "s3", "redis"])
 def test_restart_hits_from_object_tier(
     kind: str, tiny_model: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    remote, env = _tier(kind, tmp_path, request)
+    remote, env = object_tier(kind, tmp_path, request)
     extra = {"cpu_bytes": "64MiB", **remote}
     w = run_engine("remote_writer", env=env, model=tiny_model, extra=extra)
     assert w["b_ref"]["cached"] == 1024

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from kit import chunk_files
 
-from tests.e2e.conftest import run_engine
+from tests.e2e.conftest import object_tier, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -33,23 +33,17 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("kind", ["file", "redis", "s3"])
 def test_a_warm_start_serves_the_hot_prompts_from_its_host_tier(
-    tiny_model: str, tmp_path: Path, services: Any, kind: str, request: pytest.FixtureRequest
+    tiny_model: str, tmp_path: Path, kind: str, request: pytest.FixtureRequest
 ) -> None:
-    tier = tmp_path / "kv"
-    extra: dict[str, Any] = {"cpu_bytes": "64MiB", "remote_url": f"file://{tier}"}
-    env = dict(ENV)
-    if kind == "redis":
-        extra["remote_url"] = services.redis().url
-    elif kind == "s3":  # moto's S3 server
-        bucket = request.getfixturevalue("s3_bucket")
-        extra.update(remote_url=bucket.url, s3_endpoint_url=bucket.endpoint_url)
-        env.update(bucket.server.env)
+    remote, tier_env = object_tier(kind, tmp_path, request)
+    extra = {"cpu_bytes": "64MiB", **remote}
+    env = {**ENV, **tier_env}
     one = run_engine(
         "warm_fleet", env=env, model=tiny_model, extra=extra, hot=HOT, cold=COLD, serve_hot=True
     )
     assert one["totals"]["hit_tokens_host"] == len(HOT) * PREFIX, one["totals"]
     if kind == "file":
-        assert len(chunk_files(tier)) == (len(HOT) + len(COLD)) * 4
+        assert len(chunk_files(tmp_path / "kv")) == (len(HOT) + len(COLD)) * 4
     for out, ref, hit in zip(one["outs"], one["refs"], one["hits"], strict=True):
         assert out["cached"] == 0 and ref["cached"] == PREFIX and same(hit, ref), (hit, ref)
 
