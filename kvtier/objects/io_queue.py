@@ -61,7 +61,7 @@ from kvtier.objects.chunk_io import ChunkIO, Outcome
 from kvtier.objects.health import Backoff, TierHealth
 from kvtier.objects.io_counts import FlushReport, IOCounts
 from kvtier.objects.tiers.base import ObjectTier
-from kvtier.ops import OpKind, OpResult
+from kvtier.ops import OpKind, OpResult, Put
 from kvtier.threads import FetchSwitches, stop_within
 
 __all__ = ["OpQueue", "QueuedOp", "ReadQueue", "byte_view"]
@@ -175,6 +175,20 @@ class WriteQueue(queue.Queue["QueuedOp | None"]):
             self._firsts -= 1
         return op
 
+    def put_many(self, ops: Sequence[QueuedOp]) -> int:
+        """Queue as many of ``ops`` as there is room for, in order, under one lock and
+        with one wake-up of the waiting threads; returns how many were queued. (One
+        ``put_nowait`` each woke a write thread per op, and each woken thread took the
+        GIL from the engine's step: ~0.1 ms an upload.)"""
+        with self.not_full:
+            n = len(ops) if self.maxsize <= 0 else min(len(ops), self.maxsize - len(self.queue))
+            for op in ops[:n]:
+                self._put(op)
+            self.unfinished_tasks += n
+            if n:
+                self.not_empty.notify(n)
+        return n
+
 
 def byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(buf)
@@ -208,7 +222,7 @@ class OpQueue:
         self.write_stall_s = write_stall_s
         self.backoff = backoff
         self._rq: queue.Queue[QueuedOp | None] = ReadQueue(maxsize=queue_depth)
-        self._wq: queue.Queue[QueuedOp | None] = WriteQueue(maxsize=queue_depth)
+        self._wq = WriteQueue(maxsize=queue_depth)
         self._results: collections.deque[OpResult] = collections.deque()
         self._writes_idle = threading.Condition(self._lock)
         self._read_done = threading.Condition(self._lock)  # a fetch was reported
@@ -426,6 +440,39 @@ class OpQueue:
                 self._pending_writes -= 1
             return False
         return True
+
+    def submit_puts(self, puts: Sequence[Put]) -> list[int]:
+        """Queue uploads together (one step's stores: the write threads woken once);
+        returns the op ids refused (a full write queue: dropped, counted, not reported)."""
+        ops = [
+            QueuedOp(
+                next(self._seq),
+                p.op_id,
+                OpKind.UPLOAD,
+                p.key,
+                self.timeout_s,
+                byte_view(p.payload),
+                p.dtype,
+                p.shape,
+            )
+            for p in puts
+        ]
+        with self._lock:
+            if self._closed:
+                self.counts.add("writes_dropped", len(ops))
+                return [op.op_id for op in ops]
+            self._pending_writes += len(ops)
+        if self.writes_down:
+            for op in ops:
+                self._finish(op, False, "unreachable")
+            return []
+        n = self._wq.put_many(ops)
+        refused = ops[n:]
+        if refused:
+            self.counts.add("writes_dropped", len(refused))
+            with self._lock:
+                self._pending_writes -= len(refused)
+        return [op.op_id for op in refused]
 
     def _queue_once(self, op: QueuedOp) -> None:
         """Queue a get of a run unless it was queued already or reported (a miss before

@@ -36,7 +36,7 @@ from kvtier.objects.io_counts import ERROR_KINDS, FlushReport
 from kvtier.objects.io_queue import OpQueue
 from kvtier.objects.tiers.base import ObjectTier
 from kvtier.objects.tiers.policy import Timeouts
-from kvtier.ops import DROPPED, GetRun, Mover, ObjectIO, OpKind, OpResult
+from kvtier.ops import DROPPED, GetRun, Mover, ObjectIO, OpKind, OpResult, Put
 from kvtier.threads import FetchSwitches, run_within
 
 if TYPE_CHECKING:
@@ -117,15 +117,18 @@ class RemoteIO:
         :class:`~kvtier.ops.Put` (:meth:`submit_put`); returns the uploads refused now (a
         full write queue: :data:`~kvtier.ops.DROPPED`, counted, never attempted). Every
         other result comes from :meth:`poll`."""
-        refused: list[OpResult] = []
+        puts: list[Put] = []
         for op in ops:
             if isinstance(op, GetRun):
                 self.submit_get_run(
                     op.gets, dtype=op.dtype, shape=op.shape, inline_until=op.inline_until
                 )
-            elif not self.submit_put(op.op_id, op.key, op.payload, dtype=op.dtype, shape=op.shape):
-                refused.append(OpResult(op.op_id, OpKind.UPLOAD, False, error_kind=DROPPED))
-        return refused
+            else:
+                puts.append(op)
+        if not puts:
+            return []
+        refused = self.queue.submit_puts(puts)
+        return [OpResult(op_id, OpKind.UPLOAD, False, error_kind=DROPPED) for op_id in refused]
 
     def submit_get_run(
         self,

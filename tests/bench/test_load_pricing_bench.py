@@ -1,5 +1,5 @@
 """``bench/load_pricing.py`` without an engine: the link it sets from the measured prefill,
-the goals of issue 59 it checks, its table and its flags."""
+the goals it checks, its table and its flags."""
 
 from __future__ import annotations
 
@@ -83,6 +83,20 @@ def test_a_case_is_measured_against_the_cold_runs_either_side_of_it() -> None:
     shaped["cases"]["slow"]["cold_s"] = 0.9  # the engines either side ran faster
     v = load_pricing.verdicts(shaped)["slow"]
     assert v["cold_s"] == 0.9 and v["ratio"] == pytest.approx(1.04 / 0.9) and not v["ok"]
+
+
+def test_the_processes_of_a_case_are_pooled() -> None:
+    """``--repeats``: the timed prompts of a case's engine processes are one sample, each
+    process's median kept beside it."""
+    a = {"ttft_s": [1.0, 1.1, 1.2], "cached": [0, 0, 256], "fresh_ttft_s": [1.0]}
+    b = {"ttft_s": [1.5, 1.4, 1.6], "cached": [0, 0, 0], "fresh_ttft_s": [1.4]}
+    pooled = load_pricing.pooled([a, b])
+    assert pooled["ttft_s"] == [1.0, 1.1, 1.2, 1.5, 1.4, 1.6]
+    assert pooled["cached"] == [0, 0, 256, 0, 0, 0] and pooled["fresh_ttft_s"] == [1.0, 1.4]
+    assert pooled["process_median_s"] == [1.1, 1.5]
+    v = load_pricing.verdicts(result(slow={"cost": pooled, "always": pooled}))["slow"]
+    assert v["cost_s"] == pytest.approx(1.3) and v["cached_min"] == 0
+    assert load_pricing.parse_args([]).repeats == 3
 
 
 @pytest.mark.parametrize("tier", load_pricing.TIERS)

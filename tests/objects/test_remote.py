@@ -19,7 +19,7 @@ from kvtier.objects.remote import RemoteIO
 from kvtier.objects.tiers import FileTier, ObjectTier
 from kvtier.objects.tiers.redis import RedisTier
 from kvtier.objects.tiers.s3 import S3Tier
-from kvtier.ops import OpKind, OpResult
+from kvtier.ops import OpKind, OpResult, Put
 
 if TYPE_CHECKING:
     from conftest import RedisServer, S3Bucket, S3Server
@@ -97,6 +97,37 @@ def test_a_fetchs_report_wakes_a_caller_waiting_for_one(tmp_path, monkeypatch) -
     assert time.monotonic() - t0 < 10, "woken by the report, not the timeout"
     assert [r.op_id for r in rio.poll()] == [1]
     rio.close()
+
+
+def test_a_batch_of_uploads_is_queued_while_there_is_room(tmp_path, monkeypatch) -> None:
+    """One ``submit`` of several uploads (a step's stores) queues them in order as far as
+    the write queue has room; the rest are refused at once, DROPPED and counted, never
+    attempted; each queued one is written."""
+    tier = FileTier(str(tmp_path / "objects"))
+    gate = threading.Event()
+    real = FileTier.put
+
+    def put(self, key, parts):
+        gate.wait(10)
+        return real(self, key, parts)
+
+    monkeypatch.setattr(FileTier, "put", put)
+    rio = make_rio(tier, threads=2, queue_depth=3)  # one write thread
+    try:
+        refused = rio.submit([Put(i, f"b{i}", payload(i), DT, SHAPE) for i in range(8)])
+        dropped = [r.op_id for r in refused]
+        assert all(r.kind is OpKind.UPLOAD and not r.ok for r in refused)
+        # the write thread may have taken the first already: 3 or 4 queued, in order
+        assert dropped in ([3, 4, 5, 6, 7], [4, 5, 6, 7]), dropped
+        assert rio.counters()["writes_dropped"] == len(dropped)
+        gate.set()
+        assert rio.flush(10) == 0
+        kept = [i for i in range(8) if i not in dropped]
+        assert tier.exists([f"b{i}" for i in range(8)]) == [i in kept for i in range(8)]
+        assert sorted(i for i, r in collect(rio, len(kept)).items() if r.ok) == kept
+    finally:
+        gate.set()
+        rio.close()
 
 
 def test_backpressure_drops_instead_of_blocking(redis_server: RedisServer, services) -> None:

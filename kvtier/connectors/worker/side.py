@@ -400,8 +400,7 @@ class WorkerSide:
             now_s = min(now_s, meta.fetches_now_s)
         for run in meta.fetches_now:
             self._fetch_run(slab, run, time.monotonic() + now_s)
-        for op in meta.uploads:
-            self._upload(slab, op)
+        self._upload(slab, meta.uploads)
 
     def _follow_weights(self, epoch: int, salt: bytes) -> None:
         """The weights changed while the engine ran (SchedulerSide.weights_changed): from
@@ -560,6 +559,7 @@ class WorkerSide:
         done, self._copied = self._copied + copier.poll(), []
         self._record_loads([r for r in done if r.kind is OpKind.LOAD])
         saved = by_op(r for r in done if r.kind is OpKind.STORE)
+        uploads: list[UploadOp] = []  # queued together: the write threads woken once
         for op in meta.stores:
             res = saved.get(op.op_id) or OpResult(op.op_id, OpKind.STORE, False)
             if res.ok and self._failed_loads.intersection(op.after_loads):
@@ -573,9 +573,10 @@ class WorkerSide:
                 self._stored_keys.pop(op.slot, None)
             if op.upload_op_id is not None:
                 if res.ok:
-                    self._upload(slab, UploadOp(op.upload_op_id, op.slot, op.block_hash))
+                    uploads.append(UploadOp(op.upload_op_id, op.slot, op.block_hash))
                 else:
                     self._results[op.upload_op_id] = [False]
+        self._upload(slab, uploads)
         for check in meta.checks:  # after the stores: their slots hold what vLLM computed
             self._check(slab, check)
 
@@ -729,24 +730,26 @@ class WorkerSide:
         for res in self.remote.submit([GetRun(gets, dtype, shape, inline_until)]):
             self._remote_result(res)
 
-    def _upload(self, slab: HostSlab, op: UploadOp) -> None:
-        self._stored_keys.pop(op.slot, None)  # on its way to the object tier
-        if self.remote is None:
-            self._results[op.op_id] = [False]
-            return
-        if not self.uploads:
-            # rank 0 writes the one copy; the op succeeds when (and only when) its does,
-            # for the scheduler settles an op once every worker's flag is in
-            self._results[op.op_id] = [True]
-            return
-        assert self.layout is not None
-        dtype, shape = self.layout.describe()
-        put = Put(
-            op.op_id, self._object_key(op.block_hash), slab.slot_memoryview(op.slot), dtype, shape
-        )
-        # backpressure: a DROPPED result, counted; the slot is released at once
-        for res in self.remote.submit([put]):
-            self._record(res)
+    def _upload(self, slab: HostSlab, ops: Sequence[UploadOp]) -> None:
+        """Queue a step's uploads together (one wake-up of the write threads)."""
+        puts = []
+        for op in ops:
+            self._stored_keys.pop(op.slot, None)  # on its way to the object tier
+            if self.remote is None:
+                self._results[op.op_id] = [False]
+            elif not self.uploads:
+                # rank 0 writes the one copy; the op succeeds when (and only when) its
+                # does, for the scheduler settles an op once every worker's flag is in
+                self._results[op.op_id] = [True]
+            else:
+                assert self.layout is not None
+                dtype, shape = self.layout.describe()
+                key = self._object_key(op.block_hash)
+                puts.append(Put(op.op_id, key, slab.slot_memoryview(op.slot), dtype, shape))
+        if self.remote is not None and puts:
+            # backpressure: a DROPPED result, counted; the slot is released at once
+            for res in self.remote.submit(puts):
+                self._record(res)
 
     def build_worker_meta(self) -> KVTierWorkerMeta:
         self._poll_remote()
