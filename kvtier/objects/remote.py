@@ -114,7 +114,8 @@ class RemoteIO:
 
     def submit(self, ops: Sequence[ObjectIO]) -> list[OpResult]:
         """Queue each :class:`~kvtier.ops.GetRun` (:meth:`submit_get_run`) and
-        :class:`~kvtier.ops.Put` (:meth:`submit_put`); returns the uploads refused now (a
+        :class:`~kvtier.ops.Put` (all of them together, :meth:`OpQueue.submit_puts`: the
+        write threads woken once); returns the uploads refused now (a
         full write queue: :data:`~kvtier.ops.DROPPED`, counted, never attempted). Every
         other result comes from :meth:`poll`."""
         puts: list[Put] = []
