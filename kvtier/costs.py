@@ -237,7 +237,6 @@ class _Run:
     last_ok: float | None = None
     ok_bytes: int = 0
     first_ok_bytes: int = 0
-    cut: bool = False  # its lookup stopped waiting (its deadline) before it was reported
 
 
 @dataclass(slots=True)
@@ -282,24 +281,18 @@ class FetchTimes:
             run.last_ok = now
         if not run.ops:
             del self._runs[rid]
-            if run.cut:
-                self._sample_cut(run, now)
-            else:
-                self._sample(run, now)
+            self._sample(run, now)
 
     def cut(self, op_ids: Sequence[int], now: float) -> None:
         """A lookup stopped waiting (its deadline) with these ops unreported: the run's
         bytes so far plus the next chunk's would have needed more than the time waited,
         a bound that pulls the throughput down (and, with no report at all, the latency was
-        at least the time waited). Its late reports, once all in, are one more sample
-        (:meth:`_sample_cut`)."""
-        self._forget_stuck(now)
+        at least the time waited); its late reports are not sampled."""
         for op_id in op_ids:
             rid = self._run_of.get(op_id)
-            run = self._runs.get(rid) if rid is not None else None
-            if run is None or run.cut:
+            run = self._runs.pop(rid, None) if rid is not None else None
+            if run is None:
                 continue
-            run.cut = True
             self.tier.stuck(run.ops)
             nxt = next(iter(run.ops.values()), 0)
             # no report yet: the latency was at least the time waited (a stalled tier is
@@ -312,25 +305,6 @@ class FetchTimes:
                 now=now,
             )
             return
-
-    def _forget_stuck(self, now: float) -> None:
-        """Cut runs older than the estimates' age whose reads never reported (stuck in
-        a backend call): nothing more will come of them."""
-        age = self.tier.latency.max_age_s
-        for rid in [r for r, run in self._runs.items() if run.cut and now - run.started > age]:
-            for op_id in self._runs.pop(rid).ops:
-                self._run_of.pop(op_id, None)
-
-    def _sample_cut(self, run: _Run, now: float) -> None:
-        """A cut run whose late chunks all reported: its bytes over its whole time, from
-        the plan on, a throughput that counts the stall or the slow link that made it late.
-        Without it, an engine whose every fetch is cut (a tier slower than its prefill)
-        would never learn the tier's throughput, and would load and cut each lookup in turn
-        on the prior."""
-        if run.last_ok is not None and run.ok_bytes > 0:
-            self.tier.observe(
-                latency_s=None, nbytes=run.ok_bytes, seconds=run.last_ok - run.started, now=now
-            )
 
     def _sample(self, run: _Run, now: float) -> None:
         assert run.first is not None

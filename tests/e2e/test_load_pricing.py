@@ -11,9 +11,8 @@ timeout); once the tier is measured, lookups are declined without a read, and ev
 output is vLLM's own whole prefill. Unthrottled, an engine loads every chunk and answers as
 vLLM's own prefix hit does; when the tier then goes silent halfway through a prompt's
 chunks, the lookup is cut at a deadline computed from the tier's measured fetch, far
-sooner than the recompute, until the cut runs (measured with their stall once their late
-chunks landed) make the tier slow and it is declined. Behaviour only: no wall-clock
-assertion (the deadline asserted is the one kvtier computed, not a time measured).
+sooner than the recompute. Behaviour only: no wall-clock assertion (the deadline asserted
+is the one kvtier computed, not a time measured).
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ WARM = [91, 92, 93]  # computed first by each reader: its prefill measured
 #: the same for the last reader (the slow one stored WARM's chunks: they would be hits)
 WARM_AGAIN = [94, 95, 96]
 SEEDS = [81, 82, 83, 84, 85, 86]
-#: at most this many lookups read the slow tier before it is measured (kvtier.costs.MIN_SAMPLES
-#: cuts; fewer once cut runs' late chunks landed), and the fast one before its latency is
+#: lookups the slow tier is read by before it is measured (kvtier.costs.MIN_SAMPLES cuts),
+#: and the fast one before its latency is
 MEASURED_AFTER = 3
 #: the stalled tier sends this much of each prompt's 2 MiB, then nothing until the lookup
 #: has been cut
@@ -71,11 +70,8 @@ def test_a_tier_slower_than_prefill_is_cut_then_declined_and_a_fast_one_loads(
     outs = slow["outs"]
     assert [o["served"] for o in outs] == [0] * len(SEEDS), brief(outs)
     assert [o["cached"] for o in outs] == [0] * len(SEEDS), brief(outs)
-    # read (the prior), each cut at its deadline: never the minute of lookup_timeout_ms;
-    # each cut's late chunks measured once landed, so two or three cuts measure the tier
-    n_cut = next((i for i, o in enumerate(outs) if o["cut"] == 0), len(outs))
-    assert 1 <= n_cut <= MEASURED_AFTER, brief(outs)
-    first, later = outs[:n_cut], outs[n_cut:]
+    first, later = outs[:MEASURED_AFTER], outs[MEASURED_AFTER:]
+    # read (the prior), each cut at its deadline: never the minute of lookup_timeout_ms
     assert all(o["reads"] > 0 and o["cut"] == 1 for o in first), brief(outs)
     assert not any(k.startswith("kvtier:errors|timeout") for k in slow["counters"]), slow
     # measured: declined whole, the tier never asked
@@ -104,15 +100,9 @@ def test_a_tier_slower_than_prefill_is_cut_then_declined_and_a_fast_one_loads(
     # the tier goes silent mid-fetch: each lookup is cut, at twice the fetch its measured
     # latency predicts (a tenth of the recompute and a few engine steps at least, the whole
     # recompute at most), never at lookup_timeout_ms; what landed first is served, vLLM
-    # computes the rest. Each cut run's late chunks land once the stall is over, measured
-    # with the stall: once those outweigh the fast runs, the tier is declined whole
-    assert outs[len(fast)]["cut"] == 1, json.dumps(brief(outs))
+    # computes the rest
     for out, cold in zip(outs[len(fast) :], ref["outs"][len(fast) :], strict=True):
-        if out["cut"] == 0:
-            assert (out["declined"], out["served"]) == (PREFIX, 0), json.dumps(brief(outs))
-            assert same(out, cold), (out, cold)  # computed whole
-            continue
-        assert out["served"] < PREFIX, json.dumps(brief(outs))
+        assert out["cut"] == 1 and out["served"] < PREFIX, json.dumps(brief(outs))
         (p,) = out["priced"]
         deadline = p["deadline_s"]
         assert deadline is not None and p["predicted_s"] is not None, brief(outs)
